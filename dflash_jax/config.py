@@ -1,0 +1,223 @@
+"""Model configurations: frozen, hashable dataclasses read from HF `config.json` files.
+
+`TargetConfig` describes a Qwen3 causal LM; `DraftConfig` a z-lab DFlash draft. Both are static
+(compile keys), so they hold only Python scalars and tuples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+__all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids"]
+
+
+class ConfigError(ValueError):
+    """A config.json that this library cannot run, with the offending field named."""
+
+
+def _rope_theta(d: Mapping[str, Any]) -> float:
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; older files have `rope_theta`.
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    for block, name in ((params, "rope_parameters"), (scaling, "rope_scaling")):
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind not in ("default", None):
+            raise ConfigError(f"{name}.rope_type={kind!r} is not supported (only default RoPE)")
+    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+
+
+def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
+    mt = d.get("model_type")
+    if mt != "qwen3":
+        raise ConfigError(f"{what}: model_type={mt!r}; only 'qwen3' is supported")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise ConfigError(f"{what}: config.json lacks {', '.join(missing)}")
+    if d.get("attention_bias"):
+        raise ConfigError(f"{what}: attention_bias=True is not supported (Qwen3 has no attention bias)")
+    if d.get("use_sliding_window"):
+        raise ConfigError(f"{what}: use_sliding_window=True is not supported")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{what}: hidden_act={act!r}; only 'silu' is supported")
+    n_heads = int(d["num_attention_heads"])
+    n_kv = int(d.get("num_key_value_heads") or n_heads)
+    if n_heads % n_kv:
+        raise ConfigError(f"{what}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    return dict(
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(d),
+        max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+    )
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A Qwen3 causal LM (the verifier)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TargetConfig":
+        return cls(**_qwen3_fields(d, "target"), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "TargetConfig":
+        return cls.from_dict(_read_json(path))
+
+    @classmethod
+    def preset(cls, name: str) -> "TargetConfig":
+        try:
+            return PRESETS[name.lower()]
+        except KeyError:
+            raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers `Qwen3Config` dict of these shapes (used to write test/benchmark checkpoints)."""
+        return dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=self.vocab_size,
+                    hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+                    num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                    max_position_embeddings=self.max_position_embeddings,
+                    tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu")
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """The z-lab default taps: round(1 + i * (L - 4) / (n - 1)); [L // 2] for a single tap."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A z-lab DFlash draft: a Qwen3-style stack without embedding or LM head of its own."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DraftConfig":
+        q = _qwen3_fields(d, "draft")
+        dcfg = d.get("dflash_config") or {}
+        mask = dcfg.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None:
+            raise ConfigError("draft: config.json lacks dflash_config.mask_token_id")
+        if "num_target_layers" not in d:
+            raise ConfigError("draft: config.json lacks num_target_layers")
+        n_target = int(d["num_target_layers"])
+        taps = dcfg.get("target_layer_ids", d.get("target_layer_ids"))
+        taps = tuple(int(t) for t in taps) if taps else default_target_layer_ids(n_target, q["num_layers"])
+        for name in ("output_multiplier", "input_embedding_scale"):
+            v = dcfg.get(name, d.get(name, 1.0))
+            if float(v) != 1.0:
+                raise ConfigError(f"draft: {name}={v} is not supported (DFlash-1 drafts use 1.0)")
+        if dcfg.get("final_logit_softcapping", d.get("final_logit_softcapping")):
+            raise ConfigError("draft: final_logit_softcapping is not supported")
+        return cls(**{k: v for k, v in q.items()}, block_size=int(d.get("block_size", dcfg.get("block_size", 16))),
+                   num_target_layers=n_target, mask_token_id=int(mask), target_layer_ids=taps)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "DraftConfig":
+        return cls.from_dict(_read_json(path))
+
+    def check_fits(self, target: TargetConfig) -> None:
+        """Refuse a draft that was not made for this target, naming the mismatch."""
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
+        if self.num_target_layers != target.num_layers:
+            problems.append(f"num_target_layers {self.num_target_layers} != target num_hidden_layers {target.num_layers}")
+        bad = [t for t in self.target_layer_ids if not 0 <= t < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {list(bad)} outside the target's {target.num_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target vocab of {target.vocab_size}")
+        if self.block_size < 1:
+            problems.append(f"block_size {self.block_size} < 1")
+        if problems:
+            raise ConfigError("draft does not fit the target: " + "; ".join(problems))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return dict(model_type="qwen3", architectures=["DFlashDraftModel"], vocab_size=self.vocab_size,
+                    hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+                    num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                    max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
+                    block_size=self.block_size, num_target_layers=self.num_target_layers,
+                    dflash_config=dict(mask_token_id=self.mask_token_id,
+                                       target_layer_ids=list(self.target_layer_ids)))
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, num_layers: int = 5, block_size: int = 16,
+                   mask_token_id: int | None = None, target_layer_ids=None) -> "DraftConfig":
+        """The z-lab draft shape for a target (benchmarks: Qwen3-8B → 5 layers, taps [1,9,17,25,33])."""
+        taps = tuple(target_layer_ids) if target_layer_ids else default_target_layer_ids(target.num_layers, num_layers)
+        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                   num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                   head_dim=target.head_dim, vocab_size=target.vocab_size, block_size=block_size,
+                   num_target_layers=target.num_layers,
+                   mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+                   target_layer_ids=taps, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                   max_position_embeddings=target.max_position_embeddings)
+
+
+# Real shapes of the public Qwen3 checkpoints (for random-weight benchmarks on machines without weights).
+PRESETS: dict[str, TargetConfig] = {
+    "qwen3-0.6b": TargetConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                               num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                               tie_word_embeddings=True),
+    "qwen3-4b": TargetConfig(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
+                             num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                             tie_word_embeddings=True),
+    "qwen3-8b": TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                             num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                             tie_word_embeddings=False),
+}

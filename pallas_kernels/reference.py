@@ -1,0 +1,33 @@
+"""The jnp oracle of the block-attention family. Every kernel is tested against this function.
+
+`block_attention(q, k_cache, v_cache, k_end)`: row t of batch b attends keys `[0, k_end[b, t])`.
+  q        [B, T, Hq, D]
+  k_cache  [B, Hkv, C, D]   (Hq is a multiple of Hkv: grouped-query attention)
+  v_cache  [B, Hkv, C, D]
+  k_end    [B, T] int32     (1 <= k_end <= C for rows whose output is used)
+  returns  [B, T, Hq, D] in q.dtype, accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None):
+    B, T, Hq, D = q.shape
+    Hkv, C = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.reshape(B, T, Hkv, G, D)
+    s = jnp.einsum("btkgd,bkcd->bkgtc", qg, k_cache, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(C)[None, None, :] < k_end[:, :, None]          # [B, T, C]
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)                                 # rows with no key: output 0
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bkgtc,bkcd->btkgd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+    l = jnp.transpose(l, (0, 3, 1, 2, 4))                                  # [B, T, Hkv, G, 1]
+    o = o / jnp.where(l > 0, l, 1.0)
+    return o.reshape(B, T, Hq, D).astype(q.dtype)
