@@ -1,0 +1,393 @@
+"""Prefill + the compiled generation loop, speculative (DFlash) and plain autoregressive.
+
+A whole generation is ONE jitted function: prefill (target cache, draft context for the prompt, first
+token), then a `lax.while_loop` whose iteration
+  (1) writes the pending context K/V into the draft cache and (2) drafts S-1 tokens from the block
+      [last token, MASK × (S-1)] (both inside the draft's layers: one weight read),
+  (3) verifies the S tokens with the target, (4) accepts the longest valid prefix plus the bonus,
+  (5) commits per row: tokens, lengths, pending context = target taps of the committed tokens,
+      stop flags (stop token, max_new_tokens, capacity) and per-iteration acceptance lengths.
+Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no draft step.
+
+Compile keys (`_Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, attention
+implementation, streaming on/off, and the model structures. Everything else (prompt lengths,
+max_new_tokens, temperature, top-k/top-p, stop ids, seed) is a traced array.
+
+Semantics match the reference `dflash_generate`: the row's length limit is prompt + max_new_tokens
+(the first token from prefill counts); near the limit the block is cut to the tokens still allowed
+(the draft block's keys end there, as the reference's shorter block would).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.experimental import io_callback
+
+from dflash_jax import sampling
+from dflash_jax.attention import resolve_impl
+from dflash_jax.cache import KVCache
+from dflash_jax.modeling.draft import DFlashDraft
+from dflash_jax.modeling.qwen3 import Qwen3
+
+__all__ = ["generate", "GenerateResult", "lower_generate", "compile_count"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    target_def: Any
+    draft_def: Any            # None: plain decoding
+    taps: tuple
+    block_size: int
+    mask_token_id: int
+    batch: int
+    prompt_bucket: int
+    capacity: int
+    mode: str
+    attention_impl: str
+    stream: bool
+
+
+@struct.dataclass
+class _Params:
+    """Traced run-time values: changing them never recompiles."""
+    prompt: jax.Array          # [B, Tb] int32
+    prompt_lens: jax.Array     # [B] int32
+    active: jax.Array          # [B] bool (False: batch padding)
+    max_new: jax.Array         # [] int32
+    temperature: jax.Array     # [] float32
+    top_k: jax.Array           # [] int32
+    top_p: jax.Array           # [] float32
+    stop_ids: jax.Array        # [K] int32, -1 padded
+    seed: jax.Array            # [] uint32
+
+
+@struct.dataclass
+class _Loop:
+    tokens: jax.Array          # [B, C + S] prompt, then generated; index `lens` holds the last token
+    lens: jax.Array            # [B] tokens in the target cache (= index of the last committed token)
+    target_cache: KVCache
+    draft_cache: Any           # KVCache or None
+    pending: Any               # [B, S, n_taps·H] taps of last iteration's committed tokens, or None
+    pending_count: jax.Array   # [B]
+    done: jax.Array            # [B] bool
+    accept_log: jax.Array      # [B, C] tokens produced per iteration
+    iters: jax.Array           # [B] iterations per row
+    step: jax.Array            # [] loop iterations
+
+
+# The compiled program streams through this one host function, so a streaming program is compiled
+# once too; generate() points it at the caller's callback for the duration of a call.
+_STREAM_SINK: list = [None]
+
+
+def _stream_to_host(commit, produced):
+    if _STREAM_SINK[0] is not None:
+        _STREAM_SINK[0](np.asarray(commit), np.asarray(produced))
+
+
+def _row_keys(seed, lens):
+    """Per-row PRNG keys that depend only on (seed, row index, row length)."""
+    base = jax.random.key(seed)
+    rows = jnp.arange(lens.shape[0], dtype=jnp.uint32)
+    return jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base, r), n))(rows, lens.astype(jnp.uint32))
+
+
+def _finished(st: _Static, lens, limit, cap_block):
+    return (lens + 1 >= limit) | (lens + cap_block > st.capacity)
+
+
+def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
+    B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
+    positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
+    tcache = target.new_cache(B, C)
+    with jax.named_scope("prefill_target"):
+        h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
+                                  attention_impl=st.attention_impl)
+    last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
+    logits = target.logits(last)[:, 0]                                                 # [B, V]
+    first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens), p.temperature, p.top_k, p.top_p, st.mode)
+    dcache = pending = None
+    if draft is not None:
+        with jax.named_scope("prefill_draft_context"):
+            dcache = draft.write_context(feats, positions, draft.new_cache(B, C))
+        pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
+    tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
+    tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
+    lens = p.prompt_lens
+    limit = p.prompt_lens + p.max_new
+    stop = jnp.any(first[:, None] == p.stop_ids[None], axis=1)
+    done = ~p.active | stop | _finished(st, lens, limit, S)
+    tcache = dataclasses.replace(tcache, lens=lens)
+    return _Loop(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
+                 pending_count=jnp.zeros((B,), jnp.int32), done=done,
+                 accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
+                 step=jnp.zeros((), jnp.int32))
+
+
+def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop:
+    B, S, C = st.batch, st.block_size, st.capacity
+    j = jnp.arange(S, dtype=jnp.int32)
+    lens = s.lens
+    limit = p.prompt_lens + p.max_new
+    remaining = limit - lens                                                    # >= 2 on active rows
+    positions = lens[:, None] + j                                               # [B, S]
+    current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
+    dcache, taps = s.draft_cache, ()
+    if draft is not None:
+        taps = st.taps
+        block = jnp.concatenate([current, jnp.full((B, S - 1), st.mask_token_id, jnp.int32)], axis=1)
+        # The reference shortens the last block to the tokens still allowed; the non-causal draft
+        # sees that as keys ending there.
+        draft_end = jnp.broadcast_to((lens + jnp.minimum(S, remaining))[:, None], (B, S))
+        pend_pos = (lens - s.pending_count)[:, None] + j
+        with jax.named_scope("draft"):
+            dh, dcache = draft(target.embed_tokens(block), positions, s.pending, pend_pos, s.draft_cache,
+                               draft_end, attention_impl=st.attention_impl)
+        with jax.named_scope("draft_lm_head"):
+            drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
+        block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
+    else:
+        block = current
+    with jax.named_scope("verify"):
+        h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
+                                  attention_impl=st.attention_impl)
+        logits = target.logits(h)                                                   # [B, S, V]
+    with jax.named_scope("accept"):
+        keys = _row_keys(p.seed, lens)
+        a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode)
+        shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+        commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
+        produced = jnp.minimum(a + 1, remaining - 1)
+        is_stop = jnp.any(commit[..., None] == p.stop_ids, axis=-1) & (j < produced[:, None])
+        produced = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, produced)
+        produced = jnp.where(s.done, 0, produced).astype(jnp.int32)
+    with jax.named_scope("commit"):
+        def put(row, start, new, n):
+            old = jax.lax.dynamic_slice(row, (start,), (S,))
+            return jax.lax.dynamic_update_slice(row, jnp.where(j < n, new, old), (start,))
+        tokens = jax.vmap(put)(s.tokens, lens + 1, commit, produced)
+        new_lens = lens + produced
+        active = ~s.done
+        accept_log = jax.vmap(lambda r, i, n, on: jnp.where(on, r.at[i].set(n), r))(
+            s.accept_log, jnp.minimum(s.iters, C - 1), produced, active)
+        done = s.done | jnp.any(is_stop, axis=1) | _finished(st, new_lens, limit, S)
+        if st.stream:
+            io_callback(_stream_to_host, None, commit, produced, ordered=True)
+    return _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
+                 draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
+                 done=done, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
+
+
+def _run(st: _Static, target_state, draft_state, p: _Params):
+    target = nnx.merge(st.target_def, target_state)
+    draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
+    s = _prefill(st, target, draft, p)
+    s = jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.step < st.capacity),
+                           lambda s: _iteration(st, target, draft, p, s), s)
+    return s.tokens, s.lens, s.accept_log, s.iters, s.step
+
+
+# ----------------------------------------------------------------------------------------- host side
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[list[int]]               # generated ids per prompt (prompt excluded, stop token included)
+    acceptance_lengths: list[list[int]]   # tokens produced per loop iteration per prompt
+    block_size: int
+    num_iterations: int                   # loop iterations (the longest row's)
+    compile_time_s: float                 # 0.0 when the program was already compiled
+    run_time_s: float                     # the one dispatch, prefill included, to results on the host
+
+    @property
+    def mean_tau(self) -> float:
+        """All tokens produced by loop iterations / all row-iterations."""
+        n = sum(len(a) for a in self.acceptance_lengths)
+        return sum(sum(a) for a in self.acceptance_lengths) / n if n else 0.0
+
+    @property
+    def tau_histogram(self) -> list[int]:
+        """Counts of iterations that produced 1 .. block_size tokens."""
+        h = [0] * self.block_size
+        for row in self.acceptance_lengths:
+            for n in row:
+                h[n - 1] += 1
+        return h
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+_COMPILED: dict = {}
+_COMPILES = [0]
+
+
+def compile_count() -> int:
+    """How many generation programs this process has compiled (tests use it to prove compile-once)."""
+    return _COMPILES[0]
+
+
+def _pow2(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _check_prompts(prompts, vocab: int):
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        p = np.asarray(p)
+        if p.ndim != 1:
+            raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {p.shape}")
+        if p.size == 0:
+            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+        if not np.issubdtype(p.dtype, np.integer):
+            raise ValueError(f"prompt {i} holds non-integer values ({p.dtype})")
+        if p.min() < 0 or p.max() >= vocab:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        out.append(p.astype(np.int32))
+    return out
+
+
+def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
+                       block_size, seed, attention_impl, capacity, stream):
+    cfg = target.config
+    sampling.validate(temperature, top_p, top_k)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    rows = _check_prompts(prompts, cfg.vocab_size)
+    if draft is not None:
+        draft.config.check_fits(cfg)
+        S = draft.config.block_size if block_size is None else block_size
+        if not isinstance(S, (int, np.integer)) or not 1 <= S <= draft.config.block_size:
+            raise ValueError(f"block_size={block_size!r} must be an integer in [1, {draft.config.block_size}] "
+                             f"(the draft was trained with block size {draft.config.block_size})")
+    else:
+        if block_size not in (None, 1):
+            raise ValueError(f"block_size={block_size} needs a draft model (plain decoding has block size 1)")
+        S = 1
+    if S == 1:
+        draft = None
+    stop = sorted({int(t) for t in (stop_token_ids or [])})
+    if any(not 0 <= t < cfg.vocab_size for t in stop):
+        raise ValueError(f"stop_token_ids {stop} has ids outside the vocabulary [0, {cfg.vocab_size})")
+    longest = max(len(r) for r in rows)
+    Tb = _pow2(longest, 16)
+    C = capacity or _round_up(Tb + int(max_new_tokens) + S, 1024)
+    if longest + 1 + S > C or Tb > C:
+        raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
+                         f"KV-cache capacity {C}; raise capacity or shorten the prompt")
+    B = _pow2(len(rows), 1)
+    prompt = np.zeros((B, Tb), np.int32)
+    lens = np.ones((B,), np.int32)
+    for i, r in enumerate(rows):
+        prompt[i, :len(r)] = r
+        lens[i] = len(r)
+    active = np.arange(B) < len(rows)
+    K = _pow2(max(1, len(stop)), 4)
+    stop_ids = np.full((K,), -1, np.int32)
+    stop_ids[:len(stop)] = stop
+    impl = resolve_impl(attention_impl)
+    mode = sampling.mode_for(temperature, top_p, top_k)
+    tdef, tstate = nnx.split(target)
+    ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
+    st = _Static(target_def=tdef, draft_def=ddef,
+                 taps=tuple(draft.config.target_layer_ids) if draft is not None else (),
+                 block_size=S, mask_token_id=draft.config.mask_token_id if draft is not None else 0,
+                 batch=B, prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream)
+    p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
+                max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
+                temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
+                top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
+                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed % (1 << 32), jnp.uint32))
+    return st, tstate, dstate, p, len(rows), lens
+
+
+def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_tokens: int = 256,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
+             block_size: int | None = None, seed: int = 0, attention_impl: str = "auto",
+             capacity: int | None = None, on_commit: Callable[[list[list[int]]], None] | None = None
+             ) -> GenerateResult:
+    """Generate from a batch of token-id prompts with one compiled program.
+
+    draft=None (or block_size=1) runs plain autoregressive decoding through the same loop. Greedy
+    output equals the target's own greedy decoding token for token; sampled output follows the
+    target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
+    (seed, i, position), so a row's output is reproducible given seed, its index and its prompt.
+    `on_commit(row_tokens)` (streaming) is called on the host once per loop iteration with the tokens
+    each row committed in it. `capacity` (KV-cache entries) defaults to the prompt bucket +
+    max_new_tokens + block, rounded up to 1024; rows stop when it is full.
+    """
+    st, tstate, dstate, p, n_rows, lens = _static_and_params(
+        target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
+        attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None)
+    compile_time = 0.0
+    fn = _COMPILED.get(st)
+    if fn is None:
+        t0 = time.perf_counter()
+        fn = jax.jit(_run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile()
+        compile_time = time.perf_counter() - t0
+        _COMPILES[0] += 1
+        _COMPILED[st] = fn
+    if on_commit is not None:
+        _STREAM_SINK[0] = lambda commit, produced: on_commit(
+            [commit[i, :produced[i]].tolist() for i in range(n_rows)])
+    try:
+        t0 = time.perf_counter()
+        tokens, out_lens, log, iters, step = jax.device_get(fn(tstate, dstate, p))
+        run_time = time.perf_counter() - t0
+    finally:
+        _STREAM_SINK[0] = None
+    return GenerateResult(
+        tokens=[tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)],
+        acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
+        block_size=st.block_size, num_iterations=int(step), compile_time_s=compile_time, run_time_s=run_time)
+
+
+def lower_generate(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
+                   max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
+                   sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
+    """Lower the whole generation program from configs alone (abstract weights: nothing allocated),
+    e.g. for ahead-of-time compilation on a TPU topology from a CPU host. Returns `jax.stages.Lowered`."""
+    from dflash_jax.weights import _dtype
+    from dflash_jax.modeling.draft import DFlashDraft as _D
+    dt = _dtype(dtype)
+    target = nnx.eval_shape(lambda: Qwen3(target_config, dt, rngs=nnx.Rngs(0)))
+    draft = nnx.eval_shape(lambda: _D(draft_config, dt, rngs=nnx.Rngs(0))) if draft_config is not None else None
+    S = 1 if draft is None else (block_size or draft_config.block_size)
+    if S == 1:
+        draft = None
+    Tb = _pow2(prompt_len, 16)
+    C = capacity or _round_up(Tb + max_new_tokens + S, 1024)
+    tdef, tstate = nnx.split(target)
+    ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
+    st = _Static(target_def=tdef, draft_def=ddef, taps=tuple(draft_config.target_layer_ids) if draft else (),
+                 block_size=S, mask_token_id=draft_config.mask_token_id if draft else 0, batch=batch,
+                 prompt_bucket=Tb, capacity=C, mode=sampling_mode, attention_impl=attention_impl, stream=False)
+    sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+
+    def abstract(x, dt_=None):
+        return jax.ShapeDtypeStruct(x.shape, dt_ or x.dtype, sharding=sharding)
+
+    tstate = jax.tree.map(abstract, tstate)
+    dstate = jax.tree.map(abstract, dstate) if dstate is not None else None
+    i32, f32 = jnp.int32, jnp.float32
+    p = _Params(prompt=abstract(jax.ShapeDtypeStruct((batch, Tb), i32)),
+                prompt_lens=abstract(jax.ShapeDtypeStruct((batch,), i32)),
+                active=abstract(jax.ShapeDtypeStruct((batch,), jnp.bool_)),
+                max_new=abstract(jax.ShapeDtypeStruct((), i32)), temperature=abstract(jax.ShapeDtypeStruct((), f32)),
+                top_k=abstract(jax.ShapeDtypeStruct((), i32)), top_p=abstract(jax.ShapeDtypeStruct((), f32)),
+                stop_ids=abstract(jax.ShapeDtypeStruct((4,), i32)), seed=abstract(jax.ShapeDtypeStruct((), jnp.uint32)))
+    return jax.jit(_run, static_argnums=(0,)).trace(st, tstate, dstate, p).lower()

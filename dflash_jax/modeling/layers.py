@@ -1,0 +1,115 @@
+"""The layers shared by the Qwen3 target and the DFlash draft: RMSNorm, RoPE, SwiGLU MLP, and a
+decoder layer whose attention writes its K/V into a fixed-capacity cache before attending.
+
+Weight layout (chosen for decode speed, see DESIGN.md "Reference numbers"):
+  - one buffer per layer (no stacked [L, ...] weights: slicing them in a loop costs 3x on GPU);
+  - q/k/v fused into one [H, (Hq + 2 Hkv) D] matrix and gate/up into one [H, 2 I] matrix, stored
+    [in, out] so activations multiply from the left without transposes.
+The draft reuses `DecoderLayer` unchanged: its context tokens go through the same fused projection
+(only their K/V are kept), so one weight read serves both the context and the block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.attention import attend
+from dflash_jax.cache import write_rows
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs | None = None):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        # As HF Qwen3RMSNorm: normalise in float32, cast back, then scale.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding, HF `rotate_half` convention. x [B, T, N, D], positions [B, T] int32."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))      # [D/2]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq                       # [B, T, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs):
+        self.gate_up = _init(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
+        self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
+
+    def __call__(self, x):
+        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
+        return (jax.nn.silu(gate) * up) @ self.down[...]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention + SwiGLU MLP, Qwen3 style (q_norm / k_norm before RoPE, GQA)."""
+
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
+        self.rope_theta = cfg.rope_theta
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.qkv = _init(rngs, (H, (cfg.num_heads + 2 * cfg.num_kv_heads) * D), dtype, H ** -0.5)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.o = _init(rngs, (cfg.num_heads * D, H), dtype, (cfg.num_heads * D) ** -0.5)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs)
+
+    def _split_heads(self, qkv):
+        B, T, _ = qkv.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[..., : Hq * D].reshape(B, T, Hq, D)
+        k = qkv[..., Hq * D: (Hq + Hkv) * D].reshape(B, T, Hkv, D)
+        v = qkv[..., (Hq + Hkv) * D:].reshape(B, T, Hkv, D)
+        return q, k, v
+
+    def context_kv(self, ctx, positions):
+        """K/V of draft context features (no layernorm: DFlash projects the context directly).
+        ctx [B, T, H] → k, v [B, T, Hkv, D] (k normed and rotated)."""
+        Hq, D = self.num_heads, self.head_dim
+        kv = ctx @ self.qkv[:, Hq * D:]
+        B, T, _ = kv.shape
+        k, v = jnp.split(kv.reshape(B, T, 2 * self.num_kv_heads, D), 2, axis=2)
+        return rope(self.k_norm(k), positions, self.rope_theta), v
+
+    def __call__(self, x, positions, k_cache, v_cache, write_start, k_end, impl: str,
+                 ctx=None, ctx_positions=None, ctx_write_start=None):
+        """x [B, T, H] at `positions` [B, T]; its K/V go to cache rows [write_start, write_start + T).
+        Draft mode: `ctx` [B, Tc, H] context features at `ctx_positions`, written at `ctx_write_start`
+        first (the block's K/V are written after them and win where they overlap).
+        Returns (x_out [B, T, H], k_cache, v_cache)."""
+        T = x.shape[1]
+        h = self.input_layernorm(x)
+        hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
+        q, k, v = self._split_heads(hin @ self.qkv[...])
+        q = rope(self.q_norm(q[:, -T:]), positions, self.rope_theta)           # [B, T, Hq, D]
+        k_pos = positions if ctx is None else jnp.concatenate([ctx_positions, positions], axis=1)
+        k = rope(self.k_norm(k), k_pos, self.rope_theta)                        # [B, Tc+T, Hkv, D]
+        if ctx is not None:
+            Tc = ctx.shape[1]
+            k_cache = write_rows(k_cache, k[:, :Tc], ctx_write_start)
+            v_cache = write_rows(v_cache, v[:, :Tc], ctx_write_start)
+            k, v = k[:, Tc:], v[:, Tc:]
+        k_cache = write_rows(k_cache, k, write_start)
+        v_cache = write_rows(v_cache, v, write_start)
+        o = attend(q, k_cache, v_cache, k_end, impl)                            # [B, T, Hq, D]
+        x = x + o.reshape(o.shape[0], T, -1) @ self.o[...]
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_cache, v_cache

@@ -1,0 +1,55 @@
+"""The Qwen3 target: one forward over (tokens, positions, KV cache, k_end) serves prefill (T = prompt
+bucket), multi-token verify (T = block size) and plain decode (T = 1). It returns the final-normed
+hidden states (the LM head is applied by the caller, only where logits are needed) and the DFlash
+taps: hidden states after the given layers (HF `hidden_states[id + 1]`), concatenated."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.cache import KVCache
+from dflash_jax.config import TargetConfig
+from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init
+
+
+class Qwen3(nnx.Module):
+    def __init__(self, config: TargetConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        H, V = config.hidden_size, config.vocab_size
+        self.embed = _init(rngs, (V, H), dtype, 1.0)                             # [V, H]
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)  # [H, V]
+
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0)                       # [B, T, H]
+
+    def logits(self, h):
+        """h [B, T, H] (final-normed) → float32 logits [B, T, V]."""
+        if self.lm_head is None:  # tied: contract with the embedding's H axis, no transpose copy
+            return jnp.einsum("bth,vh->btv", h, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("bth,hv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, positions, cache: KVCache, k_end, *, taps: tuple[int, ...] = (),
+                 attention_impl: str = "xla"):
+        """tokens, positions, k_end [B, T] int32. The new K/V are written at cache rows
+        [positions[:, 0], positions[:, 0] + T). Returns (hidden [B, T, H] final-normed,
+        taps [B, T, len(taps) * H] or None, cache with lens = positions[:, 0] + T)."""
+        x = self.embed_tokens(tokens)
+        start = positions[:, 0]
+        ks, vs, tapped = list(cache.k), list(cache.v), {}
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"target_layer{i}"):
+                x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl)
+            if i in taps:
+                tapped[i] = x
+        feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        cache = KVCache(k=tuple(ks), v=tuple(vs), lens=start + tokens.shape[1])
+        return self.norm(x), feats, cache
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype)

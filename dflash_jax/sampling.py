@@ -1,0 +1,88 @@
+"""Token selection inside the compiled loop: greedy, temperature / top-k / top-p sampling, and the
+lossless acceptance rule of speculative decoding.
+
+Sampling modes (a compile key): "greedy" (argmax), "sample" (temperature only) and "filtered"
+(temperature plus top-k and/or top-p, which needs a sort of the vocabulary). The values themselves
+(temperature, top_k, top_p) are traced scalars.
+
+Speculative acceptance with argmax drafts (q one-hot): draft token d_i is accepted with probability
+p_i(d_i) under the target's processed distribution; at the first rejection the next token is drawn
+from p_i with d_i removed and renormalised (the residual max(p - q, 0) for one-hot q); if every
+draft passes, the bonus is drawn from the last slot's p. This keeps the output distributed exactly
+as plain sampling from p (Leviathan et al. 2023, with q = δ(d)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("greedy", "sample", "filtered")
+
+
+def validate(temperature: float, top_p: float, top_k: int) -> None:
+    """Host-side checks with messages that name the bad value."""
+    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+
+
+def mode_for(temperature: float, top_p: float, top_k: int) -> str:
+    if temperature == 0 or top_k == 1:
+        return "greedy"
+    return "filtered" if (top_k > 0 or top_p < 1.0) else "sample"
+
+
+def log_probs(logits, temperature, top_k, top_p, mode: str):
+    """The processed target distribution as log-probabilities. logits [..., V] float32."""
+    scores = logits / temperature
+    if mode == "filtered":
+        V = logits.shape[-1]
+        desc = -jnp.sort(-scores, axis=-1)                                        # [..., V]
+        rank = jnp.arange(V)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+        desc = jnp.where(rank < k, desc, -jnp.inf)
+        p = jax.nn.softmax(desc, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        keep = (jnp.cumsum(p, axis=-1) - p) < top_p
+        n_keep = jnp.maximum(jnp.sum(keep & (rank < k), axis=-1, keepdims=True), 1)
+        threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
+        scores = jnp.where(scores >= threshold, scores, -jnp.inf)
+    return jax.nn.log_softmax(scores, axis=-1)
+
+
+def select(logits, key, temperature, top_k, top_p, mode: str):
+    """One token per row. logits [B, V], key [B] (per-row keys) → [B] int32."""
+    if mode == "greedy":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lp = log_probs(logits, temperature, top_k, top_p, mode)
+    return jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
+
+
+def accept(block, logits, key, temperature, top_k, top_p, mode: str):
+    """Verify a block. block [B, S] = [last token, d_1 .. d_{S-1}], logits [B, S, V] float32 (slot i
+    predicts the token after block[:, i]), key [B]. Returns (a [B] accepted drafts, next_token [B]:
+    the bonus or the correction at slot a)."""
+    B, S, V = logits.shape
+    drafts = block[:, 1:]                                                       # [B, S-1]
+    if mode == "greedy":
+        post = jnp.argmax(logits, axis=-1).astype(jnp.int32)                    # [B, S]
+        a = jnp.sum(jnp.cumprod(drafts == post[:, :-1], axis=1), axis=1).astype(jnp.int32)
+        return a, jnp.take_along_axis(post, a[:, None], axis=1)[:, 0]
+    lp = log_probs(logits, temperature, top_k, top_p, mode)                      # [B, S, V]
+    k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
+    p_draft = jnp.exp(jnp.take_along_axis(lp[:, :-1], drafts[..., None], axis=-1)[..., 0])  # [B, S-1]
+    u = jax.vmap(lambda k: jax.random.uniform(k, (S - 1,)))(k_accept)
+    a = jnp.sum(jnp.cumprod(u < p_draft, axis=1), axis=1).astype(jnp.int32)
+    row = jnp.take_along_axis(lp, a[:, None, None], axis=1)[:, 0]               # [B, V]
+    rejected = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), a[:, None], axis=1)   # [B, 1]
+    remove = (a < S - 1)[:, None] & (jnp.arange(V)[None] == rejected)
+    residual = jnp.where(remove, -jnp.inf, row)
+    # p(d) == 1 cannot be rejected, so the residual always keeps mass; guard rounding anyway.
+    residual = jnp.where(jnp.any(jnp.isfinite(residual), axis=-1, keepdims=True), residual, row)
+    return a, jax.vmap(jax.random.categorical)(k_next, residual).astype(jnp.int32)
