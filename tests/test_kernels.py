@@ -1,0 +1,288 @@
+"""Block-attention kernels against the reference oracle, on CPU.
+
+- Pallas TPU kernel in the TPU interpreter (pltpu.InterpretParams: DMAs, NaN-filled scratch).
+- Pallas GPU (Triton) kernel in the generic interpreter (interpret=True).
+- Both kernels through the real compilers: Mosaic via ahead-of-time TPU compilation (libtpu, no TPU)
+  and the Triton lowering via jax.export(platforms=["cuda"]).
+Shapes are small for the interpreters; the compile tests use the Qwen3-8B shapes.
+"""
+
+from __future__ import annotations
+
+from tests import tpu_aot  # noqa: F401  (first: sets libtpu's env before JAX initialises its backends)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_kernels
+from dflash_jax.attention import IMPLS, attend, resolve_impl
+from pallas_kernels import gpu, reference, tpu
+from tests.tpu_aot import abstract, bytes_accessed, compile_for_tpu, memory_report, requires_libtpu, tpu_device
+
+F32_ATOL = 1e-5
+BF16_RTOL = 2e-2
+
+
+def _inputs(B, T, Hq, Hkv, C, D, dtype, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (B, T, Hq, D), jnp.float32).astype(dtype)      # [B, T, Hq, D]
+    k = jax.random.normal(kk, (B, Hkv, C, D), jnp.float32).astype(dtype)     # [B, Hkv, C, D]
+    v = jax.random.normal(kv, (B, Hkv, C, D), jnp.float32).astype(dtype)     # [B, Hkv, C, D]
+    return q, k, v
+
+
+def _k_end(pattern, B, T, C, seed=0):
+    """[B, T] int32 for the named pattern; row lengths are ragged across the batch."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(T)[None, :]
+    if pattern == "verify":             # causal inside the block: len + t + 1
+        lens = rng.integers(0, C - T + 1, size=(B, 1))
+        lens[0] = C - T                 # one row ends exactly at capacity
+        e = lens + t + 1
+    elif pattern == "draft":            # non-causal: len + T for every row
+        lens = rng.integers(0, C - T + 1, size=(B, 1))
+        e = np.broadcast_to(lens + T, (B, T))
+    elif pattern == "prefill":          # causal from position 0
+        e = np.broadcast_to(t + 1, (B, T))
+    elif pattern == "ragged":           # anything: 0 (output 0), 1, capacity, mid-tile values
+        e = rng.integers(0, C + 1, size=(B, T))
+        e.flat[0] = 1
+        e.flat[-1] = C
+        if e.size > 2:
+            e.flat[1] = 0
+    elif pattern == "decode":
+        e = rng.integers(1, C + 1, size=(B, T))
+        e[0] = 1
+        e[-1] = C
+    else:
+        raise ValueError(pattern)
+    return jnp.asarray(e, jnp.int32)
+
+
+def _oracle(q, k, v, k_end):
+    """The reference on float32 copies of the inputs: exact attention of the (bf16-valued) inputs.
+
+    Also sidesteps an XLA:CPU gap: reference.py's bf16 x bf16 -> f32 "->btkgd" einsum has no CPU
+    DotThunk when B > 1 (jax 0.10.2).
+    """
+    f32 = lambda x: x.astype(jnp.float32)
+    return reference.block_attention(f32(q), f32(k), f32(v), k_end)
+
+
+def _check(out, ref, dtype):
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert out.shape == ref.shape
+    assert np.all(np.isfinite(out))
+    err = np.abs(out - ref).max()
+    if dtype == jnp.float32:
+        assert err <= F32_ATOL, f"max abs err {err:.3g} > {F32_ATOL}"
+    else:
+        rel = err / max(np.abs(ref).max(), 1e-6)
+        assert rel <= BF16_RTOL, f"max rel err {rel:.3g} > {BF16_RTOL}"
+
+
+# (B, T, Hq, Hkv, C, D, dtype, pattern, tuning): GQA 1/4/8, D 64/128/256, f32/bf16, decode T=1,
+# the verify/draft patterns, a prefill-sized T, tiles that end mid-way (block_k < the lengths).
+CASES = [
+    pytest.param(2, 1, 8, 2, 256, 128, jnp.float32, "decode", {}, id="decode-g4-f32"),
+    pytest.param(3, 1, 8, 1, 384, 64, jnp.bfloat16, "decode", {}, id="decode-g8-d64-bf16"),
+    pytest.param(2, 16, 8, 2, 512, 128, jnp.float32, "verify", dict(block_k=128), id="verify-g4-f32"),
+    pytest.param(2, 16, 8, 2, 512, 128, jnp.bfloat16, "verify", {}, id="verify-g4-bf16"),
+    pytest.param(2, 16, 8, 1, 256, 64, jnp.float32, "draft", dict(block_k=128), id="draft-g8-d64-f32"),
+    pytest.param(2, 16, 4, 1, 256, 256, jnp.bfloat16, "draft", {}, id="draft-g4-d256-bf16"),
+    pytest.param(2, 8, 2, 2, 256, 256, jnp.float32, "ragged", dict(block_k=128), id="ragged-g1-d256-f32"),
+    pytest.param(2, 8, 4, 1, 128, 128, jnp.bfloat16, "ragged", {}, id="ragged-g4-bf16"),
+    pytest.param(1, 8, 4, 4, 96, 64, jnp.float32, "ragged", {}, id="ragged-g1-cap96-f32"),
+    pytest.param(1, 128, 4, 1, 256, 128, jnp.float32, "prefill", dict(block_q=128, block_k=128),
+                 id="prefill-g4-f32"),
+    pytest.param(1, 128, 2, 2, 128, 64, jnp.bfloat16, "prefill", dict(block_q=64), id="prefill-g1-bf16"),
+]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning", CASES)
+def test_tpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
+    k_end = _k_end(pattern, B, T, C)
+    out = tpu.block_attention(q, k, v, k_end, interpret=pltpu.InterpretParams(), **tuning)
+    _check(out, _oracle(q, k, v, k_end), dtype)
+
+
+def _gpu_tuning(tuning, T, Hq, Hkv):
+    # Row tiles on GPU are powers of two >= 16; keep the case's intent (several row/KV tiles).
+    t = {}
+    if "block_k" in tuning:
+        t["block_k"] = 64
+    if "block_q" in tuning:
+        t["block_q"] = 32
+    return t
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning", CASES)
+def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
+    k_end = _k_end(pattern, B, T, C)
+    out = gpu.block_attention(q, k, v, k_end, interpret=True, **_gpu_tuning(tuning, T, Hq, Hkv))
+    _check(out, _oracle(q, k, v, k_end), dtype)
+
+
+@pytest.mark.parametrize("kv_splits", [2, 5])
+@pytest.mark.parametrize("pattern", ["verify", "ragged"])
+def test_gpu_kernel_kv_splits(kv_splits, pattern):
+    """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends."""
+    B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
+    k_end = _k_end(pattern, B, T, C, seed=1)
+    out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32)
+    _check(out, _oracle(q, k, v, k_end), jnp.float32)
+
+
+def test_gpu_default_config_splits_small_batch():
+    cfg = gpu.default_config(R=64, C=32768, D=128, B=1, Hkv=8)
+    assert cfg["kv_splits"] > 1                     # 8 programs cannot fill 132 SMs
+    cfg = gpu.default_config(R=64, C=32768, D=128, B=32, Hkv=8)
+    assert cfg["kv_splits"] == 1                    # 256 programs already do
+
+
+def test_xla_path_chunks_queries():
+    B, T, Hq, Hkv, C, D = 1, 100, 4, 2, 128, 64
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32)
+    k_end = _k_end("prefill", B, T, C)
+    ref = _oracle(q, k, v, k_end)
+    _check(pallas_kernels.xla_block_attention(q, k, v, k_end, q_tile=32), ref, jnp.float32)
+    # A 32k x 32k prefill must not build T x C scores: the traced program stays small.
+    big_q = jax.ShapeDtypeStruct((1, 32768, 32, 128), jnp.bfloat16)
+    big_kv = jax.ShapeDtypeStruct((1, 8, 32768, 128), jnp.bfloat16)
+    big_e = jax.ShapeDtypeStruct((1, 32768), jnp.int32)
+    jaxpr = jax.make_jaxpr(pallas_kernels.xla_block_attention)(big_q, big_kv, big_kv, big_e)
+    largest = max(int(np.prod(v.aval.shape)) for eqn in jaxpr.eqns for v in eqn.outvars
+                  if hasattr(v.aval, "shape"))
+    assert largest <= 1 << 27, largest
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "auto", "pallas_tpu", "pallas_gpu"])
+def test_attend_dispatch(impl):
+    q, k, v = _inputs(2, 16, 8, 2, 256, 128, jnp.float32)
+    k_end = _k_end("verify", 2, 16, 256)
+    ref = _oracle(q, k, v, k_end)
+    if impl in ("pallas_tpu", "pallas_gpu"):
+        # Forced kernels are for AOT/export from a CPU host; on CPU they must refuse to run
+        # (Pallas: "Only interpret mode is supported on CPU backend") rather than silently differ.
+        with pytest.raises(Exception):
+            jax.block_until_ready(attend(q, k, v, k_end, impl))
+        return
+    out = jax.jit(attend, static_argnums=4)(q, k, v, k_end, impl)
+    _check(out, ref, jnp.float32)
+
+
+def test_resolve_impl_on_cpu():
+    assert set(IMPLS) == {"auto", "xla", "pallas", "pallas_tpu", "pallas_gpu"}
+    assert resolve_impl("auto") == "xla"
+    assert resolve_impl("pallas") == "pallas_interpret"
+    assert resolve_impl("pallas_tpu") == "pallas_tpu"
+    with pytest.raises(ValueError, match="attention_impl"):
+        resolve_impl("flash")
+
+
+def test_unsupported_shapes_fall_back():
+    # head_dim 96 tiles on neither kernel; capacity 1100 is not a multiple of 128 and too big
+    # for a single block: both go to the XLA path and still match the oracle.
+    for (C, D) in [(128, 96), (1100, 64)]:
+        q, k, v = _inputs(1, 4, 4, 2, C, D, jnp.float32)
+        k_end = _k_end("ragged", 1, 4, C)
+        ref = _oracle(q, k, v, k_end)
+        for impl in ("tpu", "gpu"):
+            out = pallas_kernels.block_attention(q, k, v, k_end, impl=impl, interpret=True)
+            _check(out, ref, jnp.float32)
+        with pytest.raises(tpu.Unsupported):
+            tpu.block_attention(q, k, v, k_end, interpret=True)
+
+
+def test_bad_shapes_raise():
+    q, k, v = _inputs(1, 4, 6, 4, 128, 64, jnp.float32)       # 6 q heads over 4 kv heads
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        pallas_kernels.block_attention(q, k, v, jnp.ones((1, 4), jnp.int32), impl="xla")
+    q, k, v = _inputs(1, 4, 8, 4, 128, 64, jnp.float32)
+    with pytest.raises(ValueError, match="k_end"):
+        pallas_kernels.block_attention(q, k, v, jnp.ones((1, 5), jnp.int32), impl="tpu")
+    with pytest.raises(ValueError, match="differ"):
+        pallas_kernels.block_attention(q, k, v[:, :, :64], jnp.ones((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="impl"):
+        pallas_kernels.block_attention(q, k, v, jnp.ones((1, 4), jnp.int32), impl="cuda")
+
+
+# ---- the real compilers ---------------------------------------------------------------------
+
+# Qwen3-8B attention: 32 q heads, 8 kv heads, head_dim 128, block S = 16.
+QWEN3_8B = dict(Hq=32, Hkv=8, D=128)
+AOT_SHAPES = [
+    # (name, B, T, C, dtype, D)
+    ("decode", 8, 1, 8192, jnp.bfloat16, 128),
+    ("verify", 4, 16, 32768, jnp.bfloat16, 128),
+    ("draft", 1, 16, 8192, jnp.bfloat16, 128),
+    ("prefill", 1, 4096, 8192, jnp.bfloat16, 128),
+    ("verify-f32", 2, 16, 4096, jnp.float32, 128),
+    ("draft-d64", 2, 16, 4096, jnp.bfloat16, 64),
+    ("verify-d256-f32", 2, 16, 2048, jnp.float32, 256),
+]
+
+
+@requires_libtpu
+@pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
+def test_tpu_kernel_compiles_for_tpu(topology, capsys):
+    dev = tpu_device(topology)
+    Hq, Hkv = QWEN3_8B["Hq"], QWEN3_8B["Hkv"]
+    reports = []
+    for name, B, T, C, dtype, D in AOT_SHAPES:
+        args = (abstract((B, T, Hq, D), dtype, dev), abstract((B, Hkv, C, D), dtype, dev),
+                abstract((B, Hkv, C, D), dtype, dev), abstract((B, T), jnp.int32, dev))
+        compiled = compile_for_tpu(lambda q, k, v, e: tpu.block_attention(q, k, v, e), *args)
+        assert "tpu_custom_call" in compiled.as_text()          # the Mosaic kernel, not a fallback
+        mem = memory_report(compiled)
+        kv_bytes = 2 * B * Hkv * C * D * jnp.dtype(dtype).itemsize
+        # The kernel needs no HBM temporaries of cache size (no T x C scores, no K/V copies).
+        assert mem["temp_size_in_bytes"] < kv_bytes // 4 + (1 << 20), (name, mem)
+        reports.append((name, mem, bytes_accessed(compiled)))
+    with capsys.disabled():
+        for name, mem, ba in reports:
+            print(f"\n[{topology}] {name}: {mem} bytes_accessed={ba}", end="")
+
+
+@requires_libtpu
+def test_attend_pallas_tpu_compiles_for_tpu():
+    """The dispatch the models call, forced to the TPU kernel from this CPU host."""
+    dev = tpu_device("v5e:2x2")
+    args = (abstract((2, 16, 32, 128), jnp.bfloat16, dev), abstract((2, 8, 4096, 128), jnp.bfloat16, dev),
+            abstract((2, 8, 4096, 128), jnp.bfloat16, dev), abstract((2, 16), jnp.int32, dev))
+    compiled = compile_for_tpu(lambda q, k, v, e: attend(q, k, v, e, "pallas_tpu"), *args)
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+def _export_cuda(f, *shapes):
+    from jax import export
+    return export.export(
+        jax.jit(f), platforms=["cuda"],
+        # Triton custom calls carry no serialisation-compatibility guarantee; we only lower here.
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*shapes)
+
+
+@pytest.mark.parametrize("name,B,T,C,dtype,D", AOT_SHAPES)
+def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
+    Hq, Hkv = QWEN3_8B["Hq"], QWEN3_8B["Hkv"]
+    S = jax.ShapeDtypeStruct
+    exp = _export_cuda(lambda q, k, v, e: attend(q, k, v, e, "pallas_gpu"),
+                       S((B, T, Hq, D), dtype), S((B, Hkv, C, D), dtype), S((B, Hkv, C, D), dtype),
+                       S((B, T), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+def test_xla_path_bf16_batched():
+    """The XLA path runs bf16 with B > 1 on CPU (see pallas_kernels._xla_dense) and matches."""
+    q, k, v = _inputs(2, 16, 8, 2, 256, 64, jnp.bfloat16)
+    k_end = _k_end("verify", 2, 16, 256)
+    _check(jax.jit(attend, static_argnums=4)(q, k, v, k_end, "xla"), _oracle(q, k, v, k_end),
+           jnp.bfloat16)
