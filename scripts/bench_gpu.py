@@ -1,0 +1,1194 @@
+#!/usr/bin/env python
+"""GPU benchmark of dflash-jax: every number of the H200 report in ONE device call (< 8 min).
+
+    python scripts/bench_gpu.py                     # the full run (H200; about 6-8 minutes)
+    python scripts/bench_gpu.py --smoke             # tiny shapes on CPU: proves every section runs
+    python scripts/bench_gpu.py --sections floors,b1,profile
+    python scripts/bench_gpu.py --out DIR           # JSON + trace go to DIR (default: $OUT if set)
+
+Sections, in run order (a section that fails prints its error and the rest go on; a section that
+would not fit the time budget is skipped and named at the end, so `--sections` can rerun it):
+
+  reference  the PyTorch reference (dflash 0.1.0 `dflash_generate` + transformers) at the same shapes,
+             random bf16 weights, prompt 512, block 16 and block 1: ms per iteration. It runs FIRST
+             and in a SUBPROCESS, before this process lets JAX touch the GPU, so JAX's preallocation
+             cannot starve torch and torch's memory is gone (process exit) when JAX starts.
+  floors     device copy bandwidth (bytes read + written), XLA bf16 GEMV bandwidth, bf16 GEMM rate;
+             then the byte floors from the parameter bytes of the models actually built.
+  b1         batch 1, prompt 512: DFlash ms per iteration and plain ms per token vs their floors.
+  compile    compile time of the whole generation, and a second call in the same bucket (other
+             prompt length / max_new_tokens) that must not compile (compile_time_s == 0).
+  sampling   DFlash iteration time at T=1 (and T=1, top-p 0.95, top-k 20) vs greedy.
+  profile    jax.profiler trace of two short B=1 generations; per-kernel device time per loop
+             iteration from the difference of the two traces (prefill cancels). Trace saved.
+  batch      DFlash at B 8, 32, 64 and plain at B 8, 32, 64; batch-scaling table, projected
+             speed-up at the paper's tau, and where DFlash stops paying.
+  longctx    prompt 32k, B=1: DFlash ms per iteration with attention "pallas" and "xla" vs the floor
+             (weights + KV bytes at 32k).
+
+How a loop iteration is timed: `generate` is one dispatch (prefill + while_loop), so the time of one
+iteration is a difference: the same compiled program (same `capacity=`) runs max_new_tokens=N1 and
+N2, and ms/iter = (median t2 - median t1) / (iters2 - iters1). Random weights make the draft accept
+~nothing, so iterations ~ new tokens; iteration time does not depend on acceptance (fixed shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+T0 = time.perf_counter()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # `python scripts/bench_gpu.py` from anywhere finds dflash_jax
+ALL_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
+PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
+GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "sampling_overhead": 0.05,
+         "speedup_vs_ref": 20.0}
+MASK_ID = 151669
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *a, flush=True)
+
+
+def short_err(e: BaseException, n: int = 400) -> str:
+    s = f"{type(e).__name__}: {e}"
+    s = s.replace("\n", " | ")
+    return s if len(s) <= n else s[:n] + " ..."
+
+
+def median(xs):
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def fmt(x, nd=2):
+    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings
+# ----------------------------------------------------------------------------------------------
+
+class Settings:
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        if smoke:
+            self.prompt = 32
+            self.n1, self.n2 = 4, 12            # new tokens of the two timed runs (B=1 .. 64)
+            self.reps = 2
+            self.batches_dflash = (1, 2, 4)
+            self.batches_plain = (1, 2, 4)
+            self.long_prompt = 256
+            self.long_n1, self.long_n2 = 4, 12
+            self.block = 8
+            self.copy_bytes = 1 << 24
+            self.gemv_n = 1024
+            self.gemm_n = 256
+            self.ref_new = 8
+            self.prof_n1, self.prof_n2 = 3, 7
+            self.same_bucket_prompt, self.same_bucket_new = 30, 6
+        else:
+            self.prompt = 512
+            self.n1, self.n2 = 64, 256
+            self.reps = 3
+            self.batches_dflash = (1, 8, 32, 64)
+            self.batches_plain = (1, 8, 32, 64)
+            self.long_prompt = 32768
+            self.long_n1, self.long_n2 = 16, 112
+            self.block = 16
+            self.copy_bytes = 1 << 31           # 2 GiB (x + 1 on bf16: 2 GiB read + 2 GiB written)
+            self.gemv_n = 16384                 # 512 MiB weight: far past the 50 MB L2
+            self.gemm_n = 8192
+            self.ref_new = 128
+            self.prof_n1, self.prof_n2 = 8, 40
+            self.same_bucket_prompt, self.same_bucket_new = 500, 100
+
+    def target_config(self):
+        from dflash_jax import TargetConfig
+        if self.smoke:
+            return TargetConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=8,
+                                num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e6)
+        return TargetConfig.preset("qwen3-8b")
+
+    def draft_config(self, tcfg):
+        from dflash_jax import DraftConfig
+        if self.smoke:
+            return DraftConfig.for_target(tcfg, num_layers=2, block_size=self.block,
+                                          mask_token_id=tcfg.vocab_size - 1)
+        return DraftConfig.for_target(tcfg, num_layers=5, block_size=self.block, mask_token_id=MASK_ID,
+                                      target_layer_ids=(1, 9, 17, 25, 33))
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference (PyTorch), in a child process
+# ----------------------------------------------------------------------------------------------
+
+def reference_child(out_path: str, smoke: bool, n_new: int, prompt: int) -> None:
+    """Times dflash 0.1.0's `dflash_generate` as /work/shared/tools/reference_on_gpu.py does."""
+    import torch
+    import dflash.model as dm
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    res = {"torch": torch.__version__}
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if not cuda:  # the reference synchronises CUDA in its timer
+        dm._cuda_time = time.perf_counter
+    res["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
+    if smoke:
+        common = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+                      max_position_embeddings=40960, tie_word_embeddings=False)
+        n_target, n_draft, taps, mask, block = 8, 2, [1, 5], 1023, 8
+    else:
+        common = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                      max_position_embeddings=40960, tie_word_embeddings=False)
+        n_target, n_draft, taps, mask, block = 36, 5, [1, 9, 17, 25, 33], MASK_ID, 16
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    t = time.perf_counter()
+    with torch.device(dev):
+        target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=n_target, **common)).eval()
+        dcfg = Qwen3Config(num_hidden_layers=n_draft, **common)
+        dcfg.num_target_layers = n_target
+        dcfg.block_size = block
+        dcfg.dflash_config = {"mask_token_id": mask, "target_layer_ids": taps}
+        draft = dm.DFlashDraftModel(dcfg).eval()
+    res["init_s"] = time.perf_counter() - t
+    res["target_params_B"] = sum(p.numel() for p in target.parameters()) / 1e9
+    res["draft_params_B"] = sum(p.numel() for p in draft.parameters()) / 1e9
+    ids = torch.randint(0, common["vocab_size"] - 2, (1, prompt), device=dev)
+    for bs in (block, 1):
+        dm.dflash_generate(draft, target, ids, 16, None, block_size=bs)  # warm-up
+        r = dm.dflash_generate(draft, target, ids, n_new, None, block_size=bs, return_stats=True)
+        iters = len(r.acceptance_lengths)
+        decode_s = r.time_per_output_token * r.num_output_tokens  # prefill excluded by the reference
+        res[f"block{bs}_ms_per_iter"] = 1000 * decode_s / iters
+        res[f"block{bs}_mean_produced"] = sum(r.acceptance_lengths) / iters
+        res[f"block{bs}_iters"] = iters
+        res[f"block{bs}_ttft_ms"] = 1000 * r.time_to_first_token
+        print(f"  reference block {bs}: {res[f'block{bs}_ms_per_iter']:.2f} ms/iter over {iters} iters, "
+              f"mean produced {res[f'block{bs}_mean_produced']:.2f}", flush=True)
+    res["block_size"] = block
+    if cuda:
+        res["max_mem_GB"] = torch.cuda.max_memory_allocated() / 1e9
+    del target, draft
+    if cuda:
+        torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+# ----------------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.s = Settings(args.smoke)
+        self.out_dir = args.out
+        self.R = {"settings": {k: v for k, v in vars(self.s).items()}, "sections": {}, "errors": {},
+                  "skipped": [], "compile_s": {}, "curves": {}}
+        self.budget = args.budget_s
+        self.compile_est = 60.0 if not args.smoke else 10.0   # updated after the first compile
+        self.models = None
+        self.floor_params = None
+        self.bw = None        # copy bandwidth (bytes/s) for floors
+        self.gemm_rate = None  # FLOP/s
+
+    # -- bookkeeping --
+    def elapsed(self):
+        return time.perf_counter() - T0
+
+    def fits(self, what: str, est_s: float) -> bool:
+        left = self.budget - self.elapsed()
+        if est_s > left:
+            log(f"SKIP {what}: needs ~{est_s:.0f}s, {left:.0f}s of the budget left")
+            self.R["skipped"].append(what)
+            return False
+        return True
+
+    def save(self):
+        if not self.out_dir:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.R["elapsed_s"] = self.elapsed()
+        with open(os.path.join(self.out_dir, "bench_gpu.json"), "w") as f:
+            json.dump(self.R, f, indent=1, default=str)
+
+    # -- models --
+    def build(self):
+        if self.models is not None:
+            return self.models
+        import jax
+        from dflash_jax import init_target, init_draft
+        s = self.s
+        tcfg = s.target_config()
+        dcfg = s.draft_config(tcfg)
+        t = time.perf_counter()
+        target = init_target(tcfg, seed=0, dtype="bfloat16")
+        draft = init_draft(dcfg, seed=0, dtype="bfloat16")
+        jax.block_until_ready(jax.tree.leaves(_params(target)) + jax.tree.leaves(_params(draft)))
+        log(f"models built in {time.perf_counter() - t:.1f}s on {jax.devices()[0]}")
+        self.models = (target, draft, tcfg, dcfg)
+        self.floor_params = model_bytes(target, draft, tcfg, dcfg)
+        self.R["model_bytes"] = self.floor_params
+        fp = self.floor_params
+        log(f"target {fp['target_total_GB']:.3f} GB (read per step {fp['target_read_GB']:.3f} GB, embedding "
+            f"{fp['embed_GB']:.3f} GB, LM head {fp['lm_head_GB']:.3f} GB); draft {fp['draft_GB']:.3f} GB; "
+            f"KV/token target {fp['kv_target_per_token']} B, draft {fp['kv_draft_per_token']} B")
+        return self.models
+
+    def prompts(self, batch: int, length: int, seed: int = 0):
+        import numpy as np
+        tcfg = self.build()[2]
+        rng = np.random.default_rng(seed)
+        return rng.integers(0, min(tcfg.vocab_size - 2, 150000), size=(batch, length)).tolist()
+
+    def capacity(self, prompt_len: int, n_new: int) -> int:
+        # a multiple of 512 keeps every Pallas tiling happy; the same capacity for N1 and N2 runs
+        return round_up(prompt_len + n_new + 2 * self.s.block + 8, 512)
+
+    def gen(self, draft, prompts, n_new, capacity, **kw):
+        from dflash_jax import generate
+        target = self.models[0]
+        kw.setdefault("temperature", 0.0)
+        kw.setdefault("block_size", self.s.block if draft is not None else None)
+        try:
+            return generate(target, draft, prompts, max_new_tokens=n_new, capacity=capacity,
+                            stop_token_ids=None, seed=0, **kw)
+        except TypeError as e:
+            if "capacity" not in str(e):
+                raise
+            log("generate() takes no capacity=: timing without it (N1/N2 may compile apart)")
+            return generate(target, draft, prompts, max_new_tokens=n_new, stop_token_ids=None, seed=0, **kw)
+
+    def time_loop(self, key: str, *, dflash: bool, batch: int, prompt_len: int, n1: int, n2: int,
+                  reps: int | None = None, **kw) -> dict:
+        """ms per loop iteration by the N1/N2 difference, on one compiled program."""
+        target, draft, tcfg, dcfg = self.build()
+        d = draft if dflash else None
+        reps = reps or self.s.reps
+        prompts = self.prompts(batch, prompt_len)
+        cap = self.capacity(prompt_len, n2)
+        t = time.perf_counter()
+        r0 = self.gen(d, prompts, n1, cap, **kw)
+        first_wall = time.perf_counter() - t
+        comp = float(getattr(r0, "compile_time_s", float("nan")) or 0.0)
+        pre = self.R.get("precompile_s", {}).get(key)
+        if comp == 0.0 and pre:
+            comp = pre  # compiled ahead (see precompile); generate found it cached
+        self.R["compile_s"][key] = {"compile_time_s": comp, "first_call_wall_s": first_wall,
+                                    "precompiled": pre is not None}
+        if comp > 0:
+            self.compile_est = max(self.compile_est * 0.5, comp * 1.1)
+        t1, t2, i1, i2, taus = [], [], [], [], []
+        for _ in range(reps):
+            for n, ts, its in ((n1, t1, i1), (n2, t2, i2)):
+                r = self.gen(d, prompts, n, cap, **kw)
+                c = float(getattr(r, "compile_time_s", 0.0) or 0.0)
+                if c > 0:
+                    log(f"  note: {key} N={n} compiled again ({c:.1f}s): capacity not honoured?")
+                ts.append(float(r.run_time_s))
+                its.append(_iters(r))
+                if n == n2:
+                    taus.append(float(getattr(r, "mean_tau", float("nan"))))
+        mt1, mt2, mi1, mi2 = median(t1), median(t2), median(i1), median(i2)
+        ms = 1000 * (mt2 - mt1) / (mi2 - mi1) if mi2 > mi1 else float("nan")
+        out = dict(batch=batch, prompt=prompt_len, capacity=cap, n1=n1, n2=n2, t1_s=t1, t2_s=t2,
+                   iters1=i1, iters2=i2, ms_per_iter=ms, compile_time_s=comp, first_call_wall_s=first_wall,
+                   prefill_est_ms=1000 * mt1 - ms * mi1 if ms == ms else float("nan"),
+                   mean_tau=median(taus), ctx_mean=prompt_len + (n1 + n2) / 2, **{k: v for k, v in kw.items()})
+        log(f"  {key}: {fmt(ms, 3)} ms/iter (iters {mi1:.0f}->{mi2:.0f}, t {mt1:.3f}->{mt2:.3f}s, "
+            f"compile {comp:.1f}s, tau {out['mean_tau']:.2f}, prefill~{fmt(out['prefill_est_ms'], 1)} ms)")
+        return out
+
+    def loop_cost_est(self, batch, prompt_len, n1, n2, ms_guess):
+        runs = (1 + 2 * self.s.reps) * 0.5 * (n1 + n2) * ms_guess / 1000
+        return self.compile_est + runs + 5
+
+    # -- sections --
+    def start_reference(self):
+        """Start the PyTorch reference in a child process (it runs while this process compiles)."""
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        cmd = [sys.executable, os.path.abspath(__file__), "--_reference-child", path,
+               "--_ref-new", str(self.s.ref_new), "--_ref-prompt", str(self.s.prompt)]
+        if self.s.smoke:
+            cmd.append("--smoke")
+        log("reference: starting " + " ".join(cmd[1:]))
+        errf = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=errf, text=True)
+        return (proc, path, errf, time.perf_counter())
+
+    def finish_reference(self, handle):
+        proc, path, errf, t0 = handle
+        timeout = max(30.0, min(300.0, self.budget - self.elapsed() - 60))
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"reference child killed after {time.perf_counter() - t0:.0f}s (timeout)")
+        if rc != 0:
+            errf.seek(0)
+            raise RuntimeError(f"reference child rc={rc}: {errf.read()[-1500:]}")
+        with open(path) as f:
+            ref = json.load(f)
+        os.unlink(path)
+        ref["wall_s"] = time.perf_counter() - t0
+        self.R["sections"]["reference"] = ref
+        blk = ref["block_size"]
+        log(f"reference: block {blk} {ref['block%d_ms_per_iter' % blk]:.2f} ms/iter, "
+            f"block 1 {ref['block1_ms_per_iter']:.2f} ms/iter ({ref['wall_s']:.0f}s)")
+
+    # -- compile ahead, in threads (XLA compiles release the GIL; the device is idle meanwhile) --
+    def planned(self, sections) -> list:
+        """(key, dflash, batch, prompt_len, n2, kw) of every timed program, in run order."""
+        s = self.s
+        plan = []
+        if "b1" in sections or "compile" in sections or "profile" in sections:
+            plan += [("dflash_b1", True, 1, s.prompt, s.n2, {}), ("plain_b1", False, 1, s.prompt, s.n2, {})]
+        if "sampling" in sections:
+            plan += [("dflash_b1_t1", True, 1, s.prompt, s.n2, dict(temperature=1.0, top_p=1.0, top_k=0)),
+                     ("dflash_b1_t1_p095_k20", True, 1, s.prompt, s.n2, dict(temperature=1.0, top_p=0.95, top_k=20))]
+        if "batch" in sections:
+            for kind, b in self.batch_order():
+                plan.append((f"{kind}_b{b}", kind == "dflash", b, s.prompt, s.n2, {}))
+        if "longctx" in sections:
+            for impl in ("pallas", "xla"):
+                plan.append((f"dflash_long_{impl}", True, 1, s.long_prompt, s.long_n2, dict(attention_impl=impl)))
+        return plan
+
+    def _static(self, dflash, batch, prompt_len, n2, kw):
+        from dflash_jax import decode
+        target, draft = self.models[0], self.models[1]
+        kw = dict(kw)
+        kw.setdefault("temperature", 0.0)
+        kw.setdefault("top_p", 1.0)
+        kw.setdefault("top_k", 0)
+        kw.setdefault("attention_impl", "auto")
+        return decode._static_and_params(
+            target, draft if dflash else None, self.prompts(batch, prompt_len), max_new_tokens=n2,
+            stop_token_ids=None, block_size=self.s.block if dflash else None, seed=0,
+            capacity=self.capacity(prompt_len, n2), stream=False, **kw)
+
+    def precompile(self, sections, workers: int):
+        """Compile every planned program into the library's cache before timing anything.
+
+        The first (DFlash B=1) alone, so its compile time is clean; the rest in a thread pool."""
+        import concurrent.futures as cf
+        import jax
+        from dflash_jax import decode
+        self.build()
+        plan = self.planned(sections)
+        if not plan:
+            return
+
+        def one(item):
+            key, dfl, b, pl, n2, kw = item
+            t = time.perf_counter()
+            st, tstate, dstate, p, _, _ = self._static(dfl, b, pl, n2, kw)
+            if st in decode._COMPILED:
+                return key, 0.0
+            fn = jax.jit(decode._run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile()
+            decode._COMPILED[st] = fn
+            return key, time.perf_counter() - t
+
+        res = {}
+        t0 = time.perf_counter()
+        first, rest = plan[0], plan[1:]
+        try:
+            k, dt = one(first)
+            res[k] = dt
+            self.compile_est = dt
+            log(f"precompile: {k} {dt:.1f}s (alone)")
+        except Exception as e:
+            self.err(f"precompile_{first[0]}", e)
+        with cf.ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+            futs = {ex.submit(one, it): it[0] for it in rest}
+            for f in cf.as_completed(futs):
+                try:
+                    k, dt = f.result()
+                    res[k] = dt
+                    log(f"precompile: {k} {dt:.1f}s ({workers} in parallel)")
+                except Exception as e:
+                    self.err(f"precompile_{futs[f]}", e)
+        self.R["precompile_s"] = res
+        self.R["precompile_wall_s"] = time.perf_counter() - t0
+        self.compile_est = 1.0   # what is left to compile was either done or failed
+        log(f"precompile: {len(res)} programs in {time.perf_counter() - t0:.1f}s")
+
+    def sec_floors(self):
+        import jax
+        import jax.numpy as jnp
+        s = self.s
+        res = {"devices": str(jax.devices()), "backend": jax.default_backend()}
+        # copy: y = x + 1 on bf16 reads and writes every byte once
+        n = s.copy_bytes // 2
+        x = jnp.ones((n,), jnp.bfloat16)
+        f = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
+        dt = _bench(lambda: f(x), inner=20)
+        res["copy_TBps"] = 2 * x.nbytes / dt / 1e12
+        del x
+        log(f"floors: copy {res['copy_TBps']:.3f} TB/s ({2 * s.copy_bytes / 2**30:.1f} GiB moved per op)")
+        # GEMV: a bf16 weight read once per product
+        k = s.gemv_n
+        W = jax.random.normal(jax.random.key(0), (k, k), jnp.bfloat16)
+        for b in (1, 16, 64):
+            v = jax.random.normal(jax.random.key(b), (b, k), jnp.bfloat16)
+            g = jax.jit(lambda v, W: v @ W)
+            dt = _bench(lambda: g(v, W), inner=20)
+            res[f"gemv_b{b}_TBps"] = W.nbytes / dt / 1e12
+        del W
+        log("floors: GEMV " + ", ".join(f"B={b} {res[f'gemv_b{b}_TBps']:.3f} TB/s" for b in (1, 16, 64)))
+        m = s.gemm_n
+        A = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+        Bm = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+        g = jax.jit(lambda a, b: a @ b)
+        dt = _bench(lambda: g(A, Bm), inner=10)
+        res["gemm_TFLOPs"] = 2 * m**3 / dt / 1e12
+        del A, Bm
+        log(f"floors: GEMM {m}^3 bf16 {res['gemm_TFLOPs']:.1f} TFLOP/s")
+        self.bw = res["copy_TBps"] * 1e12
+        self.gemm_rate = res["gemm_TFLOPs"] * 1e12
+        self.R["sections"]["floors"] = res
+        self.save()
+        self.build()
+        fp = self.floor_params
+        res["plain_floor_ms_b1_short"] = 1000 * self.floor(False, 1, s.prompt + (s.n1 + s.n2) / 2)["floor_s"]
+        res["dflash_floor_ms_b1_short"] = 1000 * self.floor(True, 1, s.prompt + (s.n1 + s.n2) / 2)["floor_s"]
+        res["dflash_floor_ms_b1_long"] = 1000 * self.floor(True, 1, s.long_prompt + (s.long_n1 + s.long_n2) / 2)["floor_s"]
+        log(f"floors: plain step {res['plain_floor_ms_b1_short']:.3f} ms, DFlash iteration "
+            f"{res['dflash_floor_ms_b1_short']:.3f} ms (B=1, prompt {s.prompt}); DFlash at {s.long_prompt}: "
+            f"{res['dflash_floor_ms_b1_long']:.3f} ms")
+
+    def ensure_rates(self):
+        if self.bw is None:
+            # no floors section: the H200 numbers measured earlier (DESIGN.md)
+            self.bw = 4.23e12 if not self.s.smoke else 20e9
+            self.gemm_rate = 780e12 if not self.s.smoke else 50e9
+            self.R.setdefault("assumed_rates", {"copy_Bps": self.bw, "gemm_FLOPs": self.gemm_rate})
+        self.build()
+
+    def floor(self, dflash: bool, batch: int, ctx: float) -> dict:
+        """Bytes and FLOP floors of one plain step / one DFlash iteration at mean context `ctx`."""
+        self.ensure_rates()
+        fp = self.floor_params
+        tcfg, dcfg = self.models[2], self.models[3]
+        S = self.s.block
+        L, Ld, Hq, D = tcfg.num_layers, dcfg.num_layers, tcfg.num_heads, tcfg.head_dim
+        if dflash:
+            byts = (fp["target_read"] + fp["draft"] + fp["lm_head"]
+                    + batch * (ctx + S) * (fp["kv_target_per_token"] + fp["kv_draft_per_token"]))
+            tok = batch * S
+            flops = (2 * tok * (fp["target_read_params"] + fp["draft_params"]) + 2 * batch * (S - 1) * fp["lm_head_params"]
+                     + 4 * tok * (ctx + S) * (L + Ld) * Hq * D)
+        else:
+            byts = fp["target_read"] + batch * ctx * fp["kv_target_per_token"]
+            flops = 2 * batch * fp["target_read_params"] + 4 * batch * ctx * L * Hq * D
+        tb, tf = byts / self.bw, flops / self.gemm_rate
+        return {"bytes": byts, "flops": flops, "bytes_s": tb, "flops_s": tf, "floor_s": max(tb, tf),
+                "bound": "bytes" if tb >= tf else "flops"}
+
+    def record_loop(self, key, r, dflash):
+        fl = self.floor(dflash, r["batch"], r["ctx_mean"])
+        r["floor_ms"] = 1000 * fl["floor_s"]
+        r["floor_bound"] = fl["bound"]
+        r["bytes_floor_ms"] = 1000 * fl["bytes_s"]
+        r["flops_floor_ms"] = 1000 * fl["flops_s"]
+        r["x_floor"] = r["ms_per_iter"] / r["floor_ms"]
+        self.R["curves"][key] = r
+
+    def sec_b1(self):
+        s = self.s
+        for key, dfl, guess in (("dflash_b1", True, 5.0), ("plain_b1", False, 4.0)):
+            if not self.fits(key, self.loop_cost_est(1, s.prompt, s.n1, s.n2, guess)):
+                continue
+            try:
+                r = self.time_loop(key, dflash=dfl, batch=1, prompt_len=s.prompt, n1=s.n1, n2=s.n2)
+                self.record_loop(key, r, dfl)
+                log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms "
+                    f"({r['x_floor']:.2f}x)")
+            except Exception as e:
+                self.err(key, e)
+            self.save()
+
+    def sec_compile(self):
+        """Compile of the whole loop, and no compile for a call in the same bucket."""
+        s = self.s
+        target, draft, tcfg, dcfg = self.build()
+        res = {"first_compile_s": dict(self.R["compile_s"])}
+        for key, dfl in (("dflash", True), ("plain", False)):
+            d = draft if dfl else None
+            cap = self.capacity(s.prompt, s.n2)
+            if f"{key}_b1" not in self.R["compile_s"]:  # b1 did not run: compile here
+                r = self.gen(d, self.prompts(1, s.prompt), s.n1, cap)
+                res[f"{key}_compile_s"] = float(r.compile_time_s)
+            else:
+                res[f"{key}_compile_s"] = self.R["compile_s"][f"{key}_b1"]["compile_time_s"]
+            t = time.perf_counter()
+            r = self.gen(d, self.prompts(1, s.same_bucket_prompt, seed=1), s.same_bucket_new, cap)
+            res[f"{key}_same_bucket_call"] = {"prompt": s.same_bucket_prompt, "max_new_tokens": s.same_bucket_new,
+                                              "compile_time_s": float(r.compile_time_s),
+                                              "wall_s": time.perf_counter() - t, "run_s": float(r.run_time_s),
+                                              "tokens": len(r.tokens[0])}
+            ok = float(r.compile_time_s) == 0.0
+            res[f"{key}_no_recompile"] = ok
+            log(f"compile: {key} whole generation {res[f'{key}_compile_s']:.1f}s; same-bucket call "
+                f"(prompt {s.same_bucket_prompt}, {s.same_bucket_new} new) compile_time_s="
+                f"{float(r.compile_time_s):.3f} -> {'OK' if ok else 'RECOMPILED'}")
+        self.R["sections"]["compile"] = res
+
+    def sec_sampling(self):
+        s = self.s
+        base = self.R["curves"].get("dflash_b1")
+        res = {}
+        variants = [("greedy", dict(temperature=0.0))] if base is None else []
+        variants += [("t1", dict(temperature=1.0, top_p=1.0, top_k=0)),
+                     ("t1_p095_k20", dict(temperature=1.0, top_p=0.95, top_k=20))]
+        for name, kw in variants:
+            key = f"dflash_b1_{name}"
+            if not self.fits(key, self.loop_cost_est(1, s.prompt, s.n1, s.n2, 5.0)):
+                continue
+            try:
+                r = self.time_loop(key, dflash=True, batch=1, prompt_len=s.prompt, n1=s.n1, n2=s.n2, **kw)
+                self.record_loop(key, r, True)
+                res[name] = r
+                if name == "greedy":
+                    base = r
+            except Exception as e:
+                self.err(key, e)
+        if base is not None:
+            for name in ("t1", "t1_p095_k20"):
+                if name in res:
+                    res[f"{name}_overhead"] = res[name]["ms_per_iter"] / base["ms_per_iter"] - 1
+                    log(f"sampling: {name} {res[name]['ms_per_iter']:.3f} ms vs greedy {base['ms_per_iter']:.3f} ms "
+                        f"-> {100 * res[f'{name}_overhead']:+.1f}% (goal <= +{100 * GOALS['sampling_overhead']:.0f}%)")
+        self.R["sections"]["sampling"] = {k: (v if not isinstance(v, dict) else v["ms_per_iter"]) for k, v in res.items()}
+
+    def sec_profile(self):
+        import jax
+        s = self.s
+        target, draft, tcfg, dcfg = self.build()
+        prompts = self.prompts(1, s.prompt)
+        cap = self.capacity(s.prompt, s.n2)  # the b1 program: already compiled when b1 ran
+        self.gen(draft, prompts, s.prof_n1, cap)  # compile / warm
+        root = tempfile.mkdtemp(prefix="dflash_prof_")
+        summaries = []
+        for i, n in enumerate((s.prof_n1, s.prof_n2)):
+            d = os.path.join(root, f"t{i}")
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                r = self.gen(draft, prompts, n, cap)
+            iters = _iters(r)
+            path = _find_trace(d)
+            if path is None:
+                raise RuntimeError(f"no *.trace.json.gz under {d}: {glob.glob(d + '/**', recursive=True)[:10]}")
+            summ = summarize_trace(path)
+            summ["iters"], summ["run_ms"], summ["path"] = iters, 1000 * float(r.run_time_s), path
+            summaries.append(summ)
+            log(f"profile: trace {i}: {iters} iterations, {summ['n_events']} device events "
+                f"({summ['source']}), busy {summ['busy_ms']:.2f} ms of {summ['run_ms']:.2f} ms run")
+        a, b = summaries
+        di = b["iters"] - a["iters"]
+        if di <= 0:
+            raise RuntimeError(f"profiled runs have iterations {a['iters']} and {b['iters']}")
+        rows = []
+        for name in set(a["by_name"]) | set(b["by_name"]):
+            ta, ca = a["by_name"].get(name, (0.0, 0))
+            tb, cb = b["by_name"].get(name, (0.0, 0))
+            rows.append((name, (tb - ta) / di, (cb - ca) / di))
+        rows.sort(key=lambda r: -r[1])
+        per_iter_busy = (b["busy_ms"] - a["busy_ms"]) / di * 1000
+        if per_iter_busy <= 0:  # inconsistent traces (seen on CPU): fall back to the longer one alone
+            log("profile: the difference of the traces is not positive; using the longer trace alone "
+                "(per-iteration numbers include the prefill)")
+            a = {"by_name": {}, "by_scope": {}, "by_hlo": {}, "busy_ms": 0.0, "iters": 0}
+            di = b["iters"]
+            per_iter_busy = b["busy_ms"] / di * 1000
+        total = sum(max(r[1], 0) for r in rows) or float("nan")
+        ms_iter = self.R["curves"].get("dflash_b1", {}).get("ms_per_iter")
+        print(f"\nProfile: DFlash B=1 prompt {s.prompt}: device time per loop iteration by kernel "
+              f"(difference of a {a['iters']}- and a {b['iters']}-iteration trace; prefill cancels)", flush=True)
+        print(f"  device busy per iteration {per_iter_busy / 1000:.3f} ms"
+              + (f"; measured iteration {ms_iter:.3f} ms -> idle/launch gaps {ms_iter - per_iter_busy / 1000:.3f} ms"
+                 if ms_iter else ""), flush=True)
+        print(f"  {'us/iter':>9} {'%':>6} {'calls/iter':>10}  kernel", flush=True)
+        for name, us, cnt in rows[:25]:
+            print(f"  {us:9.1f} {100 * us / total:6.1f} {cnt:10.1f}  {name[:110]}", flush=True)
+        fam = {}
+        for name, us, cnt in rows:
+            k = _family(name)
+            f0 = fam.setdefault(k, [0.0, 0.0])
+            f0[0] += us
+            f0[1] += cnt
+        frows = sorted(fam.items(), key=lambda kv: -kv[1][0])
+        print(f"  by kernel family (digits stripped):", flush=True)
+        for k, (us, cnt) in frows[:15]:
+            print(f"  {us:9.1f} {100 * us / total:6.1f} {cnt:10.1f}  {k[:110]}", flush=True)
+        scope_rows = []
+        if a["by_scope"] or b["by_scope"]:
+            for name in set(a["by_scope"]) | set(b["by_scope"]):
+                ta = a["by_scope"].get(name, 0.0)
+                tb = b["by_scope"].get(name, 0.0)
+                scope_rows.append((name, (tb - ta) / di))
+            scope_rows.sort(key=lambda r: -r[1])
+            print(f"  by named scope (layer numbers stripped):", flush=True)
+            for name, us in scope_rows[:25]:
+                print(f"  {us:9.1f} {100 * us / total:6.1f}             {name[:110]}", flush=True)
+        # named scopes through the compiled HLO's op_name metadata (kernel -> HLO instruction -> scope)
+        phase_rows, hscope_rows = [], []
+        try:
+            from dflash_jax import decode
+            st = self._static(True, 1, s.prompt, s.n2, {})[0]
+            names = hlo_op_names(decode._COMPILED[st].as_text())
+            ph, sc, unmapped = {}, {}, 0.0
+            for hlo in set(a["by_hlo"]) | set(b["by_hlo"]):
+                us = (b["by_hlo"].get(hlo, 0.0) - a["by_hlo"].get(hlo, 0.0)) / di
+                op = _lookup_hlo(names, hlo)
+                if op is None:
+                    unmapped += us
+                    continue
+                scope, phase = _scope_of(op)
+                ph[phase] = ph.get(phase, 0.0) + us
+                sc[scope] = sc.get(scope, 0.0) + us
+            if unmapped:
+                ph["(no HLO metadata)"] = unmapped
+            phase_rows = sorted(ph.items(), key=lambda kv: -kv[1])
+            hscope_rows = sorted(sc.items(), key=lambda kv: -kv[1])
+            print("  by phase (named scope, from the compiled HLO's op_name metadata):", flush=True)
+            for name, us in phase_rows:
+                print(f"  {us:9.1f} {100 * us / total:6.1f}             {name[:110]}", flush=True)
+            print("  by scope/primitive (layer numbers stripped), top 25:", flush=True)
+            for name, us in hscope_rows[:25]:
+                print(f"  {us:9.1f} {100 * us / total:6.1f}             {name[:110]}", flush=True)
+        except Exception as e:
+            log(f"profile: no HLO scope mapping ({short_err(e, 200)})")
+        res = {"iters": [a["iters"], b["iters"]], "busy_us_per_iter": per_iter_busy,
+               "phases": [dict(name=n, us_per_iter=u) for n, u in phase_rows],
+               "hlo_scopes": [dict(name=n, us_per_iter=u) for n, u in hscope_rows[:60]],
+               "source": b["source"], "top": [dict(name=n, us_per_iter=u, calls_per_iter=c) for n, u, c in rows[:60]],
+               "families": [dict(name=k, us_per_iter=v[0], calls_per_iter=v[1]) for k, v in frows[:30]],
+               "scopes": [dict(name=n, us_per_iter=u) for n, u in scope_rows[:40]]}
+        if self.out_dir:  # the longer trace only ($OUT returns at most 8 files, 16 MiB each)
+            summ = summaries[-1]
+            sz = os.path.getsize(summ["path"])
+            if sz <= 15 * 2**20:
+                dst = os.path.join(self.out_dir, f"profile_dflash_b1_{int(summ['iters'])}iters.trace.json.gz")
+                shutil.copy(summ["path"], dst)
+                res["saved"] = dst
+                log(f"profile: trace saved to {dst} ({sz / 2**20:.1f} MiB; open in ui.perfetto.dev)")
+            else:
+                log(f"profile: trace is {sz / 2**20:.1f} MiB > 15 MiB: not saved")
+        shutil.rmtree(root, ignore_errors=True)
+        self.R["sections"]["profile"] = res
+
+    def batch_order(self):
+        s = self.s
+        order = []
+        for b in sorted(set(s.batches_dflash) | set(s.batches_plain)):
+            if b == 1:
+                continue
+            if b in s.batches_dflash:
+                order.append(("dflash", b))
+            if b in s.batches_plain:
+                order.append(("plain", b))
+        return order
+
+    def sec_batch(self):
+        s = self.s
+        for kind, b in self.batch_order():
+            key = f"{kind}_b{b}"
+            guess = (5.0 + 0.15 * b) if kind == "dflash" else (4.0 + 0.01 * b)
+            if self.s.smoke:
+                guess = 5.0
+            if not self.fits(key, self.loop_cost_est(b, s.prompt, s.n1, s.n2, guess)):
+                continue
+            try:
+                r = self.time_loop(key, dflash=kind == "dflash", batch=b, prompt_len=s.prompt, n1=s.n1, n2=s.n2)
+                self.record_loop(key, r, kind == "dflash")
+                log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms ({r['x_floor']:.2f}x, "
+                    f"{r['floor_bound']}-bound)")
+            except Exception as e:
+                self.err(key, e)
+            self.save()
+
+    def sec_longctx(self):
+        s = self.s
+        for impl in ("pallas", "xla"):
+            key = f"dflash_long_{impl}"
+            est = self.compile_est + (1 + 2 * s.reps) * (3.0 + 0.5 * (s.long_n1 + s.long_n2) * 0.012) + 10
+            if s.smoke:
+                est = self.compile_est + 10
+            if not self.fits(key, est):
+                continue
+            try:
+                r = self.time_loop(key, dflash=True, batch=1, prompt_len=s.long_prompt, n1=s.long_n1,
+                                   n2=s.long_n2, attention_impl=impl)
+                self.record_loop(key, r, True)
+                log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms ({r['x_floor']:.2f}x, "
+                    f"goal <= {GOALS['longctx_x_floor']}x)")
+            except Exception as e:
+                self.err(key, e)
+            self.save()
+
+    def err(self, key, e):
+        log(f"ERROR in {key}: {short_err(e)}")
+        self.R["errors"][key] = short_err(e, 2000)
+        if self.args.verbose:
+            traceback.print_exc()
+
+    # -- the report --
+    def report(self):
+        s, C = self.s, self.R["curves"]
+        ref = self.R["sections"].get("reference", {})
+        fl = self.R["sections"].get("floors", {})
+        lines = []
+        P = lines.append
+        P("")
+        P("=" * 100)
+        P(f"dflash-jax GPU benchmark  ({'SMOKE: tiny shapes, numbers mean nothing' if s.smoke else 'Qwen3-8B shapes, random bf16 weights'})")
+        P(f"device: {fl.get('devices', self.R.get('device', '?'))}   elapsed {self.elapsed():.0f}s")
+        if fl:
+            P(f"ceilings: copy {fl['copy_TBps']:.3f} TB/s (read+write) | XLA GEMV B1 {fl['gemv_b1_TBps']:.3f} "
+              f"B16 {fl['gemv_b16_TBps']:.3f} B64 {fl['gemv_b64_TBps']:.3f} TB/s | GEMM {fl['gemm_TFLOPs']:.0f} TFLOP/s")
+        elif "assumed_rates" in self.R:
+            P(f"ceilings: not measured; floors assume copy {self.bw / 1e12:.2f} TB/s, GEMM {self.gemm_rate / 1e12:.0f} TFLOP/s")
+        mb = self.R.get("model_bytes")
+        if mb:
+            P(f"bytes: target read/step {mb['target_read_GB']:.3f} GB (of {mb['target_total_GB']:.3f}; embedding not read), "
+              f"draft {mb['draft_GB']:.3f} GB, LM head for S-1 slots {mb['lm_head_GB']:.3f} GB, "
+              f"KV/token {mb['kv_target_per_token'] / 1024:.0f} KiB target + {mb['kv_draft_per_token'] / 1024:.0f} KiB draft")
+        P("")
+        P(f"{'measurement':34} {'ms/iter':>9} {'floor ms':>9} {'x floor':>8} {'bound':>6} {'goal':>10} {'tau':>5} {'compile s':>9}")
+
+        def row(label, key, goal=None, goal_kind="ms"):
+            r = C.get(key)
+            if r is None:
+                why = self.R["errors"].get(key)
+                P(f"{label:34} {'-':>9}   ({'error: ' + why[:60] if why else 'not run'})")
+                return
+            g = ""
+            if goal is not None:
+                ok = r["ms_per_iter"] <= goal if goal_kind == "ms" else r["x_floor"] <= goal
+                g = f"{'<=' + str(goal) + ('' if goal_kind == 'ms' else 'x'):>7} {'OK' if ok else 'MISS'}"
+            P(f"{label:34} {fmt(r['ms_per_iter'], 3):>9} {fmt(r['floor_ms'], 3):>9} {fmt(r['x_floor'], 2):>8} "
+              f"{r['floor_bound'][:5]:>6} {g:>10} {fmt(r.get('mean_tau'), 2):>5} {fmt(r['compile_time_s'], 1):>9}")
+
+        row(f"plain B=1 p{s.prompt} (ms/token)", "plain_b1", GOALS["plain_b1_ms"])
+        row(f"DFlash B=1 p{s.prompt}", "dflash_b1", GOALS["dflash_b1_ms"])
+        row("DFlash B=1 T=1", "dflash_b1_t1")
+        row("DFlash B=1 T=1 top-p .95 top-k 20", "dflash_b1_t1_p095_k20")
+        for b in s.batches_plain:
+            if b != 1:
+                row(f"plain B={b} p{s.prompt}", f"plain_b{b}")
+        for b in s.batches_dflash:
+            if b != 1:
+                row(f"DFlash B={b} p{s.prompt}", f"dflash_b{b}")
+        row(f"DFlash B=1 p{s.long_prompt} pallas", "dflash_long_pallas", GOALS["longctx_x_floor"], "x")
+        row(f"DFlash B=1 p{s.long_prompt} xla", "dflash_long_xla", GOALS["longctx_x_floor"], "x")
+
+        # sampling overhead
+        samp = self.R["sections"].get("sampling", {})
+        for name in ("t1", "t1_p095_k20"):
+            if f"{name}_overhead" in samp:
+                o = samp[f"{name}_overhead"]
+                P(f"sampling overhead {name}: {100 * o:+.1f}% vs greedy (goal <= +5%: {'OK' if o <= GOALS['sampling_overhead'] else 'MISS'})")
+
+        # compile
+        comp = self.R["sections"].get("compile")
+        if comp:
+            for k in ("dflash", "plain"):
+                if f"{k}_compile_s" in comp:
+                    P(f"compile {k}: {comp[f'{k}_compile_s']:.1f}s for the whole generation; same-bucket call "
+                      f"compile_time_s={comp[f'{k}_same_bucket_call']['compile_time_s']:.3f} "
+                      f"({'no recompile: OK' if comp[f'{k}_no_recompile'] else 'RECOMPILED'})")
+
+        # reference side by side
+        blk = ref.get("block_size", s.block)
+        ours_d, ours_p = C.get("dflash_b1"), C.get("plain_b1")
+        summary = {}
+        if ref:
+            P("")
+            P(f"PyTorch reference (dflash 0.1.0, {ref.get('device')}): block {blk} {ref[f'block{blk}_ms_per_iter']:.2f} ms/iter, "
+              f"block 1 {ref['block1_ms_per_iter']:.2f} ms/iter (prompt {s.prompt}, torch {ref.get('torch')})")
+            if ours_d:
+                sp = ref[f"block{blk}_ms_per_iter"] / ours_d["ms_per_iter"]
+                summary["speedup_vs_ref_dflash_iter"] = sp
+                P(f"  ours/ref per DFlash iteration: {sp:.1f}x (goal >= {GOALS['speedup_vs_ref']:.0f}x: "
+                  f"{'OK' if sp >= GOALS['speedup_vs_ref'] else 'MISS'})")
+            if ours_p:
+                sp = ref["block1_ms_per_iter"] / ours_p["ms_per_iter"]
+                summary["speedup_vs_ref_plain_step"] = sp
+                P(f"  ours/ref per plain step: {sp:.1f}x")
+
+        # projected tokens/s at the paper's tau
+        if ours_d or ref:
+            P("")
+            P(f"projected tokens/s at the paper's tau (B=1; tokens/s = tau / iteration time; plain = 1 / step time)")
+            P(f"{'task':10} {'tau':>5} {'ours DFlash':>12} {'ours plain':>11} {'ours x':>7} {'ref DFlash':>11} {'ref plain':>10} {'ref x':>6}")
+            proj = {}
+            for task, tau in PAPER_TAU.items():
+                od = 1000 * tau / ours_d["ms_per_iter"] if ours_d else None
+                op = 1000 / ours_p["ms_per_iter"] if ours_p else None
+                rd = 1000 * tau / ref[f"block{blk}_ms_per_iter"] if ref else None
+                rp = 1000 / ref["block1_ms_per_iter"] if ref else None
+                proj[task] = dict(tau=tau, ours_dflash=od, ours_plain=op, ref_dflash=rd, ref_plain=rp)
+                P(f"{task:10} {tau:5.2f} {fmt(od, 1):>12} {fmt(op, 1):>11} {fmt(od / op if od and op else None, 2):>7} "
+                  f"{fmt(rd, 1):>11} {fmt(rp, 1):>10} {fmt(rd / rp if rd and rp else None, 2):>6}")
+            summary["projected_tokens_per_s"] = proj
+
+        # batch scaling
+        bs = sorted(set(s.batches_dflash) | set(s.batches_plain))
+        if any(f"dflash_b{b}" in C and f"plain_b{b}" in C for b in bs):
+            P("")
+            P("batch scaling, prompt %d: projected speed-up = tau * plain_step / dflash_iter (tokens/s = B*tau/iter vs B/step)" % s.prompt)
+            P(f"{'B':>4} {'plain ms':>9} {'x floor':>7} {'dflash ms':>10} {'x floor':>7} {'iter/step':>9} "
+              + " ".join(f"{'x@' + str(t):>8}" for t in PAPER_TAU.values()) + f" {'tok/s@6.54':>11}")
+            table = []
+            for b in bs:
+                d, p = C.get(f"dflash_b{b}"), C.get(f"plain_b{b}")
+                if not (d and p):
+                    continue
+                ratio = d["ms_per_iter"] / p["ms_per_iter"]
+                sps = [t / ratio for t in PAPER_TAU.values()]
+                tps = 1000 * b * 6.54 / d["ms_per_iter"]
+                table.append(dict(batch=b, plain_ms=p["ms_per_iter"], dflash_ms=d["ms_per_iter"], ratio=ratio,
+                                  speedups={k: t / ratio for k, t in PAPER_TAU.items()}, tokens_per_s_gsm8k=tps))
+                P(f"{b:4d} {p['ms_per_iter']:9.3f} {p['x_floor']:7.2f} {d['ms_per_iter']:10.3f} {d['x_floor']:7.2f} "
+                  f"{ratio:9.2f} " + " ".join(f"{x:8.2f}" for x in sps) + f" {tps:11.0f}")
+            summary["batch_scaling"] = table
+            for task, tau in PAPER_TAU.items():
+                be = _break_even(table, tau)
+                summary.setdefault("break_even_batch", {})[task] = be
+                P(f"  DFlash stops paying at tau {tau} ({task}): {be}")
+        self.R["summary"] = summary
+        if self.R["skipped"]:
+            P("")
+            P("SKIPPED (time budget): " + ", ".join(self.R["skipped"]) + "  -> rerun with --sections")
+        if self.R["errors"]:
+            P("")
+            P("ERRORS:")
+            for k, v in self.R["errors"].items():
+                P(f"  {k}: {v[:300]}")
+        P("=" * 100)
+        print("\n".join(lines), flush=True)
+        self.R["report"] = lines
+        self.save()
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def _params(obj):
+    try:
+        from flax import nnx
+        if isinstance(obj, nnx.Module):
+            return nnx.state(obj)
+    except ImportError:
+        pass
+    for name in ("params", "weights", "variables"):
+        p = getattr(obj, name, None)
+        if p is not None:
+            return p
+    return obj
+
+
+def _leaves_with_paths(tree):
+    import jax
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if hasattr(leaf, "nbytes") and hasattr(leaf, "shape"):
+            out.append((jax.tree_util.keystr(path), leaf))
+    return out
+
+
+def model_bytes(target, draft, tcfg, dcfg) -> dict:
+    """Parameter bytes of the built models, and what one step must read of them."""
+    tl = _leaves_with_paths(_params(target))
+    dl = _leaves_with_paths(_params(draft)) if draft is not None else []
+    t_total = sum(int(x.nbytes) for _, x in tl)
+    t_params = sum(int(x.size) for _, x in tl)
+    d_total = sum(int(x.nbytes) for _, x in dl)
+    d_params = sum(int(x.size) for _, x in dl)
+    itemsize = max((x.dtype.itemsize for _, x in tl), default=2)
+    vocab_h = tcfg.vocab_size * tcfg.hidden_size
+    emb = [x for p, x in tl if "embed" in p.lower() and x.size == vocab_h]
+    if not emb:  # no path names an embedding: one (vocab, hidden) table is it
+        emb = [x for _, x in tl if x.size == vocab_h][:1]
+    emb_bytes = int(emb[0].nbytes) if emb else vocab_h * itemsize
+    tied = bool(getattr(tcfg, "tie_word_embeddings", False))
+    # The embedding is a gather (B rows), not a read of the table; when tied it is also the LM head.
+    read = t_total - (0 if tied else emb_bytes)
+    read_params = t_params - (0 if tied else vocab_h)
+    kv_t = 2 * tcfg.num_layers * tcfg.num_kv_heads * tcfg.head_dim * itemsize
+    kv_d = 2 * dcfg.num_layers * dcfg.num_kv_heads * dcfg.head_dim * itemsize if dcfg is not None else 0
+    # draft-side leaves that alias the target (none expected: the draft holds no embedding / head)
+    return {"target_total": t_total, "target_read": read, "target_read_params": read_params,
+            "embed": emb_bytes, "lm_head": vocab_h * itemsize, "lm_head_params": vocab_h,
+            "draft": d_total, "draft_params": d_params, "kv_target_per_token": kv_t, "kv_draft_per_token": kv_d,
+            "target_total_GB": t_total / 1e9, "target_read_GB": read / 1e9, "embed_GB": emb_bytes / 1e9,
+            "lm_head_GB": vocab_h * itemsize / 1e9, "draft_GB": d_total / 1e9,
+            "n_target_leaves": len(tl), "n_draft_leaves": len(dl)}
+
+
+def _iters(r) -> float:
+    n = getattr(r, "num_iterations", None)
+    if n is None:
+        n = max(len(a) for a in r.acceptance_lengths)
+    if hasattr(n, "__len__"):
+        n = max(list(n))
+    return float(n)
+
+
+def _bench(fn, inner=20, outer=5) -> float:
+    """Median seconds per call of fn (async dispatches, one sync per batch of `inner`)."""
+    import jax
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(outer):
+        t = time.perf_counter()
+        for _ in range(inner):
+            o = fn()
+        jax.block_until_ready(o)
+        ts.append((time.perf_counter() - t) / inner)
+    return median(ts)
+
+
+def _break_even(table, tau) -> str:
+    """The batch where tau * plain / dflash crosses 1 (log-linear interpolation in B)."""
+    pts = [(t["batch"], tau / t["ratio"]) for t in table]
+    if not pts:
+        return "n/a"
+    if all(sp >= 1 for _, sp in pts):
+        b, sp = pts[-1]
+        if len(pts) >= 2:
+            (b0, s0), (b1, s1) = pts[-2], pts[-1]
+            if s1 < s0 and b1 > b0:  # extrapolate the last segment in log B
+                slope = (math.log(s1) - math.log(s0)) / (math.log(b1) - math.log(b0))
+                if slope < 0:
+                    bx = b1 * math.exp(-math.log(s1) / slope)
+                    return f"beyond B={b} (still {sp:.2f}x there); extrapolated ~B={bx:.0f}"
+        return f"beyond B={b} (still {sp:.2f}x there)"
+    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+        if s0 >= 1 > s1:
+            f = (math.log(s0)) / (math.log(s0) - math.log(s1))
+            bx = math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0)))
+            return f"~B={bx:.0f} (x{s0:.2f} at B={b0}, x{s1:.2f} at B={b1})"
+    return f"already below 1x at B={pts[0][0]} (x{pts[0][1]:.2f})"
+
+
+def _find_trace(d: str):
+    c = sorted(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True))
+    c = [p for p in c if not os.path.basename(p).startswith("perfetto")] or c
+    if not c:
+        c = sorted(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True))
+    return c[0] if c else None
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _family(name: str) -> str:
+    return _DIGITS.sub("#", name)
+
+
+def summarize_trace(path: str) -> dict:
+    """Sum the device kernel time of a Chrome-format trace (jax.profiler) by kernel name and scope.
+
+    Device events: processes named /device:GPU:* or /device:TPU:* (their 'Stream' threads when present,
+    else the 'XLA Ops' line); on a CPU backend, the XLA CPU client threads (smoke runs)."""
+    with gzip.open(path, "rt") as f:
+        d = json.load(f)
+    ev = d["traceEvents"] if isinstance(d, dict) else d
+    pname, tname = {}, {}
+    for e in ev:
+        if e.get("ph") == "M":
+            if e.get("name") == "process_name":
+                pname[e["pid"]] = e.get("args", {}).get("name", "")
+            elif e.get("name") == "thread_name":
+                tname[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    dev_pids = {p for p, n in pname.items() if re.match(r"/device:(GPU|TPU)", n or "")}
+    source = ""
+    sel = set()
+    if dev_pids:
+        threads = {k: n for k, n in tname.items() if k[0] in dev_pids}
+        stream = {k for k, n in threads.items() if "stream" in n.lower()}
+        ops = {k for k, n in threads.items() if n.strip().lower() == "xla ops"}
+        if stream:
+            sel, source = stream, "GPU streams"
+        elif ops:
+            sel, source = ops, "XLA Ops line"
+        else:
+            sel = set(threads) or {(p, None) for p in dev_pids}
+            source = "device threads"
+        use = lambda e: (e["pid"], e.get("tid")) in sel or (e["pid"] in dev_pids and not threads)
+    else:
+        sel = {k for k, n in tname.items() if re.match(r"tf_XLA(PjRt)?Cpu", n or "")}
+        source = "XLA CPU client threads"
+        use = lambda e: (e["pid"], e.get("tid")) in sel and not e.get("name", "").startswith(("end:", "Threadpool", "ThunkExecutor"))
+    by_name, by_scope, by_hlo = {}, {}, {}
+    busy = 0.0
+    n = 0
+    for e in ev:
+        if e.get("ph") != "X" or not use(e):
+            continue
+        dur = float(e.get("dur", 0.0))  # microseconds
+        name = e.get("name", "?")
+        t, c = by_name.get(name, (0.0, 0))
+        by_name[name] = (t + dur, c + 1)
+        busy += dur
+        n += 1
+        a = e.get("args") or {}
+        hlo = a.get("hlo_op") or name
+        by_hlo[hlo] = by_hlo.get(hlo, 0.0) + dur
+        scope = a.get("tf_op") or a.get("scope") or a.get("name_scope") or a.get("long_name") or ""
+        if scope:
+            scope = _DIGITS.sub("#", str(scope).split(" ")[0])
+            by_scope[scope] = by_scope.get(scope, 0.0) + dur
+    return {"by_name": by_name, "by_scope": by_scope, "by_hlo": by_hlo, "busy_ms": busy / 1000, "n_events": n,
+            "source": source}
+
+
+_HLO_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
+
+
+def hlo_op_names(hlo_text: str) -> dict:
+    """HLO instruction name -> JAX op_name (the named-scope path) from compiled HLO text."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_LINE.match(line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def _scope_of(op_name: str) -> tuple[str, str]:
+    """('verify/target_layer#/dot_general', 'verify') from 'jit(_run)/while/body/verify/target_layer3/dot_general'."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
+    parts = [p for p in parts if p not in ("while", "body", "cond", "closed_call", "pjit", "checkpoint")]
+    phase = next((p for p in parts if not p.startswith(("jvp", "transpose"))), "?")
+    return _DIGITS.sub("#", "/".join(parts)), _DIGITS.sub("#", phase)
+
+
+def _lookup_hlo(names: dict, key: str):
+    if key in names:
+        return names[key]
+    k2 = re.sub(r"_(\d+)$", r".\1", key)   # kernel 'loop_add_fusion_3' <- HLO 'loop_add_fusion.3'
+    return names.get(k2)
+
+
+# ----------------------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU): prove every section runs")
+    ap.add_argument("--sections", default=",".join(ALL_SECTIONS),
+                    help=f"comma-separated subset of {','.join(ALL_SECTIONS)}")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_gpu.json and the trace ($OUT)")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="stop starting new measurements after this many seconds (the call must end < 8 min)")
+    ap.add_argument("--verbose", action="store_true", help="full tracebacks")
+    ap.add_argument("--no-precompile", dest="precompile", action="store_false",
+                    help="let generate() compile each program when first timed (serial)")
+    ap.add_argument("--compile-workers", type=int, default=4, help="threads compiling programs ahead")
+    ap.add_argument("--serial-reference", action="store_true",
+                    help="finish the PyTorch reference before JAX starts (no overlap with compiles)")
+    ap.add_argument("--_reference-child", dest="ref_child", help=argparse.SUPPRESS)
+    ap.add_argument("--_ref-new", dest="ref_new", type=int, default=128, help=argparse.SUPPRESS)
+    ap.add_argument("--_ref-prompt", dest="ref_prompt", type=int, default=512, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.ref_child:
+        reference_child(args.ref_child, args.smoke, args.ref_new, args.ref_prompt)
+        return
+    if args.smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # leave the reference child room on the GPU (it holds ~20 GB while JAX starts)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.70")
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    bad = [x for x in sections if x not in ALL_SECTIONS]
+    if bad:
+        ap.error(f"unknown sections {bad}; known: {ALL_SECTIONS}")
+    b = Bench(args)
+    log(f"bench_gpu: sections {sections}, budget {args.budget_s:.0f}s, out {args.out}, smoke={args.smoke}")
+    # The reference runs in a child process, started before this process touches the GPU. While it
+    # runs, this process builds the models and compiles every program (CPU work; XLA's autotuning
+    # runs a few kernels on the device). JAX is capped below its default 75% of the GPU memory so
+    # that the reference's ~20 GB fit beside it. Nothing is timed here until the reference is done.
+    ref = None
+    if "reference" in sections:
+        try:
+            ref = b.start_reference()
+        except Exception as e:
+            b.err("reference", e)
+        if args.serial_reference and ref is not None:
+            try:
+                b.finish_reference(ref)
+            except Exception as e:
+                b.err("reference", e)
+            ref = None
+    if args.precompile and any(x != "reference" and x != "floors" for x in sections):
+        log("== precompile")
+        try:
+            b.precompile(sections, args.compile_workers)
+        except Exception as e:
+            b.err("precompile", e)
+        b.save()
+    if ref is not None:
+        log("== reference (waiting for the child)")
+        try:
+            b.finish_reference(ref)
+        except Exception as e:
+            b.err("reference", e)
+        b.save()
+    for name in ALL_SECTIONS:
+        if name not in sections or name == "reference":
+            continue
+        if b.elapsed() > b.budget:
+            log(f"SKIP {name}: time budget spent")
+            b.R["skipped"].append(name)
+            continue
+        log(f"== {name}")
+        try:
+            getattr(b, f"sec_{name}")()
+        except Exception as e:
+            b.err(name, e)
+        b.save()
+    try:
+        import jax
+        b.R["versions"] = {"jax": jax.__version__, "python": sys.version.split()[0]}
+        try:
+            import flax
+            b.R["versions"]["flax"] = flax.__version__
+        except Exception:
+            pass
+    except Exception:
+        pass
+    b.report()
+
+
+if __name__ == "__main__":
+    main()
