@@ -46,9 +46,12 @@ class Qwen3(nnx.Module):
                 x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl)
             if i in taps:
                 tapped[i] = x
+        h = self.norm(x)
+        # HF's last hidden_states entry is taken after the final norm; keep its meaning for tap L-1.
+        tapped[len(self.layers) - 1] = h
         feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         cache = KVCache(k=tuple(ks), v=tuple(vs), lens=start + tokens.shape[1])
-        return self.norm(x), feats, cache
+        return h, feats, cache
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config
