@@ -1,0 +1,359 @@
+"""End-to-end tests of `python -m dflash_jax.generate` / `python -m dflash_jax.benchmark` (through their
+`main(argv)`) on a tiny Qwen3 target, a tiny reference-written DFlash draft and a tiny byte-level BPE
+tokenizer with a Qwen3-like chat template; plus the prompt formats of `dflash_jax.data`.
+
+Everything runs in float32 so that greedy DFlash equals greedy plain decoding token for token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+from dflash_jax import data
+from dflash_jax.config import PRESETS, TargetConfig
+
+gen_cli = importlib.import_module("dflash_jax.generate")  # the CLI module, not the library function
+bench_cli = importlib.import_module("dflash_jax.benchmark")
+
+VOCAB = 320
+SPECIALS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|mask|>")  # ids 314..317
+IM_END, ENDOFTEXT, MASK = 314, 315, 317
+# Qwen3's template, reduced: thinking off pre-fills an empty think block.
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+DATA_DIR = "/work/shared/datasets"
+
+
+def write_tokenizer(path: str, vocab_size: int = VOCAB):
+    """A byte-level BPE with exactly `vocab_size` ids: 256 bytes, letter-pair merges, then specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    letters = "etaoinshrdlucmfwypvbgkqjxz"
+    n_merges = vocab_size - len(vocab) - len(SPECIALS) - 2  # 2 added tokens: <think>, </think>
+    for a in letters:
+        for b in letters:
+            if len(merges) < n_merges:
+                merges.append((a, b))
+                vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|mask|>"])
+    fast.add_tokens(["<think>", "</think>"])
+    fast.chat_template = CHAT_TEMPLATE
+    assert len(fast) == vocab_size
+    assert fast.convert_tokens_to_ids(list(SPECIALS)) == [IM_END, ENDOFTEXT, 316, MASK]
+    fast.save_pretrained(path)
+    return fast
+
+
+def _write_target(path: str) -> None:
+    try:
+        from tests.checkpoints import write_target
+        write_target(path, vocab_size=VOCAB)
+    except ImportError:  # the shared fixtures are optional for this file
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, max_position_embeddings=4096)).save_pretrained(path)
+
+
+def _write_draft(path: str, target_path: str) -> None:
+    try:
+        from tests.checkpoints import write_draft
+        write_draft(path, target_path, num_layers=2, block_size=8, mask_token_id=MASK, target_layer_ids=[1, 2])
+    except ImportError:
+        import torch
+        from dflash.model import DFlashDraftModel
+        from transformers import Qwen3Config
+        torch.manual_seed(1)
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+        cfg.num_target_layers, cfg.block_size = 4, 8
+        cfg.dflash_config = {"mask_token_id": MASK, "target_layer_ids": [1, 2]}
+        DFlashDraftModel(cfg).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import GenerationConfig
+
+    root = tmp_path_factory.mktemp("cli")
+    target, draft = str(root / "target"), str(root / "draft")
+    _write_target(target)
+    write_tokenizer(target)
+    GenerationConfig(eos_token_id=[IM_END, ENDOFTEXT]).save_pretrained(target)
+    _write_draft(draft, target)
+    return target, draft
+
+
+def _run(cli, argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _usage_error(cli, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2, err
+    assert "Traceback" not in err
+    lines = [l for l in err.strip().splitlines() if "error:" in l]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------- data
+def test_prompt_formats_match_the_paper():
+    q = {"question": "What is 2+2?"}
+    assert data.detect_format(q) == "gsm8k"
+    assert data.format_turns("gsm8k", q) == [
+        "What is 2+2?\nPlease reason step by step, and put your final answer within \\boxed{}."]
+    h = {"task_id": "HumanEval/0", "prompt": "def f():\n"}
+    assert data.detect_format(h) == "humaneval"
+    assert data.format_turns("humaneval", h) == [
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
+        "```python\ndef f():\n\n```"]
+    m = {"question_id": 81, "turns": ["first", "second"]}
+    assert data.detect_format(m) == "mt-bench" and data.format_turns("mt-bench", m)[0] == "first"
+    p = {"problem": "Solve x."}
+    assert data.detect_format(p) == "math500"
+    assert data.format_turns("math500", p) == [
+        "Solve x.\nPlease reason step by step, and put your final answer within \\boxed{}."]
+    full = {"task_id": 11, "text": "Write a function.", "test_list": ["assert f()"]}
+    sanitized = {"task_id": 11, "prompt": "Write a function.", "test_list": ["assert f()"]}
+    assert data.detect_format(full) == data.detect_format(sanitized) == "mbpp"
+    assert data.format_turns("mbpp", full) == data.format_turns("mbpp", sanitized) == ["Write a function."]
+    with pytest.raises(ValueError, match="cannot tell"):
+        data.detect_format({"foo": 1})
+    with pytest.raises(ValueError, match="unknown dataset"):
+        data.normalize_dataset_name("gsm9k")
+    assert data.normalize_dataset_name("MT_Bench") == "mt-bench"
+
+
+@pytest.mark.parametrize("name,fmt", [("gsm8k_test", "gsm8k"), ("humaneval", "humaneval"), ("mt_bench", "mt-bench")])
+def test_load_local_prompt_sets(name, fmt):
+    path = os.path.join(DATA_DIR, name + ".jsonl")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not present")
+    rows = data.load_prompts(data_file=path, max_samples=3)
+    assert len(rows) == 3 and all(r["dataset"] == fmt and r["turns"][0] for r in rows)
+
+
+def test_load_prompts_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        data.load_prompts(data_file=str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        data.load_prompts(data_file=str(bad))
+    # An explicit dataset name wins over detection, and names a missing field clearly.
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"question": "q"}\n')
+    with pytest.raises(ValueError, match="lacks the field 'problem'"):
+        data.load_prompts(dataset="math500", data_file=str(good))
+
+
+def test_chat_template_honours_thinking(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    off = tok.decode(data.apply_chat_template(tok, "hi", system="be brief"))
+    on = tok.decode(data.apply_chat_template(tok, "hi", thinking=True))
+    assert off == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_stream_decoder_keeps_multibyte_characters(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    text = "héllo 世界, the end 🙂 done"
+    ids = tok.encode(text, add_special_tokens=False) + [IM_END]
+    dec = gen_cli.StreamDecoder(tok)
+    pieces = [dec.push([t]) for t in ids] + [dec.flush()]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in p for p in pieces)  # no half characters on the way
+
+
+def test_stop_tokens_from_generation_config_and_tokenizer(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    assert gen_cli.stop_token_ids(models[0], tok) == [IM_END, ENDOFTEXT]
+    assert gen_cli.stop_token_ids(models[1], tok) == [IM_END]  # no generation_config.json: tokenizer eos
+
+
+# ----------------------------------------------------------------------------------------- generate
+def test_on_commit_delivers_every_token(models):
+    """The library contract streaming relies on: the callbacks together carry exactly `res.tokens`,
+    the prefill's first token included."""
+    import dflash_jax as dj
+
+    target = dj.load_target(models[0], dtype="float32")
+    draft = dj.load_draft(models[1], target=target, dtype="float32")
+    seen: list[int] = []
+    res = gen_cli._generate(target, draft, [[1, 2, 3, 4]], max_new_tokens=12,
+                            on_commit=lambda rows: seen.extend(rows[0]))
+    assert seen == res.tokens[0], "on_commit must deliver every generated token (the prefill's first too)"
+
+
+def test_generate_streams_what_no_stream_prints(models, capsys):
+    target, draft = models
+    argv = ["--model", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "24", "héllo 世界"]
+    code, streamed, err = _run(gen_cli, argv, capsys)
+    assert code == 0
+    summary = err.strip().splitlines()[-1]
+    assert "new tokens" in summary and "tau" in summary and "tok/s" in summary and "compile" in summary
+    code, printed, _ = _run(gen_cli, argv + ["--no-stream"], capsys)
+    assert code == 0
+    assert streamed == printed and printed.endswith("\n")
+    assert "warning" not in err
+
+
+def test_generate_json_and_lossless_greedy(models, capsys):
+    target, draft = models
+    base = ["--model", target, "--dtype", "float32", "--max-new-tokens", "24", "--json", "Tell me a story."]
+    code, out, _ = _run(gen_cli, base + ["--draft", draft], capsys)
+    assert code == 0
+    spec = json.loads(out)
+    for key in ("new_tokens", "mean_tau", "tau_histogram", "tokens_per_s", "compile_time_s", "run_time_s",
+                "block_size", "text", "tokens", "acceptance_lengths"):
+        assert key in spec
+    assert spec["block_size"] == 8 and len(spec["tau_histogram"]) == 8
+    assert 1 <= spec["new_tokens"] <= 24 and spec["mean_tau"] >= 1
+    code, out, _ = _run(gen_cli, base + ["--draft", "none"], capsys)
+    plain = json.loads(out)
+    assert plain["block_size"] == 1 and plain["draft"] is None
+    assert plain["tokens"] == spec["tokens"]  # greedy DFlash is lossless
+    # Thinking on drops the pre-filled empty think block from the prompt.
+    code, out, _ = _run(gen_cli, base + ["--draft", "none", "--thinking", "on"], capsys)
+    assert json.loads(out)["prompt_tokens"] < plain["prompt_tokens"]
+
+
+def test_generate_reads_stdin(models, capsys, monkeypatch):
+    target, _ = models
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello from stdin"))
+    code, out, _ = _run(gen_cli, ["--model", target, "--draft", "none", "--dtype", "float32",
+                                  "--max-new-tokens", "4", "--json"], capsys)
+    assert code == 0 and json.loads(out)["prompt_tokens"] > 4
+
+
+def test_generate_random_init(capsys, monkeypatch):
+    # A tiny preset stands in for qwen3-8b: the path (random target + random z-lab-shaped draft, random
+    # prompt ids, no tokenizer) is the same.
+    monkeypatch.setitem(PRESETS, "tiny-test", TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                           num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16))
+    code, out, _ = _run(gen_cli, ["--random-init", "tiny-test", "--dtype", "float32", "--prompt-len", "12",
+                                  "--max-new-tokens", "20", "--json"], capsys)
+    r = json.loads(out)
+    assert code == 0 and r["prompt_tokens"] == 12 and r["block_size"] == 16 and r["new_tokens"] == 20
+    code, out, _ = _run(gen_cli, ["--random-init", "tiny-test", "--draft", "none", "--dtype", "float32",
+                                  "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--no-stream"], capsys)
+    assert code == 0 and len(out.split()) == 5  # token ids: there is no tokenizer
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "/no/such/dir", "--draft", "none", "hi"], "--model /no/such/dir: no such directory"),
+    (["--model", "TARGET", "hi"], "--draft is required"),
+    (["--model", "TARGET", "--draft", "none", "--temperature", "-0.5", "hi"], "--temperature must be >= 0"),
+    (["--model", "TARGET", "--draft", "none", "--top-p", "0", "hi"], "--top-p must be in (0, 1]"),
+    (["--model", "TARGET", "--draft", "none", "--top-p", "1.5", "hi"], "--top-p must be in (0, 1]"),
+    (["--random-init", "qwen3-9b"], "unknown preset 'qwen3-9b'"),
+    (["--model", "TARGET", "--draft", "DRAFT", "--block-size", "9", "hi"], "above the draft's block size 8"),
+    (["--model", "TARGET", "--draft", "/no/draft", "hi"], "--draft /no/draft: no such directory"),
+    (["--model", "DRAFT", "--draft", "none", "hi"], "--model"),  # a draft dir is no Qwen3 target
+])
+def test_generate_argument_errors(models, capsys, argv, needle):
+    argv = [{"TARGET": models[0], "DRAFT": models[1]}.get(a, a) for a in argv]
+    assert needle in _usage_error(gen_cli, argv, capsys)
+
+
+# ----------------------------------------------------------------------------------------- benchmark
+@pytest.fixture(scope="module")
+def gsm8k_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
+    qs = ["Tom has 3 apples and buys 2 more. How many?", "A train goes 60 km/h for 2 h. How far?",
+          "What is 7 times 6?"]
+    path.write_text("".join(json.dumps({"question": q, "answer": "#### 0"}) + "\n" for q in qs))
+    return str(path)
+
+
+def test_benchmark_report(models, gsm8k_file, tmp_path, capsys):
+    target, draft = models
+    report_path, plot_path = tmp_path / "report.json", tmp_path / "report.png"
+    argv = ["--model", target, "--draft", draft, "--data-file", gsm8k_file, "--max-samples", "2",
+            "--batch-size", "2", "--max-new-tokens", "16", "--dtype", "float32",
+            "--output", str(report_path)]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(plot_path)]
+    except ImportError:
+        plot_path = None
+    code, out, err = _run(bench_cli, argv, capsys)
+    assert code == 0, err
+    assert "tau (mean per request)" in out and "speedup" in out
+    r = json.loads(report_path.read_text())
+    for key in ("dataset", "model", "draft", "block_size", "temperature", "num_samples", "tau", "tau_histogram",
+                "draft_tokens_per_s", "baseline_tokens_per_s", "speedup", "per_request", "machine", "command"):
+        assert key in r, key
+    assert r["dataset"] == "gsm8k" and r["num_samples"] == 2 and r["block_size"] == 8
+    assert len(r["tau_histogram"]) == 8 and sum(r["tau_histogram"]) == sum(
+        len(p["acceptance_lengths"]) for p in r["per_request"])
+    taus = [p["tau"] for p in r["per_request"]]
+    assert r["tau"] == pytest.approx(sum(taus) / len(taus))  # the paper's per-request mean
+    assert all({"tau", "new_tokens", "time"} <= set(p) for p in r["per_request"])
+    assert r["greedy_match_rate"] == 1.0  # float32 greedy DFlash = plain greedy decoding
+    assert r["draft_tokens_per_s"] > 0 and r["baseline_tokens_per_s"] > 0
+    assert r["speedup"] == pytest.approx(r["draft_tokens_per_s"] / r["baseline_tokens_per_s"])
+    assert r["machine"]["platform"] == "cpu" and r["command"].startswith("python -m dflash_jax.benchmark")
+    if plot_path is not None:
+        assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmark_acceptance_check(models, gsm8k_file, capsys):
+    target, draft = models
+    argv = ["--model", target, "--draft", draft, "--data-file", gsm8k_file, "--max-samples", "2",
+            "--batch-size", "2", "--max-new-tokens", "16", "--dtype", "float32", "--no-baseline",
+            "--check-acceptance"]
+    # A random draft is far below the paper's 6.54 on GSM8K: exit 1, with the numbers.
+    code, out, err = _run(bench_cli, argv, capsys)
+    assert code == 1 and "acceptance check FAILED" in err and "6.54" in err
+    code, out, err = _run(bench_cli, argv + ["--expected-tau", "1.0"], capsys)
+    assert code == 0 and "acceptance check PASSED" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "TARGET", "--draft", "DRAFT", "--dataset", "gsm9k"], "unknown dataset 'gsm9k'"),
+    (["--model", "TARGET", "--draft", "DRAFT"], "give --dataset"),
+    (["--model", "TARGET", "--draft", "DRAFT", "--data-file", "/no/file.jsonl"], "/no/file.jsonl does not exist"),
+    (["--model", "TARGET", "--draft", "DRAFT", "--dataset", "gsm8k", "--temperature", "-1"], "--temperature"),
+    (["--model", "TARGET", "--draft", "none", "--dataset", "gsm8k"], "--draft none"),
+    (["--model", "TARGET", "--draft", "DRAFT", "--dataset", "gsm8k", "--block-size", "9"], "above the draft's"),
+    (["--model", "TARGET", "--draft", "DRAFT", "--dataset", "gsm8k", "--check-acceptance", "--temperature", "0.7"],
+     "--temperature 0"),
+])
+def test_benchmark_argument_errors(models, capsys, argv, needle):
+    argv = [{"TARGET": models[0], "DRAFT": models[1]}.get(a, a) for a in argv]
+    assert needle in _usage_error(bench_cli, argv, capsys)
