@@ -1,0 +1,412 @@
+"""Independent oracles for the tests: tiny Qwen3 targets and DFlash drafts written by transformers and
+the reference `dflash` package (PyPI 0.1.0) with `save_pretrained`, plus a small *trained* pair.
+
+Nothing here imports dflash_jax: these checkpoints are what the JAX code must read and reproduce.
+
+- `write_target` / `write_draft`: random weights, non-unit RMSNorm weights (a wrong norm shows).
+- `train_target`: a Qwen3ForCausalLM trained briefly on a synthetic Markov chain ("grammar"), so its
+  greedy continuations are learnable by a draft; a random target's continuations are too chaotic.
+- `train_draft`: the paper's recipe scaled down (anchors inside target-generated responses, block
+  [anchor, MASK x (S-1)], context = target taps strictly before the anchor, decaying slot weights),
+  then τ measured with the reference `dflash_generate` on held-out prompts.
+- `reference_generate`: `dflash.model.dflash_generate` made to run on a CPU-only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections import Counter
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = [
+    "write_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
+    "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
+    "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES",
+]
+
+# Per-layer tensors of a z-lab draft (prefixed by `layers.N.`), besides fc / hidden_norm / norm.
+DRAFT_TENSOR_SUFFIXES = (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+
+
+def draft_tensor_names(num_layers: int) -> set[str]:
+    """The exact tensor names of a z-lab draft checkpoint with `num_layers` layers."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    names |= {f"layers.{i}.{s}" for i in range(num_layers) for s in DRAFT_TENSOR_SUFFIXES}
+    return names
+
+
+def saved_tensor_names(path: str) -> set[str]:
+    """Tensor names over every *.safetensors file in a checkpoint directory."""
+    names: set[str] = set()
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as st:
+                names |= set(st.keys())
+    return names
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@torch.no_grad()
+def _noisy_norms(model: torch.nn.Module, gen: torch.Generator, scale: float = 0.2) -> None:
+    """Every RMSNorm weight to 1 + scale * N(0, 1): a missing or misplaced norm changes the output."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + scale * torch.randn(p.shape, generator=gen))
+
+
+def _qwen3_config(**kw):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**kw)
+
+
+def write_target(path: str, *, vocab_size: int = 128, hidden_size: int = 64, intermediate_size: int = 128,
+                 num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                 tie_word_embeddings: bool = False, seed: int = 0, norm_noise: bool = True,
+                 dtype: torch.dtype = torch.float32, init_std: float = 0.1, **extra) -> str:
+    """A random `transformers.Qwen3ForCausalLM`, saved with `save_pretrained` (safetensors).
+
+    `init_std` (saved as `initializer_range`) is 5x the HF default so the logits of a 64-wide model
+    are not all ~uniform; `extra` goes into the `Qwen3Config`."""
+    from transformers import Qwen3ForCausalLM
+
+    cfg_kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=head_dim, tie_word_embeddings=tie_word_embeddings, max_position_embeddings=4096,
+                  rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=init_std, hidden_act="silu",
+                  attention_bias=False, use_sliding_window=False, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    cfg_kw.update(extra)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(_qwen3_config(**cfg_kw)).eval()
+    if norm_noise:
+        _noisy_norms(model, _seeded(seed + 1))
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _target_config_dict(target_path: str) -> dict:
+    with open(os.path.join(target_path, "config.json")) as f:
+        return json.load(f)
+
+
+def _draft_config(target_path: str, *, num_layers: int, block_size: int, mask_token_id: int | None,
+                  target_layer_ids, intermediate_size: int | None = None):
+    """A draft `Qwen3Config` the way z-lab writes them: the target's width, heads, vocab and RoPE, plus
+    `num_target_layers`, `block_size` and `dflash_config`."""
+    t = _target_config_dict(target_path)
+    rope = (t.get("rope_parameters") or {}).get("rope_theta", t.get("rope_theta", 10000.0))
+    cfg = _qwen3_config(
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"],
+        intermediate_size=intermediate_size or t["intermediate_size"], num_hidden_layers=num_layers,
+        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+        head_dim=t["head_dim"], rms_norm_eps=t["rms_norm_eps"], rope_theta=rope,
+        max_position_embeddings=t["max_position_embeddings"], tie_word_embeddings=False,
+        initializer_range=t.get("initializer_range", 0.02), hidden_act="silu", attention_bias=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.num_target_layers = t["num_hidden_layers"]
+    cfg.block_size = block_size
+    dflash = {"mask_token_id": t["vocab_size"] - 1 if mask_token_id is None else int(mask_token_id)}
+    if target_layer_ids is not None:  # None: leave it out, so readers use the default formula
+        dflash["target_layer_ids"] = [int(i) for i in target_layer_ids]
+    cfg.dflash_config = dflash
+    return cfg
+
+
+def _save_draft(draft, path: str) -> str:
+    """`save_pretrained`, then keep exactly the z-lab tensor names (no rotary buffers, nothing else)."""
+    draft.save_pretrained(path, safe_serialization=True)
+    want = draft_tensor_names(draft.config.num_hidden_layers)
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    have = saved_tensor_names(path)
+    missing = want - have
+    if missing:
+        raise AssertionError(f"draft save lacks {sorted(missing)[:5]}")
+    if have != want or len(files) != 1:  # rewrite as one clean file
+        tensors = {}
+        for f in files:
+            with safe_open(os.path.join(path, f), "pt") as st:
+                tensors.update({k: st.get_tensor(k) for k in st.keys() if k in want})
+            os.remove(os.path.join(path, f))
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            os.remove(index)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+    return path
+
+
+def write_draft(path: str, target_path: str, *, num_layers: int = 2, block_size: int = 8,
+                mask_token_id: int | None = None, target_layer_ids=None, seed: int = 0,
+                norm_noise: bool = True, dtype: torch.dtype = torch.float32) -> str:
+    """A random reference `dflash.model.DFlashDraftModel` for the target at `target_path`, saved in
+    z-lab format. `mask_token_id` defaults to vocab_size - 1; `target_layer_ids=None` omits the field."""
+    from dflash.model import DFlashDraftModel
+
+    cfg = _draft_config(target_path, num_layers=num_layers, block_size=block_size,
+                        mask_token_id=mask_token_id, target_layer_ids=target_layer_ids)
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(cfg).eval()
+    if norm_noise:
+        _noisy_norms(draft, _seeded(seed + 1))
+    return _save_draft(draft.to(dtype), path)
+
+
+def load_torch_pair(target_path: str, draft_path: str | None = None):
+    """(HF Qwen3ForCausalLM, reference DFlashDraftModel or None), float32, eval mode, no grads."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3ForCausalLM
+
+    target = Qwen3ForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval().requires_grad_(False)
+    draft = None
+    if draft_path is not None:
+        draft = DFlashDraftModel.from_pretrained(draft_path, dtype=torch.float32).eval().requires_grad_(False)
+    return target, draft
+
+
+@contextlib.contextmanager
+def _cpu_clock():
+    # dflash_generate(return_stats=True) times with torch.cuda.synchronize(), which a CPU torch refuses.
+    import dflash.model as ref
+
+    saved = ref._cuda_time
+    ref._cuda_time = time.perf_counter
+    try:
+        yield
+    finally:
+        ref._cuda_time = saved
+
+
+def reference_generate(draft, target, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
+                       block_size: int | None = None, stop_token_ids=None, seed: int | None = None, **kw):
+    """`dflash.model.dflash_generate(..., return_stats=True)` on a CPU torch. `input_ids`: list or [1, P]."""
+    from dflash.model import dflash_generate
+
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with _cpu_clock():
+        return dflash_generate(draft, target, ids, max_new_tokens, stop_token_ids, temperature=temperature,
+                               block_size=block_size, return_stats=True, **kw)
+
+
+def random_prompts(n: int, vocab_size: int, *, min_len: int = 8, max_len: int = 16, seed: int = 0,
+                   exclude=()) -> list[list[int]]:
+    """n prompts of uniform random tokens in [0, vocab_size) minus `exclude`, lengths in [min_len, max_len]."""
+    gen = _seeded(seed)
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in set(exclude)])
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        out.append(allowed[torch.randint(len(allowed), (length,), generator=gen)].tolist())
+    return out
+
+
+def acceptance_histogram(lengths) -> dict[int, int]:
+    return dict(sorted(Counter(int(x) for x in lengths).items()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------
+
+def _cosine_lr(step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def _chain_batch(succ: torch.Tensor, n_tokens: int, batch: int, length: int, p_jump: float,
+                 gen: torch.Generator) -> torch.Tensor:
+    """Sequences of the synthetic grammar: next = succ[cur], except with probability p_jump a uniform
+    token. [batch, length] int64 over tokens [0, n_tokens)."""
+    seq = torch.empty(batch, length, dtype=torch.long)
+    seq[:, 0] = torch.randint(n_tokens, (batch,), generator=gen)
+    jumps = torch.rand(batch, length, generator=gen) < p_jump
+    rand = torch.randint(n_tokens, (batch, length), generator=gen)
+    for t in range(1, length):
+        seq[:, t] = torch.where(jumps[:, t], rand[:, t], succ[seq[:, t - 1]])
+    return seq
+
+
+def train_target(path: str, *, vocab_size: int = 128, steps: int = 300, batch_size: int = 32, seq_len: int = 64,
+                 p_jump: float = 0.15, lr: float = 3e-3, seed: int = 0, num_threads: int | None = None,
+                 **target_kw) -> dict:
+    """A Qwen3ForCausalLM (shapes as `write_target`) trained on a synthetic Markov chain over tokens
+    [0, vocab_size - 1): next = succ[cur] with probability 1 - p_jump, else uniform; succ is a fixed
+    random permutation. The last token id (vocab_size - 1) never occurs: it is the draft's MASK.
+    Greedy continuations then follow succ, and at T = 1 the target keeps ~p_jump of entropy.
+    Saved with `save_pretrained`; returns training stats."""
+    from transformers import Qwen3ForCausalLM
+
+    t0 = time.perf_counter()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    write_target(path, vocab_size=vocab_size, seed=seed, **target_kw)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    gen = _seeded(seed + 17)
+    n_tokens = vocab_size - 1
+    succ = torch.randperm(n_tokens, generator=gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, steps // 20)
+    losses = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr * _cosine_lr(step, steps, warmup)
+        seq = _chain_batch(succ, n_tokens, batch_size, seq_len, p_jump, gen)
+        logits = model(seq).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), seq[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval().save_pretrained(path, safe_serialization=True)
+    with torch.no_grad():
+        probe = _chain_batch(succ, n_tokens, 64, seq_len, 0.0, gen)
+        greedy = model(probe).logits[:, :-1].argmax(-1)
+        follows = float((greedy == probe[:, 1:]).float().mean())
+    return dict(path=path, final_loss=sum(losses[-10:]) / 10, greedy_follows_grammar=follows,
+                succ=succ.tolist(), p_jump=p_jump, seconds=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def _greedy_sequences(target, prompts: list[list[int]], seq_len: int) -> list[torch.Tensor]:
+    """Each prompt continued by the target's own greedy decoding to seq_len tokens in all."""
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    out: list[torch.Tensor] = [None] * len(prompts)  # type: ignore[list-item]
+    for length, idx in by_len.items():
+        ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
+        seqs = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=seq_len - length,
+                               min_new_tokens=seq_len - length, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+        for row, i in enumerate(idx):
+            out[i] = seqs[row]
+    return out
+
+
+def _measure(draft, target, prompts, max_new_tokens: int, block_size: int, temperature: float, seed: int):
+    lengths = []
+    for i, p in enumerate(prompts):
+        r = reference_generate(draft, target, p, max_new_tokens, temperature=temperature, block_size=block_size,
+                               seed=seed + i)
+        lengths += list(r.acceptance_lengths)
+    return dict(tau=sum(lengths) / len(lengths), histogram=acceptance_histogram(lengths), iterations=len(lengths))
+
+
+def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_layers: int = 2, steps: int = 400,
+                batch_size: int = 16, blocks_per_row: int = 8, lr: float = 1e-3, warmup_frac: float = 0.04, gamma: float | None = None,
+                num_sequences: int = 256, seq_len: int = 96, prompt_len=(8, 16), mask_token_id: int | None = None,
+                target_layer_ids=None, num_eval_prompts: int = 8, eval_max_new_tokens: int = 64,
+                eval_temperatures=(0.0, 1.0), seed: int = 0, num_threads: int | None = None) -> dict:
+    """Train a reference DFlashDraftModel against the frozen target at `target_path`, save it in z-lab
+    format at `out_path` and measure its acceptance with the reference `dflash_generate`.
+
+    Data: random prompts (tokens in [0, vocab - 1), lengths `prompt_len`) continued by the target's greedy
+    decoding to `seq_len` tokens. Each training row is one block: anchor a inside the response, block
+    [tok[a], MASK x (S-1)] at positions [a, a+S), context = target taps at positions [0, a) (keys at
+    >= a are masked), labels tok[a+1 .. a+S-1]; loss sum_k w_k CE_k / sum_k w_k, w_k = exp(-(k-1)/gamma).
+    The target's embedding and LM head are frozen and shared. Returns stats, including `tau[T]` and
+    `histogram[T]` for each eval temperature on held-out prompts."""
+    from dflash.model import DFlashDraftModel, extract_context_feature
+
+    t0 = time.perf_counter()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    S = block_size
+    gamma = gamma if gamma is not None else {8: 4.0, 10: 5.0, 16: 7.0}.get(S, S / 2)
+    target, _ = load_torch_pair(target_path)
+    V = target.config.vocab_size
+    cfg = _draft_config(target_path, num_layers=num_layers, block_size=S, mask_token_id=mask_token_id,
+                        target_layer_ids=target_layer_ids)
+    mask_id = cfg.dflash_config["mask_token_id"]
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(cfg).train()
+    taps = draft.target_layer_ids
+
+    # Training data: the target's own greedy responses and its tap features, computed once.
+    prompts = random_prompts(num_sequences, V, min_len=prompt_len[0], max_len=prompt_len[1], seed=seed + 101,
+                             exclude=(mask_id,))
+    seqs = torch.stack(_greedy_sequences(target, prompts, seq_len))  # [N, T]
+    plens = torch.tensor([len(p) for p in prompts])
+    with torch.no_grad():
+        out = target(seqs, output_hidden_states=True)
+        feats = extract_context_feature(out.hidden_states, taps)  # [N, T, n_taps * H]
+    t_data = time.perf_counter() - t0
+
+    embed = target.get_input_embeddings()
+    lm_head = target.lm_head
+    weights = torch.exp(-torch.arange(S - 1, dtype=torch.float32) / gamma)  # slots 1..S-1
+    weights = weights / weights.sum()
+    T, K, R = seq_len, blocks_per_row, batch_size  # K blocks packed per sequence row, R rows per step
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, int(warmup_frac * steps))
+    gen = _seeded(seed + 202)
+    offs = torch.arange(S)
+    key_pos = torch.arange(T + K * S)
+    key_block = (key_pos - T).div(S, rounding_mode="floor")  # block of each block key; < 0 for context keys
+    losses = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr * _cosine_lr(step, steps, warmup)
+        rows = torch.randint(len(seqs), (R,), generator=gen)
+        lo = plens[rows][:, None]
+        anchors = lo + (torch.rand(R, K, generator=gen) * (T - S + 1 - lo)).long()  # [R, K] in [plen, T - S]
+        block = torch.full((R, K, S), mask_id, dtype=torch.long)
+        block[:, :, 0] = seqs[rows[:, None], anchors]
+        labels = seqs[rows[:, None, None], anchors[:, :, None] + offs[1:]]  # [R, K, S-1]
+        block_pos = (anchors[:, :, None] + offs).reshape(R, K * S)
+        position_ids = torch.cat([key_pos[None, :T].expand(R, T), block_pos], 1)  # [R, T + K*S]
+        # Query block k sees context keys before its anchor and the keys of its own block only.
+        query_anchor = anchors.repeat_interleave(S, dim=1)  # [R, K*S]
+        query_block = torch.arange(K).repeat_interleave(S)  # [K*S]
+        visible = torch.where(key_block[None, None, :] < 0,
+                              key_pos[None, None, :] < query_anchor[:, :, None],
+                              key_block[None, None, :] == query_block[None, :, None])  # [R, K*S, T + K*S]
+        with torch.no_grad():
+            noise = embed(block.view(R, K * S))
+        hidden = draft(position_ids=position_ids, attention_mask=visible[:, None], noise_embedding=noise,
+                       target_hidden=feats[rows])
+        logits = lm_head(hidden.view(R, K, S, -1)[:, :, 1:])  # [R, K, S-1, V]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
+        loss = (ce.view(R * K, S - 1).mean(0) * weights).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    t_train = time.perf_counter() - t0 - t_data
+    draft.eval().requires_grad_(False)
+    _save_draft(draft, out_path)
+
+    eval_prompts = random_prompts(num_eval_prompts, V, min_len=prompt_len[0], max_len=prompt_len[1],
+                                  seed=seed + 303, exclude=(mask_id,))
+    stats = dict(target_path=target_path, draft_path=out_path, block_size=S, mask_token_id=mask_id,
+                 target_layer_ids=list(taps), gamma=gamma, steps=steps, batch_size=batch_size,
+                 final_loss=sum(losses[-10:]) / min(10, len(losses)), first_loss=losses[0],
+                 eval_prompts=eval_prompts, eval_max_new_tokens=eval_max_new_tokens, tau={}, histogram={},
+                 data_seconds=t_data, train_seconds=t_train)
+    for temp in eval_temperatures:
+        m = _measure(draft, target, eval_prompts, eval_max_new_tokens, S, temp, seed + 404)
+        stats["tau"][float(temp)] = m["tau"]
+        stats["histogram"][float(temp)] = m["histogram"]
+    stats["seconds"] = time.perf_counter() - t0
+    return stats
