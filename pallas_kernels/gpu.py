@@ -41,6 +41,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def _precision(dtype):
+    # f32 inputs: full-precision passes (the default is TF32 on GPU, bf16 passes on some TPUs).
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -80,8 +85,8 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
         acc, m, l = carry
         k0 = pl.multiple_of(start + it * block_k, block_k)
         k = k_ref[pl.ds(k0, block_k), :]                                      # [bk, D]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale       # [bq, bk]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=_precision(q.dtype)) * scale                # [bq, bk]
         visible = (k0 + cols) < kend[:, None]
         s = jnp.where(visible, s, _MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))                            # [bq]
@@ -90,7 +95,8 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
         l = alpha * l + jnp.sum(p, axis=1)
         v = v_ref[pl.ds(k0, block_k), :]                                      # [bk, D]
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)              # [bq, D]
+                             preferred_element_type=jnp.float32,
+                             precision=_precision(v.dtype))                       # [bq, D]
         acc = acc * alpha[:, None] + pv
         return acc, m_new, l
 

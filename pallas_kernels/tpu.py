@@ -37,6 +37,11 @@ class Unsupported(ValueError):
     """The shape cannot be tiled for this kernel; callers fall back to the reference."""
 
 
+def _precision(dtype):
+    # f32 inputs: full-precision passes (the default is TF32 on GPU, bf16 passes on some TPUs).
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -87,8 +92,8 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
     def _step(masked: bool):
         q = q_ref[...]
         k = k_ref[...]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale      # [bq, bk]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=_precision(q.dtype)) * scale                # [bq, bk]
         if masked:
             col = k0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)          # [bq, bk]
             visible = col < kend_ref[...]                                   # [bq, bk]
@@ -103,7 +108,8 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         v = v_ref[...]
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)            # [bq, D]
+                             preferred_element_type=jnp.float32,
+                             precision=_precision(v.dtype))                       # [bq, D]
         acc_sc[...] = alpha * acc_sc[...] + pv
         m_sc[...] = m_new
 
