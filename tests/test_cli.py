@@ -357,3 +357,17 @@ def test_benchmark_acceptance_check(models, gsm8k_file, capsys):
 def test_benchmark_argument_errors(models, capsys, argv, needle):
     argv = [{"TARGET": models[0], "DRAFT": models[1]}.get(a, a) for a in argv]
     assert needle in _usage_error(bench_cli, argv, capsys)
+
+
+def test_benchmark_random_init(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(PRESETS, "tiny-test", TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                           num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16))
+    out_path = tmp_path / "r.json"
+    code, out, err = _run(bench_cli, ["--random-init", "tiny-test", "--dtype", "float32", "--max-samples", "2",
+                                      "--prompt-len", "12", "--max-new-tokens", "20", "--output", str(out_path)],
+                          capsys)
+    assert code == 0, err
+    r = json.loads(out_path.read_text())
+    assert r["dataset"] == "random" and r["draft"] == "random" and r["block_size"] == 16
+    # No tokenizer, so no stop tokens: every request runs to max_new_tokens.
+    assert [p["new_tokens"] for p in r["per_request"]] == [20, 20] and r["greedy_match_rate"] == 1.0
