@@ -21,6 +21,7 @@ Semantics match the reference `dflash_generate`: the row's length limit is promp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -36,7 +37,7 @@ from dflash_jax.cache import KVCache
 from dflash_jax.modeling.draft import DFlashDraft
 from dflash_jax.modeling.qwen3 import Qwen3
 
-__all__ = ["generate", "GenerateResult", "lower_generate", "compile_count"]
+__all__ = ["generate", "GenerateResult", "lower_generate", "export_generate", "compile_count"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class _Static:
     mode: str
     attention_impl: str
     stream: bool
+    draft_override: Any = None  # tests only: f(drafts [B, S-1], lens [B]) -> drafts (a proposer double)
 
 
 @struct.dataclass
@@ -125,6 +127,8 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     stop = jnp.any(first[:, None] == p.stop_ids[None], axis=1)
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
+    if st.stream:  # the prefill token is the first committed token
+        io_callback(_stream_to_host, None, first[:, None], p.active.astype(jnp.int32), ordered=True)
     return _Loop(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
                  pending_count=jnp.zeros((B,), jnp.int32), done=done,
                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
@@ -152,6 +156,8 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
                                draft_end, attention_impl=st.attention_impl)
         with jax.named_scope("draft_lm_head"):
             drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
+        if st.draft_override is not None:
+            drafts = st.draft_override(drafts, lens)
         block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
     else:
         block = current
@@ -191,7 +197,7 @@ def _run(st: _Static, target_state, draft_state, p: _Params):
     s = _prefill(st, target, draft, p)
     s = jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.step < st.capacity),
                            lambda s: _iteration(st, target, draft, p, s), s)
-    return s.tokens, s.lens, s.accept_log, s.iters, s.step
+    return s
 
 
 # ----------------------------------------------------------------------------------------- host side
@@ -261,7 +267,7 @@ def _check_prompts(prompts, vocab: int):
 
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-                       block_size, seed, attention_impl, capacity, stream):
+                       block_size, seed, attention_impl, capacity, stream, draft_override=None):
     cfg = target.config
     sampling.validate(temperature, top_p, top_k)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -305,7 +311,8 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     st = _Static(target_def=tdef, draft_def=ddef,
                  taps=tuple(draft.config.target_layer_ids) if draft is not None else (),
                  block_size=S, mask_token_id=draft.config.mask_token_id if draft is not None else 0,
-                 batch=B, prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream)
+                 batch=B, prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream,
+                 draft_override=draft_override if draft is not None else None)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
@@ -317,8 +324,8 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
 def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str = "auto",
-             capacity: int | None = None, on_commit: Callable[[list[list[int]]], None] | None = None
-             ) -> GenerateResult:
+             capacity: int | None = None, on_commit: Callable[[list[list[int]]], None] | None = None,
+             _draft_override=None, _return_state: bool = False) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
     draft=None (or block_size=1) runs plain autoregressive decoding through the same loop. Greedy
@@ -332,7 +339,8 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     st, tstate, dstate, p, n_rows, lens = _static_and_params(
         target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-        attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None)
+        attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
+        draft_override=_draft_override)
     compile_time = 0.0
     fn = _COMPILED.get(st)
     if fn is None:
@@ -346,26 +354,29 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
             [commit[i, :produced[i]].tolist() for i in range(n_rows)])
     try:
         t0 = time.perf_counter()
-        tokens, out_lens, log, iters, step = jax.device_get(fn(tstate, dstate, p))
+        state = fn(tstate, dstate, p)
+        tokens, out_lens, log, iters, step = jax.device_get(
+            (state.tokens, state.lens, state.accept_log, state.iters, state.step))
         run_time = time.perf_counter() - t0
     finally:
         _STREAM_SINK[0] = None
-    return GenerateResult(
+    res = GenerateResult(
         tokens=[tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)],
         acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
         block_size=st.block_size, num_iterations=int(step), compile_time_s=compile_time, run_time_s=run_time)
+    if _return_state:  # tests: the final loop state (caches included)
+        res.state = state
+    return res
 
 
-def lower_generate(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
-                   max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
-                   sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
-    """Lower the whole generation program from configs alone (abstract weights: nothing allocated),
-    e.g. for ahead-of-time compilation on a TPU topology from a CPU host. Returns `jax.stages.Lowered`."""
+def _abstract_program(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
+                      max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
+                      sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
+    """The generation program and abstract arguments built from configs alone (nothing allocated)."""
     from dflash_jax.weights import _dtype
-    from dflash_jax.modeling.draft import DFlashDraft as _D
     dt = _dtype(dtype)
     target = nnx.eval_shape(lambda: Qwen3(target_config, dt, rngs=nnx.Rngs(0)))
-    draft = nnx.eval_shape(lambda: _D(draft_config, dt, rngs=nnx.Rngs(0))) if draft_config is not None else None
+    draft = nnx.eval_shape(lambda: DFlashDraft(draft_config, dt, rngs=nnx.Rngs(0))) if draft_config is not None else None
     S = 1 if draft is None else (block_size or draft_config.block_size)
     if S == 1:
         draft = None
@@ -378,16 +389,29 @@ def lower_generate(target_config, draft_config=None, *, batch: int = 1, prompt_l
                  prompt_bucket=Tb, capacity=C, mode=sampling_mode, attention_impl=attention_impl, stream=False)
     sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
 
-    def abstract(x, dt_=None):
-        return jax.ShapeDtypeStruct(x.shape, dt_ or x.dtype, sharding=sharding)
+    def abstract(shape, dtype_):
+        return jax.ShapeDtypeStruct(shape, dtype_, sharding=sharding)
 
-    tstate = jax.tree.map(abstract, tstate)
-    dstate = jax.tree.map(abstract, dstate) if dstate is not None else None
+    tstate = jax.tree.map(lambda x: abstract(x.shape, x.dtype), tstate)
+    dstate = jax.tree.map(lambda x: abstract(x.shape, x.dtype), dstate) if dstate is not None else None
     i32, f32 = jnp.int32, jnp.float32
-    p = _Params(prompt=abstract(jax.ShapeDtypeStruct((batch, Tb), i32)),
-                prompt_lens=abstract(jax.ShapeDtypeStruct((batch,), i32)),
-                active=abstract(jax.ShapeDtypeStruct((batch,), jnp.bool_)),
-                max_new=abstract(jax.ShapeDtypeStruct((), i32)), temperature=abstract(jax.ShapeDtypeStruct((), f32)),
-                top_k=abstract(jax.ShapeDtypeStruct((), i32)), top_p=abstract(jax.ShapeDtypeStruct((), f32)),
-                stop_ids=abstract(jax.ShapeDtypeStruct((4,), i32)), seed=abstract(jax.ShapeDtypeStruct((), jnp.uint32)))
-    return jax.jit(_run, static_argnums=(0,)).trace(st, tstate, dstate, p).lower()
+    p = _Params(prompt=abstract((batch, Tb), i32), prompt_lens=abstract((batch,), i32),
+                active=abstract((batch,), jnp.bool_), max_new=abstract((), i32), temperature=abstract((), f32),
+                top_k=abstract((), i32), top_p=abstract((), f32), stop_ids=abstract((4,), i32),
+                seed=abstract((), jnp.uint32))
+    return jax.jit(functools.partial(_run, st)), (tstate, dstate, p)
+
+
+def lower_generate(target_config, draft_config=None, **kw):
+    """Lower the whole generation program from configs alone (abstract weights: nothing allocated),
+    e.g. to compile ahead of time for a TPU topology from a CPU host (`device=` a TPU device).
+    Keywords: batch, prompt_len, max_new_tokens, capacity, block_size, sampling_mode, dtype,
+    attention_impl, device. Returns `jax.stages.Lowered`."""
+    fn, args = _abstract_program(target_config, draft_config, **kw)
+    return fn.trace(*args).lower()
+
+
+def export_generate(target_config, draft_config=None, *, platforms=("cuda",), **kw):
+    """`jax.export` of the generation program for other platforms (e.g. CUDA from a CPU host)."""
+    fn, args = _abstract_program(target_config, draft_config, **kw)
+    return jax.export.export(fn, platforms=list(platforms))(*args)
