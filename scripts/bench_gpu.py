@@ -53,7 +53,8 @@ T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python scripts/bench_gpu.py` from anywhere finds dflash_jax
-ALL_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
+ALL_SECTIONS = ("reference", "check", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
+DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
 GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "sampling_overhead": 0.05,
          "speedup_vs_ref": 20.0}
@@ -234,7 +235,7 @@ class Bench:
             return
         os.makedirs(self.out_dir, exist_ok=True)
         self.R["elapsed_s"] = self.elapsed()
-        with open(os.path.join(self.out_dir, "bench_gpu.json"), "w") as f:
+        with open(os.path.join(self.out_dir, self.args.json), "w") as f:
             json.dump(self.R, f, indent=1, default=str)
 
     # -- models --
@@ -340,6 +341,7 @@ class Bench:
         log("reference: starting " + " ".join(cmd[1:]))
         errf = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=errf, text=True)
+        self.ref_proc = proc
         return (proc, path, errf, time.perf_counter())
 
     def finish_reference(self, handle):
@@ -439,6 +441,51 @@ class Bench:
         self.R["precompile_wall_s"] = time.perf_counter() - t0
         self.compile_est = 1.0   # what is left to compile was either done or failed
         log(f"precompile: {len(res)} programs in {time.perf_counter() - t0:.1f}s")
+
+    def sec_check(self):
+        """Correctness on this device, tiny float32 models: Pallas vs XLA attention give the same greedy
+        tokens, and DFlash greedy equals plain greedy (lossless), over a ragged batch of 2."""
+        import jax
+        from dflash_jax import DraftConfig, TargetConfig, generate, init_draft, init_target
+        tcfg = TargetConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=4,
+                            num_kv_heads=2, head_dim=128, rope_theta=1e6)
+        dcfg = DraftConfig.for_target(tcfg, num_layers=2, block_size=16, mask_token_id=2047)
+        target = init_target(tcfg, seed=1, dtype="float32")
+        draft = init_draft(dcfg, seed=2, dtype="float32")
+        import numpy as np
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(0, 2000, 100).tolist(), rng.integers(0, 2000, 37).tolist()]
+        n = 48 if not self.s.smoke else 12
+        outs = {}
+        impls = ("xla", "pallas") if jax.default_backend() != "cpu" else ("xla",)
+        for impl in impls:
+            for name, d in (("plain", None), ("dflash", draft)):
+                r = generate(target, d, prompts, max_new_tokens=n, capacity=1024, attention_impl=impl)
+                outs[(name, impl)] = r.tokens
+        res = {}
+
+        def cmp(a, b):
+            ta, tb = outs[a], outs[b]
+            rows = []
+            for x, y in zip(ta, tb):
+                m = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                rows.append({"match_prefix": m, "len": [len(x), len(y)], "equal": x == y})
+            return rows
+
+        pairs = [(("dflash", i), ("plain", i)) for i in impls]
+        if len(impls) == 2:
+            pairs += [(("plain", "pallas"), ("plain", "xla")), (("dflash", "pallas"), ("dflash", "xla"))]
+        ok = True
+        for a, b in pairs:
+            rows = cmp(a, b)
+            key = f"{a[0]}_{a[1]}_vs_{b[0]}_{b[1]}"
+            res[key] = rows
+            eq = all(r["equal"] for r in rows)
+            ok &= eq
+            log(f"check: {key}: {'SAME tokens' if eq else 'DIFFERENT'} "
+                + ", ".join(f"row {i}: {r['match_prefix']}/{r['len'][0]}" for i, r in enumerate(rows)))
+        res["all_equal"] = ok
+        self.R["sections"]["check"] = res
 
     def sec_floors(self):
         import jax
@@ -548,13 +595,22 @@ class Bench:
                 res[f"{key}_compile_s"] = float(r.compile_time_s)
             else:
                 res[f"{key}_compile_s"] = self.R["compile_s"][f"{key}_b1"]["compile_time_s"]
+            events = []
+            try:
+                import jax
+                jax.monitoring.register_event_duration_secs_listener(
+                    lambda ev, dur, **kw: events.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
+            except Exception:
+                pass
             t = time.perf_counter()
             r = self.gen(d, self.prompts(1, s.same_bucket_prompt, seed=1), s.same_bucket_new, cap)
+            res[f"{key}_backend_compiles_in_same_bucket_call"] = len(events)
+            events.append("sentinel")  # the listener stays registered: later compiles no longer count here
             res[f"{key}_same_bucket_call"] = {"prompt": s.same_bucket_prompt, "max_new_tokens": s.same_bucket_new,
                                               "compile_time_s": float(r.compile_time_s),
                                               "wall_s": time.perf_counter() - t, "run_s": float(r.run_time_s),
                                               "tokens": len(r.tokens[0])}
-            ok = float(r.compile_time_s) == 0.0
+            ok = float(r.compile_time_s) == 0.0 and res[f"{key}_backend_compiles_in_same_bucket_call"] == 0
             res[f"{key}_no_recompile"] = ok
             log(f"compile: {key} whole generation {res[f'{key}_compile_s']:.1f}s; same-bucket call "
                 f"(prompt {s.same_bucket_prompt}, {s.same_bucket_new} new) compile_time_s="
@@ -1106,8 +1162,9 @@ def _lookup_hlo(names: dict, key: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU): prove every section runs")
-    ap.add_argument("--sections", default=",".join(ALL_SECTIONS),
-                    help=f"comma-separated subset of {','.join(ALL_SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma-separated subset of {','.join(ALL_SECTIONS)} (default: all but check)")
+    ap.add_argument("--json", default="bench_gpu.json", help="name of the JSON file under --out")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_gpu.json and the trace ($OUT)")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="stop starting new measurements after this many seconds (the call must end < 8 min)")
@@ -1133,6 +1190,23 @@ def main():
     if bad:
         ap.error(f"unknown sections {bad}; known: {ALL_SECTIONS}")
     b = Bench(args)
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        run_all(b, args, sections)
+    except KeyboardInterrupt as e:
+        log(f"INTERRUPTED ({e}): reporting what was measured")
+        p = getattr(b, "ref_proc", None)
+        if p is not None and p.poll() is None:
+            p.kill()
+        b.R["interrupted"] = str(e)
+    b.report()
+
+
+def run_all(b, args, sections):
     log(f"bench_gpu: sections {sections}, budget {args.budget_s:.0f}s, out {args.out}, smoke={args.smoke}")
     # The reference runs in a child process, started before this process touches the GPU. While it
     # runs, this process builds the models and compiles every program (CPU work; XLA's autotuning
@@ -1150,7 +1224,7 @@ def main():
             except Exception as e:
                 b.err("reference", e)
             ref = None
-    if args.precompile and any(x != "reference" and x != "floors" for x in sections):
+    if args.precompile and any(x not in ("reference", "floors", "check") for x in sections):
         log("== precompile")
         try:
             b.precompile(sections, args.compile_workers)
@@ -1187,7 +1261,6 @@ def main():
             pass
     except Exception:
         pass
-    b.report()
 
 
 if __name__ == "__main__":
