@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 __all__ = [
     "write_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
-    "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES",
+    "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
+    "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids",
 ]
 
 # Per-layer tensors of a z-lab draft (prefixed by `layers.N.`), besides fc / hidden_norm / norm.
@@ -45,6 +46,13 @@ def draft_tensor_names(num_layers: int) -> set[str]:
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     names |= {f"layers.{i}.{s}" for i in range(num_layers) for s in DRAFT_TENSOR_SUFFIXES}
     return names
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference package's default taps (used when a config has no target_layer_ids)."""
+    from dflash.model import build_target_layer_ids
+
+    return list(build_target_layer_ids(num_target_layers, num_draft_layers))
 
 
 def saved_tensor_names(path: str) -> set[str]:
@@ -226,50 +234,82 @@ def acceptance_histogram(lengths) -> dict[int, int]:
 # Training
 # ---------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    # Tiny matrices: one thread beats two (no spin-waits on a busy 2-core CI box). Restored after.
+    saved = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _cosine_lr(step: int, steps: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def _chain_batch(succ: torch.Tensor, n_tokens: int, batch: int, length: int, p_jump: float,
-                 gen: torch.Generator) -> torch.Tensor:
-    """Sequences of the synthetic grammar: next = succ[cur], except with probability p_jump a uniform
-    token. [batch, length] int64 over tokens [0, n_tokens)."""
+def _grammar_batch(grammar: dict, batch: int, length: int, p_jump: float, gen: torch.Generator) -> torch.Tensor:
+    """Sequences of the synthetic grammar over tokens [0, n): next = succ[cur], except when cur is a
+    branch token and the previous token is in the lower half (then succ2[cur]); with probability
+    p_jump a uniform token instead. [batch, length] int64."""
+    succ, succ2, branch = (torch.tensor(grammar[k]) for k in ("succ", "succ2", "branch"))
+    n = len(succ)
     seq = torch.empty(batch, length, dtype=torch.long)
-    seq[:, 0] = torch.randint(n_tokens, (batch,), generator=gen)
+    seq[:, :2] = torch.randint(n, (batch, 2), generator=gen)
     jumps = torch.rand(batch, length, generator=gen) < p_jump
-    rand = torch.randint(n_tokens, (batch, length), generator=gen)
-    for t in range(1, length):
-        seq[:, t] = torch.where(jumps[:, t], rand[:, t], succ[seq[:, t - 1]])
+    rand = torch.randint(n, (batch, length), generator=gen)
+    for t in range(2, length):
+        cur, prev = seq[:, t - 1], seq[:, t - 2]
+        nxt = torch.where(branch[cur] & (prev < n // 2), succ2[cur], succ[cur])
+        seq[:, t] = torch.where(jumps[:, t], rand[:, t], nxt)
     return seq
 
 
-def train_target(path: str, *, vocab_size: int = 128, steps: int = 300, batch_size: int = 32, seq_len: int = 64,
-                 p_jump: float = 0.15, lr: float = 3e-3, seed: int = 0, num_threads: int | None = None,
+def make_grammar(n_tokens: int, p_branch: float, seed: int) -> dict:
+    """succ: a random permutation of [0, n_tokens); succ2: another; branch: the tokens (a p_branch
+    fraction) whose successor also depends on the token before them (a second-order rule, so the
+    draft has to track the path through its block and errs more the further a slot is)."""
+    gen = _seeded(seed)
+    return dict(succ=torch.randperm(n_tokens, generator=gen).tolist(),
+                succ2=torch.randperm(n_tokens, generator=gen).tolist(),
+                branch=(torch.rand(n_tokens, generator=gen) < p_branch).tolist())
+
+
+def train_target(path: str, *, vocab_size: int = 128, steps: int = 100, batch_size: int = 32, seq_len: int = 32,
+                 p_jump: float = 0.15, p_branch: float = 0.5, lr: float = 3e-3, seed: int = 0,
+                 num_threads: int | None = 1,
                  **target_kw) -> dict:
-    """A Qwen3ForCausalLM (shapes as `write_target`) trained on a synthetic Markov chain over tokens
-    [0, vocab_size - 1): next = succ[cur] with probability 1 - p_jump, else uniform; succ is a fixed
-    random permutation. The last token id (vocab_size - 1) never occurs: it is the draft's MASK.
-    Greedy continuations then follow succ, and at T = 1 the target keeps ~p_jump of entropy.
-    Saved with `save_pretrained`; returns training stats."""
+    """A genuine Qwen3ForCausalLM (shapes as `write_target`, random init, noisy norms) trained briefly on
+    a synthetic grammar over tokens [0, vocab_size - 1) (see `make_grammar`): next = succ[cur], or
+    succ2[cur] for branch tokens preceded by a lower-half token; with probability p_jump a uniform token.
+    The last id (vocab_size - 1) never occurs in the data: it is the draft's MASK. Greedy continuations
+    follow the grammar, so a draft can learn them; at T = 1 the target keeps ~p_jump of entropy.
+    Saved with `save_pretrained`; returns stats (`greedy_follows_grammar`: the greedy next-token match
+    rate on clean grammar sequences, ~0.99)."""
+    with _torch_threads(num_threads), torch.random.fork_rng():
+        return _train_target(path, vocab_size=vocab_size, steps=steps, batch_size=batch_size, seq_len=seq_len,
+                             p_jump=p_jump, p_branch=p_branch, lr=lr, seed=seed, **target_kw)
+
+
+def _train_target(path, *, vocab_size, steps, batch_size, seq_len, p_jump, p_branch, lr, seed, **target_kw):
     from transformers import Qwen3ForCausalLM
 
     t0 = time.perf_counter()
-    if num_threads:
-        torch.set_num_threads(num_threads)
     write_target(path, vocab_size=vocab_size, seed=seed, **target_kw)
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    gen = _seeded(seed + 17)
-    n_tokens = vocab_size - 1
-    succ = torch.randperm(n_tokens, generator=gen)
+    grammar = make_grammar(vocab_size - 1, p_branch, seed + 17)
+    gen = _seeded(seed + 18)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     losses = []
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * _cosine_lr(step, steps, warmup)
-        seq = _chain_batch(succ, n_tokens, batch_size, seq_len, p_jump, gen)
+        seq = _grammar_batch(grammar, batch_size, seq_len, p_jump, gen)
         logits = model(seq).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), seq[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -279,28 +319,31 @@ def train_target(path: str, *, vocab_size: int = 128, steps: int = 300, batch_si
         losses.append(loss.item())
     model.eval().save_pretrained(path, safe_serialization=True)
     with torch.no_grad():
-        probe = _chain_batch(succ, n_tokens, 64, seq_len, 0.0, gen)
+        probe = _grammar_batch(grammar, 64, seq_len, 0.0, gen)
         greedy = model(probe).logits[:, :-1].argmax(-1)
-        follows = float((greedy == probe[:, 1:]).float().mean())
+        follows = float((greedy[:, 1:] == probe[:, 2:]).float().mean())
     return dict(path=path, final_loss=sum(losses[-10:]) / 10, greedy_follows_grammar=follows,
-                succ=succ.tolist(), p_jump=p_jump, seconds=time.perf_counter() - t0)
+                grammar=grammar, p_jump=p_jump, seconds=time.perf_counter() - t0)
 
 
 @torch.no_grad()
-def _greedy_sequences(target, prompts: list[list[int]], seq_len: int) -> list[torch.Tensor]:
-    """Each prompt continued by the target's own greedy decoding to seq_len tokens in all."""
-    by_len: dict[int, list[int]] = {}
+def _target_sequences(target, prompts: list[list[int]], seq_len: int, sampled: list[bool],
+                      seed: int) -> torch.Tensor:
+    """Each prompt continued by the target itself to seq_len tokens in all: greedily, or sampled at
+    temperature 1 where `sampled[i]`. Batched per (prompt length, mode), attention mask all ones."""
+    groups: dict[tuple[int, bool], list[int]] = {}
     for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
+        groups.setdefault((len(p), bool(sampled[i])), []).append(i)
     out: list[torch.Tensor] = [None] * len(prompts)  # type: ignore[list-item]
-    for length, idx in by_len.items():
+    torch.manual_seed(seed)
+    for (length, sample), idx in sorted(groups.items()):
         ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long)
+        extra = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
         seqs = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=seq_len - length,
-                               min_new_tokens=seq_len - length, do_sample=False, pad_token_id=0,
-                               eos_token_id=None)
+                               min_new_tokens=seq_len - length, pad_token_id=0, eos_token_id=None, **extra)
         for row, i in enumerate(idx):
             out[i] = seqs[row]
-    return out
+    return torch.stack(out)
 
 
 def _measure(draft, target, prompts, max_new_tokens: int, block_size: int, temperature: float, seed: int):
@@ -312,11 +355,37 @@ def _measure(draft, target, prompts, max_new_tokens: int, block_size: int, tempe
     return dict(tau=sum(lengths) / len(lengths), histogram=acceptance_histogram(lengths), iterations=len(lengths))
 
 
-def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_layers: int = 2, steps: int = 400,
-                batch_size: int = 16, blocks_per_row: int = 8, lr: float = 1e-3, warmup_frac: float = 0.04, gamma: float | None = None,
-                num_sequences: int = 256, seq_len: int = 96, prompt_len=(8, 16), mask_token_id: int | None = None,
-                target_layer_ids=None, num_eval_prompts: int = 8, eval_max_new_tokens: int = 64,
-                eval_temperatures=(0.0, 1.0), seed: int = 0, num_threads: int | None = None) -> dict:
+def pack_blocks(seqs: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """K training blocks per sequence, packed after the sequence's context (the paper's layout).
+
+    seqs [R, T] token ids, anchors [R, K] with anchor + block_size <= T. Block k of row r is
+    [seqs[r, a], MASK x (S-1)] at positions [a, a+S), a = anchors[r, k]; its queries see the context
+    keys at positions < a and the keys of their own block only. Returns block ids [R, K*S], labels
+    [R, K, S-1] (seqs[r, a+1 .. a+S-1]), position_ids [R, T + K*S] (context 0..T-1, then the blocks)
+    and the visibility mask [R, K*S, T + K*S] (True = attend), for the draft's forward with
+    target_hidden = the target's tap features of all T positions."""
+    R, T = seqs.shape
+    K, S = anchors.shape[1], block_size
+    offs = torch.arange(S)
+    block = torch.full((R, K, S), mask_token_id, dtype=torch.long)
+    block[:, :, 0] = seqs.gather(1, anchors)
+    labels = seqs.gather(1, (anchors[:, :, None] + offs[1:]).view(R, -1)).view(R, K, S - 1)
+    position_ids = torch.cat([torch.arange(T).expand(R, T), (anchors[:, :, None] + offs).view(R, K * S)], 1)
+    key_pos = torch.arange(T + K * S)
+    key_block = (key_pos - T).div(S, rounding_mode="floor")  # block of each block key; < 0 for context
+    query_anchor = anchors.repeat_interleave(S, dim=1)  # [R, K*S]
+    query_block = torch.arange(K).repeat_interleave(S)  # [K*S]
+    visible = torch.where(key_block[None, None, :] < 0,
+                          key_pos[None, None, :] < query_anchor[:, :, None],
+                          key_block[None, None, :] == query_block[None, :, None])
+    return block.view(R, K * S), labels, position_ids, visible
+
+
+def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_layers: int = 2, steps: int = 600,
+                batch_size: int = 16, blocks_per_row: int = 8, lr: float = 3e-3, warmup_frac: float = 0.04,
+                gamma: float | None = None, num_sequences: int = 256, sampled_fraction: float = 1.0,
+                seq_len: int = 96, prompt_len=(8, 16), mask_token_id: int | None = None, target_layer_ids=None, num_eval_prompts: int = 8, eval_max_new_tokens: int = 64,
+                eval_temperatures=(0.0, 1.0), seed: int = 0, num_threads: int | None = 1) -> dict:
     """Train a reference DFlashDraftModel against the frozen target at `target_path`, save it in z-lab
     format at `out_path` and measure its acceptance with the reference `dflash_generate`.
 
@@ -326,11 +395,17 @@ def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_lay
     >= a are masked), labels tok[a+1 .. a+S-1]; loss sum_k w_k CE_k / sum_k w_k, w_k = exp(-(k-1)/gamma).
     The target's embedding and LM head are frozen and shared. Returns stats, including `tau[T]` and
     `histogram[T]` for each eval temperature on held-out prompts."""
+    kw = {k: v for k, v in locals().items() if k not in ("target_path", "out_path", "num_threads")}
+    with _torch_threads(num_threads), torch.random.fork_rng():
+        return _train_draft(target_path, out_path, **kw)
+
+
+def _train_draft(target_path, out_path, *, block_size, num_layers, steps, batch_size, blocks_per_row, lr,
+                 warmup_frac, gamma, num_sequences, sampled_fraction, seq_len, prompt_len, mask_token_id, target_layer_ids,
+                 num_eval_prompts, eval_max_new_tokens, eval_temperatures, seed):
     from dflash.model import DFlashDraftModel, extract_context_feature
 
     t0 = time.perf_counter()
-    if num_threads:
-        torch.set_num_threads(num_threads)
     S = block_size
     gamma = gamma if gamma is not None else {8: 4.0, 10: 5.0, 16: 7.0}.get(S, S / 2)
     target, _ = load_torch_pair(target_path)
@@ -345,7 +420,9 @@ def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_lay
     # Training data: the target's own greedy responses and its tap features, computed once.
     prompts = random_prompts(num_sequences, V, min_len=prompt_len[0], max_len=prompt_len[1], seed=seed + 101,
                              exclude=(mask_id,))
-    seqs = torch.stack(_greedy_sequences(target, prompts, seq_len))  # [N, T]
+    n_sampled = int(round(sampled_fraction * num_sequences))
+    seqs = _target_sequences(target, prompts, seq_len, [i < n_sampled for i in range(num_sequences)],
+                             seed + 102)  # [N, T]
     plens = torch.tensor([len(p) for p in prompts])
     with torch.no_grad():
         out = target(seqs, output_hidden_states=True)
@@ -360,9 +437,6 @@ def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_lay
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, int(warmup_frac * steps))
     gen = _seeded(seed + 202)
-    offs = torch.arange(S)
-    key_pos = torch.arange(T + K * S)
-    key_block = (key_pos - T).div(S, rounding_mode="floor")  # block of each block key; < 0 for context keys
     losses = []
     for step in range(steps):
         for g in opt.param_groups:
@@ -370,22 +444,12 @@ def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_lay
         rows = torch.randint(len(seqs), (R,), generator=gen)
         lo = plens[rows][:, None]
         anchors = lo + (torch.rand(R, K, generator=gen) * (T - S + 1 - lo)).long()  # [R, K] in [plen, T - S]
-        block = torch.full((R, K, S), mask_id, dtype=torch.long)
-        block[:, :, 0] = seqs[rows[:, None], anchors]
-        labels = seqs[rows[:, None, None], anchors[:, :, None] + offs[1:]]  # [R, K, S-1]
-        block_pos = (anchors[:, :, None] + offs).reshape(R, K * S)
-        position_ids = torch.cat([key_pos[None, :T].expand(R, T), block_pos], 1)  # [R, T + K*S]
-        # Query block k sees context keys before its anchor and the keys of its own block only.
-        query_anchor = anchors.repeat_interleave(S, dim=1)  # [R, K*S]
-        query_block = torch.arange(K).repeat_interleave(S)  # [K*S]
-        visible = torch.where(key_block[None, None, :] < 0,
-                              key_pos[None, None, :] < query_anchor[:, :, None],
-                              key_block[None, None, :] == query_block[None, :, None])  # [R, K*S, T + K*S]
+        block, labels, position_ids, visible = pack_blocks(seqs[rows], anchors, S, mask_id)
         with torch.no_grad():
-            noise = embed(block.view(R, K * S))
+            noise = embed(block)
         hidden = draft(position_ids=position_ids, attention_mask=visible[:, None], noise_embedding=noise,
                        target_hidden=feats[rows])
-        logits = lm_head(hidden.view(R, K, S, -1)[:, :, 1:])  # [R, K, S-1, V]
+        logits = lm_head(hidden.view(R, K, S, -1)[:, :, 1:])  # [R, K, S-1, V]; labels [R, K, S-1]
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
         loss = (ce.view(R * K, S - 1).mean(0) * weights).sum()
         opt.zero_grad(set_to_none=True)
@@ -409,4 +473,43 @@ def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_lay
         stats["tau"][float(temp)] = m["tau"]
         stats["histogram"][float(temp)] = m["histogram"]
     stats["seconds"] = time.perf_counter() - t0
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trained pairs (what the conftest fixtures build)
+# ---------------------------------------------------------------------------------------------------
+
+TRAINED_PAIR = dict(vocab_size=128, block_size=8, target_layer_ids=(1, 2), draft_steps=600)
+SMALL_VOCAB_PAIR = dict(vocab_size=32, block_size=8, target_layer_ids=(1, 2), draft_steps=400)
+
+
+def build_trained_pair(root: str, *, vocab_size: int = 128, block_size: int = 8, target_layer_ids=(1, 2),
+                       draft_steps: int = 600, seed: int = 0, target_kw: dict | None = None,
+                       draft_kw: dict | None = None) -> dict:
+    """`train_target` into root/target, `train_draft` into root/draft; the stats also go to
+    root/pair.json (see `read_pair`). Returns train_draft's stats plus `target_training`."""
+    t0 = time.perf_counter()
+    os.makedirs(root, exist_ok=True)
+    tstats = train_target(os.path.join(root, "target"), vocab_size=vocab_size, seed=seed, **(target_kw or {}))
+    stats = train_draft(tstats["path"], os.path.join(root, "draft"), block_size=block_size, steps=draft_steps,
+                        target_layer_ids=None if target_layer_ids is None else list(target_layer_ids),
+                        seed=seed, **(draft_kw or {}))
+    stats["target_training"] = {k: v for k, v in tstats.items() if k != "path"}
+    stats["vocab_size"] = vocab_size
+    stats["prompt_token_range"] = [0, vocab_size - 1]  # half-open; the last id is the MASK
+    stats["total_seconds"] = time.perf_counter() - t0
+    with open(os.path.join(root, "pair.json"), "w") as f:
+        json.dump({**stats, "target_path": "target", "draft_path": "draft"}, f, indent=1)
+    return stats
+
+
+def read_pair(root: str) -> dict:
+    """The stats of a pair built by `build_trained_pair` (possibly copied elsewhere), paths under root."""
+    with open(os.path.join(root, "pair.json")) as f:
+        stats = json.load(f)
+    stats["target_path"] = os.path.join(root, stats["target_path"])
+    stats["draft_path"] = os.path.join(root, stats["draft_path"])
+    stats["tau"] = {float(k): v for k, v in stats["tau"].items()}
+    stats["histogram"] = {float(k): {int(n): c for n, c in h.items()} for k, h in stats["histogram"].items()}
     return stats

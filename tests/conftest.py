@@ -1,0 +1,110 @@
+"""Session fixtures: checkpoints written by transformers / the reference `dflash` package, built once
+per session in tmp dirs (see tests/checkpoints.py for what each one is).
+
+- `tiny_target`: path of a random Qwen3 target of the default shapes (vocab 128, H 64, 4 layers, 4 q /
+  2 kv heads, head_dim 16, untied, non-unit norms).
+- `target_variants`: list of {"name", "path", "kwargs"} over tied/untied embeddings, GQA ratios 1/2/4
+  and head_dim 16/32; `target_variant` is the same, parametrized (one test per variant).
+- `tiny_pair`: random target (6 layers) + random draft (2 layers, S = 8, `target_layer_ids` left out of
+  the config so the default formula gives [1, 3]); dict with target_path, draft_path, block_size,
+  mask_token_id, target_layer_ids.
+- `trained_pair`: a trained target (vocab 128) + trained draft (S = 8, taps [1, 2]); dict with
+  target_path, draft_path, block_size, mask_token_id, eval_prompts, eval_max_new_tokens,
+  tau {T: mean}, histogram {T: {length: count}} measured with the reference dflash_generate, ...
+- `trained_small_vocab_pair`: the same at vocab 32 (for sampling tests that enumerate the target).
+
+Set DFLASH_TEST_CACHE=/some/dir to keep the trained pairs across sessions (keyed by the source of
+tests/checkpoints.py and the library versions); unset, everything is rebuilt in tmp dirs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import jax
+import pytest
+
+jax.config.update("jax_enable_x64", False)
+
+from tests import checkpoints as ck  # noqa: E402
+
+# name -> write_target kwargs. GQA 4 uses 8 q / 2 kv heads (not 4 / 1) so a wrong q-head -> kv-head
+# grouping shows; head_dim 32 makes q width (128) differ from hidden (64).
+TARGET_VARIANTS = {
+    "untied-gqa2-hd16": dict(),
+    "tied-gqa2-hd16": dict(tie_word_embeddings=True),
+    "untied-mha-hd16": dict(num_heads=4, num_kv_heads=4),
+    "untied-gqa4-hd16": dict(num_heads=8, num_kv_heads=2),
+    "untied-gqa2-hd32": dict(head_dim=32),
+    "tied-gqa4-hd32": dict(tie_word_embeddings=True, num_heads=8, num_kv_heads=2, head_dim=32),
+}
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> str:
+    _quiet_transformers()
+    return ck.write_target(str(tmp_path_factory.mktemp("tiny_target")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def target_variants(tmp_path_factory) -> list[dict]:
+    _quiet_transformers()
+    root = tmp_path_factory.mktemp("target_variants")
+    return [dict(name=name, kwargs=kw, path=ck.write_target(str(root / name), seed=i, **kw))
+            for i, (name, kw) in enumerate(TARGET_VARIANTS.items())]
+
+
+@pytest.fixture(scope="session", params=list(TARGET_VARIANTS), ids=list(TARGET_VARIANTS))
+def target_variant(request, target_variants) -> dict:
+    return next(v for v in target_variants if v["name"] == request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> dict:
+    _quiet_transformers()
+    root = tmp_path_factory.mktemp("tiny_pair")
+    tp = ck.write_target(str(root / "target"), num_layers=6, seed=1)
+    dp = ck.write_draft(str(root / "draft"), tp, num_layers=2, block_size=8, seed=2)
+    return dict(target_path=tp, draft_path=dp, block_size=8, mask_token_id=127,
+                target_layer_ids=ck.default_target_layer_ids(6, 2))
+
+
+def _build_pair(tmp_path_factory, name: str, spec: dict) -> dict:
+    _quiet_transformers()
+    root = str(tmp_path_factory.mktemp(name))
+    cache = os.environ.get("DFLASH_TEST_CACHE")
+    if not cache:
+        ck.build_trained_pair(root, **spec)
+        return ck.read_pair(root)
+    import torch
+    import transformers
+
+    with open(ck.__file__, "rb") as f:
+        key = hashlib.sha256(f.read() + repr((spec, torch.__version__, transformers.__version__)).encode())
+    cached = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}")
+    if not os.path.exists(os.path.join(cached, "pair.json")):
+        tmp = cached + f".tmp{os.getpid()}"
+        ck.build_trained_pair(tmp, **spec)
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+    shutil.copytree(cached, root, dirs_exist_ok=True)
+    return ck.read_pair(root)
+
+
+@pytest.fixture(scope="session")
+def trained_pair(tmp_path_factory) -> dict:
+    return _build_pair(tmp_path_factory, "trained_pair", ck.TRAINED_PAIR)
+
+
+@pytest.fixture(scope="session")
+def trained_small_vocab_pair(tmp_path_factory) -> dict:
+    return _build_pair(tmp_path_factory, "trained_small_vocab_pair", ck.SMALL_VOCAB_PAIR)
