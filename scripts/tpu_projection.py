@@ -48,11 +48,14 @@ CHIPS = {
     "v5e": dict(topology="v5e:2x2", accel="v5litepod-4", hbm=16e9, bw=0.82e12, flops=197e12),
     "v4": dict(topology="v4:2x2x1", accel="v4-8", hbm=32e9, bw=1.2e12, flops=275e12),
 }
-H200 = dict(copy_bw=4.23e12, name="H200 (4.23 TB/s copy, measured)")
+H200 = dict(copy_bw=4.23e12, gemm_flops=780e12, name="H200 (4.23 TB/s copy, ~780 TFLOP/s bf16 GEMM, measured)")
+
+
+_LOG_TO = [sys.stderr]
 
 
 def log(*a):
-    print(*a, flush=True, file=sys.stderr)
+    print(*a, flush=True, file=_LOG_TO[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,14 +82,15 @@ def plan(smoke: bool, quick: bool):
                 ("iter", "plain step B=1 C=1024", False, 1, 512, 1024),
                 ("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024),
                 ("whole", "DFlash program B=4 p512 C=2048", True, 4, 512, 2048)]
+    # Compile times on 2 CPU cores, both chips at once: iterations 20-30 s (B=32: 100-160 s), whole
+    # programs 80-140 s; the default set takes ~7 min, --quick ~3.5 min.
     p = [("iter", "DFlash iteration B=1 C=1024", True, 1, 512, 1024),
          ("iter", "plain step B=1 C=1024", False, 1, 512, 1024),
          ("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024),
-         ("iter", "DFlash iteration B=1 C=33792", True, 1, 32768, 33792),
-         ("whole", "DFlash program B=8 p512 C=4096", True, 8, 512, 4096)]
+         ("iter", "DFlash iteration B=1 C=33792", True, 1, 32768, 33792)]
     if not quick:
-        p += [("iter", "DFlash iteration B=32 C=1024", True, 32, 512, 1024),
-              ("whole", "DFlash program B=1 p32768 C=33792", True, 1, 32768, 33792)]
+        p += [("whole", "DFlash program B=1 p32768 C=33792", True, 1, 32768, 33792),
+              ("iter", "DFlash iteration B=32 C=1024", True, 32, 512, 1024)]
     return p
 
 
@@ -136,6 +140,20 @@ def lower_iteration(tc, dc, *, batch, prompt_len, capacity, attention_impl, devi
     return jax.jit(one, donate_argnums=(3,)).trace(tstate, dstate, p, loop).lower()
 
 
+def param_bytes(tc, dc) -> dict:
+    """Parameter bytes of the abstract models (nothing allocated)."""
+    import jax
+    _, _, (tstate, dstate, _) = _st_and_args(tc, dc, batch=1, prompt_len=512, capacity=1024,
+                                             attention_impl="xla", device=None)
+    tl = jax.tree_util.tree_flatten_with_path(tstate)[0]
+    t_total = sum(x.size * x.dtype.itemsize for _, x in tl)
+    emb = sum(x.size * x.dtype.itemsize for pth, x in tl if "embed" in jax.tree_util.keystr(pth).lower())
+    d_total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dstate))
+    lm = tc.vocab_size * tc.hidden_size * 2
+    return {"target_total": t_total, "embed": emb, "draft": d_total, "lm_head": lm,
+            "target_read": t_total - (0 if tc.tie_word_embeddings else emb)}
+
+
 def lower_whole(tc, dc, *, batch, prompt_len, capacity, attention_impl, device):
     from dflash_jax import decode
     return decode.lower_generate(tc, dc, batch=batch, prompt_len=prompt_len, max_new_tokens=256,
@@ -155,6 +173,7 @@ def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: st
     kv_d = 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * 2
     res["kv_bytes_per_token"] = {"target": kv_t, "draft": kv_d}
     res["max_positions"] = tc.max_position_embeddings
+    res["param_bytes"] = param_bytes(tc, dc)
 
     def save():
         with open(out_path, "w") as f:
@@ -243,33 +262,35 @@ def run_children(chips, args) -> dict:
 
 
 def fit_memory(r: dict, spec: dict) -> dict:
-    """weights + B*C*kv + temp(B) from the whole-program points; largest capacity per batch."""
+    """weights + B*C*kv + other, other = base + slope * B * prompt_bucket (prefill activations), from the
+    whole-program points; the largest capacity per batch, with a 512-token prompt and with the prompt
+    filling the context."""
     kv = r["kv_bytes_per_token"]["target"] + r["kv_bytes_per_token"]["draft"]
     whole = [p for p in r["points"] if p["kind"] == "whole" and "total_bytes" in p and p["draft"]]
     if not whole:
         return {}
     weights = min(p["argument_size_in_bytes"] for p in whole)
-    # per point: what is neither weights nor KV; temp grows with batch (activations) and prompt bucket
-    rest = [(p["batch"], p["prompt"], p["total_bytes"] - weights - p["batch"] * p["capacity"] * kv) for p in whole]
-    short = sorted([(b, x) for b, pr, x in rest if pr <= 512])
-    if len(short) >= 2 and short[-1][0] != short[0][0]:
-        (b0, x0), (b1, x1) = short[0], short[-1]
-        per_b = max(0.0, (x1 - x0) / (b1 - b0))
-        base = x0 - per_b * b0
+    pts = sorted((p["batch"] * _pow2(p["prompt"]), p["total_bytes"] - weights - p["batch"] * p["capacity"] * kv)
+                 for p in whole)
+    if len(pts) >= 2 and pts[-1][0] != pts[0][0]:
+        (t0, x0), (t1, x1) = pts[0], pts[-1]
+        slope = max(0.0, (x1 - x0) / (t1 - t0))
+        base = x0 - slope * t0
     else:
-        per_b, base = 0.0, (short[0][1] if short else max(x for _, _, x in rest))
-    out = {"weights_bytes": weights, "kv_bytes_per_token": kv, "other_base_bytes": base, "other_per_batch_bytes": per_b,
-           "other_by_point": [dict(batch=b, prompt=pr, bytes=x) for b, pr, x in rest], "max_context": {}}
-    long_extra = max([x for b, pr, x in rest if pr > 512] or [0.0])
-    out["model_max_positions"] = r.get("max_positions")
+        slope, base = 0.0, pts[0][1]
+    out = {"weights_bytes": weights, "kv_bytes_per_token": kv, "other_base_bytes": base,
+           "other_per_prefill_token_bytes": slope, "model_max_positions": r.get("max_positions"),
+           "other_by_point": [dict(prefill_tokens=t, bytes=x) for t, x in pts],
+           "max_context_prompt512": {}, "max_context_prompt_fills": {}}
     for B in (1, 8, 32, 64):
-        free = spec["hbm"] - weights - base - per_b * B
-        cmax = free / (B * kv) if free > 0 else 0
-        # with a long prompt the prefill's temporaries grow (measured at B=1 p32768 when compiled)
-        out["max_context"][B] = int(max(0, cmax))
-    if long_extra:
-        out["long_prompt_other_bytes"] = long_extra
+        free = spec["hbm"] - weights - base
+        out["max_context_prompt512"][B] = int(max(0, (free - slope * B * 512) / (B * kv)))
+        out["max_context_prompt_fills"][B] = int(max(0, free / (B * (kv + slope))))
     return out
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << max(0, (n - 1).bit_length()))
 
 
 def h200_numbers(h200_json: str | None, tc_bytes: dict) -> dict:
@@ -292,11 +313,20 @@ def report(results: dict, args) -> dict:
     P("NOT MEASUREMENTS. ms/iter = bytes accessed / HBM bandwidth (or flops / peak when larger); attention "
       f"impl {args.attention_impl}.")
     P("")
+    P("GB/iter = the compiler's bytes accessed for one iteration; ideal = parameters read once + KV at capacity "
+      "(bench_gpu.py's floor formula), ms at the chip's HBM bandwidth. (whole program: prefill + one loop body)")
     P(f"{'chip':5} {'program':36} {'args GB':>8} {'out GB':>7} {'temp GB':>8} {'total GB':>9} {'HBM':>5} {'fits':>5} "
-      f"{'GB/iter':>8} {'TFLOP':>7} {'ms proj':>8} {'bound':>6} {'compile':>8}")
+      f"{'GB/iter':>8} {'TFLOP':>7} {'ms proj':>8} {'bound':>6} {'ideal GB':>8} {'ideal ms':>8} {'compile':>8}")
     summary = {}
+    pb = None
     for chip, r in results.items():
         spec = CHIPS[chip]
+        if "param_bytes" not in r:  # an older --json: compute them here (abstract, no compile)
+            if pb is None:
+                sys.path.insert(0, REPO)
+                os.environ.setdefault("JAX_PLATFORMS", "cpu")
+                pb = param_bytes(*configs(args.smoke))
+            r["param_bytes"] = pb
         if r.get("error") and not r["points"]:
             P(f"{chip:5} ERROR {r['error'][:200]}")
             continue
@@ -307,35 +337,48 @@ def report(results: dict, args) -> dict:
             proj = ""
             bound = ""
             if p["kind"] == "iter":
+                pb = r.get("param_bytes")
+                if pb:  # the floor: parameters read once + KV over the capacity
+                    S = 16 if p["draft"] else 1
+                    ideal = pb["target_read"] + (pb["draft"] + pb["lm_head"] if p["draft"] else 0) + \
+                        p["batch"] * p["capacity"] * (r["kv_bytes_per_token"]["target"] +
+                                                      (r["kv_bytes_per_token"]["draft"] if p["draft"] else 0))
+                    p["ideal_bytes"] = ideal
+                    p["ideal_ms"] = 1000 * max(ideal / spec["bw"], p["flops"] / spec["flops"])
                 tb = p["bytes_accessed"] / spec["bw"]
                 tf = p["flops"] / spec["flops"]
                 p["proj_ms"] = 1000 * max(tb, tf)
                 p["proj_bound"] = "bytes" if tb >= tf else "flops"
                 proj, bound = f"{p['proj_ms']:8.2f}", p["proj_bound"]
+                ideal = (f"{p['ideal_bytes'] / 1e9:8.2f} {p['ideal_ms']:8.2f}" if "ideal_ms" in p else f"{'':8} {'':8}")
                 gb = f"{p['bytes_accessed'] / 1e9:8.2f}"
                 tfl = f"{p['flops'] / 1e12:7.2f}"
             else:
                 gb = f"{'(' + format(p['bytes_accessed'] / 1e9, '.1f') + ')':>8}"
                 tfl = f"{'(' + format(p['flops'] / 1e12, '.1f') + ')':>7}"
+                ideal = f"{'':8} {'':8}"
             P(f"{chip:5} {p['label']:36} {p['argument_size_in_bytes'] / 1e9:8.2f} {p['output_size_in_bytes'] / 1e9:7.2f} "
               f"{p['temp_size_in_bytes'] / 1e9:8.2f} {p['total_bytes'] / 1e9:9.2f} {spec['hbm'] / 1e9:5.0f} "
-              f"{'yes' if p['fits'] else 'NO':>5} {gb} {tfl} {proj:>8} {bound:>6} {p['compile_s']:7.0f}s")
+              f"{'yes' if p['fits'] else 'NO':>5} {gb} {tfl} {proj:>8} {bound:>6} {ideal} {p['compile_s']:7.0f}s")
         fm = fit_memory(r, spec)
         r["memory_fit"] = fm
         if fm:
-            P(f"{chip:5} memory model: weights {fm['weights_bytes'] / 1e9:.2f} GB + B x C x {fm['kv_bytes_per_token'] / 1024:.0f} KiB "
-              f"(target+draft KV per token) + other {fm['other_base_bytes'] / 1e9:.2f} GB + {fm['other_per_batch_bytes'] / 1e6:.0f} MB x B"
-              + (f" (a 32k-prompt prefill: other {fm['long_prompt_other_bytes'] / 1e9:.2f} GB)" if fm.get("long_prompt_other_bytes") else ""))
             mp = fm.get("model_max_positions") or 0
-            P(f"{chip:5} largest KV capacity (context) that fits {spec['hbm'] / 1e9:.0f} GB: "
-              + ", ".join(f"B={b}: {c:,}" + (" (> model max)" if mp and c > mp else "") for b, c in fm["max_context"].items())
-              + (f" tokens; the model's max_position_embeddings is {mp:,}" if mp else " tokens"))
+            P(f"{chip:5} memory model: weights {fm['weights_bytes'] / 1e9:.2f} GB + B x C x {fm['kv_bytes_per_token'] / 1024:.0f} KiB "
+              f"(target+draft KV per token) + {fm['other_base_bytes'] / 1e9:.2f} GB + "
+              f"{fm['other_per_prefill_token_bytes'] / 1e3:.0f} KB x B x prompt bucket (prefill temporaries)")
+            for key, what in (("max_context_prompt512", "prompt 512"), ("max_context_prompt_fills", "prompt = context")):
+                P(f"{chip:5} largest context that fits {spec['hbm'] / 1e9:.0f} GB, {what}: "
+                  + ", ".join(f"B={b}: {c:,}" + ("*" if mp and c > mp else "") for b, c in fm[key].items())
+                  + (f"   (* past the model's {mp:,} positions)" if mp else ""))
         summary[chip] = r
     P("")
-    # side by side with the H200
     gpu = h200_numbers(args.h200_json, {})
-    P("per-iteration projection next to the H200 (H200 floor = the same kind of byte count / 4.23 TB/s copy bandwidth):")
-    P(f"{'program':36} " + " ".join(f"{c + ' ms':>9}" for c in results) + f" {'H200 floor':>10} {'H200 meas.':>10}")
+    P("per-iteration ms: TPU compiler's bytes / HBM bandwidth ('proj'), the ideal bytes / HBM bandwidth ('ideal'),")
+    P("the H200 floor (ideal bytes / 4.23 TB/s copy bandwidth, or flops / 780 TFLOP/s when larger) and, with")
+    P("--h200-json, the H200 measurement. 'ideal' uses the compiler's flops / peak bf16 when that is larger.")
+    P(f"{'program':36} " + " ".join(f"{c + ' proj':>9} {c + ' ideal':>9}" for c in results)
+      + f" {'H200 floor':>10} {'H200 meas.':>10}")
     labels = []
     for r in results.values():
         for p in r["points"]:
@@ -347,14 +390,13 @@ def report(results: dict, args) -> dict:
         cells, h200_floor = [], None
         for chip, r in results.items():
             p = next((q for q in r["points"] if q["label"] == lab and "proj_ms" in q), None)
-            cells.append(f"{p['proj_ms']:9.2f}" if p else f"{'-':>9}")
-            if p and h200_floor is None:
-                h200_floor = 1000 * p["bytes_accessed"] / H200["copy_bw"]
+            cells.append(f"{p['proj_ms']:9.2f} {p.get('ideal_ms', float('nan')):9.2f}" if p else f"{'-':>9} {'-':>9}")
+            if p and h200_floor is None and "ideal_bytes" in p:
+                h200_floor = 1000 * max(p["ideal_bytes"] / H200["copy_bw"], p["flops"] / H200["gemm_flops"])
         g = gpu.get(keymap.get(lab, ""), {})
         meas = g.get("ms")
         P(f"{lab:36} " + " ".join(cells) + f" {h200_floor if h200_floor is not None else float('nan'):10.2f} "
           f"{(format(meas, '10.2f') if meas else '-'):>10}")
-    P("(H200 floor here uses the TPU compiler's byte count; bench_gpu.py's own floor uses parameter bytes.)")
     P("=" * 110)
     print("\n".join(lines), flush=True)
     return {"results": results, "report": lines}
@@ -369,10 +411,12 @@ def main():
     ap.add_argument("--h200-json", default=None, help="bench_gpu.json of an H200 run, for the side-by-side column")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--timeout-s", type=float, default=1500)
+    ap.add_argument("--report-only", default=None, help="re-print the report of an earlier --json (no compiling)")
     ap.add_argument("--_child", dest="child", help=argparse.SUPPRESS)
     ap.add_argument("--_out", dest="out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        _LOG_TO[0] = sys.stdout  # the parent passes our stdout through live; stderr (libtpu noise) is filtered
         sys.path.insert(0, REPO)
         child(args.child, args.out, args.smoke, args.quick, args.attention_impl)
         return
@@ -381,6 +425,11 @@ def main():
     if bad:
         ap.error(f"unknown chips {bad}; known {list(CHIPS)}")
     t = time.perf_counter()
+    if args.report_only:
+        with open(args.report_only) as f:
+            results = json.load(f)["results"]
+        report(results, args)
+        return
     results = run_children(chips, args)
     out = report(results, args)
     out["wall_s"] = time.perf_counter() - t
