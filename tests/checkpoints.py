@@ -19,6 +19,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections import Counter
 
 import torch
@@ -209,7 +210,8 @@ def reference_generate(draft, target, input_ids, max_new_tokens: int, *, tempera
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
     if seed is not None:
         torch.manual_seed(seed)
-    with _cpu_clock():
+    with _cpu_clock(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         return dflash_generate(draft, target, ids, max_new_tokens, stop_token_ids, temperature=temperature,
                                block_size=block_size, return_stats=True, **kw)
 
@@ -481,7 +483,8 @@ def _train_draft(target_path, out_path, *, block_size, num_layers, steps, batch_
 # ---------------------------------------------------------------------------------------------------
 
 TRAINED_PAIR = dict(vocab_size=128, block_size=8, target_layer_ids=(1, 2), draft_steps=600)
-SMALL_VOCAB_PAIR = dict(vocab_size=32, block_size=8, target_layer_ids=(1, 2), draft_steps=400)
+SMALL_VOCAB_PAIR = dict(vocab_size=32, block_size=8, target_layer_ids=(1, 2), draft_steps=300,
+                        draft_kw=dict(seq_len=64))
 
 
 def build_trained_pair(root: str, *, vocab_size: int = 128, block_size: int = 8, target_layer_ids=(1, 2),
