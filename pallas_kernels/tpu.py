@@ -80,7 +80,7 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
     n_k = pl.num_programs(3)
     tile = b * n_q_tiles + i
     hi = tmax_ref[tile]            # max k_end over this row tile
-    lo = tmin_ref[tile]            # min k_end over this row tile
+    lo = tmin_ref[tile]            # min k_end over the tile's live rows (k_end > 0)
     k0 = j * block_k
 
     @pl.when(j == 0)
@@ -113,8 +113,8 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
         acc_sc[...] = alpha * acc_sc[...] + pv
         m_sc[...] = m_new
 
-    # Every row of the tile sees the whole KV tile: no mask needed (most of a long context).
-    @pl.when(k0 + block_k <= lo)
+    # Every live row of the tile sees the whole KV tile: no mask needed (most of a long context).
+    @pl.when(jnp.logical_and(k0 + block_k <= lo, k0 < hi))
     def _full():
         _step(masked=False)
 
@@ -125,7 +125,9 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
     @pl.when(j == n_k - 1)
     def _finish():
         l = l_sc[...]
-        o_ref[...] = (acc_sc[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+        live = kend_ref[...] > 0                                             # [bq, 1]
+        o = jnp.where(live, acc_sc[...], 0.0) / jnp.where(l > 0, l, 1.0)
+        o_ref[...] = o.astype(o_ref.dtype)
 
 
 def fold_queries(q, k_end, G: int, R_pad: int):
@@ -179,7 +181,9 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
     kr = jnp.clip(kr, 0, C)
     tiles = kr.reshape(B * n_q, bq)
     tmax = jnp.max(tiles, axis=1)                                            # [B*n_q] (SMEM: keep 1-D)
-    tmin = jnp.min(tiles, axis=1)                                            # [B*n_q]
+    # min over live rows only: padding rows and rows with k_end == 0 (zeroed at the end) must not
+    # force every tile onto the masked path.
+    tmin = jnp.min(jnp.where(tiles > 0, tiles, C), axis=1)                   # [B*n_q]
     kr = kr[:, :, None]                                                      # [B, R_pad, 1]
 
     def kv_map(b, h, i, j, tmax_ref, tmin_ref):

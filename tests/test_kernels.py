@@ -136,7 +136,8 @@ def test_gpu_kernel_kv_splits(kv_splits, pattern):
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
-    out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32)
+    out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
+                              min_chunk=32)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
