@@ -4,8 +4,8 @@ the reference `dflash` package (PyPI 0.1.0) with `save_pretrained`, plus a small
 Nothing here imports dflash_jax: these checkpoints are what the JAX code must read and reproduce.
 
 - `write_target` / `write_draft`: random weights, non-unit RMSNorm weights (a wrong norm shows).
-- `train_target`: a Qwen3ForCausalLM trained briefly on a synthetic Markov chain ("grammar"), so its
-  greedy continuations are learnable by a draft; a random target's continuations are too chaotic.
+- `train_target`: a Qwen3ForCausalLM trained briefly on a synthetic second-order grammar, so its
+  continuations are learnable by a draft; a random target's continuations are too chaotic.
 - `train_draft`: the paper's recipe scaled down (anchors inside target-generated responses, block
   [anchor, MASK x (S-1)], context = target taps strictly before the anchor, decaying slot weights),
   then τ measured with the reference `dflash_generate` on held-out prompts.
@@ -30,7 +30,7 @@ __all__ = [
     "write_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
     "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
-    "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids",
+    "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids", "pack_blocks",
 ]
 
 # Per-layer tensors of a z-lab draft (prefixed by `layers.N.`), besides fc / hidden_norm / norm.
@@ -386,25 +386,32 @@ def pack_blocks(seqs: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
 def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_layers: int = 2, steps: int = 600,
                 batch_size: int = 16, blocks_per_row: int = 8, lr: float = 3e-3, warmup_frac: float = 0.04,
                 gamma: float | None = None, num_sequences: int = 256, sampled_fraction: float = 1.0,
-                seq_len: int = 96, prompt_len=(8, 16), mask_token_id: int | None = None, target_layer_ids=None, num_eval_prompts: int = 8, eval_max_new_tokens: int = 64,
+                seq_len: int = 96, prompt_len=(8, 16), mask_token_id: int | None = None, target_layer_ids=None,
+                num_eval_prompts: int = 8, eval_max_new_tokens: int = 64,
                 eval_temperatures=(0.0, 1.0), seed: int = 0, num_threads: int | None = 1) -> dict:
     """Train a reference DFlashDraftModel against the frozen target at `target_path`, save it in z-lab
     format at `out_path` and measure its acceptance with the reference `dflash_generate`.
 
-    Data: random prompts (tokens in [0, vocab - 1), lengths `prompt_len`) continued by the target's greedy
-    decoding to `seq_len` tokens. Each training row is one block: anchor a inside the response, block
-    [tok[a], MASK x (S-1)] at positions [a, a+S), context = target taps at positions [0, a) (keys at
-    >= a are masked), labels tok[a+1 .. a+S-1]; loss sum_k w_k CE_k / sum_k w_k, w_k = exp(-(k-1)/gamma).
-    The target's embedding and LM head are frozen and shared. Returns stats, including `tau[T]` and
-    `histogram[T]` for each eval temperature on held-out prompts."""
+    Data: random prompts (tokens in [0, vocab - 1), lengths `prompt_len`) continued by the target itself
+    (HF generate, all-ones attention mask) to `seq_len` tokens: sampled at T = 1 for a
+    `sampled_fraction` of them, greedy for the rest. Labels are the response tokens, as in the paper.
+    All-greedy data (sampled_fraction=0) makes a draft that memorises the few greedy attractor paths and
+    fails after any break in the context (right after the prompt, after a T = 1 jump): acceptance is
+    then all-or-nothing ({1, S}) and τ at T = 1 ~1.4; sampled responses give graded acceptance.
+    Training blocks (`pack_blocks`, K = blocks_per_row per sequence, batch_size sequences per step):
+    anchor a uniform inside the response, block [tok[a], MASK x (S-1)] at positions [a, a+S), context
+    = target taps at positions [0, a), labels tok[a+1 .. a+S-1]; loss sum_k w_k CE_k / sum_k w_k with
+    w_k = exp(-(k-1)/gamma); AdamW, cosine schedule with warm-up, grad clip 1.0. The target's
+    embedding and LM head are frozen and shared. Returns stats: `tau[T]` and `histogram[T]` for each
+    eval temperature (reference dflash_generate on `eval_prompts`, `eval_max_new_tokens` each), etc."""
     kw = {k: v for k, v in locals().items() if k not in ("target_path", "out_path", "num_threads")}
     with _torch_threads(num_threads), torch.random.fork_rng():
         return _train_draft(target_path, out_path, **kw)
 
 
 def _train_draft(target_path, out_path, *, block_size, num_layers, steps, batch_size, blocks_per_row, lr,
-                 warmup_frac, gamma, num_sequences, sampled_fraction, seq_len, prompt_len, mask_token_id, target_layer_ids,
-                 num_eval_prompts, eval_max_new_tokens, eval_temperatures, seed):
+                 warmup_frac, gamma, num_sequences, sampled_fraction, seq_len, prompt_len, mask_token_id,
+                 target_layer_ids, num_eval_prompts, eval_max_new_tokens, eval_temperatures, seed):
     from dflash.model import DFlashDraftModel, extract_context_feature
 
     t0 = time.perf_counter()
@@ -419,7 +426,7 @@ def _train_draft(target_path, out_path, *, block_size, num_layers, steps, batch_
     draft = DFlashDraftModel(cfg).train()
     taps = draft.target_layer_ids
 
-    # Training data: the target's own greedy responses and its tap features, computed once.
+    # Training data: the target's own responses and its tap features, computed once.
     prompts = random_prompts(num_sequences, V, min_len=prompt_len[0], max_len=prompt_len[1], seed=seed + 101,
                              exclude=(mask_id,))
     n_sampled = int(round(sampled_fraction * num_sequences))
