@@ -86,7 +86,7 @@ def test_random_pair_is_lossless_and_identical_to_reference(random_pair, S):
 
 @pytest.mark.parametrize("S", [4, 8])
 def test_trained_pair_is_lossless_identical_to_reference_and_accepts(trained, S):
-    prompts = trained["eval_prompts"][:4]
+    prompts = trained["eval_prompts"]  # all 8: a partial block somewhere must not hinge on one seed
     stop = None
     res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S)
     plain = generate(trained["target"], None, prompts, max_new_tokens=40)
