@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """TPU projections for the Qwen3-8B DFlash loop, from the real TPU compiler on a CPU-only machine.
 
-    python scripts/tpu_projection.py                  # v6e and v5p, Qwen3-8B + 5-layer draft (~6-9 min, 2 cores)
+    python scripts/tpu_projection.py                  # v6e and v5p, Qwen3-8B + 5-layer draft (~4-6 min, 2 cores)
+    python scripts/tpu_projection.py --full           # + the 512-prompt program and the B=32 iteration (~8-10 min)
     python scripts/tpu_projection.py --smoke          # tiny shapes, ~1 min
     python scripts/tpu_projection.py --chips v6e --h200-json out/bench_gpu.json --json tpu_projection.json
 
@@ -75,22 +76,24 @@ def configs(smoke: bool):
     return tc, dc
 
 
-def plan(smoke: bool, quick: bool):
+def plan(smoke: bool, quick: bool, full: bool = False):
     """(kind, label, draft?, batch, prompt_len, capacity) in compile order."""
     if smoke:
         return [("iter", "DFlash iteration B=1 C=1024", True, 1, 512, 1024),
                 ("iter", "plain step B=1 C=1024", False, 1, 512, 1024),
                 ("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024),
                 ("whole", "DFlash program B=4 p512 C=2048", True, 4, 512, 2048)]
-    # Compile times on 2 CPU cores, both chips at once: iterations 20-30 s (B=32: 100-160 s), whole
-    # programs 80-140 s; the default set takes ~7 min, --quick ~3.5 min.
+    # Compile times on 2 idle CPU cores, both chips at once: iterations 20-45 s (B=32: 100-160 s),
+    # whole programs 80-140 s (twice that when the machine is busy). Default ~4-6 min; --full ~8-10 min.
     p = [("iter", "DFlash iteration B=1 C=1024", True, 1, 512, 1024),
          ("iter", "plain step B=1 C=1024", False, 1, 512, 1024),
-         ("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024),
-         ("iter", "DFlash iteration B=1 C=33792", True, 1, 32768, 33792)]
-    if not quick:
-        p += [("whole", "DFlash program B=1 p32768 C=33792", True, 1, 32768, 33792),
+         ("iter", "DFlash iteration B=1 C=33792", True, 1, 32768, 33792),
+         ("whole", "DFlash program B=1 p32768 C=33792", True, 1, 32768, 33792)]
+    if full:
+        p += [("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024),
               ("iter", "DFlash iteration B=32 C=1024", True, 32, 512, 1024)]
+    elif quick:
+        p = p[:3]
     return p
 
 
@@ -160,7 +163,7 @@ def lower_whole(tc, dc, *, batch, prompt_len, capacity, attention_impl, device):
                                  capacity=capacity, dtype="bfloat16", attention_impl=attention_impl, device=device)
 
 
-def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: str):
+def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: str, full: bool = False):
     import jax
     from jax.experimental import topologies
     spec = CHIPS[chip]
@@ -179,7 +182,7 @@ def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: st
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
 
-    for kind, label, with_draft, B, P, C in plan(smoke, quick):
+    for kind, label, with_draft, B, P, C in plan(smoke, quick, full):
         d = dc if with_draft else None
         t = time.perf_counter()
         pt = dict(kind=kind, label=label, draft=with_draft, batch=B, prompt=P, capacity=C)
@@ -235,7 +238,7 @@ def run_children(chips, args) -> dict:
         env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, os.path.abspath(__file__), "--_child", chip, "--_out", path,
                "--attention-impl", args.attention_impl] + (["--smoke"] if args.smoke else []) + \
-              (["--quick"] if args.quick else [])
+              (["--quick"] if args.quick else []) + (["--full"] if args.full else [])
         errf = tempfile.TemporaryFile(mode="w+")
         procs[chip] = (subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=errf, text=True), path, errf)
         log(f"started {chip} ({CHIPS[chip]['topology']})")
@@ -276,8 +279,9 @@ def fit_memory(r: dict, spec: dict) -> dict:
         (t0, x0), (t1, x1) = pts[0], pts[-1]
         slope = max(0.0, (x1 - x0) / (t1 - t0))
         base = x0 - slope * t0
-    else:
-        slope, base = 0.0, pts[0][1]
+    else:  # one point: the part that is neither weights nor KV is taken as prefill temporaries
+        t0, x0 = pts[0]
+        slope, base = max(0.0, x0) / t0, 0.0
     out = {"weights_bytes": weights, "kv_bytes_per_token": kv, "other_base_bytes": base,
            "other_per_prefill_token_bytes": slope, "model_max_positions": r.get("max_positions"),
            "other_by_point": [dict(prefill_tokens=t, bytes=x) for t, x in pts],
@@ -405,7 +409,8 @@ def report(results: dict, args) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (about a minute)")
-    ap.add_argument("--quick", action="store_true", help="fewer points (skips B=32 iteration and the 32k-prompt program)")
+    ap.add_argument("--quick", action="store_true", help="iterations only (no whole-program memory point), ~2 min")
+    ap.add_argument("--full", action="store_true", help="add the 512-prompt program and the B=32 iteration (~8-10 min)")
     ap.add_argument("--chips", default="v6e,v5p", help=f"comma-separated subset of {','.join(CHIPS)}")
     ap.add_argument("--attention-impl", default="pallas_tpu", help="pallas_tpu (the Mosaic kernel) or xla")
     ap.add_argument("--h200-json", default=None, help="bench_gpu.json of an H200 run, for the side-by-side column")
@@ -418,7 +423,7 @@ def main():
     if args.child:
         _LOG_TO[0] = sys.stdout  # the parent passes our stdout through live; stderr (libtpu noise) is filtered
         sys.path.insert(0, REPO)
-        child(args.child, args.out, args.smoke, args.quick, args.attention_impl)
+        child(args.child, args.out, args.smoke, args.quick, args.attention_impl, args.full)
         return
     chips = [c.strip() for c in args.chips.split(",") if c.strip()]
     bad = [c for c in chips if c not in CHIPS]
