@@ -24,7 +24,9 @@ _RESOLVED = ("xla", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 
 
 def resolve_impl(impl: str) -> str:
-    """The concrete path for `impl` on the default backend: one of _RESOLVED."""
+    """The concrete path for `impl` on the default backend: one of _RESOLVED (idempotent)."""
+    if impl in _RESOLVED:
+        return impl
     if impl not in IMPLS:
         raise ValueError(f"attention_impl={impl!r}; expected one of {IMPLS}")
     backend = jax.default_backend()
