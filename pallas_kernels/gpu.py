@@ -55,11 +55,12 @@ def default_config(R: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H20
 
     From a sweep on an H200 (jax 0.11.2, Qwen3-8B heads, bf16, verify pattern): block_k 64 with
     4 warps and 3 stages read 3.9 TB/s at B=32 / 32k context (8 warps or 2 stages: 2-3 TB/s);
-    block_k 128 with 4 stages runs out of shared memory.
+    block_k 128 with 4 stages runs out of shared memory. Prefill (T=4096): 128-row tiles, block_k
+    64, 8 warps, 4 stages: 238 TFLOP/s (cuDNN 326, XLA 40).
     """
     block_q = min(max(16, _next_pow2(R)), 64 if D > 128 else 128)
     if block_q > 64:                     # prefill-sized row tiles: compute-bound, wider warps
-        block_k, num_warps, num_stages = 64, 8, 3
+        block_k, num_warps, num_stages = 64, 8, 4
     else:                                # decode/verify/draft: bandwidth-bound
         block_k, num_warps, num_stages = (32 if D > 128 else 64), 4, 3
     while block_k > 16 and C % block_k:

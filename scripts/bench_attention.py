@@ -10,9 +10,9 @@ batch 1 / 8 / 32; then prefill (k_end = t + 1) at T = 512 and 4k. For each: the 
 jax.nn.dot_product_attention (cache in its [B, C, H, D] layout), tokamax if importable; then a sweep of
 kernel variants (block_k, num_warps, num_stages, kv splits) until the time budget runs out.
 
-Time: each jitted call runs the op once on each of several rotated K/V buffers (together well over the
-L2 size, so L2 cannot serve the cache), median over many calls after warm-up, divided by the number of
-buffers. Bandwidth: K/V bytes the op must read (the first k_end keys) / time, shown against the
+Time: one jitted call runs the op once on each of up to 8 rotated K/V buffers (from 16k context on
+they total well over the L2 size, so L2 cannot serve the cache), median over many calls after
+warm-up, divided by the number of buffers. The XLA path runs first and its output checks the others. Bandwidth: K/V bytes the op must read (the first k_end keys) / time, shown against the
 device's measured copy bandwidth (a large device-to-device copy: bytes read + written / time).
 Prints one table at the end and writes $OUT/bench_attention.json (or --json PATH).
 """
@@ -24,6 +24,7 @@ import gc
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -45,6 +46,15 @@ BUF_BYTES_CAP = 24 << 30      # never allocate more than this for rotated K/V bu
 
 # ---------------------------------------------------------------------------------------- timing
 
+class _Stop(BaseException):
+    """SIGTERM (e.g. `timeout`): stop measuring, still print the table and write the JSON.
+    A BaseException so the per-impl `except Exception` guards do not swallow it."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stop()
+
+
 def _time_calls(fn, args, *, min_reps: int, max_reps: int, target_s: float) -> float:
     """Median wall time of fn(*args) (seconds), after two warm-up calls (compile + first run)."""
     jax.block_until_ready(fn(*args))
@@ -58,6 +68,12 @@ def _time_calls(fn, args, *, min_reps: int, max_reps: int, target_s: float) -> f
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def rotated(op):
+    """jit(lambda q, e, ks, vs: [op(q, k, v, e) for each buffer]): one dispatch, n kernels back to
+    back on the device, so small cases measure the kernel rather than the host's dispatch."""
+    return jax.jit(lambda q, e, ks, vs: [op(q, k, v, e) for k, v in zip(ks, vs)])
 
 
 def measure_bandwidth(nbytes: int, opts) -> tuple[float, float]:
@@ -112,11 +128,6 @@ def make_buffers(n, B, Hkv, C, D, dtype, seed):
     ks = [jax.random.normal(keys[2 * i], (B, Hkv, C, D), dtype) for i in range(n)]        # [B,Hkv,C,D]
     vs = [jax.random.normal(keys[2 * i + 1], (B, Hkv, C, D), dtype) for i in range(n)]
     return ks, vs
-
-
-def rotated(op):
-    """jit(lambda q, e, ks, vs: [op(q, k, v, e) for each buffer]): one dispatch, n kernels."""
-    return jax.jit(lambda q, e, ks, vs: [op(q, k, v, e) for k, v in zip(ks, vs)])
 
 
 # ------------------------------------------------------------------------------------ the impls
@@ -199,11 +210,14 @@ def check_kernel(interpret: bool, verbose: bool) -> list[dict]:
         try:
             got = jax.jit(lambda q, k, v, e: gpu.block_attention(q, k, v, e, interpret=interpret,
                                                                  **tuning))(q, k, v, e)
-            f32 = lambda x: x.astype(jnp.float32)
-            with jax.default_matmul_precision("highest"):
-                ref = jax.jit(pallas_kernels.xla_block_attention)(f32(q), f32(k), f32(v), e)
-            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
-            tol = 1e-5 if dtype == jnp.float32 else 2e-2 * float(jnp.max(jnp.abs(ref)))
+            # The oracle in f32 on the host CPU: exact, and no GPU compile (XLA's autotuning of a
+            # fresh GPU program costs seconds) for each of these shapes.
+            cpu = jax.devices("cpu")[0]
+            host = lambda x: jax.device_put(x.astype(jnp.float32), cpu)
+            ref = np.asarray(jax.jit(pallas_kernels.reference_block_attention)(
+                host(q), host(k), host(v), jax.device_put(e, cpu)))
+            err = float(np.max(np.abs(np.asarray(got.astype(jnp.float32)) - ref)))
+            tol = 1e-5 if dtype == jnp.float32 else 2e-2 * float(np.max(np.abs(ref)))
             rec.update(max_abs_err=err, ok=bool(err <= tol and np.isfinite(err)))
         except Exception as ex:  # noqa: BLE001
             rec.update(ok=False, error=f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}")
@@ -258,16 +272,19 @@ def run(args) -> dict:
     print(f"# device copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write), "
           f"read-only {read_bw / 1e12:.3f} TB/s", flush=True)
 
-    checks = [] if args.sweep_only else check_kernel(interpret, args.verbose)
-    results, prefill_results, sweep = [], [], []
+    checks, results, prefill_results, sweep = [], [], [], []
+    ref_outs = {}       # (pattern, B, ctx or T) -> the XLA path's output, the check for variants
 
-    def timed(name, op, q, e, ks, vs, kv_bytes, n_buf, ref=None):
-        """Time op over the rotated buffers; check its output against ref first if given."""
+    def timed(name, op, q, e, ks, vs, kv_bytes, n_buf, ref=None, outs=None):
+        """Time op over the rotated buffers (one jitted call runs it on each buffer); check its
+        output against ref first if given; put its first output in outs[name] if given."""
         rec = dict(impl=name)
         try:
             f = rotated(op)
+            out = f(q, e, ks, vs)[0].astype(jnp.float32)          # compiles; also the warm-up
+            if outs is not None:
+                outs[name] = out
             if ref is not None:
-                out = f(q, e, ks[:1], vs[:1])[0].astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(out - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-6))
                 rec["rel_err"] = err
                 if not err <= 2e-2:
@@ -288,164 +305,173 @@ def run(args) -> dict:
             return "ERR"
         return f"{rec['us']:.0f}us {rec['TBps']:.2f}TB/s"
 
-    # ---- decode-time patterns: draft and verify over a long cache
-    cases = [(p, B, ctx) for ctx in contexts for B in batches for p in ("verify", "draft")]
-    if args.sweep_only:
-        cases = [("verify", B, ctx) for ctx in contexts for B in batches
-                 if (B, ctx) in ((1, 32768), (8, 8192), (32, 32768), (1, 8192), (32, 1024))] or cases[:2]
-        prefill_T = [4096]
-    case_data = {}
-    for pattern, B, ctx in cases:
-        C = -(-(ctx + S) // 128) * 128
-        q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)                 # [B,S,Hq,D]
-        e = k_end_for(pattern, B, S, ctx)                                                # [B,S]
-        kv_bytes = kv_read_bytes(e, Hkv, D, itemsize)
-        alloc = 2 * B * Hkv * C * D * itemsize
-        n_buf = int(min(max(2, math.ceil(4 * L2_BYTES / alloc)), 32, max(1, BUF_BYTES_CAP // alloc)))
-        ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
-        f32 = lambda x: x.astype(jnp.float32)
-        ref = jax.jit(pallas_kernels.xla_block_attention)(f32(q), f32(ks[0]), f32(vs[0]), e)
-        cfg = gpu.default_config(S * (Hq // Hkv), C, D, B, Hkv, n_sms=n_sms)
-        row = dict(pattern=pattern, B=B, ctx=ctx, C=C, kv_MB=kv_bytes / 1e6, n_buf=n_buf,
-                   default_cfg=cfg)
-        row["pallas"] = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, kv_bytes, n_buf, ref)
-        row["xla"] = None if args.sweep_only else timed("xla", xla_op, q, e, ks, vs, kv_bytes, n_buf)
-        if not interpret and not args.sweep_only:
-            kt, vt = to_bthd(ks, vs)
-            row["cudnn"] = timed("cudnn", cudnn_op(pattern), q, e, kt, vt, kv_bytes, n_buf, ref)
-            if have_tokamax:
-                row["tokamax"] = timed("tokamax", tokamax_op(), q, e, kt, vt, kv_bytes, n_buf, ref)
-            del kt, vt
-        results.append(row)
-        print(f"{pattern:7s} B={B:<3d} ctx={ctx:<6d} kv={kv_bytes / 1e6:8.1f}MB  pallas {fmt(row['pallas'])}"
-              f"  xla {fmt(row['xla'])}  cudnn {fmt(row.get('cudnn'))}  tokamax {fmt(row.get('tokamax'))}",
-              flush=True)
-        del ks, vs, ref, q
-        gc.collect()
+    stopped = False
+    try:
+        checks.extend([] if args.sweep_only else check_kernel(interpret, args.verbose))
+        # ---- decode-time patterns: draft and verify over a long cache
+        cases = [(p, B, ctx) for ctx in contexts for B in batches for p in ("verify", "draft")]
+        if args.sweep_only:
+            cases = [("verify", B, ctx) for ctx in contexts for B in batches
+                     if (B, ctx) in ((1, 32768), (8, 8192), (32, 32768), (1, 8192), (32, 1024))] or cases[:2]
+            prefill_T = [4096]
+        case_data = {}
+        for pattern, B, ctx in cases:
+            C = -(-(ctx + S) // 128) * 128
+            q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)                 # [B,S,Hq,D]
+            e = k_end_for(pattern, B, S, ctx)                                                # [B,S]
+            kv_bytes = kv_read_bytes(e, Hkv, D, itemsize)
+            alloc = 2 * B * Hkv * C * D * itemsize
+            n_buf = int(min(max(2, math.ceil(4 * L2_BYTES / alloc)), 8, max(1, BUF_BYTES_CAP // alloc)))
+            ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
+            cfg = gpu.default_config(S * (Hq // Hkv), C, D, B, Hkv, n_sms=n_sms)
+            row = dict(pattern=pattern, B=B, ctx=ctx, C=C, kv_MB=kv_bytes / 1e6, n_buf=n_buf,
+                       default_cfg=cfg)
+            # The XLA path first: its output (bf16 inputs, f32 accumulation) checks the others.
+            outs = {}
+            row["xla"] = timed("xla", xla_op, q, e, ks, vs, kv_bytes, n_buf, outs=outs)
+            ref = outs.get("xla")
+            ref_outs[(pattern, B, ctx)] = ref
+            row["pallas"] = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, kv_bytes, n_buf, ref)
+            if not interpret and not args.sweep_only:
+                kt, vt = to_bthd(ks, vs)
+                row["cudnn"] = timed("cudnn", cudnn_op(pattern), q, e, kt, vt, kv_bytes, n_buf, ref)
+                if have_tokamax:
+                    row["tokamax"] = timed("tokamax", tokamax_op(), q, e, kt, vt, kv_bytes, n_buf, ref)
+                del kt, vt
+            results.append(row)
+            print(f"{pattern:7s} B={B:<3d} ctx={ctx:<6d} kv={kv_bytes / 1e6:8.1f}MB  pallas {fmt(row['pallas'])}"
+                  f"  xla {fmt(row['xla'])}  cudnn {fmt(row.get('cudnn'))}  tokamax {fmt(row.get('tokamax'))}"
+                  f"  [{time.perf_counter() - t_start:.0f}s]",
+                  flush=True)
+            del ks, vs, ref, q
+            gc.collect()
 
-    # ---- prefill: T queries over their own T keys, causal
-    for T in prefill_T:
-        C = T
-        q = jax.random.normal(jax.random.key(2), (1, T, Hq, D), dtype)                  # [1,T,Hq,D]
-        ks, vs = make_buffers(2, 1, Hkv, C, D, dtype, seed=T)
-        e = k_end_for("prefill", 1, T, 0)
-        flops = 4 * T * (T + 1) / 2 * Hq * D
-        f32 = lambda x: x.astype(jnp.float32)
-        ref = jax.jit(pallas_kernels.xla_block_attention)(f32(q), f32(ks[0]), f32(vs[0]), e)
-        cfg = gpu.default_config(T * (Hq // Hkv), C, D, 1, Hkv, n_sms=n_sms)
-        row = dict(pattern="prefill", B=1, T=T, default_cfg=cfg)
-        row["pallas"] = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, 1, 2, ref)
-        row["xla"] = None if args.sweep_only else timed("xla", xla_op, q, e, ks, vs, 1, 2)
-        if not interpret:
-            kt, vt = to_bthd(ks, vs)
-            row["cudnn"] = timed("cudnn", cudnn_op("prefill"), q, e, kt, vt, 1, 2, ref)
-            del kt, vt
-        for name in ("pallas", "xla", "cudnn"):
-            if row.get(name) and "us" in row[name]:
-                row[name]["TFLOPs"] = flops / (row[name]["us"] * 1e-6) / 1e12
-        prefill_results.append(row)
-        print(f"prefill T={T:<5d} " + "  ".join(
-            f"{n} {row[n]['us']:.0f}us" if row.get(n) and "us" in row[n] else
-            f"{n} {'ERR' if row.get(n) else '-'}" for n in ("pallas", "xla", "cudnn")), flush=True)
-        del ks, vs, ref, q
-        gc.collect()
+        # ---- prefill: T queries over their own T keys, causal
+        for T in prefill_T:
+            C = T
+            q = jax.random.normal(jax.random.key(2), (1, T, Hq, D), dtype)                  # [1,T,Hq,D]
+            ks, vs = make_buffers(2, 1, Hkv, C, D, dtype, seed=T)
+            e = k_end_for("prefill", 1, T, 0)
+            flops = 4 * T * (T + 1) / 2 * Hq * D
+            cfg = gpu.default_config(T * (Hq // Hkv), C, D, 1, Hkv, n_sms=n_sms)
+            row = dict(pattern="prefill", B=1, T=T, default_cfg=cfg)
+            outs = {}
+            row["xla"] = timed("xla", xla_op, q, e, ks, vs, 1, 2, outs=outs)
+            ref = outs.get("xla")
+            ref_outs[("prefill", 1, T)] = ref
+            row["pallas"] = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, 1, 2, ref)
+            if not interpret:
+                kt, vt = to_bthd(ks, vs)
+                row["cudnn"] = timed("cudnn", cudnn_op("prefill"), q, e, kt, vt, 1, 2, ref)
+                del kt, vt
+            for name in ("pallas", "xla", "cudnn"):
+                if row.get(name) and "us" in row[name]:
+                    row[name]["TFLOPs"] = flops / (row[name]["us"] * 1e-6) / 1e12
+            prefill_results.append(row)
+            print(f"prefill T={T:<5d} " + "  ".join(
+                f"{n} {row[n]['us']:.0f}us" if row.get(n) and "us" in row[n] else
+                f"{n} {'ERR' if row.get(n) else '-'}" for n in ("pallas", "xla", "cudnn")), flush=True)
+            del ks, vs, ref, q
+            gc.collect()
 
-    # ---- prefill variants
-    pre_variants = [dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
-                    dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
-                    dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
-                    dict(block_q=128, block_k=64, num_warps=8, num_stages=4),
-                    dict(block_q=128, block_k=32, num_warps=4, num_stages=4)]
-    if args.sweep_only:
-        pre_variants += [dict(block_q=128, block_k=128, num_warps=8, num_stages=3),
-                         dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
-                         dict(block_q=64, block_k=32, num_warps=4, num_stages=4),
-                         dict(block_q=128, block_k=32, num_warps=8, num_stages=3)]
-    if smoke:
-        pre_variants = pre_variants[:1]
-    for row in prefill_results:
-        if time.perf_counter() > deadline:
-            break
-        T = row["T"]
-        q = jax.random.normal(jax.random.key(2), (1, T, Hq, D), dtype)
-        ks, vs = make_buffers(2, 1, Hkv, T, D, dtype, seed=T)
-        e = k_end_for("prefill", 1, T, 0)
-        f32 = lambda x: x.astype(jnp.float32)
-        ref = jax.jit(pallas_kernels.xla_block_attention)(f32(q), f32(ks[0]), f32(vs[0]), e)
-        flops = 4 * T * (T + 1) / 2 * Hq * D
-        best = dict(row["pallas"], cfg=row["default_cfg"])
-        for var in pre_variants:
+        # ---- prefill variants
+        pre_variants = [dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+                        dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+                        dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
+                        dict(block_q=128, block_k=64, num_warps=8, num_stages=4),
+                        dict(block_q=128, block_k=32, num_warps=4, num_stages=4)]
+        if args.sweep_only:
+            pre_variants += [dict(block_q=128, block_k=128, num_warps=8, num_stages=3),
+                             dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
+                             dict(block_q=64, block_k=32, num_warps=4, num_stages=4),
+                             dict(block_q=128, block_k=32, num_warps=8, num_stages=3)]
+        if smoke:
+            pre_variants = pre_variants[:1]
+        for row in prefill_results:
             if time.perf_counter() > deadline:
                 break
-            cfg = dict(row["default_cfg"], **var)
-            if cfg == row["default_cfg"]:
-                continue
-            rec = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, 1, 2, ref)
-            rec["cfg"] = cfg
-            if "us" in rec:
-                rec["TFLOPs"] = flops / (rec["us"] * 1e-6) / 1e12
-            sweep.append(dict(T=T, **rec))
-            if args.sweep_only:
-                print(f"  prefill T={T:<5d} {rec.get('us', float('nan')):.0f}us  {var}", flush=True)
-            if "us" in rec and ("us" not in best or rec["us"] < best["us"]):
-                best = rec
-        row["pallas_best"] = best
-        print(f"best    prefill T={T:<5d} {best.get('us', float('nan')):.0f}us  {best.get('cfg')}", flush=True)
-        del ks, vs, ref, q
-        gc.collect()
+            T = row["T"]
+            q = jax.random.normal(jax.random.key(2), (1, T, Hq, D), dtype)
+            ks, vs = make_buffers(2, 1, Hkv, T, D, dtype, seed=T)
+            e = k_end_for("prefill", 1, T, 0)
+            ref = ref_outs.get(("prefill", 1, T))
+            flops = 4 * T * (T + 1) / 2 * Hq * D
+            best = dict(row["pallas"], cfg=row["default_cfg"])
+            for var in pre_variants:
+                if time.perf_counter() > deadline:
+                    break
+                cfg = dict(row["default_cfg"], **var)
+                if cfg == row["default_cfg"]:
+                    continue
+                rec = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, 1, 2, ref)
+                rec["cfg"] = cfg
+                if "us" in rec:
+                    rec["TFLOPs"] = flops / (rec["us"] * 1e-6) / 1e12
+                sweep.append(dict(T=T, **rec))
+                if args.sweep_only:
+                    print(f"  prefill T={T:<5d} {rec.get('us', float('nan')):.0f}us  {var}", flush=True)
+                if "us" in rec and ("us" not in best or rec["us"] < best["us"]):
+                    best = rec
+            row["pallas_best"] = best
+            print(f"best    prefill T={T:<5d} {best.get('us', float('nan')):.0f}us  {best.get('cfg')}", flush=True)
+            del ks, vs, ref, q
+            gc.collect()
 
-    # ---- kernel variants, verify pattern (draft costs the same reads), biggest cases first
-    if smoke:
-        variants = [dict(block_k=64, num_warps=4, num_stages=2), dict(kv_splits=1), "splits*2"]
-    elif args.sweep_only:   # the wide grid, for choosing default_config
-        variants = [dict(block_k=bk, num_warps=w, num_stages=st)
-                    for bk in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)
-                    if not (bk == 256 and st == 4)]
-        variants += ["splits*2", "splits*4", "splits/2", dict(block_q=32), dict(block_q=16)]
-    else:
-        variants = [dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=128, num_warps=8, num_stages=3),
-                    dict(block_k=64, num_warps=8, num_stages=4), dict(block_k=256, num_warps=8, num_stages=2),
-                    "splits*2", "splits/2"]
-    order = sorted((r for r in results if r["pattern"] == "verify"), key=lambda r: -r["kv_MB"])
-    if not args.sweep_only:
-        order = order[:3]           # the bandwidth-bound cases; the rest are launch-bound
-    for row in order:
-        if time.perf_counter() > deadline:
-            print("# time budget reached: variant sweep stopped", flush=True)
-            break
-        B, ctx, C = row["B"], row["ctx"], row["C"]
-        q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)
-        e = k_end_for("verify", B, S, ctx)
-        kv_bytes = kv_read_bytes(e, Hkv, D, itemsize)
-        ks, vs = make_buffers(row["n_buf"], B, Hkv, C, D, dtype, seed=ctx + B)
-        f32 = lambda x: x.astype(jnp.float32)
-        ref = jax.jit(pallas_kernels.xla_block_attention)(f32(q), f32(ks[0]), f32(vs[0]), e)
-        best = dict(row["pallas"], cfg=row["default_cfg"])
-        for var in variants:
+        # ---- kernel variants, verify pattern (draft costs the same reads), biggest cases first
+        if smoke:
+            variants = [dict(block_k=64, num_warps=4, num_stages=2), dict(kv_splits=1), "splits*2"]
+        elif args.sweep_only:   # the wide grid, for choosing default_config
+            variants = [dict(block_k=bk, num_warps=w, num_stages=st)
+                        for bk in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)
+                        if not (bk == 256 and st == 4)]
+            variants += ["splits*2", "splits*4", "splits/2", dict(block_q=32), dict(block_q=16)]
+        else:
+            variants = [dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=128, num_warps=8, num_stages=3),
+                        dict(block_k=64, num_warps=8, num_stages=4), dict(block_k=256, num_warps=8, num_stages=2),
+                        "splits*2", "splits/2"]
+        order = sorted((r for r in results if r["pattern"] == "verify"), key=lambda r: -r["kv_MB"])
+        if not args.sweep_only:
+            order = order[:3]           # the bandwidth-bound cases; the rest are launch-bound
+        for row in order:
             if time.perf_counter() > deadline:
+                print("# time budget reached: variant sweep stopped", flush=True)
                 break
-            cfg = dict(row["default_cfg"])
-            if var == "splits*2":
-                cfg["kv_splits"] = min(128, cfg["kv_splits"] * 2)
-            elif var == "splits*4":
-                cfg["kv_splits"] = min(128, cfg["kv_splits"] * 4)
-            elif var == "splits/2":
-                cfg["kv_splits"] = max(1, cfg["kv_splits"] // 2)
-            else:
-                cfg.update(var)
-            if cfg == row["default_cfg"] or C % cfg["block_k"]:
-                continue
-            rec = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, kv_bytes, row["n_buf"], ref)
-            rec["cfg"] = cfg
-            sweep.append(dict(B=B, ctx=ctx, **rec))
-            if args.sweep_only:
-                print(f"  B={B:<3d} ctx={ctx:<6d} {fmt(rec)}  {var}", flush=True)
-            if "us" in rec and ("us" not in best or rec["us"] < best["us"]):
-                best = rec
-        row["pallas_best"] = best
-        print(f"best    B={B:<3d} ctx={ctx:<6d} {fmt(best)}  {best.get('cfg')}", flush=True)
-        del ks, vs, ref, q
-        gc.collect()
+            B, ctx, C = row["B"], row["ctx"], row["C"]
+            q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)
+            e = k_end_for("verify", B, S, ctx)
+            kv_bytes = kv_read_bytes(e, Hkv, D, itemsize)
+            ks, vs = make_buffers(row["n_buf"], B, Hkv, C, D, dtype, seed=ctx + B)
+            ref = ref_outs.get(("verify", B, ctx))
+            best = dict(row["pallas"], cfg=row["default_cfg"])
+            for var in variants:
+                if time.perf_counter() > deadline:
+                    break
+                cfg = dict(row["default_cfg"])
+                if var == "splits*2":
+                    cfg["kv_splits"] = min(128, cfg["kv_splits"] * 2)
+                elif var == "splits*4":
+                    cfg["kv_splits"] = min(128, cfg["kv_splits"] * 4)
+                elif var == "splits/2":
+                    cfg["kv_splits"] = max(1, cfg["kv_splits"] // 2)
+                else:
+                    cfg.update(var)
+                if cfg == row["default_cfg"] or C % cfg["block_k"]:
+                    continue
+                rec = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, kv_bytes, row["n_buf"], ref)
+                rec["cfg"] = cfg
+                sweep.append(dict(B=B, ctx=ctx, **rec))
+                if args.sweep_only:
+                    print(f"  B={B:<3d} ctx={ctx:<6d} {fmt(rec)}  {var}", flush=True)
+                if "us" in rec and ("us" not in best or rec["us"] < best["us"]):
+                    best = rec
+            row["pallas_best"] = best
+            print(f"best    B={B:<3d} ctx={ctx:<6d} {fmt(best)}  {best.get('cfg')}", flush=True)
+            del ks, vs, ref, q
+            gc.collect()
+
+    except _Stop:
+        stopped = True
+        print("# SIGTERM: measurements stopped; partial results follow", flush=True)
 
     # ---- the table
     print()
@@ -482,6 +508,7 @@ def run(args) -> dict:
     for err in errors:
         print("# error:", *err)
     info["wall_s"] = time.perf_counter() - t_start
+    info["stopped_by_sigterm"] = stopped
     print(f"# total {info['wall_s']:.0f}s")
     n_bad = sum(not c["ok"] for c in checks)
     print(f"# kernel checks: {len(checks) - n_bad}/{len(checks)} ok")
@@ -491,13 +518,16 @@ def run(args) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU in interpret mode")
-    ap.add_argument("--budget-s", type=float, default=200.0,
-                    help="stop the variant sweep after this many seconds (default 200)")
+    ap.add_argument("--budget-s", type=float, default=100.0,
+                    help="start no new variant sweeps after this many seconds of the run (default 100: "
+                         "the whole run fits scripts/gpu_call.sh's 120 s; the baseline table always "
+                         "completes unless SIGTERM arrives, which still prints what was measured)")
     ap.add_argument("--sweep-only", action="store_true",
                     help="skip the baselines; sweep a wide grid of kernel variants on a few verify cases")
     ap.add_argument("--json", default=None, help="write results here (default $OUT/bench_attention.json)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing impls")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     res = run(args)
     path = args.json or (os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None)
     if path:
