@@ -184,6 +184,7 @@ def test_resolve_impl_on_cpu():
     assert resolve_impl("auto") == "xla"
     assert resolve_impl("pallas") == "pallas_interpret"
     assert resolve_impl("pallas_tpu") == "pallas_tpu"
+    assert resolve_impl(resolve_impl("pallas")) == "pallas_interpret"      # idempotent
     with pytest.raises(ValueError, match="attention_impl"):
         resolve_impl("flash")
 
