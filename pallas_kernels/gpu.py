@@ -50,6 +50,29 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# Shared memory Triton may use per program for the q tile and the pipelined K/V tiles (H200 has 227 KiB;
+# Triton needs some for layout conversions too). Seen on the H200: the bf16 tuned prefill tile run in
+# float32 asked for 288 KiB and failed, so wider dtypes shrink the pipeline until it fits.
+_SMEM_BUDGET = 128 * 1024
+
+
+def _fit_smem(cfg: dict, D: int, itemsize: int) -> dict:
+    if itemsize <= 2:
+        return cfg  # the H200 sweep's bf16/f16 settings fit as measured
+    def need(c):
+        return (c["block_q"] * D + 2 * c["num_stages"] * c["block_k"] * D) * itemsize
+    while need(cfg) > _SMEM_BUDGET:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["block_k"] > 16:
+            cfg["block_k"] //= 2
+        elif cfg["block_q"] > 16:
+            cfg["block_q"] //= 2
+        else:
+            break
+    return cfg
+
+
 def default_config(R: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H200_SMS) -> dict:
     """Tile sizes, kv splits and Triton launch parameters for R folded rows over capacity C.
 
@@ -169,7 +192,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         raise Unsupported(f"head_dim={D} not in {_HEAD_DIMS}")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise Unsupported(f"dtype {q.dtype} not supported")
-    cfg = default_config(R, C, D, B, Hkv, n_sms=n_sms)
+    cfg = _fit_smem(default_config(R, C, D, B, Hkv, n_sms=n_sms), D, jnp.dtype(q.dtype).itemsize)
     for name, val in dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits,
                           num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk).items():
         if val is not None:
