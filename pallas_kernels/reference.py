@@ -27,7 +27,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None):
     m = jnp.where(jnp.isfinite(m), m, 0.0)                                 # rows with no key: output 0
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgtc,bkcd->btkgd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
-    l = jnp.transpose(l, (0, 3, 1, 2, 4))                                  # [B, T, Hkv, G, 1]
-    o = o / jnp.where(l > 0, l, 1.0)
-    return o.reshape(B, T, Hq, D).astype(q.dtype)
+    # batch-major output, then transpose: XLA:CPU has no bf16 x bf16 -> f32 dot with "->btkgd"
+    o = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+    o = o / jnp.where(l > 0, l, 1.0)                                       # [B, Hkv, G, T, D]
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
