@@ -1,0 +1,73 @@
+"""The whole speculative loop on the Pallas attention path: on CPU the TPU kernel runs in interpret
+mode and must give the XLA path's tokens; for TPU v5e / v6e the loop with the real Pallas kernels
+compiles ahead of time (the program TPU users run); for CUDA the GPU kernel's loop exports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import tpu_aot
+from tests.checkpoints import random_prompts, write_draft, write_target
+
+from dflash_jax import DraftConfig, TargetConfig, decode, generate, load_draft, load_target
+
+
+@pytest.fixture(scope="module")
+def d64_pair(tmp_path_factory):
+    """head_dim 64: a shape the TPU kernel tiles (head_dim 16 would fall back to XLA)."""
+    root = tmp_path_factory.mktemp("d64")
+    tp = write_target(str(root / "t"), hidden_size=128, intermediate_size=128, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=64, seed=9)
+    dp = write_draft(str(root / "d"), tp, num_layers=1, block_size=8, target_layer_ids=[0, 1], seed=10)
+    target = load_target(tp, dtype="float32")
+    return target, load_draft(dp, target=target, dtype="float32")
+
+
+def _truth_override(truth, corrupt_slot, vocab):
+    import jax.numpy as jnp
+    truth = jnp.asarray(truth)
+
+    def override(drafts, lens):
+        idx = lens[:, None] + 1 + jnp.arange(drafts.shape[1])
+        true = jnp.take_along_axis(truth, jnp.minimum(idx, truth.shape[1] - 1), axis=1)
+        return true.at[:, corrupt_slot].set((true[:, corrupt_slot] + 1) % vocab)
+    return override
+
+
+def test_pallas_interpret_loop_gives_the_xla_tokens(d64_pair):
+    target, draft = d64_pair
+    prompts = random_prompts(2, 127, min_len=3, max_len=11, seed=2)
+    n = 14
+    plain = generate(target, None, prompts, max_new_tokens=n + 8, attention_impl="xla")
+    truth = np.zeros((2, 1024), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
+        truth[i, :len(p) + len(t)] = p + t
+    override = _truth_override(truth, 2, 128)   # partial acceptance: 2 drafts + bonus per iteration
+    xla = generate(target, draft, prompts, max_new_tokens=n, attention_impl="xla", _draft_override=override)
+    pallas = generate(target, draft, prompts, max_new_tokens=n, attention_impl="pallas", _draft_override=override)
+    assert pallas.tokens == xla.tokens == [t[:n] for t in plain.tokens]
+    assert pallas.acceptance_lengths == xla.acceptance_lengths
+    assert max(a for row in xla.acceptance_lengths for a in row) == 3
+
+
+@tpu_aot.requires_libtpu
+@pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
+def test_pallas_loop_compiles_for_tpu(topology):
+    cfg = TargetConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=128)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=16)
+    compiled = decode.lower_generate(cfg, dcfg, batch=2, prompt_len=128, max_new_tokens=256, dtype="bfloat16",
+                                     attention_impl="pallas_tpu", device=tpu_aot.tpu_device(topology)).compile()
+    print(f"\n{topology} speculative loop (Pallas TPU attention) memory_analysis: {tpu_aot.memory_report(compiled)}")
+    assert "tpu_custom_call" in compiled.as_text() or "custom-call" in compiled.as_text()
+
+
+def test_pallas_gpu_loop_exports_for_cuda():
+    cfg = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=64)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=8)
+    exported = decode.export_generate(cfg, dcfg, batch=1, prompt_len=32, max_new_tokens=64,
+                                      attention_impl="pallas_gpu", dtype="bfloat16", platforms=("cuda",))
+    assert exported.platforms == ("cuda",)
+    assert "triton" in exported.mlir_module().lower()
