@@ -35,28 +35,8 @@ _XLA_SCORE_BUDGET = 1 << 26
 
 
 def _xla_dense(q, k_cache, v_cache, k_end, scale):
-    """The reference's math, with the P.V einsum written batch-major ("bkgtd").
-
-    XLA:CPU (jax 0.10.2) has no DotThunk for bf16 x bf16 -> f32 when the dot's output puts the
-    batch dims after a free dim (the reference's "->btkgd" with B > 1 fails at run time); the
-    batch-major output plus a transpose avoids it on every backend.
-    """
-    B, T, Hq, D = q.shape
-    Hkv, C = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
-    qg = q.reshape(B, T, Hkv, G, D)
-    s = jnp.einsum("btkgd,bkcd->bkgtc", qg, k_cache, preferred_element_type=jnp.float32) * scale
-    visible = jnp.arange(C)[None, None, :] < k_end[:, :, None]                # [B, T, C]
-    s = jnp.where(visible[:, None, None], s, -jnp.inf)                        # [B, Hkv, G, T, C]
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)                                    # no key: output 0
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)                                    # [B, Hkv, G, T, 1]
-    o = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_cache.dtype), v_cache,
-                   preferred_element_type=jnp.float32)                        # [B, Hkv, G, T, D]
-    o = o / jnp.where(l > 0, l, 1.0)
-    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    """The oracle's own math (its P.V einsum is batch-major, so bf16 batches also run on XLA:CPU)."""
+    return reference_block_attention(q, k_cache, v_cache, k_end, scale=scale)
 
 
 def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
