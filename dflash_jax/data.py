@@ -135,12 +135,25 @@ def _load_hub(name: str) -> list[dict[str, Any]]:
     return [dict(row) for row in ds]
 
 
+# Prompt sets shipped with the package (unchanged source files, see datasets/README.md): read
+# locally, so the paper's three main benchmarks need no hub.
+_BUNDLED = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl", "mt-bench": "mt_bench.jsonl"}
+
+
+def bundled_path(name: str) -> str | None:
+    """The packaged JSONL of a prompt set, or None when it is only on the hub."""
+    f = _BUNDLED.get(name)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "datasets", f) if f else None
+    return path if path and os.path.isfile(path) else None
+
+
 def load_prompts(dataset: str | None = None, data_file: str | None = None,
                  max_samples: int | None = None) -> list[dict[str, Any]]:
     """Prompts as `[{"id": str, "turns": [user turn, ...]}]` in the paper's format.
 
     `data_file` (JSONL) is read locally; its format is `dataset` when given, else detected from the
-    first row's fields. Without a file, `dataset` is fetched from the hub through `datasets`. The first
+    first row's fields. Without a file, GSM8K, HumanEval and MT-Bench come from the copies bundled with
+    the package, MATH-500 and MBPP from the hub through `datasets`. The first
     `max_samples` rows are kept, in file order, so that runs are reproducible.
     """
     if max_samples is not None and max_samples < 1:
@@ -150,7 +163,8 @@ def load_prompts(dataset: str | None = None, data_file: str | None = None,
         name = normalize_dataset_name(dataset) if dataset else detect_format(rows[0])
     elif dataset is not None:
         name = normalize_dataset_name(dataset)
-        rows = _load_hub(name)
+        bundled = bundled_path(name)
+        rows = _read_jsonl(bundled) if bundled else _load_hub(name)
     else:
         raise ValueError("give a dataset name or a data file")
     if max_samples is not None:
