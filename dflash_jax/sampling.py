@@ -38,20 +38,35 @@ def mode_for(temperature: float, top_p: float, top_k: int) -> str:
     return "filtered" if (top_k > 0 or top_p < 1.0) else "sample"
 
 
+# Top-k values of Qwen3's recommended settings (20) and most users' fall under this bound: then a
+# partial top-k (a dedicated kernel on GPU/TPU) replaces the full-vocabulary sort, which measured
+# +11.8% per DFlash iteration on the H200 (S=16, vocab 151,936). Both paths give the same threshold.
+TOP_K_FAST = 64
+
+
+def _threshold(desc, top_k, top_p):
+    """The smallest kept score, from candidates `desc` [..., K] sorted descending (the K largest)."""
+    K = desc.shape[-1]
+    rank = jnp.arange(K)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, K), K)
+    desc = jnp.where(rank < k, desc, -jnp.inf)
+    p = jax.nn.softmax(desc, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+    keep = (jnp.cumsum(p, axis=-1) - p) < top_p
+    n_keep = jnp.maximum(jnp.sum(keep & (rank < k), axis=-1, keepdims=True), 1)
+    return jnp.take_along_axis(desc, n_keep - 1, axis=-1)                          # [..., 1]
+
+
 def log_probs(logits, temperature, top_k, top_p, mode: str):
     """The processed target distribution as log-probabilities. logits [..., V] float32."""
     scores = logits / temperature
     if mode == "filtered":
         V = logits.shape[-1]
-        desc = -jnp.sort(-scores, axis=-1)                                        # [..., V]
-        rank = jnp.arange(V)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-        desc = jnp.where(rank < k, desc, -jnp.inf)
-        p = jax.nn.softmax(desc, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
-        keep = (jnp.cumsum(p, axis=-1) - p) < top_p
-        n_keep = jnp.maximum(jnp.sum(keep & (rank < k), axis=-1, keepdims=True), 1)
-        threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
+        fast = min(TOP_K_FAST, V)
+        threshold = jax.lax.cond(
+            (top_k > 0) & (top_k <= fast),
+            lambda: _threshold(jax.lax.top_k(scores, fast)[0], top_k, top_p),
+            lambda: _threshold(-jnp.sort(-scores, axis=-1), top_k, top_p))
         scores = jnp.where(scores >= threshold, scores, -jnp.inf)
     return jax.nn.log_softmax(scores, axis=-1)
 

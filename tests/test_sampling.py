@@ -150,3 +150,20 @@ def test_invalid_sampling_values_are_clear_errors(pair):
                      (dict(top_p=1.01), "top_p"), (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k")):
         with pytest.raises(ValueError, match=word):
             generate(pair["target"], pair["draft"], [[1, 2]], **kw)
+
+
+def test_partial_top_k_path_gives_the_sort_threshold():
+    """top_k <= TOP_K_FAST takes lax.top_k candidates instead of a full sort: same distribution,
+    ties included."""
+    rng = np.random.RandomState(0)
+    V = 300
+    logits = np.round(rng.randn(3, 5, V) * 2, 1).astype(np.float32)           # many exact ties
+    logits[0, 0, :10] = -np.inf
+    for top_k in (1, 2, 7, 20, 64):
+        for top_p in (1.0, 0.9, 0.5, 0.05):
+            fast = sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k), jnp.float32(top_p), "filtered")
+            desc = -jnp.sort(-jnp.asarray(logits) / 0.8, axis=-1)
+            thr = sampling._threshold(desc, jnp.int32(top_k), jnp.float32(top_p))
+            ref = jax.nn.log_softmax(jnp.where(jnp.asarray(logits) / 0.8 >= thr, jnp.asarray(logits) / 0.8, -jnp.inf), axis=-1)
+            np.testing.assert_array_equal(np.isfinite(fast), np.isfinite(ref))
+            np.testing.assert_allclose(np.exp(fast), np.exp(ref), atol=1e-6)
