@@ -158,7 +158,13 @@ class DraftConfig:
                 raise ConfigError(f"draft: {name}={v} is not supported (DFlash-1 drafts use 1.0)")
         if dcfg.get("final_logit_softcapping", d.get("final_logit_softcapping")):
             raise ConfigError("draft: final_logit_softcapping is not supported")
-        return cls(**{k: v for k, v in q.items()}, block_size=int(d.get("block_size", dcfg.get("block_size", 16))),
+        # The reference turns the draft's attention causal for these; ours is the non-causal DFlash block.
+        if d.get("is_causal"):
+            raise ConfigError("draft: is_causal=True is not supported (DFlash draft attention is non-causal)")
+        if any(t != "full_attention" for t in d.get("layer_types") or []):
+            raise ConfigError(f"draft: layer_types {d['layer_types']} is not supported (only full_attention)")
+        # as the reference's _draft_value: dflash_config first, then the top level
+        return cls(**q, block_size=int(dcfg.get("block_size", d.get("block_size", 16))),
                    num_target_layers=n_target, mask_token_id=int(mask), target_layer_ids=taps)
 
     @classmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -114,7 +115,8 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
                                   attention_impl=st.attention_impl)
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
-    first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens), p.temperature, p.top_k, p.top_p, st.mode)
+    # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
+    first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p, st.mode)
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
@@ -210,6 +212,8 @@ class GenerateResult:
     num_iterations: int                   # loop iterations (the longest row's)
     compile_time_s: float                 # 0.0 when the program was already compiled
     run_time_s: float                     # the one dispatch, prefill included, to results on the host
+    # per row: "stop" (stop token, included in tokens), "length" (max_new_tokens) or "capacity" (KV full)
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def mean_tau(self) -> float:
@@ -248,6 +252,31 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+# Stop ids travel as one fixed-width array (a traced value, not a compile key), -1 padded.
+MAX_STOP_IDS = 16
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_stop_ids(stop_token_ids, vocab: int) -> list[int]:
+    if stop_token_ids is None:
+        return []
+    if _is_int(stop_token_ids):
+        stop_token_ids = [stop_token_ids]
+    ids = list(np.asarray(stop_token_ids).reshape(-1).tolist()) if not isinstance(stop_token_ids, (list, tuple, set)) \
+        else list(stop_token_ids)
+    if not all(_is_int(t) for t in ids):
+        raise ValueError(f"stop_token_ids must be integer token ids, got {stop_token_ids!r}")
+    stop = sorted({int(t) for t in ids})
+    if any(not 0 <= t < vocab for t in stop):
+        raise ValueError(f"stop_token_ids {stop} has ids outside the vocabulary [0, {vocab})")
+    if len(stop) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} distinct stop_token_ids are supported, got {len(stop)}")
+    return stop
+
+
 def _check_prompts(prompts, vocab: int):
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -268,10 +297,18 @@ def _check_prompts(prompts, vocab: int):
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
                        block_size, seed, attention_impl, capacity, stream, draft_override=None):
+    if not isinstance(target, Qwen3):
+        raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
+    if draft is not None and not isinstance(draft, DFlashDraft):
+        raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
     sampling.validate(temperature, top_p, top_k)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if capacity is not None and (not _is_int(capacity) or capacity < 1):
+        raise ValueError(f"capacity must be an integer >= 1 (KV-cache entries) or None, got {capacity!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     rows = _check_prompts(prompts, cfg.vocab_size)
     if draft is not None:
         draft.config.check_fits(cfg)
@@ -285,12 +322,13 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         S = 1
     if S == 1:
         draft = None
-    stop = sorted({int(t) for t in (stop_token_ids or [])})
-    if any(not 0 <= t < cfg.vocab_size for t in stop):
-        raise ValueError(f"stop_token_ids {stop} has ids outside the vocabulary [0, {cfg.vocab_size})")
+    stop = _check_stop_ids(stop_token_ids, cfg.vocab_size)
     longest = max(len(r) for r in rows)
     Tb = _pow2(longest, 16)
-    C = capacity or _round_up(Tb + int(max_new_tokens) + S, 1024)
+    C = capacity if capacity is not None else _round_up(Tb + int(max_new_tokens) + S, 1024)
+    if Tb + int(max_new_tokens) > cfg.max_position_embeddings:
+        warnings.warn(f"prompt bucket {Tb} + max_new_tokens {max_new_tokens} exceeds the model's "
+                      f"max_position_embeddings {cfg.max_position_embeddings}", stacklevel=3)
     if longest + 1 + S > C or Tb > C:
         raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
                          f"KV-cache capacity {C}; raise capacity or shorten the prompt")
@@ -301,8 +339,7 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         prompt[i, :len(r)] = r
         lens[i] = len(r)
     active = np.arange(B) < len(rows)
-    K = _pow2(max(1, len(stop)), 4)
-    stop_ids = np.full((K,), -1, np.int32)
+    stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
     stop_ids[:len(stop)] = stop
     impl = resolve_impl(attention_impl)
     mode = sampling.mode_for(temperature, top_p, top_k)
@@ -360,8 +397,11 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
         run_time = time.perf_counter() - t0
     finally:
         _STREAM_SINK[0] = None
+    rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
+    stops = set(np.asarray(p.stop_ids).tolist()) - {-1}
+    reasons = ["stop" if r[-1] in stops else "length" if len(r) >= max_new_tokens else "capacity" for r in rows]
     res = GenerateResult(
-        tokens=[tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)],
+        tokens=rows, finish_reasons=reasons,
         acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
         block_size=st.block_size, num_iterations=int(step), compile_time_s=compile_time, run_time_s=run_time)
     if _return_state:  # tests: the final loop state (caches included)
@@ -397,7 +437,7 @@ def _abstract_program(target_config, draft_config=None, *, batch: int = 1, promp
     i32, f32 = jnp.int32, jnp.float32
     p = _Params(prompt=abstract((batch, Tb), i32), prompt_lens=abstract((batch,), i32),
                 active=abstract((batch,), jnp.bool_), max_new=abstract((), i32), temperature=abstract((), f32),
-                top_k=abstract((), i32), top_p=abstract((), f32), stop_ids=abstract((4,), i32),
+                top_k=abstract((), i32), top_p=abstract((), f32), stop_ids=abstract((MAX_STOP_IDS,), i32),
                 seed=abstract((), jnp.uint32))
     return jax.jit(functools.partial(_run, st)), (tstate, dstate, p)
 

@@ -152,18 +152,23 @@ def test_invalid_sampling_values_are_clear_errors(pair):
             generate(pair["target"], pair["draft"], [[1, 2]], **kw)
 
 
-def test_partial_top_k_path_gives_the_sort_threshold():
-    """top_k <= TOP_K_FAST takes lax.top_k candidates instead of a full sort: same distribution,
-    ties included."""
+def test_processing_matches_the_reference_on_both_paths():
+    """top-k <= TOP_K_FAST takes lax.top_k candidates, larger top-k / top-p alone the full ranking:
+    both equal the reference's `_sampling_probs` (torch) exactly; ties at the cut are cut by rank."""
+    from dflash.model import _sampling_probs
     rng = np.random.RandomState(0)
     V = 300
-    logits = np.round(rng.randn(3, 5, V) * 2, 1).astype(np.float32)           # many exact ties
-    logits[0, 0, :10] = -np.inf
-    for top_k in (1, 2, 7, 20, 64):
+    logits = (rng.randn(3, 5, V) * 2).astype(np.float32)
+    for top_k in (0, 1, 2, 7, 20, 64, 100):
         for top_p in (1.0, 0.9, 0.5, 0.05):
-            fast = sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k), jnp.float32(top_p), "filtered")
-            desc = -jnp.sort(-jnp.asarray(logits) / 0.8, axis=-1)
-            thr = sampling._threshold(desc, jnp.int32(top_k), jnp.float32(top_p))
-            ref = jax.nn.log_softmax(jnp.where(jnp.asarray(logits) / 0.8 >= thr, jnp.asarray(logits) / 0.8, -jnp.inf), axis=-1)
-            np.testing.assert_array_equal(np.isfinite(fast), np.isfinite(ref))
-            np.testing.assert_allclose(np.exp(fast), np.exp(ref), atol=1e-6)
+            ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k),
+                                                        jnp.float32(top_p), "filtered")))
+            ref = _sampling_probs(torch.tensor(logits), 0.8, top_p, top_k).numpy()
+            np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
+    tied = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    for top_k in (2, 0):  # fast path, and the full ranking (top-p cut inside the tie)
+        top_p = 1.0 if top_k else 0.8
+        p = np.exp(np.asarray(sampling.log_probs(tied, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), "filtered")))
+        want = _sampling_probs(torch.tensor(np.asarray(tied)), 1.0, top_p, top_k).numpy()
+        assert (p > 0).sum() == (want > 0).sum()
+        np.testing.assert_allclose(np.sort(p[0]), np.sort(want[0]), atol=1e-6)

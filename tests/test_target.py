@@ -203,3 +203,26 @@ def test_plain_loop_compiles_for_tpu(topology):
     mem = tpu_aot.memory_report(compiled)
     print(f"\n{topology} plain loop memory_analysis: {mem}")
     assert mem["argument_size_in_bytes"] > 0
+
+
+def test_run_time_argument_types_are_clear_errors_and_stop_ids_never_recompile():
+    target = init_target(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                                      num_heads=2, num_kv_heads=2, head_dim=16), seed=2, dtype="float32")
+    for kw, err, word in [(dict(capacity=256.0), ValueError, "capacity"), (dict(capacity=0), ValueError, "capacity"),
+                          (dict(seed=None), ValueError, "seed"), (dict(seed=1.5), ValueError, "seed"),
+                          (dict(stop_token_ids=[1.7]), ValueError, "stop_token_ids"),
+                          (dict(stop_token_ids=list(range(17))), ValueError, "stop_token_ids")]:
+        with pytest.raises(err, match=word):
+            generate(target, None, [[1, 2]], **kw)
+    with pytest.raises(TypeError, match="target"):
+        generate("Qwen/Qwen3-8B", None, [[1, 2]])
+    # numpy scalars and arrays are fine; a lone 0 is a stop id, not "no stop ids"
+    a = generate(target, None, [[1, 2]], max_new_tokens=np.int64(6), temperature=np.float32(0.0),
+                 stop_token_ids=np.array([5, 6]))
+    b = generate(target, None, [[1, 2]], max_new_tokens=6, stop_token_ids=0)
+    before = decode.compile_count()
+    c = generate(target, None, [[1, 2]], max_new_tokens=6, stop_token_ids=list(range(3, 14)))  # 11 ids
+    assert decode.compile_count() == before and len(a.tokens[0]) <= 6 and len(c.tokens[0]) <= 6
+    for res in (a, b, c):
+        assert res.finish_reasons[0] in ("stop", "length")
+    assert generate(target, None, [[1, 2]], max_new_tokens=500, capacity=32).finish_reasons == ["capacity"]
