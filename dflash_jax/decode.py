@@ -38,7 +38,8 @@ from dflash_jax.cache import KVCache
 from dflash_jax.modeling.draft import DFlashDraft
 from dflash_jax.modeling.qwen3 import Qwen3
 
-__all__ = ["generate", "GenerateResult", "lower_generate", "export_generate", "compile_count"]
+__all__ = ["generate", "GenerateResult", "precompile", "compiled_program", "lower_generate", "lower_iteration", "export_generate",
+           "compile_count"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +278,24 @@ def _check_stop_ids(stop_token_ids, vocab: int) -> list[int]:
     return stop
 
 
+def _buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity: int | None):
+    """(prompt bucket, KV capacity): powers of two for prompts; capacity = bucket + max_new + block,
+    rounded up to 1024, unless given."""
+    Tb = _pow2(longest_prompt, 16)
+    C = capacity if capacity is not None else _round_up(Tb + int(max_new_tokens) + block_size, 1024)
+    return Tb, C
+
+
+def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
+            attention_impl, stream=False, draft_override=None) -> _Static:
+    has_draft = draft_def is not None
+    return _Static(target_def=target_def, draft_def=draft_def,
+                   taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
+                   mask_token_id=draft_config.mask_token_id if has_draft else 0, batch=batch,
+                   prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, attention_impl=attention_impl,
+                   stream=stream, draft_override=draft_override if has_draft else None)
+
+
 def _check_prompts(prompts, vocab: int):
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -324,8 +343,7 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         draft = None
     stop = _check_stop_ids(stop_token_ids, cfg.vocab_size)
     longest = max(len(r) for r in rows)
-    Tb = _pow2(longest, 16)
-    C = capacity if capacity is not None else _round_up(Tb + int(max_new_tokens) + S, 1024)
+    Tb, C = _buckets(longest, max_new_tokens, S, capacity)
     if Tb + int(max_new_tokens) > cfg.max_position_embeddings:
         warnings.warn(f"prompt bucket {Tb} + max_new_tokens {max_new_tokens} exceeds the model's "
                       f"max_position_embeddings {cfg.max_position_embeddings}", stacklevel=3)
@@ -345,17 +363,51 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     mode = sampling.mode_for(temperature, top_p, top_k)
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
-    st = _Static(target_def=tdef, draft_def=ddef,
-                 taps=tuple(draft.config.target_layer_ids) if draft is not None else (),
-                 block_size=S, mask_token_id=draft.config.mask_token_id if draft is not None else 0,
-                 batch=B, prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream,
-                 draft_override=draft_override if draft is not None else None)
+    st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
+                 prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream,
+                 draft_override=draft_override)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
                 top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
                 stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed % (1 << 32), jnp.uint32))
     return st, tstate, dstate, p, len(rows), lens
+
+
+def _compiled(st: _Static, tstate, dstate, p) -> tuple[Any, float]:
+    """The cached executable for `st`, compiling it first if needed; (executable, compile seconds)."""
+    fn = _COMPILED.get(st)
+    if fn is not None:
+        return fn, 0.0
+    t0 = time.perf_counter()
+    fn = jax.jit(_run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile()
+    _COMPILES[0] += 1
+    _COMPILED[st] = fn
+    return fn, time.perf_counter() - t0
+
+
+def compiled_program(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs):
+    """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
+    compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
+    on_commit = kwargs.pop("on_commit", None)
+    st, tstate, dstate, p, _, _ = _static_and_params(target, draft, prompts, stream=on_commit is not None,
+                                                     **_generate_defaults(kwargs))
+    return _compiled(st, tstate, dstate, p)
+
+
+def precompile(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs) -> float:
+    """Compile (and cache) the program `generate(target, draft, prompts, **kwargs)` would run, without
+    running it. Returns the compile seconds (0.0 when it was already compiled)."""
+    return compiled_program(target, draft, prompts, **kwargs)[1]
+
+
+def _generate_defaults(kw: dict) -> dict:
+    out = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=None, block_size=None,
+               seed=0, attention_impl="auto", capacity=None)
+    unknown = set(kw) - set(out)
+    if unknown:
+        raise TypeError(f"unexpected arguments: {sorted(unknown)}")
+    return {**out, **kw}
 
 
 def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_tokens: int = 256,
@@ -378,14 +430,7 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
         top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
         attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
         draft_override=_draft_override)
-    compile_time = 0.0
-    fn = _COMPILED.get(st)
-    if fn is None:
-        t0 = time.perf_counter()
-        fn = jax.jit(_run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile()
-        compile_time = time.perf_counter() - t0
-        _COMPILES[0] += 1
-        _COMPILED[st] = fn
+    fn, compile_time = _compiled(st, tstate, dstate, p)
     if on_commit is not None:
         _STREAM_SINK[0] = lambda commit, produced: on_commit(
             [commit[i, :produced[i]].tolist() for i in range(n_rows)])
@@ -409,10 +454,10 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     return res
 
 
-def _abstract_program(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
-                      max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
-                      sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
-    """The generation program and abstract arguments built from configs alone (nothing allocated)."""
+def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
+                     max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
+                     sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
+    """The static key and abstract arguments of a generation, from configs alone (nothing allocated)."""
     from dflash_jax.weights import _dtype
     dt = _dtype(dtype)
     target = nnx.eval_shape(lambda: Qwen3(target_config, dt, rngs=nnx.Rngs(0)))
@@ -420,13 +465,11 @@ def _abstract_program(target_config, draft_config=None, *, batch: int = 1, promp
     S = 1 if draft is None else (block_size or draft_config.block_size)
     if S == 1:
         draft = None
-    Tb = _pow2(prompt_len, 16)
-    C = capacity or _round_up(Tb + max_new_tokens + S, 1024)
+    Tb, C = _buckets(prompt_len, max_new_tokens, S, capacity)
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
-    st = _Static(target_def=tdef, draft_def=ddef, taps=tuple(draft_config.target_layer_ids) if draft else (),
-                 block_size=S, mask_token_id=draft_config.mask_token_id if draft else 0, batch=batch,
-                 prompt_bucket=Tb, capacity=C, mode=sampling_mode, attention_impl=attention_impl, stream=False)
+    st = _static(tdef, ddef, draft_config, block_size=S, batch=batch, prompt_bucket=Tb, capacity=C,
+                 mode=sampling_mode, attention_impl=resolve_impl(attention_impl))
     sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
 
     def abstract(shape, dtype_):
@@ -439,7 +482,29 @@ def _abstract_program(target_config, draft_config=None, *, batch: int = 1, promp
                 active=abstract((batch,), jnp.bool_), max_new=abstract((), i32), temperature=abstract((), f32),
                 top_k=abstract((), i32), top_p=abstract((), f32), stop_ids=abstract((MAX_STOP_IDS,), i32),
                 seed=abstract((), jnp.uint32))
-    return jax.jit(functools.partial(_run, st)), (tstate, dstate, p)
+    return st, (tstate, dstate, p)
+
+
+def _abstract_program(target_config, draft_config=None, **kw):
+    """The generation program (jitted, static key bound) and its abstract arguments."""
+    st, args = _abstract_inputs(target_config, draft_config, **kw)
+    return jax.jit(functools.partial(_run, st)), args
+
+
+def lower_iteration(target_config, draft_config=None, **kw):
+    """Lower ONE loop iteration alone, its loop state donated as inside the while_loop (same keywords
+    as `lower_generate`): the compiler's cost of an iteration (a whole program counts the loop body
+    once and adds the prefill)."""
+    st, (tstate, dstate, p) = _abstract_inputs(target_config, draft_config, **kw)
+
+    def models(ts, ds):
+        return nnx.merge(st.target_def, ts), (None if st.draft_def is None else nnx.merge(st.draft_def, ds))
+
+    loop = jax.eval_shape(lambda ts, ds, p: _prefill(st, *models(ts, ds), p), tstate, dstate, p)
+    sharding = jax.tree.leaves(tstate)[0].sharding
+    loop = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), loop)
+    return jax.jit(lambda ts, ds, p, s: _iteration(st, *models(ts, ds), p, s),
+                   donate_argnums=(3,)).trace(tstate, dstate, p, loop).lower()
 
 
 def lower_generate(target_config, draft_config=None, **kw):

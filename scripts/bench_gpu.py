@@ -383,18 +383,11 @@ class Bench:
                 plan.append((f"dflash_long_{impl}", True, 1, s.long_prompt, s.long_n2, dict(attention_impl=impl)))
         return plan
 
-    def _static(self, dflash, batch, prompt_len, n2, kw):
-        from dflash_jax import decode
+    def _generate_args(self, dflash, batch, prompt_len, n2, kw):
         target, draft = self.models[0], self.models[1]
-        kw = dict(kw)
-        kw.setdefault("temperature", 0.0)
-        kw.setdefault("top_p", 1.0)
-        kw.setdefault("top_k", 0)
-        kw.setdefault("attention_impl", "auto")
-        return decode._static_and_params(
-            target, draft if dflash else None, self.prompts(batch, prompt_len), max_new_tokens=n2,
-            stop_token_ids=None, block_size=self.s.block if dflash else None, seed=0,
-            capacity=self.capacity(prompt_len, n2), stream=False, **kw)
+        return (target, draft if dflash else None, self.prompts(batch, prompt_len)), dict(
+            max_new_tokens=n2, block_size=self.s.block if dflash else None, seed=0,
+            capacity=self.capacity(prompt_len, n2), **kw)
 
     def precompile(self, sections, workers: int):
         """Compile every planned program into the library's cache before timing anything.
@@ -410,13 +403,8 @@ class Bench:
 
         def one(item):
             key, dfl, b, pl, n2, kw = item
-            t = time.perf_counter()
-            st, tstate, dstate, p, _, _ = self._static(dfl, b, pl, n2, kw)
-            if st in decode._COMPILED:
-                return key, 0.0
-            fn = jax.jit(decode._run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile()
-            decode._COMPILED[st] = fn
-            return key, time.perf_counter() - t
+            args, kwargs = self._generate_args(dfl, b, pl, n2, kw)
+            return key, decode.precompile(*args, **kwargs)
 
         res = {}
         t0 = time.perf_counter()
@@ -717,8 +705,8 @@ class Bench:
         phase_rows, hscope_rows = [], []
         try:
             from dflash_jax import decode
-            st = self._static(True, 1, s.prompt, s.n2, {})[0]
-            names = hlo_op_names(decode._COMPILED[st].as_text())
+            args, kwargs = self._generate_args(True, 1, s.prompt, s.n2, {})
+            names = hlo_op_names(decode.compiled_program(*args, **kwargs)[0].as_text())
             ph, sc, unmapped = {}, {}, 0.0
             for hlo in set(a["by_hlo"]) | set(b["by_hlo"]):
                 us = (b["by_hlo"].get(hlo, 0.0) - a["by_hlo"].get(hlo, 0.0)) / di
