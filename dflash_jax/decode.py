@@ -56,7 +56,6 @@ class _Static:
     attention_impl: str
     stream: bool
     draft_override: Any = None  # tests only: f(drafts [B, S-1], lens [B]) -> drafts (a proposer double)
-    proposal: str = "argmax"    # "argmax" drafts, or "sample" from the draft's processed distribution
 
 
 @struct.dataclass
@@ -147,7 +146,7 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
     remaining = limit - lens                                                    # >= 2 on active rows
     positions = lens[:, None] + j                                               # [B, S]
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
-    dcache, taps, draft_lp = s.draft_cache, (), None
+    dcache, taps = s.draft_cache, ()
     if draft is not None:
         taps = st.taps
         block = jnp.concatenate([current, jnp.full((B, S - 1), st.mask_token_id, jnp.int32)], axis=1)
@@ -159,13 +158,7 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
             dh, dcache = draft(target.embed_tokens(block), positions, s.pending, pend_pos, s.draft_cache,
                                draft_end, attention_impl=st.attention_impl)
         with jax.named_scope("draft_lm_head"):
-            dlogits = target.logits(dh[:, 1:])                                          # [B, S-1, V]
-            if st.proposal == "sample":
-                draft_lp = sampling.log_probs(dlogits, p.temperature, p.top_k, p.top_p, st.mode)
-                dkeys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_row_keys(p.seed, lens))
-                drafts = jax.vmap(jax.random.categorical)(dkeys, draft_lp).astype(jnp.int32)
-            else:
-                drafts = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)                 # [B, S-1]
+            drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
         if st.draft_override is not None:
             drafts = st.draft_override(drafts, lens)
         block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
@@ -177,8 +170,7 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
         logits = target.logits(h)                                                   # [B, S, V]
     with jax.named_scope("accept"):
         keys = _row_keys(p.seed, lens)
-        a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
-                                 draft_logprobs=draft_lp)
+        a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode)
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)
@@ -261,10 +253,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-# How drafts are proposed at T > 0: "argmax" (q one-hot; DESIGN's rule, coherent blocks) or "sample"
-# (each slot drawn from the draft's processed distribution, accepted with min(1, p/q) as the reference).
-PROPOSALS = ("argmax", "sample")
-
 # Stop ids travel as one fixed-width array (a traced value, not a compile key), -1 padded.
 MAX_STOP_IDS = 16
 
@@ -299,14 +287,13 @@ def _buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity
 
 
 def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            attention_impl, stream=False, draft_override=None, proposal="argmax") -> _Static:
+            attention_impl, stream=False, draft_override=None) -> _Static:
     has_draft = draft_def is not None
     return _Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    mask_token_id=draft_config.mask_token_id if has_draft else 0, batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, attention_impl=attention_impl,
-                   stream=stream, draft_override=draft_override if has_draft else None,
-                   proposal=proposal if (has_draft and mode != "greedy") else "argmax")
+                   stream=stream, draft_override=draft_override if has_draft else None)
 
 
 def _check_prompts(prompts, vocab: int):
@@ -328,8 +315,7 @@ def _check_prompts(prompts, vocab: int):
 
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-                       block_size, seed, attention_impl, capacity, stream, draft_override=None,
-                       proposal="argmax"):
+                       block_size, seed, attention_impl, capacity, stream, draft_override=None):
     if not isinstance(target, Qwen3):
         raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, DFlashDraft):
@@ -342,8 +328,6 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         raise ValueError(f"capacity must be an integer >= 1 (KV-cache entries) or None, got {capacity!r}")
     if not _is_int(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
-    if proposal not in PROPOSALS:
-        raise ValueError(f"proposal={proposal!r}; expected one of {PROPOSALS}")
     rows = _check_prompts(prompts, cfg.vocab_size)
     if draft is not None:
         draft.config.check_fits(cfg)
@@ -381,7 +365,7 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
                  prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream,
-                 draft_override=draft_override, proposal=proposal)
+                 draft_override=draft_override)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
@@ -419,7 +403,7 @@ def precompile(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs) -> f
 
 def _generate_defaults(kw: dict) -> dict:
     out = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=None, block_size=None,
-               seed=0, attention_impl="auto", capacity=None, proposal="argmax")
+               seed=0, attention_impl="auto", capacity=None)
     unknown = set(kw) - set(out)
     if unknown:
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")
@@ -430,7 +414,7 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str = "auto",
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], None] | None = None,
-             proposal: str = "argmax", _draft_override=None, _return_state: bool = False) -> GenerateResult:
+             _draft_override=None, _return_state: bool = False) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
     draft=None (or block_size=1) runs plain autoregressive decoding through the same loop. Greedy
@@ -439,14 +423,13 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     (seed, i, position), so a row's output is reproducible given seed, its index and its prompt.
     `on_commit(row_tokens)` (streaming) is called on the host once per loop iteration with the tokens
     each row committed in it. `capacity` (KV-cache entries) defaults to the prompt bucket +
-    max_new_tokens + block, rounded up to 1024; rows stop when it is full. `proposal` (T > 0 only):
-    "argmax" drafts (default) or "sample" them from the draft's distribution; both are lossless.
+    max_new_tokens + block, rounded up to 1024; rows stop when it is full.
     """
     st, tstate, dstate, p, n_rows, lens = _static_and_params(
         target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
         attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
-        draft_override=_draft_override, proposal=proposal)
+        draft_override=_draft_override)
     fn, compile_time = _compiled(st, tstate, dstate, p)
     if on_commit is not None:
         _STREAM_SINK[0] = lambda commit, produced: on_commit(

@@ -88,14 +88,10 @@ def select(logits, key, temperature, top_k, top_p, mode: str):
     return jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
 
 
-def accept(block, logits, key, temperature, top_k, top_p, mode: str, draft_logprobs=None):
+def accept(block, logits, key, temperature, top_k, top_p, mode: str):
     """Verify a block. block [B, S] = [last token, d_1 .. d_{S-1}], logits [B, S, V] float32 (slot i
     predicts the token after block[:, i]), key [B]. Returns (a [B] accepted drafts, next_token [B]:
-    the bonus or the correction at slot a).
-
-    draft_logprobs None: the drafts are argmax (q one-hot): accept d_i with probability p_i(d_i), the
-    correction is p_i without d_i. Given [B, S-1, V] (drafts sampled from q): accept with probability
-    min(1, p/q), the correction from max(p - q, 0) renormalised (the standard rule)."""
+    the bonus or the correction at slot a)."""
     B, S, V = logits.shape
     drafts = block[:, 1:]                                                       # [B, S-1]
     if mode == "greedy":
@@ -106,21 +102,11 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, draft_logpr
     k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
     p_draft = jnp.exp(jnp.take_along_axis(lp[:, :-1], drafts[..., None], axis=-1)[..., 0])  # [B, S-1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (S - 1,)))(k_accept)
-    if draft_logprobs is None:
-        ok = u < p_draft
-    else:
-        q_draft = jnp.exp(jnp.take_along_axis(draft_logprobs, drafts[..., None], axis=-1)[..., 0])
-        ok = u * q_draft < p_draft
-    a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    a = jnp.sum(jnp.cumprod(u < p_draft, axis=1), axis=1).astype(jnp.int32)
     row = jnp.take_along_axis(lp, a[:, None, None], axis=1)[:, 0]               # [B, V]
-    rejecting = (a < S - 1)[:, None]
-    if draft_logprobs is None:
-        rejected = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), a[:, None], axis=1)   # [B, 1]
-        residual = jnp.where(rejecting & (jnp.arange(V)[None] == rejected), -jnp.inf, row)
-    else:
-        q_row = jnp.take_along_axis(draft_logprobs, jnp.minimum(a, S - 2)[:, None, None], axis=1)[:, 0]
-        diff = jnp.maximum(jnp.exp(row) - jnp.exp(q_row), 0.0)
-        residual = jnp.where(rejecting, jnp.where(diff > 0, jnp.log(diff), -jnp.inf), row)
-    # a rejection leaves mass in the residual; guard rounding anyway.
+    rejected = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), a[:, None], axis=1)   # [B, 1]
+    remove = (a < S - 1)[:, None] & (jnp.arange(V)[None] == rejected)
+    residual = jnp.where(remove, -jnp.inf, row)
+    # p(d) == 1 cannot be rejected, so the residual always keeps mass; guard rounding anyway.
     residual = jnp.where(jnp.any(jnp.isfinite(residual), axis=-1, keepdims=True), residual, row)
     return a, jax.vmap(jax.random.categorical)(k_next, residual).astype(jnp.int32)
