@@ -102,16 +102,6 @@ class TargetConfig:
         except KeyError:
             raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A transformers `Qwen3Config` dict of these shapes (used to write test/benchmark checkpoints)."""
-        return dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=self.vocab_size,
-                    hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                    num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-                    num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                    max_position_embeddings=self.max_position_embeddings,
-                    tie_word_embeddings=self.tie_word_embeddings, hidden_act="silu")
-
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
     """The z-lab default taps: round(1 + i * (L - 4) / (n - 1)); [L // 2] for a single tap."""
@@ -189,17 +179,6 @@ class DraftConfig:
             problems.append(f"block_size {self.block_size} < 1")
         if problems:
             raise ConfigError("draft does not fit the target: " + "; ".join(problems))
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        return dict(model_type="qwen3", architectures=["DFlashDraftModel"], vocab_size=self.vocab_size,
-                    hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                    num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-                    num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                    max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
-                    block_size=self.block_size, num_target_layers=self.num_target_layers,
-                    dflash_config=dict(mask_token_id=self.mask_token_id,
-                                       target_layer_ids=list(self.target_layer_ids)))
 
     @classmethod
     def for_target(cls, target: TargetConfig, num_layers: int = 5, block_size: int = 16,

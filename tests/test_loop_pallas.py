@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests import tpu_aot
+from tests.doubles import truth_proposer
 from tests.checkpoints import random_prompts, write_draft, write_target
 
 from dflash_jax import DraftConfig, TargetConfig, decode, generate, load_draft, load_target
@@ -24,17 +25,6 @@ def d64_pair(tmp_path_factory):
     return target, load_draft(dp, target=target, dtype="float32")
 
 
-def _truth_override(truth, corrupt_slot, vocab):
-    import jax.numpy as jnp
-    truth = jnp.asarray(truth)
-
-    def override(drafts, lens):
-        idx = lens[:, None] + 1 + jnp.arange(drafts.shape[1])
-        true = jnp.take_along_axis(truth, jnp.minimum(idx, truth.shape[1] - 1), axis=1)
-        return true.at[:, corrupt_slot].set((true[:, corrupt_slot] + 1) % vocab)
-    return override
-
-
 def test_pallas_interpret_loop_gives_the_xla_tokens(d64_pair):
     target, draft = d64_pair
     prompts = random_prompts(2, 127, min_len=3, max_len=11, seed=2)
@@ -43,7 +33,7 @@ def test_pallas_interpret_loop_gives_the_xla_tokens(d64_pair):
     truth = np.zeros((2, 1024), np.int32)
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
-    override = _truth_override(truth, 2, 128)   # partial acceptance: 2 drafts + bonus per iteration
+    override = truth_proposer(truth, 2, 128)   # partial acceptance: 2 drafts + bonus per iteration
     xla = generate(target, draft, prompts, max_new_tokens=n, attention_impl="xla", _draft_override=override)
     pallas = generate(target, draft, prompts, max_new_tokens=n, attention_impl="pallas", _draft_override=override)
     assert pallas.tokens == xla.tokens == [t[:n] for t in plain.tokens]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests import tpu_aot
+from tests.doubles import truth_proposer
 from tests.checkpoints import load_torch_pair, random_prompts, reference_generate, write_draft, write_target
 
 from dflash_jax import ConfigError, DraftConfig, generate, load_draft, load_target
@@ -111,21 +112,6 @@ def test_trained_pair_with_stop_tokens_matches_reference(trained):
     assert res.tokens[0][-1] == stop[0] and len(res.tokens[0]) <= 10
 
 
-def _proposer(truth: np.ndarray, corrupt_slot: int | None, vocab: int):
-    """A test double for the draft: the target's true continuation (truth [B, L], prompt + greedy
-    output), with slot `corrupt_slot` (0-based among the S-1 drafts) replaced by a wrong token."""
-    truth = jnp.asarray(truth)
-
-    def override(drafts, lens):
-        S1 = drafts.shape[1]
-        idx = lens[:, None] + 1 + jnp.arange(S1)
-        true = jnp.take_along_axis(truth, jnp.minimum(idx, truth.shape[1] - 1), axis=1)
-        if corrupt_slot is None:
-            return true
-        return true.at[:, corrupt_slot].set((true[:, corrupt_slot] + 1) % vocab)
-    return override
-
-
 @pytest.mark.parametrize("corrupt", [None, 0, 3])
 def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrupt):
     target, draft = random_pair["target"], random_pair["draft"]
@@ -136,7 +122,7 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
     res = generate(target, draft, prompts, max_new_tokens=n, block_size=S, _return_state=True,
-                   _draft_override=_proposer(truth, corrupt, 128))
+                   _draft_override=truth_proposer(truth, corrupt, 128))
     assert res.tokens == [t[:n] for t in plain.tokens]
     expect = S if corrupt is None else corrupt + 1
     for row in res.acceptance_lengths:
