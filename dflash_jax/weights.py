@@ -103,7 +103,7 @@ def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=()):
 
     def put(path, arr):
         var = _variable(model, path)
-        want = flat[path].get_value().shape if hasattr(flat[path], "get_value") else flat[path].value.shape
+        want = var.get_value().shape
         if tuple(arr.shape) != tuple(want):
             raise ValueError(f"{what}: tensor for {'.'.join(map(str, path))} has shape {tuple(arr.shape)}, "
                              f"config expects {tuple(want)}")
