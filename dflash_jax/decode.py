@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -89,6 +90,7 @@ class _Loop:
 # The compiled program streams through this one host function, so a streaming program is compiled
 # once too; generate() points it at the caller's callback for the duration of a call.
 _STREAM_SINK: list = [None]
+_STREAM_LOCK = threading.Lock()  # one streaming generation at a time: the sink is process-wide
 
 
 def _stream_to_host(commit, produced):
@@ -238,6 +240,11 @@ class GenerateResult:
 
 _COMPILED: dict = {}
 _COMPILES = [0]
+
+
+def clear_compiled() -> None:
+    """Drop every cached generation program (they are kept per static key for the process's life)."""
+    _COMPILED.clear()
 
 
 def compile_count() -> int:
@@ -431,17 +438,23 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
         attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
         draft_override=_draft_override)
     fn, compile_time = _compiled(st, tstate, dstate, p)
-    if on_commit is not None:
-        _STREAM_SINK[0] = lambda commit, produced: on_commit(
-            [commit[i, :produced[i]].tolist() for i in range(n_rows)])
-    try:
+    def run():
         t0 = time.perf_counter()
         state = fn(tstate, dstate, p)
-        tokens, out_lens, log, iters, step = jax.device_get(
-            (state.tokens, state.lens, state.accept_log, state.iters, state.step))
-        run_time = time.perf_counter() - t0
-    finally:
-        _STREAM_SINK[0] = None
+        out = jax.device_get((state.tokens, state.lens, state.accept_log, state.iters, state.step))
+        return state, out, time.perf_counter() - t0
+
+    if on_commit is None:
+        state, out, run_time = run()
+    else:
+        with _STREAM_LOCK:
+            _STREAM_SINK[0] = lambda commit, produced: on_commit(
+                [commit[i, :produced[i]].tolist() for i in range(n_rows)])
+            try:
+                state, out, run_time = run()
+            finally:
+                _STREAM_SINK[0] = None
+    tokens, out_lens, log, iters, step = out
     rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
     stops = set(np.asarray(p.stop_ids).tolist()) - {-1}
     reasons = ["stop" if r[-1] in stops else "length" if len(r) >= max_new_tokens else "capacity" for r in rows]
