@@ -144,7 +144,8 @@ class Settings:
 # ----------------------------------------------------------------------------------------------
 
 def reference_child(out_path: str, smoke: bool, n_new: int, prompt: int) -> None:
-    """Times dflash 0.1.0's `dflash_generate` as /work/shared/tools/reference_on_gpu.py does."""
+    """Times dflash 0.1.0's `dflash_generate` (random bf16 weights, same shapes), as the reference was
+    timed for DESIGN's numbers: tokens per iteration from its acceptance lengths, CUDA-synchronised."""
     import torch
     import dflash.model as dm
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -211,18 +211,6 @@ def test_default_taps_formula():
     assert default_target_layer_ids(28, 1) == (14,)
 
 
-@tpu_aot.requires_libtpu
-@pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
-def test_speculative_loop_compiles_for_tpu(topology):
-    from dflash_jax import TargetConfig
-    cfg = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
-                       num_kv_heads=2, head_dim=64)
-    dcfg = DraftConfig.for_target(cfg, num_layers=2, block_size=16)
-    compiled = decode.lower_generate(cfg, dcfg, batch=2, prompt_len=64, max_new_tokens=64, dtype="bfloat16",
-                                     attention_impl="xla", device=tpu_aot.tpu_device(topology)).compile()
-    print(f"\n{topology} speculative loop memory_analysis: {tpu_aot.memory_report(compiled)}")
-
-
 def test_speculative_loop_exports_for_cuda():
     from dflash_jax import TargetConfig
     cfg = TargetConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
