@@ -32,13 +32,14 @@ left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 say() { echo "[gpu_call $(( $(date +%s) - START ))s] $*"; }
 
 # 1. the reference's wheel (no dependencies: torch and transformers are on the machine)
+SITE=$(mktemp -d)   # a scratch site-packages for the carried wheels
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || say "WARN: wheel install failed: the reference section will fail"
 else
   say "WARN: no .whl/ (call with carry [\".whl\"]): the reference section will fail"
 fi
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. environment
 {
