@@ -115,7 +115,7 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     tcache = target.new_cache(B, C)
     with jax.named_scope("prefill_target"):
         h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
-                                  attention_impl=st.attention_impl)
+                                  attention_impl=st.attention_impl, prefill=True)
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice

@@ -5,15 +5,18 @@ Same contract as `reference.block_attention`. The Pallas Triton backend is depre
 tokamax later. The backend is picked by the type of `compiler_params` (pltriton.CompilerParams);
 without it JAX >= 0.9 would lower through Mosaic GPU.
 
-Layout (as in tpu.py): the GQA group is folded into the rows, R = T*G rows ordered (t, g) per kv
-head, cut into row tiles of `block_q` (a power of two >= 16: Triton dots need >= 16 and loads need
-powers of two).
+Layout: the G = Hq/Hkv query heads that share a kv head are read together, straight from q's
+[B, T, Hq, D] layout (viewed as [B, T, Hkv, G, D], a free reshape), as a [block_t, G, D] tile that
+the kernel reshapes to R = block_t*G rows ordered (t, g). The output is written back the same way,
+so no transpose or pad runs around the kernel. Plain decode (T == 1, G < 16) reads its G rows as a
+masked 16-row tile (Triton dots need >= 16 rows). Sizes must be powers of two (Triton tensors).
 
 Grid (B, Hkv, row tiles, kv splits). Unlike TPU, GPU programs run concurrently, so the KV loop is a
 `fori_loop` inside the program. When B*Hkv*row_tiles cannot fill the GPU (batch 1 decode: 8 programs
 on 132 SMs), the KV range [0, max k_end of the tile) is split into `kv_splits` chunks (sized from the
 actual length, not the capacity, so all splits get work), each writes a normalised partial output
-and its log-sum-exp, and a small XLA epilogue merges them.
+and its log-sum-exp, and a small XLA epilogue merges them. Caches shorter than SPLIT_MIN_CAPACITY
+are never split: there the merge's extra kernels cost more than the parallelism gains.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.tpu import Unsupported, check_shapes, fold_queries, unfold_output
+from pallas_kernels.tpu import Unsupported, check_shapes
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -56,53 +59,99 @@ def _round_up(x: int, m: int) -> int:
 _SMEM_BUDGET = 128 * 1024
 
 
-def _fit_smem(cfg: dict, D: int, itemsize: int) -> dict:
+def _fit_smem(cfg: dict, rows: int, D: int, itemsize: int) -> dict:
     if itemsize <= 2:
         return cfg  # the H200 sweep's bf16/f16 settings fit as measured
     def need(c):
-        return (c["block_q"] * D + 2 * c["num_stages"] * c["block_k"] * D) * itemsize
+        return (rows * D + 2 * c["num_stages"] * c["block_k"] * D) * itemsize
     while need(cfg) > _SMEM_BUDGET:
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
         elif cfg["block_k"] > 16:
             cfg["block_k"] //= 2
-        elif cfg["block_q"] > 16:
-            cfg["block_q"] //= 2
+        elif cfg["block_t"] > 1 and rows > 16:
+            cfg["block_t"] //= 2
+            rows //= 2
         else:
             break
     return cfg
 
 
-def default_config(R: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H200_SMS) -> dict:
-    """Tile sizes, kv splits and Triton launch parameters for R folded rows over capacity C.
+def _row_tile(T: int, G: int, D: int) -> int:
+    """Query positions per program (bt): a power of two dividing T, with bt*G rows per tile."""
+    target_rows = 64 if D > 128 else 128
+    bt = 1
+    while bt * 2 <= T and T % (bt * 2) == 0 and bt * 2 * G <= max(target_rows, G):
+        bt *= 2
+    return bt
+
+
+# Below this capacity one program per (batch, kv head, row tile) reads the whole KV range itself:
+# short contexts are launch-bound, and splitting would add an XLA merge (several kernels per call,
+# measured ~9 us per attention call at B=1 / 512 context on the H200, more than the split saves).
+SPLIT_MIN_CAPACITY = 4096
+
+
+def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H200_SMS) -> dict:
+    """Tile sizes, kv splits and Triton launch parameters for T query positions (G heads each) over C.
 
     From a sweep on an H200 (jax 0.11.2, Qwen3-8B heads, bf16, verify pattern): block_k 64 with
     4 warps and 3 stages read 3.9 TB/s at B=32 / 32k context (8 warps or 2 stages: 2-3 TB/s);
     block_k 128 with 4 stages runs out of shared memory. Prefill (T=4096): 128-row tiles, block_k
     64, 8 warps, 4 stages: 238 TFLOP/s (cuDNN 326, XLA 40).
     """
-    block_q = min(max(16, _next_pow2(R)), 64 if D > 128 else 128)
-    if block_q > 64:                     # prefill-sized row tiles: compute-bound, wider warps
+    block_t = _row_tile(T, G, D)
+    rows = block_t * G
+    if rows > 64:                        # prefill-sized row tiles: compute-bound, wider warps
         block_k, num_warps, num_stages = 64, 8, 4
     else:                                # decode/verify/draft: bandwidth-bound
         block_k, num_warps, num_stages = (32 if D > 128 else 64), 4, 3
     while block_k > 16 and C % block_k:
         block_k //= 2
-    n_q = -(-R // block_q)
-    programs = B * Hkv * n_q
-    # Two waves' worth of programs; never more splits than KV tiles.
-    kv_splits = 1 if programs >= n_sms else min(-(-2 * n_sms // programs), max(1, C // block_k), 32)
-    return dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
+    programs = B * Hkv * (T // block_t)
+    # Two waves' worth of programs; never more splits than KV tiles; none for short caches.
+    if programs >= n_sms or C < SPLIT_MIN_CAPACITY:
+        kv_splits = 1
+    else:
+        kv_splits = min(-(-2 * n_sms // programs), max(1, C // block_k), 32)
+    return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
                 num_stages=num_stages, min_chunk=512)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int):
-    # q_ref [bq, D], k_ref/v_ref [C, D] (the whole head; tiles are sliced in the loop),
-    # kend_ref [bq] int32; outputs: o [bq, D] (+ lse [bq] when split).
+            min_chunk: int, decode_rows: int, G: int):
+    """One (batch, kv head, row tile, kv split) program.
+
+    Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
+    that share this kv head, read straight from q's [B, T, Hq, D] layout (no transpose before or
+    after the kernel); kend_ref [bt]; outputs o [bt, G, D] (+ lse [bt, G] when split).
+    Decode mode (T == 1, decode_rows = 16): q_ref is the whole [B*Hq, D] array; this program's G
+    rows are loaded as a 16-row tile with a mask (Triton dots need 16 rows), kend_ref is the whole
+    [B] array, outputs are whole [B*Hq, D] (+ [B*Hq]) arrays written with the same mask. This saves
+    the pad and slice kernels an XLA-side fold would cost at every layer.
+    k_ref/v_ref [C, D]: the whole head; tiles are sliced in the loop.
+    """
     s_idx = pl.program_id(3)
-    kend = kend_ref[...]                                                      # [bq]
-    hi = jnp.max(kend)
+    if decode_rows:
+        b, h = pl.program_id(0), pl.program_id(1)
+        n_kv = pl.num_programs(1)
+        R = decode_rows
+        r0 = (b * n_kv + h) * G
+        row_ok = lax.broadcasted_iota(jnp.int32, (R,), 0) < G
+        q = pltriton.load(q_ref.at[pl.ds(r0, R), :], mask=row_ok[:, None], other=0.0)  # [R, D]
+        kend_b = kend_ref[b]
+        kend = jnp.where(row_ok, kend_b, 0)                                   # [R]
+        hi = kend_b
+        lo = jnp.where(kend_b > 0, kend_b, jnp.iinfo(jnp.int32).max)
+    else:
+        bt, _, D = q_ref.shape
+        R = bt * G
+        q = q_ref[...].reshape(R, D)                                          # rows (t, g)
+        kend_t = kend_ref[...]                                                # [bt]
+        kend = jnp.broadcast_to(kend_t[:, None], (bt, G)).reshape(R)
+        hi = jnp.max(kend_t)
+        lo = jnp.min(jnp.where(kend_t > 0, kend_t, jnp.iinfo(jnp.int32).max))
+    D = q.shape[1]
     # This split's KV range: [start, stop), a bk-aligned share of [0, hi) of at least min_chunk
     # keys. The split count is static (from the capacity) but the length is not: a 32k cache
     # holding 1k tokens uses 2 splits, not 32 tiny ones whose partials cost more than they save.
@@ -110,17 +159,14 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     start = s_idx * chunk
     stop = jnp.minimum(start + chunk, hi)
     n_iter = jnp.maximum(pl.cdiv(stop - start, block_k), 0)
-
     # Tiles below every live row's k_end need no mask (most of a long context, the lower
     # triangle of a prefill). Rows with k_end == 0 (padding, or empty by contract) are left out of
-    # the min and zeroed at the end.
-    live = kend > 0                                                           # [bq]
-    lo = jnp.min(jnp.where(live, kend, jnp.iinfo(jnp.int32).max))
+    # `lo` and zeroed at the end.
+    live = kend > 0                                                           # [R]
     n_full = jnp.clip((lo - start) // block_k, 0, n_iter)
 
-    q = q_ref[...]                                                            # [bq, D]
-    bq, D = q.shape
-    cols = lax.broadcasted_iota(jnp.int32, (bq, block_k), 1)
+    prec = _precision(q.dtype)
+    cols = lax.broadcasted_iota(jnp.int32, (R, block_k), 1)
 
     def make_body(masked: bool):
         def body(it, carry):
@@ -128,43 +174,55 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
             k0 = pl.multiple_of(start + it * block_k, block_k)
             k = k_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=_precision(q.dtype)) * scale            # [bq, bk]
+                                precision=prec) * scale                       # [R, bk]
             if masked:
                 visible = (k0 + cols) < kend[:, None]
                 s = jnp.where(visible, s, _MASK)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))                        # [bq]
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))                        # [R]
             alpha = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[:, None])                                   # [bq, bk]
+            p = jnp.exp(s - m_new[:, None])                                   # [R, bk]
             if masked:
                 # A row with nothing visible yet has m_new == _MASK and exp(0) == 1: zero it.
                 p = jnp.where(visible, p, 0.0)
             l = alpha * l + jnp.sum(p, axis=1)
             v = v_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32,
-                                 precision=_precision(v.dtype))                   # [bq, D]
+                                 preferred_element_type=jnp.float32, precision=prec)  # [R, D]
             acc = acc * alpha[:, None] + pv
             return acc, m_new, l
         return body
 
-    acc0 = jnp.zeros((bq, D), jnp.float32)
-    m0 = jnp.full((bq,), _MASK, jnp.float32)
-    l0 = jnp.zeros((bq,), jnp.float32)
+    acc0 = jnp.zeros((R, D), jnp.float32)
+    m0 = jnp.full((R,), _MASK, jnp.float32)
+    l0 = jnp.zeros((R,), jnp.float32)
     carry = lax.fori_loop(0, n_full, make_body(False), (acc0, m0, l0))
     acc, m, l = lax.fori_loop(n_full, n_iter, make_body(True), carry)
     l = jnp.where(live, l, 0.0)
     o = jnp.where(live[:, None], acc, 0.0) / jnp.where(l > 0, l, 1.0)[:, None]
-    if kv_splits == 1:
-        (o_ref,) = out_refs
-        o_ref[...] = o.astype(o_ref.dtype)
-    else:
-        o_ref, lse_ref = out_refs
-        lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
+    if decode_rows:
+        o_ref = out_refs[0]
+        o_at = o_ref.at[pl.ds(r0, R), :] if kv_splits == 1 else o_ref.at[s_idx, pl.ds(r0, R), :]
+
+        def store_o():
+            pltriton.store(o_at, o.astype(o_ref.dtype), mask=row_ok[:, None])
+        if kv_splits > 1:
+            lse_ref = out_refs[1]
+            pltriton.store(lse_ref.at[s_idx, pl.ds(r0, R)], lse, mask=row_ok)
+    else:
+        o_ref = out_refs[0]
+
+        def store_o():
+            o_ref[...] = o.reshape(o_ref.shape).astype(o_ref.dtype)
+        if kv_splits > 1:
+            lse_ref = out_refs[1]
+            lse_ref[...] = lse.reshape(lse_ref.shape)
+    if kv_splits == 1:
+        store_o()
+    else:
         # An empty split writes only lse = -inf; _merge never reads its (unwritten) o.
-        @pl.when(n_iter > 0)
-        def _store():
-            o_ref[...] = o.astype(o_ref.dtype)
+        pl.when(n_iter > 0)(store_o)
 
 
 def _merge(o_parts, lse):
@@ -178,7 +236,7 @@ def _merge(o_parts, lse):
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,
-                    block_q: int | None = None, block_k: int | None = None,
+                    block_t: int | None = None, block_k: int | None = None,
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
                     n_sms: int = H200_SMS):
@@ -187,63 +245,91 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     B, T, Hq, D = q.shape
     _, Hkv, C, _ = k_cache.shape
     G = Hq // Hkv
-    R = T * G
     if D not in _HEAD_DIMS:
         raise Unsupported(f"head_dim={D} not in {_HEAD_DIMS}")
+    if G & (G - 1):
+        raise Unsupported(f"GQA group {G} is not a power of two (Triton tensor shapes)")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise Unsupported(f"dtype {q.dtype} not supported")
-    cfg = _fit_smem(default_config(R, C, D, B, Hkv, n_sms=n_sms), D, jnp.dtype(q.dtype).itemsize)
-    for name, val in dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits,
+    if T > 1 and T * G < 16:
+        # Too few rows for a Triton dot and not the decode layout (T == 1): pad the positions
+        # with empty rows (k_end 0). No Qwen3 shape takes this path (T is 1, the block, or a prefill).
+        Tp = 16 // G
+        out = block_attention(jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0))), k_cache, v_cache,
+                              jnp.pad(k_end, ((0, 0), (0, Tp - T))), scale=scale,
+                              interpret=interpret, block_k=block_k, kv_splits=kv_splits,
+                              num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
+                              n_sms=n_sms)
+        return out[:, :T]
+    cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
+    if block_t is not None:
+        cfg["block_t"] = block_t
+    cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
+    for name, val in dict(block_k=block_k, kv_splits=kv_splits,
                           num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk).items():
         if val is not None:
             cfg[name] = val
-    bq, bk, n_split = cfg["block_q"], cfg["block_k"], cfg["kv_splits"]
-    if bq < 16 or bq & (bq - 1) or bk < 16 or bk & (bk - 1):
-        raise Unsupported(f"block_q={bq}, block_k={bk} must be powers of two >= 16")
+    bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]
+    if bk < 16 or bk & (bk - 1):
+        raise Unsupported(f"block_k={bk} must be a power of two >= 16")
     if C % bk:
         raise Unsupported(f"capacity C={C} is not a multiple of block_k={bk}")
+    decode_rows = 16 if (T == 1 and G < 16) else 0
+    if not decode_rows:
+        if bt < 1 or bt & (bt - 1) or T % bt:
+            raise Unsupported(f"block_t={bt} must be a power of two dividing T={T}")
+        if bt * G < 16:
+            raise Unsupported(f"row tile {bt}x{G} < 16 rows (Triton dots need 16)")
     scale = D ** -0.5 if scale is None else float(scale)
-    R_pad = _round_up(R, bq)
-    n_q = R_pad // bq
-
-    qf, kr = fold_queries(q, k_end, G, R_pad)                                # [B,Hkv,R_pad,D], [B,R_pad]
-    kr = jnp.clip(kr, 0, C)
+    k_end = jnp.clip(k_end.astype(jnp.int32), 0, C)
     # Triton cannot do two dtypes in one dot: keep K/V and q alike (the contract has them equal).
     k_cache = k_cache.astype(q.dtype)
     v_cache = v_cache.astype(q.dtype)
-
-    in_specs = [
-        pl.BlockSpec((None, None, bq, D), lambda b, h, i, s: (b, h, i, 0)),
-        pl.BlockSpec((None, None, C, D), lambda b, h, i, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, C, D), lambda b, h, i, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, bq), lambda b, h, i, s: (b, i)),
-    ]
-    if n_split == 1:
-        out_shape = jax.ShapeDtypeStruct((B, Hkv, R_pad, D), q.dtype)
-        out_specs = pl.BlockSpec((None, None, bq, D), lambda b, h, i, s: (b, h, i, 0))
-    else:
-        # Partials in the input's dtype: for bf16 this halves the merge's traffic and costs about
-        # one bf16 rounding (the output is bf16 anyway); f32 inputs keep f32 partials.
-        out_shape = [jax.ShapeDtypeStruct((n_split, B, Hkv, R_pad, D), q.dtype),
-                     jax.ShapeDtypeStruct((n_split, B, Hkv, R_pad), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, bq, D), lambda b, h, i, s: (s, b, h, i, 0)),
-                     pl.BlockSpec((None, None, None, bq), lambda b, h, i, s: (s, b, h, i))]
+    kv_spec = pl.BlockSpec((None, None, C, D), lambda b, h, i, s: (b, h, 0, 0))
+    # Split partials in the input's dtype: for bf16 this halves the merge's traffic and costs about
+    # one bf16 rounding (the output is bf16 anyway); f32 inputs keep f32 partials.
+    if decode_rows:                      # q, k_end and the outputs as whole arrays (see _kernel)
+        n_t = 1
+        q_in, kend_in = q.reshape(B * Hq, D), k_end.reshape(B)
+        q_spec = pl.BlockSpec((B * Hq, D), lambda b, h, i, s: (0, 0))
+        kend_spec = pl.BlockSpec((B,), lambda b, h, i, s: (0,))
+        if n_split == 1:
+            out_shape = jax.ShapeDtypeStruct((B * Hq, D), q.dtype)
+            out_specs = q_spec
+        else:
+            out_shape = [jax.ShapeDtypeStruct((n_split, B * Hq, D), q.dtype),
+                         jax.ShapeDtypeStruct((n_split, B * Hq), jnp.float32)]
+            out_specs = [pl.BlockSpec((n_split, B * Hq, D), lambda b, h, i, s: (0, 0, 0)),
+                         pl.BlockSpec((n_split, B * Hq), lambda b, h, i, s: (0, 0))]
+    else:                                # q as [B, T, Hkv, G, D]: a free reshape
+        n_t = T // bt
+        q_in, kend_in = q.reshape(B, T, Hkv, G, D), k_end
+        q_spec = pl.BlockSpec((None, bt, None, G, D), lambda b, h, i, s: (b, i, h, 0, 0))
+        kend_spec = pl.BlockSpec((None, bt), lambda b, h, i, s: (b, i))
+        if n_split == 1:
+            out_shape = jax.ShapeDtypeStruct((B, T, Hkv, G, D), q.dtype)
+            out_specs = q_spec
+        else:
+            out_shape = [jax.ShapeDtypeStruct((n_split, B, T, Hkv, G, D), q.dtype),
+                         jax.ShapeDtypeStruct((n_split, B, T, Hkv, G), jnp.float32)]
+            out_specs = [pl.BlockSpec((None, None, bt, None, G, D), lambda b, h, i, s: (s, b, i, h, 0, 0)),
+                         pl.BlockSpec((None, None, bt, None, G), lambda b, h, i, s: (s, b, i, h, 0))]
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
-                               min_chunk=min_chunk)
+                               min_chunk=min_chunk, decode_rows=decode_rows, G=G)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
             kernel,
             out_shape=out_shape,
-            grid=(B, Hkv, n_q, n_split),
-            in_specs=in_specs,
+            grid=(B, Hkv, n_t, n_split),
+            in_specs=[q_spec, kv_spec, kv_spec, kend_spec],
             out_specs=out_specs,
             compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
                                                     num_stages=cfg["num_stages"]),
             interpret=interpret,
             name="dflash_block_attention_gpu",
-        )(qf, k_cache, v_cache, kr)
+        )(q_in, k_cache, v_cache, kend_in)
     if n_split > 1:
         out = _merge(*out).astype(q.dtype)
-    return unfold_output(out, B, T, Hq, G)
+    return out.reshape(B, T, Hq, D)

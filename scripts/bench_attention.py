@@ -323,7 +323,7 @@ def run(args) -> dict:
             alloc = 2 * B * Hkv * C * D * itemsize
             n_buf = int(min(max(2, math.ceil(4 * L2_BYTES / alloc)), 8, max(1, BUF_BYTES_CAP // alloc)))
             ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
-            cfg = gpu.default_config(S * (Hq // Hkv), C, D, B, Hkv, n_sms=n_sms)
+            cfg = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv, n_sms=n_sms)
             row = dict(pattern=pattern, B=B, ctx=ctx, C=C, kv_MB=kv_bytes / 1e6, n_buf=n_buf,
                        default_cfg=cfg)
             # The XLA path first: its output (bf16 inputs, f32 accumulation) checks the others.
@@ -353,7 +353,7 @@ def run(args) -> dict:
             ks, vs = make_buffers(2, 1, Hkv, C, D, dtype, seed=T)
             e = k_end_for("prefill", 1, T, 0)
             flops = 4 * T * (T + 1) / 2 * Hq * D
-            cfg = gpu.default_config(T * (Hq // Hkv), C, D, 1, Hkv, n_sms=n_sms)
+            cfg = gpu.default_config(T, Hq // Hkv, C, D, 1, Hkv, n_sms=n_sms)
             row = dict(pattern="prefill", B=1, T=T, default_cfg=cfg)
             outs = {}
             row["xla"] = timed("xla", xla_op, q, e, ks, vs, 1, 2, outs=outs)
@@ -375,16 +375,16 @@ def run(args) -> dict:
             gc.collect()
 
         # ---- prefill variants
-        pre_variants = [dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
-                        dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
-                        dict(block_q=128, block_k=64, num_warps=4, num_stages=3),
-                        dict(block_q=128, block_k=64, num_warps=8, num_stages=4),
-                        dict(block_q=128, block_k=32, num_warps=4, num_stages=4)]
+        pre_variants = [dict(block_t=16, block_k=64, num_warps=4, num_stages=3),
+                        dict(block_t=32, block_k=128, num_warps=8, num_stages=2),
+                        dict(block_t=32, block_k=64, num_warps=4, num_stages=3),
+                        dict(block_t=32, block_k=64, num_warps=8, num_stages=4),
+                        dict(block_t=32, block_k=32, num_warps=4, num_stages=4)]
         if args.sweep_only:
-            pre_variants += [dict(block_q=128, block_k=128, num_warps=8, num_stages=3),
-                             dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
-                             dict(block_q=64, block_k=32, num_warps=4, num_stages=4),
-                             dict(block_q=128, block_k=32, num_warps=8, num_stages=3)]
+            pre_variants += [dict(block_t=32, block_k=128, num_warps=8, num_stages=3),
+                             dict(block_t=16, block_k=128, num_warps=4, num_stages=2),
+                             dict(block_t=16, block_k=32, num_warps=4, num_stages=4),
+                             dict(block_t=32, block_k=32, num_warps=8, num_stages=3)]
         if smoke:
             pre_variants = pre_variants[:1]
         for row in prefill_results:
@@ -424,7 +424,7 @@ def run(args) -> dict:
             variants = [dict(block_k=bk, num_warps=w, num_stages=st)
                         for bk in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4)
                         if not (bk == 256 and st == 4)]
-            variants += ["splits*2", "splits*4", "splits/2", dict(block_q=32), dict(block_q=16)]
+            variants += ["splits*2", "splits*4", "splits/2", dict(block_t=8), dict(block_t=4)]
         else:
             variants = [dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=128, num_warps=8, num_stages=3),
                         dict(block_k=64, num_warps=8, num_stages=4), dict(block_k=256, num_warps=8, num_stages=2),

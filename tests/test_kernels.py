@@ -112,12 +112,13 @@ def test_tpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
 
 
 def _gpu_tuning(tuning, T, Hq, Hkv):
-    # Row tiles on GPU are powers of two >= 16; keep the case's intent (several row/KV tiles).
+    # GPU row tiles are block_t positions x G heads (>= 16 rows); keep the case's intent (several
+    # row/KV tiles).
     t = {}
     if "block_k" in tuning:
         t["block_k"] = 64
     if "block_q" in tuning:
-        t["block_q"] = 32
+        t["block_t"] = max(1, 32 // (Hq // Hkv))
     return t
 
 
@@ -142,10 +143,25 @@ def test_gpu_kernel_kv_splits(kv_splits, pattern):
 
 
 def test_gpu_default_config_splits_small_batch():
-    cfg = gpu.default_config(R=64, C=32768, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)
     assert cfg["kv_splits"] > 1                     # 8 programs cannot fill 132 SMs
-    cfg = gpu.default_config(R=64, C=32768, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=32, Hkv=8)
     assert cfg["kv_splits"] == 1                    # 256 programs already do
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
+    assert cfg["kv_splits"] == 1                    # short caches: no merge kernels
+
+
+@pytest.mark.parametrize("kv_splits", [1, 3])
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_kernel_decode_rows(kv_splits, G):
+    """Plain decode (T == 1): the G rows of each kv head are a masked 16-row tile of the flat
+    [B*Hq, D] view, the last program's tile reaching past the array's end."""
+    B, Hkv, C, D = 3, 2, 256, 64
+    q, k, v = _inputs(B, 1, Hkv * G, Hkv, C, D, jnp.float32, seed=2)
+    k_end = jnp.asarray([[1], [0], [C]], jnp.int32)
+    out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
+                              min_chunk=32)
+    _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
 def test_xla_path_chunks_queries():

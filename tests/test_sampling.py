@@ -135,7 +135,8 @@ def test_no_nan_with_minus_inf_logits():
     logits = jnp.broadcast_to(logits, (2, S, V))
     block = jnp.array([[1, 3, 4, 5], [1, 6, 9, 2]], jnp.int32)   # 3, 6, 9 have -inf logits: never accepted
     key = jax.vmap(lambda i: jax.random.key(i))(jnp.arange(2))
-    for mode, (tk, tp) in (("sample", (0, 1.0)), ("filtered", (5, 0.9))):
+    for mode, (tk, tp) in (("sample", (0, 1.0)), ("topk", (5, 0.9)), ("filtered", (5, 0.9)),
+                           ("filtered", (0, 0.9))):
         lp = sampling.log_probs(logits, jnp.float32(0.7), jnp.int32(tk), jnp.float32(tp), mode)
         assert not jnp.any(jnp.isnan(lp))
         a, nxt = sampling.accept(block, logits, key, jnp.float32(0.7), jnp.int32(tk), jnp.float32(tp), mode)
@@ -153,22 +154,28 @@ def test_invalid_sampling_values_are_clear_errors(pair):
 
 
 def test_processing_matches_the_reference_on_both_paths():
-    """top-k <= TOP_K_FAST takes lax.top_k candidates, larger top-k / top-p alone the full ranking:
-    both equal the reference's `_sampling_probs` (torch) exactly; ties at the cut are cut by rank."""
+    """top-k <= TOP_K_FAST ("topk" mode) takes lax.top_k candidates, larger top-k / top-p alone
+    ("filtered") the full ranking: both equal the reference's `_sampling_probs` (torch) exactly;
+    ties at the cut are cut by rank."""
     from dflash.model import _sampling_probs
     rng = np.random.RandomState(0)
     V = 300
     logits = (rng.randn(3, 5, V) * 2).astype(np.float32)
     for top_k in (0, 1, 2, 7, 20, 64, 100):
         for top_p in (1.0, 0.9, 0.5, 0.05):
-            ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k),
-                                                        jnp.float32(top_p), "filtered")))
             ref = _sampling_probs(torch.tensor(logits), 0.8, top_p, top_k).numpy()
-            np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
+            modes = {sampling.mode_for(0.8, top_p, top_k), "filtered"} - {"sample", "greedy"}
+            for mode in modes:
+                ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8),
+                                                            jnp.int32(top_k), jnp.float32(top_p), mode)))
+                np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p} {mode}")
+    assert sampling.mode_for(0.6, 0.95, 20) == "topk" and sampling.mode_for(0.6, 0.95, 0) == "filtered"
+    assert sampling.mode_for(1.0, 1.0, 100) == "filtered" and sampling.mode_for(1.0, 1.0, 0) == "sample"
     tied = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0]])
     for top_k in (2, 0):  # fast path, and the full ranking (top-p cut inside the tie)
         top_p = 1.0 if top_k else 0.8
-        p = np.exp(np.asarray(sampling.log_probs(tied, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), "filtered")))
+        mode = sampling.mode_for(1.0, top_p, top_k)
+        p = np.exp(np.asarray(sampling.log_probs(tied, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), mode)))
         want = _sampling_probs(torch.tensor(np.asarray(tied)), 1.0, top_p, top_k).numpy()
         assert (p > 0).sum() == (want > 0).sum()
         np.testing.assert_allclose(np.sort(p[0]), np.sort(want[0]), atol=1e-6)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import attend
+from dflash_jax.attention import attend, attend_prefill
 from dflash_jax.cache import write_rows
 
 
@@ -90,8 +90,10 @@ class DecoderLayer(nnx.Module):
         return rope(self.k_norm(k), positions, self.rope_theta), v
 
     def __call__(self, x, positions, k_cache, v_cache, write_start, k_end, impl: str,
-                 ctx=None, ctx_positions=None, ctx_write_start=None):
+                 ctx=None, ctx_positions=None, ctx_write_start=None, prefill: bool = False):
         """x [B, T, H] at `positions` [B, T]; its K/V go to cache rows [write_start, write_start + T).
+        prefill: the caller promises a causal prompt from row 0 (write_start 0, k_end = t + 1), so
+        the attention may run on the new K/V alone (attend_prefill).
         Draft mode: `ctx` [B, Tc, H] context features at `ctx_positions`, written at `ctx_write_start`
         first (the block's K/V are written after them and win where they overlap).
         Returns (x_out [B, T, H], k_cache, v_cache)."""
@@ -109,7 +111,10 @@ class DecoderLayer(nnx.Module):
             k, v = k[:, Tc:], v[:, Tc:]
         k_cache = write_rows(k_cache, k, write_start)
         v_cache = write_rows(v_cache, v, write_start)
-        o = attend(q, k_cache, v_cache, k_end, impl)                            # [B, T, Hq, D]
+        if prefill and ctx is None:
+            o = attend_prefill(q, k, v, k_cache, v_cache, k_end, impl)           # [B, T, Hq, D]
+        else:
+            o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
         x = x + o.reshape(o.shape[0], T, -1) @ self.o[...]
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache

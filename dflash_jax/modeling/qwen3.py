@@ -34,16 +34,18 @@ class Qwen3(nnx.Module):
         return jnp.einsum("bth,hv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, k_end, *, taps: tuple[int, ...] = (),
-                 attention_impl: str = "xla"):
+                 attention_impl: str = "xla", prefill: bool = False):
         """tokens, positions, k_end [B, T] int32. The new K/V are written at cache rows
-        [positions[:, 0], positions[:, 0] + T). Returns (hidden [B, T, H] final-normed,
+        [positions[:, 0], positions[:, 0] + T). prefill: a prompt from row 0 with k_end = t + 1
+        (lets long prompts use a library causal kernel, see attention.attend_prefill). Returns (hidden [B, T, H] final-normed,
         taps [B, T, len(taps) * H] or None, cache with lens = positions[:, 0] + T)."""
         x = self.embed_tokens(tokens)
         start = positions[:, 0]
         ks, vs, tapped = list(cache.k), list(cache.v), {}
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"target_layer{i}"):
-                x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl)
+                x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
+                                        prefill=prefill)
             if i in taps:
                 tapped[i] = x
         h = self.norm(x)
