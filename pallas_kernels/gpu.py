@@ -77,11 +77,10 @@ def _fit_smem(cfg: dict, rows: int, D: int, itemsize: int) -> dict:
     return cfg
 
 
-def _row_tile(T: int, G: int, D: int) -> int:
-    """Query positions per program (bt): a power of two dividing T, with bt*G rows per tile."""
-    target_rows = 64 if D > 128 else 128
+def _row_tile(T: int, G: int, rows: int = 64) -> int:
+    """Query positions per program (bt): a power of two dividing T, with bt*G <= rows (or bt = 1)."""
     bt = 1
-    while bt * 2 <= T and T % (bt * 2) == 0 and bt * 2 * G <= max(target_rows, G):
+    while bt * 2 <= T and T % (bt * 2) == 0 and bt * 2 * G <= rows:
         bt *= 2
     return bt
 
@@ -95,27 +94,28 @@ SPLIT_MIN_CAPACITY = 4096
 def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H200_SMS) -> dict:
     """Tile sizes, kv splits and Triton launch parameters for T query positions (G heads each) over C.
 
-    From a sweep on an H200 (jax 0.11.2, Qwen3-8B heads, bf16, verify pattern): block_k 64 with
-    4 warps and 3 stages read 3.9 TB/s at B=32 / 32k context (8 warps or 2 stages: 2-3 TB/s);
-    block_k 128 with 4 stages runs out of shared memory. Prefill (T=4096): 128-row tiles, block_k
-    64, 8 warps, 4 stages: 238 TFLOP/s (cuDNN 326, XLA 40).
+    From sweeps on an H200 (jax 0.11.2, Qwen3-8B heads, bf16; BENCHMARKS.md):
+    - 64-row tiles, block_k 64, 4 warps, 3 stages: best for verify/draft (3.9 TB/s at B=32 / 32k)
+      and for prefill too (T=4096: 558 us against 631-1004 us for 128-row tiles or 8 warps).
+    - Splits: fewer programs than SMs (batch 1-8) -> two waves' worth of splits; B=32 at 32k
+      (256 programs, under two waves) ran 1163 us with 2 splits against 1387 us with 1, while at 8k
+      one split was better (344 vs 369 us).
     """
-    block_t = _row_tile(T, G, D)
-    rows = block_t * G
-    if rows > 64:                        # prefill-sized row tiles: compute-bound, wider warps
-        block_k, num_warps, num_stages = 64, 8, 4
-    else:                                # decode/verify/draft: bandwidth-bound
-        block_k, num_warps, num_stages = (32 if D > 128 else 64), 4, 3
+    block_t = _row_tile(T, G, 64)
+    block_k = 32 if D > 128 else 64
     while block_k > 16 and C % block_k:
         block_k //= 2
     programs = B * Hkv * (T // block_t)
-    # Two waves' worth of programs; never more splits than KV tiles; none for short caches.
-    if programs >= n_sms or C < SPLIT_MIN_CAPACITY:
+    if C < SPLIT_MIN_CAPACITY:
         kv_splits = 1
-    else:
+    elif programs < n_sms:
         kv_splits = min(-(-2 * n_sms // programs), max(1, C // block_k), 32)
-    return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
-                num_stages=num_stages, min_chunk=512)
+    elif programs < 4 * n_sms and C >= 16384:
+        kv_splits = 2
+    else:
+        kv_splits = 1
+    return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
+                num_stages=3, min_chunk=512)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,

@@ -145,8 +145,12 @@ def test_gpu_kernel_kv_splits(kv_splits, pattern):
 def test_gpu_default_config_splits_small_batch():
     cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)
     assert cfg["kv_splits"] > 1                     # 8 programs cannot fill 132 SMs
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8)
     assert cfg["kv_splits"] == 1                    # 256 programs already do
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=32, Hkv=8)
+    assert cfg["kv_splits"] == 2                    # ... but at 32k two splits balance the waves
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8)
+    assert cfg["kv_splits"] == 1
     cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
     assert cfg["kv_splits"] == 1                    # short caches: no merge kernels
 

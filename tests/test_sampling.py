@@ -135,8 +135,8 @@ def test_no_nan_with_minus_inf_logits():
     logits = jnp.broadcast_to(logits, (2, S, V))
     block = jnp.array([[1, 3, 4, 5], [1, 6, 9, 2]], jnp.int32)   # 3, 6, 9 have -inf logits: never accepted
     key = jax.vmap(lambda i: jax.random.key(i))(jnp.arange(2))
-    for mode, (tk, tp) in (("sample", (0, 1.0)), ("topk", (5, 0.9)), ("filtered", (5, 0.9)),
-                           ("filtered", (0, 0.9))):
+    for mode, (tk, tp) in (("sample", (0, 1.0)), ("filtered", (5, 0.9)), ("filtered", (0, 0.9)),
+                           ("filtered", (100, 1.0))):
         lp = sampling.log_probs(logits, jnp.float32(0.7), jnp.int32(tk), jnp.float32(tp), mode)
         assert not jnp.any(jnp.isnan(lp))
         a, nxt = sampling.accept(block, logits, key, jnp.float32(0.7), jnp.int32(tk), jnp.float32(tp), mode)
@@ -154,14 +154,13 @@ def test_invalid_sampling_values_are_clear_errors(pair):
 
 
 def test_processing_matches_the_reference_on_both_paths():
-    """top-k <= TOP_K_FAST ("topk" mode) takes lax.top_k candidates, larger top-k / top-p alone
-    ("filtered") the full ranking: both equal the reference's `_sampling_probs` (torch) exactly;
-    ties at the cut are cut by rank."""
+    """The sort-free rank thresholds equal the reference's `_sampling_probs` (torch, a sort) for
+    top-k alone, top-p alone and both; ties at the cut are cut by rank, as a sort cuts them."""
     from dflash.model import _sampling_probs
     rng = np.random.RandomState(0)
     V = 300
     logits = (rng.randn(3, 5, V) * 2).astype(np.float32)
-    for top_k in (0, 1, 2, 7, 20, 64, 100):
+    for top_k in (0, 1, 2, 7, 20, 64, 100, 299, 300, 1000):
         for top_p in (1.0, 0.9, 0.5, 0.05):
             ref = _sampling_probs(torch.tensor(logits), 0.8, top_p, top_k).numpy()
             modes = {sampling.mode_for(0.8, top_p, top_k), "filtered"} - {"sample", "greedy"}
@@ -169,13 +168,19 @@ def test_processing_matches_the_reference_on_both_paths():
                 ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8),
                                                             jnp.int32(top_k), jnp.float32(top_p), mode)))
                 np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p} {mode}")
-    assert sampling.mode_for(0.6, 0.95, 20) == "topk" and sampling.mode_for(0.6, 0.95, 0) == "filtered"
-    assert sampling.mode_for(1.0, 1.0, 100) == "filtered" and sampling.mode_for(1.0, 1.0, 0) == "sample"
+    assert sampling.mode_for(0.6, 0.95, 20) == "filtered" and sampling.mode_for(1.0, 1.0, 0) == "sample"
     tied = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0]])
-    for top_k in (2, 0):  # fast path, and the full ranking (top-p cut inside the tie)
-        top_p = 1.0 if top_k else 0.8
+    for top_k, top_p in ((2, 1.0), (0, 0.8), (3, 0.8)):  # top-k and top-p cuts inside the tie
         mode = sampling.mode_for(1.0, top_p, top_k)
         p = np.exp(np.asarray(sampling.log_probs(tied, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), mode)))
         want = _sampling_probs(torch.tensor(np.asarray(tied)), 1.0, top_p, top_k).numpy()
         assert (p > 0).sum() == (want > 0).sum()
         np.testing.assert_allclose(np.sort(p[0]), np.sort(want[0]), atol=1e-6)
+        if top_k == 2:  # the lower index wins inside a tie, as a stable sort
+            assert p[0, 1] > 0 and p[0, 2] == 0 and p[0, 3] == 0
+    # negative scores, -inf, and a large vocabulary (index bits beyond 16)
+    big = jnp.asarray(np.where(rng.rand(2, 70000) < 0.1, -np.inf, rng.randn(2, 70000) * 3 - 20), jnp.float32)
+    for top_k, top_p in ((50, 1.0), (0, 0.7), (1000, 0.3)):
+        p = np.exp(np.asarray(sampling.log_probs(big, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), "filtered")))
+        want = _sampling_probs(torch.tensor(np.asarray(big)), 1.0, top_p, top_k).numpy()
+        np.testing.assert_allclose(p, want, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")

@@ -111,7 +111,7 @@ def test_compiles_once_across_lengths_and_run_time_values(tmp_path):
     for kw in runs:
         res = generate(target, None, **kw)
         assert len(res.tokens[0]) <= kw["max_new_tokens"]
-    # the two sampled runs share one program (sampling mode "topk" is the only new compile key)
+    # the two sampled runs share one program (sampling mode "filtered" is the only new compile key)
     assert decode.compile_count() - before == 1
     assert len(compiles) - n0 == 1, compiles
 
