@@ -19,6 +19,7 @@ BENCHMARKS.md: T=4096 0.42 ms vs 0.58 ms; at T=512 ours is faster, 63 us vs 72-8
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,27 @@ _log = logging.getLogger(__name__)
 
 # Prompt buckets at or above this length use cuDNN on the GPU path (see the module docstring).
 CUDNN_PREFILL_MIN_T = 2048
+
+
+def _fused_ok(impl: str, T: int) -> bool:
+    return (os.environ.get("DFLASH_FUSED_KERNELS", "1") != "0" and resolve_impl(impl) == "pallas_gpu"
+            and 1 <= T <= 64)
+
+
+def fused_prologue(impl: str, T: int, head_dim: int) -> bool:
+    """Whether a target layer's q/k norm, RoPE and cache writes run as one Pallas GPU kernel
+    (pallas_kernels.gpu.qk_norm_rope_write) instead of ~6 XLA kernels: the GPU path, blocks of up to
+    64 tokens (decode, verify). DFLASH_FUSED_KERNELS=0 in the environment turns the fused kernels
+    off (read when a program is traced)."""
+    from pallas_kernels import gpu
+    return _fused_ok(impl, T) and gpu.prologue_supported(T, head_dim)
+
+
+def fused_add_norm(impl: str, T: int, hidden: int) -> bool:
+    """Whether `x + attn_out` and the post-attention RMSNorm run as one Pallas GPU kernel
+    (pallas_kernels.gpu.add_rmsnorm); same conditions and switch as fused_prologue."""
+    from pallas_kernels import gpu
+    return _fused_ok(impl, T) and gpu.add_rmsnorm_supported(hidden)
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 

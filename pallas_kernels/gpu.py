@@ -22,6 +22,7 @@ are never split: there the merge's extra kernels cost more than the parallelism 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -333,3 +334,133 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     if n_split > 1:
         out = _merge(*out).astype(q.dtype)
     return out.reshape(B, T, Hq, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused attention prologue for short blocks (decode T=1, verify T=16) on the GPU path.
+#
+# After the fused q/k/v projection, XLA runs q-norm, k-norm, RoPE and the two cache writes as about
+# six small kernels per layer (two row reductions, two elementwise fusions, two dynamic-update-slices;
+# ~2 us each on the H200, launch-bound). This kernel does all of it in one launch: one program per
+# (batch row, head), q heads first, then kv heads. The caches are updated in place
+# (input_output_aliases). Numerics follow modeling.layers exactly: RMSNorm in float32, cast back,
+# times the weight in the input dtype; RoPE in float32 from that, cast back.
+
+def _prologue_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, start_ref, kc_in, vc_in,
+                     q_ref, kc_ref, vc_ref, *, Hq: int, D: int, eps: float):
+    del kc_in, vc_in  # aliased to kc_ref / vc_ref
+    b, h = pl.program_id(0), pl.program_id(1)
+    half = D // 2
+    dt = qkv_ref.dtype
+    f32 = jnp.float32
+    cos, sin = cos_ref[...], sin_ref[...]                                       # [T, D/2] f32
+
+    def norm_rope(col0, w_ref):
+        x1 = qkv_ref[:, pl.ds(col0, half)].astype(f32)                           # [T, D/2]
+        x2 = qkv_ref[:, pl.ds(col0 + half, half)].astype(f32)
+        r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        y1 = (w_ref[pl.ds(0, half)][None, :].astype(f32) * (x1 * r).astype(dt).astype(f32)).astype(dt).astype(f32)
+        y2 = (w_ref[pl.ds(half, half)][None, :].astype(f32) * (x2 * r).astype(dt).astype(f32)).astype(dt).astype(f32)
+        return (y1 * cos - y2 * sin).astype(dt), (y2 * cos + y1 * sin).astype(dt)
+
+    @pl.when(h < Hq)
+    def _q():
+        o1, o2 = norm_rope(h * D, qw_ref)
+        pltriton.store(q_ref.at[b, :, h, pl.ds(0, half)], o1.astype(q_ref.dtype))
+        pltriton.store(q_ref.at[b, :, h, pl.ds(half, half)], o2.astype(q_ref.dtype))
+
+    @pl.when(h >= Hq)
+    def _kv():
+        j = h - Hq
+        n_kv = pl.num_programs(1) - Hq
+        start = start_ref[b]
+        T = qkv_ref.shape[0]
+        o1, o2 = norm_rope((Hq + j) * D, kw_ref)
+        pltriton.store(kc_ref.at[b, j, pl.ds(start, T), pl.ds(0, half)], o1.astype(kc_ref.dtype))
+        pltriton.store(kc_ref.at[b, j, pl.ds(start, T), pl.ds(half, half)], o2.astype(kc_ref.dtype))
+        v = qkv_ref[:, pl.ds((Hq + n_kv + j) * D, D)]                              # [T, D]
+        pltriton.store(vc_ref.at[b, j, pl.ds(start, T), :], v.astype(vc_ref.dtype))
+
+
+def prologue_supported(T: int, D: int) -> bool:
+    return D in _HEAD_DIMS and 1 <= T <= 64 and not (T & (T - 1))
+
+
+def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v_cache, start, *,
+                       num_heads: int, interpret=False):
+    """qkv [B, T, (Hq + 2 Hkv) D] (the fused projection's output), cos/sin [B, T, D/2] float32,
+    q/k norm weights [D], caches [B, Hkv, C, D], start [B] (the block's first cache row, clamped to
+    [0, C - T] as dynamic_update_slice would). Returns (q [B, T, Hq, D] normed and rotated, k_cache, v_cache) with
+    rows [start, start + T) of every kv head holding the block's normed, rotated keys and its values."""
+    B, T, F = qkv.shape
+    _, Hkv, C, D = k_cache.shape
+    Hq = num_heads
+    if F != (Hq + 2 * Hkv) * D or not prologue_supported(T, D):
+        raise Unsupported(f"prologue: qkv {qkv.shape}, cache {k_cache.shape}, Hq {Hq}")
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
+    kernel = functools.partial(_prologue_kernel, Hq=Hq, D=D, eps=float(eps))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
+        q, k_cache, v_cache = pl.pallas_call(
+            kernel,
+            out_shape=[jax.ShapeDtypeStruct((B, T, Hq, D), qkv.dtype),
+                       jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+            grid=(B, Hq + Hkv),
+            in_specs=[pl.BlockSpec((None, T, F), lambda b, h: (b, 0, 0)),
+                      pl.BlockSpec((None, T, D // 2), lambda b, h: (b, 0, 0)),
+                      pl.BlockSpec((None, T, D // 2), lambda b, h: (b, 0, 0)),
+                      full((D,)), full((D,)), full((B,)),
+                      full(k_cache.shape), full(v_cache.shape)],
+            out_specs=[full((B, T, Hq, D)), full(k_cache.shape), full(v_cache.shape)],
+            input_output_aliases={6: 1, 7: 2},
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name="dflash_qk_norm_rope_write",
+        )(qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_weight, k_weight,
+          # clamped as dynamic_update_slice clamps: finished rows still run the (fixed-shape)
+          # iteration, and their writes must stay inside their own rows
+          jnp.clip(start.astype(jnp.int32), 0, C - T), k_cache, v_cache)
+    return q, k_cache, v_cache
+
+
+# ----------------------------------------------------------------------------------------------
+# Residual add + RMSNorm in one kernel (GPU path, short blocks). XLA:GPU runs `x + attn_out` and the
+# post-attention RMSNorm as two launches (~2 us each at decode sizes); this is one program per row.
+
+def _add_rmsnorm_kernel(x_ref, y_ref, w_ref, s_ref, n_ref, *, eps: float):
+    f32 = jnp.float32
+    dt = x_ref.dtype
+    s = (x_ref[...].astype(f32) + y_ref[...].astype(f32)).astype(dt)          # [H], as x + y in dt
+    sf = s.astype(f32)
+    r = lax.rsqrt(jnp.mean(sf * sf) + eps)
+    s_ref[...] = s
+    n_ref[...] = (w_ref[...].astype(f32) * (sf * r).astype(dt).astype(f32)).astype(n_ref.dtype)
+
+
+def add_rmsnorm_supported(H: int) -> bool:
+    return 16 <= H <= 16384 and not (H & (H - 1))
+
+
+def add_rmsnorm(x, y, weight, eps: float, *, interpret=False):
+    """(x + y, RMSNorm(x + y) * weight) for x, y [..., H] of one dtype, as modeling.layers computes
+    them (the sum rounded to the input dtype, the norm in float32, cast back, times the weight)."""
+    H = x.shape[-1]
+    if x.shape != y.shape or x.dtype != y.dtype or not add_rmsnorm_supported(H):
+        raise Unsupported(f"add_rmsnorm: {x.shape} {x.dtype} + {y.shape} {y.dtype}")
+    lead = x.shape[:-1]
+    N = math.prod(lead)
+    row = pl.BlockSpec((None, H), lambda i: (i, 0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
+        s, n = pl.pallas_call(
+            functools.partial(_add_rmsnorm_kernel, eps=float(eps)),
+            out_shape=[jax.ShapeDtypeStruct((N, H), x.dtype), jax.ShapeDtypeStruct((N, H), x.dtype)],
+            grid=(N,),
+            in_specs=[row, row, pl.BlockSpec((H,), lambda i: (0,))],
+            out_specs=[row, row],
+            compiler_params=pltriton.CompilerParams(num_warps=4 if H <= 4096 else 8, num_stages=1),
+            interpret=interpret,
+            name="dflash_add_rmsnorm",
+        )(x.reshape(N, H), y.reshape(N, H), weight.astype(x.dtype))
+    return s.reshape(x.shape), n.reshape(x.shape)

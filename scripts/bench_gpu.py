@@ -528,6 +528,73 @@ class Bench:
             except Exception as ex:
                 out[name] = {"error": short_err(ex)}
                 log(f"check: kernel {name}: ERROR {short_err(ex)}")
+        out.update(self.check_prologue())
+        try:
+            from pallas_kernels import gpu
+            from dflash_jax.modeling.layers import RMSNorm
+            norm = RMSNorm(4096, 1e-6, jnp.bfloat16)
+            norm.weight[...] = jnp.linspace(0.5, 1.5, 4096).astype(jnp.bfloat16)
+            kx, ky = jax.random.split(jax.random.key(9))
+            x = (jax.random.normal(kx, (2, 16, 4096)) * 4).astype(jnp.bfloat16)
+            y = jax.random.normal(ky, (2, 16, 4096)).astype(jnp.bfloat16)
+            s_, n_ = jax.jit(lambda x, y: gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps))(x, y)
+            ws, wn = jax.jit(lambda x, y: (x + y, norm(x + y)))(x, y)
+            f = lambda a: np.asarray(a.astype(jnp.float32))
+            errs = [float(np.abs(f(a) - f(b)).max() / max(np.abs(f(b)).max(), 1e-6)) for a, b in ((s_, ws), (n_, wn))]
+            ok = all(e <= 1e-2 for e in errs)
+            out["add_rmsnorm B2 T16"] = {"rel_err": max(errs), "ok": ok, "route": "pallas"}
+            log(f"check: kernel add_rmsnorm: rel err sum {errs[0]:.2e} norm {errs[1]:.2e} -> {'OK' if ok else 'FAIL'}")
+        except Exception as ex:
+            out["add_rmsnorm B2 T16"] = {"error": short_err(ex)}
+            log(f"check: kernel add_rmsnorm: ERROR {short_err(ex)}")
+        return out
+
+    def check_prologue(self):
+        """The fused q/k norm + RoPE + cache-write kernel against the layer's XLA ops (8B heads)."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from flax import nnx
+        from dflash_jax.cache import write_rows
+        from dflash_jax.config import TargetConfig
+        from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
+        from pallas_kernels import gpu
+        Hq, Hkv, D, C = 32, 8, 128, 2048
+        cfg = TargetConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_layers=1, num_heads=Hq,
+                           num_kv_heads=Hkv, head_dim=D)
+        layer = DecoderLayer(cfg, jnp.bfloat16, nnx.Rngs(0))
+        layer.q_norm.weight[...] = jnp.linspace(0.5, 1.5, D).astype(jnp.bfloat16)
+        layer.k_norm.weight[...] = jnp.linspace(1.5, 0.5, D).astype(jnp.bfloat16)
+        out = {}
+        for B, T in ((1, 1), (1, 16), (4, 16)):
+            name = f"prologue B{B} T{T}"
+            try:
+                ks = jax.random.split(jax.random.key(T), 3)
+                qkv = (jax.random.normal(ks[0], (B, T, (Hq + 2 * Hkv) * D)) * 3).astype(jnp.bfloat16)
+                kc = jax.random.normal(ks[1], (B, Hkv, C, D)).astype(jnp.bfloat16)
+                vc = jax.random.normal(ks[2], (B, Hkv, C, D)).astype(jnp.bfloat16)
+                start = jnp.asarray((np.arange(B) * 37 + 500) % (C - T), jnp.int32)
+                pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+
+                def xla(qkv, kc, vc):
+                    q, k, v = layer._split_heads(qkv)
+                    return (rope(layer.q_norm(q), pos, layer.rope_theta),
+                            write_rows(kc, rope(layer.k_norm(k), pos, layer.rope_theta), start),
+                            write_rows(vc, v, start))
+
+                def fused(qkv, kc, vc):
+                    cos, sin = rope_tables(pos, D, layer.rope_theta)
+                    return gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+                                                  layer.q_norm.eps, kc, vc, start, num_heads=Hq)
+                want = [np.asarray(a.astype(jnp.float32)) for a in jax.jit(xla)(qkv, kc, vc)]
+                got = [np.asarray(a.astype(jnp.float32)) for a in jax.jit(fused)(qkv, kc, vc)]
+                errs = [float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-6)) for g, w in zip(got, want)]
+                ok = all(e <= 1e-2 for e in errs)
+                out[name] = {"rel_err": max(errs), "ok": ok, "route": "pallas"}
+                log(f"check: kernel {name}: rel err q {errs[0]:.2e} k {errs[1]:.2e} v {errs[2]:.2e} -> {'OK' if ok else 'FAIL'}")
+            except Exception as ex:
+                out[name] = {"error": short_err(ex)}
+                log(f"check: kernel {name}: ERROR {short_err(ex)}")
         return out
 
     def sec_floors(self):
@@ -1229,6 +1296,7 @@ def main():
     # leave the reference child room on the GPU (it holds ~20 GB while JAX starts)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.70")
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes on the GPU path)")
     bad = [x for x in sections if x not in ALL_SECTIONS]
     if bad:
         ap.error(f"unknown sections {bad}; known: {ALL_SECTIONS}")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import attend, attend_prefill
+from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue
 from dflash_jax.cache import write_rows
 
 
@@ -35,13 +35,17 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
-def rope(x, positions, theta: float):
-    """Rotary embedding, HF `rotate_half` convention. x [B, T, N, D], positions [B, T] int32."""
-    D = x.shape[-1]
+def rope_tables(positions, D: int, theta: float):
+    """cos, sin [B, T, D/2] float32 of the rotary angles at positions [B, T]."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))      # [D/2]
     ang = positions.astype(jnp.float32)[..., None] * inv_freq                       # [B, T, D/2]
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding, HF `rotate_half` convention. x [B, T, N, D], positions [B, T] int32."""
+    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -99,6 +103,13 @@ class DecoderLayer(nnx.Module):
         Returns (x_out [B, T, H], k_cache, v_cache)."""
         T = x.shape[1]
         h = self.input_layernorm(x)
+        if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
+            from pallas_kernels import gpu
+            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+            q, k_cache, v_cache = gpu.qk_norm_rope_write(
+                h @ self.qkv[...], cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
+                self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads)
+            return self._finish(x, q, k_cache, v_cache, k_end, impl)
         hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
         q, k, v = self._split_heads(hin @ self.qkv[...])
         q = rope(self.q_norm(q[:, -T:]), positions, self.rope_theta)           # [B, T, Hq, D]
@@ -113,8 +124,20 @@ class DecoderLayer(nnx.Module):
         v_cache = write_rows(v_cache, v, write_start)
         if prefill and ctx is None:
             o = attend_prefill(q, k, v, k_cache, v_cache, k_end, impl)           # [B, T, Hq, D]
-        else:
+            return self._finish(x, q, k_cache, v_cache, k_end, impl, o=o)
+        return self._finish(x, q, k_cache, v_cache, k_end, impl)
+
+    def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None):
+        """Attention over the (written) cache, output projection, residual, MLP."""
+        if o is None:
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
-        x = x + o.reshape(o.shape[0], T, -1) @ self.o[...]
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        attn = o.reshape(o.shape[0], x.shape[1], -1) @ self.o[...]
+        if fused_add_norm(impl, x.shape[1], x.shape[-1]) and attn.dtype == x.dtype:
+            from pallas_kernels import gpu
+            norm = self.post_attention_layernorm
+            x, h = gpu.add_rmsnorm(x, attn, norm.weight[...], norm.eps)
+        else:
+            x = x + attn
+            h = self.post_attention_layernorm(x)
+        x = x + self.mlp(h)
         return x, k_cache, v_cache

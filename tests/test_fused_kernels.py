@@ -1,0 +1,110 @@
+"""The fused GPU kernels of short blocks, against the layer's XLA ops, on CPU in the Pallas
+interpreter, and their lowering for CUDA:
+- the attention prologue (q/k RMSNorm, RoPE, in-place cache writes in one Pallas Triton kernel);
+- the residual add + post-attention RMSNorm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dflash_jax.config import TargetConfig
+from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
+from dflash_jax.cache import write_rows
+from pallas_kernels import gpu
+
+
+def _layer(D, Hq, Hkv, dtype):
+    cfg = TargetConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=Hq,
+                       num_kv_heads=Hkv, head_dim=D, rope_theta=1e6)
+    layer = DecoderLayer(cfg, dtype, nnx.Rngs(0))
+    # non-unit norm weights, so a weight applied to the wrong half or head would show
+    rng = np.random.default_rng(0)
+    layer.q_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, D), dtype)
+    layer.k_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, D), dtype)
+    return layer
+
+
+def _xla(layer, qkv, positions, k_cache, v_cache, start):
+    q, k, v = layer._split_heads(qkv)
+    q = rope(layer.q_norm(q), positions, layer.rope_theta)
+    k = rope(layer.k_norm(k), positions, layer.rope_theta)
+    return q, write_rows(k_cache, k, start), write_rows(v_cache, v, start)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,C,dtype", [
+    (1, 1, 8, 2, 128, 64, jnp.float32),      # plain decode, GQA 4
+    (2, 16, 4, 4, 64, 96, jnp.float32),      # verify block, MHA
+    (2, 16, 8, 1, 256, 48, jnp.bfloat16),    # GQA 8, head_dim 256, bf16
+])
+def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
+    layer = _layer(D, Hq, Hkv, dtype)
+    ks = jax.random.split(jax.random.key(1), 3)
+    qkv = (jax.random.normal(ks[0], (B, T, (Hq + 2 * Hkv) * D)) * 3).astype(dtype)
+    k_cache = jax.random.normal(ks[1], (B, Hkv, C, D)).astype(dtype)
+    v_cache = jax.random.normal(ks[2], (B, Hkv, C, D)).astype(dtype)
+    # row 1 starts past C - T: both paths clamp it (a finished row still runs the iteration)
+    start = jnp.asarray([5, C - T + 7][:B], jnp.int32)
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+    want = _xla(layer, qkv, positions, k_cache, v_cache, start)
+    cos, sin = rope_tables(positions, D, layer.rope_theta)
+    got = gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+                                 layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq, interpret=True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name, g, w in zip(("q", "k_cache", "v_cache"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name, **tol)
+    # rows outside the block are untouched
+    np.testing.assert_array_equal(np.asarray(got[2][0, :, :5], np.float32), np.asarray(v_cache[0, :, :5], np.float32))
+
+
+def test_prologue_lowers_for_cuda():
+    from jax import export
+    B, T, Hq, Hkv, D, C = 2, 16, 32, 8, 128, 4096
+    S = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    f = lambda qkv, c, s, qw, kw, kc, vc, st: gpu.qk_norm_rope_write(qkv, c, s, qw, kw, 1e-6, kc, vc, st,
+                                                                       num_heads=Hq)
+    exp = export.export(jax.jit(f, donate_argnums=(5, 6)), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        S((B, T, (Hq + 2 * Hkv) * D), bf), S((B, T, D // 2), jnp.float32), S((B, T, D // 2), jnp.float32),
+        S((D,), bf), S((D,), bf), S((B, Hkv, C, D), bf), S((B, Hkv, C, D), bf), S((B,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 1, 256), jnp.float32), ((2, 16, 512), jnp.bfloat16)])
+def test_add_rmsnorm_matches_the_layer(shape, dtype):
+    from dflash_jax.modeling.layers import RMSNorm
+    norm = RMSNorm(shape[-1], 1e-6, dtype)
+    norm.weight[...] = jnp.linspace(0.5, 1.5, shape[-1]).astype(dtype)
+    kx, ky = jax.random.split(jax.random.key(3))
+    x = (jax.random.normal(kx, shape) * 4).astype(dtype)
+    y = jax.random.normal(ky, shape).astype(dtype)
+    s, n = gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=True)
+    want_s = x + y
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want_s, np.float32))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(n, np.float32), np.asarray(norm(want_s), np.float32), **tol)
+
+
+def test_add_rmsnorm_lowers_for_cuda():
+    from jax import export
+    S = jax.ShapeDtypeStruct
+    exp = export.export(jax.jit(lambda x, y, w: gpu.add_rmsnorm(x, y, w, 1e-6)), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        S((1, 16, 4096), jnp.bfloat16), S((1, 16, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16))
+    assert "dflash_add_rmsnorm" in exp.mlir_module()
+
+
+def test_fused_dispatch(monkeypatch):
+    from dflash_jax.attention import fused_add_norm, fused_prologue
+    assert not fused_prologue("xla", 16, 128) and not fused_prologue("pallas_tpu", 16, 128)
+    assert fused_prologue("pallas_gpu", 16, 128) and fused_prologue("pallas_gpu", 1, 128)
+    assert not fused_prologue("pallas_gpu", 512, 128) and not fused_prologue("pallas_gpu", 16, 96)
+    assert fused_add_norm("pallas_gpu", 16, 4096) and not fused_add_norm("pallas_gpu", 16, 2560)
+    assert not fused_add_norm("xla", 1, 4096) and not fused_add_norm("pallas_gpu", 512, 4096)
+    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "0")
+    assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
