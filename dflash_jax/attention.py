@@ -33,8 +33,13 @@ CUDNN_PREFILL_MIN_T = 2048
 
 
 def _fused_ok(impl: str, T: int) -> bool:
-    return (os.environ.get("DFLASH_FUSED_KERNELS", "1") != "0" and resolve_impl(impl) == "pallas_gpu"
-            and 1 <= T <= 64)
+    return (os.environ.get("DFLASH_FUSED_KERNELS", "1") != "0" and 1 <= T <= 64
+            and resolve_impl(impl) in ("pallas_gpu", "pallas_gpu_interpret"))
+
+
+def gpu_interpret(impl: str) -> bool:
+    """Whether the GPU kernels of this path run in the Pallas interpreter (CPU tests)."""
+    return resolve_impl(impl) == "pallas_gpu_interpret"
 
 
 def fused_prologue(impl: str, T: int, head_dim: int) -> bool:
@@ -54,8 +59,9 @@ def fused_add_norm(impl: str, T: int, hidden: int) -> bool:
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 
-# What `resolve_impl` returns: the concrete path.
-_RESOLVED = ("xla", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+# What `resolve_impl` returns: the concrete path. "pallas_gpu_interpret" (tests only) runs the GPU
+# path, fused kernels included, in the Pallas interpreter on CPU.
+_RESOLVED = ("xla", "pallas_tpu", "pallas_gpu", "pallas_interpret", "pallas_gpu_interpret")
 
 
 def resolve_impl(impl: str) -> str:
@@ -86,7 +92,8 @@ def attend(q, k_cache, v_cache, k_end, impl: str = "auto", *, scale: float | Non
         return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu",
                                               scale=scale, interpret=True)
     kernel = "tpu" if path == "pallas_tpu" else "gpu"
-    return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl=kernel, scale=scale)
+    return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl=kernel, scale=scale,
+                                          interpret=path == "pallas_gpu_interpret")
 
 
 def attend_prefill(q, k, v, k_cache, v_cache, k_end, impl: str = "auto", *,

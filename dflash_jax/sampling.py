@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,26 @@ def _min_passing(pred, n_rows: int, bits: int):
     return x
 
 
+# How each pass evaluates its 16 candidates over the vocabulary (all give the same result; the speed
+# depends on how XLA fuses them). "columns": one [N, V, 16] reduction over V; "rows": [N, 16, V]
+# over its minor axis; "siblings": 16 separate [N, V] reductions that XLA can fuse into one
+# multi-output kernel. DFLASH_SAMPLING_SEARCH overrides the default (read at trace time; for
+# benchmarks).
+SEARCH_LAYOUTS = ("columns", "rows", "siblings")
+SEARCH_LAYOUT = "columns"
+
+
+def _masked_sums(keys, cand, weight):
+    """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, 16], weight [N, V] -> [N, 16]."""
+    layout = os.environ.get("DFLASH_SAMPLING_SEARCH", SEARCH_LAYOUT)
+    if layout == "rows":
+        return jnp.sum(jnp.where(keys[:, None, :] > cand[:, :, None], weight[:, None, :], 0.0), axis=2)
+    if layout == "siblings":
+        return jnp.stack([jnp.sum(jnp.where(keys > cand[:, j:j + 1], weight, 0.0), axis=1)
+                          for j in range(cand.shape[1])], axis=1)
+    return jnp.sum(jnp.where(keys[:, :, None] > cand[:, None, :], weight[:, :, None], 0.0), axis=1)
+
+
 def _rank_threshold(hi, lo, weight, budget):
     """Keep mask [N, V] of the tokens whose higher-ranked weight is below budget [N] (> 0).
 
@@ -82,20 +103,11 @@ def _rank_threshold(hi, lo, weight, budget):
     the budget: found on hi first, then on lo among the tokens tied at that score."""
     N = hi.shape[0]
     budget = budget[:, None]
-
-    # [N, 16, V] reduced over the minor axis: a row reduction, XLA:GPU's fastest kind.
-    def above_hi(c):                                                            # c [N, 16]
-        return jnp.sum(jnp.where(hi[:, None, :] > c[:, :, None], weight[:, None, :], 0.0), axis=2)
-
-    h = _min_passing(lambda c: above_hi(c) < budget, N, 32)
+    h = _min_passing(lambda c: _masked_sums(hi, c, weight) < budget, N, 32)
     base = jnp.sum(jnp.where(hi > h[:, None], weight, 0.0), axis=1, keepdims=True)       # [N, 1]
     tie = hi == h[:, None]
-
-    def above_lo(c):
-        w = jnp.where(tie, weight, 0.0)
-        return base + jnp.sum(jnp.where(lo[None, None, :] > c[:, :, None], w[:, None, :], 0.0), axis=2)
-
-    low = _min_passing(lambda c: above_lo(c) < budget, N, _INDEX_BITS)
+    w_tie = jnp.where(tie, weight, 0.0)
+    low = _min_passing(lambda c: base + _masked_sums(lo[None, :], c, w_tie) < budget, N, _INDEX_BITS)
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
 
 

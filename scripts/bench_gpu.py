@@ -480,6 +480,7 @@ class Bench:
                 + ", ".join(f"row {i}: {r['match_prefix']}/{r['len'][0]}" for i, r in enumerate(rows)))
         res["all_equal"] = ok
         if jax.default_backend() != "cpu":
+            res["fused"] = self.check_fused()
             res["kernels"] = self.check_kernels()
         self.R["sections"]["check"] = res
 
@@ -528,6 +529,14 @@ class Bench:
             except Exception as ex:
                 out[name] = {"error": short_err(ex)}
                 log(f"check: kernel {name}: ERROR {short_err(ex)}")
+        return out
+
+    def check_fused(self):
+        """The fused GPU kernels (prologue, add + RMSNorm) against the layer's XLA ops."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        out = {}
         out.update(self.check_prologue())
         try:
             from pallas_kernels import gpu
@@ -1296,7 +1305,8 @@ def main():
     # leave the reference child room on the GPU (it holds ~20 GB while JAX starts)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.70")
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
-    log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes on the GPU path)")
+    log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes, "
+        f"add + RMSNorm on the GPU path); DFLASH_SAMPLING_SEARCH={os.environ.get('DFLASH_SAMPLING_SEARCH', '(default)')}")
     bad = [x for x in sections if x not in ALL_SECTIONS]
     if bad:
         ap.error(f"unknown sections {bad}; known: {ALL_SECTIONS}")

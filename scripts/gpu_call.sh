@@ -18,6 +18,8 @@
 #   TOTAL_S=590                          the whole script's time limit
 #   SMOKE=1                              tiny shapes (tries this script on a CPU machine)
 #   DFLASH_FUSED_KERNELS=0               run without the fused prologue / add+norm kernels
+#   EXTRA_RUNS="VAR=value:sections ..."  after the main run, more bench_gpu.py runs, each in its own
+#                                        process with VAR=value set (A/B of a trace-time setting)
 # Files back in $OUT (the tool returns at most 8): env.log (with the check), bench_attention.log,
 # bench_gpu.log, bench_gpu.json, profile_dflash_b1_*.trace.json.gz, and what bench_attention.py writes.
 set -o pipefail
@@ -101,6 +103,18 @@ timeout -k 15 -s TERM $(( REM - 15 )) python3 scripts/bench_gpu.py --budget-s "$
   2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc|Source Location Trace|libtpu_init_utils' \
   | tee "$OUT/bench_gpu.log"
 RC=${PIPESTATUS[0]}
+
+# 6. extra runs, each in its own process with one environment setting (A/B of a trace-time knob):
+#    EXTRA_RUNS="DFLASH_SAMPLING_SEARCH=rows:sampling DFLASH_SAMPLING_SEARCH=siblings:sampling"
+for spec in $EXTRA_RUNS; do
+  envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "$envset" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-40)
+  REM=$(left)
+  if [ "$REM" -lt 90 ]; then say "no time left for extra run $spec"; continue; fi
+  say "extra run: $envset --sections $secs (${REM}s left)"
+  env "$envset" timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
+    --sections "$secs" $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
+    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|SEARCH|FUSED|Error|ERROR"
+done
 say "bench_gpu rc=$RC; files in \$OUT:"
 ls -la "$OUT"
 exit $RC

@@ -108,3 +108,32 @@ def test_fused_dispatch(monkeypatch):
     assert not fused_add_norm("xla", 1, 4096) and not fused_add_norm("pallas_gpu", 512, 4096)
     monkeypatch.setenv("DFLASH_FUSED_KERNELS", "0")
     assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
+
+
+def test_gpu_path_forward_and_loop_match_xla():
+    """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
+    residuals deferred across layers into the next norm) against the XLA path: the target's verify
+    and decode forwards (hidden states, taps, caches) and a speculative generation's tokens."""
+    from dflash_jax import DraftConfig, generate, init_draft, init_target
+    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                       num_kv_heads=2, head_dim=64)   # every GPU kernel supports these shapes
+    target = init_target(cfg, seed=3, dtype="float32")
+    B, C = 2, 64
+    prompt = jax.random.randint(jax.random.key(0), (B, 16), 0, 128)
+    pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (B, 16))
+    _, _, cache = target(prompt, pos, target.new_cache(B, C), pos + 1, taps=(0, 1))
+    for T in (16, 1):
+        toks = jax.random.randint(jax.random.key(T), (B, T), 0, 128)
+        p = jnp.asarray([[16], [20]], jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+        outs = [target(toks, p, cache, p + 1, taps=(0, 1), attention_impl=impl)
+                for impl in ("xla", "pallas_gpu_interpret")]
+        (h0, f0, c0), (h1, f1, c1) = outs
+        np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
+        for a, b in zip(c1.k + c1.v, c0.k + c0.v):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=8), seed=4, dtype="float32")
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla").tokens
+    got = generate(target, draft, prompts, max_new_tokens=12, attention_impl="pallas_gpu_interpret").tokens
+    assert got == want

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue
+from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue, gpu_interpret
 from dflash_jax.cache import write_rows
 
 
@@ -94,22 +94,34 @@ class DecoderLayer(nnx.Module):
         return rope(self.k_norm(k), positions, self.rope_theta), v
 
     def __call__(self, x, positions, k_cache, v_cache, write_start, k_end, impl: str,
-                 ctx=None, ctx_positions=None, ctx_write_start=None, prefill: bool = False):
+                 ctx=None, ctx_positions=None, ctx_write_start=None, prefill: bool = False,
+                 residual=None, defer: bool = False):
         """x [B, T, H] at `positions` [B, T]; its K/V go to cache rows [write_start, write_start + T).
         prefill: the caller promises a causal prompt from row 0 (write_start 0, k_end = t + 1), so
         the attention may run on the new K/V alone (attend_prefill).
         Draft mode: `ctx` [B, Tc, H] context features at `ctx_positions`, written at `ctx_write_start`
         first (the block's K/V are written after them and win where they overlap).
-        Returns (x_out [B, T, H], k_cache, v_cache)."""
+        Returns (x_out [B, T, H], k_cache, v_cache).
+
+        Deferred residuals (the fused GPU path, see attention.fused_add_norm): `residual` is the
+        previous layer's MLP output not yet added to x (the add is fused with this layer's input
+        RMSNorm); with defer=True the return is (x, mlp_out, k_cache, v_cache), the layer's output
+        being x + mlp_out."""
         T = x.shape[1]
-        h = self.input_layernorm(x)
+        if residual is not None:
+            from pallas_kernels import gpu
+            x, h = gpu.add_rmsnorm(x, residual, self.input_layernorm.weight[...], self.input_layernorm.eps,
+                                   interpret=gpu_interpret(impl))
+        else:
+            h = self.input_layernorm(x)
         if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
             from pallas_kernels import gpu
             cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
             q, k_cache, v_cache = gpu.qk_norm_rope_write(
                 h @ self.qkv[...], cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
-                self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads)
-            return self._finish(x, q, k_cache, v_cache, k_end, impl)
+                self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
+                interpret=gpu_interpret(impl))
+            return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
         hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
         q, k, v = self._split_heads(hin @ self.qkv[...])
         q = rope(self.q_norm(q[:, -T:]), positions, self.rope_theta)           # [B, T, Hq, D]
@@ -124,10 +136,10 @@ class DecoderLayer(nnx.Module):
         v_cache = write_rows(v_cache, v, write_start)
         if prefill and ctx is None:
             o = attend_prefill(q, k, v, k_cache, v_cache, k_end, impl)           # [B, T, Hq, D]
-            return self._finish(x, q, k_cache, v_cache, k_end, impl, o=o)
-        return self._finish(x, q, k_cache, v_cache, k_end, impl)
+            return self._finish(x, q, k_cache, v_cache, k_end, impl, o=o, defer=defer)
+        return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
 
-    def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None):
+    def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
         """Attention over the (written) cache, output projection, residual, MLP."""
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
@@ -135,9 +147,11 @@ class DecoderLayer(nnx.Module):
         if fused_add_norm(impl, x.shape[1], x.shape[-1]) and attn.dtype == x.dtype:
             from pallas_kernels import gpu
             norm = self.post_attention_layernorm
-            x, h = gpu.add_rmsnorm(x, attn, norm.weight[...], norm.eps)
+            x, h = gpu.add_rmsnorm(x, attn, norm.weight[...], norm.eps, interpret=gpu_interpret(impl))
         else:
             x = x + attn
             h = self.post_attention_layernorm(x)
+        if defer:
+            return x, self.mlp(h), k_cache, v_cache
         x = x + self.mlp(h)
         return x, k_cache, v_cache

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.attention import fused_add_norm, gpu_interpret
 from dflash_jax.cache import KVCache
 from dflash_jax.config import TargetConfig
 from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init
@@ -42,13 +43,26 @@ class Qwen3(nnx.Module):
         x = self.embed_tokens(tokens)
         start = positions[:, 0]
         ks, vs, tapped = list(cache.k), list(cache.v), {}
+        # GPU path, short blocks: each layer's last residual add is fused with the next RMSNorm
+        # (the next layer's input norm, or the final norm), so x + delta is the true hidden state.
+        defer = not prefill and fused_add_norm(attention_impl, tokens.shape[1], self.config.hidden_size)
+        delta = None
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"target_layer{i}"):
-                x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
-                                        prefill=prefill)
+                if defer:
+                    x, delta, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
+                                                   residual=delta, defer=True)
+                else:
+                    x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
+                                            prefill=prefill)
             if i in taps:
-                tapped[i] = x
-        h = self.norm(x)
+                tapped[i] = x + delta if defer else x
+        if defer:
+            from pallas_kernels import gpu
+            x, h = gpu.add_rmsnorm(x, delta, self.norm.weight[...], self.norm.eps,
+                                   interpret=gpu_interpret(attention_impl))
+        else:
+            h = self.norm(x)
         # HF's last hidden_states entry is taken after the final norm; keep its meaning for tap L-1.
         tapped[len(self.layers) - 1] = h
         feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
