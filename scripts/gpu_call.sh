@@ -113,7 +113,7 @@ for spec in $EXTRA_RUNS; do
   say "extra run: $envset --sections $secs (${REM}s left)"
   env "$envset" timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
     --sections "$secs" $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
-    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|SEARCH|FUSED|Error|ERROR"
+    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|SEARCH|FUSED|GPU_ATTN|Error|ERROR"
 done
 say "bench_gpu rc=$RC; files in \$OUT:"
 ls -la "$OUT"
