@@ -53,7 +53,7 @@ def mode_for(temperature: float, top_p: float, top_k: int) -> str:
     return "filtered" if (top_k > 0 or top_p < 1.0) else "sample"
 
 
-_DIGIT = 4                      # bits decided per pass
+_DIGIT = 4                      # bits decided per pass (DFLASH_SAMPLING_DIGIT overrides; benchmarks)
 _INDEX_BITS = 20                # vocabularies up to 2**20 - 1 tokens
 
 
@@ -65,13 +65,18 @@ def _score_key(scores):
 
 def _min_passing(pred, n_rows: int, bits: int):
     """Smallest x in [0, 2**bits) with pred(x) true, per row, for pred monotone (false then true)
-    and true at 2**bits - 1. pred maps candidates [N, 16] uint32 -> bool [N, 16]."""
+    and true at 2**bits - 1. pred maps candidates [N, K] uint32 -> bool [N, K]. Decided `digit` bits
+    per pass (the first pass takes the remainder), 2**digit candidates each."""
+    d = int(os.environ.get("DFLASH_SAMPLING_DIGIT", _DIGIT))
+    widths = ([bits % d] if bits % d else []) + [d] * (bits // d)
     x = jnp.zeros((n_rows,), jnp.uint32)
-    digits = jnp.arange(1 << _DIGIT, dtype=jnp.uint32)
-    for shift in range(bits - _DIGIT, -1, -_DIGIT):
+    shift = bits
+    for w in widths:
+        shift -= w
+        digits = jnp.arange(1 << w, dtype=jnp.uint32)
         cand = x[:, None] | (digits[None] << shift) | jnp.uint32((1 << shift) - 1)
-        d = jnp.argmax(pred(cand), axis=1).astype(jnp.uint32)                  # first passing digit
-        x = x | (d << shift)
+        d_ = jnp.argmax(pred(cand), axis=1).astype(jnp.uint32)                 # first passing digit
+        x = x | (d_ << shift)
     return x
 
 
@@ -85,7 +90,7 @@ SEARCH_LAYOUT = "columns"
 
 
 def _masked_sums(keys, cand, weight):
-    """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, 16], weight [N, V] -> [N, 16]."""
+    """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, K], weight [N, V] -> [N, K]."""
     layout = os.environ.get("DFLASH_SAMPLING_SEARCH", SEARCH_LAYOUT)
     if layout == "rows":
         return jnp.sum(jnp.where(keys[:, None, :] > cand[:, :, None], weight[:, None, :], 0.0), axis=2)

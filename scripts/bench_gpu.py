@@ -1306,7 +1306,8 @@ def main():
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.70")
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes, "
-        f"add + RMSNorm on the GPU path); DFLASH_SAMPLING_SEARCH={os.environ.get('DFLASH_SAMPLING_SEARCH', '(default)')}; "
+        f"add + RMSNorm on the GPU path); DFLASH_SAMPLING_SEARCH={os.environ.get('DFLASH_SAMPLING_SEARCH', '(default)')} "
+        f"DIGIT={os.environ.get('DFLASH_SAMPLING_DIGIT', '(default)')}; "
         f"DFLASH_GPU_ATTN={os.environ.get('DFLASH_GPU_ATTN', '(default)')}")
     bad = [x for x in sections if x not in ALL_SECTIONS]
     if bad:
