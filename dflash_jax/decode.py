@@ -472,6 +472,8 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
                      sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
     """The static key and abstract arguments of a generation, from configs alone (nothing allocated)."""
     from dflash_jax.weights import _dtype
+    if sampling_mode not in sampling.MODES:
+        raise ValueError(f"sampling_mode={sampling_mode!r}; expected one of {sampling.MODES}")
     dt = _dtype(dtype)
     target = nnx.eval_shape(lambda: Qwen3(target_config, dt, rngs=nnx.Rngs(0)))
     draft = nnx.eval_shape(lambda: DFlashDraft(draft_config, dt, rngs=nnx.Rngs(0))) if draft_config is not None else None

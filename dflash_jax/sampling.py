@@ -1,9 +1,10 @@
 """Token selection inside the compiled loop: greedy, temperature / top-k / top-p sampling, and the
 lossless acceptance rule of speculative decoding.
 
-Sampling modes (a compile key): "greedy" (argmax), "sample" (temperature only) and "filtered"
-(temperature plus top-k and/or top-p). The values themselves (temperature, top_k, top_p) are traced
-scalars, so changing them within a mode does not recompile.
+Sampling modes (a compile key): "greedy" (argmax), "sample" (temperature only), "topk" (top-k,
+top_p = 1), "topp" (top-p, top_k = 0) and "filtered" (both). The values themselves (temperature,
+top_k, top_p) are traced scalars, so changing them within a mode does not recompile; a mode runs only
+the threshold searches it needs.
 
 top-k / top-p without sorting the vocabulary: a token's rank is its (score, -index) order, the
 order of a stable descending sort. Top-k keeps the tokens with fewer than k tokens ranked above
@@ -30,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("greedy", "sample", "filtered")
+MODES = ("greedy", "sample", "topk", "topp", "filtered")
+FILTER_MODES = ("topk", "topp", "filtered")
 
 
 def _real(x) -> bool:
@@ -50,7 +52,9 @@ def validate(temperature: float, top_p: float, top_k: int) -> None:
 def mode_for(temperature: float, top_p: float, top_k: int) -> str:
     if temperature == 0 or top_k == 1:
         return "greedy"
-    return "filtered" if (top_k > 0 or top_p < 1.0) else "sample"
+    if top_k > 0:
+        return "filtered" if top_p < 1.0 else "topk"
+    return "topp" if top_p < 1.0 else "sample"
 
 
 _DIGIT = 4                      # bits decided per pass (DFLASH_SAMPLING_DIGIT overrides; benchmarks)
@@ -116,29 +120,32 @@ def _rank_threshold(hi, lo, weight, budget):
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
 
 
-def _keep_mask(scores, top_k, top_p):
+def _keep_mask(scores, top_k, top_p, mode: str = "filtered"):
     """Which tokens survive top-k then top-p (over the top-k renormalised distribution), cut by
-    rank as the reference does. scores [N, V] float32. Returns [N, V] bool."""
+    rank as the reference does. scores [N, V] float32. Returns [N, V] bool. mode "topk" skips the
+    top-p search (top_p must be 1), "topp" the top-k search (top_k must be 0)."""
     N, V = scores.shape
     if V >= 1 << _INDEX_BITS:
         raise ValueError(f"vocabulary of {V} tokens: top-k/top-p support up to {(1 << _INDEX_BITS) - 1}")
     hi = _score_key(scores)
     lo = (V - 1 - jnp.arange(V)).astype(jnp.uint32)
-    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.float32), (N,))
-    keep_k = _rank_threshold(hi, lo, jnp.ones_like(scores), jnp.maximum(k, 1.0))
-    keep_k = keep_k | (top_k <= 0)
-    p = jax.nn.softmax(jnp.where(keep_k, scores, -jnp.inf), axis=-1)
-    keep_p = _rank_threshold(hi, lo, p, jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (N,)))
-    keep_p = keep_p | (top_p >= 1.0)
-    return keep_k & keep_p
+    keep = jnp.ones(scores.shape, bool)
+    if mode != "topp":
+        k = jnp.broadcast_to(jnp.asarray(top_k, jnp.float32), (N,))
+        keep = _rank_threshold(hi, lo, jnp.ones_like(scores), jnp.maximum(k, 1.0)) | (top_k <= 0)
+    if mode != "topk":
+        p = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+        keep_p = _rank_threshold(hi, lo, p, jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (N,)))
+        keep = keep & (keep_p | (top_p >= 1.0))
+    return keep
 
 
 def log_probs(logits, temperature, top_k, top_p, mode: str):
     """The processed target distribution as log-probabilities. logits [..., V] float32."""
     scores = logits / temperature
-    if mode == "filtered":
+    if mode in FILTER_MODES:
         V = logits.shape[-1]
-        keep = _keep_mask(scores.reshape(-1, V), top_k, top_p)
+        keep = _keep_mask(scores.reshape(-1, V), top_k, top_p, mode)
         scores = jnp.where(keep.reshape(scores.shape), scores, -jnp.inf)
     return jax.nn.log_softmax(scores, axis=-1)
 

@@ -60,8 +60,8 @@ GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "samp
          "speedup_vs_ref": 20.0}
 MASK_ID = 151669
 # (name, sampling settings) of the sampling section: temperature alone ("sample" mode), Qwen3's
-# recommended setting (the "topk" mode: a 64-candidate partial top-k) and top-p alone ("filtered":
-# a ranking of the whole vocabulary).
+# recommended setting ("filtered": the top-k and the top-p threshold searches) and top-p alone
+# ("topp": the top-p search only).
 SAMPLING_VARIANTS = (("t1", dict(temperature=1.0, top_p=1.0, top_k=0)),
                      ("t06_p095_k20", dict(temperature=0.6, top_p=0.95, top_k=20)),
                      ("t1_p095", dict(temperature=1.0, top_p=0.95, top_k=0)))

@@ -135,8 +135,8 @@ def test_no_nan_with_minus_inf_logits():
     logits = jnp.broadcast_to(logits, (2, S, V))
     block = jnp.array([[1, 3, 4, 5], [1, 6, 9, 2]], jnp.int32)   # 3, 6, 9 have -inf logits: never accepted
     key = jax.vmap(lambda i: jax.random.key(i))(jnp.arange(2))
-    for mode, (tk, tp) in (("sample", (0, 1.0)), ("filtered", (5, 0.9)), ("filtered", (0, 0.9)),
-                           ("filtered", (100, 1.0))):
+    for mode, (tk, tp) in (("sample", (0, 1.0)), ("filtered", (5, 0.9)), ("topp", (0, 0.9)),
+                           ("topk", (100, 1.0)), ("filtered", (0, 0.9))):
         lp = sampling.log_probs(logits, jnp.float32(0.7), jnp.int32(tk), jnp.float32(tp), mode)
         assert not jnp.any(jnp.isnan(lp))
         a, nxt = sampling.accept(block, logits, key, jnp.float32(0.7), jnp.int32(tk), jnp.float32(tp), mode)
@@ -169,6 +169,7 @@ def test_processing_matches_the_reference_on_both_paths():
                                                             jnp.int32(top_k), jnp.float32(top_p), mode)))
                 np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p} {mode}")
     assert sampling.mode_for(0.6, 0.95, 20) == "filtered" and sampling.mode_for(1.0, 1.0, 0) == "sample"
+    assert sampling.mode_for(1.0, 1.0, 20) == "topk" and sampling.mode_for(1.0, 0.9, 0) == "topp"
     tied = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0]])
     for top_k, top_p in ((2, 1.0), (0, 0.8), (3, 0.8)):  # top-k and top-p cuts inside the tie
         mode = sampling.mode_for(1.0, top_p, top_k)
@@ -181,6 +182,16 @@ def test_processing_matches_the_reference_on_both_paths():
     # negative scores, -inf, and a large vocabulary (index bits beyond 16)
     big = jnp.asarray(np.where(rng.rand(2, 70000) < 0.1, -np.inf, rng.randn(2, 70000) * 3 - 20), jnp.float32)
     for top_k, top_p in ((50, 1.0), (0, 0.7), (1000, 0.3)):
-        p = np.exp(np.asarray(sampling.log_probs(big, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), "filtered")))
+        mode = sampling.mode_for(1.0, top_p, top_k)
+        p = np.exp(np.asarray(sampling.log_probs(big, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), mode)))
         want = _sampling_probs(torch.tensor(np.asarray(big)), 1.0, top_p, top_k).numpy()
         np.testing.assert_allclose(p, want, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
+
+
+def test_unknown_sampling_mode_is_a_clear_error():
+    from dflash_jax import decode
+    from dflash_jax.config import TargetConfig
+    cfg = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match="sampling_mode='nucleus'"):
+        decode.lower_generate(cfg, None, sampling_mode="nucleus", dtype="float32")
