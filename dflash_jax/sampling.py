@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +56,7 @@ def mode_for(temperature: float, top_p: float, top_k: int) -> str:
     return "topp" if top_p < 1.0 else "sample"
 
 
-_DIGIT = 4                      # bits decided per pass (DFLASH_SAMPLING_DIGIT overrides; benchmarks)
+_DIGIT = 4                      # bits decided per pass (5 measured slower on the H200: +9.0% vs +6.6%)
 _INDEX_BITS = 20                # vocabularies up to 2**20 - 1 tokens
 
 
@@ -69,9 +68,9 @@ def _score_key(scores):
 
 def _min_passing(pred, n_rows: int, bits: int):
     """Smallest x in [0, 2**bits) with pred(x) true, per row, for pred monotone (false then true)
-    and true at 2**bits - 1. pred maps candidates [N, K] uint32 -> bool [N, K]. Decided `digit` bits
-    per pass (the first pass takes the remainder), 2**digit candidates each."""
-    d = int(os.environ.get("DFLASH_SAMPLING_DIGIT", _DIGIT))
+    and true at 2**bits - 1. pred maps candidates [N, K] uint32 -> bool [N, K]. Decided _DIGIT bits
+    per pass (the first pass takes the remainder), 2**_DIGIT candidates each."""
+    d = _DIGIT
     widths = ([bits % d] if bits % d else []) + [d] * (bits // d)
     x = jnp.zeros((n_rows,), jnp.uint32)
     shift = bits
@@ -84,23 +83,11 @@ def _min_passing(pred, n_rows: int, bits: int):
     return x
 
 
-# How each pass evaluates its 16 candidates over the vocabulary (all give the same result; the speed
-# depends on how XLA fuses them). "columns": one [N, V, 16] reduction over V; "rows": [N, 16, V]
-# over its minor axis; "siblings": 16 separate [N, V] reductions that XLA can fuse into one
-# multi-output kernel. DFLASH_SAMPLING_SEARCH overrides the default (read at trace time; for
-# benchmarks).
-SEARCH_LAYOUTS = ("columns", "rows", "siblings")
-SEARCH_LAYOUT = "columns"
-
-
 def _masked_sums(keys, cand, weight):
-    """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, K], weight [N, V] -> [N, K]."""
-    layout = os.environ.get("DFLASH_SAMPLING_SEARCH", SEARCH_LAYOUT)
-    if layout == "rows":
-        return jnp.sum(jnp.where(keys[:, None, :] > cand[:, :, None], weight[:, None, :], 0.0), axis=2)
-    if layout == "siblings":
-        return jnp.stack([jnp.sum(jnp.where(keys > cand[:, j:j + 1], weight, 0.0), axis=1)
-                          for j in range(cand.shape[1])], axis=1)
+    """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, K], weight [N, V] -> [N, K].
+
+    One [N, V, K] reduction over V. Measured on the H200 against the same sums laid out [N, K, V]
+    (+12.3% per DFlash iteration instead of +6.6%) and as K sibling [N, V] reductions (+19.2%)."""
     return jnp.sum(jnp.where(keys[:, :, None] > cand[:, None, :], weight[:, :, None], 0.0), axis=1)
 
 

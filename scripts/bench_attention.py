@@ -298,6 +298,25 @@ def run(args) -> dict:
                 traceback.print_exc()
         return rec
 
+    def best_of(row, candidates, timing_args, tag: dict, describe):
+        """Time each (variant, cfg) that differs from the row's default config until the deadline;
+        every timing goes to `sweep`; returns the fastest record (the default's included)."""
+        best = dict(row["pallas"], cfg=row["default_cfg"])
+        for var, cfg in candidates:
+            if time.perf_counter() > deadline:
+                break
+            if cfg == row["default_cfg"]:
+                continue
+            rec = timed("pallas", pallas_op(cfg, interpret), *timing_args)
+            rec["cfg"] = cfg
+            line = describe(rec)
+            sweep.append(dict(tag, **rec))
+            if args.sweep_only:
+                print(f"  {line}  {var}", flush=True)
+            if "us" in rec and ("us" not in best or rec["us"] < best["us"]):
+                best = rec
+        return best
+
     def fmt(rec):
         if rec is None:
             return "-"
@@ -396,22 +415,13 @@ def run(args) -> dict:
             e = k_end_for("prefill", 1, T, 0)
             ref = ref_outs.get(("prefill", 1, T))
             flops = 4 * T * (T + 1) / 2 * Hq * D
-            best = dict(row["pallas"], cfg=row["default_cfg"])
-            for var in pre_variants:
-                if time.perf_counter() > deadline:
-                    break
-                cfg = dict(row["default_cfg"], **var)
-                if cfg == row["default_cfg"]:
-                    continue
-                rec = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, 1, 2, ref)
-                rec["cfg"] = cfg
+
+            def tflops(rec):
                 if "us" in rec:
                     rec["TFLOPs"] = flops / (rec["us"] * 1e-6) / 1e12
-                sweep.append(dict(T=T, **rec))
-                if args.sweep_only:
-                    print(f"  prefill T={T:<5d} {rec.get('us', float('nan')):.0f}us  {var}", flush=True)
-                if "us" in rec and ("us" not in best or rec["us"] < best["us"]):
-                    best = rec
+                return f"prefill T={T:<5d} {rec.get('us', float('nan')):.0f}us"
+            best = best_of(row, [(var, dict(row["default_cfg"], **var)) for var in pre_variants],
+                           (q, e, ks, vs, 1, 2, ref), dict(T=T), tflops)
             row["pallas_best"] = best
             print(f"best    prefill T={T:<5d} {best.get('us', float('nan')):.0f}us  {best.get('cfg')}", flush=True)
             del ks, vs, ref, q
@@ -442,28 +452,15 @@ def run(args) -> dict:
             kv_bytes = kv_read_bytes(e, Hkv, D, itemsize)
             ks, vs = make_buffers(row["n_buf"], B, Hkv, C, D, dtype, seed=ctx + B)
             ref = ref_outs.get(("verify", B, ctx))
-            best = dict(row["pallas"], cfg=row["default_cfg"])
-            for var in variants:
-                if time.perf_counter() > deadline:
-                    break
-                cfg = dict(row["default_cfg"])
-                if var == "splits*2":
-                    cfg["kv_splits"] = min(128, cfg["kv_splits"] * 2)
-                elif var == "splits*4":
-                    cfg["kv_splits"] = min(128, cfg["kv_splits"] * 4)
-                elif var == "splits/2":
-                    cfg["kv_splits"] = max(1, cfg["kv_splits"] // 2)
-                else:
-                    cfg.update(var)
-                if cfg == row["default_cfg"] or C % cfg["block_k"]:
-                    continue
-                rec = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, kv_bytes, row["n_buf"], ref)
-                rec["cfg"] = cfg
-                sweep.append(dict(B=B, ctx=ctx, **rec))
-                if args.sweep_only:
-                    print(f"  B={B:<3d} ctx={ctx:<6d} {fmt(rec)}  {var}", flush=True)
-                if "us" in rec and ("us" not in best or rec["us"] < best["us"]):
-                    best = rec
+            splits = row["default_cfg"]["kv_splits"]
+            named = {"splits*2": dict(kv_splits=min(128, splits * 2)),
+                     "splits*4": dict(kv_splits=min(128, splits * 4)),
+                     "splits/2": dict(kv_splits=max(1, splits // 2))}
+            cands = [(var, dict(row["default_cfg"], **named.get(var, var) if isinstance(var, str) else var))
+                     for var in variants]
+            best = best_of(row, [(v, c) for v, c in cands if C % c["block_k"] == 0],
+                           (q, e, ks, vs, kv_bytes, row["n_buf"], ref), dict(B=B, ctx=ctx),
+                           lambda rec: f"B={B:<3d} ctx={ctx:<6d} {fmt(rec)}")
             row["pallas_best"] = best
             print(f"best    B={B:<3d} ctx={ctx:<6d} {fmt(best)}  {best.get('cfg')}", flush=True)
             del ks, vs, ref, q

@@ -687,19 +687,23 @@ class Bench:
         r["x_floor"] = r["ms_per_iter"] / r["floor_ms"]
         self.R["curves"][key] = r
 
-    def sec_b1(self):
+    def timed_row(self, key: str, dflash: bool, batch: int, guess_ms: float):
+        """Time one prompt-512 loop (if the budget allows), record it against its floor, save."""
         s = self.s
-        for key, dfl, guess in (("dflash_b1", True, 5.0), ("plain_b1", False, 4.0)):
-            if not self.fits(key, self.loop_cost_est(1, s.prompt, s.n1, s.n2, guess)):
-                continue
-            try:
-                r = self.time_loop(key, dflash=dfl, batch=1, prompt_len=s.prompt, n1=s.n1, n2=s.n2)
-                self.record_loop(key, r, dfl)
-                log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms "
-                    f"({r['x_floor']:.2f}x)")
-            except Exception as e:
-                self.err(key, e)
-            self.save()
+        if not self.fits(key, self.loop_cost_est(batch, s.prompt, s.n1, s.n2, guess_ms)):
+            return
+        try:
+            r = self.time_loop(key, dflash=dflash, batch=batch, prompt_len=s.prompt, n1=s.n1, n2=s.n2)
+            self.record_loop(key, r, dflash)
+            log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms ({r['x_floor']:.2f}x, "
+                f"{r['floor_bound']}-bound)")
+        except Exception as e:
+            self.err(key, e)
+        self.save()
+
+    def sec_b1(self):
+        self.timed_row("dflash_b1", True, 1, 5.0)
+        self.timed_row("plain_b1", False, 1, 4.0)
 
     def sec_compile(self):
         """Compile of the whole loop, and no compile for a call in the same bucket."""
@@ -891,22 +895,9 @@ class Bench:
         return order
 
     def sec_batch(self):
-        s = self.s
         for kind, b in self.batch_order():
-            key = f"{kind}_b{b}"
             guess = (5.0 + 0.15 * b) if kind == "dflash" else (4.0 + 0.01 * b)
-            if self.s.smoke:
-                guess = 5.0
-            if not self.fits(key, self.loop_cost_est(b, s.prompt, s.n1, s.n2, guess)):
-                continue
-            try:
-                r = self.time_loop(key, dflash=kind == "dflash", batch=b, prompt_len=s.prompt, n1=s.n1, n2=s.n2)
-                self.record_loop(key, r, kind == "dflash")
-                log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms ({r['x_floor']:.2f}x, "
-                    f"{r['floor_bound']}-bound)")
-            except Exception as e:
-                self.err(key, e)
-            self.save()
+            self.timed_row(f"{kind}_b{b}", kind == "dflash", b, 5.0 if self.s.smoke else guess)
 
     def sec_longctx(self):
         s = self.s
@@ -1306,8 +1297,7 @@ def main():
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.70")
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes, "
-        f"add + RMSNorm on the GPU path); DFLASH_SAMPLING_SEARCH={os.environ.get('DFLASH_SAMPLING_SEARCH', '(default)')} "
-        f"DIGIT={os.environ.get('DFLASH_SAMPLING_DIGIT', '(default)')}; "
+        f"add + RMSNorm on the GPU path); "
         f"DFLASH_GPU_ATTN={os.environ.get('DFLASH_GPU_ATTN', '(default)')}")
     bad = [x for x in sections if x not in ALL_SECTIONS]
     if bad:

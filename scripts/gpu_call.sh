@@ -105,7 +105,7 @@ timeout -k 15 -s TERM $(( REM - 15 )) python3 scripts/bench_gpu.py --budget-s "$
 RC=${PIPESTATUS[0]}
 
 # 6. extra runs, each in its own process with one environment setting (A/B of a trace-time knob):
-#    EXTRA_RUNS="DFLASH_SAMPLING_SEARCH=rows:sampling DFLASH_SAMPLING_SEARCH=siblings:sampling"
+#    EXTRA_RUNS="DFLASH_GPU_ATTN=num_stages=4:b1 DFLASH_FUSED_KERNELS=0:b1"
 for spec in $EXTRA_RUNS; do
   envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "$envset" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-40)
   REM=$(left)
@@ -113,7 +113,7 @@ for spec in $EXTRA_RUNS; do
   say "extra run: $envset --sections $secs (${REM}s left)"
   env "$envset" timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
     --sections "$secs" $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
-    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|SEARCH|FUSED|GPU_ATTN|Error|ERROR"
+    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|FUSED|GPU_ATTN|Error|ERROR"
 done
 say "bench_gpu rc=$RC; files in \$OUT:"
 ls -la "$OUT"

@@ -51,6 +51,16 @@ def rope(x, positions, theta: float):
     return out.astype(x.dtype)
 
 
+def add_norm(x, y, norm: RMSNorm, impl: str):
+    """(x + y, norm(x + y)): one Pallas kernel on the fused GPU path (attention.fused_add_norm),
+    else the XLA ops; the same numbers either way."""
+    if fused_add_norm(impl, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
+        from pallas_kernels import gpu
+        return gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=gpu_interpret(impl))
+    x = x + y
+    return x, norm(x)
+
+
 class MLP(nnx.Module):
     def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs):
         self.gate_up = _init(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
@@ -109,9 +119,7 @@ class DecoderLayer(nnx.Module):
         being x + mlp_out."""
         T = x.shape[1]
         if residual is not None:
-            from pallas_kernels import gpu
-            x, h = gpu.add_rmsnorm(x, residual, self.input_layernorm.weight[...], self.input_layernorm.eps,
-                                   interpret=gpu_interpret(impl))
+            x, h = add_norm(x, residual, self.input_layernorm, impl)
         else:
             h = self.input_layernorm(x)
         if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
@@ -143,14 +151,8 @@ class DecoderLayer(nnx.Module):
         """Attention over the (written) cache, output projection, residual, MLP."""
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
-        attn = o.reshape(o.shape[0], x.shape[1], -1) @ self.o[...]
-        if fused_add_norm(impl, x.shape[1], x.shape[-1]) and attn.dtype == x.dtype:
-            from pallas_kernels import gpu
-            norm = self.post_attention_layernorm
-            x, h = gpu.add_rmsnorm(x, attn, norm.weight[...], norm.eps, interpret=gpu_interpret(impl))
-        else:
-            x = x + attn
-            h = self.post_attention_layernorm(x)
+        x, h = add_norm(x, o.reshape(o.shape[0], x.shape[1], -1) @ self.o[...],
+                        self.post_attention_layernorm, impl)
         if defer:
             return x, self.mlp(h), k_cache, v_cache
         x = x + self.mlp(h)

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import fused_add_norm, gpu_interpret
+from dflash_jax.attention import fused_add_norm
 from dflash_jax.cache import KVCache
 from dflash_jax.config import TargetConfig
-from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init
+from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, add_norm
 
 
 class Qwen3(nnx.Module):
@@ -57,12 +57,7 @@ class Qwen3(nnx.Module):
                                             prefill=prefill)
             if i in taps:
                 tapped[i] = x + delta if defer else x
-        if defer:
-            from pallas_kernels import gpu
-            x, h = gpu.add_rmsnorm(x, delta, self.norm.weight[...], self.norm.eps,
-                                   interpret=gpu_interpret(attention_impl))
-        else:
-            h = self.norm(x)
+        h = add_norm(x, delta, self.norm, attention_impl)[1] if defer else self.norm(x)
         # HF's last hidden_states entry is taken after the final norm; keep its meaning for tap L-1.
         tapped[len(self.layers) - 1] = h
         feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
