@@ -119,7 +119,8 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
-    first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p, st.mode)
+    first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
+                            st.mode, st.attention_impl)
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
@@ -172,7 +173,8 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
         logits = target.logits(h)                                                   # [B, S, V]
     with jax.named_scope("accept"):
         keys = _row_keys(p.seed, lens)
-        a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode)
+        a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
+                                 st.attention_impl)
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)

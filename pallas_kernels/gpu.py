@@ -111,17 +111,20 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     if C < SPLIT_MIN_CAPACITY:
         kv_splits = 1
     elif programs < n_sms:
-        kv_splits = min(-(-2 * n_sms // programs), max(1, C // block_k), 32)
+        # Two programs fit on an SM (~112 KiB of shared memory each): fill exactly one wave of
+        # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave
+        # of 56 programs that ran at a fraction of the bandwidth (B=8, 32k: 1.72 TB/s).
+        kv_splits = max(1, min(2 * n_sms // programs, max(1, C // block_k), 32))
     elif programs < 4 * n_sms and C >= 16384:
         kv_splits = 2
     else:
         kv_splits = 1
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=512)
+                num_stages=3, min_chunk=512, one_loop=0)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int):
+            min_chunk: int, decode_rows: int, G: int, one_loop: bool):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -197,8 +200,13 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     acc0 = jnp.zeros((R, D), jnp.float32)
     m0 = jnp.full((R,), _MASK, jnp.float32)
     l0 = jnp.zeros((R,), jnp.float32)
-    carry = lax.fori_loop(0, n_full, make_body(False), (acc0, m0, l0))
-    acc, m, l = lax.fori_loop(n_full, n_iter, make_body(True), carry)
+    if one_loop:
+        # Every tile masked, one software pipeline: a short context (B=1, 512 keys) pays the
+        # pipeline's fill once instead of once per loop.
+        acc, m, l = lax.fori_loop(0, n_iter, make_body(True), (acc0, m0, l0))
+    else:
+        carry = lax.fori_loop(0, n_full, make_body(False), (acc0, m0, l0))
+        acc, m, l = lax.fori_loop(n_full, n_iter, make_body(True), carry)
     l = jnp.where(live, l, 0.0)
     o = jnp.where(live[:, None], acc, 0.0) / jnp.where(l > 0, l, 1.0)[:, None]
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
@@ -228,12 +236,22 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
 
 
 def _merge(o_parts, lse):
-    """o_parts [S,B,Hkv,R,D] (normalised per split), lse [S,B,Hkv,R] f32 -> [B,Hkv,R,D] f32."""
-    m = jnp.max(lse, axis=0)                                                  # [B,Hkv,R]
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))                     # [S,B,Hkv,R]; 0 for empty
-    den = jnp.sum(w, axis=0)
-    # where, not a product: an empty split's o was never written (may hold nan).
-    o = jnp.sum(jnp.where(w[..., None] > 0, o_parts.astype(jnp.float32) * w[..., None], 0.0), axis=0)
+    """o_parts [S, ..., D] (normalised per split), lse [S, ...] f32 -> [..., D] f32.
+
+    Written as elementwise ops over the S static slices (no reductions over the split axis), so XLA
+    emits the whole merge as one loop fusion: one small kernel per attention call instead of a
+    reduce for the max and another for the weighted sum."""
+    n = lse.shape[0]
+    m = lse[0]
+    for i in range(1, n):
+        m = jnp.maximum(m, lse[i])
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    den, o = 0.0, 0.0
+    for i in range(n):
+        w = jnp.exp(lse[i] - m)                                               # 0 for an empty split
+        den = den + w
+        # where, not a product: an empty split's o was never written (may hold nan).
+        o = o + jnp.where(w[..., None] > 0, o_parts[i].astype(jnp.float32) * w[..., None], 0.0)
     return o / jnp.where(den > 0, den, 1.0)[..., None]
 
 
@@ -244,7 +262,8 @@ def _env_overrides() -> dict:
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, val = item.partition("=")
-        if name not in ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk"):
+        if name not in ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
+                        "one_loop"):
             raise ValueError(f"DFLASH_GPU_ATTN: unknown setting {name!r} in {spec!r}")
         out[name] = int(val)
     return out
@@ -254,7 +273,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                     block_t: int | None = None, block_k: int | None = None,
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
-                    n_sms: int = H200_SMS):
+                    one_loop: bool | None = None, n_sms: int = H200_SMS):
     """Pallas Triton block attention. Tuning arguments override `default_config`."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
@@ -274,15 +293,15 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               jnp.pad(k_end, ((0, 0), (0, Tp - T))), scale=scale,
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
-                              n_sms=n_sms)
+                              one_loop=one_loop, n_sms=n_sms)
         return out[:, :T]
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
     cfg.update(_env_overrides())
     if block_t is not None:
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
-    for name, val in dict(block_k=block_k, kv_splits=kv_splits,
-                          num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk).items():
+    for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
+                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop).items():
         if val is not None:
             cfg[name] = val
     bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]
@@ -332,7 +351,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                          pl.BlockSpec((None, None, bt, None, G), lambda b, h, i, s: (s, b, i, h, 0))]
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
-                               min_chunk=min_chunk, decode_rows=decode_rows, G=G)
+                               min_chunk=min_chunk, decode_rows=decode_rows, G=G,
+                               one_loop=bool(cfg["one_loop"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
@@ -479,3 +499,71 @@ def add_rmsnorm(x, y, weight, eps: float, *, interpret=False):
             name="dflash_add_rmsnorm",
         )(x.reshape(N, H), y.reshape(N, H), weight.astype(x.dtype))
     return s.reshape(x.shape), n.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# One pass of sampling's top-k / top-p threshold search (dflash_jax.sampling): for each row n and
+# each of K candidate keys c, the total weight of the tokens whose key is above c,
+#     out[n, k] = sum_v weight[n, v] * (keys[n, v] > cand[n, k]).
+# XLA emits this [N, V, K] -> [N, K] column reduction with little parallelism over V (measured
+# ~14 us a pass for 16 x 151,936 on the H200, 26 passes per iteration with top-k and top-p). Here
+# each row's vocabulary is cut into P chunks, one program each, so N * P programs fill the GPU;
+# the caller adds the P partial sums (a tiny XLA reduce fused into its next step).
+
+COUNT_BLOCK = 512      # keys per loop step: [512, K=16] compare-select-add tiles in registers
+
+
+def count_layout(N: int, V: int, *, n_sms: int = H200_SMS) -> tuple[int, int]:
+    """(P chunks per row, padded length Vp = P * chunk, chunk a multiple of COUNT_BLOCK)."""
+    P = max(1, min(64, (2 * n_sms) // max(N, 1), -(-V // (4 * COUNT_BLOCK))))
+    chunk = _round_up(-(-V // P), COUNT_BLOCK)
+    return P, P * chunk
+
+
+def _count_kernel(keys_ref, cand_ref, *rest, n_iter: int, weighted: bool):
+    if weighted:
+        w_ref, out_ref = rest
+    else:
+        (out_ref,) = rest
+    cand = cand_ref[...]                                                      # [K] int32
+
+    def body(i, acc):
+        off = pl.multiple_of(i * COUNT_BLOCK, COUNT_BLOCK)
+        hit = keys_ref[pl.ds(off, COUNT_BLOCK)][:, None] > cand[None, :]      # [blk, K]
+        if weighted:
+            w = w_ref[pl.ds(off, COUNT_BLOCK)]
+            return acc + jnp.sum(jnp.where(hit, w[:, None], 0.0), axis=0)
+        return acc + jnp.sum(jnp.where(hit, 1.0, 0.0), axis=0)
+
+    out_ref[...] = lax.fori_loop(0, n_iter, body, jnp.zeros(cand.shape, jnp.float32))
+
+
+def count_above(keys, cand, weight=None, *, P: int, interpret=False):
+    """Partial sums [N, P, K] float32 of weight over keys > cand, P chunks per row.
+
+    keys [N or 1, Vp] int32 (one row shared by all N when 1), cand [N, K] int32, weight [N, Vp]
+    float32 or None (count: weight 1). Vp = P * chunk from `count_layout`, the padding holding keys
+    that are never above a candidate (int32 min) or weight 0. Sum over axis 1 for the totals."""
+    Nk, Vp = keys.shape
+    N, K = cand.shape
+    if Vp % P or (Vp // P) % COUNT_BLOCK or Nk not in (1, N) or K & (K - 1) or K < 2:
+        raise Unsupported(f"count_above: keys {keys.shape}, cand {cand.shape}, P={P}")
+    chunk = Vp // P
+    key_spec = pl.BlockSpec((None, chunk), (lambda n, p: (n, p)) if Nk == N else (lambda n, p: (0, p)))
+    in_specs = [key_spec, pl.BlockSpec((None, K), lambda n, p: (n, 0))]
+    args = [keys.astype(jnp.int32), cand.astype(jnp.int32)]
+    if weight is not None:
+        in_specs.append(pl.BlockSpec((None, chunk), lambda n, p: (n, p)))
+        args.append(weight.astype(jnp.float32))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
+        return pl.pallas_call(
+            functools.partial(_count_kernel, n_iter=chunk // COUNT_BLOCK, weighted=weight is not None),
+            out_shape=jax.ShapeDtypeStruct((N, P, K), jnp.float32),
+            grid=(N, P),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, K), lambda n, p: (n, p, 0)),
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+            interpret=interpret,
+            name="dflash_sampling_count",
+        )(*args)

@@ -60,11 +60,12 @@ GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "samp
          "speedup_vs_ref": 20.0}
 MASK_ID = 151669
 # (name, sampling settings) of the sampling section: temperature alone ("sample" mode), Qwen3's
-# recommended setting ("filtered": the top-k and the top-p threshold searches) and top-p alone
-# ("topp": the top-p search only).
+# recommended setting ("filtered": the top-k and the top-p threshold searches), top-p alone
+# ("topp": the top-p search only) and top-k alone ("topk").
 SAMPLING_VARIANTS = (("t1", dict(temperature=1.0, top_p=1.0, top_k=0)),
                      ("t06_p095_k20", dict(temperature=0.6, top_p=0.95, top_k=20)),
-                     ("t1_p095", dict(temperature=1.0, top_p=0.95, top_k=0)))
+                     ("t1_p095", dict(temperature=1.0, top_p=0.95, top_k=0)),
+                     ("t1_k20", dict(temperature=1.0, top_p=1.0, top_k=20)))
 
 
 def log(*a):
@@ -556,6 +557,38 @@ class Bench:
         except Exception as ex:
             out["add_rmsnorm B2 T16"] = {"error": short_err(ex)}
             log(f"check: kernel add_rmsnorm: ERROR {short_err(ex)}")
+        out.update(self.check_sampling_kernel())
+        return out
+
+    def check_sampling_kernel(self):
+        """The threshold search's count kernel against XLA's reduction (one pass, 16 x 151,936), and
+        the processed distribution with top-k 20 + top-p 0.95 through both search paths."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from dflash_jax import sampling
+        out = {}
+        try:
+            kl, kc = jax.random.split(jax.random.key(11))
+            logits = jax.random.normal(kl, (16, 151936), jnp.float32) * 4
+            keys = sampling._score_key(logits)
+            cand = jnp.sort(jax.random.bits(kc, (16, 16), jnp.uint32), axis=1)
+            w = jax.nn.softmax(logits, axis=-1)
+            errs = []
+            for weight in (None, w):
+                got = jax.jit(lambda k, c, w_: sampling._counter(k, w_, 16, "pallas_gpu")(c))(keys, cand, weight)
+                want = jax.jit(sampling._masked_sums)(keys, cand, weight)
+                errs.append(float(jnp.max(jnp.abs(got - want) / jnp.maximum(jnp.abs(want), 1.0))))
+            lp = [np.asarray(jax.jit(lambda x, impl=impl: sampling.log_probs(
+                      x, 0.6, 20, 0.95, "filtered", impl))(logits)) for impl in ("pallas_gpu", "xla")]
+            same_support = bool(np.array_equal(np.isfinite(lp[0]), np.isfinite(lp[1])))
+            ok = max(errs) <= 1e-5 and same_support
+            out["sampling_count"] = {"rel_err": max(errs), "same_support": same_support, "ok": ok}
+            log(f"check: kernel sampling_count: rel err {max(errs):.2e}, top-k/top-p support "
+                f"{'same' if same_support else 'DIFFERENT'} -> {'OK' if ok else 'FAIL'}")
+        except Exception as ex:
+            out["sampling_count"] = {"error": short_err(ex)}
+            log(f"check: kernel sampling_count: ERROR {short_err(ex)}")
         return out
 
     def check_prologue(self):
@@ -772,13 +805,19 @@ class Bench:
         target, draft, tcfg, dcfg = self.build()
         prompts = self.prompts(1, s.prompt)
         cap = self.capacity(s.prompt, s.n2)  # the b1 program: already compiled when b1 ran
-        self.gen(draft, prompts, s.prof_n1, cap)  # compile / warm
+        # DFLASH_PROFILE_SAMPLING=<a SAMPLING_VARIANTS name>: profile that sampling setting instead
+        samp = os.environ.get("DFLASH_PROFILE_SAMPLING", "")
+        kw = dict(SAMPLING_VARIANTS).get(samp, {})
+        if samp and not kw:
+            raise ValueError(f"DFLASH_PROFILE_SAMPLING={samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
+        curve = f"dflash_b1_{samp}" if kw else "dflash_b1"
+        self.gen(draft, prompts, s.prof_n1, cap, **kw)  # compile / warm
         root = tempfile.mkdtemp(prefix="dflash_prof_")
         summaries = []
         for i, n in enumerate((s.prof_n1, s.prof_n2)):
             d = os.path.join(root, f"t{i}")
             with jax.profiler.trace(d, create_perfetto_trace=True):
-                r = self.gen(draft, prompts, n, cap)
+                r = self.gen(draft, prompts, n, cap, **kw)
             iters = _iters(r)
             path = _find_trace(d)
             if path is None:
@@ -806,8 +845,8 @@ class Bench:
             di = b["iters"]
             per_iter_busy = b["busy_ms"] / di * 1000
         total = sum(max(r[1], 0) for r in rows) or float("nan")
-        ms_iter = self.R["curves"].get("dflash_b1", {}).get("ms_per_iter")
-        print(f"\nProfile: DFlash B=1 prompt {s.prompt}: device time per loop iteration by kernel "
+        ms_iter = self.R["curves"].get(curve, {}).get("ms_per_iter")
+        print(f"\nProfile: DFlash B=1 prompt {s.prompt}{' ' + samp if kw else ''}: device time per loop iteration by kernel "
               f"(difference of a {a['iters']}- and a {b['iters']}-iteration trace; prefill cancels)", flush=True)
         print(f"  device busy per iteration {per_iter_busy / 1000:.3f} ms"
               + (f"; measured iteration {ms_iter:.3f} ms -> idle/launch gaps {ms_iter - per_iter_busy / 1000:.3f} ms"

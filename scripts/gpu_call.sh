@@ -15,6 +15,7 @@
 #                                        sections a first call skipped)
 #   SKIP_CHECK=1 SKIP_ATTN=1             skip the correctness check / bench_attention.py
 #   ATTN_TIMEOUT=120 CHECK_TIMEOUT=90    their time limits in seconds
+#   ATTN_ARGS="--budget-s 150"           extra arguments for bench_attention.py
 #   TOTAL_S=590                          the whole script's time limit
 #   SMOKE=1                              tiny shapes (tries this script on a CPU machine)
 #   DFLASH_FUSED_KERNELS=0               run without the fused prologue / add+norm kernels
@@ -88,7 +89,7 @@ fi
 # 4. the attention benchmark (another engineer's script), if it exists
 if [ -z "$SKIP_ATTN" ] && [ -f scripts/bench_attention.py ]; then
   say "bench_attention.py"
-  timeout -k 10 "${ATTN_TIMEOUT:-120}" python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
+  timeout -k 10 "${ATTN_TIMEOUT:-120}" python3 scripts/bench_attention.py $ATTN_ARGS 2>&1 | tee "$OUT/bench_attention.log"
   say "bench_attention rc=$?"
 fi
 

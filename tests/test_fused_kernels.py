@@ -137,3 +137,60 @@ def test_gpu_path_forward_and_loop_match_xla():
     want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla").tokens
     got = generate(target, draft, prompts, max_new_tokens=12, attention_impl="pallas_gpu_interpret").tokens
     assert got == want
+    # sampling with top-k and top-p: the search's passes in the count kernel, same seed, same tokens
+    kw = dict(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    want = generate(target, draft, prompts, attention_impl="xla", **kw).tokens
+    got = generate(target, draft, prompts, attention_impl="pallas_gpu_interpret", **kw).tokens
+    assert got == want
+
+
+@pytest.mark.parametrize("N,V,shared,weighted", [(3, 300, False, False), (2, 5000, False, True),
+                                                 (4, 1100, True, True)])
+def test_sampling_count_kernel_matches_xla(N, V, shared, weighted):
+    """One pass of the threshold search: partial sums over P vocabulary chunks (padding never
+    counts) add up to the XLA reduction, for counts, weights, and one key row shared by all rows."""
+    from dflash_jax import sampling
+    rng = np.random.default_rng(N * V)
+    keys = jnp.asarray(rng.integers(0, 2**32, size=(1 if shared else N, V), dtype=np.uint64), jnp.uint32)
+    weight = jnp.asarray(rng.random((N, V)), jnp.float32) if weighted else None
+    cand = jnp.asarray(np.sort(rng.integers(0, 2**32, size=(N, 16), dtype=np.uint64), axis=1), jnp.uint32)
+    cand = cand.at[:, 0].set(0).at[:, -1].set(2**32 - 1)       # extremes: everything / nothing above
+    want = sampling._masked_sums(keys, cand, weight)
+    got = sampling._counter(keys, weight, N, "pallas_gpu_interpret")(cand)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    assert np.asarray(got)[:, -1].max() == 0                   # padding (int32 min) is never above
+
+
+def test_sampling_count_kernel_lowers_for_cuda():
+    from jax import export
+    S = jax.ShapeDtypeStruct
+    P, Vp = gpu.count_layout(16, 151936)
+    exp = export.export(jax.jit(lambda k, c, w: gpu.count_above(k, c, w, P=P)), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        S((16, Vp), jnp.int32), S((16, 16), jnp.int32), S((16, Vp), jnp.float32))
+    assert "dflash_sampling_count" in exp.mlir_module()
+
+
+def test_sampling_search_kernel_matches_the_reference():
+    """top-k, top-p and both, with the search's passes in the count kernel (interpreter), against the
+    reference's sort-based `_sampling_probs`, ties at the cut included."""
+    import torch
+    from dflash.model import _sampling_probs
+    from dflash_jax import sampling
+    rng = np.random.RandomState(1)
+    logits = (rng.randn(2, 3, 700) * 2).astype(np.float32)
+    logits[0, 0, 10:20] = logits[0, 0, 5]                          # a tie across the top-k cut
+    for top_k, top_p in ((7, 1.0), (0, 0.9), (20, 0.5), (1000, 0.3)):
+        mode = sampling.mode_for(0.8, top_p, top_k)
+        ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k),
+                                                    jnp.float32(top_p), mode, "pallas_gpu_interpret")))
+        ref = _sampling_probs(torch.tensor(logits), 0.8, top_p, top_k).numpy()
+        np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
+
+
+def test_search_kernel_dispatch(monkeypatch):
+    from dflash_jax import sampling
+    assert sampling.search_kernel("pallas_gpu") and sampling.search_kernel("pallas_gpu_interpret")
+    assert not sampling.search_kernel("xla") and not sampling.search_kernel("pallas_tpu")
+    monkeypatch.setenv("DFLASH_SAMPLING_KERNEL", "0")
+    assert not sampling.search_kernel("pallas_gpu")

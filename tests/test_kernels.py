@@ -130,15 +130,16 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits", [2, 5])
+@pytest.mark.parametrize("kv_splits,one_loop", [(2, False), (5, False), (3, True)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, pattern):
-    """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends."""
+def test_gpu_kernel_kv_splits(kv_splits, one_loop, pattern):
+    """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
+    and the one-loop variant (every tile masked) on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32)
+                              min_chunk=32, one_loop=one_loop)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
@@ -153,6 +154,10 @@ def test_gpu_default_config_splits_small_batch():
     assert cfg["kv_splits"] == 1
     cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
     assert cfg["kv_splits"] == 1                    # short caches: no merge kernels
+    # Batch 8: 64 programs; splits fill one wave of 2 programs per SM (4 -> 256 <= 264), never
+    # spilling a small second wave (5 -> 320).
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=8, Hkv=8)
+    assert cfg["kv_splits"] == 4
 
 
 @pytest.mark.parametrize("kv_splits", [1, 3])
