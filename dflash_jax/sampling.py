@@ -96,7 +96,7 @@ def _masked_sums(keys, cand, weight):
 
 def search_kernel(impl: str) -> bool:
     """Whether the threshold search's passes run as a Pallas GPU kernel
-    (pallas_kernels.gpu.count_above) rather than XLA reductions: the GPU attention paths
+    (pallas_kernels.gpu.count_pass) rather than XLA reductions: the GPU attention paths
     ("pallas_gpu", and "pallas_gpu_interpret" in tests). DFLASH_SAMPLING_KERNEL=0 in the
     environment (read when a program is traced) keeps XLA's."""
     return (impl in ("pallas_gpu", "pallas_gpu_interpret")
@@ -108,19 +108,26 @@ def _signed(u):
     return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
 
 
-def _counter(keys, weight, n_rows: int, impl: str):
-    """cand [N, K] uint32 -> [N, K] float32: the sum of weight (None: 1) over keys > cand, for keys
-    [N or 1, V] uint32 and weight [N, V]; keys and weight are fixed for a whole search, so the
-    kernel path converts and pads them once."""
-    if not search_kernel(impl):
-        return lambda cand: _masked_sums(keys, cand, weight)
+def _kernel_min_passing(keys, weight, offset, budget, bits: int, impl: str):
+    """`_min_passing` for pred(c) = offset + (weight above c) < budget, each pass one Pallas GPU
+    kernel (pallas_kernels.gpu.count_pass) that also decides the previous pass's digit. keys
+    [N or 1, V] uint32, weight [N, V] or None (1 each), offset and budget [N] float32."""
     from pallas_kernels import gpu
-    V = keys.shape[1]
-    P, Vp = gpu.count_layout(n_rows, V)
+    N, V = budget.shape[0], keys.shape[1]
+    P, Vp = gpu.count_layout(N, V)
     ks = jnp.pad(_signed(keys), ((0, 0), (0, Vp - V)), constant_values=jnp.iinfo(jnp.int32).min)
-    w = None if weight is None else jnp.pad(weight, ((0, 0), (0, Vp - V)))
-    interpret = impl == "pallas_gpu_interpret"
-    return lambda cand: jnp.sum(gpu.count_above(ks, _signed(cand), w, P=P, interpret=interpret), axis=1)
+    w = None if weight is None else jnp.pad(weight.astype(jnp.float32), ((0, 0), (0, Vp - V)))
+    d = _DIGIT
+    widths = ([bits % d] if bits % d else []) + [d] * (bits // d)
+    prev, shift, prev_shift = None, bits, 0
+    for width in widths:
+        shift -= width
+        prev = gpu.count_pass(ks, w, prev, offset, budget, P=P, shift=shift, width=width,
+                              prev_shift=prev_shift, interpret=impl == "pallas_gpu_interpret")
+        prev_shift = shift
+    part, x = prev
+    last = jnp.argmax(offset[:, None] + jnp.sum(part, axis=1) < budget[:, None], axis=1)     # [N]
+    return jax.lax.bitcast_convert_type(x[:, 0, 0], jnp.uint32) | (last.astype(jnp.uint32) << prev_shift)
 
 
 def _rank_threshold(hi, lo, weight, budget, impl: str = "xla"):
@@ -131,14 +138,20 @@ def _rank_threshold(hi, lo, weight, budget, impl: str = "xla"):
     equal scores). The kept set is {key >= k*} for k* the smallest key whose above-weight is below
     the budget: found on hi first, then on lo among the tokens tied at that score."""
     N = hi.shape[0]
-    budget = budget[:, None]
-    above_hi = _counter(hi, weight, N, impl)
-    h = _min_passing(lambda c: above_hi(c) < budget, N, 32)
     w = 1.0 if weight is None else weight
-    base = jnp.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1, keepdims=True)            # [N, 1]
+    kernel = search_kernel(impl)
+    if kernel:
+        h = _kernel_min_passing(hi, weight, jnp.zeros((N,), jnp.float32), budget, 32, impl)
+    else:
+        h = _min_passing(lambda c: _masked_sums(hi, c, weight) < budget[:, None], N, 32)
+    base = jnp.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1)                           # [N]
     tie = hi == h[:, None]
-    above_lo = _counter(lo[None, :], jnp.where(tie, w, 0.0), N, impl)
-    low = _min_passing(lambda c: base + above_lo(c) < budget, N, _INDEX_BITS)
+    w_tie = jnp.where(tie, w, 0.0)
+    if kernel:
+        low = _kernel_min_passing(lo[None, :], w_tie, base, budget, _INDEX_BITS, impl)
+    else:
+        low = _min_passing(lambda c: base[:, None] + _masked_sums(lo[None, :], c, w_tie) < budget[:, None],
+                           N, _INDEX_BITS)
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
 
 

@@ -502,67 +502,105 @@ def add_rmsnorm(x, y, weight, eps: float, *, interpret=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# One pass of sampling's top-k / top-p threshold search (dflash_jax.sampling): for each row n and
-# each of K candidate keys c, the total weight of the tokens whose key is above c,
-#     out[n, k] = sum_v weight[n, v] * (keys[n, v] > cand[n, k]).
-# XLA emits this [N, V, K] -> [N, K] column reduction with little parallelism over V (measured
-# ~14 us a pass for 16 x 151,936 on the H200, 26 passes per iteration with top-k and top-p). Here
-# each row's vocabulary is cut into P chunks, one program each, so N * P programs fill the GPU;
-# the caller adds the P partial sums (a tiny XLA reduce fused into its next step).
+# Sampling's top-k / top-p threshold search (dflash_jax.sampling) on the GPU. The search finds, per
+# row n, the smallest key x with  offset[n] + sum_v weight[n, v] * (keys[n, v] > x)  <  budget[n],
+# deciding `width` bits of x per pass from 2**width candidates. XLA emits each pass as an
+# [N, V, K] -> [N, K] column reduction with little parallelism over V (~14 us a pass for 16 x
+# 151,936 on the H200; 26 passes per iteration with top-k and top-p) plus small kernels for the
+# digit decision. Here a pass is one kernel: each row's vocabulary is cut into P chunks, one
+# program each (N * P programs fill the GPU); a program first decides the previous pass's digit
+# from that pass's P partial sums (every program of a row computes the same digit), then sums its
+# chunk for the new candidates and writes its partial sums and the prefix x.
 
-COUNT_BLOCK = 512      # keys per loop step: [512, K=16] compare-select-add tiles in registers
+COUNT_BLOCK = 512      # keys per loop step: [512, K] compare-select-add tiles in registers
 
 
 def count_layout(N: int, V: int, *, n_sms: int = H200_SMS) -> tuple[int, int]:
-    """(P chunks per row, padded length Vp = P * chunk, chunk a multiple of COUNT_BLOCK)."""
+    """(P chunks per row, a power of two; padded length Vp = P * chunk, chunk a multiple of
+    COUNT_BLOCK)."""
     P = max(1, min(64, (2 * n_sms) // max(N, 1), -(-V // (4 * COUNT_BLOCK))))
+    P = 1 << (P.bit_length() - 1)
     chunk = _round_up(-(-V // P), COUNT_BLOCK)
     return P, P * chunk
 
 
-def _count_kernel(keys_ref, cand_ref, *rest, n_iter: int, weighted: bool):
-    if weighted:
-        w_ref, out_ref = rest
+def _count_pass_kernel(*refs, n_iter: int, weighted: bool, first: bool, shift: int, width: int,
+                       prev_shift: int):
+    refs = list(refs)
+    keys_ref = refs.pop(0)
+    w_ref = refs.pop(0) if weighted else None
+    if first:
+        part_out, x_out = refs
+        x = jnp.int32(0)
     else:
-        (out_ref,) = rest
-    cand = cand_ref[...]                                                      # [K] int32
+        part_ref, x_ref, off_ref, bud_ref, part_out, x_out = refs
+        tot = jnp.sum(part_ref[...], axis=0)                                  # [K_prev]
+        k_prev = tot.shape[0]
+        passing = (off_ref[...] + tot) < bud_ref[...]
+        d = jnp.min(jnp.where(passing, lax.broadcasted_iota(jnp.int32, (k_prev,), 0), k_prev - 1))
+        x = jnp.max(x_ref[...]) | (d << prev_shift)
+    K = 1 << width
+    low = (1 << shift) - 1
+    # the candidates as uint32 bit patterns, compared as signed int32: flip the sign bit
+    cand = (x | (lax.broadcasted_iota(jnp.int32, (K,), 0) << shift) | low) ^ jnp.int32(-2**31)
 
     def body(i, acc):
         off = pl.multiple_of(i * COUNT_BLOCK, COUNT_BLOCK)
         hit = keys_ref[pl.ds(off, COUNT_BLOCK)][:, None] > cand[None, :]      # [blk, K]
         if weighted:
-            w = w_ref[pl.ds(off, COUNT_BLOCK)]
-            return acc + jnp.sum(jnp.where(hit, w[:, None], 0.0), axis=0)
-        return acc + jnp.sum(jnp.where(hit, 1.0, 0.0), axis=0)
+            return acc + jnp.where(hit, w_ref[pl.ds(off, COUNT_BLOCK)][:, None], 0.0)
+        return acc + jnp.where(hit, 1.0, 0.0)
 
-    out_ref[...] = lax.fori_loop(0, n_iter, body, jnp.zeros(cand.shape, jnp.float32))
+    # elementwise accumulation; one cross-thread reduction at the end, not one per step
+    acc = lax.fori_loop(0, n_iter, body, jnp.zeros((COUNT_BLOCK, K), jnp.float32))
+    part_out[...] = jnp.sum(acc, axis=0)
+    x_out[...] = jnp.full((16,), x, jnp.int32)
 
 
-def count_above(keys, cand, weight=None, *, P: int, interpret=False):
-    """Partial sums [N, P, K] float32 of weight over keys > cand, P chunks per row.
-
-    keys [N or 1, Vp] int32 (one row shared by all N when 1), cand [N, K] int32, weight [N, Vp]
-    float32 or None (count: weight 1). Vp = P * chunk from `count_layout`, the padding holding keys
-    that are never above a candidate (int32 min) or weight 0. Sum over axis 1 for the totals."""
+def count_pass(keys, weight, prev, offset, budget, *, P: int, shift: int, width: int,
+               prev_shift: int = 0, interpret=False):
+    """One pass of the threshold search. keys [N or 1, Vp] int32 (uint32 keys with the sign bit
+    flipped; padding int32 min), weight [N, Vp] float32 or None (weight 1), Vp from count_layout.
+    prev: None for the first pass (prefix 0), else the previous pass's (partials, x) outputs;
+    offset, budget [N] float32. The pass decides the previous digit (at bit prev_shift), then sums
+    the weights above the candidates  x | d << shift | (1 << shift) - 1  for d < 2**width.
+    Returns (partials [N, P, 2**width] float32, x [N, P, 16] int32: the prefix, as uint32 bits)."""
     Nk, Vp = keys.shape
-    N, K = cand.shape
-    if Vp % P or (Vp // P) % COUNT_BLOCK or Nk not in (1, N) or K & (K - 1) or K < 2:
-        raise Unsupported(f"count_above: keys {keys.shape}, cand {cand.shape}, P={P}")
+    N = Nk if weight is None else weight.shape[0]
+    if prev is not None:
+        N = prev[0].shape[0]
+    K = 1 << width
+    if Vp % P or (Vp // P) % COUNT_BLOCK or Nk not in (1, N) or P & (P - 1) or not 1 <= width <= 6:
+        raise Unsupported(f"count_pass: keys {keys.shape}, P={P}, width={width}")
     chunk = Vp // P
-    key_spec = pl.BlockSpec((None, chunk), (lambda n, p: (n, p)) if Nk == N else (lambda n, p: (0, p)))
-    in_specs = [key_spec, pl.BlockSpec((None, K), lambda n, p: (n, 0))]
-    args = [keys.astype(jnp.int32), cand.astype(jnp.int32)]
+    row = lambda n, p: (n, p)
+    in_specs = [pl.BlockSpec((None, chunk), row if Nk == N else (lambda n, p: (0, p)))]
+    args = [keys]
     if weight is not None:
-        in_specs.append(pl.BlockSpec((None, chunk), lambda n, p: (n, p)))
+        in_specs.append(pl.BlockSpec((None, chunk), row))
         args.append(weight.astype(jnp.float32))
+    prev_shift_ = prev_shift
+    if prev is not None:
+        part, x = prev
+        kp = part.shape[2]
+        in_specs += [pl.BlockSpec((None, P, kp), lambda n, p: (n, 0, 0)),
+                     pl.BlockSpec((None, None, 16), lambda n, p: (n, 0, 0)),
+                     pl.BlockSpec((None, kp), lambda n, p: (n, 0)),
+                     pl.BlockSpec((None, kp), lambda n, p: (n, 0))]
+        args += [part, x, jnp.broadcast_to(offset.astype(jnp.float32)[:, None], (N, kp)),
+                 jnp.broadcast_to(budget.astype(jnp.float32)[:, None], (N, kp))]
+    kernel = functools.partial(_count_pass_kernel, n_iter=chunk // COUNT_BLOCK, weighted=weight is not None,
+                               first=prev is None, shift=shift, width=width, prev_shift=prev_shift_)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         return pl.pallas_call(
-            functools.partial(_count_kernel, n_iter=chunk // COUNT_BLOCK, weighted=weight is not None),
-            out_shape=jax.ShapeDtypeStruct((N, P, K), jnp.float32),
+            kernel,
+            out_shape=[jax.ShapeDtypeStruct((N, P, K), jnp.float32),
+                       jax.ShapeDtypeStruct((N, P, 16), jnp.int32)],
             grid=(N, P),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, K), lambda n, p: (n, p, 0)),
+            out_specs=[pl.BlockSpec((None, None, K), lambda n, p: (n, p, 0)),
+                       pl.BlockSpec((None, None, 16), lambda n, p: (n, p, 0))],
             compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
             interpret=interpret,
             name="dflash_sampling_count",

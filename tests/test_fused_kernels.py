@@ -144,30 +144,40 @@ def test_gpu_path_forward_and_loop_match_xla():
     assert got == want
 
 
-@pytest.mark.parametrize("N,V,shared,weighted", [(3, 300, False, False), (2, 5000, False, True),
-                                                 (4, 1100, True, True)])
-def test_sampling_count_kernel_matches_xla(N, V, shared, weighted):
-    """One pass of the threshold search: partial sums over P vocabulary chunks (padding never
-    counts) add up to the XLA reduction, for counts, weights, and one key row shared by all rows."""
+@pytest.mark.parametrize("N,V,bits,shared,weighted", [(3, 300, 32, False, False), (2, 5000, 32, False, True),
+                                                      (4, 1100, 20, True, True)])
+def test_sampling_search_kernel_matches_xla(N, V, bits, shared, weighted):
+    """The threshold search with each pass one count kernel (the previous digit decided inside it)
+    finds the same key as the XLA search: counts, weights, an offset, one key row shared by all
+    rows (the index phase), budgets at the extremes. Weights are multiples of 1/1024, so both
+    paths' sums are exact and the comparison is exact."""
     from dflash_jax import sampling
     rng = np.random.default_rng(N * V)
-    keys = jnp.asarray(rng.integers(0, 2**32, size=(1 if shared else N, V), dtype=np.uint64), jnp.uint32)
-    weight = jnp.asarray(rng.random((N, V)), jnp.float32) if weighted else None
-    cand = jnp.asarray(np.sort(rng.integers(0, 2**32, size=(N, 16), dtype=np.uint64), axis=1), jnp.uint32)
-    cand = cand.at[:, 0].set(0).at[:, -1].set(2**32 - 1)       # extremes: everything / nothing above
-    want = sampling._masked_sums(keys, cand, weight)
-    got = sampling._counter(keys, weight, N, "pallas_gpu_interpret")(cand)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
-    assert np.asarray(got)[:, -1].max() == 0                   # padding (int32 min) is never above
+    hi = 2 ** bits
+    keys = jnp.asarray(rng.integers(0, hi, size=(1 if shared else N, V), dtype=np.uint64), jnp.uint32)
+    keys = keys.at[..., :7].set(keys[..., 7:8])                   # ties
+    weight = jnp.asarray(rng.integers(0, 64, (N, V)) / 1024, jnp.float32) if weighted else None
+    total = float(V) if weight is None else float(jnp.max(jnp.sum(weight, axis=1)))
+    budget = jnp.asarray(rng.uniform(0.01, 1.0, N) * total, jnp.float32).at[0].set(0.5)
+    offset = jnp.asarray(rng.integers(0, 4, N) / 1024, jnp.float32) if shared else jnp.zeros((N,), jnp.float32)
+    want = sampling._min_passing(lambda c: offset[:, None] + sampling._masked_sums(keys, c, weight) < budget[:, None],
+                                 N, bits)
+    got = sampling._kernel_min_passing(keys, weight, offset, budget, bits, "pallas_gpu_interpret")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_sampling_count_kernel_lowers_for_cuda():
+@pytest.mark.parametrize("first", [True, False])
+def test_sampling_count_pass_lowers_for_cuda(first):
     from jax import export
     S = jax.ShapeDtypeStruct
     P, Vp = gpu.count_layout(16, 151936)
-    exp = export.export(jax.jit(lambda k, c, w: gpu.count_above(k, c, w, P=P)), platforms=["cuda"],
+    prev = None if first else (S((16, P, 16), jnp.float32), S((16, P, 16), jnp.int32))
+
+    def f(k, w, off, bud, prev):
+        return gpu.count_pass(k, w, prev, off, bud, P=P, shift=24, width=4, prev_shift=28)
+    exp = export.export(jax.jit(f), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        S((16, Vp), jnp.int32), S((16, 16), jnp.int32), S((16, Vp), jnp.float32))
+        S((16, Vp), jnp.int32), S((16, Vp), jnp.float32), S((16,), jnp.float32), S((16,), jnp.float32), prev)
     assert "dflash_sampling_count" in exp.mlir_module()
 
 
