@@ -114,15 +114,14 @@ def _kernel_min_passing(keys, weight, offset, budget, bits: int, impl: str):
     [N or 1, V] uint32, weight [N, V] or None (1 each), offset and budget [N] float32."""
     from pallas_kernels import gpu
     N, V = budget.shape[0], keys.shape[1]
-    P, Vp = gpu.count_layout(N, V)
-    ks = jnp.pad(_signed(keys), ((0, 0), (0, Vp - V)), constant_values=jnp.iinfo(jnp.int32).min)
-    w = None if weight is None else jnp.pad(weight.astype(jnp.float32), ((0, 0), (0, Vp - V)))
+    P, chunk = gpu.count_layout(N, V)
+    ks, w = _signed(keys), None if weight is None else weight.astype(jnp.float32)
     d = _DIGIT
     widths = ([bits % d] if bits % d else []) + [d] * (bits // d)
     prev, shift, prev_shift = None, bits, 0
     for width in widths:
         shift -= width
-        prev = gpu.count_pass(ks, w, prev, offset, budget, P=P, shift=shift, width=width,
+        prev = gpu.count_pass(ks, w, prev, offset, budget, P=P, chunk=chunk, shift=shift, width=width,
                               prev_shift=prev_shift, interpret=impl == "pallas_gpu_interpret")
         prev_shift = shift
     part, x = prev

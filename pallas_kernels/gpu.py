@@ -15,8 +15,10 @@ Grid (B, Hkv, row tiles, kv splits). Unlike TPU, GPU programs run concurrently, 
 `fori_loop` inside the program. When B*Hkv*row_tiles cannot fill the GPU (batch 1 decode: 8 programs
 on 132 SMs), the KV range [0, max k_end of the tile) is split into `kv_splits` chunks (sized from the
 actual length, not the capacity, so all splits get work), each writes a normalised partial output
-and its log-sum-exp, and a small XLA epilogue merges them. Caches shorter than SPLIT_MIN_CAPACITY
-are never split: there the merge's extra kernels cost more than the parallelism gains.
+and its log-sum-exp, and a small XLA epilogue (one elementwise fusion) merges them. Caches shorter
+than SPLIT_MIN_CAPACITY are split SHORT_SPLITS ways in chunks of >= SHORT_MIN_CHUNK keys when the
+block is short (decode, verify, draft) and the programs few: at batch 1 and a 512-token prompt the
+unsplit kernel is latency-bound (8 programs, ~9 tiles each, 13 us a call).
 """
 
 from __future__ import annotations
@@ -87,10 +89,13 @@ def _row_tile(T: int, G: int, rows: int = 64) -> int:
     return bt
 
 
-# Below this capacity one program per (batch, kv head, row tile) reads the whole KV range itself:
-# short contexts are launch-bound, and splitting would add an XLA merge (several kernels per call,
-# measured ~9 us per attention call at B=1 / 512 context on the H200, more than the split saves).
+# Below this capacity the split count does not come from filling the GPU: short blocks with few
+# programs split SHORT_SPLITS ways (chunks >= SHORT_MIN_CHUNK keys), everything else not at all.
+# Measured in the whole loop on the H200 (call 7, B=1, prompt 512): DFlash 5.59 ms per iteration
+# with 4 splits of >= 128 keys against 5.78-5.87 unsplit, plain decode 4.30 against 4.46 ms.
 SPLIT_MIN_CAPACITY = 4096
+SHORT_SPLITS = 4
+SHORT_MIN_CHUNK = 128
 
 
 def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H200_SMS) -> dict:
@@ -108,8 +113,11 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     while block_k > 16 and C % block_k:
         block_k //= 2
     programs = B * Hkv * (T // block_t)
+    min_chunk = 512
     if C < SPLIT_MIN_CAPACITY:
         kv_splits = 1
+        if T <= 64 and programs < n_sms and C >= 2 * SHORT_MIN_CHUNK:
+            kv_splits, min_chunk = SHORT_SPLITS, SHORT_MIN_CHUNK
     elif programs < n_sms:
         # Two programs fit on an SM (~112 KiB of shared memory each): fill exactly one wave of
         # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave
@@ -120,7 +128,7 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     else:
         kv_splits = 1
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=512, one_loop=0)
+                num_stages=3, min_chunk=min_chunk, one_loop=0)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
@@ -512,20 +520,19 @@ def add_rmsnorm(x, y, weight, eps: float, *, interpret=False):
 # from that pass's P partial sums (every program of a row computes the same digit), then sums its
 # chunk for the new candidates and writes its partial sums and the prefix x.
 
-COUNT_BLOCK = 512      # keys per loop step: [512, K] compare-select-add tiles in registers
+COUNT_BLOCK = 512      # keys per loop step, per candidate one [512] accumulator
+COUNT_PROGRAMS = 1024  # N * P target: ~8 small programs per SM, enough warps to hide load latency
 
 
-def count_layout(N: int, V: int, *, n_sms: int = H200_SMS) -> tuple[int, int]:
-    """(P chunks per row, a power of two; padded length Vp = P * chunk, chunk a multiple of
-    COUNT_BLOCK)."""
-    P = max(1, min(64, (2 * n_sms) // max(N, 1), -(-V // (4 * COUNT_BLOCK))))
+def count_layout(N: int, V: int) -> tuple[int, int]:
+    """(P chunks per row, a power of two <= 64; chunk, a multiple of COUNT_BLOCK, P * chunk >= V)."""
+    P = max(1, min(64, COUNT_PROGRAMS // max(N, 1), -(-V // COUNT_BLOCK)))
     P = 1 << (P.bit_length() - 1)
-    chunk = _round_up(-(-V // P), COUNT_BLOCK)
-    return P, P * chunk
+    return P, _round_up(-(-V // P), COUNT_BLOCK)
 
 
-def _count_pass_kernel(*refs, n_iter: int, weighted: bool, first: bool, shift: int, width: int,
-                       prev_shift: int):
+def _count_pass_kernel(*refs, V: int, chunk: int, weighted: bool, first: bool, shift: int,
+                       width: int, prev_shift: int):
     refs = list(refs)
     keys_ref = refs.pop(0)
     w_ref = refs.pop(0) if weighted else None
@@ -538,48 +545,56 @@ def _count_pass_kernel(*refs, n_iter: int, weighted: bool, first: bool, shift: i
         k_prev = tot.shape[0]
         passing = (off_ref[...] + tot) < bud_ref[...]
         d = jnp.min(jnp.where(passing, lax.broadcasted_iota(jnp.int32, (k_prev,), 0), k_prev - 1))
-        x = jnp.max(x_ref[...]) | (d << prev_shift)
+        x = jnp.max(x_ref[...]) | (d << prev_shift)          # bit 31 wraps into the sign: intended
     K = 1 << width
     low = (1 << shift) - 1
-    # the candidates as uint32 bit patterns, compared as signed int32: flip the sign bit
-    cand = (x | (lax.broadcasted_iota(jnp.int32, (K,), 0) << shift) | low) ^ jnp.int32(-2**31)
+    # candidates as uint32 bit patterns, compared as signed int32 (sign bit flipped), as scalars:
+    # the loop is K independent 1-D compare-select-add streams, no 2-D layouts to convert
+    def i32(v):  # a uint32 bit pattern as an int32 constant
+        return jnp.int32(v - (1 << 32) if v >= 1 << 31 else v)
+    cands = [(x | i32((j << shift) | low)) ^ jnp.int32(-2**31) for j in range(K)]
+    base = pl.program_id(1) * chunk
+    lanes = lax.broadcasted_iota(jnp.int32, (COUNT_BLOCK,), 0)
 
-    def body(i, acc):
-        off = pl.multiple_of(i * COUNT_BLOCK, COUNT_BLOCK)
-        hit = keys_ref[pl.ds(off, COUNT_BLOCK)][:, None] > cand[None, :]      # [blk, K]
+    def body(i, accs):
+        off = pl.multiple_of(base + i * COUNT_BLOCK, COUNT_BLOCK)
+        ok = off + lanes < V                      # the last chunk ends inside its last block
+        k = pltriton.load(keys_ref.at[pl.ds(off, COUNT_BLOCK)], mask=ok, other=jnp.iinfo(jnp.int32).min)
         if weighted:
-            return acc + jnp.where(hit, w_ref[pl.ds(off, COUNT_BLOCK)][:, None], 0.0)
-        return acc + jnp.where(hit, 1.0, 0.0)
+            w = pltriton.load(w_ref.at[pl.ds(off, COUNT_BLOCK)], mask=ok, other=0.0)
+            return tuple(a + jnp.where(k > c, w, 0.0) for a, c in zip(accs, cands))
+        return tuple(a + jnp.where(k > c, 1.0, 0.0) for a, c in zip(accs, cands))
 
-    # elementwise accumulation; one cross-thread reduction at the end, not one per step
-    acc = lax.fori_loop(0, n_iter, body, jnp.zeros((COUNT_BLOCK, K), jnp.float32))
-    part_out[...] = jnp.sum(acc, axis=0)
+    accs = lax.fori_loop(0, chunk // COUNT_BLOCK, body,
+                         tuple(jnp.zeros((COUNT_BLOCK,), jnp.float32) for _ in range(K)))
+    slot = lax.broadcasted_iota(jnp.int32, (K,), 0)
+    out = jnp.zeros((K,), jnp.float32)
+    for j, a in enumerate(accs):
+        out = jnp.where(slot == j, jnp.sum(a), out)
+    part_out[...] = out
     x_out[...] = jnp.full((16,), x, jnp.int32)
 
 
-def count_pass(keys, weight, prev, offset, budget, *, P: int, shift: int, width: int,
+def count_pass(keys, weight, prev, offset, budget, *, P: int, chunk: int, shift: int, width: int,
                prev_shift: int = 0, interpret=False):
-    """One pass of the threshold search. keys [N or 1, Vp] int32 (uint32 keys with the sign bit
-    flipped; padding int32 min), weight [N, Vp] float32 or None (weight 1), Vp from count_layout.
+    """One pass of the threshold search. keys [N or 1, V] int32 (uint32 keys with the sign bit
+    flipped), weight [N, V] float32 or None (weight 1); P, chunk from count_layout.
     prev: None for the first pass (prefix 0), else the previous pass's (partials, x) outputs;
     offset, budget [N] float32. The pass decides the previous digit (at bit prev_shift), then sums
     the weights above the candidates  x | d << shift | (1 << shift) - 1  for d < 2**width.
     Returns (partials [N, P, 2**width] float32, x [N, P, 16] int32: the prefix, as uint32 bits)."""
-    Nk, Vp = keys.shape
+    Nk, V = keys.shape
     N = Nk if weight is None else weight.shape[0]
     if prev is not None:
         N = prev[0].shape[0]
     K = 1 << width
-    if Vp % P or (Vp // P) % COUNT_BLOCK or Nk not in (1, N) or P & (P - 1) or not 1 <= width <= 6:
-        raise Unsupported(f"count_pass: keys {keys.shape}, P={P}, width={width}")
-    chunk = Vp // P
-    row = lambda n, p: (n, p)
-    in_specs = [pl.BlockSpec((None, chunk), row if Nk == N else (lambda n, p: (0, p)))]
+    if P * chunk < V or chunk % COUNT_BLOCK or Nk not in (1, N) or P & (P - 1) or not 1 <= width <= 5:
+        raise Unsupported(f"count_pass: keys {keys.shape}, P={P}, chunk={chunk}, width={width}")
+    in_specs = [pl.BlockSpec((None, V), (lambda n, p: (n, 0)) if Nk == N else (lambda n, p: (0, 0)))]
     args = [keys]
     if weight is not None:
-        in_specs.append(pl.BlockSpec((None, chunk), row))
+        in_specs.append(pl.BlockSpec((None, V), lambda n, p: (n, 0)))
         args.append(weight.astype(jnp.float32))
-    prev_shift_ = prev_shift
     if prev is not None:
         part, x = prev
         kp = part.shape[2]
@@ -589,8 +604,8 @@ def count_pass(keys, weight, prev, offset, budget, *, P: int, shift: int, width:
                      pl.BlockSpec((None, kp), lambda n, p: (n, 0))]
         args += [part, x, jnp.broadcast_to(offset.astype(jnp.float32)[:, None], (N, kp)),
                  jnp.broadcast_to(budget.astype(jnp.float32)[:, None], (N, kp))]
-    kernel = functools.partial(_count_pass_kernel, n_iter=chunk // COUNT_BLOCK, weighted=weight is not None,
-                               first=prev is None, shift=shift, width=width, prev_shift=prev_shift_)
+    kernel = functools.partial(_count_pass_kernel, V=V, chunk=chunk, weighted=weight is not None,
+                               first=prev is None, shift=shift, width=width, prev_shift=prev_shift)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         return pl.pallas_call(

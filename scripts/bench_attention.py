@@ -246,6 +246,53 @@ def check_kernel(interpret: bool, verbose: bool) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- driver
 
+AB_CASES = (  # (B, ctx, variant): default_config against one variant, verify pattern
+    (1, 32768, dict(kv_splits=16)),
+    (1, 8192, dict(kv_splits=16)),
+    (8, 8192, dict(block_k=32, num_stages=4)),
+)
+
+
+def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
+    """Repeated A/B of default_config against single variants (AB_CASES): both programs compiled
+    once, then timed alternately `--ab-rounds` times; the median per-call time of each. The sweep
+    times every variant once, and its single samples moved by 10-20% between calls."""
+    Hq, Hkv, D, S, dtype = 32, 8, 128, 16, jnp.bfloat16
+    out = []
+    for B, ctx, var in AB_CASES:
+        C = -(-(ctx + S) // 128) * 128
+        q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)
+        e = k_end_for("verify", B, S, ctx)
+        kv_bytes = kv_read_bytes(e, Hkv, D, 2)
+        alloc = 2 * B * Hkv * C * D * 2
+        n_buf = int(min(max(2, math.ceil(4 * L2_BYTES / alloc)), 8, max(1, BUF_BYTES_CAP // alloc)))
+        ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
+        base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv)
+        progs = {}
+        for name, cfg in (("default", base), ("variant", dict(base, **var))):
+            op = pallas_op(cfg, False)
+            progs[name] = (chained(op, 1), chained(op, CHAIN_PASSES))
+            for f in progs[name]:
+                jax.block_until_ready(f(q, e, ks, vs))
+        times = {"default": [], "variant": []}
+        for _ in range(args.ab_rounds):
+            for name, (f1, f3) in progs.items():
+                t1 = _time_calls(f1, (q, e, ks, vs), **opts)
+                t3 = _time_calls(f3, (q, e, ks, vs), **opts)
+                times[name].append((t3 - t1) / ((CHAIN_PASSES - 1) * n_buf) * 1e6)
+        rec = dict(B=B, ctx=ctx, default_cfg=base, variant=var, kv_MB=kv_bytes / 1e6, rounds=times)
+        for name in times:
+            us = statistics.median(times[name])
+            rec[name] = dict(us=us, TBps=kv_bytes / us / 1e6, pct_copy=100 * kv_bytes / us / 1e6 / (copy_bw / 1e12))
+        out.append(rec)
+        print(f"ab      B={B:<3d} ctx={ctx:<6d} default {rec['default']['us']:.1f}us ({rec['default']['TBps']:.2f} TB/s) "
+              f"vs {var} {rec['variant']['us']:.1f}us ({rec['variant']['TBps']:.2f} TB/s); rounds "
+              + " | ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(times['default'], times['variant'])), flush=True)
+        del ks, vs, q, progs
+        gc.collect()
+    return out
+
+
 def run(args) -> dict:
     smoke = args.smoke
     interpret = smoke and jax.default_backend() == "cpu"
@@ -286,6 +333,9 @@ def run(args) -> dict:
     print(f"# device copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write), "
           f"read-only {read_bw / 1e12:.3f} TB/s", flush=True)
 
+    if args.ab:
+        ab = ab_rounds(args, copy_bw, opts)
+        return dict(info=info, checks=[], cases=[], prefill=[], sweep=[], ab=ab)
     checks, results, prefill_results, sweep = [], [], [], []
     ref_outs = {}       # (pattern, B, ctx or T) -> the XLA path's output, the check for variants
 
@@ -556,6 +606,9 @@ def main(argv=None):
     ap.add_argument("--focus", action="store_true",
                     help="only batch 1 and 8 (8k and 32k; 1k at B=1), Pallas and XLA, then sweep split "
                          "counts and pipeline settings on them (no cuDNN, no prefill)")
+    ap.add_argument("--ab", action="store_true",
+                    help="only the repeated A/B of default_config against the variants in AB_CASES")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")
     ap.add_argument("--sweep-only", action="store_true",
                     help="skip the baselines; sweep a wide grid of kernel variants on a few verify cases")
     ap.add_argument("--json", default=None, help="write results here (default $OUT/bench_attention.json)")

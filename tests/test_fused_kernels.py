@@ -170,14 +170,16 @@ def test_sampling_search_kernel_matches_xla(N, V, bits, shared, weighted):
 def test_sampling_count_pass_lowers_for_cuda(first):
     from jax import export
     S = jax.ShapeDtypeStruct
-    P, Vp = gpu.count_layout(16, 151936)
+    V = 151936
+    P, chunk = gpu.count_layout(16, V)
+    assert P == 64 and P * chunk >= V
     prev = None if first else (S((16, P, 16), jnp.float32), S((16, P, 16), jnp.int32))
 
     def f(k, w, off, bud, prev):
-        return gpu.count_pass(k, w, prev, off, bud, P=P, shift=24, width=4, prev_shift=28)
+        return gpu.count_pass(k, w, prev, off, bud, P=P, chunk=chunk, shift=24, width=4, prev_shift=28)
     exp = export.export(jax.jit(f), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        S((16, Vp), jnp.int32), S((16, Vp), jnp.float32), S((16,), jnp.float32), S((16,), jnp.float32), prev)
+        S((16, V), jnp.int32), S((16, V), jnp.float32), S((16,), jnp.float32), S((16,), jnp.float32), prev)
     assert "dflash_sampling_count" in exp.mlir_module()
 
 

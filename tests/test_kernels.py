@@ -153,7 +153,13 @@ def test_gpu_default_config_splits_small_batch():
     cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8)
     assert cfg["kv_splits"] == 1
     cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
-    assert cfg["kv_splits"] == 1                    # short caches: no merge kernels
+    assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128    # short caches, few programs
+    cfg = gpu.default_config(T=1, G=4, C=1024, D=128, B=1, Hkv=8)
+    assert cfg["kv_splits"] == 4                    # plain decode too
+    cfg = gpu.default_config(T=512, G=4, C=1024, D=128, B=1, Hkv=8)
+    assert cfg["kv_splits"] == 1                    # prefill: 256 programs already
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=32, Hkv=8)
+    assert cfg["kv_splits"] == 1                    # many programs: no merge kernels
     # Batch 8: 64 programs; splits fill one wave of 2 programs per SM (4 -> 256 <= 264), never
     # spilling a small second wave (5 -> 320).
     cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=8, Hkv=8)
