@@ -122,7 +122,10 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
         # Two programs fit on an SM (~112 KiB of shared memory each): fill exactly one wave of
         # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave
         # of 56 programs that ran at a fraction of the bandwidth (B=8, 32k: 1.72 TB/s).
-        kv_splits = max(1, min(2 * n_sms // programs, max(1, C // block_k), 32))
+        # At most 16 splits below 16k rows: B=1 at 8k ran 20.9 us with 16 against 24.2 us with 32
+        # (3 alternating rounds, call 8); at 32k the two tied (55.1 / 56.6 us), 32 kept there.
+        cap = 16 if C < 16384 else 32
+        kv_splits = max(1, min(2 * n_sms // programs, max(1, C // block_k), cap))
     elif programs < 4 * n_sms and C >= 16384:
         kv_splits = 2
     else:

@@ -395,11 +395,15 @@ def run(args) -> dict:
 
     stopped = False
     try:
-        checks.extend([] if args.sweep_only else check_kernel(interpret, args.verbose))
+        checks.extend([] if args.sweep_only or args.only else check_kernel(interpret, args.verbose))
         # ---- decode-time patterns: draft and verify over a long cache
         cases = [(p, B, ctx) for ctx in contexts for B in batches for p in ("verify", "draft")]
         if args.focus:      # the small batches that miss the bandwidth goal, and 1k at B=1
             cases = [(p, B, ctx) for (p, B, ctx) in cases if B <= 8 and (ctx >= 8192 or B == 1)]
+        if args.only:       # "B:ctx,B:ctx": just these rows, no sweep
+            keep = {tuple(int(v) for v in x.split(":")) for x in args.only.split(",")}
+            cases = [(p, B, ctx) for (p, B, ctx) in cases if (B, ctx) in keep]
+            prefill_T = []
         if args.sweep_only:
             cases = [("verify", B, ctx) for ctx in contexts for B in batches
                      if (B, ctx) in ((1, 32768), (8, 8192), (32, 32768), (1, 8192), (32, 1024))] or cases[:2]
@@ -509,6 +513,8 @@ def run(args) -> dict:
         else:
             variants = [dict(block_k=128, num_warps=8, num_stages=3), dict(one_loop=1), "splits*2", "splits/2"]
         order = sorted((r for r in results if r["pattern"] == "verify"), key=lambda r: -r["kv_MB"])
+        if args.only:
+            order, variants = [], []
         if not args.sweep_only and not smoke:
             # the >= 8k cases, small batches first (they miss the bandwidth goal; B=32 meets it);
             # with --focus also B=1 at 1k (launch-bound: splits against XLA's fused ops)
@@ -606,6 +612,7 @@ def main(argv=None):
     ap.add_argument("--focus", action="store_true",
                     help="only batch 1 and 8 (8k and 32k; 1k at B=1), Pallas and XLA, then sweep split "
                          "counts and pipeline settings on them (no cuDNN, no prefill)")
+    ap.add_argument("--only", default="", help="B:ctx[,B:ctx...]: only these draft/verify rows, no sweep")
     ap.add_argument("--ab", action="store_true",
                     help="only the repeated A/B of default_config against the variants in AB_CASES")
     ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")
