@@ -258,8 +258,11 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
     once, then timed alternately `--ab-rounds` times; the median per-call time of each. The sweep
     times every variant once, and its single samples moved by 10-20% between calls."""
     Hq, Hkv, D, S, dtype = 32, 8, 128, 16, jnp.bfloat16
+    cases, interpret = AB_CASES, False
+    if args.smoke:          # CPU: tiny heads, the kernel in interpret mode
+        Hq, Hkv, cases, interpret = 8, 2, ((1, 240, dict(kv_splits=2)),), jax.default_backend() == "cpu"
     out = []
-    for B, ctx, var in AB_CASES:
+    for B, ctx, var in cases:
         C = -(-(ctx + S) // 128) * 128
         q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)
         e = k_end_for("verify", B, S, ctx)
@@ -270,7 +273,7 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv)
         progs = {}
         for name, cfg in (("default", base), ("variant", dict(base, **var))):
-            op = pallas_op(cfg, False)
+            op = pallas_op(cfg, interpret)
             progs[name] = (chained(op, 1), chained(op, CHAIN_PASSES))
             for f in progs[name]:
                 jax.block_until_ready(f(q, e, ks, vs))
