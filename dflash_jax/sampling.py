@@ -131,6 +131,16 @@ def _kernel_min_passing(keys, weight, offset, budget, bits: int, impl: str):
     return jax.lax.bitcast_convert_type(x[:, 0, 0], jnp.uint32) | (last.astype(jnp.uint32) << prev_shift)
 
 
+def _search(keys, weight, offset, budget, bits: int, impl: str):
+    """Smallest x in [0, 2**bits) with offset + (weight above x) < budget, per row: keys [N or 1, V]
+    uint32, weight [N, V] or None (1 each), offset and budget [N]. The GPU paths run each pass as
+    one count kernel (`search_kernel`), the others as XLA reductions."""
+    if search_kernel(impl):
+        return _kernel_min_passing(keys, weight, offset, budget, bits, impl)
+    return _min_passing(lambda c: offset[:, None] + _masked_sums(keys, c, weight) < budget[:, None],
+                        budget.shape[0], bits)
+
+
 def _rank_threshold(hi, lo, weight, budget, impl: str = "xla"):
     """Keep mask [N, V] of the tokens whose higher-ranked weight (weight [N, V], None: 1 each) is
     below budget [N] (> 0).
@@ -138,21 +148,11 @@ def _rank_threshold(hi, lo, weight, budget, impl: str = "xla"):
     Rank order: key (hi, lo) descending, hi the score key, lo = V-1-index (lower index first among
     equal scores). The kept set is {key >= k*} for k* the smallest key whose above-weight is below
     the budget: found on hi first, then on lo among the tokens tied at that score."""
-    N = hi.shape[0]
     w = 1.0 if weight is None else weight
-    kernel = search_kernel(impl)
-    if kernel:
-        h = _kernel_min_passing(hi, weight, jnp.zeros((N,), jnp.float32), budget, 32, impl)
-    else:
-        h = _min_passing(lambda c: _masked_sums(hi, c, weight) < budget[:, None], N, 32)
+    h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, impl)
     base = jnp.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1)                           # [N]
     tie = hi == h[:, None]
-    w_tie = jnp.where(tie, w, 0.0)
-    if kernel:
-        low = _kernel_min_passing(lo[None, :], w_tie, base, budget, _INDEX_BITS, impl)
-    else:
-        low = _min_passing(lambda c: base[:, None] + _masked_sums(lo[None, :], c, w_tie) < budget[:, None],
-                           N, _INDEX_BITS)
+    low = _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, impl)
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
 
 

@@ -587,9 +587,7 @@ def count_pass(keys, weight, prev, offset, budget, *, P: int, chunk: int, shift:
     the weights above the candidates  x | d << shift | (1 << shift) - 1  for d < 2**width.
     Returns (partials [N, P, 2**width] float32, x [N, P, 16] int32: the prefix, as uint32 bits)."""
     Nk, V = keys.shape
-    N = Nk if weight is None else weight.shape[0]
-    if prev is not None:
-        N = prev[0].shape[0]
+    N = budget.shape[0]
     K = 1 << width
     if P * chunk < V or chunk % COUNT_BLOCK or Nk not in (1, N) or P & (P - 1) or not 1 <= width <= 5:
         raise Unsupported(f"count_pass: keys {keys.shape}, P={P}, chunk={chunk}, width={width}")

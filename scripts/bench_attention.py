@@ -90,6 +90,16 @@ def chained(op, passes: int):
 CHAIN_PASSES = 3    # the long program's rounds over the buffers; the short one makes one
 
 
+def per_call_time(f1, f3, args, n_buf: int, opts: dict) -> tuple[float, float]:
+    """(seconds of one call on the device, the short program's wall time): the difference of the
+    1-pass and the CHAIN_PASSES-pass chains over the extra calls; when noise exceeds the difference,
+    the long program's average."""
+    t1 = _time_calls(f1, args, **opts)
+    t3 = _time_calls(f3, args, **opts)
+    t = (t3 - t1) / ((CHAIN_PASSES - 1) * n_buf)
+    return (t if t > 0 else t3 / (CHAIN_PASSES * n_buf)), t1
+
+
 def measure_bandwidth(nbytes: int, opts) -> tuple[float, float]:
     """(copy, read) bandwidth in bytes/s: a device-to-device copy counted as bytes read + written
     (best of a bf16 and an f32 elementwise pass), and a read-only pass (a sum)."""
@@ -135,6 +145,11 @@ def kv_read_bytes(k_end, Hkv, D, itemsize) -> int:
     """Bytes of K and V the op must read: per batch row, the keys up to its largest k_end."""
     per_row = np.asarray(k_end).max(axis=1)
     return int(2 * Hkv * D * itemsize * per_row.sum())
+
+
+def n_buffers(alloc: int) -> int:
+    """How many rotated K/V buffers of `alloc` bytes: >= 4x the L2 in total, 2 to 8, within the cap."""
+    return int(min(max(2, math.ceil(4 * L2_BYTES / alloc)), 8, max(1, BUF_BYTES_CAP // alloc)))
 
 
 def make_buffers(n, B, Hkv, C, D, dtype, seed):
@@ -267,8 +282,7 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)
         e = k_end_for("verify", B, S, ctx)
         kv_bytes = kv_read_bytes(e, Hkv, D, 2)
-        alloc = 2 * B * Hkv * C * D * 2
-        n_buf = int(min(max(2, math.ceil(4 * L2_BYTES / alloc)), 8, max(1, BUF_BYTES_CAP // alloc)))
+        n_buf = n_buffers(2 * B * Hkv * C * D * 2)
         ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
         base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv)
         progs = {}
@@ -280,9 +294,7 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         times = {"default": [], "variant": []}
         for _ in range(args.ab_rounds):
             for name, (f1, f3) in progs.items():
-                t1 = _time_calls(f1, (q, e, ks, vs), **opts)
-                t3 = _time_calls(f3, (q, e, ks, vs), **opts)
-                times[name].append((t3 - t1) / ((CHAIN_PASSES - 1) * n_buf) * 1e6)
+                times[name].append(per_call_time(f1, f3, (q, e, ks, vs), n_buf, opts)[0] * 1e6)
         rec = dict(B=B, ctx=ctx, default_cfg=base, variant=var, kv_MB=kv_bytes / 1e6, rounds=times)
         for name in times:
             us = statistics.median(times[name])
@@ -357,11 +369,7 @@ def run(args) -> dict:
                 if not err <= 2e-2:
                     rec["error"] = f"wrong result: rel err {err:.3g}"
                     return rec
-            t1 = _time_calls(f, (q, e, ks, vs), **opts)
-            t3 = _time_calls(f_long, (q, e, ks, vs), **opts)
-            t = (t3 - t1) / ((CHAIN_PASSES - 1) * n_buf)
-            if not t > 0:   # noise larger than the difference: report the long program's average
-                t = t3 / (CHAIN_PASSES * n_buf)
+            t, t1 = per_call_time(f, f_long, (q, e, ks, vs), n_buf, opts)
             rec.update(us=t * 1e6, TBps=kv_bytes / t / 1e12, pct_copy=100 * kv_bytes / t / copy_bw,
                        us_single_dispatch=t1 / n_buf * 1e6)
         except Exception as ex:  # noqa: BLE001  (one failing impl must not end the run)
@@ -417,8 +425,7 @@ def run(args) -> dict:
             q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)                 # [B,S,Hq,D]
             e = k_end_for(pattern, B, S, ctx)                                                # [B,S]
             kv_bytes = kv_read_bytes(e, Hkv, D, itemsize)
-            alloc = 2 * B * Hkv * C * D * itemsize
-            n_buf = int(min(max(2, math.ceil(4 * L2_BYTES / alloc)), 8, max(1, BUF_BYTES_CAP // alloc)))
+            n_buf = n_buffers(2 * B * Hkv * C * D * itemsize)
             ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
             cfg = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv, n_sms=n_sms)
             row = dict(pattern=pattern, B=B, ctx=ctx, C=C, kv_MB=kv_bytes / 1e6, n_buf=n_buf,

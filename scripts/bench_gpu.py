@@ -78,6 +78,19 @@ def short_err(e: BaseException, n: int = 400) -> str:
     return s if len(s) <= n else s[:n] + " ..."
 
 
+def kernel_check(out: dict, name: str, run) -> None:
+    """out[name] = the record of run() -> (record with "ok", detail text), logged as one
+    "check: kernel NAME: ... -> OK|FAIL|ERROR" line (gpu_call.sh greps these); an exception becomes
+    an "error" record."""
+    try:
+        rec, detail = run()
+        out[name] = rec
+        log(f"check: kernel {name}: {detail} -> {'OK' if rec['ok'] else 'FAIL'}")
+    except Exception as ex:
+        out[name] = {"error": short_err(ex)}
+        log(f"check: kernel {name}: ERROR {short_err(ex)}")
+
+
 def median(xs):
     return float(statistics.median(xs)) if xs else float("nan")
 
@@ -499,8 +512,7 @@ class Bench:
                  ("verify C1024", 1, 16, 1024, jnp.bfloat16), ("verify C32768 split", 1, 16, 32768, jnp.bfloat16),
                  ("verify B4 C8192 f32", 4, 16, 8192, jnp.float32), ("prefill T512", 1, 512, 1024, jnp.bfloat16),
                  ("prefill T4096 cudnn", 1, 4096, 4096, jnp.bfloat16)]
-        for name, B, T, C, dt in cases:
-            try:
+        def run(name, B, T, C, dt):
                 ks = jax.random.split(jax.random.key(len(name)), 3)
                 q = jax.random.normal(ks[0], (B, T, Hq, D), jnp.float32).astype(dt)
                 kc = jax.random.normal(ks[1], (B, Hkv, C, D), jnp.float32).astype(dt)
@@ -525,11 +537,10 @@ class Bench:
                                                       vc.astype(jnp.float32), e, "xla"))
                 rel = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
                 tol = 1e-4 if dt == jnp.float32 else 2e-2
-                out[name] = {"rel_err": rel, "ok": bool(rel <= tol and np.isfinite(got).all()), "route": route}
-                log(f"check: kernel {name}: rel err {rel:.2e} via {route} -> {'OK' if out[name]['ok'] else 'FAIL'}")
-            except Exception as ex:
-                out[name] = {"error": short_err(ex)}
-                log(f"check: kernel {name}: ERROR {short_err(ex)}")
+                rec = {"rel_err": rel, "ok": bool(rel <= tol and np.isfinite(got).all()), "route": route}
+                return rec, f"rel err {rel:.2e} via {route}"
+        for case in cases:
+            kernel_check(out, case[0], lambda: run(*case))
         return out
 
     def check_fused(self):
@@ -539,7 +550,8 @@ class Bench:
         import numpy as np
         out = {}
         out.update(self.check_prologue())
-        try:
+
+        def run():
             from pallas_kernels import gpu
             from dflash_jax.modeling.layers import RMSNorm
             norm = RMSNorm(4096, 1e-6, jnp.bfloat16)
@@ -551,24 +563,22 @@ class Bench:
             ws, wn = jax.jit(lambda x, y: (x + y, norm(x + y)))(x, y)
             f = lambda a: np.asarray(a.astype(jnp.float32))
             errs = [float(np.abs(f(a) - f(b)).max() / max(np.abs(f(b)).max(), 1e-6)) for a, b in ((s_, ws), (n_, wn))]
-            ok = all(e <= 1e-2 for e in errs)
-            out["add_rmsnorm B2 T16"] = {"rel_err": max(errs), "ok": ok, "route": "pallas"}
-            log(f"check: kernel add_rmsnorm: rel err sum {errs[0]:.2e} norm {errs[1]:.2e} -> {'OK' if ok else 'FAIL'}")
-        except Exception as ex:
-            out["add_rmsnorm B2 T16"] = {"error": short_err(ex)}
-            log(f"check: kernel add_rmsnorm: ERROR {short_err(ex)}")
+            rec = {"rel_err": max(errs), "ok": all(e <= 1e-2 for e in errs), "route": "pallas"}
+            return rec, f"rel err sum {errs[0]:.2e} norm {errs[1]:.2e}"
+        kernel_check(out, "add_rmsnorm B2 T16", run)
         out.update(self.check_sampling_kernel())
         return out
 
     def check_sampling_kernel(self):
-        """The threshold search's count kernel against XLA's reduction (one pass, 16 x 151,936), and
-        the processed distribution with top-k 20 + top-p 0.95 through both search paths."""
+        """The threshold search with its count kernel against XLA's search (top-k 20's key on
+        16 x 151,936 logits), and the support of top-k 20 + top-p 0.95 through both paths."""
         import jax
         import jax.numpy as jnp
         import numpy as np
         from dflash_jax import sampling
         out = {}
-        try:
+
+        def run():
             logits = jax.random.normal(jax.random.key(11), (16, 151936), jnp.float32) * 4
             keys = sampling._score_key(logits)
             zero = jnp.zeros((16,), jnp.float32)
@@ -581,13 +591,10 @@ class Bench:
             lp = [np.asarray(jax.jit(lambda x, impl=impl: sampling.log_probs(
                       x, 0.6, 20, 0.95, "filtered", impl))(logits)) for impl in ("pallas_gpu", "xla")]
             same_support = bool(np.array_equal(np.isfinite(lp[0]), np.isfinite(lp[1])))
-            ok = same_key and same_support
-            out["sampling_count"] = {"same_topk_key": same_key, "same_support": same_support, "ok": ok}
-            log(f"check: kernel sampling_count: top-k key {'same' if same_key else 'DIFFERENT'}, top-k/top-p "
-                f"support {'same' if same_support else 'DIFFERENT'} -> {'OK' if ok else 'FAIL'}")
-        except Exception as ex:
-            out["sampling_count"] = {"error": short_err(ex)}
-            log(f"check: kernel sampling_count: ERROR {short_err(ex)}")
+            rec = {"same_topk_key": same_key, "same_support": same_support, "ok": same_key and same_support}
+            return rec, (f"top-k key {'same' if same_key else 'DIFFERENT'}, top-k/top-p "
+                         f"support {'same' if same_support else 'DIFFERENT'}")
+        kernel_check(out, "sampling_count", run)
         return out
 
     def check_prologue(self):
@@ -607,9 +614,7 @@ class Bench:
         layer.q_norm.weight[...] = jnp.linspace(0.5, 1.5, D).astype(jnp.bfloat16)
         layer.k_norm.weight[...] = jnp.linspace(1.5, 0.5, D).astype(jnp.bfloat16)
         out = {}
-        for B, T in ((1, 1), (1, 16), (4, 16)):
-            name = f"prologue B{B} T{T}"
-            try:
+        def run(B, T):
                 ks = jax.random.split(jax.random.key(T), 3)
                 qkv = (jax.random.normal(ks[0], (B, T, (Hq + 2 * Hkv) * D)) * 3).astype(jnp.bfloat16)
                 kc = jax.random.normal(ks[1], (B, Hkv, C, D)).astype(jnp.bfloat16)
@@ -630,12 +635,10 @@ class Bench:
                 want = [np.asarray(a.astype(jnp.float32)) for a in jax.jit(xla)(qkv, kc, vc)]
                 got = [np.asarray(a.astype(jnp.float32)) for a in jax.jit(fused)(qkv, kc, vc)]
                 errs = [float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-6)) for g, w in zip(got, want)]
-                ok = all(e <= 1e-2 for e in errs)
-                out[name] = {"rel_err": max(errs), "ok": ok, "route": "pallas"}
-                log(f"check: kernel {name}: rel err q {errs[0]:.2e} k {errs[1]:.2e} v {errs[2]:.2e} -> {'OK' if ok else 'FAIL'}")
-            except Exception as ex:
-                out[name] = {"error": short_err(ex)}
-                log(f"check: kernel {name}: ERROR {short_err(ex)}")
+                rec = {"rel_err": max(errs), "ok": all(e <= 1e-2 for e in errs), "route": "pallas"}
+                return rec, f"rel err q {errs[0]:.2e} k {errs[1]:.2e} v {errs[2]:.2e}"
+        for B, T in ((1, 1), (1, 16), (4, 16)):
+            kernel_check(out, f"prologue B{B} T{T}", lambda: run(B, T))
         return out
 
     def sec_floors(self):
