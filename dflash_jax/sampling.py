@@ -105,6 +105,14 @@ def search_kernel(impl: str) -> bool:
             and os.environ.get("DFLASH_SAMPLING_KERNEL", "1") != "0")
 
 
+def fast_search(impl: str) -> bool:
+    """The GPU search kernel's shortcuts (`search_kernel` paths): top-k candidates gathered
+    (pallas_kernels.gpu.gather_above) for the tie and top-p cuts, and the index search only when a
+    row has a tie at its cut. DFLASH_SAMPLING_FAST=0 (read at trace time) runs every search in
+    full, as before (an on-device A/B)."""
+    return search_kernel(impl) and os.environ.get("DFLASH_SAMPLING_FAST", "1") != "0"
+
+
 def _signed(u):
     """uint32 -> int32 with the same order (the kernel compares signed integers)."""
     return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
@@ -141,19 +149,60 @@ def _search(keys, weight, offset, budget, bits: int, impl: str):
                         budget.shape[0], bits)
 
 
-def _rank_threshold(hi, lo, weight, budget, impl: str = "xla"):
+def _rank_threshold(hi, lo, weight, budget, impl: str = "xla", h=None):
     """Keep mask [N, V] of the tokens whose higher-ranked weight (weight [N, V], None: 1 each) is
     below budget [N] (> 0).
 
     Rank order: key (hi, lo) descending, hi the score key, lo = V-1-index (lower index first among
     equal scores). The kept set is {key >= k*} for k* the smallest key whose above-weight is below
-    the budget: found on hi first, then on lo among the tokens tied at that score."""
+    the budget: found on hi first (h, if the caller has it already), then on lo among the tokens tied
+    at that score. With at most one token at score h in every row, that token is kept and the set is
+    {hi >= h}: the index search runs only when some row has a tie at its cut (`fast_search`)."""
     w = 1.0 if weight is None else weight
-    h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, impl)
+    if h is None:
+        h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, impl)
     base = jnp.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1)                           # [N]
     tie = hi == h[:, None]
-    low = _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, impl)
+
+    def index_search():
+        return _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, impl)
+    if fast_search(impl):
+        low = jax.lax.cond(jnp.any(jnp.sum(tie, axis=1) > 1), index_search,
+                           lambda: jnp.zeros(budget.shape, jnp.uint32))
+    else:
+        low = index_search()
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
+
+
+def _score_of_key(k):
+    """Inverse of _score_key: uint32 keys -> the float32 scores."""
+    b = jnp.where((k >> 31) == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _gathered_cut(gk, gi, n, top_k, top_p, mode: str):
+    """The top-k then top-p cut over a row's gathered top-k candidates (all tokens at or above the
+    top-k score threshold, n <= GATHER_MAX of them: gk uint32 keys and gi indices [N, G], in any
+    order). Returns the last kept token's (key, index) per row; the kept set is every token ranked
+    at or above it. The candidates are put in rank order first (key descending, index ascending:
+    rank by counting, then one exact max per rank), so the top-p sums run in a fixed order."""
+    N, G = gk.shape
+    valid = jnp.arange(G)[None, :] < n[:, None]                                          # [N, G]
+    ki, kj = gk[:, :, None], gk[:, None, :]
+    above = ((ki > kj) | ((ki == kj) & (gi[:, :, None] < gi[:, None, :]))) & valid[:, :, None]
+    rank = jnp.where(valid, jnp.sum(above, axis=1), G)                                   # [N, G]
+    at = rank[:, None, :] == jnp.arange(G)[None, :, None]                                # [N, r, j]
+    sk = jnp.max(jnp.where(at, gk[:, None, :], jnp.uint32(0)), axis=2)                   # [N, G] by rank
+    si = jnp.min(jnp.where(at, gi[:, None, :], jnp.iinfo(jnp.int32).max), axis=2)
+    r = jnp.arange(G)[None, :]
+    kept = r < jnp.minimum(jnp.where(top_k > 0, top_k, G), n[:, None])
+    if mode == "filtered":
+        s = _score_of_key(sk)
+        e = jnp.where(kept, jnp.exp(s - s[:, :1]), 0.0)
+        p = e / jnp.sum(e, axis=1, keepdims=True)
+        kept = kept & ((jnp.cumsum(p, axis=1) - p < top_p) | (top_p >= 1.0))
+    last = jnp.maximum(jnp.sum(kept, axis=1) - 1, 0)[:, None]
+    return jnp.take_along_axis(sk, last, axis=1)[:, 0], jnp.take_along_axis(si, last, axis=1)[:, 0]
 
 
 def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla"):
@@ -166,10 +215,36 @@ def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla"):
         raise ValueError(f"vocabulary of {V} tokens: top-k/top-p support up to {(1 << _INDEX_BITS) - 1}")
     hi = _score_key(scores)
     lo = (V - 1 - jnp.arange(V)).astype(jnp.uint32)
-    keep = jnp.ones(scores.shape, bool)
+    k = None
     if mode != "topp":
         k = jnp.broadcast_to(jnp.asarray(top_k, jnp.float32), (N,))
-        keep = _rank_threshold(hi, lo, None, jnp.maximum(k, 1.0), impl) | (top_k <= 0)
+        k = jnp.where(k > 0, k, float(V))                                  # top_k <= 0: off
+        if fast_search(impl):
+            # Fast path: the top-k score threshold (8 passes), then its candidates gathered; the
+            # tie cut and the top-p cut on those. A row with more than GATHER_MAX candidates
+            # (top_k > GATHER_MAX, or a wide tie) sends the whole batch down the full searches.
+            from pallas_kernels import gpu
+            h = _search(hi, None, jnp.zeros((N,), jnp.float32), k, 32, impl)
+            n, gk, gi = gpu.gather_above(_signed(hi), _signed(h), kmax=gpu.GATHER_MAX,
+                                         interpret=impl == "pallas_gpu_interpret")
+            gk = jax.lax.bitcast_convert_type(gk, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+            def gathered():
+                tk, ti = _gathered_cut(gk, gi, n, top_k, top_p, mode)
+                idx = jnp.arange(V)[None, :]
+                return (hi > tk[:, None]) | ((hi == tk[:, None]) & (idx <= ti[:, None]))
+            return jax.lax.cond(jnp.all(n <= gpu.GATHER_MAX), gathered,
+                                lambda: _full_cut(hi, lo, scores, k, top_k, top_p, mode, impl, h))
+    return _full_cut(hi, lo, scores, k, top_k, top_p, mode, impl)
+
+
+def _full_cut(hi, lo, scores, k, top_k, top_p, mode: str, impl: str, h=None):
+    """The keep mask by the threshold searches over the whole vocabulary (h: top-k's score
+    threshold when already found)."""
+    N = scores.shape[0]
+    keep = jnp.ones(scores.shape, bool)
+    if mode != "topp":
+        keep = _rank_threshold(hi, lo, None, k, impl, h=h) | (top_k <= 0)
     if mode != "topk":
         p = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
         keep_p = _rank_threshold(hi, lo, p, jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (N,)), impl)

@@ -200,6 +200,74 @@ def test_sampling_search_kernel_matches_the_reference():
         np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
 
 
+@pytest.mark.parametrize("N,V,ranks", [(3, 5000, (10, 300, 0)), (2, 700, (699, 255))])
+def test_sampling_gather_kernel_collects_the_keys_above(N, V, ranks):
+    """gather_above (interpreter) against numpy: the count of keys >= h, and up to GATHER_MAX of
+    them with their indices, exact; ties at h, a row past the buffer (count > GATHER_MAX), a row
+    of one, the whole vocabulary, and a vocabulary that ends inside a block."""
+    rng = np.random.default_rng(V)
+    keys = rng.integers(-2**31, 2**31, size=(N, V)).astype(np.int32)
+    h = -np.sort(-keys, axis=1)[np.arange(N), list(ranks)]
+    keys[0, 5:9] = h[0]                                                      # ties at the cut
+    cnt, gk, gi = map(np.asarray, gpu.gather_above(jnp.asarray(keys), jnp.asarray(h), interpret=True))
+    G = gpu.GATHER_MAX
+    assert gk.shape == gi.shape == (N, G)
+    for n in range(N):
+        above = np.nonzero(keys[n] >= h[n])[0]
+        assert cnt[n] == len(above)
+        m = min(len(above), G)
+        assert len(set(gi[n, :m])) == m and set(gi[n, :m]) <= set(above)
+        np.testing.assert_array_equal(gk[n, :m], keys[n, gi[n, :m]])
+        assert (gi[n, m:] == V).all()
+
+
+def test_sampling_gather_kernel_lowers_for_cuda():
+    from jax import export
+    S = jax.ShapeDtypeStruct
+    exp = export.export(jax.jit(gpu.gather_above), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        S((16, 151936), jnp.int32), S((16,), jnp.int32))
+    assert "dflash_sampling_gather" in exp.mlir_module()
+
+
+def test_sampling_fast_path_matches_the_full_searches(monkeypatch):
+    """The GPU path's shortcuts (top-k candidates gathered, then the tie and top-p cuts on them;
+    the index search skipped without ties) keep exactly the tokens the full searches keep: top-k
+    alone and with top-p, ties inside and across the cut, a row whose tie overflows the gather
+    buffer (the whole batch takes the full searches then), -inf scores. The gathered cut does not
+    depend on the order the kernel's atomics put the candidates in."""
+    from dflash_jax import sampling
+    rng = np.random.RandomState(3)
+    V = 1200
+    logits = (rng.randn(4, V) * 2).astype(np.float32)
+    logits[0, 10:20] = logits[0, 5]                                 # tie across the top-k cut
+    logits[1, ::7] = -np.inf
+    wide = logits.copy()
+    wide[2, :300] = 9.0                                             # 300 tied at the top: overflow
+    for lg, settings in ((logits, ((7, 1.0), (20, 0.97), (256, 0.9), (2, 0.3))), (wide, ((20, 0.5),))):
+        for top_k, top_p in settings:
+            mode = sampling.mode_for(1.0, top_p, top_k)
+            args = (jnp.asarray(lg), jnp.int32(top_k), jnp.float32(top_p), mode)
+            monkeypatch.setenv("DFLASH_SAMPLING_FAST", "0")
+            want = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret"))
+            monkeypatch.delenv("DFLASH_SAMPLING_FAST")
+            got = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret"))
+            np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
+            np.testing.assert_array_equal(want, np.asarray(sampling._keep_mask(*args, "xla")))
+            assert (got.sum(1) <= top_k).all() if lg is logits else True
+    # order independence of the gathered cut
+    scores = jnp.asarray(logits[:2, :40])
+    gk = sampling._score_key(scores)
+    gi = jnp.broadcast_to(jnp.arange(40), (2, 40))
+    perm = rng.permutation(40)
+    n = jnp.asarray([40, 40])
+    for top_k, top_p in ((5, 0.9), (30, 0.6), (40, 0.999)):
+        a = sampling._gathered_cut(gk, gi, n, jnp.int32(top_k), jnp.float32(top_p), "filtered")
+        b = sampling._gathered_cut(gk[:, perm], gi[:, perm], n, jnp.int32(top_k), jnp.float32(top_p), "filtered")
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_search_kernel_dispatch(monkeypatch):
     from dflash_jax import sampling
     assert sampling.search_kernel("pallas_gpu") and sampling.search_kernel("pallas_gpu_interpret")
