@@ -261,23 +261,28 @@ def check_kernel(interpret: bool, verbose: bool) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- driver
 
-AB_CASES = (  # (B, ctx, variant): default_config against one variant, verify pattern
-    (1, 32768, dict(kv_splits=16)),
-    (1, 8192, dict(kv_splits=16)),
-    (8, 8192, dict(block_k=32, num_stages=4)),
+AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify pattern; "xla" = reference
+    # B=1 at 1k: is the kernel ever slower than XLA there? (single samples moved +-50% between calls)
+    (1, 1024, ("xla",)),
+    # the rows under 75% of copy bandwidth: more, smaller programs in flight (block_k 32 lets ~4
+    # programs share an SM), more splits below the 512-key minimum chunk, deeper pipelines, 8 warps
+    (1, 8192, (dict(kv_splits=32, min_chunk=256), dict(block_k=32, kv_splits=32, min_chunk=256, num_stages=4),
+               dict(num_warps=8))),
+    (1, 32768, (dict(block_k=32, kv_splits=64, num_stages=4), dict(num_stages=4), dict(num_warps=8))),
+    (8, 8192, (dict(kv_splits=8, min_chunk=256, block_k=32), dict(num_stages=4), "xla")),
 )
 
 
 def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
-    """Repeated A/B of default_config against single variants (AB_CASES): both programs compiled
-    once, then timed alternately `--ab-rounds` times; the median per-call time of each. The sweep
+    """Repeated A/B of default_config against variants (AB_CASES): every program compiled once,
+    then all timed in turn, `--ab-rounds` times; the median per-call time of each. The sweep
     times every variant once, and its single samples moved by 10-20% between calls."""
     Hq, Hkv, D, S, dtype = 32, 8, 128, 16, jnp.bfloat16
     cases, interpret = AB_CASES, False
     if args.smoke:          # CPU: tiny heads, the kernel in interpret mode
-        Hq, Hkv, cases, interpret = 8, 2, ((1, 240, dict(kv_splits=2)),), jax.default_backend() == "cpu"
+        Hq, Hkv, cases, interpret = 8, 2, ((1, 240, (dict(kv_splits=2), "xla")),), jax.default_backend() == "cpu"
     out = []
-    for B, ctx, var in cases:
+    for B, ctx, variants in cases:
         C = -(-(ctx + S) // 128) * 128
         q = jax.random.normal(jax.random.key(1), (B, S, Hq, D), dtype)
         e = k_end_for("verify", B, S, ctx)
@@ -286,23 +291,27 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
         base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv)
         progs = {}
-        for name, cfg in (("default", base), ("variant", dict(base, **var))):
-            op = pallas_op(cfg, interpret)
+        for var in ("default",) + tuple(variants):
+            op = xla_op if var == "xla" else pallas_op(base if var == "default" else dict(base, **var), interpret)
+            name = var if isinstance(var, str) else ",".join(f"{k}={v}" for k, v in var.items())
             progs[name] = (chained(op, 1), chained(op, CHAIN_PASSES))
             for f in progs[name]:
                 jax.block_until_ready(f(q, e, ks, vs))
-        times = {"default": [], "variant": []}
+        times = {name: [] for name in progs}
         for _ in range(args.ab_rounds):
             for name, (f1, f3) in progs.items():
                 times[name].append(per_call_time(f1, f3, (q, e, ks, vs), n_buf, opts)[0] * 1e6)
-        rec = dict(B=B, ctx=ctx, default_cfg=base, variant=var, kv_MB=kv_bytes / 1e6, rounds=times)
+        rec = dict(B=B, ctx=ctx, default_cfg=base, kv_MB=kv_bytes / 1e6, rounds=times, results={})
         for name in times:
             us = statistics.median(times[name])
-            rec[name] = dict(us=us, TBps=kv_bytes / us / 1e6, pct_copy=100 * kv_bytes / us / 1e6 / (copy_bw / 1e12))
+            rec["results"][name] = dict(us=us, TBps=kv_bytes / us / 1e6,
+                                        pct_copy=100 * kv_bytes / us / 1e6 / (copy_bw / 1e12))
         out.append(rec)
-        print(f"ab      B={B:<3d} ctx={ctx:<6d} default {rec['default']['us']:.1f}us ({rec['default']['TBps']:.2f} TB/s) "
-              f"vs {var} {rec['variant']['us']:.1f}us ({rec['variant']['TBps']:.2f} TB/s); rounds "
-              + " | ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(times['default'], times['variant'])), flush=True)
+        d = rec["results"]["default"]["us"]
+        print(f"ab      B={B:<3d} ctx={ctx:<6d} kv={kv_bytes / 1e6:.1f}MB default {base}", flush=True)
+        for name, r in rec["results"].items():
+            print(f"ab        {name:48s} {r['us']:7.1f}us {r['TBps']:.2f} TB/s ({r['us'] / d:.2f}x default); rounds "
+                  + "/".join(f"{t:.0f}" for t in times[name]), flush=True)
         del ks, vs, q, progs
         gc.collect()
     return out

@@ -588,12 +588,23 @@ class Bench:
             want = jax.jit(lambda k: sampling._min_passing(
                 lambda c: sampling._masked_sums(k, c, None) < k20[:, None], 16, 32))(keys)
             same_key = bool(np.array_equal(np.asarray(got), np.asarray(want)))
-            lp = [np.asarray(jax.jit(lambda x, impl=impl: sampling.log_probs(
-                      x, 0.6, 20, 0.95, "filtered", impl))(logits)) for impl in ("pallas_gpu", "xla")]
-            same_support = bool(np.array_equal(np.isfinite(lp[0]), np.isfinite(lp[1])))
-            rec = {"same_topk_key": same_key, "same_support": same_support, "ok": same_key and same_support}
-            return rec, (f"top-k key {'same' if same_key else 'DIFFERENT'}, top-k/top-p "
-                         f"support {'same' if same_support else 'DIFFERENT'}")
+            # supports through the GPU path (gathered top-k candidates, fallback to the full
+            # searches past GATHER_MAX) and XLA's full searches: top-k + top-p, top-k alone, a tie
+            # of 30 at the top across the top-k cut, top-k 300 (the fallback), top-p alone
+            tied = logits.at[:, :30].set(jnp.max(logits, axis=1, keepdims=True))
+            supports = {}
+            for name, x, (t, k, p) in (("t06_p095_k20", logits, (0.6, 20, 0.95)), ("k20", logits, (1.0, 20, 1.0)),
+                                       ("tie_k20_p09", tied, (1.0, 20, 0.9)), ("k300_p095", logits, (1.0, 300, 0.95)),
+                                       ("p095", logits, (1.0, 0, 0.95))):
+                mode = sampling.mode_for(t, p, k)
+                lp = [np.asarray(jax.jit(lambda x, impl=impl: sampling.log_probs(
+                          x, t, k, p, mode, impl))(x)) for impl in ("pallas_gpu", "xla")]
+                supports[name] = bool(np.array_equal(np.isfinite(lp[0]), np.isfinite(lp[1])))
+            same_support = all(supports.values())
+            rec = {"same_topk_key": same_key, "same_support": same_support, "supports": supports,
+                   "ok": same_key and same_support}
+            return rec, (f"top-k key {'same' if same_key else 'DIFFERENT'}, supports (top-k/top-p, top-k, tie, "
+                         f"top-k 300 fallback, top-p) {'same' if same_support else 'DIFFERENT: ' + str(supports)}")
         kernel_check(out, "sampling_count", run)
         return out
 
