@@ -106,10 +106,9 @@ def search_kernel(impl: str) -> bool:
 
 
 def fast_search(impl: str) -> bool:
-    """The GPU search kernel's shortcuts (`search_kernel` paths): top-k candidates gathered
-    (pallas_kernels.gpu.gather_above) for the tie and top-p cuts, and the index search only when a
-    row has a tie at its cut. DFLASH_SAMPLING_FAST=0 (read at trace time) runs every search in
-    full, as before (an on-device A/B)."""
+    """The GPU search kernel's shortcut (`search_kernel` paths): top-k candidates gathered
+    (pallas_kernels.gpu.gather_above) for the tie and top-p cuts. DFLASH_SAMPLING_FAST=0 (read at
+    trace time) runs every search in full, as before (an on-device A/B)."""
     return search_kernel(impl) and os.environ.get("DFLASH_SAMPLING_FAST", "1") != "0"
 
 
@@ -155,22 +154,14 @@ def _rank_threshold(hi, lo, weight, budget, impl: str = "xla", h=None):
 
     Rank order: key (hi, lo) descending, hi the score key, lo = V-1-index (lower index first among
     equal scores). The kept set is {key >= k*} for k* the smallest key whose above-weight is below
-    the budget: found on hi first (h, if the caller has it already), then on lo among the tokens tied
-    at that score. With at most one token at score h in every row, that token is kept and the set is
-    {hi >= h}: the index search runs only when some row has a tie at its cut (`fast_search`)."""
+    the budget: found on hi first (h, if the caller has it already), then on lo among the tokens
+    tied at that score (bf16 logits tie often, so the index search always runs)."""
     w = 1.0 if weight is None else weight
     if h is None:
         h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, impl)
     base = jnp.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1)                           # [N]
     tie = hi == h[:, None]
-
-    def index_search():
-        return _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, impl)
-    if fast_search(impl):
-        low = jax.lax.cond(jnp.any(jnp.sum(tie, axis=1) > 1), index_search,
-                           lambda: jnp.zeros(budget.shape, jnp.uint32))
-    else:
-        low = index_search()
+    low = _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, impl)
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
 
 

@@ -281,6 +281,9 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
     cases, interpret = AB_CASES, False
     if args.smoke:          # CPU: tiny heads, the kernel in interpret mode
         Hq, Hkv, cases, interpret = 8, 2, ((1, 240, (dict(kv_splits=2), "xla")),), jax.default_backend() == "cpu"
+    if args.only:       # "B:ctx,...": just these cases
+        keep = {tuple(int(v) for v in x.split(":")) for x in args.only.split(",")}
+        cases = [c for c in cases if (c[0], c[1]) in keep]
     out = []
     for B, ctx, variants in cases:
         C = -(-(ctx + S) // 128) * 128
@@ -631,7 +634,7 @@ def main(argv=None):
     ap.add_argument("--focus", action="store_true",
                     help="only batch 1 and 8 (8k and 32k; 1k at B=1), Pallas and XLA, then sweep split "
                          "counts and pipeline settings on them (no cuDNN, no prefill)")
-    ap.add_argument("--only", default="", help="B:ctx[,B:ctx...]: only these draft/verify rows, no sweep")
+    ap.add_argument("--only", default="", help="B:ctx[,B:ctx...]: only these draft/verify rows (or --ab cases), no sweep")
     ap.add_argument("--ab", action="store_true",
                     help="only the repeated A/B of default_config against the variants in AB_CASES")
     ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")

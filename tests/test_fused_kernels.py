@@ -231,8 +231,8 @@ def test_sampling_gather_kernel_lowers_for_cuda():
 
 
 def test_sampling_fast_path_matches_the_full_searches(monkeypatch):
-    """The GPU path's shortcuts (top-k candidates gathered, then the tie and top-p cuts on them;
-    the index search skipped without ties) keep exactly the tokens the full searches keep: top-k
+    """The GPU path's shortcut (top-k candidates gathered, then the tie and top-p cuts on them)
+    keeps exactly the tokens the full searches keep: top-k
     alone and with top-p, ties inside and across the cut, a row whose tie overflows the gather
     buffer (the whole batch takes the full searches then), -inf scores. The gathered cut does not
     depend on the order the kernel's atomics put the candidates in."""
