@@ -121,6 +121,11 @@ def _signed(u):
     return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
 
 
+def _unsigned(i):
+    """The inverse of _signed."""
+    return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
 def _kernel_min_passing(keys, weight, offset, budget, bits: int, impl: str):
     """`_min_passing` for pred(c) = offset + (weight above c) < budget, each pass one Pallas GPU
     kernel (pallas_kernels.gpu.count_pass) that also decides the previous pass's digit. keys
@@ -222,10 +227,9 @@ def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla"):
             h = _search(hi, None, jnp.zeros((N,), jnp.float32), k, 32, impl)
             n, gk, gi = gpu.gather_above(_signed(hi), _signed(h), kmax=gpu.GATHER_MAX,
                                          interpret=impl == "pallas_gpu_interpret")
-            gk = jax.lax.bitcast_convert_type(gk, jnp.uint32) ^ jnp.uint32(0x80000000)
 
             def gathered():
-                tk, ti = _gathered_cut(gk, gi, n, top_k, top_p, mode)
+                tk, ti = _gathered_cut(_unsigned(gk), gi, n, top_k, top_p, mode)
                 idx = jnp.arange(V)[None, :]
                 return (hi > tk[:, None]) | ((hi == tk[:, None]) & (idx <= ti[:, None]))
             return jax.lax.cond(jnp.all(n <= gpu.GATHER_MAX), gathered,

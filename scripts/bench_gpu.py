@@ -736,13 +736,19 @@ class Bench:
     def timed_row(self, key: str, dflash: bool, batch: int, guess_ms: float):
         """Time one prompt-512 loop (if the budget allows), record it against its floor, save."""
         s = self.s
-        if not self.fits(key, self.loop_cost_est(batch, s.prompt, s.n1, s.n2, guess_ms)):
+        self.time_and_record(key, self.loop_cost_est(batch, s.prompt, s.n1, s.n2, guess_ms),
+                             "{bound}-bound", dflash=dflash, batch=batch, prompt_len=s.prompt, n1=s.n1, n2=s.n2)
+
+    def time_and_record(self, key: str, est_s: float, note: str, *, dflash: bool, **loop_kw):
+        """If est_s fits the budget: time_loop(key, ...), record it, log it against its floor with
+        `note` ({bound}: the floor's bound), save. A failure is recorded as an error."""
+        if not self.fits(key, est_s):
             return
         try:
-            r = self.time_loop(key, dflash=dflash, batch=batch, prompt_len=s.prompt, n1=s.n1, n2=s.n2)
+            r = self.time_loop(key, dflash=dflash, **loop_kw)
             self.record_loop(key, r, dflash)
             log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms ({r['x_floor']:.2f}x, "
-                f"{r['floor_bound']}-bound)")
+                f"{note.format(bound=r['floor_bound'])})")
         except Exception as e:
             self.err(key, e)
         self.save()
@@ -962,17 +968,8 @@ class Bench:
             est = self.compile_est + (1 + 2 * s.reps) * (3.0 + 0.5 * (s.long_n1 + s.long_n2) * 0.012) + 10
             if s.smoke:
                 est = self.compile_est + 10
-            if not self.fits(key, est):
-                continue
-            try:
-                r = self.time_loop(key, dflash=True, batch=1, prompt_len=s.long_prompt, n1=s.long_n1,
-                                   n2=s.long_n2, attention_impl=impl)
-                self.record_loop(key, r, True)
-                log(f"  {key}: {r['ms_per_iter']:.3f} ms vs floor {r['floor_ms']:.3f} ms ({r['x_floor']:.2f}x, "
-                    f"goal <= {GOALS['longctx_x_floor']}x)")
-            except Exception as e:
-                self.err(key, e)
-            self.save()
+            self.time_and_record(key, est, f"goal <= {GOALS['longctx_x_floor']}x", dflash=True, batch=1,
+                                 prompt_len=s.long_prompt, n1=s.long_n1, n2=s.long_n2, attention_impl=impl)
 
     def err(self, key, e):
         log(f"ERROR in {key}: {short_err(e)}")
