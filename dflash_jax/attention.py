@@ -57,6 +57,18 @@ def fused_add_norm(impl: str, T: int, hidden: int) -> bool:
     from pallas_kernels import gpu
     return _fused_ok(impl, T) and gpu.add_rmsnorm_supported(hidden)
 
+def fused_linear(impl: str, x, w, *, swiglu: bool = False) -> bool:
+    """Whether x [B, T, K] @ w [K, N] runs as a pallas_kernels.gpu_linear kernel (with the residual
+    add, RMSNorm and SwiGLU fused in where the layer has them): the GPU path, B * T <=
+    gpu_linear.MAX_ROWS rows (decode, verify, the draft block). swiglu: w is [gate | up].
+    DFLASH_FUSED_LINEAR=0 (or DFLASH_FUSED_KERNELS=0) keeps XLA's GEMMs; read at trace time."""
+    if os.environ.get("DFLASH_FUSED_LINEAR", "1") == "0" or not _fused_ok(impl, x.shape[1]):
+        return False
+    from pallas_kernels import gpu_linear
+    return w.dtype == x.dtype and gpu_linear.supported(x.shape[0] * x.shape[1], w.shape[0],
+                                                       w.shape[1], w.dtype, swiglu=swiglu)
+
+
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 
 # What `resolve_impl` returns: the concrete path. "pallas_gpu_interpret" (tests only) runs the GPU

@@ -14,6 +14,8 @@
 #   BENCH_ARGS="--sections b1,profile"   extra arguments for bench_gpu.py (e.g. a second call for
 #                                        sections a first call skipped)
 #   SKIP_CHECK=1 SKIP_ATTN=1             skip the correctness check / bench_attention.py
+#   LINEAR=1 LINEAR_TIMEOUT=240          run bench_linear.py (projection kernels vs XLA, settings sweep)
+#   LINEAR_ARGS="--budget-s 150"         extra arguments for bench_linear.py
 #   ATTN_TIMEOUT=120 CHECK_TIMEOUT=90    their time limits in seconds
 #   ATTN_ARGS="--budget-s 150"           extra arguments for bench_attention.py
 #   TOTAL_S=590                          the whole script's time limit
@@ -79,6 +81,11 @@ if [ -z "$SKIP_CHECK" ]; then
   fi
 fi
 
+if grep -qE "check: kernel linear.*(ERROR|FAIL)" "$OUT/env.log" 2>/dev/null; then
+  export DFLASH_FUSED_LINEAR=0
+  say "a fused projection kernel failed its check: DFLASH_FUSED_LINEAR=0 for the benchmark" | tee -a "$OUT/env.log"
+fi
+
 # A fused attention prologue that fails its check on this GPU must not sink every measurement:
 # the benchmark then runs without it (and says so).
 if grep -qE "check: kernel (prologue|add_rmsnorm).*(ERROR|FAIL)" "$OUT/env.log" 2>/dev/null; then
@@ -91,6 +98,13 @@ if [ -z "$SKIP_ATTN" ] && [ -f scripts/bench_attention.py ]; then
   say "bench_attention.py"
   timeout -k 10 "${ATTN_TIMEOUT:-120}" python3 scripts/bench_attention.py $ATTN_ARGS 2>&1 | tee "$OUT/bench_attention.log"
   say "bench_attention rc=$?"
+fi
+
+# 4b. the projection kernels against XLA's GEMMs, and their launch-setting sweep (LINEAR=1)
+if [ -n "$LINEAR" ] && [ -f scripts/bench_linear.py ]; then
+  say "bench_linear.py"
+  timeout -k 10 "${LINEAR_TIMEOUT:-240}" python3 scripts/bench_linear.py $LINEAR_ARGS 2>&1 | tee "$OUT/bench_linear.log"
+  say "bench_linear rc=$?"
 fi
 
 # 5. the full benchmark, with what time is left

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue, gpu_interpret
+from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_linear, fused_prologue,
+                                  gpu_interpret)
 from dflash_jax.cache import write_rows
 
 
@@ -118,18 +119,34 @@ class DecoderLayer(nnx.Module):
         RMSNorm); with defer=True the return is (x, mlp_out, k_cache, v_cache), the layer's output
         being x + mlp_out."""
         T = x.shape[1]
+        if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
+            from pallas_kernels import gpu
+            if fused_linear(impl, x, self.qkv[...]):
+                # add + input RMSNorm + q/k/v projection: one kernel
+                from pallas_kernels.gpu_linear import fused_linear as linear
+                ln = self.input_layernorm
+                if residual is not None:
+                    x, qkv = linear(x, self.qkv[...], residual=residual, norm_weight=ln.weight[...],
+                                    eps=ln.eps, interpret=gpu_interpret(impl))
+                else:
+                    qkv = linear(x, self.qkv[...], norm_weight=ln.weight[...], eps=ln.eps,
+                                 interpret=gpu_interpret(impl))
+            else:
+                if residual is not None:
+                    x, h = add_norm(x, residual, self.input_layernorm, impl)
+                else:
+                    h = self.input_layernorm(x)
+                qkv = h @ self.qkv[...]
+            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+            q, k_cache, v_cache = gpu.qk_norm_rope_write(
+                qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
+                self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
+                interpret=gpu_interpret(impl))
+            return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
         if residual is not None:
             x, h = add_norm(x, residual, self.input_layernorm, impl)
         else:
             h = self.input_layernorm(x)
-        if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
-            from pallas_kernels import gpu
-            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
-            q, k_cache, v_cache = gpu.qk_norm_rope_write(
-                h @ self.qkv[...], cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
-                self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
-                interpret=gpu_interpret(impl))
-            return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
         hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
         q, k, v = self._split_heads(hin @ self.qkv[...])
         q = rope(self.q_norm(q[:, -T:]), positions, self.rope_theta)           # [B, T, Hq, D]
@@ -151,7 +168,20 @@ class DecoderLayer(nnx.Module):
         """Attention over the (written) cache, output projection, residual, MLP."""
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
-        x, h = add_norm(x, o.reshape(o.shape[0], x.shape[1], -1) @ self.o[...],
+        o = o.reshape(o.shape[0], x.shape[1], -1)
+        mlp = self.mlp
+        if (fused_linear(impl, o, self.o[...]) and fused_linear(impl, x, mlp.gate_up[...], swiglu=True)
+                and fused_linear(impl, o, mlp.down[...])):
+            # o projection; residual add + post-attention RMSNorm + gate/up + SwiGLU; down: 3 kernels
+            from pallas_kernels.gpu_linear import fused_linear as linear
+            ln, interp = self.post_attention_layernorm, gpu_interpret(impl)
+            x, act = linear(x, mlp.gate_up[...], residual=linear(o, self.o[...], interpret=interp),
+                            norm_weight=ln.weight[...], eps=ln.eps, swiglu=True, interpret=interp)
+            mlp_out = linear(act, mlp.down[...], interpret=interp)
+            if defer:
+                return x, mlp_out, k_cache, v_cache
+            return x + mlp_out, k_cache, v_cache
+        x, h = add_norm(x, o @ self.o[...],
                         self.post_attention_layernorm, impl)
         if defer:
             return x, self.mlp(h), k_cache, v_cache
