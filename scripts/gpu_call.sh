@@ -16,6 +16,7 @@
 #   SKIP_CHECK=1 SKIP_ATTN=1             skip the correctness check / bench_attention.py
 #   LINEAR=1 LINEAR_TIMEOUT=240          run bench_linear.py (projection kernels vs XLA, settings sweep)
 #   LINEAR_ARGS="--budget-s 150"         extra arguments for bench_linear.py
+#   LINEAR_TABLE=1                       bench_gpu.py then uses bench_linear's best settings per shape
 #   ATTN_TIMEOUT=120 CHECK_TIMEOUT=90    their time limits in seconds
 #   ATTN_ARGS="--budget-s 150"           extra arguments for bench_attention.py
 #   TOTAL_S=590                          the whole script's time limit
@@ -103,8 +104,13 @@ fi
 # 4b. the projection kernels against XLA's GEMMs, and their launch-setting sweep (LINEAR=1)
 if [ -n "$LINEAR" ] && [ -f scripts/bench_linear.py ]; then
   say "bench_linear.py"
-  timeout -k 10 "${LINEAR_TIMEOUT:-240}" python3 scripts/bench_linear.py $LINEAR_ARGS 2>&1 | tee "$OUT/bench_linear.log"
+  timeout -k 10 "${LINEAR_TIMEOUT:-240}" python3 scripts/bench_linear.py --table "$OUT/linear_table.json" $LINEAR_ARGS 2>&1 | tee "$OUT/bench_linear.log"
   say "bench_linear rc=$?"
+  # LINEAR_TABLE=1: the benchmark below runs the projection kernels with the sweep's best settings
+  if [ -n "$LINEAR_TABLE" ] && [ -s "$OUT/linear_table.json" ]; then
+    export DFLASH_GPU_LINEAR_TABLE="$OUT/linear_table.json"
+    say "DFLASH_GPU_LINEAR_TABLE=$DFLASH_GPU_LINEAR_TABLE"
+  fi
 fi
 
 # 5. the full benchmark, with what time is left
