@@ -69,6 +69,14 @@ def fused_linear(impl: str, x, w, *, swiglu: bool = False) -> bool:
                                                        w.shape[1], w.dtype, swiglu=swiglu)
 
 
+def linear_prologue() -> bool:
+    """DFLASH_LINEAR_PROLOGUE=1: the residual add and RMSNorm run inside the projection kernel
+    (gpu_linear's residual/norm_weight) instead of add_norm's kernel before it. Off by default:
+    measured 2-3x slower on the H200 (BENCHMARKS.md, calls 12-13), the elementwise work on the
+    activation tile costing Triton its pipelining. Read at trace time."""
+    return os.environ.get("DFLASH_LINEAR_PROLOGUE", "0") == "1"
+
+
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 
 # What `resolve_impl` returns: the concrete path. "pallas_gpu_interpret" (tests only) runs the GPU

@@ -55,7 +55,7 @@ def _pow2(x: int) -> bool:
 
 
 # Shared memory the pipelined tiles may take (H200: 227 KiB per block; Triton needs some besides).
-_SMEM_BUDGET = 192 * 1024
+_SMEM_BUDGET = 200 * 1024
 
 
 def _smem(cfg: dict, Mp: int, itemsize: int, has_res: bool, swiglu: bool) -> int:
@@ -79,7 +79,11 @@ def _table_config(M: int, K: int, N: int, swiglu: bool) -> dict:
 def default_config(M: int, K: int, N: int, swiglu: bool, *, has_res: bool = False,
                    itemsize: int = 2) -> dict:
     """Launch settings for an [M, K] x [K, N] product (N the output width; per half with swiglu)."""
-    cfg = {"block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 4}
+    # The H200 sweep of call 13 (16 rows, bench_linear.py): o [4096, 4096] best at block_k 128 and
+    # 3 stages, down [12288, 4096] at block_k 512 and 4 stages, both 32 columns a program.
+    long_k = K >= 8192
+    cfg = {"block_n": 32, "block_k": 512 if long_k else 128, "num_warps": 4,
+           "num_stages": 4 if long_k else 3}
     cfg.update(_table_config(M, K, N, swiglu))
     cfg.update(_env_overrides())
     while cfg["block_k"] > K:

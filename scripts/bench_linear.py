@@ -7,11 +7,13 @@ kernels' launch settings.
 
 Qwen3-8B shapes (hidden 4096, q/k/v 6144, intermediate 12288, bf16), rows M = 1 (plain decode) and
 16 (a DFlash verify block). The ops, each as the layer runs it:
-  qkv      XLA: add + RMSNorm kernel, x @ W_qkv          fused: one kernel (add, norm, projection)
-  o        XLA: x @ W_o                                  fused: one kernel
-  gate_up  XLA: add + RMSNorm kernel, x @ W_gu, SwiGLU   fused: one kernel (add, norm, both halves, SwiGLU)
-  down     XLA: x @ W_down                               fused: one kernel
+  qkv      XLA: h @ W_qkv (+ split-K reduction)          fused: one kernel
+  o        XLA: x @ W_o (+ split-K reduction)            fused: one kernel
+  gate_up  XLA: h @ W_gu, SwiGLU                         fused: one kernel (both halves, SwiGLU)
+  down     XLA: x @ W_down (+ split-K reduction)         fused: one kernel
   layer    the four in sequence (the whole per-layer chain, attention left out)
+With --prologue, qkv and gate_up also take the residual add and RMSNorm (XLA side: our add_rmsnorm
+kernel before the GEMM): calls 12-13 measured that 2-3x slower than XLA, so the layer does not.
 Time: a jitted program runs an op over L distinct weight sets (36 = a Qwen3-8B target, so the weights
 never sit in L2); programs of 36 and 4 sets are timed (median of many calls) and the difference per
 extra set is the op's device time, without host dispatch. Bandwidth: weight bytes / time, against the
@@ -62,9 +64,18 @@ def shapes(smoke: bool) -> dict:
     return {"H": H, "qkv": (H, F), "o": (H, H), "gate_up": (H, 2 * I), "down": (I, H)}
 
 
+PROLOGUE = False   # --prologue: qkv and gate_up with the residual add and RMSNorm (see --help)
+
+
 def op_xla(name, x, r, nw, w):
     """The XLA path as modeling.layers runs it (add + RMSNorm as our add_rmsnorm kernel)."""
     interp = jax.default_backend() == "cpu"
+    if name in ("qkv", "gate_up") and not PROLOGUE:
+        y = x @ w
+        if name == "gate_up":
+            g, u = jnp.split(y, 2, axis=-1)
+            y = jax.nn.silu(g) * u
+        return x, y
     if name in ("qkv", "gate_up"):
         x, h = gpu.add_rmsnorm(x, r, nw, EPS, interpret=interp)
         y = h @ w
@@ -77,6 +88,8 @@ def op_xla(name, x, r, nw, w):
 
 def op_fused(name, x, r, nw, w, cfg):
     interp = jax.default_backend() == "cpu"
+    if name in ("qkv", "gate_up") and not PROLOGUE:
+        return x, fused_linear(x, w, swiglu=name == "gate_up", interpret=interp, **cfg)
     if name in ("qkv", "gate_up"):
         return fused_linear(x, w, residual=r, norm_weight=nw, eps=EPS, swiglu=name == "gate_up",
                             interpret=interp, **cfg)
@@ -113,7 +126,13 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=180.0, help="start no op's sweep after this long")
     ap.add_argument("--json", default=None)
     ap.add_argument("--table", default=None, help="write the best setting per shape here (JSON)")
+    ap.add_argument("--prologue", action="store_true",
+                    help="qkv and gate_up take x and the residual and fuse the add and RMSNorm "
+                         "(DFLASH_LINEAR_PROLOGUE=1; XLA side: the add_rmsnorm kernel first); default: "
+                         "they take the normed input, as the layer runs them")
     args = ap.parse_args(argv)
+    global PROLOGUE
+    PROLOGUE = args.prologue
     t_start = time.perf_counter()
     smoke = args.smoke
     S = shapes(smoke)
@@ -138,13 +157,11 @@ def main(argv=None):
     print(f"# copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
 
     grid = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw_)
-            for bn, bk, st, nw_ in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5), (4,))]
-    grid += [dict(block_n=32, block_k=256, num_stages=4, num_warps=8),
-             dict(block_n=64, block_k=256, num_stages=4, num_warps=8)]
+            for bn, bk, st, nw_ in itertools.product((32, 64), (128, 256, 512), (3, 4), (4,))]
 
     def sweep_for(name, M):
         """The grid less what cannot fit in shared memory (call 12 saw those fail to compile)."""
-        res, sw = name in ("qkv", "gate_up"), name == "gate_up"
+        res, sw = PROLOGUE and name in ("qkv", "gate_up"), name == "gate_up"
         Mp = max(16, 1 << (M - 1).bit_length())
         out = [c for c in grid if gpu_linear._smem(c, Mp, 2, res, sw) <= 220 * 1024]
         return out[:3] if smoke else out
@@ -209,7 +226,7 @@ def main(argv=None):
                 K, N = S[name]
                 sw = name == "gate_up"
                 table[f"{M if M in (1, 16) else 64}:{K}:{N // 2 if sw else N}:{int(sw)}"] = best[0][1]
-                top_cfgs.setdefault(name, [c for _, c in best[:6]])
+                top_cfgs.setdefault(name, [c for _, c in best[:4]])
             top = ", ".join(f"{t:.2f} us {c}" for t, c in best[:3])
             print(f"M={M:3d} {name:8s} sweep best: {top}", flush=True)
         # the whole layer chain: XLA, fused default, fused with each op's best setting

@@ -225,6 +225,25 @@ def test_gpu_path_forward_and_loop_match_xla():
     assert got == want
 
 
+def test_gpu_path_with_the_linear_prologue_matches_xla(monkeypatch):
+    """DFLASH_LINEAR_PROLOGUE=1 (add + norm inside the projection kernels): the verify forward
+    still gives the XLA path's hidden states and caches."""
+    from dflash_jax import init_target
+    monkeypatch.setenv("DFLASH_LINEAR_PROLOGUE", "1")
+    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=64)
+    target = init_target(cfg, seed=5, dtype="float32")
+    B, T, C = 1, 16, 64
+    toks = jax.random.randint(jax.random.key(1), (B, T), 0, 128)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    outs = [target(toks, pos, target.new_cache(B, C), pos + 1, taps=(0,), attention_impl=impl)
+            for impl in ("xla", "pallas_gpu_interpret")]
+    (h0, f0, c0), (h1, f1, c1) = outs
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(c1.k[1]), np.asarray(c0.k[1]), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("N,V,bits,shared,weighted", [(3, 300, 32, False, False), (2, 5000, 32, False, True),
                                                       (4, 1100, 20, True, True)])
 def test_sampling_search_kernel_matches_xla(N, V, bits, shared, weighted):

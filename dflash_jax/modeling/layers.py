@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_linear, fused_prologue,
-                                  gpu_interpret)
+                                  gpu_interpret, linear_prologue)
 from dflash_jax.cache import write_rows
 
 
@@ -121,22 +121,9 @@ class DecoderLayer(nnx.Module):
         T = x.shape[1]
         if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
             from pallas_kernels import gpu
-            if fused_linear(impl, x, self.qkv[...]):
-                # add + input RMSNorm + q/k/v projection: one kernel
-                from pallas_kernels.gpu_linear import fused_linear as linear
-                ln = self.input_layernorm
-                if residual is not None:
-                    x, qkv = linear(x, self.qkv[...], residual=residual, norm_weight=ln.weight[...],
-                                    eps=ln.eps, interpret=gpu_interpret(impl))
-                else:
-                    qkv = linear(x, self.qkv[...], norm_weight=ln.weight[...], eps=ln.eps,
-                                 interpret=gpu_interpret(impl))
-            else:
-                if residual is not None:
-                    x, h = add_norm(x, residual, self.input_layernorm, impl)
-                else:
-                    h = self.input_layernorm(x)
-                qkv = h @ self.qkv[...]
+            qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl)
+            if residual is not None:
+                x, qkv = qkv
             cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
             q, k_cache, v_cache = gpu.qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
@@ -164,19 +151,46 @@ class DecoderLayer(nnx.Module):
             return self._finish(x, q, k_cache, v_cache, k_end, impl, o=o, defer=defer)
         return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
 
+    @staticmethod
+    def _norm_project(x, residual, norm: RMSNorm, w, impl: str, swiglu: bool = False):
+        """norm(x + residual) @ w (SwiGLU of its halves with swiglu) -> (x + residual, y), or y
+        when residual is None. The projection is a gpu_linear kernel where attention.fused_linear
+        allows it, else XLA's GEMM. The add and norm run before it (add_norm's kernel), unless
+        attention.linear_prologue() asks for them inside the projection's kernel."""
+        if not fused_linear(impl, x, w, swiglu=swiglu):
+            if residual is not None:
+                x, h = add_norm(x, residual, norm, impl)
+            else:
+                h = norm(x)
+            y = h @ w
+            if swiglu:
+                gate, up = jnp.split(y, 2, axis=-1)
+                y = jax.nn.silu(gate) * up
+            return y if residual is None else (x, y)
+        from pallas_kernels.gpu_linear import fused_linear as linear
+        interp = gpu_interpret(impl)
+        if linear_prologue():
+            return linear(x, w, residual=residual, norm_weight=norm.weight[...], eps=norm.eps,
+                          swiglu=swiglu, interpret=interp)
+        if residual is not None:
+            x, h = add_norm(x, residual, norm, impl)
+        else:
+            h = norm(x)
+        y = linear(h, w, swiglu=swiglu, interpret=interp)
+        return y if residual is None else (x, y)
+
     def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
         """Attention over the (written) cache, output projection, residual, MLP."""
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
         o = o.reshape(o.shape[0], x.shape[1], -1)
         mlp = self.mlp
-        if (fused_linear(impl, o, self.o[...]) and fused_linear(impl, x, mlp.gate_up[...], swiglu=True)
-                and fused_linear(impl, o, mlp.down[...])):
-            # o projection; residual add + post-attention RMSNorm + gate/up + SwiGLU; down: 3 kernels
+        if fused_linear(impl, o, self.o[...]) and fused_linear(impl, o, mlp.down[...]):
+            # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down
             from pallas_kernels.gpu_linear import fused_linear as linear
-            ln, interp = self.post_attention_layernorm, gpu_interpret(impl)
-            x, act = linear(x, mlp.gate_up[...], residual=linear(o, self.o[...], interpret=interp),
-                            norm_weight=ln.weight[...], eps=ln.eps, swiglu=True, interpret=interp)
+            interp = gpu_interpret(impl)
+            x, act = self._norm_project(x, linear(o, self.o[...], interpret=interp),
+                                        self.post_attention_layernorm, mlp.gate_up[...], impl, swiglu=True)
             mlp_out = linear(act, mlp.down[...], interpret=interp)
             if defer:
                 return x, mlp_out, k_cache, v_cache
