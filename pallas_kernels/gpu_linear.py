@@ -79,11 +79,18 @@ def _table_config(M: int, K: int, N: int, swiglu: bool) -> dict:
 def default_config(M: int, K: int, N: int, swiglu: bool, *, has_res: bool = False,
                    itemsize: int = 2) -> dict:
     """Launch settings for an [M, K] x [K, N] product (N the output width; per half with swiglu)."""
-    # The H200 sweep of call 13 (16 rows, bench_linear.py): o [4096, 4096] best at block_k 128 and
-    # 3 stages, down [12288, 4096] at block_k 512 and 4 stages, both 32 columns a program.
-    long_k = K >= 8192
-    cfg = {"block_n": 32, "block_k": 512 if long_k else 128, "num_warps": 4,
-           "num_stages": 4 if long_k else 3}
+    # The H200 sweeps of call 14 (bench_linear.py, Qwen3-8B shapes, 1 and 16 rows): down
+    # [12288, 4096] best at 32 columns x 512 keys, 4 stages; gate/up [4096, 2 x 12288] with SwiGLU
+    # at 64 x 128, 3 stages; q/k/v [4096, 6144] at 64 x 256; o [4096, 4096] at 32 x 256, 4 stages.
+    if K >= 8192:
+        cfg = {"block_n": 32, "block_k": 512, "num_stages": 4}
+    elif swiglu:
+        cfg = {"block_n": 64, "block_k": 128, "num_stages": 3}
+    elif N >= 6144:
+        cfg = {"block_n": 64, "block_k": 256, "num_stages": 3}
+    else:
+        cfg = {"block_n": 32, "block_k": 256, "num_stages": 4}
+    cfg["num_warps"] = 4
     cfg.update(_table_config(M, K, N, swiglu))
     cfg.update(_env_overrides())
     while cfg["block_k"] > K:

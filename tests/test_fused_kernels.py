@@ -181,6 +181,14 @@ def test_fused_dispatch(monkeypatch):
     assert fused_add_norm("pallas_gpu", 16, 4096) and not fused_add_norm("pallas_gpu", 16, 2560)
     assert not fused_add_norm("xla", 1, 4096) and not fused_add_norm("pallas_gpu", 512, 4096)
     x, w = jnp.zeros((1, 16, 4096), jnp.bfloat16), jnp.zeros((4096, 6144), jnp.bfloat16)
+    assert not fused_linear("pallas_gpu", x, w)                       # off by default
+    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "gate_up,o")
+    assert fused_linear("pallas_gpu", x, w, swiglu=True, name="gate_up")
+    assert fused_linear("pallas_gpu", x, w) and not fused_linear("pallas_gpu", x, w, name="qkv")
+    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "gate,o")
+    with pytest.raises(ValueError, match="DFLASH_FUSED_LINEAR"):
+        fused_linear("pallas_gpu", x, w)
+    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
     assert fused_linear("pallas_gpu", x, w) and fused_linear("pallas_gpu", x[:, :1], w)
     assert fused_linear("pallas_gpu", x, w, swiglu=True) and not fused_linear("xla", x, w)
     assert not fused_linear("pallas_gpu", jnp.zeros((8, 16, 4096), jnp.bfloat16), w)  # 128 rows
@@ -191,11 +199,14 @@ def test_fused_dispatch(monkeypatch):
     assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
 
 
-def test_gpu_path_forward_and_loop_match_xla():
+@pytest.mark.parametrize("linear", ["0", "1"])
+def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
-    residuals deferred across layers into the next norm) against the XLA path: the target's verify
-    and decode forwards (hidden states, taps, caches) and a speculative generation's tokens."""
+    residuals deferred across layers into the next norm; with linear "1" every projection a
+    gpu_linear kernel) against the XLA path: the target's verify and decode forwards (hidden
+    states, taps, caches) and a speculative generation's tokens."""
     from dflash_jax import DraftConfig, generate, init_draft, init_target
+    monkeypatch.setenv("DFLASH_FUSED_LINEAR", linear)
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=64)   # every GPU kernel supports these shapes
     target = init_target(cfg, seed=3, dtype="float32")
@@ -229,6 +240,7 @@ def test_gpu_path_with_the_linear_prologue_matches_xla(monkeypatch):
     """DFLASH_LINEAR_PROLOGUE=1 (add + norm inside the projection kernels): the verify forward
     still gives the XLA path's hidden states and caches."""
     from dflash_jax import init_target
+    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
     monkeypatch.setenv("DFLASH_LINEAR_PROLOGUE", "1")
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=64)

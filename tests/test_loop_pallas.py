@@ -67,5 +67,16 @@ def test_pallas_gpu_loop_exports_for_cuda():
     assert "dflash_block_attention_gpu" in mlir
     # the target layers' fused q/k norm + RoPE + cache writes in the loop (not in the prefill)
     assert "dflash_qk_norm_rope_write" in mlir and "dflash_add_rmsnorm" in mlir
-    # ... and the projections as gpu_linear kernels (gate/up with its SwiGLU)
+    # the projections stay XLA GEMMs unless DFLASH_FUSED_LINEAR selects the gpu_linear kernels
+    assert "dflash_linear" not in mlir
+
+
+def test_pallas_gpu_loop_with_linear_kernels_exports_for_cuda(monkeypatch):
+    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
+    cfg = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=64)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=8)
+    mlir = decode.export_generate(cfg, dcfg, batch=1, prompt_len=32, max_new_tokens=64,
+                                  attention_impl="pallas_gpu", dtype="bfloat16",
+                                  platforms=("cuda",)).mlir_module()
     assert "dflash_linear_swiglu" in mlir and '"dflash_linear"' in mlir

@@ -121,7 +121,7 @@ class DecoderLayer(nnx.Module):
         T = x.shape[1]
         if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
             from pallas_kernels import gpu
-            qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl)
+            qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl, name="qkv")
             if residual is not None:
                 x, qkv = qkv
             cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
@@ -152,12 +152,20 @@ class DecoderLayer(nnx.Module):
         return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
 
     @staticmethod
-    def _norm_project(x, residual, norm: RMSNorm, w, impl: str, swiglu: bool = False):
+    def _project(x, w, impl: str, name: str):
+        """x @ w: a gpu_linear kernel where attention.fused_linear selects it, else XLA's GEMM."""
+        if fused_linear(impl, x, w, name=name):
+            from pallas_kernels.gpu_linear import fused_linear as linear
+            return linear(x, w, interpret=gpu_interpret(impl))
+        return x @ w
+
+    @staticmethod
+    def _norm_project(x, residual, norm: RMSNorm, w, impl: str, swiglu: bool = False, name: str = ""):
         """norm(x + residual) @ w (SwiGLU of its halves with swiglu) -> (x + residual, y), or y
         when residual is None. The projection is a gpu_linear kernel where attention.fused_linear
         allows it, else XLA's GEMM. The add and norm run before it (add_norm's kernel), unless
         attention.linear_prologue() asks for them inside the projection's kernel."""
-        if not fused_linear(impl, x, w, swiglu=swiglu):
+        if not fused_linear(impl, x, w, swiglu=swiglu, name=name):
             if residual is not None:
                 x, h = add_norm(x, residual, norm, impl)
             else:
@@ -185,18 +193,17 @@ class DecoderLayer(nnx.Module):
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
         o = o.reshape(o.shape[0], x.shape[1], -1)
         mlp = self.mlp
-        if fused_linear(impl, o, self.o[...]) and fused_linear(impl, o, mlp.down[...]):
-            # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down
-            from pallas_kernels.gpu_linear import fused_linear as linear
-            interp = gpu_interpret(impl)
-            x, act = self._norm_project(x, linear(o, self.o[...], interpret=interp),
-                                        self.post_attention_layernorm, mlp.gate_up[...], impl, swiglu=True)
-            mlp_out = linear(act, mlp.down[...], interpret=interp)
+        if fused_linear(impl, o, self.o[...]):   # any projection on gpu_linear kernels
+            # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down; each
+            # projection a gpu_linear kernel or XLA's GEMM as DFLASH_FUSED_LINEAR selects
+            x, act = self._norm_project(x, self._project(o, self.o[...], impl, "o"),
+                                        self.post_attention_layernorm, mlp.gate_up[...], impl,
+                                        swiglu=True, name="gate_up")
+            mlp_out = self._project(act, mlp.down[...], impl, "down")
             if defer:
                 return x, mlp_out, k_cache, v_cache
             return x + mlp_out, k_cache, v_cache
-        x, h = add_norm(x, o @ self.o[...],
-                        self.post_attention_layernorm, impl)
+        x, h = add_norm(x, o @ self.o[...], self.post_attention_layernorm, impl)
         if defer:
             return x, self.mlp(h), k_cache, v_cache
         x = x + self.mlp(h)
