@@ -1,11 +1,11 @@
 """Skinny linear layers for decode and verify as Pallas GPU kernels (Triton lowering), with the
-layer's elementwise work fused in.
+layer's elementwise work optionally fused in. Opt-in (DFLASH_FUSED_LINEAR; see the measurements below).
 
 At batch 1 a target layer's four projections read ~0.4 GB of weights for 1-16 activation rows:
 pure weight streaming. XLA:GPU runs each as a split-K GEMM plus a reduction kernel, and the
 residual adds, RMSNorms and SwiGLU as more kernels: 13 launches a layer, ~24 us of small kernels
 next to ~100 us of GEMMs on the H200 (BENCHMARKS.md, "per-layer kernel sequence"). Here each
-projection is one kernel, and a layer is four of them:
+projection is one kernel; fully fused, a layer is four of them:
 
   fused_linear(x, W_qkv,     residual=delta, norm_weight=input_ln)   -> (x + delta, qkv)
   fused_linear(attn, W_o)                                              -> o
@@ -21,8 +21,13 @@ r = rsqrt(mean(s^2) + eps) summed in the same loop (one pass over s, no pre-pass
 differently from HF's `w * bf16(s * r)` (the bf16 rounding falls on s * w instead of s * r): the
 same kind of difference as another GEMM tiling, well inside the tests' bf16 tolerances.
 The residual sum s = x + residual is rounded to the input dtype (as `x + y` is) and written once:
-k-block i by program i % num_programs, before the main loop (a store inside it stops Triton's
-software pipelining).
+k-block i by program i % num_programs, before the main loop.
+
+Measured on the H200 (BENCHMARKS.md, calls 12-15): with the residual/norm prologue a kernel runs 2-3x
+slower than XLA's GEMM (the elementwise work on the dot's operand costs Triton its load pipelining),
+so the layer keeps add + norm in `add_rmsnorm` unless DFLASH_LINEAR_PROLOGUE=1; as plain GEMMs (gate/up
+with its SwiGLU) the four chain in 92-95 us a layer against XLA's 89-91 us, 2-5% slower end to end.
+Hence off by default; kept for other GPUs and for the next attempt.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@
 #   EXTRA_RUNS="VAR=value:sections ..."  after the main run, more bench_gpu.py runs, each in its own
 #                                        process with VAR=value set (A/B of a trace-time setting)
 # Files back in $OUT (the tool returns at most 8): env.log (with the check), bench_attention.log,
+# bench_linear.log/.json and linear_table.json (LINEAR=1),
 # bench_gpu.log, bench_gpu.json, profile_dflash_b1_*.trace.json.gz, and what bench_attention.py writes.
 set -o pipefail
 export PYTHONUNBUFFERED=1
