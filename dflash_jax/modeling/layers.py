@@ -165,26 +165,23 @@ class DecoderLayer(nnx.Module):
         when residual is None. The projection is a gpu_linear kernel where attention.fused_linear
         allows it, else XLA's GEMM. The add and norm run before it (add_norm's kernel), unless
         attention.linear_prologue() asks for them inside the projection's kernel."""
-        if not fused_linear(impl, x, w, swiglu=swiglu, name=name):
-            if residual is not None:
-                x, h = add_norm(x, residual, norm, impl)
-            else:
-                h = norm(x)
-            y = h @ w
-            if swiglu:
-                gate, up = jnp.split(y, 2, axis=-1)
-                y = jax.nn.silu(gate) * up
-            return y if residual is None else (x, y)
-        from pallas_kernels.gpu_linear import fused_linear as linear
-        interp = gpu_interpret(impl)
-        if linear_prologue():
+        fused = fused_linear(impl, x, w, swiglu=swiglu, name=name)
+        if fused and linear_prologue():
+            from pallas_kernels.gpu_linear import fused_linear as linear
             return linear(x, w, residual=residual, norm_weight=norm.weight[...], eps=norm.eps,
-                          swiglu=swiglu, interpret=interp)
+                          swiglu=swiglu, interpret=gpu_interpret(impl))
         if residual is not None:
             x, h = add_norm(x, residual, norm, impl)
         else:
             h = norm(x)
-        y = linear(h, w, swiglu=swiglu, interpret=interp)
+        if fused:
+            from pallas_kernels.gpu_linear import fused_linear as linear
+            y = linear(h, w, swiglu=swiglu, interpret=gpu_interpret(impl))
+        else:
+            y = h @ w
+            if swiglu:
+                gate, up = jnp.split(y, 2, axis=-1)
+                y = jax.nn.silu(gate) * up
         return y if residual is None else (x, y)
 
     def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
