@@ -266,18 +266,24 @@ def _merge(o_parts, lse):
     return o / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def _env_overrides() -> dict:
-    """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides read when a
-    program is traced (on-device A/B of launch settings inside the whole loop; benchmarks only)."""
-    spec = os.environ.get("DFLASH_GPU_ATTN", "").strip()
+def env_settings(var: str, allowed: tuple) -> dict:
+    """Launch-setting overrides from the environment, e.g. var="a=1,b=2" -> {"a": 1, "b": 2}, read
+    when a program is traced (on-device A/B of launch settings inside the whole loop; benchmarks
+    only). A name outside `allowed` is an error."""
+    spec = os.environ.get(var, "").strip()
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, val = item.partition("=")
-        if name not in ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
-                        "one_loop"):
-            raise ValueError(f"DFLASH_GPU_ATTN: unknown setting {name!r} in {spec!r}")
+        if name not in allowed:
+            raise ValueError(f"{var}: unknown setting {name!r} in {spec!r}")
         out[name] = int(val)
     return out
+
+
+def _env_overrides() -> dict:
+    """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
+    return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
+                                            "num_stages", "min_chunk", "one_loop"))
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.gpu import _next_pow2, env_settings
 from pallas_kernels.tpu import Unsupported
 
 with warnings.catch_warnings():
@@ -69,16 +70,30 @@ def _smem(cfg: dict, Mp: int, itemsize: int, has_res: bool, swiglu: bool) -> int
     return cfg["num_stages"] * per_stage * itemsize
 
 
+def row_tile(M: int) -> int:
+    """Rows of the activation tile: M padded to a power of two, at least 16 (Triton dots)."""
+    return max(16, _next_pow2(M))
+
+
+def table_key(M: int, K: int, N: int, swiglu: bool) -> str:
+    """The DFLASH_GPU_LINEAR_TABLE key of a product: rows bucketed as 1 (decode), <= 16, <= 64."""
+    return f"{1 if M == 1 else 16 if M <= 16 else 64}:{K}:{N}:{int(swiglu)}"
+
+
+@functools.lru_cache(maxsize=4)
+def _load_table(path: str) -> dict:
+    import json
+    with open(path) as f:
+        return json.load(f)
+
+
 def _table_config(M: int, K: int, N: int, swiglu: bool) -> dict:
-    """DFLASH_GPU_LINEAR_TABLE=path: a JSON {"M:K:N:swiglu": {settings}} (bench_linear.py writes
-    one from its sweep), read when a program is traced; benchmarks only."""
+    """DFLASH_GPU_LINEAR_TABLE=path: a JSON {table_key: {settings}} (bench_linear.py writes one
+    from its sweep), read once per path; benchmarks only."""
     path = os.environ.get("DFLASH_GPU_LINEAR_TABLE", "")
     if not path or not os.path.exists(path):
         return {}
-    import json
-    with open(path) as f:
-        table = json.load(f)
-    return dict(table.get(f"{1 if M == 1 else 16 if M <= 16 else 64}:{K}:{N}:{int(swiglu)}", {}))
+    return dict(_load_table(path).get(table_key(M, K, N, swiglu), {}))
 
 
 def default_config(M: int, K: int, N: int, swiglu: bool, *, has_res: bool = False,
@@ -97,13 +112,13 @@ def default_config(M: int, K: int, N: int, swiglu: bool, *, has_res: bool = Fals
         cfg = {"block_n": 32, "block_k": 256, "num_stages": 4}
     cfg["num_warps"] = 4
     cfg.update(_table_config(M, K, N, swiglu))
-    cfg.update(_env_overrides())
+    # DFLASH_GPU_LINEAR="block_n=16,num_stages=5": overrides for every shape (benchmarks only)
+    cfg.update(env_settings("DFLASH_GPU_LINEAR", _SETTINGS))
     while cfg["block_k"] > K:
         cfg["block_k"] //= 2
     while cfg["block_n"] > N:
         cfg["block_n"] //= 2
-    Mp = max(16, 1 << (M - 1).bit_length())
-    while _smem(cfg, Mp, itemsize, has_res, swiglu) > _SMEM_BUDGET:   # float32, wide tiles
+    while _smem(cfg, row_tile(M), itemsize, has_res, swiglu) > _SMEM_BUDGET:   # float32, wide tiles
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
         elif cfg["block_k"] > 32:
@@ -111,19 +126,6 @@ def default_config(M: int, K: int, N: int, swiglu: bool, *, has_res: bool = Fals
         else:
             break
     return cfg
-
-
-def _env_overrides() -> dict:
-    """DFLASH_GPU_LINEAR="block_n=16,num_stages=5": default_config overrides read when a program is
-    traced (on-device A/B inside the whole loop; benchmarks only)."""
-    spec = os.environ.get("DFLASH_GPU_LINEAR", "").strip()
-    out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, val = item.partition("=")
-        if name not in _SETTINGS:
-            raise ValueError(f"DFLASH_GPU_LINEAR: unknown setting {name!r} in {spec!r}")
-        out[name] = int(val)
-    return out
 
 
 def supported(M: int, K: int, N: int, dtype, *, swiglu: bool = False) -> bool:
@@ -228,7 +230,7 @@ def fused_linear(x, w, *, residual=None, norm_weight=None, eps: float = 1e-6, sw
     bn, bk = cfg["block_n"], cfg["block_k"]
     if half % bn or K % bk or not (_pow2(bn) and _pow2(bk)):
         raise Unsupported(f"fused_linear: K {K} / N {half} do not tile by {bk} / {bn}")
-    Mp = max(16, 1 << (M - 1).bit_length())
+    Mp = row_tile(M)
     has_res, has_norm = residual is not None, norm_weight is not None
     kernel = functools.partial(_kernel, M=M, Mp=Mp, K=K, block_k=bk, block_n=bn, half=half,
                                has_res=has_res, has_norm=has_norm, swiglu=swiglu, eps=float(eps))

@@ -574,9 +574,10 @@ class Bench:
             x = (jax.random.normal(ks[0], (1, M, K)) * 4).astype(jnp.bfloat16)
             r = jax.random.normal(ks[1], (1, M, K)).astype(jnp.bfloat16)
             w = (jax.random.normal(ks[2], (K, N)) * K ** -0.5).astype(jnp.bfloat16)
-            nw = jnp.linspace(0.5, 1.5, K).astype(jnp.bfloat16)
-            norm = lambda s: (nw * (s.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(
-                jnp.square(s.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(s.dtype))
+            from dflash_jax.modeling.layers import RMSNorm, gated_silu
+            norm = RMSNorm(K, 1e-6, jnp.bfloat16)
+            norm.weight[...] = jnp.linspace(0.5, 1.5, K).astype(jnp.bfloat16)
+            nw = norm.weight[...]
             if name == "down":
                 got, want = jax.jit(fused_linear)(x, w), jax.jit(jnp.matmul)(x, w)
             else:
@@ -585,10 +586,7 @@ class Bench:
 
                 def xla(x, r):
                     y = norm(x + r) @ w
-                    if sw:
-                        g, u = jnp.split(y, 2, axis=-1)
-                        y = jax.nn.silu(g) * u
-                    return y
+                    return gated_silu(y) if sw else y
                 want = jax.jit(xla)(x, r)
             f = lambda a: np.asarray(a.astype(jnp.float32))
             err = float(np.abs(f(got) - f(want)).max() / max(np.abs(f(want)).max(), 1e-6))

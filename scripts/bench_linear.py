@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dflash_jax.modeling.layers import gated_silu  # noqa: E402
 from pallas_kernels import gpu  # noqa: E402
 from pallas_kernels import gpu_linear  # noqa: E402
 from pallas_kernels.gpu_linear import fused_linear  # noqa: E402
@@ -70,19 +71,12 @@ PROLOGUE = False   # --prologue: qkv and gate_up with the residual add and RMSNo
 def op_xla(name, x, r, nw, w):
     """The XLA path as modeling.layers runs it (add + RMSNorm as our add_rmsnorm kernel)."""
     interp = jax.default_backend() == "cpu"
-    if name in ("qkv", "gate_up") and not PROLOGUE:
-        y = x @ w
-        if name == "gate_up":
-            g, u = jnp.split(y, 2, axis=-1)
-            y = jax.nn.silu(g) * u
-        return x, y
     if name in ("qkv", "gate_up"):
-        x, h = gpu.add_rmsnorm(x, r, nw, EPS, interpret=interp)
+        h = x
+        if PROLOGUE:
+            x, h = gpu.add_rmsnorm(x, r, nw, EPS, interpret=interp)
         y = h @ w
-        if name == "gate_up":
-            g, u = jnp.split(y, 2, axis=-1)
-            y = jax.nn.silu(g) * u
-        return x, y
+        return x, gated_silu(y) if name == "gate_up" else y
     return x @ w
 
 
@@ -145,7 +139,8 @@ def main(argv=None):
     ws = {}
     for name in ("qkv", "o", "gate_up", "down"):
         K, N = S[name]
-        ws[name] = [(jax.random.normal(jax.random.fold_in(key, hash((name, i)) % 1000), (K, N), jnp.float32)
+        kn = jax.random.fold_in(key, ("qkv", "o", "gate_up", "down").index(name))
+        ws[name] = [(jax.random.normal(jax.random.fold_in(kn, i), (K, N), jnp.float32)
                      * K ** -0.5).astype(dt) for i in range(L)]
     nbytes = {n: S[n][0] * S[n][1] * 2 for n in ("qkv", "o", "gate_up", "down")}
     nbytes["layer"] = sum(nbytes.values())
@@ -162,8 +157,7 @@ def main(argv=None):
     def sweep_for(name, M):
         """The grid less what cannot fit in shared memory (call 12 saw those fail to compile)."""
         res, sw = PROLOGUE and name in ("qkv", "gate_up"), name == "gate_up"
-        Mp = max(16, 1 << (M - 1).bit_length())
-        out = [c for c in grid if gpu_linear._smem(c, Mp, 2, res, sw) <= 220 * 1024]
+        out = [c for c in grid if gpu_linear._smem(c, gpu_linear.row_tile(M), 2, res, sw) <= 220 * 1024]
         return out[:3] if smoke else out
     results = {"copy_tb_s": copy_bw / 1e12, "rows": {}, "device": jax.devices()[0].device_kind}
     pool = cf.ThreadPoolExecutor(8)
@@ -225,7 +219,7 @@ def main(argv=None):
             if best:
                 K, N = S[name]
                 sw = name == "gate_up"
-                table[f"{M if M in (1, 16) else 64}:{K}:{N // 2 if sw else N}:{int(sw)}"] = best[0][1]
+                table[gpu_linear.table_key(M, K, N // 2 if sw else N, sw)] = best[0][1]
                 top_cfgs.setdefault(name, [c for _, c in best[:4]])
             top = ", ".join(f"{t:.2f} us {c}" for t, c in best[:3])
             print(f"M={M:3d} {name:8s} sweep best: {top}", flush=True)

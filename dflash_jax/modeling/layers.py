@@ -68,8 +68,13 @@ class MLP(nnx.Module):
         self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
 
     def __call__(self, x):
-        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
-        return (jax.nn.silu(gate) * up) @ self.down[...]
+        return gated_silu(x @ self.gate_up[...]) @ self.down[...]
+
+
+def gated_silu(y):
+    """silu(gate) * up for y = [gate | up] on its last axis."""
+    gate, up = jnp.split(y, 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 class DecoderLayer(nnx.Module):
@@ -180,8 +185,7 @@ class DecoderLayer(nnx.Module):
         else:
             y = h @ w
             if swiglu:
-                gate, up = jnp.split(y, 2, axis=-1)
-                y = jax.nn.silu(gate) * up
+                y = gated_silu(y)
         return y if residual is None else (x, y)
 
     def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
@@ -189,19 +193,14 @@ class DecoderLayer(nnx.Module):
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
         o = o.reshape(o.shape[0], x.shape[1], -1)
+        # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down; each
+        # projection a gpu_linear kernel or XLA's GEMM as DFLASH_FUSED_LINEAR selects
         mlp = self.mlp
-        if fused_linear(impl, o, self.o[...]):   # any projection on gpu_linear kernels
-            # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down; each
-            # projection a gpu_linear kernel or XLA's GEMM as DFLASH_FUSED_LINEAR selects
-            x, act = self._norm_project(x, self._project(o, self.o[...], impl, "o"),
-                                        self.post_attention_layernorm, mlp.gate_up[...], impl,
-                                        swiglu=True, name="gate_up")
-            mlp_out = self._project(act, mlp.down[...], impl, "down")
-            if defer:
-                return x, mlp_out, k_cache, v_cache
-            return x + mlp_out, k_cache, v_cache
-        x, h = add_norm(x, o @ self.o[...], self.post_attention_layernorm, impl)
+        x, act = self._norm_project(x, self._project(o, self.o[...], impl, "o"),
+                                    self.post_attention_layernorm, mlp.gate_up[...], impl,
+                                    swiglu=True, name="gate_up")
+        mlp_out = self._project(act, mlp.down[...], impl, "down")
         if defer:
-            return x, self.mlp(h), k_cache, v_cache
-        x = x + self.mlp(h)
+            return x, mlp_out, k_cache, v_cache
+        x = x + mlp_out
         return x, k_cache, v_cache
