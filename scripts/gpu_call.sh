@@ -23,7 +23,10 @@
 #   SMOKE=1                              tiny shapes (tries this script on a CPU machine)
 #   DFLASH_FUSED_KERNELS=0               run without the fused prologue / add+norm kernels
 #   EXTRA_RUNS="VAR=value:sections ..."  after the main run, more bench_gpu.py runs, each in its own
-#                                        process with VAR=value set (A/B of a trace-time setting)
+#                                        process with VAR=value set (A/B of a trace-time setting);
+#                                        "A=1+B=2:b1" sets two variables, "~" in a value is a space
+#   PROBE=1 PROBE_FLAGS="f1 f2~f3"       first run xla_gpu_probe.py: XLA's PDL / graph flags here, and
+#                                        a small layer stack per flag set ("~" joins flags of one set)
 # Files back in $OUT (the tool returns at most 8): env.log (with the check), bench_attention.log,
 # bench_linear.log/.json and linear_table.json (LINEAR=1),
 # bench_gpu.log, bench_gpu.json, profile_dflash_b1_*.trace.json.gz, and what bench_attention.py writes.
@@ -95,6 +98,15 @@ if grep -qE "check: kernel (prologue|add_rmsnorm).*(ERROR|FAIL)" "$OUT/env.log" 
   say "a fused kernel failed its check: DFLASH_FUSED_KERNELS=0 for the benchmark" | tee -a "$OUT/env.log"
 fi
 
+# 3b. what XLA here offers for launch overlap (PDL), with each flag set of PROBE_FLAGS
+if [ -n "$PROBE" ] && [ -f scripts/xla_gpu_probe.py ]; then
+  say "xla_gpu_probe.py"
+  PROBE_ARGS=()
+  for f in $PROBE_FLAGS; do PROBE_ARGS+=("${f//\~/ }"); done
+  timeout -k 10 "${PROBE_TIMEOUT:-150}" python3 scripts/xla_gpu_probe.py "${PROBE_ARGS[@]}" 2>&1 \
+    | grep -vE 'Logging before InitGoogle|^E0000|common_lib.cc' | tee "$OUT/probe.log"
+fi
+
 # 4. the attention benchmark (another engineer's script), if it exists
 if [ -z "$SKIP_ATTN" ] && [ -f scripts/bench_attention.py ]; then
   say "bench_attention.py"
@@ -129,11 +141,14 @@ RC=${PIPESTATUS[0]}
 # 6. extra runs, each in its own process with one environment setting (A/B of a trace-time knob):
 #    EXTRA_RUNS="DFLASH_GPU_ATTN=num_stages=4:b1 DFLASH_FUSED_KERNELS=0:b1"
 for spec in $EXTRA_RUNS; do
-  envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "$envset" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-40)
+  envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "$envset" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-60)
+  # "A=1+B=2": several settings; "~" in a value stands for a space (XLA_FLAGS=--a=1~--b=2)
+  IFS='+' read -r -a assigns <<< "$envset"
+  for i in "${!assigns[@]}"; do assigns[$i]=${assigns[$i]//\~/ }; done
   REM=$(left)
   if [ "$REM" -lt 90 ]; then say "no time left for extra run $spec"; continue; fi
-  say "extra run: $envset --sections $secs (${REM}s left)"
-  env "$envset" timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
+  say "extra run: ${assigns[*]} --sections $secs (${REM}s left)"
+  env "${assigns[@]}" timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
     --sections "$secs" $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
     | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|FUSED|GPU_ATTN|Error|ERROR"
 done
