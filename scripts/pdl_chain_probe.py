@@ -16,10 +16,16 @@ take it in 16 column blocks of 256, the most one TMA copy moves along a dimensio
 link = (time of N2 trips - time of N1 trips) / ((N2 - N1) * LINKS), median of 5, so dispatch and the
 loop's own cost per trip cancel to first order. Variants:
 
-  xla          the link's Pallas kernel replaced by XLA's own op (a second XLA kernel; PDL applies)
+  xla          the link's Pallas kernel replaced by XLA's own op (XLA fuses it with the sin: one
+               XLA kernel per link, the floor of a link)
   triton       Pallas Triton kernel (pltriton.CompilerParams), as our kernels are today
-  mgpu         Pallas Mosaic GPU kernel, input copied GMEM -> SMEM inside the kernel
+  mgpu         Pallas Mosaic GPU kernel (`plgpu.kernel`), input copied GMEM -> SMEM inside it
   mgpu_pdl     the same with `griddepcontrol_wait()` before the copy (launched with PDL)
+
+Call 19 (H200, jax 0.11.2, 3 alternating rounds; benchmarks/results/call19_pdl_chain_probe.log): µs
+per link with XLA's PDL on (default) / off: xla 2.2-2.4 / 2.5-3.2, triton 3.6-4.1 / 3.7-4.1, mgpu
+4.2-4.4 / 4.1-4.7, mgpu_pdl 4.5-4.6 / 4.2-4.7. The Mosaic GPU kernel gains nothing from PDL and
+costs more per launch than the Triton one: porting our small kernels to it would not shorten the loop.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 SHAPE, DTYPE = (16, 4096), jnp.bfloat16
-LINKS, N1, N2 = 8, 16, 80
+LINKS, N1, N2 = 8, 16, 400
 
 
 def _triton_kernel():
@@ -61,24 +67,23 @@ def _mgpu_kernel(pdl: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     cols = 256                        # a TMA copy moves at most 256 elements along a dimension
 
-    def kernel(x_gmem, o_smem):
+    def body(x_gmem, o_gmem, x_smem, bar):
         if pdl:
             plgpu.griddepcontrol_wait()   # nothing of x is read before the predecessor is done
-        c0 = pl.program_id(0) * cols
-
-        def scoped(x_smem, bar):
-            plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(c0, cols)], x_smem, bar)
-            plgpu.barrier_wait(bar)
-            o_smem[...] = (x_smem[...].astype(jnp.float32) * 0.5).astype(o_smem.dtype)
-        pl.run_scoped(scoped, plgpu.SMEM((SHAPE[0], cols), DTYPE), plgpu.Barrier(num_arrivals=1))
+        c0 = jax.lax.axis_index("c") * cols
+        plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(c0, cols)], x_smem, bar)
+        plgpu.barrier_wait(bar)
+        x_smem[...] = (x_smem[...].astype(jnp.float32) * 0.5).astype(x_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_smem, o_gmem.at[:, pl.ds(c0, cols)])
+        plgpu.wait_smem_to_gmem(0)
 
     def f(x):
-        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                              grid=(SHAPE[1] // cols,),
-                              in_specs=[pl.BlockSpec(memory_space=plgpu.GMEM)],
-                              out_specs=pl.BlockSpec((SHAPE[0], cols), lambda i: (0, i)),
-                              compiler_params=plgpu.CompilerParams(),
-                              name="probe_mgpu_pdl" if pdl else "probe_mgpu")(x)
+        # plgpu.kernel, not pallas_call: jax 0.11.2 lowers Mosaic GPU only through the mesh API
+        return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            scratch_types=[plgpu.SMEM((SHAPE[0], cols), DTYPE),
+                                            plgpu.Barrier(num_arrivals=1)],
+                            grid=(SHAPE[1] // cols,), grid_names=("c",))(x)
     return f
 
 
@@ -123,6 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--export", action="store_true", help="only lower each variant for CUDA (no GPU needed)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     names = [v for v in args.variants.split(",") if v]
     x = jax.ShapeDtypeStruct(SHAPE, DTYPE)
@@ -141,11 +147,13 @@ def main() -> None:
         return
     print(f"# pdl_chain_probe on {jax.devices()[0].device_kind}, jax {jax.__version__}; "
           f"{LINKS} links per trip, [{SHAPE[0]}, {SHAPE[1]}] bf16", flush=True)
-    for name in names:
-        try:
-            print(f"{name:9s} {time_variant(name)}", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"{name:9s} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+    for rnd in range(args.rounds):     # rounds alternate the variants: drifts hit all alike
+        for name in names:
+            try:
+                print(f"{name:9s} {time_variant(name)}   (round {rnd + 1})", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:9s} failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}",
+                      flush=True)
 
 
 if __name__ == "__main__":
