@@ -63,12 +63,11 @@ def add_norm(x, y, norm: RMSNorm, impl: str):
 
 
 class MLP(nnx.Module):
+    """The MLP's weights; DecoderLayer._finish applies them (each projection XLA's GEMM or a
+    gpu_linear kernel): down(gated_silu(x @ gate_up))."""
     def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs):
         self.gate_up = _init(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
         self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
-
-    def __call__(self, x):
-        return gated_silu(x @ self.gate_up[...]) @ self.down[...]
 
 
 def gated_silu(y):
@@ -126,9 +125,7 @@ class DecoderLayer(nnx.Module):
         T = x.shape[1]
         if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
             from pallas_kernels import gpu
-            qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl, name="qkv")
-            if residual is not None:
-                x, qkv = qkv
+            x, qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl, name="qkv")
             cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
             q, k_cache, v_cache = gpu.qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
@@ -160,33 +157,28 @@ class DecoderLayer(nnx.Module):
     def _project(x, w, impl: str, name: str):
         """x @ w: a gpu_linear kernel where attention.fused_linear selects it, else XLA's GEMM."""
         if fused_linear(impl, x, w, name=name):
-            from pallas_kernels.gpu_linear import fused_linear as linear
-            return linear(x, w, interpret=gpu_interpret(impl))
+            from pallas_kernels import gpu_linear
+            return gpu_linear.fused_linear(x, w, interpret=gpu_interpret(impl))
         return x @ w
 
     @staticmethod
     def _norm_project(x, residual, norm: RMSNorm, w, impl: str, swiglu: bool = False, name: str = ""):
-        """norm(x + residual) @ w (SwiGLU of its halves with swiglu) -> (x + residual, y), or y
-        when residual is None. The projection is a gpu_linear kernel where attention.fused_linear
-        allows it, else XLA's GEMM. The add and norm run before it (add_norm's kernel), unless
+        """(x + residual, norm(x + residual) @ w), SwiGLU of its halves with swiglu; residual None:
+        (x, norm(x) @ w). The projection is a gpu_linear kernel where attention.fused_linear allows
+        it, else XLA's GEMM. The add and norm run before it (add_norm's kernel), unless
         attention.linear_prologue() asks for them inside the projection's kernel."""
         fused = fused_linear(impl, x, w, swiglu=swiglu, name=name)
-        if fused and linear_prologue():
-            from pallas_kernels.gpu_linear import fused_linear as linear
-            return linear(x, w, residual=residual, norm_weight=norm.weight[...], eps=norm.eps,
-                          swiglu=swiglu, interpret=gpu_interpret(impl))
-        if residual is not None:
-            x, h = add_norm(x, residual, norm, impl)
-        else:
-            h = norm(x)
         if fused:
-            from pallas_kernels.gpu_linear import fused_linear as linear
-            y = linear(h, w, swiglu=swiglu, interpret=gpu_interpret(impl))
-        else:
-            y = h @ w
-            if swiglu:
-                y = gated_silu(y)
-        return y if residual is None else (x, y)
+            from pallas_kernels import gpu_linear
+            if linear_prologue():
+                out = gpu_linear.fused_linear(x, w, residual=residual, norm_weight=norm.weight[...],
+                                              eps=norm.eps, swiglu=swiglu, interpret=gpu_interpret(impl))
+                return out if residual is not None else (x, out)
+        x, h = add_norm(x, residual, norm, impl) if residual is not None else (x, norm(x))
+        if fused:
+            return x, gpu_linear.fused_linear(h, w, swiglu=swiglu, interpret=gpu_interpret(impl))
+        y = h @ w
+        return x, (gated_silu(y) if swiglu else y)
 
     def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
         """Attention over the (written) cache, output projection, residual, MLP."""
