@@ -537,5 +537,6 @@ def export_generate(target_config, draft_config=None, *, platforms=("cuda",), **
     """`jax.export` of the generation program for other platforms (e.g. CUDA from a CPU host)."""
     fn, args = _abstract_program(target_config, draft_config, **kw)
     # Pallas-Triton kernels are custom calls without a serialization-stability promise.
-    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name)
+              for name in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")]
     return jax.export.export(fn, platforms=list(platforms), disabled_checks=checks)(*args)

@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from pallas_kernels import gpu  # noqa: E402
+from pallas_kernels import gpu, gpu_mosaic  # noqa: E402
 
 L2_BYTES = 60 << 20           # H200: 50 MiB L2; rotate buffers totalling >= 4x this
 BUF_BYTES_CAP = 24 << 30      # never allocate more than this for rotated K/V buffers
@@ -165,6 +165,10 @@ def pallas_op(cfg, interpret):
     return lambda q, k, v, e: gpu.block_attention(q, k, v, e, interpret=interpret, **cfg)
 
 
+def mgpu_op(cfg):
+    return lambda q, k, v, e: gpu_mosaic.block_attention(q, k, v, e, **cfg)
+
+
 def xla_op(q, k, v, e):
     return pallas_kernels.xla_block_attention(q, k, v, e)
 
@@ -202,11 +206,23 @@ def to_bthd(ks, vs):
 
 # ---------------------------------------------------------------------------------- correctness
 
-def check_kernel(interpret: bool, verbose: bool) -> list[dict]:
+MGPU_CHECKS = [  # B, T, Hq, Hkv, C, D, dtype, pattern, tuning: the shapes gpu_mosaic takes
+    (2, 16, 32, 8, 8192, 128, jnp.bfloat16, "verify", {}),
+    (3, 16, 32, 8, 4096, 128, jnp.bfloat16, "ragged", dict(kv_splits=3)),
+    (2, 16, 32, 8, 1024, 128, jnp.bfloat16, "draft", dict(kv_splits=7, compute_wgs=1, stages=2)),
+    (1, 16, 32, 8, 32768, 128, jnp.bfloat16, "verify", dict(block_k=128, stages=2)),
+    (2, 32, 16, 4, 2048, 64, jnp.float16, "ragged", dict(kv_splits=4, stages=6)),
+    (1, 16, 32, 8, 640, 128, jnp.bfloat16, "verify", dict(kv_splits=16)),   # empty splits
+]
+
+
+def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict]:
     """The Pallas GPU kernel against the reference on the device: ragged rows (0, 1, capacity,
-    mid-tile), GQA 1/4/8, f32/bf16, head_dim 64/128/256, decode, verify, draft, prefill, kv splits."""
+    mid-tile), GQA 1/4/8, f32/bf16, head_dim 64/128/256, decode, verify, draft, prefill, kv splits.
+    impl="mgpu": the Mosaic GPU kernel on the shapes it takes (MGPU_CHECKS)."""
     rng = np.random.default_rng(0)
-    cases = [  # B, T, Hq, Hkv, C, D, dtype, pattern, tuning
+    kernel = gpu.block_attention if impl == "gpu" else gpu_mosaic.block_attention
+    cases = MGPU_CHECKS if impl == "mgpu" else [  # B, T, Hq, Hkv, C, D, dtype, pattern, tuning
         (3, 1, 32, 8, 4096, 128, jnp.bfloat16, "ragged", {}),
         (2, 16, 32, 8, 8192, 128, jnp.bfloat16, "verify", {}),
         (2, 16, 32, 8, 8192, 128, jnp.bfloat16, "draft", dict(kv_splits=7)),
@@ -217,7 +233,7 @@ def check_kernel(interpret: bool, verbose: bool) -> list[dict]:
         (1, 1024, 32, 8, 1024, 128, jnp.bfloat16, "prefill", {}),
         (1, 512, 16, 2, 640, 64, jnp.float32, "prefill", {}),
     ]
-    if interpret:   # CPU: the interpreter is slow; small shapes, same patterns
+    if interpret and impl == "gpu":   # CPU: the interpreter is slow; small shapes, same patterns
         cases = [(B, min(T, 64), 8, 2 if Hq // Hkv > 1 else 8, min(C, 256), D, dt, pat, tun)
                  for (B, T, Hq, Hkv, C, D, dt, pat, tun) in cases[::2]]
     out = []
@@ -237,8 +253,8 @@ def check_kernel(interpret: bool, verbose: bool) -> list[dict]:
         rec = dict(B=B, T=T, Hq=Hq, Hkv=Hkv, C=C, D=D, dtype=jnp.dtype(dtype).name, pattern=pattern,
                    tuning=tuning)
         try:
-            got = jax.jit(lambda q, k, v, e: gpu.block_attention(q, k, v, e, interpret=interpret,
-                                                                 **tuning))(q, k, v, e)
+            kw = dict(interpret=interpret) if impl == "gpu" else {}
+            got = jax.jit(lambda q, k, v, e: kernel(q, k, v, e, **kw, **tuning))(q, k, v, e)
             # The oracle in f32 on the host CPU: exact, and no GPU compile (XLA's autotuning of a
             # fresh GPU program costs seconds) for each of these shapes.
             cpu = jax.devices("cpu")[0]
@@ -253,7 +269,7 @@ def check_kernel(interpret: bool, verbose: bool) -> list[dict]:
             if verbose:
                 traceback.print_exc()
         out.append(rec)
-        print(f"check {pattern:8s} B={B} T={T} Hq={Hq} Hkv={Hkv} C={C} D={D} {rec['dtype']:8s} "
+        print(f"check {impl} {pattern:8s} B={B} T={T} Hq={Hq} Hkv={Hkv} C={C} D={D} {rec['dtype']:8s} "
               f"{tuning}: {'ok' if rec['ok'] else 'FAIL'} {rec.get('max_abs_err', rec.get('error'))}",
               flush=True)
     return out
@@ -273,12 +289,25 @@ AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify 
 )
 
 
+# The Mosaic GPU kernel (gpu_mosaic) against the Triton default: {"impl": "mgpu", ...} is its
+# default_config updated with the rest of the dict.
+_MG = {"impl": "mgpu"}
+MGPU_AB_CASES = (
+    (1, 1024, (_MG, "xla")),
+    (1, 8192, (_MG, dict(_MG, kv_splits=32), dict(_MG, compute_wgs=1, stages=4), dict(_MG, stages=6))),
+    (1, 32768, (_MG, dict(_MG, kv_splits=32), dict(_MG, block_k=128, stages=2), dict(_MG, stages=6))),
+    (8, 8192, (_MG, dict(_MG, kv_splits=4), dict(_MG, stages=6), dict(_MG, compute_wgs=1, stages=4))),
+    (8, 32768, (_MG, dict(_MG, kv_splits=4))),
+    (32, 8192, (_MG,)),
+)
+
+
 def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
     """Repeated A/B of default_config against variants (AB_CASES): every program compiled once,
     then all timed in turn, `--ab-rounds` times; the median per-call time of each. The sweep
     times every variant once, and its single samples moved by 10-20% between calls."""
     Hq, Hkv, D, S, dtype = 32, 8, 128, 16, jnp.bfloat16
-    cases, interpret = AB_CASES, False
+    cases, interpret = (MGPU_AB_CASES if args.mgpu else AB_CASES), False
     if args.smoke:          # CPU: tiny heads, the kernel in interpret mode
         Hq, Hkv, cases, interpret = 8, 2, ((1, 240, (dict(kv_splits=2), "xla")),), jax.default_backend() == "cpu"
     if args.only:       # "B:ctx,...": just these cases
@@ -293,13 +322,34 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         n_buf = n_buffers(2 * B * Hkv * C * D * 2)
         ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
         base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv)
-        progs = {}
+        progs, errs = {}, {}
+        ref = None
         for var in ("default",) + tuple(variants):
-            op = xla_op if var == "xla" else pallas_op(base if var == "default" else dict(base, **var), interpret)
-            name = var if isinstance(var, str) else ",".join(f"{k}={v}" for k, v in var.items())
-            progs[name] = (chained(op, 1), chained(op, CHAIN_PASSES))
-            for f in progs[name]:
-                jax.block_until_ready(f(q, e, ks, vs))
+            if isinstance(var, dict) and var.get("impl") == "mgpu":
+                mcfg = gpu_mosaic.default_config(S, Hq // Hkv, C, D, B, Hkv)
+                mcfg.update({k: v for k, v in var.items() if k != "impl"})
+                op = mgpu_op(mcfg)
+                name = "mgpu " + ",".join(f"{k}={v}" for k, v in mcfg.items())
+            else:
+                op = xla_op if var == "xla" else pallas_op(base if var == "default" else dict(base, **var), interpret)
+                name = var if isinstance(var, str) else ",".join(f"{k}={v}" for k, v in var.items())
+            try:
+                pair = (chained(op, 1), chained(op, CHAIN_PASSES))
+                first = pair[0](q, e, ks, vs)[0].astype(jnp.float32)
+                for f in pair:
+                    jax.block_until_ready(f(q, e, ks, vs))
+            except Exception as ex:  # noqa: BLE001  (a variant that fails must not end the run)
+                print(f"ab        {name}: FAILED {type(ex).__name__}: {str(ex).splitlines()[0][:300]}", flush=True)
+                if args.verbose:
+                    traceback.print_exc()
+                continue
+            if ref is None:
+                ref = first          # the Triton default: every other variant must match it
+            errs[name] = float(jnp.max(jnp.abs(first - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-6))
+            if not errs[name] <= 2e-2:
+                print(f"ab        {name}: WRONG RESULT (rel err {errs[name]:.3g} against the default)", flush=True)
+                continue
+            progs[name] = pair
         times = {name: [] for name in progs}
         for _ in range(args.ab_rounds):
             for name, (f1, f3) in progs.items():
@@ -307,13 +357,15 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         rec = dict(B=B, ctx=ctx, default_cfg=base, kv_MB=kv_bytes / 1e6, rounds=times, results={})
         for name in times:
             us = statistics.median(times[name])
-            rec["results"][name] = dict(us=us, TBps=kv_bytes / us / 1e6,
+            rec["results"][name] = dict(us=us, TBps=kv_bytes / us / 1e6, rel_err=errs[name],
                                         pct_copy=100 * kv_bytes / us / 1e6 / (copy_bw / 1e12))
         out.append(rec)
+        if "default" not in rec["results"]:
+            continue
         d = rec["results"]["default"]["us"]
         print(f"ab      B={B:<3d} ctx={ctx:<6d} kv={kv_bytes / 1e6:.1f}MB default {base}", flush=True)
         for name, r in rec["results"].items():
-            print(f"ab        {name:48s} {r['us']:7.1f}us {r['TBps']:.2f} TB/s ({r['us'] / d:.2f}x default); rounds "
+            print(f"ab        {name:48s} {r['us']:7.1f}us {r['TBps']:.2f} TB/s {r['pct_copy']:4.0f}% ({r['us'] / d:.2f}x default, err {r['rel_err']:.1e}); rounds "
                   + "/".join(f"{t:.0f}" for t in times[name]), flush=True)
         del ks, vs, q, progs
         gc.collect()
@@ -360,9 +412,12 @@ def run(args) -> dict:
     print(f"# device copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write), "
           f"read-only {read_bw / 1e12:.3f} TB/s", flush=True)
 
-    if args.ab:
+    if args.ab or args.mgpu:
+        checks = check_kernel(False, args.verbose, impl="mgpu") if args.mgpu and not smoke else []
         ab = ab_rounds(args, copy_bw, opts)
-        return dict(info=info, checks=[], cases=[], prefill=[], sweep=[], ab=ab)
+        n_bad = sum(not c["ok"] for c in checks)
+        print(f"# kernel checks: {len(checks) - n_bad}/{len(checks)} ok")
+        return dict(info=info, checks=checks, cases=[], prefill=[], sweep=[], ab=ab)
     checks, results, prefill_results, sweep = [], [], [], []
     ref_outs = {}       # (pattern, B, ctx or T) -> the XLA path's output, the check for variants
 
@@ -637,6 +692,9 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="B:ctx[,B:ctx...]: only these draft/verify rows (or --ab cases), no sweep")
     ap.add_argument("--ab", action="store_true",
                     help="only the repeated A/B of default_config against the variants in AB_CASES")
+    ap.add_argument("--mgpu", action="store_true",
+                    help="the Mosaic GPU kernel (gpu_mosaic): its checks on the device, then --ab rounds "
+                         "against the Triton default (MGPU_AB_CASES)")
     ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")
     ap.add_argument("--sweep-only", action="store_true",
                     help="skip the baselines; sweep a wide grid of kernel variants on a few verify cases")

@@ -80,3 +80,20 @@ def test_pallas_gpu_loop_with_linear_kernels_exports_for_cuda(monkeypatch):
                                   attention_impl="pallas_gpu", dtype="bfloat16",
                                   platforms=("cuda",)).mlir_module()
     assert "dflash_linear_swiglu" in mlir and '"dflash_linear"' in mlir
+
+
+def test_pallas_gpu_loop_with_mosaic_attention_exports_for_cuda(monkeypatch):
+    """DFLASH_GPU_ATTN_KERNEL=mosaic: the verify and draft attention (16 positions x 4 heads = one
+    64-row tile) go to the Mosaic GPU kernel, everything else stays as it was."""
+    monkeypatch.setenv("DFLASH_GPU_ATTN_KERNEL", "mosaic")
+    from pallas_kernels import gpu_mosaic
+    if not gpu_mosaic.available():
+        pytest.skip("no Mosaic GPU Pallas API in this jax")
+    cfg = TargetConfig(vocab_size=512, hidden_size=512, intermediate_size=256, num_layers=2, num_heads=8,
+                       num_kv_heads=2, head_dim=64)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=16)
+    mlir = decode.export_generate(cfg, dcfg, batch=1, prompt_len=128, max_new_tokens=64,
+                                  attention_impl="pallas_gpu", dtype="bfloat16",
+                                  platforms=("cuda",)).mlir_module()
+    assert "mosaic_gpu" in mlir
+    assert "dflash_block_attention_gpu" in mlir      # the 128-token prefill stays on Triton
