@@ -10,8 +10,8 @@ impl:
           from a CPU host must ask for, since the default backend there is "cpu".
   "gpu"   Pallas Triton kernel (pallas_kernels/gpu.py); likewise for a CUDA export from a CPU host.
           With DFLASH_GPU_ATTN_KERNEL=mosaic in the environment (read at trace time), short blocks
-          (T <= 64: verify, draft) of the shapes gpu_mosaic takes (64-row tiles, bf16/f16) go to the
-          Mosaic GPU kernel.
+          (T <= 64: verify, draft) over caches of >= gpu_mosaic.MIN_CAPACITY keys, of the shapes
+          gpu_mosaic takes (64-row tiles, bf16/f16), go to the Mosaic GPU kernel.
   "gpu_mosaic"  Pallas Mosaic GPU kernel (pallas_kernels/gpu_mosaic.py, Hopper+); other shapes
           fall back to "gpu".
   "xla"   the reference in plain jnp, with the queries chunked when T*C is large (prefill).
@@ -81,6 +81,11 @@ def default_impl(interpret=False) -> str:
     return "tpu" if interpret else "xla"
 
 
+def gpu_mosaic_min_capacity() -> int:
+    from pallas_kernels import gpu_mosaic
+    return gpu_mosaic.MIN_CAPACITY
+
+
 def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: float | None = None,
                     interpret=False, **tuning):
     """Dispatch to a kernel. interpret: False, True, or a pltpu.InterpretParams for the TPU kernel.
@@ -101,7 +106,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
             return tpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
                                        interpret=interpret, **tuning)
         if (impl == "gpu" and os.environ.get("DFLASH_GPU_ATTN_KERNEL", "") == "mosaic"
-                and q.shape[1] <= 64 and not interpret):
+                and q.shape[1] <= 64 and k_cache.shape[2] >= gpu_mosaic_min_capacity() and not interpret):
             impl = "gpu_mosaic"
         if impl == "gpu_mosaic":
             from pallas_kernels import gpu_mosaic

@@ -39,6 +39,10 @@ ROWS = 64          # a wgmma tile's rows: one warpgroup's share of the query til
 _MASK = -1e30
 _LOG2E = math.log2(math.e)
 H200_SMS = 132
+# DFLASH_GPU_ATTN_KERNEL=mosaic routes only caches this long to the kernel: on short ones its launch
+# and merge cost more than the Triton kernel's (call 20, B=1 1k: 16.2 us against 13.8; the B=1
+# prompt-512 loop 5.691 ms against 5.593).
+MIN_CAPACITY = 4096
 
 
 def available() -> bool:

@@ -292,13 +292,12 @@ AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify 
 # The Mosaic GPU kernel (gpu_mosaic) against the Triton default: {"impl": "mgpu", ...} is its
 # default_config updated with the rest of the dict.
 _MG = {"impl": "mgpu"}
-MGPU_AB_CASES = (
-    (1, 1024, (_MG, "xla")),
-    (1, 8192, (_MG, dict(_MG, kv_splits=32), dict(_MG, compute_wgs=1, stages=4), dict(_MG, stages=6))),
-    (1, 32768, (_MG, dict(_MG, kv_splits=32), dict(_MG, block_k=128, stages=2), dict(_MG, stages=6))),
-    (8, 8192, (_MG, dict(_MG, kv_splits=4), dict(_MG, stages=6), dict(_MG, compute_wgs=1, stages=4))),
-    (8, 32768, (_MG, dict(_MG, kv_splits=4))),
-    (32, 8192, (_MG,)),
+MGPU_AB_CASES = (   # call 20 measured B=1 1k (Triton 13.8 us, mgpu 16.2, XLA 28.9); each mgpu variant
+    # costs ~18 s of Mosaic GPU compile on the H200, so few variants, the rows under 75% first
+    (1, 32768, (_MG, dict(_MG, block_k=128, stages=2))),
+    (8, 8192, (_MG, dict(_MG, kv_splits=4))),
+    (1, 8192, (_MG, dict(_MG, kv_splits=32))),
+    (8, 32768, (_MG,)),
 )
 
 
@@ -413,7 +412,8 @@ def run(args) -> dict:
           f"read-only {read_bw / 1e12:.3f} TB/s", flush=True)
 
     if args.ab or args.mgpu:
-        checks = check_kernel(False, args.verbose, impl="mgpu") if args.mgpu and not smoke else []
+        checks = (check_kernel(False, args.verbose, impl="mgpu")
+                  if args.mgpu and not smoke and not args.no_check else [])
         ab = ab_rounds(args, copy_bw, opts)
         n_bad = sum(not c["ok"] for c in checks)
         print(f"# kernel checks: {len(checks) - n_bad}/{len(checks)} ok")
@@ -695,6 +695,7 @@ def main(argv=None):
     ap.add_argument("--mgpu", action="store_true",
                     help="the Mosaic GPU kernel (gpu_mosaic): its checks on the device, then --ab rounds "
                          "against the Triton default (MGPU_AB_CASES)")
+    ap.add_argument("--no-check", action="store_true", help="--mgpu without its device checks")
     ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")
     ap.add_argument("--sweep-only", action="store_true",
                     help="skip the baselines; sweep a wide grid of kernel variants on a few verify cases")

@@ -89,6 +89,7 @@ def test_pallas_gpu_loop_with_mosaic_attention_exports_for_cuda(monkeypatch):
     from pallas_kernels import gpu_mosaic
     if not gpu_mosaic.available():
         pytest.skip("no Mosaic GPU Pallas API in this jax")
+    monkeypatch.setattr(gpu_mosaic, "MIN_CAPACITY", 0)   # this tiny cache is short of the 4k default
     cfg = TargetConfig(vocab_size=512, hidden_size=512, intermediate_size=256, num_layers=2, num_heads=8,
                        num_kv_heads=2, head_dim=64)
     dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=16)
