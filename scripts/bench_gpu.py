@@ -53,6 +53,12 @@ T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python scripts/bench_gpu.py` from anywhere finds dflash_jax
+def long_impls() -> list:
+    """The attention paths of the longctx section; BENCH_LONG_IMPLS=pallas times only our kernel
+    (an A/B of a kernel setting, without the slow XLA row)."""
+    return [x for x in os.environ.get("BENCH_LONG_IMPLS", "pallas,xla").split(",") if x]
+
+
 ALL_SECTIONS = ("reference", "check", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
@@ -399,7 +405,7 @@ class Bench:
             for kind, b in self.batch_order():
                 plan.append((f"{kind}_b{b}", kind == "dflash", b, s.prompt, s.n2, {}))
         if "longctx" in sections:
-            for impl in ("pallas", "xla"):
+            for impl in long_impls():
                 plan.append((f"dflash_long_{impl}", True, 1, s.long_prompt, s.long_n2, dict(attention_impl=impl)))
         return plan
 
@@ -990,7 +996,7 @@ class Bench:
 
     def sec_longctx(self):
         s = self.s
-        for impl in ("pallas", "xla"):
+        for impl in long_impls():
             key = f"dflash_long_{impl}"
             est = self.compile_est + (1 + 2 * s.reps) * (3.0 + 0.5 * (s.long_n1 + s.long_n2) * 0.012) + 10
             if s.smoke:
