@@ -1385,6 +1385,7 @@ def main():
     log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes, "
         f"add + RMSNorm on the GPU path); "
         f"DFLASH_GPU_ATTN={os.environ.get('DFLASH_GPU_ATTN', '(default)')}; "
+        f"DFLASH_GPU_ATTN_KERNEL={os.environ.get('DFLASH_GPU_ATTN_KERNEL', 'triton')}; "
         f"DFLASH_FUSED_LINEAR={os.environ.get('DFLASH_FUSED_LINEAR', '0')} (projections on gpu_linear kernels, "
         f"SwiGLU fused in); DFLASH_GPU_LINEAR={os.environ.get('DFLASH_GPU_LINEAR', '(default)')}")
     bad = [x for x in sections if x not in ALL_SECTIONS]
