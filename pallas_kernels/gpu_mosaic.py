@@ -95,11 +95,14 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, bounds_ref, o_ref, lse_ref,
     dt = q_smem.dtype
     D = q_smem.shape[-1]
 
-    hi = bounds_ref[b, i]              # max k_end over the tile's rows
+    hi = bounds_ref[b, i, 0]           # max k_end over the tile's rows
+    lo = bounds_ref[b, i, 1]           # min k_end over its live rows (k_end > 0)
     chunk = jnp.maximum(pl.cdiv(pl.cdiv(hi, n_split), block_k) * block_k, min_chunk)
     start = s * chunk
     stop = jnp.minimum(start + chunk, hi)
     n_steps = jnp.maximum(pl.cdiv(stop - start, block_k), 0)
+    # Tiles below every live row's k_end need no mask (most of a long context).
+    n_full = jnp.clip((lo - start) // block_k, 0, n_steps)
 
     @pl.when(wg == cw)
     def _memory():
@@ -143,43 +146,56 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, bounds_ref, o_ref, lse_ref,
         plgpu.barrier_wait(q_bar)
         kend = plgpu.load(kend_smem, (), layout=layout.reduce(1))                  # [R] int32
         mine = jnp.maximum(pl.cdiv(n_steps - wg, cw), 0)   # tiles wg, wg + cw, ... of this split
+        mine_full = jnp.maximum(pl.cdiv(n_full - wg, cw), 0)  # those of them below every k_end
 
-        def body(j, carry):
-            acc, m, l = carry
-            step = wg + j * cw
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(k_bars.at[slot])
+        def make_body(masked: bool):
+            def body(j, carry):
+                acc, m, l = carry
+                step = wg + j * cw
+                slot = lax.rem(step, stages)
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_bars.at[slot])
+                with jax.named_scope("qk"):
+                    if mma_by_dot:     # interpret mode has no wgmma: the same products as plain dots
+                        sc = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
+                    else:
+                        def qk(acc_ref):
+                            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                            return acc_ref[...]
+                        sc = pl.run_scoped(qk, plgpu.ACC((R, block_k), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                with jax.named_scope("softmax"):
+                    sc = sc * scale_log2
+                    if masked:
+                        cols = plgpu.broadcasted_iota(jnp.int32, (R, block_k), 1, layout=layout)
+                        visible = ((cols + (start + step * block_k))
+                                   < lax.broadcast_in_dim(kend, (R, block_k), [0]))
+                        sc = jnp.where(visible, sc, _MASK)
+                    m_new = jnp.maximum(m, sc.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                    if masked:         # a row with nothing visible yet has exp2(0) == 1 there
+                        p = jnp.where(visible, p, 0.0)
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dt)
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_wait(v_bars.at[slot])
+                with jax.named_scope("pv"):
+                    if mma_by_dot:
+                        acc = acc + lax.dot_general(p16, v_smem.at[slot][...], (((1,), (0,)), ((), ())),
+                                                    preferred_element_type=jnp.float32)
+                    else:
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+            return body
 
-            if mma_by_dot:         # interpret mode has no wgmma: the same products as plain dots
-                sc = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-            else:
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-                sc = pl.run_scoped(qk, plgpu.ACC((R, block_k), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            cols = plgpu.broadcasted_iota(jnp.int32, (R, block_k), 1, layout=layout)
-            visible = (cols + (start + step * block_k)) < lax.broadcast_in_dim(kend, (R, block_k), [0])
-            sc = jnp.where(visible, sc * scale_log2, _MASK)
-            m_new = jnp.maximum(m, sc.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.where(visible, jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0])), 0.0)
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bars.at[slot])
-
-            if mma_by_dot:
-                acc = acc + lax.dot_general(p.astype(dt), v_smem.at[slot][...], (((1,), (0,)), ((), ())),
-                                            preferred_element_type=jnp.float32)
-            else:
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(dt), v_smem.at[slot])
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
-
-        acc, m, l = lax.fori_loop(0, mine, body, (acc, m, l))
+        carry = lax.fori_loop(0, mine_full, make_body(False), (acc, m, l))
+        acc, m, l = lax.fori_loop(mine_full, mine, make_body(True), carry)
         ok = l > 0
         inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
         o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -198,10 +214,12 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, bounds_ref, o_ref, lse_ref,
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=None,
                     block_k: int | None = None, stages: int | None = None,
                     compute_wgs: int | None = None, kv_splits: int | None = None,
-                    min_chunk: int | None = None, n_sms: int = H200_SMS):
+                    min_chunk: int | None = None, n_sms: int = H200_SMS, profile_dir: str | None = None):
     """Mosaic GPU block attention; raises Unsupported for shapes it does not take (see `supports`).
 
     interpret: None on a GPU, or a `plgpu.InterpretGPUParams()` to run on CPU (jax >= 0.11).
+    profile_dir: write Mosaic GPU's in-kernel trace of each warpgroup's regions (wait_k, qk, softmax,
+    wait_v, pv) there as Chrome-trace JSON (`scripts/mgpu_profile.py` summarises it); benchmarks only.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -230,7 +248,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     k_end = jnp.clip(k_end.astype(jnp.int32), 0, C)
     kt = k_end.reshape(B, n_t, bt)
     kend_rows = jnp.broadcast_to(kt[:, :, None, :], (B, n_t, G, bt)).reshape(B, n_t, ROWS)
-    bounds = jnp.max(kt, axis=2)                                                # [B, n_t]
+    live_min = jnp.min(jnp.where(kt > 0, kt, jnp.iinfo(jnp.int32).max), axis=2)
+    bounds = jnp.stack([jnp.max(kt, axis=2), live_min], axis=-1)                # [B, n_t, 2]
     k_cache = k_cache.astype(q.dtype)
     v_cache = v_cache.astype(q.dtype)
     n_parts = n_split * cw
@@ -262,7 +281,9 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         grid_names=("h", "ts", "b"),
         num_threads=cw + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            **(dict(profile_space=512, profile_dir=profile_dir) if profile_dir else {})),
         interpret=interpret,
     )(q, k_cache, v_cache, kend_rows, bounds)
     # lse rows are (g, t) per tile: back to [parts, B, T, Hq] to match o_parts
