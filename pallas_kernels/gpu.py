@@ -131,11 +131,11 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     else:
         kv_splits = 1
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=min_chunk, one_loop=0)
+                num_stages=3, min_chunk=min_chunk, one_loop=0, stagger=0)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int, one_loop: bool):
+            min_chunk: int, decode_rows: int, G: int, one_loop: bool, stagger: bool = False):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -184,10 +184,21 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     prec = _precision(q.dtype)
     cols = lax.broadcasted_iota(jnp.int32, (R, block_k), 1)
 
+    # stagger: each program walks its unmasked tiles from a different rotation, so programs whose
+    # chunks start at aligned offsets do not hit the same memory channels in lockstep (an A/B).
+    rot = None
+    if stagger:
+        pid = ((pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * pl.num_programs(2)
+               + pl.program_id(2)) * pl.num_programs(3) + s_idx
+        rot = lax.rem(pid * 5, jnp.maximum(n_full, 1))
+
     def make_body(masked: bool):
         def body(it, carry):
             acc, m, l = carry
-            k0 = pl.multiple_of(start + it * block_k, block_k)
+            if rot is not None and not masked:
+                k0 = pl.multiple_of(start + lax.rem(it + rot, n_full) * block_k, block_k)
+            else:
+                k0 = pl.multiple_of(start + it * block_k, block_k)
             k = k_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=prec) * scale                       # [R, bk]
@@ -283,14 +294,14 @@ def env_settings(var: str, allowed: tuple) -> dict:
 def _env_overrides() -> dict:
     """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
     return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
-                                            "num_stages", "min_chunk", "one_loop"))
+                                            "num_stages", "min_chunk", "one_loop", "stagger"))
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,
                     block_t: int | None = None, block_k: int | None = None,
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
-                    one_loop: bool | None = None, n_sms: int = H200_SMS):
+                    one_loop: bool | None = None, stagger: bool | None = None, n_sms: int = H200_SMS):
     """Pallas Triton block attention. Tuning arguments override `default_config`."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
@@ -310,7 +321,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               jnp.pad(k_end, ((0, 0), (0, Tp - T))), scale=scale,
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
-                              one_loop=one_loop, n_sms=n_sms)
+                              one_loop=one_loop, stagger=stagger, n_sms=n_sms)
         return out[:, :T]
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
     cfg.update(_env_overrides())
@@ -318,7 +329,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
     for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
-                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop).items():
+                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop,
+                          stagger=stagger).items():
         if val is not None:
             cfg[name] = val
     bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]
@@ -369,7 +381,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
                                min_chunk=min_chunk, decode_rows=decode_rows, G=G,
-                               one_loop=bool(cfg["one_loop"]))
+                               one_loop=bool(cfg["one_loop"]), stagger=bool(cfg["stagger"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
