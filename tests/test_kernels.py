@@ -130,16 +130,17 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop", [(2, False), (5, False), (3, True)])
+@pytest.mark.parametrize("kv_splits,one_loop,stagger", [(2, False, False), (5, False, False),
+                                                       (3, True, False), (2, False, True), (1, False, True)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, one_loop, stagger, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    and the one-loop variant (every tile masked) on the same rows."""
+    the one-loop variant (every tile masked) and the staggered tile walk on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop)
+                              min_chunk=32, one_loop=one_loop, stagger=stagger)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
