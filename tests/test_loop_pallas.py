@@ -56,12 +56,17 @@ def test_speculative_loop_compiles_for_tpu(topology, impl):
         assert "tpu_custom_call" in compiled.as_text()
 
 
+def _export_gpu_loop(num_heads=4, block_size=8, prompt_len=32):
+    """The small speculative loop on the Pallas GPU path, exported for CUDA from this CPU host."""
+    cfg = TargetConfig(vocab_size=512, hidden_size=64 * num_heads, intermediate_size=256, num_layers=2,
+                       num_heads=num_heads, num_kv_heads=2, head_dim=64)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=block_size)
+    return decode.export_generate(cfg, dcfg, batch=1, prompt_len=prompt_len, max_new_tokens=64,
+                                  attention_impl="pallas_gpu", dtype="bfloat16", platforms=("cuda",))
+
+
 def test_pallas_gpu_loop_exports_for_cuda():
-    cfg = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=64)
-    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=8)
-    exported = decode.export_generate(cfg, dcfg, batch=1, prompt_len=32, max_new_tokens=64,
-                                      attention_impl="pallas_gpu", dtype="bfloat16", platforms=("cuda",))
+    exported = _export_gpu_loop()
     assert exported.platforms == ("cuda",)
     mlir = exported.mlir_module()
     assert "dflash_block_attention_gpu" in mlir
@@ -69,16 +74,13 @@ def test_pallas_gpu_loop_exports_for_cuda():
     assert "dflash_qk_norm_rope_write" in mlir and "dflash_add_rmsnorm" in mlir
     # the projections stay XLA GEMMs unless DFLASH_FUSED_LINEAR selects the gpu_linear kernels
     assert "dflash_linear" not in mlir
+    # the attention stays on Triton unless DFLASH_GPU_ATTN_KERNEL=mosaic
+    assert "mosaic_gpu" not in mlir
 
 
 def test_pallas_gpu_loop_with_linear_kernels_exports_for_cuda(monkeypatch):
     monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
-    cfg = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=64)
-    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=8)
-    mlir = decode.export_generate(cfg, dcfg, batch=1, prompt_len=32, max_new_tokens=64,
-                                  attention_impl="pallas_gpu", dtype="bfloat16",
-                                  platforms=("cuda",)).mlir_module()
+    mlir = _export_gpu_loop().mlir_module()
     assert "dflash_linear_swiglu" in mlir and '"dflash_linear"' in mlir
 
 
@@ -90,11 +92,6 @@ def test_pallas_gpu_loop_with_mosaic_attention_exports_for_cuda(monkeypatch):
     if not gpu_mosaic.available():
         pytest.skip("no Mosaic GPU Pallas API in this jax")
     monkeypatch.setattr(gpu_mosaic, "MIN_CAPACITY", 0)   # this tiny cache is short of the 4k default
-    cfg = TargetConfig(vocab_size=512, hidden_size=512, intermediate_size=256, num_layers=2, num_heads=8,
-                       num_kv_heads=2, head_dim=64)
-    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=16)
-    mlir = decode.export_generate(cfg, dcfg, batch=1, prompt_len=128, max_new_tokens=64,
-                                  attention_impl="pallas_gpu", dtype="bfloat16",
-                                  platforms=("cuda",)).mlir_module()
+    mlir = _export_gpu_loop(num_heads=8, block_size=16, prompt_len=128).mlir_module()
     assert "mosaic_gpu" in mlir
     assert "dflash_block_attention_gpu" in mlir      # the 128-token prefill stays on Triton
