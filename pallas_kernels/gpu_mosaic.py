@@ -21,6 +21,12 @@ warpgroups are merged by the same one-fusion epilogue as the Triton kernel's spl
 
 Row order inside a tile is (g, t) (the G heads' rows of consecutive positions), so q is read and o
 written with one TMA copy per head of the group, straight from and to the [B, T, Hq, D] layout.
+
+Measured on the H200 (BENCHMARKS.md, calls 20-23): not faster than the Triton kernel (a tie at
+batch 8, slower at batch 1 and at 1k), and ~18 s of compile a kernel, so it is opt-in
+(`DFLASH_GPU_ATTN_KERNEL=mosaic`, see `pallas_kernels.block_attention`). Its in-kernel profile
+(`profile_dir`, `scripts/mgpu_profile.py`) shows the overlap working and the compute warpgroups then
+waiting on K tiles: at batch 1 the limit is on the memory side, not in the tile chain.
 """
 
 from __future__ import annotations
