@@ -100,6 +100,25 @@ def per_call_time(f1, f3, args, n_buf: int, opts: dict) -> tuple[float, float]:
     return (t if t > 0 else t3 / (CHAIN_PASSES * n_buf)), t1
 
 
+def device_call_time(f1, args, n_buf: int, reps: int = 3) -> float:
+    """Seconds of device time per call: the kernels' own durations in a jax.profiler trace of `reps`
+    runs of the one-pass chain (every kernel of the op, the split merge included), so host timing
+    jitter and dispatch drop out. The wall-clock difference (`per_call_time`) moved +-30% between
+    rounds at B=1 (call 24); this is the A/B measure to trust for small cases."""
+    import tempfile
+
+    from bench_gpu import _find_trace, summarize_trace   # scripts/ is on sys.path (this script's dir)
+    jax.block_until_ready(f1(*args))
+    d = tempfile.mkdtemp(prefix="attn_prof_")
+    with jax.profiler.trace(d):
+        for _ in range(reps):
+            jax.block_until_ready(f1(*args))
+    path = _find_trace(d)
+    if path is None:
+        raise RuntimeError(f"no trace written under {d}")
+    return summarize_trace(path)["busy_ms"] / 1e3 / (reps * n_buf)
+
+
 def measure_bandwidth(nbytes: int, opts) -> tuple[float, float]:
     """(copy, read) bandwidth in bytes/s: a device-to-device copy counted as bytes read + written
     (best of a bf16 and an f32 elementwise pass), and a read-only pass (a sum)."""
@@ -353,7 +372,10 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         times = {name: [] for name in progs}
         for _ in range(args.ab_rounds):
             for name, (f1, f3) in progs.items():
-                times[name].append(per_call_time(f1, f3, (q, e, ks, vs), n_buf, opts)[0] * 1e6)
+                if args.device_time:
+                    times[name].append(device_call_time(f1, (q, e, ks, vs), n_buf) * 1e6)
+                else:
+                    times[name].append(per_call_time(f1, f3, (q, e, ks, vs), n_buf, opts)[0] * 1e6)
         rec = dict(B=B, ctx=ctx, default_cfg=base, kv_MB=kv_bytes / 1e6, rounds=times, results={})
         for name in times:
             us = statistics.median(times[name])
@@ -697,6 +719,9 @@ def main(argv=None):
                     help="the Mosaic GPU kernel (gpu_mosaic): its checks on the device, then --ab rounds "
                          "against the Triton default (MGPU_AB_CASES)")
     ap.add_argument("--no-check", action="store_true", help="--mgpu without its device checks")
+    ap.add_argument("--device-time", action="store_true",
+                    help="--ab / --mgpu rounds timed by the kernels' device time in a profiler trace "
+                         "(no host jitter) instead of the wall-clock difference of two chains")
     ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")
     ap.add_argument("--sweep-only", action="store_true",
                     help="skip the baselines; sweep a wide grid of kernel variants on a few verify cases")

@@ -1,0 +1,52 @@
+"""The GPU benchmark scripts run end to end on CPU with tiny shapes (their --smoke modes).
+
+Device time is scarce (30 minutes a session): a script that breaks here would waste a GPU call. These
+run each script as a user would (a subprocess, `python scripts/...`) and check that it finishes and
+prints its table; the numbers themselves mean nothing on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(args, tmp_path, timeout=600, **extra_env):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OUT=str(tmp_path), **extra_env)
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_attention_ab_device_time_smoke(tmp_path):
+    """--ab with --device-time: the kernels' time from a profiler trace (interpret mode on CPU)."""
+    out = _run(["scripts/bench_attention.py", "--smoke", "--ab", "--device-time",
+                "--json", str(tmp_path / "a.json")], tmp_path)
+    assert "ab        default" in out and "ab        xla" in out
+    assert (tmp_path / "a.json").exists()
+
+
+def test_bench_gpu_b1_profile_smoke(tmp_path):
+    out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "b1,profile", "--out", str(tmp_path)], tmp_path)
+    assert "dflash-jax GPU benchmark" in out
+    assert (tmp_path / "bench_gpu.json").exists()
+
+
+def test_bench_gpu_longctx_pallas_only_smoke(tmp_path):
+    """BENCH_LONG_IMPLS=pallas: the long-context section times our kernel's row and skips XLA's."""
+    out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "longctx", "--out", str(tmp_path)],
+               tmp_path, BENCH_LONG_IMPLS="pallas")
+    rows = {line.split()[3]: line for line in out.splitlines() if line.startswith("DFlash B=1 p") and
+            len(line.split()) > 4 and line.split()[3] in ("pallas", "xla")}
+    assert "(not run)" not in rows["pallas"] and "(not run)" in rows["xla"]
+
+
+def test_pdl_chain_probe_exports_for_cuda(tmp_path):
+    """Every variant of the launch-overlap probe lowers for CUDA (Mosaic GPU where this jax has it)."""
+    out = _run(["scripts/pdl_chain_probe.py", "--export", "--variants", "xla,triton"], tmp_path)
+    assert "xla       lowers for CUDA" in out and "triton    lowers for CUDA" in out
