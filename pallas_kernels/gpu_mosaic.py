@@ -39,12 +39,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.gpu import H200_SMS, _merge
 from pallas_kernels.tpu import Unsupported, check_shapes
 
 ROWS = 64          # a wgmma tile's rows: one warpgroup's share of the query tile
 _MASK = -1e30
 _LOG2E = math.log2(math.e)
-H200_SMS = 132
+SMEM_BYTES = 227 * 1024   # shared memory one Hopper program may use
 # DFLASH_GPU_ATTN_KERNEL=mosaic routes only caches this long to the kernel: on short ones its launch
 # and merge cost more than the Triton kernel's (call 20, B=1 1k: 16.2 us against 13.8; the B=1
 # prompt-512 loop 5.691 ms against 5.593).
@@ -229,8 +230,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.gpu import _merge
-
     check_shapes(q, k_cache, v_cache, k_end)
     why = supports(q, k_cache)
     if why:
@@ -248,6 +247,11 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         raise Unsupported(f"block_k={bk} (64 or 128, dividing C={C})")
     if cw < 1 or stages < cw or stages % cw:
         raise Unsupported(f"stages={stages} must be a multiple of compute_wgs={cw}")
+    itemsize = jnp.dtype(q.dtype).itemsize
+    smem = (ROWS * D * (1 + cw) + 2 * stages * bk * D) * itemsize + (cw + 1) * ROWS * 4
+    if smem > SMEM_BYTES:
+        raise Unsupported(f"block_k={bk} x stages={stages} x compute_wgs={cw} needs {smem // 1024} KiB of "
+                          f"shared memory (at most {SMEM_BYTES // 1024})")
     bt = ROWS // G
     n_t = T // bt
     scale = D ** -0.5 if scale is None else float(scale)

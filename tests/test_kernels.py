@@ -377,3 +377,10 @@ def test_mosaic_gpu_kernel_refuses_other_shapes():
         gpu_mosaic.block_attention(q, k, v, jnp.ones((1, 1), jnp.int32))
     q32, k32, _ = _inputs(1, 16, 8, 2, 256, 64, jnp.float32)       # f32: wgmma takes 16-bit here
     assert "dtype" in (gpu_mosaic.supports(q32, k32) or "")
+
+
+@_needs_mgpu
+def test_mosaic_gpu_kernel_names_a_shared_memory_overflow():
+    q, k, v = _inputs(1, 16, 32, 8, 1024, 128, jnp.bfloat16)
+    with pytest.raises(pallas_kernels.Unsupported, match="shared memory"):
+        gpu_mosaic.block_attention(q, k, v, jnp.full((1, 16), 100, jnp.int32), stages=6)
