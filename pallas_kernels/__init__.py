@@ -81,11 +81,6 @@ def default_impl(interpret=False) -> str:
     return "tpu" if interpret else "xla"
 
 
-def gpu_mosaic_min_capacity() -> int:
-    from pallas_kernels import gpu_mosaic
-    return gpu_mosaic.MIN_CAPACITY
-
-
 def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: float | None = None,
                     interpret=False, **tuning):
     """Dispatch to a kernel. interpret: False, True, or a pltpu.InterpretParams for the TPU kernel.
@@ -105,9 +100,10 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
                 interpret = pltpu.InterpretParams()
             return tpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
                                        interpret=interpret, **tuning)
-        if (impl == "gpu" and os.environ.get("DFLASH_GPU_ATTN_KERNEL", "") == "mosaic"
-                and q.shape[1] <= 64 and k_cache.shape[2] >= gpu_mosaic_min_capacity() and not interpret):
-            impl = "gpu_mosaic"
+        if impl == "gpu" and os.environ.get("DFLASH_GPU_ATTN_KERNEL", "") == "mosaic" and not interpret:
+            from pallas_kernels import gpu_mosaic
+            if q.shape[1] <= 64 and k_cache.shape[2] >= gpu_mosaic.MIN_CAPACITY:
+                impl = "gpu_mosaic"
         if impl == "gpu_mosaic":
             from pallas_kernels import gpu_mosaic
             if gpu_mosaic.supports(q, k_cache) is None:

@@ -277,18 +277,22 @@ def _merge(o_parts, lse):
     return o / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def env_settings(var: str, allowed: tuple) -> dict:
-    """Launch-setting overrides from the environment, e.g. var="a=1,b=2" -> {"a": 1, "b": 2}, read
-    when a program is traced (on-device A/B of launch settings inside the whole loop; benchmarks
-    only). A name outside `allowed` is an error."""
-    spec = os.environ.get(var, "").strip()
+def parse_settings(spec: str, allowed: tuple | None = None, what: str = "settings") -> dict:
+    """Integer launch settings written "a=1,b=2" -> {"a": 1, "b": 2}; a name outside `allowed`
+    (when given) is an error naming `what`."""
     out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
+    for item in filter(None, (x.strip() for x in spec.strip().split(","))):
         name, _, val = item.partition("=")
-        if name not in allowed:
-            raise ValueError(f"{var}: unknown setting {name!r} in {spec!r}")
+        if allowed is not None and name not in allowed:
+            raise ValueError(f"{what}: unknown setting {name!r} in {spec!r}")
         out[name] = int(val)
     return out
+
+
+def env_settings(var: str, allowed: tuple) -> dict:
+    """Launch-setting overrides from the environment variable `var` ("a=1,b=2"), read when a program
+    is traced (on-device A/B of launch settings inside the whole loop; benchmarks only)."""
+    return parse_settings(os.environ.get(var, ""), allowed, var)
 
 
 def _env_overrides() -> dict:

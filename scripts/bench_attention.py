@@ -103,12 +103,11 @@ def per_call_time(f1, f3, args, n_buf: int, opts: dict) -> tuple[float, float]:
 def device_call_time(f1, args, n_buf: int, reps: int = 3) -> float:
     """Seconds of device time per call: the kernels' own durations in a jax.profiler trace of `reps`
     runs of the one-pass chain (every kernel of the op, the split merge included), so host timing
-    jitter and dispatch drop out. The wall-clock difference (`per_call_time`) moved +-30% between
+    jitter and dispatch drop out. f1 must be compiled and warm. The wall-clock difference (`per_call_time`) moved +-30% between
     rounds at B=1 (call 24); this is the A/B measure to trust for small cases."""
     import tempfile
 
     from bench_gpu import _find_trace, summarize_trace   # scripts/ is on sys.path (this script's dir)
-    jax.block_until_ready(f1(*args))
     d = tempfile.mkdtemp(prefix="attn_prof_")
     with jax.profiler.trace(d):
         for _ in range(reps):
@@ -353,9 +352,10 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
                 op = xla_op if var == "xla" else pallas_op(base if var == "default" else dict(base, **var), interpret)
                 name = var if isinstance(var, str) else ",".join(f"{k}={v}" for k, v in var.items())
             try:
-                pair = (chained(op, 1), chained(op, CHAIN_PASSES))
+                # --device-time reads the one-pass chain's trace: the long chain is not needed
+                pair = (chained(op, 1), None if args.device_time else chained(op, CHAIN_PASSES))
                 first = pair[0](q, e, ks, vs)[0].astype(jnp.float32)
-                for f in pair:
+                for f in filter(None, pair):
                     jax.block_until_ready(f(q, e, ks, vs))
             except Exception as ex:  # noqa: BLE001  (a variant that fails must not end the run)
                 print(f"ab        {name}: FAILED {type(ex).__name__}: {str(ex).splitlines()[0][:300]}", flush=True)

@@ -53,15 +53,15 @@ T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python scripts/bench_gpu.py` from anywhere finds dflash_jax
+ALL_SECTIONS = ("reference", "check", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
+DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
+PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
+
+
 def long_impls() -> list:
     """The attention paths of the longctx section; BENCH_LONG_IMPLS=pallas times only our kernel
     (an A/B of a kernel setting, without the slow XLA row)."""
     return [x for x in os.environ.get("BENCH_LONG_IMPLS", "pallas,xla").split(",") if x]
-
-
-ALL_SECTIONS = ("reference", "check", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
-DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
-PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
 GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "sampling_overhead": 0.05,
          "speedup_vs_ref": 20.0}
 MASK_ID = 151669

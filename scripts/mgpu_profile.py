@@ -34,16 +34,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import gpu_mosaic  # noqa: E402
+from pallas_kernels.gpu import parse_settings  # noqa: E402
 
 REGIONS = ("wait_k", "qk", "softmax", "wait_v", "pv")
-
-
-def parse_variant(spec: str) -> dict:
-    out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        k, _, v = item.partition("=")
-        out[k] = int(v)
-    return out
 
 
 def summarise(trace_file: str) -> dict:
@@ -84,7 +77,7 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="';'-separated tuning dicts, e.g. 'kv_splits=16;stages=2'")
     args = ap.parse_args()
     Hq, Hkv, D, S = 32, 8, 128, 16
-    variants = [parse_variant(v) for v in args.variants.split(";")] if args.variants else [{}]
+    variants = [parse_settings(v, what="--variants") for v in args.variants.split(";")] if args.variants else [{}]
     print(f"# mgpu_profile on {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     print(f"{'case':12s} {'variant':42s} {'kernel us':>9s} {'wg span':>8s} {'tiles/wg':>8s} "
           + " ".join(f"{r:>8s}" for r in REGIONS) + "   (us per tile)", flush=True)
