@@ -305,6 +305,7 @@ AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify 
     (1, 8192, (dict(stagger=1), dict(stagger=1, kv_splits=32, min_chunk=256))),
     (1, 32768, (dict(stagger=1), dict(stagger=1, kv_splits=16))),
     (8, 8192, (dict(stagger=1),)),
+    (8, 32768, (dict(stagger=1),)),   # a row over 75%: does stagger cost anything there?
 )
 
 
@@ -376,6 +377,17 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
                     times[name].append(device_call_time(f1, (q, e, ks, vs), n_buf) * 1e6)
                 else:
                     times[name].append(per_call_time(f1, f3, (q, e, ks, vs), n_buf, opts)[0] * 1e6)
+        if args.device_time:
+            # the same bytes read by a plain XLA reduction: what one kernel that only reads them
+            # reaches at this size (launch and ramp included), the ceiling for this row
+            kmax = int(np.asarray(e).max())
+            read = jax.jit(lambda ks, vs: [jnp.sum(k[:, :, :kmax], dtype=jnp.float32)
+                                           + jnp.sum(v[:, :, :kmax], dtype=jnp.float32)
+                                           for k, v in zip(ks, vs)])
+            jax.block_until_ready(read(ks, vs))
+            times["read-only ceiling (XLA sum of the same bytes)"] = [
+                device_call_time(read, (ks, vs), n_buf) * 1e6 for _ in range(args.ab_rounds)]
+            errs["read-only ceiling (XLA sum of the same bytes)"] = float("nan")
         rec = dict(B=B, ctx=ctx, default_cfg=base, kv_MB=kv_bytes / 1e6, rounds=times, results={})
         for name in times:
             us = statistics.median(times[name])

@@ -27,7 +27,7 @@ def test_bench_attention_ab_device_time_smoke(tmp_path):
     """--ab with --device-time: the kernels' time from a profiler trace (interpret mode on CPU)."""
     out = _run(["scripts/bench_attention.py", "--smoke", "--ab", "--device-time",
                 "--json", str(tmp_path / "a.json")], tmp_path)
-    assert "ab        default" in out and "ab        xla" in out
+    assert "ab        default" in out and "ab        xla" in out and "read-only ceiling" in out
     assert (tmp_path / "a.json").exists()
 
 
