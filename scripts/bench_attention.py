@@ -118,21 +118,40 @@ def device_call_time(f1, args, n_buf: int, reps: int = 3) -> float:
     return summarize_trace(path)["busy_ms"] / 1e3 / (reps * n_buf)
 
 
-def measure_bandwidth(nbytes: int, opts) -> tuple[float, float]:
+def measure_bandwidth(nbytes: int, opts, device_time: bool = False) -> tuple[float, float]:
     """(copy, read) bandwidth in bytes/s: a device-to-device copy counted as bytes read + written
-    (best of a bf16 and an f32 elementwise pass), and a read-only pass (a sum)."""
+    (best of a bf16 and an f32 elementwise pass), and a read-only pass (a sum). device_time: timed
+    from a profiler trace (the kernels' own durations), like the ops it is compared with."""
+    def seconds(f, x):
+        if device_time:
+            jax.block_until_ready(f(x))
+            t = device_call_time(f, (x,), 1)
+            if t > 0:           # 0: no kernel in the trace (a memcpy, or the CPU): wall clock
+                return t
+        return _time_calls(f, (x,), **opts)
     best_copy = 0.0
     for dt in (jnp.bfloat16, jnp.float32):
         x = jnp.zeros((nbytes // jnp.dtype(dt).itemsize,), dt) + 1
         # one read and one write per element; a jit output never aliases an undonated input, so
         # jnp.copy is a real device-to-device copy (a memcpy), a * 2 an elementwise kernel.
         for f in (jax.jit(jnp.copy), jax.jit(lambda a: a * 2)):
-            best_copy = max(best_copy, 2 * nbytes / _time_calls(f, (x,), **opts))
+            best_copy = max(best_copy, 2 * nbytes / seconds(f, x))
         del x
     x = jnp.zeros((nbytes // 4,), jnp.float32) + 1
-    read = nbytes / _time_calls(jax.jit(jnp.sum), (x,), **opts)
+    read = nbytes / seconds(jax.jit(jnp.sum), x)
     del x
     return best_copy, read
+
+
+def read_ceiling_seconds(k_end, ks, vs, n_buf: int) -> float:
+    """Device seconds per buffer pair for a plain XLA reduction over exactly the K/V bytes the
+    attention must read (keys [0, max k_end)): what one kernel that only reads them reaches at this
+    size, launch ramp included; the ceiling for that row. Profiler-timed like --device-time."""
+    kmax = int(np.asarray(k_end).max())
+    f = jax.jit(lambda ks, vs: [jnp.sum(k[:, :, :kmax], dtype=jnp.float32)
+                                + jnp.sum(v[:, :, :kmax], dtype=jnp.float32) for k, v in zip(ks, vs)])
+    jax.block_until_ready(f(ks, vs))
+    return device_call_time(f, (ks, vs), n_buf)
 
 
 def warm_up_device(seconds: float):
@@ -298,14 +317,14 @@ def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict
 AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify pattern; "xla" = reference
     # B=1 at 1k: is the kernel ever slower than XLA there? (single samples moved +-50% between calls)
     (1, 1024, ("xla",)),
-    # the rows under 75% of copy bandwidth. Calls 9-10 tried more, smaller programs, deeper pipelines
-    # and 8 warps here (none won); call 24: `stagger`, each program starting its tile walk at its own
-    # rotation (call 23's in-kernel profile of the Mosaic variant saw its compute warpgroups wait
-    # ~2.2 us a tile for K at B=1 32k: are aligned chunks hitting the same memory channels?)
-    (1, 8192, (dict(stagger=1), dict(stagger=1, kv_splits=32, min_chunk=256))),
-    (1, 32768, (dict(stagger=1), dict(stagger=1, kv_splits=16))),
-    (8, 8192, (dict(stagger=1),)),
-    (8, 32768, (dict(stagger=1),)),   # a row over 75%: does stagger cost anything there?
+    # The batch-1 rows under 75% of copy bandwidth, re-tuned by device time (call 25: B=1 8k 18.0 us,
+    # 32k 44.9 us, each round within 1%; `stagger` there 1.03x / 1.01x: rejected). Calls 9-10 tried
+    # these by wall clock, whose rounds spread +-30% at B=1.
+    (1, 8192, (dict(num_stages=4), dict(num_stages=2), dict(block_k=32, num_stages=4),
+               dict(kv_splits=24, min_chunk=256), dict(num_warps=8), dict(block_k=128, num_stages=2))),
+    (1, 32768, (dict(num_stages=4), dict(num_stages=2), dict(kv_splits=33), dict(kv_splits=64, min_chunk=256),
+                dict(block_k=128, num_stages=2), dict(num_warps=8), dict(block_k=32, num_stages=4))),
+    (8, 8192, (dict(num_stages=4),)),
 )
 
 
@@ -377,17 +396,10 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
                     times[name].append(device_call_time(f1, (q, e, ks, vs), n_buf) * 1e6)
                 else:
                     times[name].append(per_call_time(f1, f3, (q, e, ks, vs), n_buf, opts)[0] * 1e6)
-        if args.device_time:
-            # the same bytes read by a plain XLA reduction: what one kernel that only reads them
-            # reaches at this size (launch and ramp included), the ceiling for this row
-            kmax = int(np.asarray(e).max())
-            read = jax.jit(lambda ks, vs: [jnp.sum(k[:, :, :kmax], dtype=jnp.float32)
-                                           + jnp.sum(v[:, :, :kmax], dtype=jnp.float32)
-                                           for k, v in zip(ks, vs)])
-            jax.block_until_ready(read(ks, vs))
-            times["read-only ceiling (XLA sum of the same bytes)"] = [
-                device_call_time(read, (ks, vs), n_buf) * 1e6 for _ in range(args.ab_rounds)]
-            errs["read-only ceiling (XLA sum of the same bytes)"] = float("nan")
+        if args.device_time:      # the same bytes read by a plain XLA reduction: the row's ceiling
+            name = "read-only ceiling (XLA sum of the same bytes)"
+            times[name] = [read_ceiling_seconds(e, ks, vs, n_buf) * 1e6 for _ in range(args.ab_rounds)]
+            errs[name] = float("nan")
         rec = dict(B=B, ctx=ctx, default_cfg=base, kv_MB=kv_bytes / 1e6, rounds=times, results={})
         for name in times:
             us = statistics.median(times[name])
@@ -441,7 +453,7 @@ def run(args) -> dict:
     print(f"# {info}", flush=True)
     if not smoke:
         warm_up_device(1.0)
-    copy_bw, read_bw = measure_bandwidth(copy_bytes, opts)
+    copy_bw, read_bw = measure_bandwidth(copy_bytes, opts, args.device_time)
     info["copy_bw_TBps"], info["read_bw_TBps"] = copy_bw / 1e12, read_bw / 1e12
     print(f"# device copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write), "
           f"read-only {read_bw / 1e12:.3f} TB/s", flush=True)
@@ -461,7 +473,8 @@ def run(args) -> dict:
         output against ref first if given; put its first output in outs[name] if given."""
         rec = dict(impl=name)
         try:
-            f, f_long = chained(op, 1), chained(op, CHAIN_PASSES)
+            f = chained(op, 1)
+            f_long = None if args.device_time else chained(op, CHAIN_PASSES)
             out = f(q, e, ks, vs)[0].astype(jnp.float32)          # compiles; also the warm-up
             if outs is not None:
                 outs[name] = out
@@ -471,7 +484,10 @@ def run(args) -> dict:
                 if not err <= 2e-2:
                     rec["error"] = f"wrong result: rel err {err:.3g}"
                     return rec
-            t, t1 = per_call_time(f, f_long, (q, e, ks, vs), n_buf, opts)
+            if args.device_time:
+                t, t1 = device_call_time(f, (q, e, ks, vs), n_buf), float("nan")
+            else:
+                t, t1 = per_call_time(f, f_long, (q, e, ks, vs), n_buf, opts)
             rec.update(us=t * 1e6, TBps=kv_bytes / t / 1e12, pct_copy=100 * kv_bytes / t / copy_bw,
                        us_single_dispatch=t1 / n_buf * 1e6)
         except Exception as ex:  # noqa: BLE001  (one failing impl must not end the run)
@@ -538,6 +554,10 @@ def run(args) -> dict:
             ref = outs.get("xla")
             ref_outs[(pattern, B, ctx)] = ref
             row["pallas"] = timed("pallas", pallas_op(cfg, interpret), q, e, ks, vs, kv_bytes, n_buf, ref)
+            if args.device_time:      # the bytes alone: a plain XLA read of them (the row's ceiling)
+                t = read_ceiling_seconds(e, ks, vs, n_buf)
+                row["read"] = dict(impl="read", us=t * 1e6, TBps=kv_bytes / t / 1e12,
+                                   pct_copy=100 * kv_bytes / t / copy_bw)
             if not interpret and not args.sweep_only and not args.focus:
                 kt, vt = to_bthd(ks, vs)
                 row["cudnn"] = timed("cudnn", cudnn_op(pattern), q, e, kt, vt, kv_bytes, n_buf, ref)
@@ -547,6 +567,7 @@ def run(args) -> dict:
             results.append(row)
             print(f"{pattern:7s} B={B:<3d} ctx={ctx:<6d} kv={kv_bytes / 1e6:8.1f}MB  pallas {fmt(row['pallas'])}"
                   f"  xla {fmt(row['xla'])}  cudnn {fmt(row.get('cudnn'))}  tokamax {fmt(row.get('tokamax'))}"
+                  f"  read-only {fmt(row.get('read'))}"
                   f"  [{time.perf_counter() - t_start:.0f}s]",
                   flush=True)
             del ks, vs, ref, q
@@ -678,7 +699,7 @@ def run(args) -> dict:
           f"read {read_bw / 1e12:.2f} TB/s  "
           f"(TB/s = K/V bytes read / time; % = of copy bandwidth)")
     hdr = (f"{'pattern':8s}{'B':>4s}{'ctx':>7s}{'KV MB':>9s} | {'pallas':>22s} | {'pallas best':>22s} | "
-           f"{'xla':>22s} | {'cudnn':>22s} | {'tokamax':>22s}")
+           f"{'xla':>22s} | {'cudnn':>22s} | {'tokamax':>22s} | {'read-only (ceiling)':>22s}")
     print(hdr)
     print("-" * len(hdr))
 
@@ -692,7 +713,7 @@ def run(args) -> dict:
     for r in results:
         print(f"{r['pattern']:8s}{r['B']:>4d}{r['ctx']:>7d}{r['kv_MB']:>9.1f} | {cell(r['pallas'])} | "
               f"{cell(r.get('pallas_best'))} | {cell(r['xla'])} | {cell(r.get('cudnn'))} | "
-              f"{cell(r.get('tokamax'))}")
+              f"{cell(r.get('tokamax'))} | {cell(r.get('read'))}")
     for r in prefill_results:
         cells = []
         for n in ("pallas", "pallas_best", "xla", "cudnn"):
@@ -732,8 +753,10 @@ def main(argv=None):
                          "against the Triton default (MGPU_AB_CASES)")
     ap.add_argument("--no-check", action="store_true", help="--mgpu without its device checks")
     ap.add_argument("--device-time", action="store_true",
-                    help="--ab / --mgpu rounds timed by the kernels' device time in a profiler trace "
-                         "(no host jitter) instead of the wall-clock difference of two chains")
+                    help="every time (table, sweep, --ab / --mgpu rounds, the copy and read bandwidth) "
+                         "taken as the kernels' device time in a profiler trace (no host jitter or "
+                         "launch gaps) instead of the wall-clock difference of two chains; the table "
+                         "gains a read-only column: a plain XLA reduction over the same K/V bytes")
     ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")
     ap.add_argument("--sweep-only", action="store_true",
                     help="skip the baselines; sweep a wide grid of kernel variants on a few verify cases")

@@ -31,6 +31,13 @@ def test_bench_attention_ab_device_time_smoke(tmp_path):
     assert (tmp_path / "a.json").exists()
 
 
+def test_bench_attention_table_device_time_smoke(tmp_path):
+    """The main table with --device-time: every impl timed from a trace, plus the read-only ceiling."""
+    out = _run(["scripts/bench_attention.py", "--smoke", "--device-time", "--budget-s", "5",
+                "--json", str(tmp_path / "t.json")], tmp_path)
+    assert "read-only (ceiling)" in out and "# kernel checks" in out
+
+
 def test_bench_gpu_b1_profile_smoke(tmp_path):
     out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "b1,profile", "--out", str(tmp_path)], tmp_path)
     assert "dflash-jax GPU benchmark" in out
