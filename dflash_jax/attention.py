@@ -121,20 +121,10 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def l2_prefetch() -> bool:
-    """DFLASH_L2_PREFETCH=1: on the GPU path, the attention of a short block reads the next
-    projection's weight into L2 with programs the attention leaves idle (pallas_kernels.gpu,
-    `prefetch`). Read at trace time."""
-    return os.environ.get("DFLASH_L2_PREFETCH", "0") == "1"
-
-
-def attend(q, k_cache, v_cache, k_end, impl: str = "auto", *, scale: float | None = None,
-           prefetch=None):
+def attend(q, k_cache, v_cache, k_end, impl: str = "auto", *, scale: float | None = None):
     """q [B,T,Hq,D] over cache [B,Hkv,C,D]; row t of batch b sees keys [0, k_end[b,t]).
 
     Returns [B,T,Hq,D] in q.dtype (float32 accumulation); a row with k_end == 0 gives zeros.
-    prefetch: the weight the caller multiplies the result by next; the GPU kernel may read it into
-    L2 meanwhile (see l2_prefetch); ignored elsewhere.
     """
     path = resolve_impl(impl)
     if path == "xla":
@@ -143,11 +133,8 @@ def attend(q, k_cache, v_cache, k_end, impl: str = "auto", *, scale: float | Non
         return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu",
                                               scale=scale, interpret=True)
     kernel = "tpu" if path == "pallas_tpu" else "gpu"
-    tuning = {}
-    if kernel == "gpu" and prefetch is not None and q.shape[1] <= 64 and l2_prefetch():
-        tuning["prefetch"] = prefetch
     return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl=kernel, scale=scale,
-                                          interpret=path == "pallas_gpu_interpret", **tuning)
+                                          interpret=path == "pallas_gpu_interpret")
 
 
 def attend_prefill(q, k, v, k_cache, v_cache, k_end, impl: str = "auto", *,

@@ -107,7 +107,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
         if impl == "gpu_mosaic":
             from pallas_kernels import gpu_mosaic
             if gpu_mosaic.supports(q, k_cache) is None:
-                tuning.pop("prefetch", None)           # a Triton-kernel option
                 return gpu_mosaic.block_attention(q, k_cache, v_cache, k_end, scale=scale, **tuning)
             impl = "gpu"
         if impl == "gpu":

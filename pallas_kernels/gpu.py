@@ -131,16 +131,11 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     else:
         kv_splits = 1
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=min_chunk, one_loop=0, stagger=0)
-
-
-def _grid_ids() -> tuple:
-    return tuple(pl.program_id(a) for a in range(4)) + tuple(pl.num_programs(a) for a in range(1, 4))
+                num_stages=3, min_chunk=min_chunk, one_loop=0)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int, one_loop: bool, stagger: bool = False,
-            ids: tuple | None = None):
+            min_chunk: int, decode_rows: int, G: int, one_loop: bool):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -151,13 +146,11 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     [B] array, outputs are whole [B*Hq, D] (+ [B*Hq]) arrays written with the same mask. This saves
     the pad and slice kernels an XLA-side fold would cost at every layer.
     k_ref/v_ref [C, D]: the whole head; tiles are sliced in the loop.
-    ids: (program ids 0-3, num_programs 1-3) when the caller read them (_kernel_with_prefetch: the
-    interpreter cannot lower program_id under a pl.when).
     """
-    if ids is None:
-        ids = _grid_ids()
-    (b, h, i_t, s_idx), (n_kv, n_t, n_s) = ids[:4], ids[4:]
+    s_idx = pl.program_id(3)
     if decode_rows:
+        b, h = pl.program_id(0), pl.program_id(1)
+        n_kv = pl.num_programs(1)
         R = decode_rows
         r0 = (b * n_kv + h) * G
         row_ok = lax.broadcasted_iota(jnp.int32, (R,), 0) < G
@@ -191,20 +184,10 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     prec = _precision(q.dtype)
     cols = lax.broadcasted_iota(jnp.int32, (R, block_k), 1)
 
-    # stagger: each program walks its unmasked tiles from a different rotation, so programs whose
-    # chunks start at aligned offsets do not hit the same memory channels in lockstep (an A/B).
-    rot = None
-    if stagger:
-        pid = ((b * n_kv + h) * n_t + i_t) * n_s + s_idx
-        rot = lax.rem(pid * 5, jnp.maximum(n_full, 1))
-
     def make_body(masked: bool):
         def body(it, carry):
             acc, m, l = carry
-            if rot is not None and not masked:
-                k0 = pl.multiple_of(start + lax.rem(it + rot, n_full) * block_k, block_k)
-            else:
-                k0 = pl.multiple_of(start + it * block_k, block_k)
+            k0 = pl.multiple_of(start + it * block_k, block_k)
             k = k_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=prec) * scale                       # [R, bk]
@@ -263,62 +246,6 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
         pl.when(n_iter > 0)(store_o)
 
 
-# L2 prefetch riding on the attention launch. At batch 1 and a short cache the attention is
-# latency-bound: 32 programs (8 kv heads x 4 splits) on 132 SMs for ~8 us, the memory idle. The
-# projection after it (o: 33.5 MB for Qwen3-8B) then streams its weight from HBM. With `prefetch`,
-# extra programs on the split axis read that weight while the attention runs (loads marked
-# evict_last), so the GEMM that follows finds it in L2 (50 MiB on the H200).
-PREFETCH_COLS = 256          # the weight is read as [rows, 256] (512 B rows for bf16)
-PREFETCH_ROWS = 64           # rows per load: a 32 KiB tile for bf16
-
-
-def _prefetch_plan(prefetch, per_split: int, kv_splits: int, n_sms: int, programs: int | None):
-    """(weight as [rows, PREFETCH_COLS], extra split indices, rows per prefetch program), or None when
-    no prefetch applies: the attention fills the GPU by itself, or the weight is not a float array
-    whose size PREFETCH_COLS divides. per_split: programs per split index (B * Hkv * row tiles)."""
-    if prefetch is None or not jnp.issubdtype(prefetch.dtype, jnp.floating):
-        return None
-    if prefetch.size % PREFETCH_COLS or per_split * kv_splits >= n_sms:
-        return None
-    rows = prefetch.size // PREFETCH_COLS
-    if programs is None:      # one wave of two programs per SM, the attention's included
-        programs = 2 * n_sms - per_split * kv_splits
-    extra = max(1, -(-programs // per_split))
-    per = _round_up(-(-rows // (extra * per_split)), PREFETCH_ROWS)
-    return prefetch.reshape(rows, PREFETCH_COLS), extra, per
-
-
-def _kernel_with_prefetch(q_ref, k_ref, v_ref, kend_ref, pf_ref, *out_refs, kv_splits: int,
-                          pf_extra: int, pf_rows: int, **kw):
-    """Split indices < kv_splits: the attention (_kernel); the pf_extra after them: each reads its
-    pf_rows rows of pf_ref into L2 and writes their sum to sink_ref (so the loads stay)."""
-    *attn_refs, sink_ref = out_refs
-    ids = _grid_ids()
-    (b, h, i_t, s_idx), (n_kv, n_t, _) = ids[:4], ids[4:]
-
-    @pl.when(s_idx < kv_splits)
-    def _attend():
-        _kernel(q_ref, k_ref, v_ref, kend_ref, *attn_refs, kv_splits=kv_splits, ids=ids, **kw)
-
-    @pl.when(s_idx >= kv_splits)
-    def _prefetch():
-        rows = pf_ref.shape[0]
-        p = ((b * n_kv + h) * n_t + i_t) * pf_extra + (s_idx - kv_splits)
-        r0 = p * pf_rows
-        stop = jnp.minimum(r0 + pf_rows, rows)
-        n = pl.cdiv(jnp.maximum(stop - r0, 0), PREFETCH_ROWS)
-        offs = lax.broadcasted_iota(jnp.int32, (PREFETCH_ROWS,), 0)
-
-        def body(j, acc):
-            r = pl.multiple_of(r0 + j * PREFETCH_ROWS, PREFETCH_ROWS)
-            x = pltriton.load(pf_ref.at[pl.ds(r, PREFETCH_ROWS), :], mask=((r + offs) < stop)[:, None],
-                              other=0.0, eviction_policy="evict_last")
-            return acc + jnp.sum(x.astype(jnp.float32), axis=0)
-
-        acc = lax.fori_loop(0, n, body, jnp.zeros((PREFETCH_COLS,), jnp.float32))
-        sink_ref[...] = acc
-
-
 def _merge(o_parts, lse):
     """o_parts [S, ..., D] (normalised per split), lse [S, ...] f32 -> [..., D] f32.
 
@@ -360,20 +287,15 @@ def env_settings(var: str, allowed: tuple) -> dict:
 def _env_overrides() -> dict:
     """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
     return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
-                                            "num_stages", "min_chunk", "one_loop", "stagger"))
+                                            "num_stages", "min_chunk", "one_loop"))
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,
                     block_t: int | None = None, block_k: int | None = None,
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
-                    one_loop: bool | None = None, stagger: bool | None = None, n_sms: int = H200_SMS,
-                    prefetch=None, prefetch_programs: int | None = None):
-    """Pallas Triton block attention. Tuning arguments override `default_config`.
-
-    prefetch: an array (the weight of the projection that runs next) to read into L2 with extra
-    programs while the attention runs, when the attention alone leaves SMs idle (see
-    _prefetch_plan); the result is unchanged. prefetch_programs: how many (default: one wave)."""
+                    one_loop: bool | None = None, n_sms: int = H200_SMS):
+    """Pallas Triton block attention. Tuning arguments override `default_config`."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
     _, Hkv, C, _ = k_cache.shape
@@ -392,8 +314,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               jnp.pad(k_end, ((0, 0), (0, Tp - T))), scale=scale,
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
-                              one_loop=one_loop, stagger=stagger, n_sms=n_sms, prefetch=prefetch,
-                              prefetch_programs=prefetch_programs)
+                              one_loop=one_loop, n_sms=n_sms)
         return out[:, :T]
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
     cfg.update(_env_overrides())
@@ -401,8 +322,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
     for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
-                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop,
-                          stagger=stagger).items():
+                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop).items():
         if val is not None:
             cfg[name] = val
     bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]
@@ -451,42 +371,22 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
             out_specs = [pl.BlockSpec((None, None, bt, None, G, D), lambda b, h, i, s: (s, b, i, h, 0, 0)),
                          pl.BlockSpec((None, None, bt, None, G), lambda b, h, i, s: (s, b, i, h, 0))]
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
-    kw = dict(scale=scale, block_k=bk, min_chunk=min_chunk, decode_rows=decode_rows, G=G,
-              one_loop=bool(cfg["one_loop"]), stagger=bool(cfg["stagger"]))
-    kernel = functools.partial(_kernel, kv_splits=n_split, **kw)
-    operands, in_specs, n_grid_splits = [q_in, k_cache, v_cache, kend_in], [q_spec, kv_spec, kv_spec, kend_spec], n_split
-    plan = _prefetch_plan(prefetch, B * Hkv * n_t, n_split, n_sms, prefetch_programs)
-    if plan is not None:
-        pf, pf_extra, pf_rows = plan
-        n_grid_splits = n_split + pf_extra
-        kernel = functools.partial(_kernel_with_prefetch, kv_splits=n_split, pf_extra=pf_extra,
-                                   pf_rows=pf_rows, **kw)
-        operands.append(pf)
-        in_specs.append(pl.BlockSpec(pf.shape, lambda b, h, i, s: (0, 0)))
-        if n_split > 1 and not decode_rows:   # prefetch programs point at the last split's blocks
-            last = n_split - 1
-            out_specs = [pl.BlockSpec(sp.block_shape, lambda b, h, i, s, f=sp.index_map:
-                                      f(b, h, i, jnp.minimum(s, last))) for sp in out_specs]
-        out_shape = (list(out_shape) if isinstance(out_shape, list) else [out_shape]) + [
-            jax.ShapeDtypeStruct((B, Hkv, n_t, pf_extra, PREFETCH_COLS), jnp.float32)]
-        out_specs = (list(out_specs) if isinstance(out_specs, list) else [out_specs]) + [
-            pl.BlockSpec((None, None, None, None, PREFETCH_COLS),
-                         lambda b, h, i, s: (b, h, i, jnp.maximum(s - n_split, 0), 0))]
+    kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
+                               min_chunk=min_chunk, decode_rows=decode_rows, G=G,
+                               one_loop=bool(cfg["one_loop"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
             kernel,
             out_shape=out_shape,
-            grid=(B, Hkv, n_t, n_grid_splits),
-            in_specs=in_specs,
+            grid=(B, Hkv, n_t, n_split),
+            in_specs=[q_spec, kv_spec, kv_spec, kend_spec],
             out_specs=out_specs,
             compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
                                                     num_stages=cfg["num_stages"]),
             interpret=interpret,
             name="dflash_block_attention_gpu",
-        )(*operands)
-    if plan is not None:
-        out = out[0] if n_split == 1 else out[:2]        # drop the prefetch sink
+        )(q_in, k_cache, v_cache, kend_in)
     if n_split > 1:
         out = _merge(*out).astype(q.dtype)
     return out.reshape(B, T, Hq, D)

@@ -318,7 +318,7 @@ AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify 
     # B=1 at 1k: is the kernel ever slower than XLA there? (single samples moved +-50% between calls)
     (1, 1024, ("xla",)),
     # The batch-1 rows under 75% of copy bandwidth, re-tuned by device time (call 25: B=1 8k 18.0 us,
-    # 32k 44.9 us, each round within 1%; `stagger` there 1.03x / 1.01x: rejected). Calls 9-10 tried
+    # 32k 44.9 us, each round within 1%; `stagger` there 1.03x / 1.01x: rejected, removed). Calls 9-10 tried
     # these by wall clock, whose rounds spread +-30% at B=1.
     (1, 8192, (dict(num_stages=4), dict(num_stages=2), dict(block_k=32, num_stages=4),
                dict(kv_splits=24, min_chunk=256), dict(num_warps=8), dict(block_k=128, num_stages=2))),

@@ -141,7 +141,7 @@ RC=${PIPESTATUS[0]}
 # 6. extra runs, each in its own process with one environment setting (A/B of a trace-time knob):
 #    EXTRA_RUNS="DFLASH_GPU_ATTN=num_stages=4:b1 DFLASH_FUSED_KERNELS=0:b1"
 for spec in $EXTRA_RUNS; do
-  envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "$envset" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-60)
+  envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "${envset}_${secs}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-80)
   # "A=1+B=2": several settings; "~" in a value stands for a space (XLA_FLAGS=--a=1~--b=2)
   IFS='+' read -r -a assigns <<< "$envset"
   for i in "${!assigns[@]}"; do assigns[$i]=${assigns[$i]//\~/ }; done

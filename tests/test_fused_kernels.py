@@ -199,16 +199,14 @@ def test_fused_dispatch(monkeypatch):
     assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
 
 
-@pytest.mark.parametrize("linear,prefetch", [("0", "0"), ("1", "0"), ("0", "1")])
-def test_gpu_path_forward_and_loop_match_xla(linear, prefetch, monkeypatch):
+@pytest.mark.parametrize("linear", ["0", "1"])
+def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
     residuals deferred across layers into the next norm; with linear "1" every projection a
-    gpu_linear kernel; with prefetch "1" the attention kernels also read the o weights into L2)
-    against the XLA path: the target's verify and decode forwards (hidden states, taps, caches) and
-    a speculative generation's tokens."""
+    gpu_linear kernel) against the XLA path: the target's verify and decode forwards (hidden
+    states, taps, caches) and a speculative generation's tokens."""
     from dflash_jax import DraftConfig, generate, init_draft, init_target
     monkeypatch.setenv("DFLASH_FUSED_LINEAR", linear)
-    monkeypatch.setenv("DFLASH_L2_PREFETCH", prefetch)
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=64)   # every GPU kernel supports these shapes
     target = init_target(cfg, seed=3, dtype="float32")

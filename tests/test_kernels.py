@@ -130,17 +130,16 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop,stagger", [(2, False, False), (5, False, False),
-                                                       (3, True, False), (2, False, True), (1, False, True)])
+@pytest.mark.parametrize("kv_splits,one_loop", [(2, False), (5, False), (3, True)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, stagger, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, one_loop, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    the one-loop variant (every tile masked) and the staggered tile walk on the same rows."""
+    the one-loop variant (every tile masked) on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop, stagger=stagger)
+                              min_chunk=32, one_loop=one_loop)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
@@ -178,38 +177,6 @@ def test_gpu_kernel_decode_rows(kv_splits, G):
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
                               min_chunk=32)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
-
-
-@pytest.mark.parametrize("T,kv_splits", [(16, 4), (16, 1), (1, 4), (1, 1)])
-def test_gpu_kernel_prefetch_keeps_the_result(T, kv_splits):
-    """`prefetch`: extra programs on the split axis read a weight (here one whose rows do not
-    divide evenly among them) while the attention runs; the attention's output is unchanged."""
-    B, Hq, Hkv, C, D = 2, 8, 2, 256, 64
-    q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=3)
-    k_end = _k_end("ragged", B, T, C, seed=3)
-    w = jax.random.normal(jax.random.key(9), (300, 256), jnp.bfloat16)
-    assert gpu._prefetch_plan(w, B * Hkv, kv_splits, 32, None) is not None
-    kw = dict(interpret=True, kv_splits=kv_splits, block_k=32, min_chunk=32, n_sms=32)
-    out = gpu.block_attention(q, k, v, k_end, prefetch=w, **kw)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(gpu.block_attention(q, k, v, k_end, **kw)))
-    _check(out, _oracle(q, k, v, k_end), jnp.float32)
-
-
-def test_gpu_prefetch_plan():
-    """Every row of the weight belongs to one prefetch program; no prefetch when the attention
-    fills the GPU by itself or the weight cannot be read as [rows, 256] floats."""
-    for rows, per_split, splits, n_sms, programs in [(65536, 8, 4, 132, None), (300, 4, 1, 16, None),
-                                                   (16384, 8, 4, 132, 40), (64, 64, 1, 132, None)]:
-        w = jnp.zeros((rows * gpu.PREFETCH_COLS,), jnp.bfloat16)
-        flat, extra, per = gpu._prefetch_plan(w, per_split, splits, n_sms, programs)
-        assert flat.shape == (rows, gpu.PREFETCH_COLS) and per % gpu.PREFETCH_ROWS == 0
-        assert extra * per_split * per >= rows                # the programs cover the weight
-        if programs is None:                                  # one wave of two programs per SM
-            assert per_split * (splits + extra) <= 2 * n_sms + per_split
-    w = jnp.zeros((4096, 4096), jnp.bfloat16)
-    assert gpu._prefetch_plan(w, 256, 1, 132, None) is None               # 256 programs already
-    assert gpu._prefetch_plan(w.astype(jnp.int8), 8, 4, 132, None) is None
-    assert gpu._prefetch_plan(jnp.zeros((100,), jnp.bfloat16), 8, 4, 132, None) is None
 
 
 def test_xla_path_chunks_queries():

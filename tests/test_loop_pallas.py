@@ -79,16 +79,6 @@ def test_pallas_gpu_loop_exports_for_cuda():
     assert "mosaic_gpu" not in mlir
 
 
-def test_pallas_gpu_loop_with_l2_prefetch_exports_for_cuda(monkeypatch):
-    """DFLASH_L2_PREFETCH=1: the short-block attention kernels take each layer's o weight as an
-    extra operand (the prefetch programs read it); the program still lowers for CUDA."""
-    monkeypatch.setenv("DFLASH_L2_PREFETCH", "1")
-    mlir = _export_gpu_loop().mlir_module()
-    assert "dflash_block_attention_gpu" in mlir
-    monkeypatch.setenv("DFLASH_L2_PREFETCH", "0")
-    assert _export_gpu_loop().mlir_module() != mlir
-
-
 def test_pallas_gpu_loop_with_linear_kernels_exports_for_cuda(monkeypatch):
     monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
     mlir = _export_gpu_loop().mlir_module()

@@ -182,8 +182,8 @@ class DecoderLayer(nnx.Module):
 
     def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
         """Attention over the (written) cache, output projection, residual, MLP."""
-        if o is None:   # the o weight goes along: the GPU kernel may read it into L2 meanwhile
-            o = attend(q, k_cache, v_cache, k_end, impl, prefetch=self.o[...])   # [B, T, Hq, D]
+        if o is None:
+            o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
         o = o.reshape(o.shape[0], x.shape[1], -1)
         # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down; each
         # projection a gpu_linear kernel or XLA's GEMM as DFLASH_FUSED_LINEAR selects
