@@ -100,7 +100,7 @@ def per_call_time(f1, f3, args, n_buf: int, opts: dict) -> tuple[float, float]:
     return (t if t > 0 else t3 / (CHAIN_PASSES * n_buf)), t1
 
 
-def device_call_time(f1, args, n_buf: int, reps: int = 3) -> float:
+def device_call_time(f1, args, n_buf: int, reps: int = 3, parts: dict | None = None) -> float:
     """Seconds of device time per call: the kernels' own durations in a jax.profiler trace of `reps`
     runs of the one-pass chain (every kernel of the op, the split merge included), so host timing
     jitter and dispatch drop out. f1 must be compiled and warm. The wall-clock difference (`per_call_time`) moved +-30% between
@@ -115,7 +115,10 @@ def device_call_time(f1, args, n_buf: int, reps: int = 3) -> float:
     path = _find_trace(d)
     if path is None:
         raise RuntimeError(f"no trace written under {d}")
-    return summarize_trace(path)["busy_ms"] / 1e3 / (reps * n_buf)
+    summary = summarize_trace(path)
+    if parts is not None:       # seconds per call by kernel name
+        parts.update({name: t / 1e6 / (reps * n_buf) for name, (t, _) in summary["by_name"].items()})
+    return summary["busy_ms"] / 1e3 / (reps * n_buf)
 
 
 def measure_bandwidth(nbytes: int, opts, device_time: bool = False) -> tuple[float, float]:
@@ -316,15 +319,17 @@ def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict
 
 AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify pattern; "xla" = reference
     # B=1 at 1k: is the kernel ever slower than XLA there? (single samples moved +-50% between calls)
-    (1, 1024, ("xla",)),
+    (1, 1024, ("xla", dict(merge_kernel=1))),
     # The batch-1 rows under 75% of copy bandwidth, re-tuned by device time (call 25: B=1 8k 18.0 us,
     # 32k 44.9 us, each round within 1%; `stagger` there 1.03x / 1.01x: rejected, removed). Calls 9-10 tried
     # these by wall clock, whose rounds spread +-30% at B=1.
-    (1, 8192, (dict(num_stages=4), dict(num_stages=2), dict(block_k=32, num_stages=4),
-               dict(kv_splits=24, min_chunk=256), dict(num_warps=8), dict(block_k=128, num_stages=2))),
-    (1, 32768, (dict(num_stages=4), dict(num_stages=2), dict(kv_splits=33), dict(kv_splits=64, min_chunk=256),
-                dict(block_k=128, num_stages=2), dict(num_warps=8), dict(block_k=32, num_stages=4))),
-    (8, 8192, (dict(num_stages=4),)),
+    # Call 26 found nothing > 2% better among stages/block_k/warps/split counts; call 27: splitting the
+    # query rows over programs instead (block_t 8 / 4) 1.3-1.8x slower, and the split merge (XLA's
+    # fusion) 5.9 us of B=1 32k's 45.1 (3.6 of 17.9 at 8k): `merge_kernel` merges in a Pallas kernel.
+    (1, 8192, (dict(merge_kernel=1),)),
+    (1, 32768, (dict(merge_kernel=1), dict(kv_splits=33, merge_kernel=1))),
+    (8, 8192, (dict(merge_kernel=1),)),
+    (8, 32768, (dict(merge_kernel=1),)),
 )
 
 
@@ -390,10 +395,14 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
                 continue
             progs[name] = pair
         times = {name: [] for name in progs}
+        split = {}        # --device-time: name -> (attention kernel us, everything else us), last round
         for _ in range(args.ab_rounds):
             for name, (f1, f3) in progs.items():
                 if args.device_time:
-                    times[name].append(device_call_time(f1, (q, e, ks, vs), n_buf) * 1e6)
+                    parts = {}
+                    times[name].append(device_call_time(f1, (q, e, ks, vs), n_buf, parts=parts) * 1e6)
+                    attn = sum(t for n, t in parts.items() if "block_attention" in n) * 1e6
+                    split[name] = (attn, sum(parts.values()) * 1e6 - attn)
                 else:
                     times[name].append(per_call_time(f1, f3, (q, e, ks, vs), n_buf, opts)[0] * 1e6)
         if args.device_time:      # the same bytes read by a plain XLA reduction: the row's ceiling
@@ -405,13 +414,17 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
             us = statistics.median(times[name])
             rec["results"][name] = dict(us=us, TBps=kv_bytes / us / 1e6, rel_err=errs[name],
                                         pct_copy=100 * kv_bytes / us / 1e6 / (copy_bw / 1e12))
+            if name in split:
+                rec["results"][name]["kernel_us"], rec["results"][name]["other_us"] = split[name]
         out.append(rec)
         if "default" not in rec["results"]:
             continue
         d = rec["results"]["default"]["us"]
         print(f"ab      B={B:<3d} ctx={ctx:<6d} kv={kv_bytes / 1e6:.1f}MB default {base}", flush=True)
         for name, r in rec["results"].items():
-            print(f"ab        {name:48s} {r['us']:7.1f}us {r['TBps']:.2f} TB/s {r['pct_copy']:4.0f}% ({r['us'] / d:.2f}x default, err {r['rel_err']:.1e}); rounds "
+            kern = (f" [attention kernel {r['kernel_us']:.1f} + merge/other {r['other_us']:.1f}us]"
+                    if r.get("kernel_us") else "")
+            print(f"ab        {name:48s} {r['us']:7.1f}us {r['TBps']:.2f} TB/s {r['pct_copy']:4.0f}% ({r['us'] / d:.2f}x default, err {r['rel_err']:.1e}){kern}; rounds "
                   + "/".join(f"{t:.0f}" for t in times[name]), flush=True)
         del ks, vs, q, progs
         gc.collect()

@@ -130,17 +130,39 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop", [(2, False), (5, False), (3, True)])
+@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel", [(2, False, False), (5, False, False),
+                                                            (3, True, False), (5, False, True)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    the one-loop variant (every tile masked) on the same rows."""
+    the one-loop variant (every tile masked) and the merge as a Pallas kernel on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop)
+                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
+
+
+@pytest.mark.parametrize("S,N,D,dtype", [(4, 512, 128, jnp.bfloat16), (3, 24, 64, jnp.float32),
+                                         (32, 40, 256, jnp.bfloat16)])
+def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
+    """merge_splits (Pallas) against _merge (XLA ops) on partials with empty splits (lse -inf, o NaN:
+    never written by the kernel) and fully empty rows, N not a multiple of its 16-row tiles."""
+    kq, kl = jax.random.split(jax.random.key(S * N))
+    o = jax.random.normal(kq, (S, N, D), jnp.float32)
+    lse = 3 * jax.random.normal(kl, (S, N), jnp.float32)
+    lse = lse.at[1 % S].set(-jnp.inf)                     # an empty split ...
+    o = o.at[1 % S].set(jnp.nan)                          # ... whose partial was never written
+    lse = lse.at[:, 5].set(-jnp.inf)                      # a row with no keys at all
+    o = o.astype(dtype)
+    got = gpu.merge_splits(o, lse, dtype, interpret=True)
+    want = gpu._merge(o, lse).astype(dtype)
+    assert got.shape == (N, D) and got.dtype == dtype
+    assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)),
+                               rtol=1e-6 if dtype == jnp.float32 else 1e-2, atol=1e-6)
+    assert not np.asarray(got[5].astype(jnp.float32)).any()
 
 
 def test_gpu_default_config_splits_small_batch():
@@ -166,16 +188,16 @@ def test_gpu_default_config_splits_small_batch():
     assert cfg["kv_splits"] == 4
 
 
-@pytest.mark.parametrize("kv_splits", [1, 3])
+@pytest.mark.parametrize("kv_splits,merge_kernel", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("G", [1, 4, 8])
-def test_gpu_kernel_decode_rows(kv_splits, G):
+def test_gpu_kernel_decode_rows(kv_splits, merge_kernel, G):
     """Plain decode (T == 1): the G rows of each kv head are a masked 16-row tile of the flat
     [B*Hq, D] view, the last program's tile reaching past the array's end."""
     B, Hkv, C, D = 3, 2, 256, 64
     q, k, v = _inputs(B, 1, Hkv * G, Hkv, C, D, jnp.float32, seed=2)
     k_end = jnp.asarray([[1], [0], [C]], jnp.int32)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32)
+                              min_chunk=32, merge_kernel=merge_kernel)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
@@ -311,6 +333,18 @@ def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
                        S((B, T, Hq, D), dtype), S((B, Hkv, C, D), dtype), S((B, Hkv, C, D), dtype),
                        S((B, T), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_merge_kernel_lowers_for_cuda(T):
+    """B=1 over a 32k cache (32 splits): the attention and its merge as two Triton kernels."""
+    Hq, Hkv, D = QWEN3_8B["Hq"], QWEN3_8B["Hkv"], 128
+    S = jax.ShapeDtypeStruct
+    exp = _export_cuda(lambda q, k, v, e: gpu.block_attention(q, k, v, e, merge_kernel=True),
+                       S((1, T, Hq, D), jnp.bfloat16), S((1, Hkv, 32768, D), jnp.bfloat16),
+                       S((1, Hkv, 32768, D), jnp.bfloat16), S((1, T), jnp.int32))
+    mlir = exp.mlir_module()
+    assert "dflash_attention_merge" in mlir and "dflash_block_attention_gpu" in mlir
 
 
 def test_xla_path_bf16_batched():
