@@ -94,6 +94,9 @@ def _row_tile(T: int, G: int, rows: int = 64) -> int:
 # Measured in the whole loop on the H200 (call 7, B=1, prompt 512): DFlash 5.59 ms per iteration
 # with 4 splits of >= 128 keys against 5.78-5.87 unsplit, plain decode 4.30 against 4.46 ms.
 SPLIT_MIN_CAPACITY = 4096
+# Output tile of one program of the split merge kernel (merge_splits), when `merge_kernel` is on.
+MERGE_ROWS = 16
+MERGE_COLS = 64
 SHORT_SPLITS = 4
 SHORT_MIN_CHUNK = 128
 
@@ -131,7 +134,8 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     else:
         kv_splits = 1
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=min_chunk, one_loop=0, merge_kernel=0)
+                num_stages=3, min_chunk=min_chunk, one_loop=0, merge_kernel=0, merge_rows=MERGE_ROWS,
+                merge_cols=MERGE_COLS)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
@@ -270,13 +274,12 @@ def _merge(o_parts, lse):
 # each read every split: at B=1 and 32k context (32 splits, 4 MB of partials) it took 5.9 us of the
 # call's 45.1 (call 27, device time). This kernel spreads the partials over (row tile, column tile)
 # programs, each loading all of its splits' tiles at once (unrolled: every load in flight together).
-MERGE_ROWS = 16
-MERGE_COLS = 64
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int):
+def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int, rows: int, n_cols: int):
     """o_ref [S, N, D] (per-split normalised partials), lse_ref [S, N] f32 -> out_ref [N, D]: this
-    program's MERGE_ROWS rows x MERGE_COLS columns. Same arithmetic as `_merge`."""
+    program's `rows` rows x `n_cols` columns. Same arithmetic as `_merge`."""
+    MERGE_ROWS, MERGE_COLS = rows, n_cols
     r0 = pl.program_id(0) * MERGE_ROWS
     cols = pl.ds(pl.multiple_of(pl.program_id(1) * MERGE_COLS, MERGE_COLS), MERGE_COLS)
     row_ok = (r0 + lax.broadcasted_iota(jnp.int32, (MERGE_ROWS,), 0)) < n_rows
@@ -296,21 +299,25 @@ def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int):
     pltriton.store(out_ref.at[pl.ds(r0, MERGE_ROWS), cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
 
 
-def merge_splits(o_parts, lse, out_dtype, *, interpret=False):
-    """o_parts [S, ..., D], lse [S, ...] -> [..., D] in out_dtype: `_merge` as one Pallas kernel."""
+def merge_splits(o_parts, lse, out_dtype, *, rows: int = MERGE_ROWS, cols: int = MERGE_COLS,
+                 interpret=False):
+    """o_parts [S, ..., D], lse [S, ...] -> [..., D] in out_dtype: `_merge` as one Pallas kernel,
+    one program per `rows` x `cols` tile of the output."""
     S, D = o_parts.shape[0], o_parts.shape[-1]
+    cols = min(cols, D)
     o2 = o_parts.reshape(S, -1, D)
     N = o2.shape[1]
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
-            functools.partial(_merge_kernel, n_split=S, n_rows=N),
+            functools.partial(_merge_kernel, n_split=S, n_rows=N, rows=rows, n_cols=cols),
             out_shape=jax.ShapeDtypeStruct((N, D), out_dtype),
-            grid=(pl.cdiv(N, MERGE_ROWS), D // MERGE_COLS),
+            grid=(pl.cdiv(N, rows), D // cols),
             in_specs=[whole((S, N, D)), whole((S, N))],
             out_specs=whole((N, D)),
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+            compiler_params=pltriton.CompilerParams(num_warps=max(1, min(4, rows * cols // 256)),
+                                                    num_stages=1),
             interpret=interpret,
             name="dflash_attention_merge",
         )(o2, lse.reshape(S, N))
@@ -338,7 +345,8 @@ def env_settings(var: str, allowed: tuple) -> dict:
 def _env_overrides() -> dict:
     """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
     return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
-                                            "num_stages", "min_chunk", "one_loop", "merge_kernel"))
+                                            "num_stages", "min_chunk", "one_loop", "merge_kernel",
+                                            "merge_rows", "merge_cols"))
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,
@@ -346,6 +354,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
                     one_loop: bool | None = None, merge_kernel: bool | None = None,
+                    merge_rows: int | None = None, merge_cols: int | None = None,
                     n_sms: int = H200_SMS):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
@@ -369,7 +378,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               jnp.pad(k_end, ((0, 0), (0, Tp - T))), scale=scale,
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
-                              one_loop=one_loop, merge_kernel=merge_kernel, n_sms=n_sms)
+                              one_loop=one_loop, merge_kernel=merge_kernel, merge_rows=merge_rows,
+                              merge_cols=merge_cols, n_sms=n_sms)
         return out[:, :T]
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
     cfg.update(_env_overrides())
@@ -378,7 +388,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
     for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
                           num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop,
-                          merge_kernel=merge_kernel).items():
+                          merge_kernel=merge_kernel, merge_rows=merge_rows, merge_cols=merge_cols).items():
         if val is not None:
             cfg[name] = val
     bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]
@@ -444,7 +454,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
             name="dflash_block_attention_gpu",
         )(q_in, k_cache, v_cache, kend_in)
     if n_split > 1 and cfg["merge_kernel"]:
-        out = merge_splits(*out, q.dtype, interpret=interpret)
+        out = merge_splits(*out, q.dtype, rows=cfg["merge_rows"], cols=cfg["merge_cols"],
+                           interpret=interpret)
     elif n_split > 1:
         out = _merge(*out).astype(q.dtype)
     return out.reshape(B, T, Hq, D)
