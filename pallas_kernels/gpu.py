@@ -126,16 +126,25 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
         # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave
         # of 56 programs that ran at a fraction of the bandwidth (B=8, 32k: 1.72 TB/s).
         # At most 16 splits below 16k rows: B=1 at 8k ran 20.9 us with 16 against 24.2 us with 32
-        # (3 alternating rounds, call 8); at 32k the two tied (55.1 / 56.6 us), 32 kept there.
-        cap = 16 if C < 16384 else 32
+        # (3 alternating rounds, call 8). From 16k on the wave is filled: B=1 at 32k takes 33
+        # splits (264 programs, 16 tiles each; 32 splits left 17-tile chunks): 44.1-44.3 us against
+        # 44.9-45.1 with 32 (device time, calls 26-29).
+        cap = 16 if C < 16384 else 2 * n_sms
         kv_splits = max(1, min(2 * n_sms // programs, max(1, C // block_k), cap))
     elif programs < 4 * n_sms and C >= 16384:
         kv_splits = 2
     else:
         kv_splits = 1
+    # Long caches merge their splits in merge_splits' kernel with >= 512 programs: 4 x 32 tiles when
+    # the output is small (B=1: 512 rows), 16 x 64 from B=8 on. Device time (calls 28-30): the merge
+    # 4.0-4.2 us against XLA's fusion's 5.8 at B=1 32k, 2.5 against 3.6 at B=1 8k, 3.1-3.2 against
+    # 4.2-4.3 at B=8. Short caches (few, small partials) keep XLA's fusion, which can overlap its
+    # launch with the next GEMM's (PDL); call 28 saw no difference in the prompt-512 loop.
+    big = B * T * Hkv * G * D // (MERGE_ROWS * MERGE_COLS) >= n_sms     # 16 x 64 tiles fill the GPU
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=min_chunk, one_loop=0, merge_kernel=0, merge_rows=MERGE_ROWS,
-                merge_cols=MERGE_COLS)
+                num_stages=3, min_chunk=min_chunk, one_loop=0,
+                merge_kernel=int(kv_splits > 1 and C >= SPLIT_MIN_CAPACITY),
+                merge_rows=MERGE_ROWS if big else 4, merge_cols=MERGE_COLS if big else 32)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,

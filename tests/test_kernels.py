@@ -186,6 +186,19 @@ def test_gpu_default_config_splits_small_batch():
     # spilling a small second wave (5 -> 320).
     cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=8, Hkv=8)
     assert cfg["kv_splits"] == 4
+    # From 16k keys on, batch 1 fills the wave exactly: 33 splits x 8 heads = 264 = 2 x 132 programs
+    assert gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)["kv_splits"] == 33
+
+
+def test_gpu_default_config_merge_kernel():
+    """Long caches merge their splits in the Pallas merge kernel, with tiles small enough for >= 512
+    programs at batch 1; short caches and unsplit calls keep XLA's merge (or none)."""
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)
+    assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (4, 32)
+    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=8, Hkv=8)
+    assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (16, 64)
+    assert not gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)["merge_kernel"]   # 4 short splits
+    assert not gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8)["merge_kernel"]  # no splits
 
 
 @pytest.mark.parametrize("kv_splits,merge_kernel", [(1, False), (3, False), (3, True)])
