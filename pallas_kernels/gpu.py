@@ -15,7 +15,8 @@ Grid (B, Hkv, row tiles, kv splits). Unlike TPU, GPU programs run concurrently, 
 `fori_loop` inside the program. When B*Hkv*row_tiles cannot fill the GPU (batch 1 decode: 8 programs
 on 132 SMs), the KV range [0, max k_end of the tile) is split into `kv_splits` chunks (sized from the
 actual length, not the capacity, so all splits get work), each writes a normalised partial output
-and its log-sum-exp, and a small XLA epilogue (one elementwise fusion) merges them. Caches shorter
+and its log-sum-exp, and a merge combines them: `merge_splits`, a second Pallas kernel, for caches
+of >= SPLIT_MIN_CAPACITY rows; for shorter ones a small XLA epilogue (one elementwise fusion). Caches shorter
 than SPLIT_MIN_CAPACITY are split SHORT_SPLITS ways in chunks of >= SHORT_MIN_CHUNK keys when the
 block is short (decode, verify, draft) and the programs few: at batch 1 and a 512-token prompt the
 unsplit kernel is latency-bound (8 programs, ~9 tiles each, 13 us a call).
@@ -127,8 +128,8 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
         # of 56 programs that ran at a fraction of the bandwidth (B=8, 32k: 1.72 TB/s).
         # At most 16 splits below 16k rows: B=1 at 8k ran 20.9 us with 16 against 24.2 us with 32
         # (3 alternating rounds, call 8). From 16k on the wave is filled: B=1 at 32k takes 33
-        # splits (264 programs, 16 tiles each; 32 splits left 17-tile chunks): 44.1-44.3 us against
-        # 44.9-45.1 with 32 (device time, calls 26-29).
+        # splits (264 programs, 16 tiles each; 32 splits left 17-tile chunks): 43.9-44.3 us against
+        # 44.8-45.2 with 32 (device time, calls 26-30).
         cap = 16 if C < 16384 else 2 * n_sms
         kv_splits = max(1, min(2 * n_sms // programs, max(1, C // block_k), cap))
     elif programs < 4 * n_sms and C >= 16384:
@@ -137,9 +138,10 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
         kv_splits = 1
     # Long caches merge their splits in merge_splits' kernel with >= 512 programs: 4 x 32 tiles when
     # the output is small (B=1: 512 rows), 16 x 64 from B=8 on. Device time (calls 28-30): the merge
-    # 4.0-4.2 us against XLA's fusion's 5.8 at B=1 32k, 2.5 against 3.6 at B=1 8k, 3.1-3.2 against
-    # 4.2-4.3 at B=8. Short caches (few, small partials) keep XLA's fusion, which can overlap its
-    # launch with the next GEMM's (PDL); call 28 saw no difference in the prompt-512 loop.
+    # 4.1 us against XLA's fusion's 5.7-5.9 at B=1 32k, 2.6 against 3.6-3.7 at B=1 8k, 3.0-3.2
+    # against 4.1-4.3 at B=8 (calls 28-31; with both, B=1 32k 42.5 against 44.6 us). Short caches
+    # (few, small partials) keep XLA's fusion, which can overlap its launch with the next GEMM's
+    # (PDL); call 28 saw no difference in the prompt-512 loop.
     big = B * T * Hkv * G * D // (MERGE_ROWS * MERGE_COLS) >= n_sms     # 16 x 64 tiles fill the GPU
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
                 num_stages=3, min_chunk=min_chunk, one_loop=0,
@@ -279,10 +281,10 @@ def _merge(o_parts, lse):
     return o / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-# The split merge as a Pallas kernel. XLA's fusion of `_merge` runs a small grid of threads that
-# each read every split: at B=1 and 32k context (32 splits, 4 MB of partials) it took 5.9 us of the
-# call's 45.1 (call 27, device time). This kernel spreads the partials over (row tile, column tile)
-# programs, each loading all of its splits' tiles at once (unrolled: every load in flight together).
+# The split merge as a Pallas kernel. XLA's fusion of `_merge` took 5.9 us of the call's 45.1 at B=1
+# and 32k context (32 splits, 4 MB of partials; call 27, device time). This kernel spreads the
+# partials over (row tile, column tile) programs, each loading all of its splits' tiles at once
+# (unrolled: every load in flight together); small tiles (many programs) win at batch 1.
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int, rows: int, n_cols: int):
