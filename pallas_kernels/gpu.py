@@ -95,11 +95,12 @@ def _row_tile(T: int, G: int, rows: int = 64) -> int:
 # Measured in the whole loop on the H200 (call 7, B=1, prompt 512): DFlash 5.59 ms per iteration
 # with 4 splits of >= 128 keys against 5.78-5.87 unsplit, plain decode 4.30 against 4.46 ms.
 SPLIT_MIN_CAPACITY = 4096
-# Output tile of one program of the split merge kernel (merge_splits), when `merge_kernel` is on.
-MERGE_ROWS = 16
-MERGE_COLS = 64
 SHORT_SPLITS = 4
 SHORT_MIN_CHUNK = 128
+# Output tile of one program of the split merge kernel (merge_splits) when it fills the GPU; batch 1
+# uses 4 x 32 (default_config).
+MERGE_ROWS = 16
+MERGE_COLS = 64
 
 
 def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H200_SMS) -> dict:
@@ -137,11 +138,11 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     else:
         kv_splits = 1
     # Long caches merge their splits in merge_splits' kernel with >= 512 programs: 4 x 32 tiles when
-    # the output is small (B=1: 512 rows), 16 x 64 from B=8 on. Device time (calls 28-30): the merge
+    # the output is small (B=1: 512 rows), 16 x 64 from B=4 on. Device time (calls 28-31): the merge
     # 4.1 us against XLA's fusion's 5.7-5.9 at B=1 32k, 2.6 against 3.6-3.7 at B=1 8k, 3.0-3.2
-    # against 4.1-4.3 at B=8 (calls 28-31; with both, B=1 32k 42.5 against 44.6 us). Short caches
-    # (few, small partials) keep XLA's fusion, which can overlap its launch with the next GEMM's
-    # (PDL); call 28 saw no difference in the prompt-512 loop.
+    # against 4.1-4.3 at B=8; with the 33 splits, B=1 32k 42.5 against 44.6 us. Short caches (few,
+    # small partials) keep XLA's fusion, which can overlap its launch with the next GEMM's (PDL);
+    # call 28 saw no difference in the prompt-512 loop.
     big = B * T * Hkv * G * D // (MERGE_ROWS * MERGE_COLS) >= n_sms     # 16 x 64 tiles fill the GPU
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
                 num_stages=3, min_chunk=min_chunk, one_loop=0,
@@ -285,29 +286,27 @@ def _merge(o_parts, lse):
 # and 32k context (32 splits, 4 MB of partials; call 27, device time). This kernel spreads the
 # partials over (row tile, column tile) programs, each loading all of its splits' tiles at once
 # (unrolled: every load in flight together); small tiles (many programs) win at batch 1.
-
-
-def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int, rows: int, n_cols: int):
+def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int, rows: int, width: int):
     """o_ref [S, N, D] (per-split normalised partials), lse_ref [S, N] f32 -> out_ref [N, D]: this
-    program's `rows` rows x `n_cols` columns. Same arithmetic as `_merge`."""
-    MERGE_ROWS, MERGE_COLS = rows, n_cols
-    r0 = pl.program_id(0) * MERGE_ROWS
-    cols = pl.ds(pl.multiple_of(pl.program_id(1) * MERGE_COLS, MERGE_COLS), MERGE_COLS)
-    row_ok = (r0 + lax.broadcasted_iota(jnp.int32, (MERGE_ROWS,), 0)) < n_rows
-    lse = [pltriton.load(lse_ref.at[jnp.int32(s), pl.ds(r0, MERGE_ROWS)], mask=row_ok, other=-jnp.inf)
+    program's `rows` rows x `width` columns. Same arithmetic as `_merge`."""
+    r0 = pl.program_id(0) * rows
+    cols = pl.ds(pl.multiple_of(pl.program_id(1) * width, width), width)
+    row_ok = (r0 + lax.broadcasted_iota(jnp.int32, (rows,), 0)) < n_rows
+    lse = [pltriton.load(lse_ref.at[jnp.int32(s), pl.ds(r0, rows)], mask=row_ok, other=-jnp.inf)
            for s in range(n_split)]
-    parts = [pltriton.load(o_ref.at[jnp.int32(s), pl.ds(r0, MERGE_ROWS), cols], mask=row_ok[:, None], other=0.0)
-             for s in range(n_split)]
+    parts = [pltriton.load(o_ref.at[jnp.int32(s), pl.ds(r0, rows), cols], mask=row_ok[:, None],
+                           other=0.0) for s in range(n_split)]
     m = functools.reduce(jnp.maximum, lse)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    den = jnp.zeros((MERGE_ROWS,), jnp.float32)
-    acc = jnp.zeros((MERGE_ROWS, MERGE_COLS), jnp.float32)
+    den = jnp.zeros((rows,), jnp.float32)
+    acc = jnp.zeros((rows, width), jnp.float32)
     for x, o in zip(lse, parts):
         w = jnp.exp(x - m)                                                    # 0 for an empty split
         den = den + w
+        # where, not a product: an empty split's o was never written (may hold nan)
         acc = acc + jnp.where(w[:, None] > 0, o.astype(jnp.float32) * w[:, None], 0.0)
     out = acc / jnp.where(den > 0, den, 1.0)[:, None]
-    pltriton.store(out_ref.at[pl.ds(r0, MERGE_ROWS), cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
+    pltriton.store(out_ref.at[pl.ds(r0, rows), cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
 
 
 def merge_splits(o_parts, lse, out_dtype, *, rows: int = MERGE_ROWS, cols: int = MERGE_COLS,
@@ -322,7 +321,7 @@ def merge_splits(o_parts, lse, out_dtype, *, rows: int = MERGE_ROWS, cols: int =
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
-            functools.partial(_merge_kernel, n_split=S, n_rows=N, rows=rows, n_cols=cols),
+            functools.partial(_merge_kernel, n_split=S, n_rows=N, rows=rows, width=cols),
             out_shape=jax.ShapeDtypeStruct((N, D), out_dtype),
             grid=(pl.cdiv(N, rows), D // cols),
             in_specs=[whole((S, N, D)), whole((S, N))],
@@ -399,7 +398,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
     for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
                           num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop,
-                          merge_kernel=merge_kernel, merge_rows=merge_rows, merge_cols=merge_cols).items():
+                          merge_kernel=merge_kernel, merge_rows=merge_rows,
+                          merge_cols=merge_cols).items():
         if val is not None:
             cfg[name] = val
     bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]

@@ -320,16 +320,9 @@ def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict
 AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify pattern; "xla" = reference
     # B=1 at 1k: is the kernel ever slower than XLA there? (single samples moved +-50% between calls)
     (1, 1024, ("xla",)),
-    # The batch-1 rows under 75% of copy bandwidth, re-tuned by device time (call 25: B=1 8k 18.0 us,
-    # 32k 44.9 us, each round within 1%; `stagger` there 1.03x / 1.01x: rejected, removed). Calls 9-10 tried
-    # these by wall clock, whose rounds spread +-30% at B=1.
-    # Call 26 found nothing > 2% better among stages/block_k/warps/split counts; call 27: splitting the
-    # query rows over programs instead (block_t 8 / 4) 1.3-1.8x slower, and the split merge (XLA's
-    # fusion) 5.9 us of B=1 32k's 45.1 (3.6 of 17.9 at 8k): `merge_kernel` merges in a Pallas kernel.
-    # Call 28: that kernel with 16 x 64 tiles (64 programs at B=1) slower than XLA's fusion at B=1
-    # (7.1 against 5.8 us at 32k), faster at B=8 (3.1 against 4.2): smaller tiles, more programs.
-    # Call 30: 4 x 32 tiles and 33 splits at B=1 32k 42.7 us (0.95x); 2 x 32, 4 x 16, 1 x 128 the same
-    # within 0.5 us. Both are the defaults since; these cases time the previous defaults against them.
+    # The rows the split merge kernel and the filled 32k wave changed (calls 27-31; BENCHMARKS.md has
+    # every variant tried there: stages, block_k, warps, split counts, rows split over programs,
+    # merge tile sizes): the previous defaults (XLA's merge fusion, at most 32 splits) against them.
     (1, 8192, (dict(merge_kernel=0),)),
     (1, 32768, (dict(merge_kernel=0, kv_splits=32),)),
     (8, 8192, (dict(merge_kernel=0),)),
