@@ -263,8 +263,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     k_cache = k_cache.astype(q.dtype)
     v_cache = v_cache.astype(q.dtype)
     n_parts = n_split * cw
-    swizzle = 128 if D * jnp.dtype(q.dtype).itemsize >= 128 else 64
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(q.dtype).itemsize)),
+    swizzle = 128 if D * itemsize >= 128 else 64
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                   plgpu.SwizzleTransform(swizzle))
     kernel = functools.partial(
         _kernel, plgpu=plgpu, G=G, bt=bt, n_split=n_split, block_k=bk, stages=stages, cw=cw,

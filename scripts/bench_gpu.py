@@ -56,12 +56,6 @@ if REPO not in sys.path:
 ALL_SECTIONS = ("reference", "check", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
-
-
-def long_impls() -> list:
-    """The attention paths of the longctx section; BENCH_LONG_IMPLS=pallas times only our kernel
-    (an A/B of a kernel setting, without the slow XLA row)."""
-    return [x for x in os.environ.get("BENCH_LONG_IMPLS", "pallas,xla").split(",") if x]
 GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "sampling_overhead": 0.05,
          "speedup_vs_ref": 20.0}
 MASK_ID = 151669
@@ -72,6 +66,12 @@ SAMPLING_VARIANTS = (("t1", dict(temperature=1.0, top_p=1.0, top_k=0)),
                      ("t06_p095_k20", dict(temperature=0.6, top_p=0.95, top_k=20)),
                      ("t1_p095", dict(temperature=1.0, top_p=0.95, top_k=0)),
                      ("t1_k20", dict(temperature=1.0, top_p=1.0, top_k=20)))
+
+
+def long_impls() -> list:
+    """The attention paths of the longctx section; BENCH_LONG_IMPLS=pallas times only our kernel
+    (an A/B of a kernel setting, without the slow XLA row)."""
+    return [x for x in os.environ.get("BENCH_LONG_IMPLS", "pallas,xla").split(",") if x]
 
 
 def log(*a):
