@@ -319,15 +319,14 @@ def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict
 # --------------------------------------------------------------------------------------- driver
 
 AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify pattern; "xla" = reference
-    # B=1 at 1k: is the kernel ever slower than XLA there? (single samples moved +-50% between calls)
-    (1, 1024, ("xla",)),
-    # The rows the split merge kernel and the filled 32k wave changed (calls 27-31; BENCHMARKS.md has
-    # every variant tried there: stages, block_k, warps, split counts, rows split over programs,
-    # merge tile sizes): the previous defaults (XLA's merge fusion, at most 32 splits) against them.
-    (1, 8192, (dict(merge_kernel=0),)),
-    (1, 32768, (dict(merge_kernel=0, kv_splits=32),)),
-    (8, 8192, (dict(merge_kernel=0),)),
-    (32, 32768, (dict(merge_kernel=0),)),
+    # Ninth session: K/V loads marked evict-first (the partials the merge reads stay in L2), and at
+    # 8k the filled wave (33 splits, 4 tiles a program) now that the merge is a kernel (calls 27-31
+    # measured 16 against 32 splits with XLA's merge only). Short caches (the prompt-512 loop's
+    # attention, XLA's merge fusion): 8 splits of 64 keys, 16 of 32, against 4 of 128.
+    (1, 512, (dict(kv_splits=8, min_chunk=64), dict(kv_splits=16, min_chunk=32, block_k=32))),
+    (1, 8192, (dict(kv_evict=1), dict(kv_splits=33))),
+    (1, 32768, (dict(kv_evict=1),)),
+    (8, 8192, (dict(kv_evict=1),)),
 )
 
 

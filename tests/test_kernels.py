@@ -130,17 +130,19 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel", [(2, False, False), (5, False, False),
-                                                            (3, True, False), (5, False, True)])
+@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel,kv_evict", [
+    (2, False, False, False), (5, False, False, False), (3, True, False, False), (5, False, True, False),
+    (4, False, True, True)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, kv_evict, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    the one-loop variant (every tile masked) and the merge as a Pallas kernel on the same rows."""
+    the one-loop variant (every tile masked), the merge as a Pallas kernel, and K/V loads marked
+    evict-first on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel)
+                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel, kv_evict=kv_evict)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
@@ -348,12 +350,13 @@ def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("T", [1, 16])
-def test_gpu_merge_kernel_lowers_for_cuda(T):
-    """B=1 over a 32k cache (32 splits): the attention and its merge as two Triton kernels."""
+@pytest.mark.parametrize("T,kv_evict", [(1, False), (16, False), (16, True)])
+def test_gpu_merge_kernel_lowers_for_cuda(T, kv_evict):
+    """B=1 over a 32k cache (32 splits): the attention and its merge as two Triton kernels (with
+    kv_evict, the K/V loads carry an evict-first policy)."""
     Hq, Hkv, D = QWEN3_8B["Hq"], QWEN3_8B["Hkv"], 128
     S = jax.ShapeDtypeStruct
-    exp = _export_cuda(lambda q, k, v, e: gpu.block_attention(q, k, v, e, merge_kernel=True),
+    exp = _export_cuda(lambda q, k, v, e: gpu.block_attention(q, k, v, e, merge_kernel=True, kv_evict=kv_evict),
                        S((1, T, Hq, D), jnp.bfloat16), S((1, Hkv, 32768, D), jnp.bfloat16),
                        S((1, Hkv, 32768, D), jnp.bfloat16), S((1, T), jnp.int32))
     mlir = exp.mlir_module()
