@@ -89,23 +89,6 @@ def fused_linear(impl: str, x, w, *, swiglu: bool = False, name: str | None = No
                                                        w.shape[1], w.dtype, swiglu=swiglu)
 
 
-SPLIT_K_NAMES = ("qkv", "o", "down")
-
-
-def split_k_parts(impl: str, T: int, name: str) -> int:
-    """How many split-K partial products projection `name` of a T-token block writes for its
-    consumer kernel to add up (pallas_kernels.gpu.split_k_matmul), 0 for XLA's own GEMM.
-    DFLASH_SPLIT_K="4" (qkv, o and down 4 ways) or "qkv=4,o=2,down=8"; "0" (the default) off. Only
-    on the fused GPU path (see fused_prologue) and not with DFLASH_FUSED_LINEAR. Read at trace time."""
-    spec = os.environ.get("DFLASH_SPLIT_K", "0").strip()
-    if spec in ("", "0") or name not in SPLIT_K_NAMES or linear_projections() or not _fused_ok(impl, T):
-        return 0
-    if spec.isdigit():
-        return int(spec)
-    from pallas_kernels import gpu
-    return gpu.parse_settings(spec, SPLIT_K_NAMES, "DFLASH_SPLIT_K").get(name, 0)
-
-
 def linear_prologue() -> bool:
     """DFLASH_LINEAR_PROLOGUE=1: the residual add and RMSNorm run inside the projection kernel
     (gpu_linear's residual/norm_weight) instead of add_norm's kernel before it. Off by default:

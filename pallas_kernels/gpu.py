@@ -16,10 +16,10 @@ Grid (B, Hkv, row tiles, kv splits). Unlike TPU, GPU programs run concurrently, 
 on 132 SMs), the KV range [0, max k_end of the tile) is split into `kv_splits` chunks (sized from the
 actual length, not the capacity, so all splits get work), each writes a normalised partial output
 and its log-sum-exp, and a merge combines them: `merge_splits`, a second Pallas kernel, for caches
-of >= SPLIT_MIN_CAPACITY rows; for shorter ones a small XLA epilogue (one elementwise fusion). Caches shorter
-than SPLIT_MIN_CAPACITY are split SHORT_SPLITS ways in chunks of >= SHORT_MIN_CHUNK keys when the
-block is short (decode, verify, draft) and the programs few: at batch 1 and a 512-token prompt the
-unsplit kernel is latency-bound (8 programs, ~9 tiles each, 13 us a call).
+of >= SPLIT_MIN_CAPACITY rows; for shorter ones a small XLA epilogue (one elementwise fusion).
+Caches shorter than SPLIT_MIN_CAPACITY are split as SHORT_SPLITS says (8 ways in chunks of >= 64
+keys at batch 1) when the block is short (decode, verify, draft) and the programs few: at batch 1
+and a 512-token prompt the unsplit kernel is latency-bound (8 programs, ~9 tiles each, 13 us a call).
 """
 
 from __future__ import annotations
@@ -90,13 +90,15 @@ def _row_tile(T: int, G: int, rows: int = 64) -> int:
     return bt
 
 
-# Below this capacity the split count does not come from filling the GPU: short blocks with few
-# programs split SHORT_SPLITS ways (chunks >= SHORT_MIN_CHUNK keys), everything else not at all.
-# Measured in the whole loop on the H200 (call 7, B=1, prompt 512): DFlash 5.59 ms per iteration
-# with 4 splits of >= 128 keys against 5.78-5.87 unsplit, plain decode 4.30 against 4.46 ms.
+# Below this capacity the split count does not come from filling the GPU: short blocks with fewer
+# programs than SMs split into the first (splits, min chunk) of SHORT_SPLITS whose programs fit in
+# one wave of two per SM (8 of >= 64 keys up to batch 4 at Qwen3-8B heads, else 4 of >= 128),
+# everything else not at all. Measured on the H200: in the whole loop (call 7, B=1, prompt 512)
+# DFlash 5.59 ms per iteration with 4 splits of >= 128 keys against 5.78-5.87 unsplit, plain
+# decode 4.30 against 4.46 ms; the kernel alone (call 33, device time, B=1 over 528 keys) 7.3 us
+# with 8 splits of 64 keys against 8.9 with 4 and 8.0 with 16 of 32.
 SPLIT_MIN_CAPACITY = 4096
-SHORT_SPLITS = 4
-SHORT_MIN_CHUNK = 128
+SHORT_SPLITS = ((8, 64), (4, 128))
 # Output tile of one program of the split merge kernel (merge_splits) when it fills the GPU; batch 1
 # uses 4 x 32 (default_config).
 MERGE_ROWS = 16
@@ -121,8 +123,10 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     min_chunk = 512
     if C < SPLIT_MIN_CAPACITY:
         kv_splits = 1
-        if T <= 64 and programs < n_sms and C >= 2 * SHORT_MIN_CHUNK:
-            kv_splits, min_chunk = SHORT_SPLITS, SHORT_MIN_CHUNK
+        if T <= 64 and programs < n_sms:
+            fits = [sc for sc in SHORT_SPLITS if sc[0] * programs <= 2 * n_sms] or SHORT_SPLITS[-1:]
+            if C >= 2 * fits[0][1]:
+                kv_splits, min_chunk = fits[0]
     elif programs < n_sms:
         # Two programs fit on an SM (~112 KiB of shared memory each): fill exactly one wave of
         # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave
@@ -145,13 +149,13 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     # call 28 saw no difference in the prompt-512 loop.
     big = B * T * Hkv * G * D // (MERGE_ROWS * MERGE_COLS) >= n_sms     # 16 x 64 tiles fill the GPU
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=min_chunk, one_loop=0, kv_evict=0,
+                num_stages=3, min_chunk=min_chunk, one_loop=0,
                 merge_kernel=int(kv_splits > 1 and C >= SPLIT_MIN_CAPACITY),
                 merge_rows=MERGE_ROWS if big else 4, merge_cols=MERGE_COLS if big else 32)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int, one_loop: bool, kv_evict: bool = False):
+            min_chunk: int, decode_rows: int, G: int, one_loop: bool):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -200,18 +204,11 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     prec = _precision(q.dtype)
     cols = lax.broadcasted_iota(jnp.int32, (R, block_k), 1)
 
-    def load_kv(ref, k0):
-        # kv_evict: K/V are read once; marked evict-first they pass through L2 without pushing out
-        # what is reused (the split partials the merge reads next)
-        if kv_evict:
-            return pltriton.load(ref.at[pl.ds(k0, block_k), :], eviction_policy="evict_first")
-        return ref[pl.ds(k0, block_k), :]
-
     def make_body(masked: bool):
         def body(it, carry):
             acc, m, l = carry
             k0 = pl.multiple_of(start + it * block_k, block_k)
-            k = load_kv(k_ref, k0)                                            # [bk, D]
+            k = k_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=prec) * scale                       # [R, bk]
             if masked:
@@ -224,7 +221,7 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
                 # A row with nothing visible yet has m_new == _MASK and exp(0) == 1: zero it.
                 p = jnp.where(visible, p, 0.0)
             l = alpha * l + jnp.sum(p, axis=1)
-            v = load_kv(v_ref, k0)                                            # [bk, D]
+            v = v_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32, precision=prec)  # [R, D]
             acc = acc * alpha[:, None] + pv
@@ -362,7 +359,7 @@ def env_settings(var: str, allowed: tuple) -> dict:
 def _env_overrides() -> dict:
     """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
     return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
-                                            "num_stages", "min_chunk", "one_loop", "kv_evict", "merge_kernel",
+                                            "num_stages", "min_chunk", "one_loop", "merge_kernel",
                                             "merge_rows", "merge_cols"))
 
 
@@ -370,8 +367,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                     block_t: int | None = None, block_k: int | None = None,
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
-                    one_loop: bool | None = None, kv_evict: bool | None = None,
-                    merge_kernel: bool | None = None,
+                    one_loop: bool | None = None, merge_kernel: bool | None = None,
                     merge_rows: int | None = None, merge_cols: int | None = None,
                     n_sms: int = H200_SMS):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
@@ -396,8 +392,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               jnp.pad(k_end, ((0, 0), (0, Tp - T))), scale=scale,
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
-                              one_loop=one_loop, kv_evict=kv_evict, merge_kernel=merge_kernel,
-                              merge_rows=merge_rows, merge_cols=merge_cols, n_sms=n_sms)
+                              one_loop=one_loop, merge_kernel=merge_kernel, merge_rows=merge_rows,
+                              merge_cols=merge_cols, n_sms=n_sms)
         return out[:, :T]
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
     cfg.update(_env_overrides())
@@ -405,7 +401,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
     for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
-                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop, kv_evict=kv_evict,
+                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop,
                           merge_kernel=merge_kernel, merge_rows=merge_rows,
                           merge_cols=merge_cols).items():
         if val is not None:
@@ -458,7 +454,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
                                min_chunk=min_chunk, decode_rows=decode_rows, G=G,
-                               one_loop=bool(cfg["one_loop"]), kv_evict=bool(cfg["kv_evict"]))
+                               one_loop=bool(cfg["one_loop"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
@@ -481,42 +477,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
 
 
 # ----------------------------------------------------------------------------------------------
-# Split-K partial sums. XLA:GPU runs each skinny projection of a short block (qkv, o, down: 16 rows
-# by 4096-12288) as a split-K GEMM followed by its own reduction kernel (~1.7 us each, three a layer;
-# call 17's profile: 0.19 ms an iteration). split_k_matmul writes the P partial products instead
-# (one batched GEMM, f32 out) and the kernels that consume the projection (the q/k prologue,
-# add + RMSNorm) add them up on their way in, so the reduction costs no launch of its own.
-
-MAX_PARTIALS = 16
-
-
-def split_k_matmul(x, w, parts: int):
-    """x [..., K] @ w [K, N] as `parts` partial products [parts, ..., N] float32 over equal slices of
-    K (their sum, rounded, is the GEMM's result). The weight's reshape is free (row-major)."""
-    K, N = w.shape
-    if K % parts or not 1 <= parts <= MAX_PARTIALS:
-        raise Unsupported(f"split_k_matmul: K={K} does not split {parts} ways")
-    lead = x.shape[:-1]
-    xs = x.reshape(-1, parts, K // parts)
-    out = jnp.einsum("mpk,pkn->pmn", xs, w.reshape(parts, K // parts, N),
-                     preferred_element_type=jnp.float32)
-    return out.reshape((parts,) + lead + (N,))
-
-
-def sum_partials(y, dtype):
-    """The XLA form of what the kernels do with split_k_matmul's partials: add up in order, round."""
-    return functools.reduce(jnp.add, [y[p] for p in range(y.shape[0])]).astype(dtype)
-
-
-def _sum_partials(ref, idx: tuple):
-    """sum over p of ref[p][idx] in float32, the partials loaded one slice at a time."""
-    acc = ref[(0,) + idx]
-    for p in range(1, ref.shape[0]):
-        acc = acc + ref[(p,) + idx]
-    return acc
-
-
-# ----------------------------------------------------------------------------------------------
 # Fused attention prologue for short blocks (decode T=1, verify T=16) on the GPU path.
 #
 # After the fused q/k/v projection, XLA runs q-norm, k-norm, RoPE and the two cache writes as about
@@ -531,21 +491,13 @@ def _prologue_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, start_ref, kc_in
     del kc_in, vc_in  # aliased to kc_ref / vc_ref
     b, h = pl.program_id(0), pl.program_id(1)
     half = D // 2
-    dt = q_ref.dtype
+    dt = qkv_ref.dtype
     f32 = jnp.float32
     cos, sin = cos_ref[...], sin_ref[...]                                       # [T, D/2] f32
-    T = cos.shape[0]
-
-    def cols(col0, width):
-        """qkv[:, col0:col0 + width] in dt: the projection's output, or its split-K partial sums
-        ([P, T, F] f32) added up and rounded as the GEMM would round its result."""
-        if len(qkv_ref.shape) == 2:
-            return qkv_ref[:, pl.ds(col0, width)]
-        return _sum_partials(qkv_ref, (slice(None), pl.ds(col0, width))).astype(dt)
 
     def norm_rope(col0, w_ref):
-        x1 = cols(col0, half).astype(f32)                                       # [T, D/2]
-        x2 = cols(col0 + half, half).astype(f32)
+        x1 = qkv_ref[:, pl.ds(col0, half)].astype(f32)                           # [T, D/2]
+        x2 = qkv_ref[:, pl.ds(col0 + half, half)].astype(f32)
         r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / D + eps)[:, None]
         y1 = (w_ref[pl.ds(0, half)][None, :].astype(f32) * (x1 * r).astype(dt).astype(f32)).astype(dt).astype(f32)
         y2 = (w_ref[pl.ds(half, half)][None, :].astype(f32) * (x2 * r).astype(dt).astype(f32)).astype(dt).astype(f32)
@@ -562,10 +514,11 @@ def _prologue_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, start_ref, kc_in
         j = h - Hq
         n_kv = pl.num_programs(1) - Hq
         start = start_ref[b]
+        T = qkv_ref.shape[0]
         o1, o2 = norm_rope((Hq + j) * D, kw_ref)
         pltriton.store(kc_ref.at[b, j, pl.ds(start, T), pl.ds(0, half)], o1.astype(kc_ref.dtype))
         pltriton.store(kc_ref.at[b, j, pl.ds(start, T), pl.ds(half, half)], o2.astype(kc_ref.dtype))
-        v = cols((Hq + n_kv + j) * D, D)                                          # [T, D]
+        v = qkv_ref[:, pl.ds((Hq + n_kv + j) * D, D)]                              # [T, D]
         pltriton.store(vc_ref.at[b, j, pl.ds(start, T), :], v.astype(vc_ref.dtype))
 
 
@@ -575,33 +528,26 @@ def prologue_supported(T: int, D: int) -> bool:
 
 def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v_cache, start, *,
                        num_heads: int, interpret=False):
-    """qkv [B, T, (Hq + 2 Hkv) D] (the fused projection's output) or its split-K partial sums
-    [P, B, T, (Hq + 2 Hkv) D] float32 (see `split_k_matmul`; summed and rounded to the cache dtype
-    here), cos/sin [B, T, D/2] float32, q/k norm weights [D], caches [B, Hkv, C, D], start [B] (the
-    block's first cache row, clamped to [0, C - T] as dynamic_update_slice would). Returns (q [B, T,
-    Hq, D] normed and rotated, k_cache, v_cache) with rows [start, start + T) of every kv head
-    holding the block's normed, rotated keys and its values."""
-    partial = qkv.ndim == 4
-    P = qkv.shape[0] if partial else 0
-    B, T, F = qkv.shape[-3:]
+    """qkv [B, T, (Hq + 2 Hkv) D] (the fused projection's output), cos/sin [B, T, D/2] float32,
+    q/k norm weights [D], caches [B, Hkv, C, D], start [B] (the block's first cache row, clamped to
+    [0, C - T] as dynamic_update_slice would). Returns (q [B, T, Hq, D] normed and rotated, k_cache, v_cache) with
+    rows [start, start + T) of every kv head holding the block's normed, rotated keys and its values."""
+    B, T, F = qkv.shape
     _, Hkv, C, D = k_cache.shape
     Hq = num_heads
-    if (F != (Hq + 2 * Hkv) * D or not prologue_supported(T, D)
-            or (partial and (qkv.dtype != jnp.float32 or not 1 <= P <= MAX_PARTIALS))):
-        raise Unsupported(f"prologue: qkv {qkv.shape} {qkv.dtype}, cache {k_cache.shape}, Hq {Hq}")
-    qkv_spec = (pl.BlockSpec((P, None, T, F), lambda b, h: (0, b, 0, 0)) if partial
-                else pl.BlockSpec((None, T, F), lambda b, h: (b, 0, 0)))
+    if F != (Hq + 2 * Hkv) * D or not prologue_supported(T, D):
+        raise Unsupported(f"prologue: qkv {qkv.shape}, cache {k_cache.shape}, Hq {Hq}")
     full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
     kernel = functools.partial(_prologue_kernel, Hq=Hq, D=D, eps=float(eps))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         q, k_cache, v_cache = pl.pallas_call(
             kernel,
-            out_shape=[jax.ShapeDtypeStruct((B, T, Hq, D), k_cache.dtype if partial else qkv.dtype),
+            out_shape=[jax.ShapeDtypeStruct((B, T, Hq, D), qkv.dtype),
                        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
             grid=(B, Hq + Hkv),
-            in_specs=[qkv_spec,
+            in_specs=[pl.BlockSpec((None, T, F), lambda b, h: (b, 0, 0)),
                       pl.BlockSpec((None, T, D // 2), lambda b, h: (b, 0, 0)),
                       pl.BlockSpec((None, T, D // 2), lambda b, h: (b, 0, 0)),
                       full((D,)), full((D,)), full((B,)),
@@ -625,9 +571,7 @@ def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v
 def _add_rmsnorm_kernel(x_ref, y_ref, w_ref, s_ref, n_ref, *, eps: float):
     f32 = jnp.float32
     dt = x_ref.dtype
-    # y: [H] in dt, or [P, H] split-K partial sums (f32) added up and rounded as the GEMM would
-    y = y_ref[...] if len(y_ref.shape) == 1 else _sum_partials(y_ref, (slice(None),)).astype(dt)
-    s = (x_ref[...].astype(f32) + y.astype(f32)).astype(dt)                   # [H], as x + y in dt
+    s = (x_ref[...].astype(f32) + y_ref[...].astype(f32)).astype(dt)          # [H], as x + y in dt
     sf = s.astype(f32)
     r = lax.rsqrt(jnp.mean(sf * sf) + eps)
     s_ref[...] = s
@@ -640,32 +584,25 @@ def add_rmsnorm_supported(H: int) -> bool:
 
 def add_rmsnorm(x, y, weight, eps: float, *, interpret=False):
     """(x + y, RMSNorm(x + y) * weight) for x, y [..., H] of one dtype, as modeling.layers computes
-    them (the sum rounded to the input dtype, the norm in float32, cast back, times the weight).
-    y may instead be a projection's split-K partial sums [P, ..., H] float32 (`split_k_matmul`):
-    they are added up in float32 and rounded to x's dtype first, as the whole GEMM would round."""
+    them (the sum rounded to the input dtype, the norm in float32, cast back, times the weight)."""
     H = x.shape[-1]
-    partial = y.ndim == x.ndim + 1
-    ok = (y.shape[1:] == x.shape and y.dtype == jnp.float32 and 1 <= y.shape[0] <= MAX_PARTIALS
-          if partial else (x.shape == y.shape and x.dtype == y.dtype))
-    if not ok or not add_rmsnorm_supported(H):
+    if x.shape != y.shape or x.dtype != y.dtype or not add_rmsnorm_supported(H):
         raise Unsupported(f"add_rmsnorm: {x.shape} {x.dtype} + {y.shape} {y.dtype}")
     lead = x.shape[:-1]
     N = math.prod(lead)
     row = pl.BlockSpec((None, H), lambda i: (i, 0))
-    y_spec = pl.BlockSpec((y.shape[0], None, H), lambda i: (0, i, 0)) if partial else row
-    y = y.reshape(y.shape[0], N, H) if partial else y.reshape(N, H)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         s, n = pl.pallas_call(
             functools.partial(_add_rmsnorm_kernel, eps=float(eps)),
             out_shape=[jax.ShapeDtypeStruct((N, H), x.dtype), jax.ShapeDtypeStruct((N, H), x.dtype)],
             grid=(N,),
-            in_specs=[row, y_spec, pl.BlockSpec((H,), lambda i: (0,))],
+            in_specs=[row, row, pl.BlockSpec((H,), lambda i: (0,))],
             out_specs=[row, row],
             compiler_params=pltriton.CompilerParams(num_warps=4 if H <= 4096 else 8, num_stages=1),
             interpret=interpret,
             name="dflash_add_rmsnorm",
-        )(x.reshape(N, H), y, weight.astype(x.dtype))
+        )(x.reshape(N, H), y.reshape(N, H), weight.astype(x.dtype))
     return s.reshape(x.shape), n.reshape(x.shape)
 
 

@@ -91,73 +91,6 @@ def test_add_rmsnorm_matches_the_layer(shape, dtype):
     np.testing.assert_allclose(np.asarray(n, np.float32), np.asarray(norm(want_s), np.float32), **tol)
 
 
-def _partials(P, lead, N, seed):
-    """P split-K partial products [P, *lead, N] float32 (and their rounded bf16 sum's scale ~1)."""
-    return jax.random.normal(jax.random.key(seed), (P,) + lead + (N,)) / P ** 0.5
-
-
-@pytest.mark.parametrize("P,dtype", [(1, jnp.float32), (4, jnp.bfloat16), (8, jnp.float32)])
-def test_add_rmsnorm_adds_up_split_k_partials(P, dtype):
-    """y as P partial products: the kernel adds them up in float32 and rounds to x's dtype, exactly
-    as sum_partials does, then proceeds as with the rounded y."""
-    H = 512
-    x = (jax.random.normal(jax.random.key(1), (2, 16, H)) * 4).astype(dtype)
-    w = jnp.linspace(0.5, 1.5, H).astype(dtype)
-    y = _partials(P, (2, 16), H, seed=P)
-    got = gpu.add_rmsnorm(x, y, w, 1e-6, interpret=True)
-    want = gpu.add_rmsnorm(x, gpu.sum_partials(y, dtype), w, 1e-6, interpret=True)
-    tol = dict(atol=0, rtol=0) if dtype == jnp.bfloat16 else dict(atol=1e-6, rtol=1e-6)
-    for g, ww in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(ww, np.float32), **tol)
-    with pytest.raises(gpu.Unsupported, match="add_rmsnorm"):
-        gpu.add_rmsnorm(x, y.astype(jnp.bfloat16), w, 1e-6, interpret=True)   # partials must be f32
-
-
-@pytest.mark.parametrize("P,dtype", [(2, jnp.bfloat16), (4, jnp.float32)])
-def test_prologue_adds_up_split_k_partials(P, dtype):
-    B, T, Hq, Hkv, D, C = 2, 16, 4, 2, 64, 48
-    layer = _layer(D, Hq, Hkv, dtype)
-    qkv = _partials(P, (B, T), (Hq + 2 * Hkv) * D, seed=7) * 3
-    k_cache = jnp.zeros((B, Hkv, C, D), dtype)
-    v_cache = jnp.ones((B, Hkv, C, D), dtype)
-    start = jnp.asarray([3, 20], jnp.int32)
-    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
-    cos, sin = rope_tables(positions, D, layer.rope_theta)
-    args = (cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...], layer.q_norm.eps, k_cache, v_cache, start)
-    got = gpu.qk_norm_rope_write(qkv, *args, num_heads=Hq, interpret=True)
-    want = gpu.qk_norm_rope_write(gpu.sum_partials(qkv, dtype), *args, num_heads=Hq, interpret=True)
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype == dtype
-        # bf16: bit for bit; f32 carries no rounding step, so XLA's CPU fusion may contract differently
-        tol = dict(atol=0, rtol=0) if dtype == jnp.bfloat16 else dict(atol=1e-6, rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tol)
-
-
-@pytest.mark.parametrize("P", [1, 2, 8])
-def test_split_k_matmul_sums_to_the_product(P):
-    x = jax.random.normal(jax.random.key(0), (2, 16, 256))
-    w = jax.random.normal(jax.random.key(1), (256, 96)) / 16
-    parts = gpu.split_k_matmul(x, w, P)
-    assert parts.shape == (P, 2, 16, 96) and parts.dtype == jnp.float32
-    hi = jax.lax.Precision.HIGHEST
-    np.testing.assert_allclose(np.asarray(gpu.sum_partials(parts, jnp.float32)),
-                               np.asarray(jnp.dot(x, w, precision=hi)), atol=1e-4, rtol=1e-4)
-    with pytest.raises(gpu.Unsupported, match="does not split 3 ways"):
-        gpu.split_k_matmul(x, w, 3)
-
-
-def test_split_k_setting(monkeypatch):
-    from dflash_jax.attention import split_k_parts
-    monkeypatch.setenv("DFLASH_SPLIT_K", "4")
-    assert [split_k_parts("pallas_gpu", 16, n) for n in ("qkv", "o", "down", "gate_up")] == [4, 4, 4, 0]
-    assert split_k_parts("xla", 16, "o") == 0 and split_k_parts("pallas_gpu", 512, "o") == 0   # prefill
-    monkeypatch.setenv("DFLASH_SPLIT_K", "o=2,down=8")
-    assert [split_k_parts("pallas_gpu", 1, n) for n in ("qkv", "o", "down")] == [0, 2, 8]
-    monkeypatch.setenv("DFLASH_SPLIT_K", "o=2,up=8")
-    with pytest.raises(ValueError, match="DFLASH_SPLIT_K: unknown setting 'up'"):
-        split_k_parts("pallas_gpu", 1, "o")
-
-
 def test_add_rmsnorm_lowers_for_cuda():
     from jax import export
     S = jax.ShapeDtypeStruct
@@ -266,19 +199,14 @@ def test_fused_dispatch(monkeypatch):
     assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
 
 
-@pytest.mark.parametrize("linear,split_k", [("0", "0"), ("1", "0"), ("0", "qkv=2,o=4,down=8")])
-def test_gpu_path_forward_and_loop_match_xla(linear, split_k, monkeypatch):
+@pytest.mark.parametrize("linear", ["0", "1"])
+def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
     residuals deferred across layers into the next norm; with linear "1" every projection a
-    gpu_linear kernel; with split_k the qkv, o and down projections as split-K partials that the
-    prologue and add + norm kernels add up) against the XLA path: the target's verify and decode
-    forwards (hidden states, taps, caches) and a speculative generation's tokens."""
+    gpu_linear kernel) against the XLA path: the target's verify and decode forwards (hidden
+    states, taps, caches) and a speculative generation's tokens."""
     from dflash_jax import DraftConfig, generate, init_draft, init_target
     monkeypatch.setenv("DFLASH_FUSED_LINEAR", linear)
-    monkeypatch.setenv("DFLASH_SPLIT_K", split_k)
-    split_calls = []
-    real_split = gpu.split_k_matmul
-    monkeypatch.setattr(gpu, "split_k_matmul", lambda x, w, p: split_calls.append(p) or real_split(x, w, p))
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=64)   # every GPU kernel supports these shapes
     target = init_target(cfg, seed=3, dtype="float32")
@@ -296,8 +224,6 @@ def test_gpu_path_forward_and_loop_match_xla(linear, split_k, monkeypatch):
         np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
         for a, b in zip(c1.k + c1.v, c0.k + c0.v):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
-    # split_k: each of the 3 layers' qkv, o and (deferred) down, at T = 16 and T = 1
-    assert sorted(split_calls) == ([] if split_k == "0" else sorted([2, 4, 8] * 3 * 2))
     draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=8), seed=4, dtype="float32")
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla").tokens

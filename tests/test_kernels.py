@@ -130,19 +130,17 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel,kv_evict", [
-    (2, False, False, False), (5, False, False, False), (3, True, False, False), (5, False, True, False),
-    (4, False, True, True)])
+@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel", [(2, False, False), (5, False, False),
+                                                            (3, True, False), (5, False, True)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, kv_evict, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    the one-loop variant (every tile masked), the merge as a Pallas kernel, and K/V loads marked
-    evict-first on the same rows."""
+    the one-loop variant (every tile masked) and the merge as a Pallas kernel on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel, kv_evict=kv_evict)
+                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
@@ -176,10 +174,16 @@ def test_gpu_default_config_splits_small_batch():
     assert cfg["kv_splits"] == 2                    # ... but at 32k two splits balance the waves
     cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8)
     assert cfg["kv_splits"] == 1
+    # short caches, few programs: 8 splits of >= 64 keys while 8 x programs fit in one wave of two
+    # per SM (batch <= 4 here), else 4 of >= 128
     cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
-    assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128    # short caches, few programs
+    assert cfg["kv_splits"] == 8 and cfg["min_chunk"] == 64
     cfg = gpu.default_config(T=1, G=4, C=1024, D=128, B=1, Hkv=8)
-    assert cfg["kv_splits"] == 4                    # plain decode too
+    assert cfg["kv_splits"] == 8                    # plain decode too
+    assert gpu.default_config(T=16, G=4, C=1024, D=128, B=4, Hkv=8)["kv_splits"] == 8    # 256 programs
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=8, Hkv=8)
+    assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128                           # 8 x 64 > 264
+    assert gpu.default_config(T=16, G=4, C=96, D=128, B=1, Hkv=8)["kv_splits"] == 1    # < 2 chunks
     cfg = gpu.default_config(T=512, G=4, C=1024, D=128, B=1, Hkv=8)
     assert cfg["kv_splits"] == 1                    # prefill: 256 programs already
     cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=32, Hkv=8)
@@ -199,7 +203,7 @@ def test_gpu_default_config_merge_kernel():
     assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (4, 32)
     cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=8, Hkv=8)
     assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (16, 64)
-    assert not gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)["merge_kernel"]   # 4 short splits
+    assert not gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)["merge_kernel"]   # 8 short splits
     assert not gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8)["merge_kernel"]  # no splits
 
 
@@ -350,13 +354,12 @@ def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("T,kv_evict", [(1, False), (16, False), (16, True)])
-def test_gpu_merge_kernel_lowers_for_cuda(T, kv_evict):
-    """B=1 over a 32k cache (32 splits): the attention and its merge as two Triton kernels (with
-    kv_evict, the K/V loads carry an evict-first policy)."""
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_merge_kernel_lowers_for_cuda(T):
+    """B=1 over a 32k cache (32 splits): the attention and its merge as two Triton kernels."""
     Hq, Hkv, D = QWEN3_8B["Hq"], QWEN3_8B["Hkv"], 128
     S = jax.ShapeDtypeStruct
-    exp = _export_cuda(lambda q, k, v, e: gpu.block_attention(q, k, v, e, merge_kernel=True, kv_evict=kv_evict),
+    exp = _export_cuda(lambda q, k, v, e: gpu.block_attention(q, k, v, e, merge_kernel=True),
                        S((1, T, Hq, D), jnp.bfloat16), S((1, Hkv, 32768, D), jnp.bfloat16),
                        S((1, Hkv, 32768, D), jnp.bfloat16), S((1, T), jnp.int32))
     mlir = exp.mlir_module()

@@ -85,15 +85,6 @@ def test_pallas_gpu_loop_with_linear_kernels_exports_for_cuda(monkeypatch):
     assert "dflash_linear_swiglu" in mlir and '"dflash_linear"' in mlir
 
 
-def test_pallas_gpu_loop_with_split_k_partials_exports_for_cuda(monkeypatch):
-    """DFLASH_SPLIT_K=4: the skinny projections as batched split-K GEMMs whose partials the fused
-    kernels add up; the loop still lowers for CUDA with those kernels in it."""
-    monkeypatch.setenv("DFLASH_SPLIT_K", "4")
-    mlir = _export_gpu_loop().mlir_module()
-    assert "dflash_qk_norm_rope_write" in mlir and "dflash_add_rmsnorm" in mlir
-    assert "batching_dims = [1] x [0]" in mlir        # [M, P, K/P] x [P, K/P, N] -> [P, M, N]
-
-
 @pytest.mark.skipif(not gpu_mosaic.available(), reason="this jax has no Mosaic GPU Pallas API")
 def test_pallas_gpu_loop_with_mosaic_attention_exports_for_cuda(monkeypatch):
     """DFLASH_GPU_ATTN_KERNEL=mosaic: the verify and draft attention (16 positions x 4 heads = one

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_linear, fused_prologue,
-                                  gpu_interpret, linear_prologue, split_k_parts)
+                                  gpu_interpret, linear_prologue)
 from dflash_jax.cache import write_rows
 
 
@@ -52,34 +52,14 @@ def rope(x, positions, theta: float):
     return out.astype(x.dtype)
 
 
-def add_residual(x, y):
-    """x + y, where y may be a projection's split-K partial products (see `project`)."""
-    if y.ndim == x.ndim + 1:
-        from pallas_kernels import gpu
-        y = gpu.sum_partials(y, x.dtype)
-    return x + y
-
-
 def add_norm(x, y, norm: RMSNorm, impl: str):
     """(x + y, norm(x + y)): one Pallas kernel on the fused GPU path (attention.fused_add_norm),
-    else the XLA ops; the same numbers either way. y may be split-K partial products."""
-    if fused_add_norm(impl, x.shape[1], x.shape[-1]) and (x.dtype == y.dtype or y.ndim == x.ndim + 1):
+    else the XLA ops; the same numbers either way."""
+    if fused_add_norm(impl, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
         from pallas_kernels import gpu
         return gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=gpu_interpret(impl))
-    x = add_residual(x, y)
+    x = x + y
     return x, norm(x)
-
-
-def project(x, w, impl: str, name: str, *, partial_ok: bool = False):
-    """x [B, T, K] @ w [K, N]. With partial_ok (the caller hands the result to a kernel that adds
-    partials up: add_norm, the q/k prologue) and attention.split_k_parts asking for P > 1 parts,
-    the P split-K partial products [P, B, T, N] float32 instead (pallas_kernels.gpu.split_k_matmul):
-    XLA's own split-K GEMM would end in a reduction kernel of its own."""
-    parts = split_k_parts(impl, x.shape[1], name) if partial_ok else 0
-    if parts > 1 and w.shape[0] % parts == 0:
-        from pallas_kernels import gpu
-        return gpu.split_k_matmul(x, w, parts)
-    return x @ w
 
 
 class MLP(nnx.Module):
@@ -174,13 +154,12 @@ class DecoderLayer(nnx.Module):
         return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
 
     @staticmethod
-    def _project(x, w, impl: str, name: str, partial_ok: bool = False):
-        """x @ w: a gpu_linear kernel where attention.fused_linear selects it, else XLA's GEMM
-        (or its split-K partials, see `project`)."""
+    def _project(x, w, impl: str, name: str):
+        """x @ w: a gpu_linear kernel where attention.fused_linear selects it, else XLA's GEMM."""
         if fused_linear(impl, x, w, name=name):
             from pallas_kernels import gpu_linear
             return gpu_linear.fused_linear(x, w, interpret=gpu_interpret(impl))
-        return project(x, w, impl, name, partial_ok=partial_ok)
+        return x @ w
 
     @staticmethod
     def _norm_project(x, residual, norm: RMSNorm, w, impl: str, swiglu: bool = False, name: str = ""):
@@ -198,9 +177,8 @@ class DecoderLayer(nnx.Module):
         x, h = add_norm(x, residual, norm, impl) if residual is not None else (x, norm(x))
         if fused:
             return x, gpu_linear.fused_linear(h, w, swiglu=swiglu, interpret=gpu_interpret(impl))
-        if swiglu:
-            return x, gated_silu(h @ w)
-        return x, project(h, w, impl, name, partial_ok=True)
+        y = h @ w
+        return x, (gated_silu(y) if swiglu else y)
 
     def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
         """Attention over the (written) cache, output projection, residual, MLP."""
@@ -210,11 +188,10 @@ class DecoderLayer(nnx.Module):
         # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down; each
         # projection a gpu_linear kernel or XLA's GEMM as DFLASH_FUSED_LINEAR selects
         mlp = self.mlp
-        x, act = self._norm_project(x, self._project(o, self.o[...], impl, "o", partial_ok=True),
+        x, act = self._norm_project(x, self._project(o, self.o[...], impl, "o"),
                                     self.post_attention_layernorm, mlp.gate_up[...], impl,
                                     swiglu=True, name="gate_up")
-        # deferred, the MLP output goes to the next add_norm, which takes split-K partials
-        mlp_out = self._project(act, mlp.down[...], impl, "down", partial_ok=defer)
+        mlp_out = self._project(act, mlp.down[...], impl, "down")
         if defer:
             return x, mlp_out, k_cache, v_cache
         x = x + mlp_out

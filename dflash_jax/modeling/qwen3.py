@@ -12,7 +12,7 @@ from flax import nnx
 from dflash_jax.attention import fused_add_norm
 from dflash_jax.cache import KVCache
 from dflash_jax.config import TargetConfig
-from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, add_norm, add_residual
+from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, add_norm
 
 
 class Qwen3(nnx.Module):
@@ -56,7 +56,7 @@ class Qwen3(nnx.Module):
                     x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
                                             prefill=prefill)
             if i in taps:
-                tapped[i] = add_residual(x, delta) if defer else x
+                tapped[i] = x + delta if defer else x
         h = add_norm(x, delta, self.norm, attention_impl)[1] if defer else self.norm(x)
         # HF's last hidden_states entry is taken after the final norm; keep its meaning for tap L-1.
         tapped[len(self.layers) - 1] = h
