@@ -18,7 +18,7 @@ actual length, not the capacity, so all splits get work), each writes a normalis
 and its log-sum-exp, and a merge combines them: `merge_splits`, a second Pallas kernel, for caches
 of >= SPLIT_MIN_CAPACITY rows; for shorter ones a small XLA epilogue (one elementwise fusion).
 Caches shorter than SPLIT_MIN_CAPACITY are split as SHORT_SPLITS says (8 ways in chunks of >= 64
-keys at batch 1) when the block is short (decode, verify, draft) and the programs few: at batch 1
+keys for a batch-1 block, 4 of >= 128 for decode) when the block is short (decode, verify, draft) and the programs few: at batch 1
 and a 512-token prompt the unsplit kernel is latency-bound (8 programs, ~9 tiles each, 13 us a call).
 """
 
@@ -92,11 +92,13 @@ def _row_tile(T: int, G: int, rows: int = 64) -> int:
 
 # Below this capacity the split count does not come from filling the GPU: short blocks with fewer
 # programs than SMs split into the first (splits, min chunk) of SHORT_SPLITS whose programs fit in
-# one wave of two per SM (8 of >= 64 keys up to batch 4 at Qwen3-8B heads, else 4 of >= 128),
-# everything else not at all. Measured on the H200: in the whole loop (call 7, B=1, prompt 512)
-# DFlash 5.59 ms per iteration with 4 splits of >= 128 keys against 5.78-5.87 unsplit, plain
-# decode 4.30 against 4.46 ms; the kernel alone (call 33, device time, B=1 over 528 keys) 7.3 us
-# with 8 splits of 64 keys against 8.9 with 4 and 8.0 with 16 of 32.
+# one wave of two per SM (blocks of 2+ positions: 8 of >= 64 keys up to batch 4 at Qwen3-8B heads,
+# else 4 of >= 128), everything else not at all. Measured on the H200: in the whole loop (call 7,
+# B=1, prompt 512) DFlash 5.59 ms per iteration with 4 splits of >= 128 keys against 5.78-5.87
+# unsplit, plain decode 4.30 against 4.46 ms. The kernel alone (calls 33-34, device time, B=1 over
+# 528 keys) 7.3-7.5 us with 8 splits of 64 keys against 8.9 with 4 and 8.0 with 16 of 32; in the
+# loop (call 34) DFlash 5.488 / 5.473 ms with 8 against 5.532 / 5.495 with 4, but plain decode
+# (T = 1, 16-row tiles of 4 live rows) 4.330 / 4.281 against 4.264 / 4.255: it keeps 4.
 SPLIT_MIN_CAPACITY = 4096
 SHORT_SPLITS = ((8, 64), (4, 128))
 # Output tile of one program of the split merge kernel (merge_splits) when it fills the GPU; batch 1
@@ -124,7 +126,8 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     if C < SPLIT_MIN_CAPACITY:
         kv_splits = 1
         if T <= 64 and programs < n_sms:
-            fits = [sc for sc in SHORT_SPLITS if sc[0] * programs <= 2 * n_sms] or SHORT_SPLITS[-1:]
+            fits = [sc for sc in SHORT_SPLITS[:-1] if sc[0] * programs <= 2 * n_sms and T > 1]
+            fits += SHORT_SPLITS[-1:]
             if C >= 2 * fits[0][1]:
                 kv_splits, min_chunk = fits[0]
     elif programs < n_sms:

@@ -174,12 +174,12 @@ def test_gpu_default_config_splits_small_batch():
     assert cfg["kv_splits"] == 2                    # ... but at 32k two splits balance the waves
     cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8)
     assert cfg["kv_splits"] == 1
-    # short caches, few programs: 8 splits of >= 64 keys while 8 x programs fit in one wave of two
-    # per SM (batch <= 4 here), else 4 of >= 128
+    # short caches, few programs: blocks split 8 ways of >= 64 keys while 8 x programs fit in one
+    # wave of two per SM (batch <= 4 here), else 4 of >= 128; plain decode (T = 1) always 4
     cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
     assert cfg["kv_splits"] == 8 and cfg["min_chunk"] == 64
     cfg = gpu.default_config(T=1, G=4, C=1024, D=128, B=1, Hkv=8)
-    assert cfg["kv_splits"] == 8                    # plain decode too
+    assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128
     assert gpu.default_config(T=16, G=4, C=1024, D=128, B=4, Hkv=8)["kv_splits"] == 8    # 256 programs
     cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=8, Hkv=8)
     assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128                           # 8 x 64 > 264
