@@ -51,6 +51,13 @@ def fused_prologue(impl: str, T: int, head_dim: int) -> bool:
     return _fused_ok(impl, T) and gpu.prologue_supported(T, head_dim)
 
 
+def fused_draft(impl: str, T: int) -> bool:
+    """Whether the draft's layers take the fused path too (their prologue with the context rows,
+    residuals deferred into the next norm). DFLASH_FUSED_KERNELS=target keeps the fused kernels to
+    the target's layers (the draft as before call 35, for A/B runs)."""
+    return _fused_ok(impl, T) and os.environ.get("DFLASH_FUSED_KERNELS", "1") != "target"
+
+
 def fused_add_norm(impl: str, T: int, hidden: int) -> bool:
     """Whether `x + attn_out` and the post-attention RMSNorm run as one Pallas GPU kernel
     (pallas_kernels.gpu.add_rmsnorm); same conditions and switch as fused_prologue."""

@@ -658,31 +658,38 @@ class Bench:
         layer.q_norm.weight[...] = jnp.linspace(0.5, 1.5, D).astype(jnp.bfloat16)
         layer.k_norm.weight[...] = jnp.linspace(1.5, 0.5, D).astype(jnp.bfloat16)
         out = {}
-        def run(B, T):
-                ks = jax.random.split(jax.random.key(T), 3)
-                qkv = (jax.random.normal(ks[0], (B, T, (Hq + 2 * Hkv) * D)) * 3).astype(jnp.bfloat16)
+        def run(B, T, Tc=0):
+                # Tc > 0: the draft's form, Tc context rows first, written at ctx_start (5 rows
+                # before the block, so the block's rows must win the overlap) then the block's
+                ks = jax.random.split(jax.random.key(T + Tc), 3)
+                qkv = (jax.random.normal(ks[0], (B, Tc + T, (Hq + 2 * Hkv) * D)) * 3).astype(jnp.bfloat16)
                 kc = jax.random.normal(ks[1], (B, Hkv, C, D)).astype(jnp.bfloat16)
                 vc = jax.random.normal(ks[2], (B, Hkv, C, D)).astype(jnp.bfloat16)
                 start = jnp.asarray((np.arange(B) * 37 + 500) % (C - T), jnp.int32)
+                ctx_start = start - 5
                 pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+                all_pos = jnp.concatenate([ctx_start[:, None] + jnp.arange(Tc, dtype=jnp.int32), pos], axis=1)
 
                 def xla(qkv, kc, vc):
                     q, k, v = layer._split_heads(qkv)
-                    return (rope(layer.q_norm(q), pos, layer.rope_theta),
-                            write_rows(kc, rope(layer.k_norm(k), pos, layer.rope_theta), start),
-                            write_rows(vc, v, start))
+                    k = rope(layer.k_norm(k), all_pos, layer.rope_theta)
+                    if Tc:
+                        kc, vc = write_rows(kc, k[:, :Tc], ctx_start), write_rows(vc, v[:, :Tc], ctx_start)
+                    return (rope(layer.q_norm(q[:, Tc:]), pos, layer.rope_theta),
+                            write_rows(kc, k[:, Tc:], start), write_rows(vc, v[:, Tc:], start))
 
                 def fused(qkv, kc, vc):
-                    cos, sin = rope_tables(pos, D, layer.rope_theta)
+                    cos, sin = rope_tables(all_pos, D, layer.rope_theta)
                     return gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
-                                                  layer.q_norm.eps, kc, vc, start, num_heads=Hq)
+                                                  layer.q_norm.eps, kc, vc, start, num_heads=Hq,
+                                                  ctx_rows=Tc, ctx_start=ctx_start if Tc else None)
                 want = [np.asarray(a.astype(jnp.float32)) for a in jax.jit(xla)(qkv, kc, vc)]
                 got = [np.asarray(a.astype(jnp.float32)) for a in jax.jit(fused)(qkv, kc, vc)]
                 errs = [float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-6)) for g, w in zip(got, want)]
                 rec = {"rel_err": max(errs), "ok": all(e <= 1e-2 for e in errs), "route": "pallas"}
                 return rec, f"rel err q {errs[0]:.2e} k {errs[1]:.2e} v {errs[2]:.2e}"
-        for B, T in ((1, 1), (1, 16), (4, 16)):
-            kernel_check(out, f"prologue B{B} T{T}", lambda: run(B, T))
+        for B, T, Tc in ((1, 1, 0), (1, 16, 0), (4, 16, 0), (2, 16, 16)):
+            kernel_check(out, f"prologue B{B} T{T}" + (f" ctx{Tc}" if Tc else ""), lambda: run(B, T, Tc))
         return out
 
     def sec_floors(self):

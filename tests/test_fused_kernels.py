@@ -62,6 +62,40 @@ def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
     np.testing.assert_array_equal(np.asarray(got[2][0, :, :5], np.float32), np.asarray(v_cache[0, :, :5], np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prologue_with_context_rows_matches_the_draft_layer(dtype):
+    """The draft's form (ctx_rows): Tc context rows' K/V written at ctx_start, then the block's at
+    start, which wins where they overlap (row 0: context rows past the pending count run into the
+    block, as in DFlashDraft); q from the block rows only. Against the draft layer's XLA ops."""
+    B, Tc, T, Hq, Hkv, D, C = 2, 16, 16, 8, 2, 64, 96
+    layer = _layer(D, Hq, Hkv, dtype)
+    ks = jax.random.split(jax.random.key(2), 3)
+    qkv = (jax.random.normal(ks[0], (B, Tc + T, (Hq + 2 * Hkv) * D)) * 3).astype(dtype)
+    k_cache = jax.random.normal(ks[1], (B, Hkv, C, D)).astype(dtype)
+    v_cache = jax.random.normal(ks[2], (B, Hkv, C, D)).astype(dtype)
+    ctx_start = jnp.asarray([20, 40], jnp.int32)
+    start = jnp.asarray([25, 56], jnp.int32)          # row 0: context rows 5.. overlap the block
+    ctx_pos = ctx_start[:, None] + jnp.arange(Tc, dtype=jnp.int32)
+    pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+    all_pos = jnp.concatenate([ctx_pos, pos], axis=1)
+    q, k, v = layer._split_heads(qkv)
+    want_q = rope(layer.q_norm(q[:, Tc:]), pos, layer.rope_theta)
+    k = rope(layer.k_norm(k), all_pos, layer.rope_theta)
+    want_k = write_rows(write_rows(k_cache, k[:, :Tc], ctx_start), k[:, Tc:], start)
+    want_v = write_rows(write_rows(v_cache, v[:, :Tc], ctx_start), v[:, Tc:], start)
+    cos, sin = rope_tables(all_pos, D, layer.rope_theta)
+    got = gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+                                 layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq,
+                                 ctx_rows=Tc, ctx_start=ctx_start, interpret=True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+    for name, g, w in zip(("q", "k_cache", "v_cache"), got, (want_q, want_k, want_v)):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name, **tol)
+    with pytest.raises(gpu.Unsupported, match="context rows"):
+        gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+                               layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq, ctx_rows=Tc)
+
+
 def test_prologue_lowers_for_cuda():
     from jax import export
     B, T, Hq, Hkv, D, C = 2, 16, 32, 8, 128, 4096
@@ -174,7 +208,7 @@ def test_fused_linear_lowers_for_cuda():
 
 
 def test_fused_dispatch(monkeypatch):
-    from dflash_jax.attention import fused_add_norm, fused_linear, fused_prologue
+    from dflash_jax.attention import fused_add_norm, fused_draft, fused_linear, fused_prologue
     assert not fused_prologue("xla", 16, 128) and not fused_prologue("pallas_tpu", 16, 128)
     assert fused_prologue("pallas_gpu", 16, 128) and fused_prologue("pallas_gpu", 1, 128)
     assert not fused_prologue("pallas_gpu", 512, 128) and not fused_prologue("pallas_gpu", 16, 96)
@@ -197,6 +231,11 @@ def test_fused_dispatch(monkeypatch):
     assert not fused_linear("pallas_gpu", x, w) and fused_add_norm("pallas_gpu", 16, 4096)
     monkeypatch.setenv("DFLASH_FUSED_KERNELS", "0")
     assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
+    assert not fused_draft("pallas_gpu", 16)
+    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "target")     # the target's layers only
+    assert fused_prologue("pallas_gpu", 16, 128) and not fused_draft("pallas_gpu", 16)
+    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "1")
+    assert fused_draft("pallas_gpu", 16) and not fused_draft("xla", 16)
 
 
 @pytest.mark.parametrize("linear", ["0", "1"])
@@ -224,7 +263,20 @@ def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
         np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
         for a, b in zip(c1.k + c1.v, c0.k + c0.v):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
-    draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=8), seed=4, dtype="float32")
+    draft = init_draft(DraftConfig.for_target(cfg, num_layers=2, block_size=8), seed=4, dtype="float32")
+    # the draft's pass (fused prologue with its context rows, residuals deferred across its layers)
+    S, n_taps = 8, len(draft.config.target_layer_ids)
+    emb = jax.random.normal(jax.random.key(6), (B, S, cfg.hidden_size))
+    feats = jax.random.normal(jax.random.key(7), (B, S, n_taps * cfg.hidden_size))
+    blk = jnp.asarray([[30], [24]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)
+    pend = jnp.asarray([[26], [22]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)  # overlaps the block
+    dcache = draft.new_cache(B, C)
+    outs = [draft(emb, blk, feats, pend, dcache, jnp.broadcast_to(blk[:, -1:] + 1, (B, S)), attention_impl=impl)
+            for impl in ("xla", "pallas_gpu_interpret")]
+    (h0, c0), (h1, c1) = outs
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
+    for a, b in zip(c1.k + c1.v, c0.k + c0.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla").tokens
     got = generate(target, draft, prompts, max_new_tokens=12, attention_impl="pallas_gpu_interpret").tokens

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax.attention import fused_add_norm, fused_draft
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.config import DraftConfig
-from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init
+from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, add_norm
 
 
 class DFlashDraft(nnx.Module):
@@ -49,11 +50,21 @@ class DFlashDraft(nnx.Module):
         x = block_embeds.astype(self.dtype)
         start, ctx_start = positions[:, 0], pending_positions[:, 0]
         ks, vs = list(cache.k), list(cache.v)
+        # GPU path: each layer's MLP residual is added by the next RMSNorm's kernel (as in Qwen3)
+        defer = (fused_draft(attention_impl, x.shape[1])
+                 and fused_add_norm(attention_impl, x.shape[1], self.config.hidden_size))
+        delta = None
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"draft_layer{i}"):
-                x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
-                                        ctx=ctx, ctx_positions=pending_positions, ctx_write_start=ctx_start)
-        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs), lens=start)
+                out = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl, ctx=ctx,
+                            ctx_positions=pending_positions, ctx_write_start=ctx_start,
+                            residual=delta, defer=defer)
+                if defer:
+                    x, delta, ks[i], vs[i] = out
+                else:
+                    x, ks[i], vs[i] = out
+        h = add_norm(x, delta, self.norm, attention_impl)[1] if defer else self.norm(x)
+        return h, KVCache(k=tuple(ks), v=tuple(vs), lens=start)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_linear, fused_prologue,
-                                  gpu_interpret, linear_prologue)
+from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_draft, fused_linear,
+                                  fused_prologue, gpu_interpret, linear_prologue)
 from dflash_jax.cache import write_rows
 
 
@@ -123,14 +123,25 @@ class DecoderLayer(nnx.Module):
         RMSNorm); with defer=True the return is (x, mlp_out, k_cache, v_cache), the layer's output
         being x + mlp_out."""
         T = x.shape[1]
-        if ctx is None and not prefill and fused_prologue(impl, T, self.head_dim):
+        Tc = 0 if ctx is None else ctx.shape[1]
+        if not prefill and fused_prologue(impl, T, self.head_dim) and (
+                not Tc or (fused_draft(impl, T) and fused_prologue(impl, Tc, self.head_dim))):
+            # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
             from pallas_kernels import gpu
-            x, qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl, name="qkv")
-            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)
+            if ctx is None:
+                x, qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl,
+                                            name="qkv")
+                pos = positions
+            else:
+                x, h = add_norm(x, residual, self.input_layernorm, impl) if residual is not None else (
+                    x, self.input_layernorm(x))
+                qkv = jnp.concatenate([ctx.astype(h.dtype), h], axis=1) @ self.qkv[...]
+                pos = jnp.concatenate([ctx_positions, positions], axis=1)
+            cos, sin = rope_tables(pos, self.head_dim, self.rope_theta)
             q, k_cache, v_cache = gpu.qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
                 self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
-                interpret=gpu_interpret(impl))
+                ctx_rows=Tc, ctx_start=ctx_write_start, interpret=gpu_interpret(impl))
             return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
         if residual is not None:
             x, h = add_norm(x, residual, self.input_layernorm, impl)
