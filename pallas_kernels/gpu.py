@@ -18,8 +18,9 @@ actual length, not the capacity, so all splits get work), each writes a normalis
 and its log-sum-exp, and a merge combines them: `merge_splits`, a second Pallas kernel, for caches
 of >= SPLIT_MIN_CAPACITY rows; for shorter ones a small XLA epilogue (one elementwise fusion).
 Caches shorter than SPLIT_MIN_CAPACITY are split as SHORT_SPLITS says (8 ways in chunks of >= 64
-keys for a batch-1 block, 4 of >= 128 for decode) when the block is short (decode, verify, draft) and the programs few: at batch 1
-and a 512-token prompt the unsplit kernel is latency-bound (8 programs, ~9 tiles each, 13 us a call).
+keys for a batch-1 block, 4 of >= 128 for decode) when the block is short (decode, verify, draft)
+and the programs few: at batch 1 and a 512-token prompt the unsplit kernel is latency-bound (8
+programs, ~9 tiles each, 13 us a call).
 """
 
 from __future__ import annotations

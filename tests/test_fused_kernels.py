@@ -243,7 +243,8 @@ def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
     residuals deferred across layers into the next norm; with linear "1" every projection a
     gpu_linear kernel) against the XLA path: the target's verify and decode forwards (hidden
-    states, taps, caches) and a speculative generation's tokens."""
+    states, taps, caches), the draft's pass (its prologue with the context rows, deferred
+    residuals: hidden states, caches) and a speculative generation's tokens."""
     from dflash_jax import DraftConfig, generate, init_draft, init_target
     monkeypatch.setenv("DFLASH_FUSED_LINEAR", linear)
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
@@ -270,8 +271,8 @@ def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     feats = jax.random.normal(jax.random.key(7), (B, S, n_taps * cfg.hidden_size))
     blk = jnp.asarray([[30], [24]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)
     pend = jnp.asarray([[26], [22]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)  # overlaps the block
-    dcache = draft.new_cache(B, C)
-    outs = [draft(emb, blk, feats, pend, dcache, jnp.broadcast_to(blk[:, -1:] + 1, (B, S)), attention_impl=impl)
+    dcache, d_end = draft.new_cache(B, C), jnp.broadcast_to(blk[:, -1:] + 1, (B, S))
+    outs = [draft(emb, blk, feats, pend, dcache, d_end, attention_impl=impl)
             for impl in ("xla", "pallas_gpu_interpret")]
     (h0, c0), (h1, c1) = outs
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
