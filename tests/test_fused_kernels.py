@@ -73,8 +73,10 @@ def test_prologue_with_context_rows_matches_the_draft_layer(dtype):
     qkv = (jax.random.normal(ks[0], (B, Tc + T, (Hq + 2 * Hkv) * D)) * 3).astype(dtype)
     k_cache = jax.random.normal(ks[1], (B, Hkv, C, D)).astype(dtype)
     v_cache = jax.random.normal(ks[2], (B, Hkv, C, D)).astype(dtype)
-    ctx_start = jnp.asarray([20, 40], jnp.int32)
-    start = jnp.asarray([25, 56], jnp.int32)          # row 0: context rows 5.. overlap the block
+    # row 0: context rows 5.. overlap the block; row 1: both starts past C - 16, clamped to 80 as
+    # dynamic_update_slice clamps them (a finished row still runs the fixed-shape iteration)
+    ctx_start = jnp.asarray([20, 85], jnp.int32)
+    start = jnp.asarray([25, 90], jnp.int32)
     ctx_pos = ctx_start[:, None] + jnp.arange(Tc, dtype=jnp.int32)
     pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)
     all_pos = jnp.concatenate([ctx_pos, pos], axis=1)
