@@ -127,10 +127,10 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     if C < SPLIT_MIN_CAPACITY:
         kv_splits = 1
         if T <= 64 and programs < n_sms:
-            fits = [sc for sc in SHORT_SPLITS[:-1] if sc[0] * programs <= 2 * n_sms and T > 1]
-            fits += SHORT_SPLITS[-1:]
-            if C >= 2 * fits[0][1]:
-                kv_splits, min_chunk = fits[0]
+            splits, chunk = next((sc for sc in SHORT_SPLITS[:-1] if T > 1 and sc[0] * programs <= 2 * n_sms),
+                                 SHORT_SPLITS[-1])
+            if C >= 2 * chunk:
+                kv_splits, min_chunk = splits, chunk
     elif programs < n_sms:
         # Two programs fit on an SM (~112 KiB of shared memory each): fill exactly one wave of
         # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave

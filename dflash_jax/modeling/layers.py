@@ -124,36 +124,30 @@ class DecoderLayer(nnx.Module):
         being x + mlp_out."""
         T = x.shape[1]
         Tc = 0 if ctx is None else ctx.shape[1]
-        if not prefill and fused_prologue(impl, T, self.head_dim) and (
-                not Tc or (fused_draft(impl, T) and fused_prologue(impl, Tc, self.head_dim))):
+        fused = not prefill and fused_prologue(impl, T, self.head_dim) and (
+            not Tc or (fused_draft(impl, T) and fused_prologue(impl, Tc, self.head_dim)))
+        if fused and not Tc:   # the target: the input norm may run inside a gpu_linear projection
+            x, qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl, name="qkv")
+            k_pos = positions
+        else:
+            x, h = (add_norm(x, residual, self.input_layernorm, impl) if residual is not None
+                    else (x, self.input_layernorm(x)))
+            hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
+            qkv = hin @ self.qkv[...]
+            k_pos = positions if ctx is None else jnp.concatenate([ctx_positions, positions], axis=1)
+        if fused:
             # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
             from pallas_kernels import gpu
-            if ctx is None:
-                x, qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl,
-                                            name="qkv")
-                pos = positions
-            else:
-                x, h = add_norm(x, residual, self.input_layernorm, impl) if residual is not None else (
-                    x, self.input_layernorm(x))
-                qkv = jnp.concatenate([ctx.astype(h.dtype), h], axis=1) @ self.qkv[...]
-                pos = jnp.concatenate([ctx_positions, positions], axis=1)
-            cos, sin = rope_tables(pos, self.head_dim, self.rope_theta)
+            cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)
             q, k_cache, v_cache = gpu.qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
                 self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
                 ctx_rows=Tc, ctx_start=ctx_write_start, interpret=gpu_interpret(impl))
             return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
-        if residual is not None:
-            x, h = add_norm(x, residual, self.input_layernorm, impl)
-        else:
-            h = self.input_layernorm(x)
-        hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
-        q, k, v = self._split_heads(hin @ self.qkv[...])
+        q, k, v = self._split_heads(qkv)
         q = rope(self.q_norm(q[:, -T:]), positions, self.rope_theta)           # [B, T, Hq, D]
-        k_pos = positions if ctx is None else jnp.concatenate([ctx_positions, positions], axis=1)
         k = rope(self.k_norm(k), k_pos, self.rope_theta)                        # [B, Tc+T, Hkv, D]
-        if ctx is not None:
-            Tc = ctx.shape[1]
+        if Tc:
             k_cache = write_rows(k_cache, k[:, :Tc], ctx_write_start)
             v_cache = write_rows(v_cache, v[:, :Tc], ctx_write_start)
             k, v = k[:, Tc:], v[:, Tc:]
