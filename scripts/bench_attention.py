@@ -429,6 +429,114 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
     return out
 
 
+# How fast can ONE kernel read a batch-1 row's K/V at all? The read-only ceiling above is XLA's
+# reduction; this sweeps Pallas Triton kernels that only stream the same [C, D] slabs, laid out and
+# split as the attention reads them (grid: kv heads x splits of the keys), each tile fed to a dot
+# (as the attention's are, so Triton pipelines the loads) or summed elementwise.
+READ_SWEEP = dict(splits=(16, 33, 66), block=(64, 128), stages=(3, 4), warps=(4, 8), kind=("dot", "sum"))
+
+
+def read_op(kmax: int, splits: int, block: int, stages: int, kind: str, interpret: bool = False,
+            warps: int = 4):
+    """k, v [1, Hkv, C, D] -> a small f32 array, having read keys [0, kmax) of every head once."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    chunk = math.ceil(math.ceil(kmax / splits) / block) * block      # this program's keys, whole tiles
+
+    def kernel(k_ref, v_ref, o_ref):
+        start = pl.program_id(1) * chunk
+        n = jnp.maximum(pl.cdiv(jnp.minimum(start + chunk, kmax) - start, block), 0)
+        D = k_ref.shape[1]
+        if kind == "dot":
+            ones = jnp.ones((16, block), k_ref.dtype)
+
+            def body(i, acc):
+                r = pl.multiple_of(start + i * block, block)
+                for ref in (k_ref, v_ref):
+                    acc = acc + lax.dot_general(ones, ref[pl.ds(r, block), :], (((1,), (0,)), ((), ())),
+                                                preferred_element_type=jnp.float32)
+                return acc
+            o_ref[...] = lax.fori_loop(0, n, body, jnp.zeros((16, D), jnp.float32))
+        else:
+            def body(i, acc):
+                r = pl.multiple_of(start + i * block, block)
+                t = k_ref[pl.ds(r, block), :].astype(jnp.float32) + v_ref[pl.ds(r, block), :].astype(jnp.float32)
+                return acc + jnp.sum(t, axis=0, keepdims=True)
+            o_ref[...] = jnp.broadcast_to(lax.fori_loop(0, n, body, jnp.zeros((1, D), jnp.float32)), (16, D))
+
+    def op(k, v):
+        _, Hkv, C, D = k.shape
+        spec = pl.BlockSpec((None, None, C, D), lambda h, s: (0, h, 0, 0))
+        return pl.pallas_call(
+            kernel, grid=(Hkv, splits), in_specs=[spec, spec],
+            out_specs=pl.BlockSpec((None, None, 16, D), lambda h, s: (h, s, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((Hkv, splits, 16, D), jnp.float32),
+            compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+            interpret=interpret, name="read_sweep")(k, v)
+    return op
+
+
+def read_sweep(args, copy_bw: float) -> list[dict]:
+    """B=1, 8k and 32k (verify pattern): the best streaming-read kernel over the row's K/V bytes
+    (READ_SWEEP), next to the attention's default config and XLA's read-only reduction, all by device
+    time in one run: is >= 75% of copy bandwidth at batch 1 reachable by any kernel that reads
+    those bytes?"""
+    Hq, Hkv, D, S, dtype = 32, 8, 128, 16, jnp.bfloat16
+    grid = READ_SWEEP
+    cases, interpret = (8192, 32768), False
+    if args.smoke:
+        Hq, Hkv, cases, interpret = 8, 2, (240,), jax.default_backend() == "cpu"
+        grid = dict(splits=(2,), block=(64,), stages=(3,), warps=(4,), kind=("dot", "sum"))
+    out = []
+    for ctx in cases:
+        C = -(-(ctx + S) // 128) * 128
+        e = k_end_for("verify", 1, S, ctx)
+        kmax = ctx + S
+        kv_bytes = kv_read_bytes(e, Hkv, D, 2)
+        n_buf = n_buffers(2 * Hkv * C * D * 2)
+        ks, vs = make_buffers(n_buf, 1, Hkv, C, D, dtype, seed=ctx)
+        q = jax.random.normal(jax.random.key(1), (1, S, Hq, D), dtype)
+        rec = dict(ctx=ctx, kv_MB=kv_bytes / 1e6, results={})
+
+        def record(name, f, fargs):
+            try:
+                jax.block_until_ready(f(*fargs))
+                us = device_call_time(f, fargs, n_buf) * 1e6
+            except Exception as ex:  # noqa: BLE001
+                print(f"read      ctx={ctx} {name}: FAILED {type(ex).__name__}: {str(ex).splitlines()[0][:200]}", flush=True)
+                return
+            rec["results"][name] = dict(us=us, pct_copy=100 * kv_bytes / us / 1e6 / (copy_bw / 1e12))
+            print(f"read      ctx={ctx:<6d} {name:44s} {us:7.1f}us {rec['results'][name]['pct_copy']:5.1f}% of copy", flush=True)
+
+        base = gpu.default_config(S, Hq // Hkv, C, D, 1, Hkv)
+        record("attention (default config)", chained(pallas_op(base, interpret), 1), (q, e, ks, vs))
+        t = read_ceiling_seconds(e, ks, vs, n_buf) * 1e6
+        rec["results"]["read-only ceiling (XLA sum)"] = dict(us=t, pct_copy=100 * kv_bytes / t / 1e6 / (copy_bw / 1e12))
+        print(f"read      ctx={ctx:<6d} {'read-only ceiling (XLA sum)':44s} {t:7.1f}us "
+              f"{rec['results']['read-only ceiling (XLA sum)']['pct_copy']:5.1f}% of copy", flush=True)
+        for kind in grid["kind"]:
+            for splits in grid["splits"]:
+                for block in grid["block"]:
+                    for stages in grid["stages"]:
+                        for warps in grid["warps"]:
+                            op = read_op(kmax, splits, block, stages, kind, interpret, warps)
+                            f = jax.jit(lambda ks, vs, op=op: [op(k, v) for k, v in zip(ks, vs)])
+                            record(f"read {kind} splits={splits} block={block} stages={stages} warps={warps}",
+                                   f, (ks, vs))
+        reads = {n: r for n, r in rec["results"].items() if n.startswith("read ") and r}
+        if reads:
+            best = min(reads, key=lambda n: reads[n]["us"])
+            rec["best_read"] = best
+            print(f"read      ctx={ctx:<6d} BEST streaming read: {best} {reads[best]['us']:.1f}us "
+                  f"= {reads[best]['pct_copy']:.1f}% of copy bandwidth", flush=True)
+        out.append(rec)
+        del ks, vs
+        gc.collect()
+    return out
+
+
 def run(args) -> dict:
     smoke = args.smoke
     interpret = smoke and jax.default_backend() == "cpu"
@@ -469,6 +577,8 @@ def run(args) -> dict:
     print(f"# device copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write), "
           f"read-only {read_bw / 1e12:.3f} TB/s", flush=True)
 
+    if args.read_sweep:
+        return dict(info=info, checks=[], cases=[], prefill=[], sweep=[], read=read_sweep(args, copy_bw))
     if args.ab or args.mgpu:
         checks = (check_kernel(False, args.verbose, impl="mgpu")
                   if args.mgpu and not smoke and not args.no_check else [])
@@ -769,11 +879,16 @@ def main(argv=None):
                          "launch gaps) instead of the wall-clock difference of two chains; the table "
                          "gains a read-only column: a plain XLA reduction over the same K/V bytes")
     ap.add_argument("--ab-rounds", type=int, default=3, help="alternating rounds of --ab")
+    ap.add_argument("--read-sweep", action="store_true",
+                    help="batch 1 at 8k and 32k: streaming-read kernels over the row's K/V bytes "
+                         "(READ_SWEEP), the attention and XLA's reduction, by device time (implies "
+                         "--device-time): the fastest any kernel reads those bytes")
     ap.add_argument("--sweep-only", action="store_true",
                     help="skip the baselines; sweep a wide grid of kernel variants on a few verify cases")
     ap.add_argument("--json", default=None, help="write results here (default $OUT/bench_attention.json)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failing impls")
     args = ap.parse_args(argv)
+    args.device_time = args.device_time or args.read_sweep
     signal.signal(signal.SIGTERM, _on_sigterm)
     res = run(args)
     path = args.json or (os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None)

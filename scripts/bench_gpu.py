@@ -16,6 +16,8 @@ would not fit the time budget is skipped and named at the end, so `--sections` c
   floors     device copy bandwidth (bytes read + written), XLA bf16 GEMV bandwidth, bf16 GEMM rate;
              then the byte floors from the parameter bytes of the models actually built.
   b1         batch 1, prompt 512: DFlash ms per iteration and plain ms per token vs their floors.
+  gemms      (only when named) the matmuls of a plain step and of a DFlash iteration alone, on the
+             same weight buffers in a while_loop: what XLA's GEMM chain costs with nothing else.
   compile    compile time of the whole generation, and a second call in the same bucket (other
              prompt length / max_new_tokens) that must not compile (compile_time_s == 0).
   sampling   DFlash iteration time at T=1 (and T=1, top-p 0.95, top-k 20) vs greedy.
@@ -53,7 +55,7 @@ T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python scripts/bench_gpu.py` from anywhere finds dflash_jax
-ALL_SECTIONS = ("reference", "check", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
+ALL_SECTIONS = ("reference", "check", "floors", "b1", "gemms", "compile", "sampling", "profile", "batch", "longctx")
 DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
 GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "sampling_overhead": 0.05,
@@ -797,6 +799,83 @@ class Bench:
         self.timed_row("dflash_b1", True, 1, 5.0)
         self.timed_row("plain_b1", False, 1, 4.0)
 
+    def sec_gemms(self):
+        """The matmuls of a plain step and of a DFlash iteration alone, on the built models' own weight
+        buffers, in a while_loop: what XLA's GEMM chain costs before any attention, norm, RoPE, cache
+        write or sampling; the b1 rows' goals are measured against it in the same run.
+
+        "bare": each product feeds the next (a slice where the widths differ), the LM head's argmax
+        picks the next embeddings. "glue": plus the residual adds and the SwiGLU, the least elementwise
+        work a Qwen3 layer needs (DESIGN.md's synthetic decode step). DFlash: the target over the
+        block's rows and its LM head, the draft's fc over the five taps, five draft layers (q/k/v
+        over context + block rows in one product, as the fused path runs it), the draft's LM head over
+        S - 1 rows."""
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+        target, draft, tcfg, dcfg = self.build()
+        s = self.s
+        H, I, QD = tcfg.hidden_size, tcfg.intermediate_size, tcfg.num_heads * tcfg.head_dim
+        lw = lambda l: (l.qkv[...], l.o[...], l.mlp.gate_up[...], l.mlp.down[...])
+        W = dict(t=[lw(l) for l in target.layers], d=[lw(l) for l in draft.layers], fc=draft.fc[...],
+                 embed=target.embed[...],
+                 head=target.lm_head[...] if target.lm_head is not None else target.embed[...].T)
+        taps = tuple(dcfg.target_layer_ids)
+
+        def layer(x, w, glue, ctx=None):
+            qkv, o, gu, dn = w
+            h = (x if ctx is None else jnp.concatenate([ctx, x], axis=0)) @ qkv
+            y = h[-x.shape[0]:, :QD] @ o
+            x = x + y if glue else y
+            g = x @ gu
+            m = jax.nn.silu(g[:, :I]) * g[:, I:] if glue else g[:, :I]
+            y = m @ dn
+            return x + y if glue else y
+
+        def make(rows, dflash, glue):
+            def body(_, x):                                   # x [rows, H] bf16
+                tapped = []
+                for i, w in enumerate(W["t"]):
+                    x = layer(x, w, glue)
+                    if i in taps:
+                        tapped.append(x)
+                tok = jnp.argmax(jnp.dot(x, W["head"], preferred_element_type=jnp.float32), axis=-1)
+                if dflash:
+                    ctx = jnp.concatenate(tapped, axis=-1) @ W["fc"]
+                    d = jnp.take(W["embed"], tok, axis=0)
+                    for w in W["d"]:
+                        d = layer(d, w, glue, ctx=ctx)
+                    dtok = jnp.argmax(jnp.dot(d[1:], W["head"], preferred_element_type=jnp.float32), axis=-1)
+                    tok = jnp.concatenate([tok[:1], dtok])
+                return jnp.take(W["embed"], tok, axis=0)
+            return jax.jit(lambda x, n, W_: lax.fori_loop(0, n, body, x))
+
+        n1, n2 = (4, 12) if s.smoke else (10, 50)
+        res = {}
+        for dflash, rows in ((False, 1), (True, s.block)):
+            for glue in (False, True):
+                key = f"{'dflash' if dflash else 'plain'}_{'glue' if glue else 'bare'}"
+                if not self.fits(f"gemms {key}", 30 if not s.smoke else 5):
+                    continue
+                try:
+                    f = make(rows, dflash, glue)
+                    x = jnp.take(W["embed"], jnp.arange(rows) % 1000, axis=0)
+                    t = time.perf_counter()
+                    jax.block_until_ready(f(x, 1, W))
+                    comp = time.perf_counter() - t
+                    t1, t2 = [], []
+                    for _ in range(5):
+                        for n, ts in ((n1, t1), (n2, t2)):
+                            t = time.perf_counter()
+                            jax.block_until_ready(f(x, n, W))
+                            ts.append(time.perf_counter() - t)
+                    ms = 1000 * (median(t2) - median(t1)) / (n2 - n1)
+                    res[key] = ms
+                    log(f"  gemms {key}: {ms:.3f} ms/iter ({rows} rows, compile {comp:.1f}s)")
+                except Exception as e:
+                    self.err(f"gemms {key}", e)
+        self.R["sections"]["gemms"] = res
+
     def sec_compile(self):
         """Compile of the whole loop, and no compile for a call in the same bucket."""
         s = self.s
@@ -1056,6 +1135,11 @@ class Bench:
 
         row(f"plain B=1 p{s.prompt} (ms/token)", "plain_b1", GOALS["plain_b1_ms"])
         row(f"DFlash B=1 p{s.prompt}", "dflash_b1", GOALS["dflash_b1_ms"])
+        gm = self.R["sections"].get("gemms")
+        if gm:
+            P(f"{'  their matmuls alone':34} plain {fmt(gm.get('plain_bare'), 3)} / {fmt(gm.get('plain_glue'), 3)} ms, "
+              f"DFlash {fmt(gm.get('dflash_bare'), 3)} / {fmt(gm.get('dflash_glue'), 3)} ms "
+              "(bare / + residual adds and SwiGLU; section gemms)")
         row("DFlash B=1 T=1", "dflash_b1_t1")
         row("DFlash B=1 T=.6 top-p .95 top-k 20", "dflash_b1_t06_p095_k20")
         row("DFlash B=1 T=1 top-p .95 (no top-k)", "dflash_b1_t1_p095")

@@ -38,6 +38,21 @@ def test_bench_attention_table_device_time_smoke(tmp_path):
     assert "read-only (ceiling)" in out and "# kernel checks" in out
 
 
+def test_bench_attention_read_sweep_smoke(tmp_path):
+    """--read-sweep: streaming-read kernels over a row's K/V bytes next to the attention, best named."""
+    out = _run(["scripts/bench_attention.py", "--smoke", "--read-sweep", "--json", str(tmp_path / "r.json")], tmp_path)
+    assert "attention (default config)" in out and "read-only ceiling (XLA sum)" in out
+    assert "read dot splits=2" in out and "read sum splits=2" in out and "BEST streaming read" in out
+
+
+def test_bench_gpu_gemms_smoke(tmp_path):
+    """The gemms section times the four matmul-only programs and the report prints them."""
+    out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "gemms", "--out", str(tmp_path)], tmp_path)
+    for key in ("plain_bare", "plain_glue", "dflash_bare", "dflash_glue"):
+        assert f"gemms {key}: " in out
+    assert "their matmuls alone" in out
+
+
 def test_bench_gpu_b1_profile_smoke(tmp_path):
     out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "b1,profile", "--out", str(tmp_path)], tmp_path)
     assert "dflash-jax GPU benchmark" in out
