@@ -810,6 +810,8 @@ class Bench:
         block's rows and its LM head, the draft's fc over the five taps, five draft layers (q/k/v
         over context + block rows in one product, as the fused path runs it), the draft's LM head over
         S - 1 rows."""
+        import functools
+
         import jax
         import jax.numpy as jnp
         from jax import lax
@@ -833,8 +835,8 @@ class Bench:
             return x + y if glue else y
 
         def make(rows, dflash, glue):
-            def body(_, x):                                   # x [rows, H] bf16
-                tapped = []
+            def body(W, _, x):                                # x [rows, H] bf16; W as an argument, not
+                tapped = []                                   # closed over (16 GB of constants)
                 for i, w in enumerate(W["t"]):
                     x = layer(x, w, glue)
                     if i in taps:
@@ -848,7 +850,7 @@ class Bench:
                     dtok = jnp.argmax(jnp.dot(d[1:], W["head"], preferred_element_type=jnp.float32), axis=-1)
                     tok = jnp.concatenate([tok[:1], dtok])
                 return jnp.take(W["embed"], tok, axis=0)
-            return jax.jit(lambda x, n, W_: lax.fori_loop(0, n, body, x))
+            return jax.jit(lambda x, n, W: lax.fori_loop(0, n, functools.partial(body, W), x))
 
         n1, n2 = (4, 12) if s.smoke else (10, 50)
         res = {}
