@@ -42,6 +42,10 @@ with warnings.catch_warnings():
     from jax.experimental.pallas import triton as pltriton
 
 _MASK = -1e30
+# The online softmax runs in base 2 (config exp2=1): scores are scaled by scale * log2(e) and
+# exponentiated with exp2 (libdevice's exp2f, the hardware's ex2); jnp.exp lowers to libdevice's
+# accurate expf (several instructions per element, on the per-tile critical path). exp2=0 keeps exp.
+_LOG2E = math.log2(math.e)
 _HEAD_DIMS = (64, 128, 256)
 H200_SMS = 132
 
@@ -153,13 +157,13 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     # call 28 saw no difference in the prompt-512 loop.
     big = B * T * Hkv * G * D // (MERGE_ROWS * MERGE_COLS) >= n_sms     # 16 x 64 tiles fill the GPU
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=min_chunk, one_loop=0,
+                num_stages=3, min_chunk=min_chunk, one_loop=0, exp2=1,
                 merge_kernel=int(kv_splits > 1 and C >= SPLIT_MIN_CAPACITY),
                 merge_rows=MERGE_ROWS if big else 4, merge_cols=MERGE_COLS if big else 32)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int, one_loop: bool):
+            min_chunk: int, decode_rows: int, G: int, one_loop: bool, exp2: bool = True):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -206,6 +210,8 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     n_full = jnp.clip((lo - start) // block_k, 0, n_iter)
 
     prec = _precision(q.dtype)
+    base = _LOG2E if exp2 else 1.0
+    scale2, exp = scale * base, jnp.exp2 if exp2 else jnp.exp
     cols = lax.broadcasted_iota(jnp.int32, (R, block_k), 1)
 
     def make_body(masked: bool):
@@ -214,13 +220,13 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
             k0 = pl.multiple_of(start + it * block_k, block_k)
             k = k_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=prec) * scale                       # [R, bk]
+                                precision=prec) * scale2                      # [R, bk], log2 units
             if masked:
                 visible = (k0 + cols) < kend[:, None]
                 s = jnp.where(visible, s, _MASK)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))                        # [R]
-            alpha = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[:, None])                                   # [R, bk]
+            alpha = exp(m - m_new)
+            p = exp(s - m_new[:, None])                                       # [R, bk]
             if masked:
                 # A row with nothing visible yet has m_new == _MASK and exp(0) == 1: zero it.
                 p = jnp.where(visible, p, 0.0)
@@ -244,7 +250,7 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
         acc, m, l = lax.fori_loop(n_full, n_iter, make_body(True), carry)
     l = jnp.where(live, l, 0.0)
     o = jnp.where(live[:, None], acc, 0.0) / jnp.where(l > 0, l, 1.0)[:, None]
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    lse = jnp.where(l > 0, m / base + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
     if decode_rows:
         o_ref = out_refs[0]
@@ -364,7 +370,7 @@ def _env_overrides() -> dict:
     """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
     return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
                                             "num_stages", "min_chunk", "one_loop", "merge_kernel",
-                                            "merge_rows", "merge_cols"))
+                                            "merge_rows", "merge_cols", "exp2"))
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,
@@ -373,7 +379,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                     num_stages: int | None = None, min_chunk: int | None = None,
                     one_loop: bool | None = None, merge_kernel: bool | None = None,
                     merge_rows: int | None = None, merge_cols: int | None = None,
-                    n_sms: int = H200_SMS):
+                    exp2: bool | None = None, n_sms: int = H200_SMS):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
     merge_kernel: split partials merged by `merge_splits` (a Pallas kernel) instead of XLA's fusion
@@ -397,7 +403,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
                               one_loop=one_loop, merge_kernel=merge_kernel, merge_rows=merge_rows,
-                              merge_cols=merge_cols, n_sms=n_sms)
+                              merge_cols=merge_cols, exp2=exp2, n_sms=n_sms)
         return out[:, :T]
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
     cfg.update(_env_overrides())
@@ -407,7 +413,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
                           num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop,
                           merge_kernel=merge_kernel, merge_rows=merge_rows,
-                          merge_cols=merge_cols).items():
+                          merge_cols=merge_cols, exp2=exp2).items():
         if val is not None:
             cfg[name] = val
     bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]
@@ -458,7 +464,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
                                min_chunk=min_chunk, decode_rows=decode_rows, G=G,
-                               one_loop=bool(cfg["one_loop"]))
+                               one_loop=bool(cfg["one_loop"]), exp2=bool(cfg["exp2"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
