@@ -130,17 +130,19 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel", [(2, False, False), (5, False, False),
-                                                            (3, True, False), (5, False, True)])
+@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel,exp2", [(2, False, False, True), (5, False, False, True),
+                                                                 (3, True, False, True), (5, False, True, True),
+                                                                 (5, False, True, False), (1, False, False, False)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, exp2, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    the one-loop variant (every tile masked) and the merge as a Pallas kernel on the same rows."""
+    the one-loop variant (every tile masked) and the merge as a Pallas kernel on the same rows; the
+    softmax in base e (exp2=False, the A/B setting) as well as the default base 2."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel)
+                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel, exp2=exp2)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
