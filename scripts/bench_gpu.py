@@ -817,7 +817,7 @@ class Bench:
         from jax import lax
         target, draft, tcfg, dcfg = self.build()
         s = self.s
-        H, I, QD = tcfg.hidden_size, tcfg.intermediate_size, tcfg.num_heads * tcfg.head_dim
+        I, QD = tcfg.intermediate_size, tcfg.num_heads * tcfg.head_dim
         lw = lambda l: (l.qkv[...], l.o[...], l.mlp.gate_up[...], l.mlp.down[...])
         W = dict(t=[lw(l) for l in target.layers], d=[lw(l) for l in draft.layers], fc=draft.fc[...],
                  embed=target.embed[...],
