@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -498,31 +499,30 @@ def read_sweep(args, copy_bw: float) -> list[dict]:
         q = jax.random.normal(jax.random.key(1), (1, S, Hq, D), dtype)
         rec = dict(ctx=ctx, kv_MB=kv_bytes / 1e6, results={})
 
-        def record(name, f, fargs):
+        def record(name, seconds):
+            """Time `seconds()` (device seconds per buffer pair) and print it against the copy rate."""
             try:
-                jax.block_until_ready(f(*fargs))
-                us = device_call_time(f, fargs, n_buf) * 1e6
+                us = seconds() * 1e6
             except Exception as ex:  # noqa: BLE001
                 print(f"read      ctx={ctx} {name}: FAILED {type(ex).__name__}: {str(ex).splitlines()[0][:200]}", flush=True)
                 return
             rec["results"][name] = dict(us=us, pct_copy=100 * kv_bytes / us / 1e6 / (copy_bw / 1e12))
             print(f"read      ctx={ctx:<6d} {name:44s} {us:7.1f}us {rec['results'][name]['pct_copy']:5.1f}% of copy", flush=True)
 
+        def device_time(f, fargs):
+            jax.block_until_ready(f(*fargs))
+            return device_call_time(f, fargs, n_buf)
+
         base = gpu.default_config(S, Hq // Hkv, C, D, 1, Hkv)
-        record("attention (default config)", chained(pallas_op(base, interpret), 1), (q, e, ks, vs))
-        t = read_ceiling_seconds(e, ks, vs, n_buf) * 1e6
-        rec["results"]["read-only ceiling (XLA sum)"] = dict(us=t, pct_copy=100 * kv_bytes / t / 1e6 / (copy_bw / 1e12))
-        print(f"read      ctx={ctx:<6d} {'read-only ceiling (XLA sum)':44s} {t:7.1f}us "
-              f"{rec['results']['read-only ceiling (XLA sum)']['pct_copy']:5.1f}% of copy", flush=True)
-        for kind in grid["kind"]:
-            for splits in grid["splits"]:
-                for block in grid["block"]:
-                    for stages in grid["stages"]:
-                        for warps in grid["warps"]:
-                            op = read_op(kmax, splits, block, stages, kind, interpret, warps)
-                            f = jax.jit(lambda ks, vs, op=op: [op(k, v) for k, v in zip(ks, vs)])
-                            record(f"read {kind} splits={splits} block={block} stages={stages} warps={warps}",
-                                   f, (ks, vs))
+        record("attention (default config)",
+               lambda: device_time(chained(pallas_op(base, interpret), 1), (q, e, ks, vs)))
+        record("read-only ceiling (XLA sum)", lambda: read_ceiling_seconds(e, ks, vs, n_buf))
+        for kind, splits, block, stages, warps in itertools.product(
+                grid["kind"], grid["splits"], grid["block"], grid["stages"], grid["warps"]):
+            op = read_op(kmax, splits, block, stages, kind, interpret, warps)
+            f = jax.jit(lambda ks, vs, op=op: [op(k, v) for k, v in zip(ks, vs)])
+            record(f"read {kind} splits={splits} block={block} stages={stages} warps={warps}",
+                   lambda: device_time(f, (ks, vs)))
         reads = {n: r for n, r in rec["results"].items() if n.startswith("read ") and r}
         if reads:
             best = min(reads, key=lambda n: reads[n]["us"])
