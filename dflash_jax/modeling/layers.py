@@ -99,6 +99,21 @@ class DecoderLayer(nnx.Module):
         v = qkv[..., (Hq + Hkv) * D:].reshape(B, T, Hkv, D)
         return q, k, v
 
+    def qkv_heads(self, h, positions):
+        """The XLA path's attention inputs of already-normed rows h [B, T, H] at positions [B, T]:
+        q [B, T, Hq, D], k, v [B, T, Hkv, D], q and k normed and rotated. Training's packed-block
+        forward calls this and `attn_mlp` around its own attention (dflash_jax.train)."""
+        q, k, v = self._split_heads(h @ self.qkv[...])
+        return (rope(self.q_norm(q), positions, self.rope_theta),
+                rope(self.k_norm(k), positions, self.rope_theta), v)
+
+    def attn_mlp(self, x, o):
+        """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
+        [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
+        x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
+        y = gated_silu(self.post_attention_layernorm(x) @ self.mlp.gate_up[...])
+        return x + y @ self.mlp.down[...]
+
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
         ctx [B, T, H] → k, v [B, T, Hkv, D] (k normed and rotated)."""
