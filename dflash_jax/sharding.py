@@ -487,6 +487,8 @@ def _load_sharded(d: str, model, mesh: Mesh, dtype, top: dict, prefix: str, fuse
         if hf is None:
             raise ValueError(f"no checkpoint tensor is mapped to parameter {name!r}")
         shape = tuple(var.get_value().shape)
+        if isinstance(how, tuple) and how[1] is not None:      # the fused layout's width (kv copies)
+            shape = (shape[0], len(how[1]))
         spec = spec_for(name, rules)
         _check_divisible(name, shape, spec, mesh)
         if isinstance(how, tuple):                                          # a fused [in, out] matrix
