@@ -377,13 +377,14 @@ def sample_candidates(vals, ids, key, vocab_size: int, top_k, top_p):
     logits / temperature, M >= top_k): keep the top_k best (rank: score descending, id ascending),
     then top-p over their renormalised distribution, then Gumbel-max with the noise a one-device
     `argmax(where(keep, scores, -inf) + gumbel(key, [V]))` draws at those ids, so the token equals
-    that full-vocabulary draw exactly. key [N] per-row keys. top_k in [1, M] (traced ok)."""
+    that full-vocabulary draw exactly. key [N] per-row keys. top_k in [1, M] (traced ok); 0 keeps
+    every candidate, exact only when the kept set lies among them."""
     N, M = vals.shape
     # rank order of the candidates: score descending, id ascending (a stable sort by two keys)
     order = jnp.lexsort((ids, -vals), axis=-1)
     sv, si = jnp.take_along_axis(vals, order, axis=-1), jnp.take_along_axis(ids, order, axis=-1)
     r = jnp.arange(M)[None, :]
-    kept = r < top_k
+    kept = r < jnp.where(top_k > 0, top_k, M)       # top_k 0 (off): every candidate, see docs/sharding.md
     e = jnp.where(kept, jnp.exp(sv - sv[:, :1]), 0.0)
     p = e / jnp.sum(e, axis=1, keepdims=True)
     kept = kept & ((jnp.cumsum(p, axis=1) - p < top_p) | (top_p >= 1.0))
