@@ -1,0 +1,551 @@
+"""Many devices: the ('data', 'model') mesh, the one table of partition rules for the target, the
+draft and their KV caches, the fused-weight layout under tensor parallelism, greedy and sampling over
+a vocab-sharded LM head, and loading each device's slices straight from safetensors.
+
+Layout under TP = the 'model' axis size (Megatron style, two all-reduces a layer):
+  - embed [V, H] and lm_head [H, V] are sharded on the vocabulary;
+  - qkv [H, W] and gate_up [H, 2I] by columns, o [HqD, H] and down [I, H] by rows;
+  - norms and the draft's fc [n·H, H] replicated (fc is small and its output feeds an RMSNorm over
+    the whole H, so a column split would be all-gathered right away);
+  - KV caches [B, Hkv, C, D]: batch on 'data', kv heads on 'model'.
+A plain column split of the fused qkv would give shard 0 only q heads: `qkv_permutation` reorders
+the columns at load time so shard s's contiguous chunk is [q heads of s | k heads of s | v heads
+of s] (and gate_up [gate_s | up_s]), and `split_qkv` / `split_gate_up` recover q, k, v (gate, up)
+in the original head order from a projection in that layout with no collective. When Hkv < TP the
+kv heads are replicated: each shard gets a copy of the kv head its q heads use, so the layer (and its
+cache) has TP kv heads, a legal GQA model with the same outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = ["AXES", "make_mesh", "parse_mesh", "RULES", "spec_for", "shard_model", "shard_cache",
+           "cache_specs", "check_sharded", "FusedLayout", "fused_layout", "qkv_permutation",
+           "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax", "sharded_topk",
+           "sample_candidates", "load_target_sharded", "load_draft_sharded", "model_axis_size",
+           "data_axis_size"]
+
+AXES = ("data", "model")
+_ALIASES = {"data": "data", "dp": "data", "model": "model", "tp": "model"}
+
+
+# ------------------------------------------------------------------------------------------ the mesh
+
+def parse_mesh(spec) -> tuple[int, int]:
+    """(data, model) sizes from "data=2,model=4" (aliases dp / tp; a missing axis is 1), "2x4", an
+    int (model parallel only) or a (data, model) pair."""
+    if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+        sizes = {"data": 1, "model": int(spec)}
+    elif isinstance(spec, (tuple, list)) and len(spec) == 2:
+        sizes = {"data": spec[0], "model": spec[1]}
+    elif isinstance(spec, str):
+        s = spec.replace(" ", "")
+        sizes = {"data": 1, "model": 1}
+        if re.fullmatch(r"\d+x\d+", s):
+            sizes["data"], sizes["model"] = (int(x) for x in s.split("x"))
+        else:
+            seen = set()
+            for part in filter(None, s.split(",")):
+                m = re.fullmatch(r"(\w+)=(\d+)", part)
+                if not m or m.group(1) not in _ALIASES:
+                    raise ValueError(f"mesh {spec!r}: expected 'data=N,model=M' (or dp/tp, or 'NxM'), "
+                                     f"could not read {part!r}")
+                axis = _ALIASES[m.group(1)]
+                if axis in seen:
+                    raise ValueError(f"mesh {spec!r}: axis {axis!r} given twice")
+                seen.add(axis)
+                sizes[axis] = int(m.group(2))
+    else:
+        raise ValueError(f"mesh {spec!r}: expected 'data=N,model=M', 'NxM', an int or a (data, model) pair")
+    for axis, n in sizes.items():
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"mesh {spec!r}: axis {axis!r} must be a positive integer, got {n!r}")
+    return int(sizes["data"]), int(sizes["model"])
+
+
+def make_mesh(spec=None, *, dp: int | None = None, tp: int | None = None, devices=None) -> Mesh:
+    """A mesh with axes ('data', 'model'). spec as parse_mesh, or dp= / tp= (the other axis is 1).
+    It must cover `devices` exactly (default: every device; pass a subset to use fewer). Axis types
+    are Auto: jit's sharding propagation places intermediates, the rules place parameters and caches."""
+    if spec is not None and (dp is not None or tp is not None):
+        raise ValueError("make_mesh: give either a spec or dp=/tp=, not both")
+    data, model = parse_mesh(spec) if spec is not None else parse_mesh((dp or 1, tp or 1))
+    devices = list(jax.devices() if devices is None else devices)
+    if data * model != len(devices):
+        raise ValueError(f"mesh data={data},model={model} needs {data * model} devices, "
+                         f"{'there are' if len(devices) == len(jax.devices()) else 'got'} {len(devices)}"
+                         + ("" if data * model > len(devices) else "; pass devices=jax.devices()[:n] to use fewer"))
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((data, model), AXES, auto, devices=devices)
+
+
+def model_axis_size(mesh: Mesh) -> int:
+    return int(mesh.shape["model"])
+
+
+def data_axis_size(mesh: Mesh) -> int:
+    return int(mesh.shape["data"])
+
+
+# ------------------------------------------------------------------------------- partition rules
+
+# One table for the target (Qwen3) and the draft (DFlashDraft), by nnx state path joined with "/".
+# The first rule whose pattern matches the whole path wins; a leaf no rule matches is an error.
+RULES: tuple[tuple[str, P], ...] = (
+    (r"embed", P("model", None)),                         # [V, H] vocab
+    (r"lm_head", P(None, "model")),                       # [H, V] vocab
+    (r"layers/\d+/qkv", P(None, "model")),                # [H, (Hq + 2 Hkv) D] columns, fused_layout order
+    (r"layers/\d+/o", P("model", None)),                  # [Hq D, H] rows
+    (r"layers/\d+/mlp/gate_up", P(None, "model")),        # [H, 2I] columns, fused_layout order
+    (r"layers/\d+/mlp/down", P("model", None)),           # [I, H] rows
+    (r"fc", P()),                                         # draft [n·H, H] replicated (see module doc)
+    (r"(layers/\d+/)?(input_layernorm|post_attention_layernorm|q_norm|k_norm|norm|hidden_norm)/weight", P()),
+)
+
+
+def _path_str(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def spec_for(path, rules=RULES) -> P:
+    """The PartitionSpec of parameter `path` (tuple or "a/b/c")."""
+    name = path if isinstance(path, str) else _path_str(path)
+    for pattern, spec in rules:
+        if re.fullmatch(pattern, name):
+            return spec
+    raise ValueError(f"no partition rule matches parameter {name!r}; add one to dflash_jax.sharding.RULES")
+
+
+def _check_divisible(name: str, shape, spec: P, mesh: Mesh):
+    for dim, (n, axis) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
+        if axis is None:
+            continue
+        size = int(np.prod([mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,))]))
+        if n % size:
+            raise ValueError(f"{name}: dimension {dim} of shape {tuple(shape)} ({n}) is not divisible by "
+                             f"the mesh axis {axis!r} of size {size}")
+
+
+def _shards(spec: P, mesh: Mesh) -> int:
+    n = 1
+    for axis in spec:
+        for a in (axis if isinstance(axis, tuple) else (axis,)) if axis is not None else ():
+            n *= int(mesh.shape[a])
+    return n
+
+
+# ------------------------------------------------------------------------ fused layout under TP
+
+@dataclasses.dataclass(frozen=True)
+class FusedLayout:
+    """How a layer's fused projections are laid out for `groups` = TP shards: each contiguous
+    1/groups of qkv's columns is [q heads | k heads | v heads] of one shard, with `num_kv_heads`
+    (>= the model's, copies when the model has fewer kv heads than shards) kv heads in all."""
+    groups: int
+    num_heads: int
+    num_kv_heads: int          # after replication: max(model kv heads, groups)
+    head_dim: int
+    kv_repeats: int            # copies of each model kv head (1: none)
+
+
+def fused_layout(num_heads: int, num_kv_heads: int, head_dim: int, tp: int) -> FusedLayout:
+    """The layout for TP = tp, refusing head counts that do not split."""
+    if num_heads % tp:
+        raise ValueError(f"num_heads={num_heads} is not divisible by the model axis size {tp}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} and the model axis size {tp}: one must divide the other")
+    rep = max(1, tp // num_kv_heads)
+    return FusedLayout(groups=tp, num_heads=num_heads, num_kv_heads=num_kv_heads * rep,
+                       head_dim=head_dim, kv_repeats=rep)
+
+
+def qkv_permutation(layout: FusedLayout) -> np.ndarray:
+    """Column indices into the plain [q | k | v] matrix [H, (Hq + 2 Hkv) D] giving the fused layout
+    [H, (Hq + 2 Hkv·rep) D]: w[:, perm]. Identity for groups = 1."""
+    G, Hq, D, rep = layout.groups, layout.num_heads, layout.head_dim, layout.kv_repeats
+    Hkv = layout.num_kv_heads // rep                                     # the model's kv heads
+    hq, hkv = Hq // G, layout.num_kv_heads // G                          # per shard
+    head = lambda base, h: base + h * D + np.arange(D)
+    cols = []
+    for s in range(G):
+        cols += [head(0, h) for h in range(s * hq, (s + 1) * hq)]
+        kv = [(s * hkv + j) // rep for j in range(hkv)]                  # model kv head of each copy
+        cols += [head(Hq * D, h) for h in kv]
+        cols += [head((Hq + Hkv) * D, h) for h in kv]
+    return np.concatenate(cols).astype(np.int32)
+
+
+def gate_up_permutation(intermediate: int, groups: int) -> np.ndarray:
+    """Column indices into [gate | up] [H, 2I] giving [gate_0 | up_0 | gate_1 | up_1 | ...]."""
+    if intermediate % groups:
+        raise ValueError(f"intermediate_size={intermediate} is not divisible by the model axis size {groups}")
+    i = intermediate // groups
+    return np.concatenate([np.r_[s * i:(s + 1) * i, intermediate + s * i:intermediate + (s + 1) * i]
+                           for s in range(groups)]).astype(np.int32)
+
+
+def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int, groups: int = 1):
+    """q [..., Hq, D], k, v [..., Hkv, D] in head order from a projection qkv [..., W] in the fused
+    layout of `groups` shards (num_kv_heads: the layout's, replicas included). The reshape puts the
+    shard axis where the sharded columns are, so the slices are local to each shard."""
+    lead, D = qkv.shape[:-1], head_dim
+    hq, hkv = num_heads // groups, num_kv_heads // groups
+    y = qkv.reshape(*lead, groups, (hq + 2 * hkv) * D)                                # [..., G, per]
+    q = y[..., : hq * D].reshape(*lead, num_heads, D)
+    k = y[..., hq * D: (hq + hkv) * D].reshape(*lead, num_kv_heads, D)
+    v = y[..., (hq + hkv) * D:].reshape(*lead, num_kv_heads, D)
+    return q, k, v
+
+
+def split_gate_up(y, groups: int = 1):
+    """(gate, up) [..., I] in order from y [..., 2I] in gate_up_permutation's layout."""
+    lead = y.shape[:-1]
+    z = y.reshape(*lead, groups, 2, y.shape[-1] // (2 * groups))                      # [..., G, 2, I/G]
+    return z[..., 0, :].reshape(*lead, -1), z[..., 1, :].reshape(*lead, -1)
+
+
+def _layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
+    if not fused:
+        return FusedLayout(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1)
+    return fused_layout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
+
+
+# --------------------------------------------------------------------------- placing the models
+
+def _place(model, mesh: Mesh, rules, transform=None):
+    from flax import nnx
+    state = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        name = _path_str(path)
+        value = var.get_value()
+        if transform is not None:
+            value = transform(path, value)
+        spec = spec_for(name, rules)
+        _check_divisible(name, value.shape, spec, mesh)
+        var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
+    return model
+
+
+def shard_model(model, mesh: Mesh, *, fused_layout: bool = False, rules=RULES):
+    """Place `model`'s parameters (a Qwen3 target or a DFlashDraft, in place) on `mesh` by RULES;
+    returns the model. fused_layout=True also permutes qkv / gate_up into the per-shard layout
+    (qkv_permutation) and records it on each layer (`qkv_groups`, `num_kv_heads`): only for layers
+    that read those attributes (the layer side is `split_qkv` / `split_gate_up`). Without it the
+    plain column split is still correct (jit inserts the collectives the slices need)."""
+    tp = model_axis_size(mesh)
+    cfg = model.config
+    lay = _layout_for(cfg, tp, fused_layout)
+    perm_qkv = qkv_permutation(lay) if fused_layout else None
+    perm_gu = gate_up_permutation(cfg.intermediate_size, tp) if fused_layout else None
+
+    def transform(path, value):
+        name = _path_str(path)
+        if perm_qkv is not None and re.fullmatch(r"layers/\d+/qkv", name):
+            return jnp.take(value, perm_qkv, axis=1)
+        if perm_gu is not None and re.fullmatch(r"layers/\d+/mlp/gate_up", name):
+            return jnp.take(value, perm_gu, axis=1)
+        return value
+
+    _place(model, mesh, rules, transform)
+    if fused_layout:
+        _set_layout(model, lay)
+    return model
+
+
+def _set_layout(model, lay: FusedLayout):
+    for layer in model.layers:
+        layer.qkv_groups = lay.groups
+        layer.num_kv_heads = lay.num_kv_heads
+
+
+def cache_specs(num_kv_heads: int, mesh: Mesh, batch: int | None = None):
+    """(k/v spec, lens spec) of a KVCache [B, Hkv, C, D] on `mesh`: batch on 'data', kv heads on
+    'model' when they split, else replicated over 'model' (every shard then holds all kv heads; the
+    fused layout avoids that case by giving each shard its own copy). batch not divisible by the
+    data axis is an error (pad the batch)."""
+    if batch is not None and batch % data_axis_size(mesh):
+        raise ValueError(f"batch {batch} is not a multiple of the data axis size {data_axis_size(mesh)}; "
+                         "pad the batch")
+    heads = "model" if num_kv_heads % model_axis_size(mesh) == 0 else None
+    return P("data", heads, None, None), P("data")
+
+
+def shard_cache(cache, mesh: Mesh):
+    """A KVCache placed by cache_specs (outside jit: device_put; inside jit: sharding constraints)."""
+    kv, lens = cache_specs(cache.k[0].shape[1], mesh, cache.k[0].shape[0])
+    put = _constrain_or_put(mesh)
+    return dataclasses.replace(cache, k=tuple(put(x, kv) for x in cache.k),
+                               v=tuple(put(x, kv) for x in cache.v), lens=put(cache.lens, lens))
+
+
+def _constrain_or_put(mesh: Mesh):
+    def put(x, spec):
+        s = NamedSharding(mesh, spec)
+        if isinstance(x, jax.core.Tracer):
+            return jax.lax.with_sharding_constraint(x, s)
+        return jax.device_put(x, s)
+    return put
+
+
+def _per_device_bytes(x) -> int:
+    shard = x.addressable_shards[0].data
+    return int(shard.size * shard.dtype.itemsize)
+
+
+def check_sharded(model, mesh: Mesh, rules=RULES) -> dict[str, tuple[int, int]]:
+    """Assert every parameter sits on `mesh` as its rule says, with per-device bytes = total /
+    shards (no weight silently replicated). Returns {path: (per-device bytes, total bytes)}."""
+    from flax import nnx
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = _path_str(path)
+        x = var.get_value()
+        spec = spec_for(name, rules)
+        sh = getattr(x, "sharding", None)
+        if not isinstance(sh, NamedSharding) or sh.mesh.shape != mesh.shape:
+            raise AssertionError(f"{name}: not placed on the mesh (sharding {sh})")
+        total = int(x.size * x.dtype.itemsize)
+        per = _per_device_bytes(x)
+        want = total // _shards(spec, mesh)
+        if per != want:
+            raise AssertionError(f"{name}: {per} bytes per device, rule {spec} wants {want} (of {total})")
+        out[name] = (per, total)
+    return out
+
+
+# --------------------------------------------------------------- greedy and sampling, vocab-sharded
+
+def _logit_spec(ndim: int, batch: int, mesh: Mesh) -> P:
+    lead = "data" if batch % data_axis_size(mesh) == 0 else None
+    return P(lead, *([None] * (ndim - 2)), "model")
+
+
+def sharded_argmax(logits, mesh: Mesh):
+    """jnp.argmax(logits, axis=-1) for logits [B, ..., V] sharded on V over 'model', without
+    gathering them: each shard's (max, lowest index of it), all-gathered ([B, ..., TP] each), then
+    the first shard holding the maximum. Same result as jnp.argmax, ties to the lowest id included;
+    a NaN counts as the maximum (jnp.argmax's policy), so the first NaN wins. int32."""
+    V, tp = logits.shape[-1], model_axis_size(mesh)
+    if V % tp:
+        raise ValueError(f"vocabulary of {V} is not divisible by the model axis size {tp}")
+    spec = _logit_spec(logits.ndim, logits.shape[0], mesh)
+
+    def local(x):                                                            # [B, ..., V/TP]
+        i = jnp.argmax(x, axis=-1)
+        m = jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0]
+        gi = (i + jax.lax.axis_index("model") * x.shape[-1]).astype(jnp.int32)
+        ms = jax.lax.all_gather(m, "model", axis=m.ndim)                    # [B, ..., TP]
+        gis = jax.lax.all_gather(gi, "model", axis=gi.ndim)
+        j = jnp.argmax(ms, axis=-1)                                          # first shard: lowest id
+        return jnp.take_along_axis(gis, j[..., None], axis=-1)[..., 0]
+
+    out_spec = P(*tuple(spec)[:-1])
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=False)(logits)
+
+
+def sharded_topk(scores, k: int, mesh: Mesh):
+    """Per-shard top-k candidates of scores [N, V] sharded on V, gathered: (values, ids) [N, TP·k],
+    shard-major, each shard's in rank order (score descending, lower id first among ties, as
+    lax.top_k). The global top-k in rank order is a subset (the k best of the union)."""
+    V, tp = scores.shape[-1], model_axis_size(mesh)
+    if V % tp or k > V // tp:
+        raise ValueError(f"top-{k} candidates over a vocabulary of {V} on {tp} shards: need V % TP == 0 "
+                         f"and k <= V / TP")
+    spec = _logit_spec(scores.ndim, scores.shape[0], mesh)
+
+    def local(x):
+        vals, idx = jax.lax.top_k(x, k)                                      # [N, k]
+        idx = (idx + jax.lax.axis_index("model") * x.shape[-1]).astype(jnp.int32)
+        return (jax.lax.all_gather(vals, "model", axis=1, tiled=True),
+                jax.lax.all_gather(idx, "model", axis=1, tiled=True))
+
+    out = P(tuple(spec)[0], None)
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(out, out), check_vma=False)(scores)
+
+
+def sample_candidates(vals, ids, key, vocab_size: int, top_k, top_p):
+    """One token per row from top-k candidates (vals, ids) [N, M] (sharded_topk of the scores =
+    logits / temperature, M >= top_k): keep the top_k best (rank: score descending, id ascending),
+    then top-p over their renormalised distribution, then Gumbel-max with the noise a one-device
+    `argmax(where(keep, scores, -inf) + gumbel(key, [V]))` draws at those ids, so the token equals
+    that full-vocabulary draw exactly. key [N] per-row keys. top_k in [1, M] (traced ok); 0 keeps
+    every candidate, exact only when the kept set lies among them."""
+    N, M = vals.shape
+    # rank order of the candidates: score descending, id ascending (a stable sort by two keys)
+    order = jnp.lexsort((ids, -vals), axis=-1)
+    sv, si = jnp.take_along_axis(vals, order, axis=-1), jnp.take_along_axis(ids, order, axis=-1)
+    r = jnp.arange(M)[None, :]
+    kept = r < jnp.where(top_k > 0, top_k, M)       # top_k 0 (off): every candidate, see docs/sharding.md
+    e = jnp.where(kept, jnp.exp(sv - sv[:, :1]), 0.0)
+    p = e / jnp.sum(e, axis=1, keepdims=True)
+    kept = kept & ((jnp.cumsum(p, axis=1) - p < top_p) | (top_p >= 1.0))
+    g = jax.vmap(lambda kk, i: jax.random.gumbel(kk, (vocab_size,))[i])(key, si)     # [N, M]
+    z = jnp.where(kept, sv + g, -jnp.inf)
+    best = jnp.argmax(z, axis=-1)
+    # ties of z (measure zero) go to the lower id, as argmax over the full vocabulary would
+    tied = z == jnp.take_along_axis(z, best[:, None], axis=-1)
+    return jnp.min(jnp.where(tied, si, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------ loading slices from safetensors
+
+class _Checkpoint:
+    """The safetensors files of a checkpoint directory, read by slice (`read`) and never whole
+    unless a caller asks for the whole tensor (replicated parameters)."""
+
+    def __init__(self, d: str):
+        from safetensors import safe_open
+        from dflash_jax.weights import _safetensors_files
+        self._files = [safe_open(p, framework="numpy") for p in _safetensors_files(d)]
+        self._where = {n: f for f in self._files for n in f.keys()}
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name not in self._where:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return np.asarray(self._where[name].get_slice(name)[index])
+
+
+def _runs(idx: np.ndarray):
+    """Maximal runs of consecutive integers in idx: [(first, length), ...]."""
+    breaks = np.nonzero(np.diff(idx) != 1)[0] + 1
+    return [(int(r[0]), len(r)) for r in np.split(idx, breaks)]
+
+
+def _fused_reader(ck: _Checkpoint, parts: list[tuple[str, int]], perm: np.ndarray | None):
+    """Reads columns [c0, c1) of a fused [in, out] matrix from HF [out_i, in] tensors `parts`
+    (name, out_i) concatenated on out, permuted by perm: only the rows each column run needs."""
+    bounds = np.cumsum([0] + [n for _, n in parts])
+
+    def read(rows: slice, cols: slice, width: int):
+        idx = np.arange(width)[cols]
+        src = idx if perm is None else perm[idx]
+        pieces = []
+        for first, n in _runs(src):
+            part = int(np.searchsorted(bounds, first, side="right") - 1)
+            while n:
+                name, size = parts[part]
+                lo = first - bounds[part]
+                take = min(n, size - lo)
+                pieces.append(ck.read(name, (slice(lo, lo + take), rows)).T)
+                first, n, part = first + take, n - take, part + 1
+        return np.concatenate(pieces, axis=1)
+    return read
+
+
+def _load_sharded(d: str, model, mesh: Mesh, dtype, top: dict, prefix: str, fused_layout: bool,
+                  rules=RULES):
+    """Fill abstract `model` (nnx.eval_shape) with arrays built by make_array_from_callback: each
+    local device's block is read from the safetensors slices it covers (fused matrices from the
+    parts' matching rows, permuted when fused_layout)."""
+    from flax import nnx
+    ck = _Checkpoint(d)
+    cfg = model.config
+    tp = model_axis_size(mesh)
+    lay = _layout_for(cfg, tp, fused_layout)
+    D, Hq, Hkv, I = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    perm_qkv = qkv_permutation(lay) if fused_layout else None
+    perm_gu = gate_up_permutation(I, tp) if fused_layout else None
+    if fused_layout:
+        _set_layout(model, lay)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = _path_str(path)
+        m = re.fullmatch(r"layers/(\d+)/(.+)", name)
+        hf = None
+        if name in top:
+            hf, how = top[name]
+        elif m:
+            base, leaf = f"{prefix}layers.{m.group(1)}.", m.group(2)
+            table = {"qkv": ("fused", [(base + "self_attn.q_proj.weight", Hq * D),
+                                       (base + "self_attn.k_proj.weight", Hkv * D),
+                                       (base + "self_attn.v_proj.weight", Hkv * D)], perm_qkv),
+                     "mlp/gate_up": ("fused", [(base + "mlp.gate_proj.weight", I),
+                                               (base + "mlp.up_proj.weight", I)], perm_gu),
+                     "o": (base + "self_attn.o_proj.weight", "T"), "mlp/down": (base + "mlp.down_proj.weight", "T"),
+                     "input_layernorm/weight": (base + "input_layernorm.weight", None),
+                     "post_attention_layernorm/weight": (base + "post_attention_layernorm.weight", None),
+                     "q_norm/weight": (base + "self_attn.q_norm.weight", None),
+                     "k_norm/weight": (base + "self_attn.k_norm.weight", None)}
+            entry = table.get(leaf)
+            if entry is not None and entry[0] == "fused":
+                hf, how = entry[1], ("fused", entry[2])
+            elif entry is not None:
+                hf, how = entry
+        if hf is None:
+            raise ValueError(f"no checkpoint tensor is mapped to parameter {name!r}")
+        shape = tuple(var.get_value().shape)
+        if isinstance(how, tuple) and how[1] is not None:      # the fused layout's width (kv copies)
+            shape = (shape[0], len(how[1]))
+        spec = spec_for(name, rules)
+        _check_divisible(name, shape, spec, mesh)
+        if isinstance(how, tuple):                                          # a fused [in, out] matrix
+            reader = _fused_reader(ck, hf, how[1])
+            got = sum(n for _, n in hf) if how[1] is None else len(how[1])
+            if (ck.shape(hf[0][0])[1], got) != shape:
+                raise ValueError(f"{name}: checkpoint parts give {(ck.shape(hf[0][0])[1], got)}, config expects {shape}")
+            block = lambda index, r=reader, w=shape[1]: r(index[0], index[1], w)
+        else:
+            hshape = ck.shape(hf) if hf in ck.names() else None
+            want = shape[::-1] if how == "T" else shape
+            if hshape != want:
+                raise ValueError(f"{name}: checkpoint tensor {hf!r} has shape {hshape}, config expects {want}")
+            if how == "T":
+                block = lambda index, n=hf: ck.read(n, tuple(index[::-1])).T
+            else:
+                block = lambda index, n=hf: ck.read(n, tuple(index))
+        cache: dict = {}
+
+        def cb(index, block=block, cache=cache):
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in cache:                  # replicas of one block (the data axis) read once
+                cache[key] = np.asarray(block(index)).astype(dtype)
+            return cache[key]
+
+        var.set_value(jax.make_array_from_callback(shape, NamedSharding(mesh, spec), cb))
+    return model
+
+
+def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool = False):
+    """A Qwen3 target whose parameters are built on `mesh` by RULES straight from the checkpoint's
+    safetensors slices (each process reads only its devices' blocks)."""
+    from flax import nnx
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.modeling.qwen3 import Qwen3
+    from dflash_jax.weights import _dtype, resolve_model_dir
+    d = resolve_model_dir(path)
+    cfg = TargetConfig.from_pretrained(d)
+    dt = _dtype(dtype)
+    model = nnx.eval_shape(lambda: Qwen3(cfg, dt, rngs=nnx.Rngs(0)))
+    top = {"embed": ("model.embed_tokens.weight", None), "norm/weight": ("model.norm.weight", None)}
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = ("lm_head.weight", "T")
+    return _load_sharded(d, model, mesh, dt, top, "model.", fused_layout)
+
+
+def load_draft_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool = False):
+    """A DFlash draft on `mesh`, as load_target_sharded."""
+    from flax import nnx
+    from dflash_jax.config import DraftConfig
+    from dflash_jax.modeling.draft import DFlashDraft
+    from dflash_jax.weights import _dtype, resolve_model_dir
+    d = resolve_model_dir(path)
+    cfg = DraftConfig.from_pretrained(d)
+    dt = _dtype(dtype)
+    model = nnx.eval_shape(lambda: DFlashDraft(cfg, dt, rngs=nnx.Rngs(0)))
+    top = {"fc": ("fc.weight", "T"), "hidden_norm/weight": ("hidden_norm.weight", None),
+           "norm/weight": ("norm.weight", None)}
+    return _load_sharded(d, model, mesh, dt, top, "", fused_layout)

@@ -1,0 +1,318 @@
+"""dflash_jax.sharding on 8 virtual CPU devices.
+
+The virtual devices need XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts its
+backend, which other tests in the same process may already have done; so the cases run in a child
+pytest of this file (`test_on_8_devices`, and `test_on_8_devices_slow` for the loop prototypes),
+and are skipped in the parent. Run them directly with
+    DFLASH_SHARDING_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_sharding.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+CHILD = os.environ.get("DFLASH_SHARDING_CHILD") == "1"
+child = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (test_on_8_devices)")
+parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
+
+
+def _run_child(marker: str):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DFLASH_SHARDING_CHILD="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker,
+                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@parent
+def test_on_8_devices():
+    _run_child("not slow")
+
+
+@parent
+@pytest.mark.slow
+def test_on_8_devices_slow():
+    _run_child("slow")
+
+
+# ------------------------------------------------------------------------------- child cases
+
+if CHILD:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dflash_jax import sharding as sh
+    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax.weights import init_draft, init_target
+
+    TINY = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+
+
+def _mesh(spec):
+    d, m = sh.parse_mesh(spec)
+    return sh.make_mesh(spec, devices=jax.devices()[: d * m])
+
+
+@child
+def test_eight_devices():
+    assert jax.device_count() == 8
+
+
+@child
+def test_make_mesh_specs_and_errors():
+    assert sh.parse_mesh("data=2,model=4") == (2, 4)
+    assert sh.parse_mesh("tp=8") == (1, 8) and sh.parse_mesh("dp=8") == (8, 1)
+    assert sh.parse_mesh("2x4") == (2, 4) and sh.parse_mesh(4) == (1, 4)
+    m = sh.make_mesh("data=2,model=4")
+    assert m.axis_names == ("data", "model") and dict(m.shape) == {"data": 2, "model": 4}
+    assert dict(sh.make_mesh(dp=2, tp=4).shape) == {"data": 2, "model": 4}
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        sh.make_mesh("data=4,model=4")
+    with pytest.raises(ValueError, match="needs 2 devices.*devices=jax.devices"):
+        sh.make_mesh("model=2")
+    for bad in ("data=2,modle=4", "data=0", "data=2,data=2", "x"):
+        with pytest.raises(ValueError, match="mesh"):
+            sh.parse_mesh(bad)
+
+
+@child
+@pytest.mark.parametrize("spec", ["1x2", "2x4", "1x8", "8x1"])
+def test_rules_cover_every_leaf_with_no_silent_replication(spec):
+    mesh = _mesh(spec)
+    target = sh.shard_model(init_target(TINY, dtype="float32"), mesh)
+    draft = sh.shard_model(init_draft(DraftConfig.for_target(TINY, num_layers=2, block_size=4), dtype="float32"), mesh)
+    tp = sh.model_axis_size(mesh)
+    for model in (target, draft):
+        got = sh.check_sharded(model, mesh)
+        for name, (per, total) in got.items():
+            split = not name.endswith("/weight") and name != "fc"
+            assert per * (tp if split else 1) == total, name
+    assert "fc" in sh.check_sharded(draft, mesh) and "embed" in sh.check_sharded(target, mesh)
+    with pytest.raises(ValueError, match="no partition rule matches parameter 'layers/0/extra'"):
+        sh.spec_for("layers/0/extra")
+
+
+@child
+def test_indivisible_dims_are_refused():
+    cfg = TargetConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"embed: dimension 0 .*\(100\) is not divisible by the mesh axis 'model' of size 8"):
+        sh.shard_model(init_target(cfg, dtype="float32"), _mesh("1x8"))
+
+
+@child
+def test_cache_specs():
+    from dflash_jax.cache import KVCache
+    assert sh.cache_specs(2, _mesh("1x2"))[0] == P("data", "model", None, None)
+    assert sh.cache_specs(2, _mesh("2x4"))[0] == P("data", None, None, None)  # replicated over model
+    with pytest.raises(ValueError, match="batch 3 is not a multiple of the data axis size 2"):
+        sh.cache_specs(2, _mesh("2x4"), batch=3)
+    mesh = _mesh("2x4")
+    c = sh.shard_cache(KVCache.zeros(2, 4, 4, 8, 16, jnp.float32), mesh)
+    assert c.k[0].sharding.spec == P("data", "model", None, None) and c.lens.sharding.spec == P("data")
+    assert sh._per_device_bytes(c.k[0]) * 8 == c.k[0].size * 4
+
+
+def _ints(key, shape):
+    # small integers: every dot product is exact in float32, so a reordering shows as any difference
+    return jax.random.randint(jax.random.key(key), shape, -3, 4).astype(jnp.float32)
+
+
+def _collectives(compiled_text: str) -> list[str]:
+    return [op for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+            if op + "(" in compiled_text or op + "-start" in compiled_text]
+
+
+@child
+@pytest.mark.parametrize("hq,hkv,tp", [(4, 2, 1), (4, 2, 2), (8, 4, 2), (8, 2, 4), (8, 2, 8), (4, 4, 4)])
+def test_fused_qkv_layout_is_exact_and_local(hq, hkv, tp):
+    H, D = 32, 8
+    x = _ints(0, (2, 3, H))                                                  # [B, T, H]
+    w = _ints(1, (H, (hq + 2 * hkv) * D))                                    # [H, (Hq + 2 Hkv) D]
+    q0, k0, v0 = sh.split_qkv(x @ w, hq, hkv, D)                             # the plain layout
+    lay = sh.fused_layout(hq, hkv, D, tp)
+    perm = sh.qkv_permutation(lay)
+    assert lay.num_kv_heads == max(hkv, tp) and len(perm) == (hq + 2 * lay.num_kv_heads) * D
+    if tp == 1:
+        np.testing.assert_array_equal(perm, np.arange(w.shape[1]))
+    mesh = _mesh(f"1x{tp}")
+    wp = jax.device_put(w[:, perm], NamedSharding(mesh, P(None, "model")))
+    split = jax.jit(lambda x, w: sh.split_qkv(x @ w, hq, lay.num_kv_heads, D, groups=tp))
+    q, k, v = split(x, wp)
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, jnp.repeat(k0, lay.kv_repeats, axis=2))
+    np.testing.assert_array_equal(v, jnp.repeat(v0, lay.kv_repeats, axis=2))
+    # each shard's q heads use the kv head the shard holds: q head h -> kv head h // (Hq / Hkv_layout)
+    assert tp == 1 or k.sharding.spec[2] == "model"
+    assert _collectives(split.lower(x, wp).compile().as_text()) == []
+
+
+@child
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_fused_gate_up_layout_is_exact_and_local(tp):
+    H, I = 16, 32
+    x, w = _ints(2, (2, 3, H)), _ints(3, (H, 2 * I))
+    g0, u0 = jnp.split(x @ w, 2, axis=-1)
+    mesh = _mesh(f"1x{tp}")
+    wp = jax.device_put(w[:, sh.gate_up_permutation(I, tp)], NamedSharding(mesh, P(None, "model")))
+    f = jax.jit(lambda x, w: sh.split_gate_up(x @ w, tp))
+    g, u = f(x, wp)
+    np.testing.assert_array_equal(g, g0)
+    np.testing.assert_array_equal(u, u0)
+    assert _collectives(f.lower(x, wp).compile().as_text()) == []
+
+
+def _on(x, mesh):
+    spec = P("data" if x.shape[0] % sh.data_axis_size(mesh) == 0 else None, *([None] * (x.ndim - 2)), "model")
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+@child
+@pytest.mark.parametrize("spec", ["1x8", "2x4", "1x2"])
+def test_sharded_argmax_equals_jnp_argmax(spec):
+    mesh = _mesh(spec)
+    V = 64
+    cases = [jax.random.normal(jax.random.key(0), (4, 3, V)),
+             jnp.round(jax.random.normal(jax.random.key(1), (4, 3, V)))]      # many ties
+    tie = jnp.zeros((4, V)).at[:, [7, 8, 40]].set(5.0)                        # ties across shard boundaries
+    tie = tie.at[1, :].set(1.0).at[2, :].set(-jnp.inf).at[3, 33].set(jnp.nan).at[3, 50].set(jnp.nan)
+    cases += [tie, tie.at[0, 63].set(jnp.nan), jnp.full((2, V), jnp.nan)]
+    for x in cases:
+        got = jax.jit(lambda z: sh.sharded_argmax(z, mesh))(_on(x, mesh))
+        np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+    # the logits are never gathered: the only collectives are the all-gathers of [B, S, TP]
+    hlo = jax.jit(lambda z: sh.sharded_argmax(z, mesh)).lower(_on(cases[0], mesh)).compile().as_text()
+    assert _collectives(hlo) == ["all-gather"]
+    with pytest.raises(ValueError, match="vocabulary of 63 is not divisible"):
+        sh.sharded_argmax(jnp.zeros((2, 63)), _mesh("1x2"))
+
+
+def _oracle_sample(scores, key, top_k, top_p):
+    """Full-vocabulary top-k / top-p keep set (numpy, by rank: score descending, id ascending), then
+    argmax(where(keep, scores, -inf) + gumbel(key, [V]))."""
+    s = np.asarray(scores, np.float32)
+    V = s.shape[0]
+    order = np.lexsort((np.arange(V), -s))
+    keep = np.zeros(V, bool)
+    k = top_k if top_k > 0 else V
+    e = np.exp(s[order[:k]] - s[order[0]]).astype(np.float32)
+    p = e / e.sum()
+    before = np.cumsum(p) - p
+    keep[order[:k][(before < top_p) | (top_p >= 1.0)]] = True
+    g = np.asarray(jax.random.gumbel(key, (V,)))
+    return int(np.argmax(np.where(keep, s + g, -np.inf)))
+
+
+@child
+@pytest.mark.parametrize("spec", ["1x8", "2x4"])
+def test_sharded_topk_sampling_matches_one_device(spec):
+    from dflash_jax import sampling
+    mesh = _mesh(spec)
+    V, N, k = 128, 8, 6
+    scores = jax.random.normal(jax.random.key(3), (N, V)) * 2.0
+    scores = scores.at[1, :].set(jnp.round(scores[1]))                         # ties
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(N))
+    vals, ids = jax.jit(lambda z: sh.sharded_topk(z, k, mesh))(_on(scores, mesh))
+    assert vals.shape == (N, k * sh.model_axis_size(mesh))
+    same_as_select = 0
+    for top_k, top_p in [(6, 1.0), (3, 1.0), (6, 0.7), (1, 1.0), (5, 0.3)]:
+        got = sh.sample_candidates(vals, ids, keys, V, top_k, top_p)
+        want = [_oracle_sample(scores[i], keys[i], top_k, top_p) for i in range(N)]
+        np.testing.assert_array_equal(got, want)
+        mode = sampling.mode_for(1.0, top_p, top_k)
+        sel = sampling.select(scores, keys, jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p), mode)
+        same_as_select += int(np.sum(np.asarray(sel) == np.asarray(got)))
+    # sampling.select draws categorical(log_softmax(kept)); the shift by the normaliser may flip an
+    # exact near-tie in float32, so agreement is expected, not guaranteed (docs/sharding.md)
+    assert same_as_select == 5 * N
+
+
+@child
+@pytest.mark.parametrize("fused", [False, True])
+def test_load_reads_only_local_slices(tmp_path, monkeypatch, fused):
+    from flax import nnx
+    from tests import checkpoints as ck
+    from dflash_jax.weights import load_target
+    path = ck.write_target(str(tmp_path / "t"), num_layers=2, num_heads=8, num_kv_heads=2, seed=3)
+    reads = []
+    orig = sh._Checkpoint.read
+    def spy(self, name, index):
+        out = orig(self, name, index)
+        reads.append((name, out.shape, self.shape(name)))
+        return out
+    monkeypatch.setattr(sh._Checkpoint, "read", spy)
+    mesh = _mesh("2x4")
+    got = sh.load_target_sharded(path, mesh, "float32", fused_layout=fused)
+    want = sh.shard_model(load_target(path, "float32"), mesh, fused_layout=fused)
+    sh.check_sharded(got, mesh)
+    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(got, nnx.Param)), nnx.to_flat_state(nnx.state(want, nnx.Param))):
+        a, b = a.get_value(), b.get_value()
+        assert a.sharding == b.sharding, p
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
+    if fused:
+        assert got.layers[0].qkv_groups == 4 and got.layers[0].num_kv_heads == 4
+    # no read is larger than one device's block of the parameter it feeds (the norms, replicated,
+    # are read whole), and no sharded tensor is read whole unless one block holds all of it
+    params = dict(nnx.to_flat_state(nnx.state(got, nnx.Param)))
+    feeds = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp/gate_up",
+             "up_proj": "mlp/gate_up", "o_proj": "o", "down_proj": "mlp/down"}
+    for n, shape, full in reads:
+        if n.endswith("norm.weight"):
+            continue
+        leaf = n.split(".")[-2]
+        param = f"layers/{n.split('.')[2]}/{feeds[leaf]}" if leaf in feeds else {
+            "embed_tokens": "embed", "lm_head": "lm_head"}[n.split(".")[-2]]
+        block = params[tuple(int(x) if x.isdigit() else x for x in param.split("/"))].get_value()
+        assert np.prod(shape) <= block.addressable_shards[0].data.size, (n, shape)
+        if leaf in ("q_proj", "gate_proj", "up_proj", "o_proj", "down_proj", "embed_tokens", "lm_head"):
+            assert shape != full, n
+    assert any("q_proj" in n for n, _, _ in reads)
+
+
+# -------------------------------------------------------------------- the loop, sharded (slow)
+
+def _loop_case(spec, prompts, override=None):
+    from dflash_jax import decode
+    d, m = sh.parse_mesh(spec)
+    mesh = _mesh(spec)
+    dcfg = DraftConfig.for_target(TINY, num_layers=2, block_size=4)
+    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64, _draft_override=override)
+    decode.clear_compiled()
+    one = decode.generate(init_target(TINY, dtype="float32"), init_draft(dcfg, dtype="float32"), prompts, **kw)
+    decode.clear_compiled()   # the compile key does not hold the mesh yet (docs/sharding.md)
+    target = sh.shard_model(init_target(TINY, dtype="float32"), mesh)
+    draft = sh.shard_model(init_draft(dcfg, dtype="float32"), mesh)
+    many = decode.generate(target, draft, prompts, **kw)
+    decode.clear_compiled()
+    return one, many
+
+
+@child
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["1x2", "1x8", "2x4", "8x1"])
+def test_sharded_generate_matches_one_device(spec):
+    from tests.doubles import truth_proposer
+    from dflash_jax import decode
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [9, 10, 11, 12], [5], [6, 7], [8], [100, 101]]
+    # plain decoding gives the truth; a proposer double that errs at draft slot 1 makes the
+    # acceptance lengths vary
+    decode.clear_compiled()
+    plain = decode.generate(init_target(TINY, dtype="float32"), None, prompts, max_new_tokens=10,
+                            attention_impl="xla", capacity=64)
+    truth = np.zeros((len(prompts), 64), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
+        truth[i, :len(p) + len(t)] = p + t
+    for override in (None, truth_proposer(truth, 1, TINY.vocab_size)):
+        one, many = _loop_case(spec, prompts, override)
+        assert one.tokens == plain.tokens
+        assert many.tokens == one.tokens
+        assert many.acceptance_lengths == one.acceptance_lengths
