@@ -466,7 +466,8 @@ def stage_target(run: Run) -> dict:
         shutil.rmtree(d)
     save_target(model, d, run.size["ship_dtype"], eos_token_id=ids["im_end"], pad_token_id=ids["pad"])
     write_generation_config(d, ids)
-    tok.save_pretrained(d)  # the tokenizer travels with the target (HF convention)
+    for f in os.listdir(run.path("tokenizer")):  # the tokenizer travels with the target (HF convention)
+        shutil.copy(run.path("tokenizer", f), d)
     res["safetensors_mb"] = round(os.path.getsize(os.path.join(d, "model.safetensors")) / 2 ** 20, 2)
     log(f"target: {res['params'] / 1e6:.2f} M params, loss {res['final_loss']}, held-out {res['heldout_loss']}, "
         f"saved to {d} ({res['safetensors_mb']} MB)")
@@ -486,7 +487,8 @@ def regen_prompts(run: Run, tok, n: int) -> list[dict]:
     files = c["sources"]
     while len(out) < n:
         rel, text = files[rng.randrange(len(files))]
-        ids = tok.encode(text, add_special_tokens=False)
+        a = rng.randrange(0, max(1, len(text) - 4000))
+        ids = tok.encode(text[a:a + 4000], add_special_tokens=False)
         if len(ids) < 64:
             continue
         a = rng.randrange(0, max(1, len(ids) - 128))

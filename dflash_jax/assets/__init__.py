@@ -103,7 +103,9 @@ def save_target(target, out_dir: str, dtype: str = "bfloat16", *, bos_token_id=N
         raise ValueError(f"dtype={dtype!r}; expected bfloat16, float32 or float16")
     os.makedirs(out_dir, exist_ok=True)
     tensors = _hf_tensors(target, jnp.dtype(dtype))
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, 0o644)  # safetensors writes 0600; package data must be readable by every user
     cfg = target_hf_config(target.config, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                            pad_token_id=pad_token_id)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
