@@ -1,7 +1,7 @@
 """Train the embedded demo pair: tokenizer → Qwen3 target → regenerated responses → DFlash draft →
 evaluation → shipped files. One command, seeded, resumable per stage, everything under --out.
 
-    python scripts/train_demo_pair.py --size gpu --out out/demo_pair       # one H200 call, < 10 min
+    python scripts/train_demo_pair.py --size gpu --out out/demo_pair --deliver $OUT   # one H200 call, < 10 min
     python scripts/train_demo_pair.py --size cpu --out /tmp/demo_cpu       # CI: minutes on 2 cores
 
 Stages (each writes its outputs and a `stages/<name>.json`; a rerun skips finished stages unless
@@ -79,7 +79,7 @@ SIZES = {
         regen_prompts=32, regen_new_tokens=48, regen_batch=16,
         draft=dict(num_layers=1, block_size=16, steps=200, batch=8, lr=6e-4),
         eval_prompts=4, eval_new_tokens=48, timing_prompts=1, heldout_prompt_tokens=96,
-        ship_dtype="bfloat16"),
+        ship_dtype="bfloat16", deadline_s=None),
     # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
     "gpu": dict(
         vocab_size=6144, stdlib_bytes=None, gsm8k_rows=None, max_functions=12000,
@@ -90,9 +90,10 @@ SIZES = {
         regen_prompts=4096, regen_new_tokens=256, regen_batch=256,
         draft=dict(num_layers=2, block_size=16, steps=3000, batch=32, lr=6e-4),
         eval_prompts=64, eval_new_tokens=256, timing_prompts=8, heldout_prompt_tokens=192,
-        ship_dtype="bfloat16"),
+        ship_dtype="bfloat16", deadline_s=540),
 }
 SHIP_LIMIT_MB = 40.0
+EVAL_RESERVE_S = 25  # kept for the ship stage when a deadline is set
 TAR_PIECE = 15 * 2 ** 20
 
 
@@ -309,6 +310,12 @@ class Run:
                              f"{self.manifest.get('seed')}; use another --out or the same settings")
         self.manifest.update(size=size_name, seed=seed, settings=self.size)
         self._corpus = None
+        self.deadline_s = self.size["deadline_s"]
+
+    def remaining(self) -> float:
+        """Seconds left before --deadline-s (inf without one): eval drops work past it, ship still runs."""
+        d = self.deadline_s
+        return math.inf if not d else d - (time.perf_counter() - T0)
 
     def path(self, *p) -> str:
         return os.path.join(self.out, *p)
@@ -553,7 +560,8 @@ def train_draft_hook(run: Run) -> dict | None:
 
     TODO(issue 21): wire to dflash_jax.train's real entry points once that package lands. The call
     below assumes `dflash_jax.train.train_draft(target, draft_config, input_ids=, loss_mask=, steps=,
-    batch_size=, lr=, seed=, log=)` → draft module and `dflash_jax.train.export_draft(draft, dir)`;
+    batch_size=, lr=, seed=, log=, time_budget_s=)` → draft module (f32 master weights; it stops
+    early, saying so, when time_budget_s runs out) and `dflash_jax.train.export_draft(draft, dir)`;
     adjust to the package's real names. Without the package (or those functions) the stage is
     skipped with a message, and `eval` then measures plain decoding only.
     """
@@ -576,8 +584,10 @@ def train_draft_hook(run: Run) -> dict | None:
                                     mask_token_id=special_ids(tok)["mask"])
     data = np.load(run.path("regen", "data.npz"))
     t = time.perf_counter()
+    budget = run.remaining() - 120  # leave the evaluation and the ship stage their time
     draft = train_fn(target, cfg, input_ids=data["input_ids"], loss_mask=data["loss_mask"], steps=s["steps"],
-                     batch_size=s["batch"], lr=s["lr"], seed=run.seed, log=log)
+                     batch_size=s["batch"], lr=s["lr"], seed=run.seed, log=log,
+                     time_budget_s=None if math.isinf(budget) else max(30.0, budget))
     if os.path.isdir(run.path("draft")):
         shutil.rmtree(run.path("draft"))
     export_fn(draft, run.path("draft"))
@@ -631,6 +641,10 @@ def stage_eval(run: Run) -> dict:
         row = dict(prompts=len(prompts))
         for temp in (0.0, 1.0):
             key = "greedy" if temp == 0 else "t1"
+            if run.remaining() < EVAL_RESERVE_S:
+                log(f"eval: deadline near, {name} {key} skipped")
+                row[f"skipped_{key}"] = "deadline"
+                continue
             kw = dict(max_new_tokens=s["eval_new_tokens"], temperature=temp, stop_token_ids=stops, seed=run.seed)
             if draft is not None:
                 res = dj.generate(target, draft, prompts, **kw)
@@ -642,20 +656,24 @@ def stage_eval(run: Run) -> dict:
                     continue
                 toks, secs, outs = 0, 0.0, []
                 for p in prompts[:s["timing_prompts"]]:
+                    if run.remaining() < EVAL_RESERVE_S and outs:
+                        break
                     dj.generate(target, d, [p], **kw)  # compile (and warm) this prompt's program
                     r = dj.generate(target, d, [p], **kw)
                     toks, secs = toks + r.num_new_tokens, secs + r.run_time_s
                     outs.append(r.tokens[0])
                 timing[mode] = (toks / secs if secs else float("nan"), outs)
             row[f"plain_tok_s_{key}"] = round(timing["plain"][0], 1)
+            row["timed_prompts"] = len(timing["plain"][1])
             if "dflash" in timing:
                 row[f"dflash_tok_s_{key}"] = round(timing["dflash"][0], 1)
                 row[f"speedup_{key}"] = round(timing["dflash"][0] / timing["plain"][0], 2)
                 if temp == 0:  # losslessness: greedy DFlash equals the target's own greedy decoding
-                    row["greedy_identical"] = timing["dflash"][1] == timing["plain"][1]
+                    n = min(len(timing["dflash"][1]), len(timing["plain"][1]))
+                    row["greedy_identical"] = timing["dflash"][1][:n] == timing["plain"][1][:n]
         out["sets"][name] = row
         log(f"eval {name}: {row}")
-    if sets["humaneval"]:
+    if sets["humaneval"] and run.remaining() > EVAL_RESERVE_S:
         sample = dj.generate(target, draft, [sets["humaneval"][0]], max_new_tokens=s["eval_new_tokens"],
                              temperature=0.0, stop_token_ids=stops)
         out["sample_humaneval_0"] = tok.decode(sample.tokens[0], skip_special_tokens=True)
@@ -766,6 +784,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--force", default="", help="comma-separated stages to redo even if finished ('all')")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="wall-clock budget of the whole command (gpu default 540, cpu none): the draft gets "
+                        "what is left minus the evaluation's share; evaluation drops work near it; ship runs")
+    p.add_argument("--deliver", metavar="DIR",
+                   help="after shipping, copy the pair.tar.NN pieces and manifest.json into DIR (e.g. the "
+                        "device tool's $OUT, which returns at most 8 files of 16 MiB)")
     p.add_argument("--install", action="store_true",
                    help="after shipping, copy ship/pair into dflash_jax/assets/pair (the embedded default)")
     args = p.parse_args(argv)
@@ -775,6 +799,9 @@ def main(argv=None) -> int:
         p.error(f"unknown stage(s) {bad}; known: {', '.join(STAGES)}")
     force = set(STAGES) if args.force == "all" else {x for x in args.force.split(",") if x}
     run = Run(args.out, args.size, args.seed, force)
+    if args.deadline_s is not None:
+        run.deadline_s = args.deadline_s or None
+    run.manifest["deadline_s"] = run.deadline_s
     log(f"train_demo_pair --size {args.size} --seed {args.seed} --out {args.out}; stages {','.join(stages)}")
     for name in STAGES:
         if name not in stages:
@@ -790,6 +817,11 @@ def main(argv=None) -> int:
         res["stage_s"] = round(time.perf_counter() - t, 1)
         run.finish(name, res)
         log(f"stage {name}: {res['stage_s']} s")
+    if args.deliver and os.path.isfile(run.path("stages", "ship.json")):
+        os.makedirs(args.deliver, exist_ok=True)
+        for f in read_json(run.path("stages", "ship.json"))["pieces"] + ["manifest.json"]:
+            shutil.copy(run.path(f), args.deliver)
+        log(f"delivered the pair pieces and manifest.json to {args.deliver}")
     if args.install:
         install(run)
     log("done")
