@@ -1,0 +1,832 @@
+"""Train the embedded demo pair: tokenizer → Qwen3 target → regenerated responses → DFlash draft →
+evaluation → shipped files. One command, seeded, resumable per stage, everything under --out.
+
+    python scripts/train_demo_pair.py --size gpu --out out/demo_pair --deliver $OUT   # one H200 call, < 10 min
+    python scripts/train_demo_pair.py --size cpu --out /tmp/demo_cpu       # CI: minutes on 2 cores
+
+Stages (each writes its outputs and a `stages/<name>.json`; a rerun skips finished stages unless
+--force names them): tokenizer, target, regen, draft, eval, ship. `manifest.json` records exactly
+which data went in (every file with its sha256, the held-out modules, the GSM8K rows), the shapes,
+the steps and the timings. The ship stage writes the pair as `ship/pair/{target,draft,README.md}`
+and as `pair.tar.NN` pieces of at most 15 MiB (the device tool returns files up to 16 MiB); install
+them with `--install` (copies ship/pair into dflash_jax/assets/pair) or
+`cat pair.tar.* | tar x -C dflash_jax/assets/`.
+
+Data: the running interpreter's own standard library sources (tests excluded, some modules held out
+for evaluation) and the GSM8K train split bundled in dflash_jax/datasets; never HumanEval or the
+GSM8K test split (the evaluation prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import re
+import shutil
+import string
+import sys
+import sysconfig
+import tarfile
+import textwrap
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+
+STAGES = ("tokenizer", "target", "regen", "draft", "eval", "ship")
+
+# Special tokens, in id order (ids 0..3). <|im_end|> ends a turn and is the eos; <|endoftext|> pads
+# and separates packed documents; <|mask|> fills the draft block's slots 1..S-1.
+PAD, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
+SPECIAL_TOKENS = [PAD, IM_START, IM_END, MASK]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen2/3's pre-tokenizer split: single digits (arithmetic), letters, punctuation runs, newlines.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# The evaluation prompt wordings (dflash_jax.data, the paper's): training chat turns use the same.
+HUMANEVAL_WORDING = "Write a solution to the following problem and make sure that it passes the tests:\n"
+BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+# Modules held out of every training set (tokenizer included); the stdlib evaluation reads them.
+# All exist from Python 3.9 to 3.13.
+HELDOUT_MODULES = ("bisect.py", "calendar.py", "colorsys.py", "difflib.py", "fractions.py", "heapq.py",
+                   "shlex.py", "statistics.py", "textwrap.py")
+EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+SIZES = {
+    # ~1 M parameters, a ~1 MB corpus: the whole pipeline in a few minutes on 2 CPU cores.
+    "cpu": dict(
+        vocab_size=4096, stdlib_bytes=1_000_000, gsm8k_rows=1500, max_functions=1500,
+        target=dict(hidden_size=96, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=24),
+        seq_len=128, batch=8, epochs=1.0, max_steps=150, lr=3e-3, warmup=20, train_budget_s=150,
+        dtype="float32", eval_dtype="float32",
+        regen_prompts=32, regen_new_tokens=48, regen_batch=16,
+        draft=dict(num_layers=1, block_size=16, steps=200, batch=8, lr=6e-4),
+        eval_prompts=4, eval_new_tokens=48, timing_prompts=1, heldout_prompt_tokens=96,
+        ship_dtype="bfloat16", deadline_s=None),
+    # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
+    "gpu": dict(
+        vocab_size=6144, stdlib_bytes=None, gsm8k_rows=None, max_functions=12000,
+        target=dict(hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6, num_kv_heads=2,
+                    head_dim=64),
+        seq_len=512, batch=64, epochs=6.0, max_steps=4000, lr=2e-3, warmup=100, train_budget_s=210,
+        dtype="bfloat16", eval_dtype="bfloat16",
+        regen_prompts=4096, regen_new_tokens=256, regen_batch=256,
+        draft=dict(num_layers=2, block_size=16, steps=3000, batch=32, lr=6e-4),
+        eval_prompts=64, eval_new_tokens=256, timing_prompts=8, heldout_prompt_tokens=192,
+        ship_dtype="bfloat16", deadline_s=540),
+}
+SHIP_LIMIT_MB = 40.0
+EVAL_RESERVE_S = 25  # kept for the ship stage when a deadline is set
+TAR_PIECE = 15 * 2 ** 20
+
+
+# ----------------------------------------------------------------------------------------- helpers
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as f:
+        return sha256_bytes(f.read())
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------- corpus
+def stdlib_files(root: str | None = None) -> tuple[list[str], list[str], str]:
+    """(training files, held-out files, root): the stdlib's *.py, tests excluded, sorted, relative."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    train, held = [], []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in EXCLUDED_DIRS)
+        for f in sorted(files):
+            if not f.endswith(".py") or f.startswith("test_") or f == "__phello__.py":
+                continue
+            rel = os.path.relpath(os.path.join(d, f), root)
+            (held if rel in HELDOUT_MODULES else train).append(rel)
+    return sorted(train), sorted(held), root
+
+
+def read_sources(root: str, rels: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for rel in rels:
+        try:
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            out.append((rel, text))
+    return out
+
+
+def subset_by_bytes(sources: list[tuple[str, str]], budget: int | None) -> list[tuple[str, str]]:
+    """Every k-th file (k chosen so the total is near `budget` bytes): a spread over the library."""
+    if budget is None:
+        return sources
+    total = sum(len(t) for _, t in sources)
+    k = max(1, math.ceil(total / budget))
+    picked, size = [], 0
+    for rel, t in sources[::k]:
+        if size >= budget:
+            break
+        picked.append((rel, t))
+        size += len(t)
+    return picked
+
+
+def chat(user: str, assistant: str | None = None) -> str:
+    """The chat template's text (CHAT_TEMPLATE renders the same; a test checks it)."""
+    s = f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n"
+    return s if assistant is None else s + f"{assistant}{IM_END}\n"
+
+
+def gsm8k_answer(answer: str) -> str:
+    """Calculator annotations <<...>> removed; `#### x` written as the \\boxed{x} the prompt asks for."""
+    answer = re.sub(r"<<[^>]*>>", "", answer)
+    body, _, final = answer.rpartition("####")
+    return f"{body.strip()}\nThe final answer is \\boxed{{{final.strip()}}}." if body else answer.strip()
+
+
+def functions(rel: str, text: str) -> list[dict]:
+    """Functions with a docstring and a body in one file: their signature (+ docstring) and source."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+            continue
+        doc = node.body[0]
+        if not (isinstance(doc, ast.Expr) and isinstance(getattr(doc, "value", None), ast.Constant)
+                and isinstance(doc.value.value, str)):
+            continue
+        n_lines = node.end_lineno - node.lineno + 1
+        if n_lines > 60:
+            continue
+        src = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno]))
+        head = textwrap.dedent("\n".join(lines[node.lineno - 1:doc.end_lineno]))
+        sig = textwrap.dedent("\n".join(lines[node.lineno - 1:max(doc.lineno - 1, node.lineno)]))
+        out.append(dict(file=rel, name=node.name, lineno=node.lineno, source=src, head=head, signature=sig))
+    return out
+
+
+def function_turns(fn: dict, variant: int) -> tuple[str, str]:
+    """(user, assistant) of one function: HumanEval's wording with signature + docstring, or the
+    signature alone (what `generate "def fibonacci(n):"` sends)."""
+    answer = f"```python\n{fn['source']}\n```"
+    if variant == 0:
+        return f"{HUMANEVAL_WORDING}```python\n{fn['head']}\n```", answer
+    return fn["signature"], answer
+
+
+def build_corpus(size: dict, seed: int) -> dict:
+    """The documents (code files, function chat turns, GSM8K chat turns) and what they came from."""
+    rng = random.Random(seed)
+    train_rel, held_rel, root = stdlib_files()
+    sources = subset_by_bytes(read_sources(root, train_rel), size["stdlib_bytes"])
+    gsm_path = os.path.join(REPO, "dflash_jax", "datasets", "gsm8k_train.jsonl")
+    gsm = read_jsonl(gsm_path)
+    if size["gsm8k_rows"] is not None:
+        gsm = gsm[:size["gsm8k_rows"]]
+    fns = [f for rel, t in sources for f in functions(rel, t)]
+    rng.shuffle(fns)
+    fns = fns[:size["max_functions"]]
+    docs = [t for _, t in sources]
+    docs += [chat(*function_turns(f, i % 2)) for i, f in enumerate(fns)]
+    docs += [chat(r["question"] + BOXED, gsm8k_answer(r["answer"])) for r in gsm]
+    rng.shuffle(docs)
+    return dict(docs=docs, sources=sources, functions=fns, gsm8k=gsm, gsm8k_path=gsm_path, stdlib=root,
+                heldout=held_rel)
+
+
+def corpus_manifest(c: dict) -> dict:
+    return dict(
+        python_version=platform.python_version(), python_implementation=platform.python_implementation(),
+        stdlib=c["stdlib"], excluded_dirs=sorted(EXCLUDED_DIRS), excluded_files="test_*.py",
+        heldout_modules=c["heldout"],
+        stdlib_files=[dict(path=rel, bytes=len(t.encode()), sha256=sha256_bytes(t.encode()))
+                      for rel, t in c["sources"]],
+        functions_as_chat=len(c["functions"]),
+        gsm8k_train=dict(file="dflash_jax/datasets/gsm8k_train.jsonl", sha256=sha256_file(c["gsm8k_path"]),
+                         rows_used=len(c["gsm8k"]), first_rows=True),
+        never_used=["dflash_jax/datasets/humaneval.jsonl", "dflash_jax/datasets/gsm8k_test.jsonl"],
+        documents=len(c["docs"]), characters=sum(len(d) for d in c["docs"]))
+
+
+# ----------------------------------------------------------------------------------------- tokenizer
+def train_tokenizer(texts, vocab_size: int, out_dir: str):
+    """Byte-level BPE over `texts`, saved in HF format (tokenizer.json + tokenizer_config.json with
+    the chat template); returns the transformers tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, mask_token=MASK,
+                                 additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False,
+                                 model_max_length=40960)
+    hf.chat_template = CHAT_TEMPLATE
+    os.makedirs(out_dir, exist_ok=True)
+    hf.save_pretrained(out_dir)
+    # transformers 5 writes its own class name and list key; 4.x (>= 4.51 is supported) reads these
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    cfg = read_json(cfg_path)
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE,
+               additional_special_tokens=[IM_START])
+    cfg.pop("extra_special_tokens", None)
+    write_json(cfg_path, cfg)
+    return load_tokenizer(out_dir)
+
+
+def load_tokenizer(d: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(d)
+
+
+def special_ids(tok) -> dict:
+    return {name: tok.convert_tokens_to_ids(t) for name, t in
+            (("pad", PAD), ("im_start", IM_START), ("im_end", IM_END), ("mask", MASK))}
+
+
+# ----------------------------------------------------------------------------------------- stages
+class Run:
+    """The --out directory: stage results, the manifest, resumption."""
+
+    def __init__(self, out: str, size_name: str, seed: int, force: set[str]):
+        self.out, self.size_name, self.size, self.seed, self.force = out, size_name, SIZES[size_name], seed, force
+        os.makedirs(os.path.join(out, "stages"), exist_ok=True)
+        self.manifest_path = os.path.join(out, "manifest.json")
+        self.manifest = read_json(self.manifest_path) if os.path.isfile(self.manifest_path) else {}
+        if self.manifest and (self.manifest.get("size"), self.manifest.get("seed")) != (size_name, seed):
+            raise SystemExit(f"{out} holds a run of --size {self.manifest.get('size')} --seed "
+                             f"{self.manifest.get('seed')}; use another --out or the same settings")
+        self.manifest.update(size=size_name, seed=seed, settings=self.size)
+        self._corpus = None
+        self.deadline_s = self.size["deadline_s"]
+
+    def remaining(self) -> float:
+        """Seconds left before --deadline-s (inf without one): eval drops work past it, ship still runs."""
+        d = self.deadline_s
+        return math.inf if not d else d - (time.perf_counter() - T0)
+
+    def path(self, *p) -> str:
+        return os.path.join(self.out, *p)
+
+    def done(self, stage: str):
+        f = self.path("stages", f"{stage}.json")
+        return None if stage in self.force or not os.path.isfile(f) else read_json(f)
+
+    def finish(self, stage: str, result: dict) -> dict:
+        write_json(self.path("stages", f"{stage}.json"), result)
+        self.manifest.setdefault("stages", {})[stage] = result
+        write_json(self.manifest_path, self.manifest)
+        return result
+
+    def corpus(self) -> dict:
+        if self._corpus is None:
+            t = time.perf_counter()
+            self._corpus = build_corpus(self.size, self.seed)
+            self.manifest["data"] = corpus_manifest(self._corpus)
+            write_json(self.manifest_path, self.manifest)
+            log(f"corpus: {len(self._corpus['sources'])} stdlib files, {len(self._corpus['functions'])} functions "
+                f"as chat, {len(self._corpus['gsm8k'])} GSM8K rows, {self.manifest['data']['characters'] / 1e6:.1f} M "
+                f"characters ({time.perf_counter() - t:.1f} s); held out: {', '.join(self._corpus['heldout'])}")
+        return self._corpus
+
+
+def stage_tokenizer(run: Run) -> dict:
+    c = run.corpus()
+    t = time.perf_counter()
+    texts = [t_ for _, t_ in c["sources"]] + [r["question"] + "\n" + r["answer"] for r in c["gsm8k"]]
+    tok = train_tokenizer(texts, run.size["vocab_size"], run.path("tokenizer"))
+    ids = special_ids(tok)
+    return dict(vocab_size=len(tok), special_ids=ids, time_s=round(time.perf_counter() - t, 1),
+                tokenizer_json_sha256=sha256_file(run.path("tokenizer", "tokenizer.json")))
+
+
+def encode_stream(tok, docs: list[str], pad_id: int) -> np.ndarray:
+    """Documents as one token stream, each followed by <|endoftext|>."""
+    enc = tok.backend_tokenizer.encode_batch(docs, add_special_tokens=False)
+    parts = []
+    for e in enc:
+        parts.append(np.asarray(e.ids, np.int32))
+        parts.append(np.asarray([pad_id], np.int32))
+    return np.concatenate(parts)
+
+
+def train_target_model(run: Run, tok, stream: np.ndarray, heldout: np.ndarray):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.modeling.qwen3 import Qwen3
+
+    s = run.size
+    cfg = TargetConfig(vocab_size=len(tok), rope_theta=1e4, max_position_embeddings=4096,
+                       tie_word_embeddings=False, **s["target"])
+    compute = jnp.dtype(s["dtype"])
+    T, B = s["seq_len"], s["batch"]
+    n_chunks = (len(stream) - 1) // T
+    chunks = stream[:n_chunks * T + 1]
+    steps = int(min(s["max_steps"], max(1, math.ceil(s["epochs"] * n_chunks / B))))
+    log(f"target: {stream.size / 1e6:.2f} M tokens = {n_chunks} windows of {T}; {steps} steps of {B}x{T} "
+        f"({steps * B / n_chunks:.2f} epochs), {compute.name} compute")
+
+    master = Qwen3(cfg, jnp.float32, rngs=nnx.Rngs(run.seed))                 # f32 master weights
+    params = nnx.state(master, nnx.Param)
+    n_params = int(sum(x.size for x in jax.tree.leaves(params)))
+    compute_def = nnx.graphdef(nnx.eval_shape(lambda: Qwen3(cfg, compute, rngs=nnx.Rngs(0))))
+    sched = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], max(steps, s["warmup"] + 1),
+                                               end_value=s["lr"] * 0.1)
+    decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)                  # no decay on norms
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
+    opt_state = opt.init(params)
+
+    def loss_fn(p, batch):                                                     # batch [B, T + 1]
+        model = nnx.merge(compute_def, jax.tree.map(lambda x: x.astype(compute), p))
+        x, y = batch[:, :-1], batch[:, 1:]
+        pos = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape)  # [B, T]
+        # a fresh cache of capacity T + prefill: the causal forward over the window
+        h, _, _ = model(x, pos, model.new_cache(x.shape[0], x.shape[1]), pos + 1, attention_impl="xla",
+                        prefill=True)
+        logits = model.logits(h)                                               # [B, T, V] f32
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def step(p, o, batch):
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        upd, o = opt.update(g, o, p)
+        return optax.apply_updates(p, upd), o, loss, optax.global_norm(g)
+
+    eval_loss = jax.jit(loss_fn)
+    rng = np.random.default_rng(run.seed)
+    order = np.concatenate([rng.permutation(n_chunks) for _ in range(math.ceil(steps * B / n_chunks) + 1)])
+    starts = order * T
+
+    def batch_at(i):
+        idx = starts[i * B:(i + 1) * B, None] + np.arange(T + 1)[None]
+        return jnp.asarray(chunks[idx])
+
+    t0, losses, every = time.perf_counter(), [], max(1, steps // 20)
+    t_compile = None
+    for i in range(steps):
+        params, opt_state, loss, gnorm = step(params, opt_state, batch_at(i))
+        if i == 0:
+            loss.block_until_ready()
+            t_compile = time.perf_counter() - t0
+        if (i + 1) % every == 0 or i + 1 == steps:
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise SystemExit(f"target training diverged: loss {loss} at step {i + 1}")
+            losses.append((i + 1, round(loss, 4)))
+            el = time.perf_counter() - t0
+            log(f"target step {i + 1}/{steps} loss {loss:.3f} |g| {float(gnorm):.2f} lr {float(sched(i)):.2e} "
+                f"{(i + 1) * B * T / max(el - t_compile, 1e-9) / 1e3:.0f} k tok/s")
+            if el > s["train_budget_s"] and i + 1 < steps:
+                log(f"target: time budget {s['train_budget_s']} s reached, stopping at step {i + 1}")
+                steps = i + 1
+                break
+    train_time = time.perf_counter() - t0
+    hl = []
+    if heldout.size > T + 1:
+        n = min(8, (heldout.size - 1) // T)
+        hb = jnp.asarray(np.stack([heldout[j * T:j * T + T + 1] for j in range(n)]))
+        hl = [round(float(eval_loss(params, hb)), 4)]
+    nnx.update(master, params)
+    return master, dict(config=dataclasses.asdict(cfg), params=n_params, steps=steps, batch=B, seq_len=T,
+                        tokens_seen=steps * B * T, epochs=round(steps * B / n_chunks, 2),
+                        corpus_tokens=int(stream.size), loss_curve=losses, final_loss=losses[-1][1],
+                        heldout_loss=hl[0] if hl else None, compile_s=round(t_compile, 1),
+                        train_s=round(train_time, 1), lr=s["lr"], warmup=s["warmup"], dtype=compute.name)
+
+
+def write_generation_config(d: str, ids: dict) -> None:
+    write_json(os.path.join(d, "generation_config.json"),
+               dict(eos_token_id=[ids["im_end"], ids["pad"]], pad_token_id=ids["pad"], do_sample=False))
+
+
+def stage_target(run: Run) -> dict:
+    from dflash_jax.assets import save_target
+
+    c = run.corpus()
+    tok = load_tokenizer(run.path("tokenizer"))
+    ids = special_ids(tok)
+    t = time.perf_counter()
+    stream = encode_stream(tok, c["docs"], ids["pad"])
+    _, held_rel, root = stdlib_files()
+    heldout = encode_stream(tok, [x for _, x in read_sources(root, held_rel)], ids["pad"])
+    log(f"encoded {stream.size / 1e6:.2f} M training tokens ({time.perf_counter() - t:.1f} s)")
+    model, res = train_target_model(run, tok, stream, heldout)
+    d = run.path("target")
+    if os.path.isdir(d):
+        shutil.rmtree(d)
+    save_target(model, d, run.size["ship_dtype"], eos_token_id=ids["im_end"], pad_token_id=ids["pad"])
+    write_generation_config(d, ids)
+    for f in os.listdir(run.path("tokenizer")):  # the tokenizer travels with the target (HF convention)
+        shutil.copy(run.path("tokenizer", f), d)
+    res["safetensors_mb"] = round(os.path.getsize(os.path.join(d, "model.safetensors")) / 2 ** 20, 2)
+    log(f"target: {res['params'] / 1e6:.2f} M params, loss {res['final_loss']}, held-out {res['heldout_loss']}, "
+        f"saved to {d} ({res['safetensors_mb']} MB)")
+    return res
+
+
+def regen_prompts(run: Run, tok, n: int) -> list[dict]:
+    """Training prompts for the draft's data (never evaluation prompts): GSM8K train questions,
+    function prompts of both chat forms, raw prefixes of training stdlib files."""
+    c = run.corpus()
+    rng = random.Random(run.seed + 1)
+    out = []
+    gsm = rng.sample(c["gsm8k"], min(n // 4, len(c["gsm8k"])))
+    out += [dict(kind="gsm8k", text=chat(r["question"] + BOXED)) for r in gsm]
+    fns = rng.sample(c["functions"], min(n // 2, len(c["functions"])))
+    out += [dict(kind=f"function{i % 2}", text=chat(function_turns(f, i % 2)[0])) for i, f in enumerate(fns)]
+    files = c["sources"]
+    while len(out) < n:
+        rel, text = files[rng.randrange(len(files))]
+        a = rng.randrange(0, max(1, len(text) - 4000))
+        ids = tok.encode(text[a:a + 4000], add_special_tokens=False)
+        if len(ids) < 64:
+            continue
+        a = rng.randrange(0, max(1, len(ids) - 128))
+        out.append(dict(kind="code", ids=ids[a:a + rng.randint(32, 128)]))
+    for p in out:
+        if "ids" not in p:
+            p["ids"] = tok.encode(p.pop("text"), add_special_tokens=False)
+    return out[:n]
+
+
+def load_pair(run: Run, dtype: str, with_draft: bool):
+    import dflash_jax as dj
+    target = dj.load_target(run.path("target"), dtype=dtype)
+    draft = None
+    if with_draft and os.path.isfile(run.path("draft", "config.json")):
+        draft = dj.load_draft(run.path("draft"), target=target, dtype=dtype)
+    return target, draft
+
+
+def stage_regen(run: Run) -> dict:
+    """The target's own greedy continuations of training prompts (our `generate`): the draft's data."""
+    import dflash_jax as dj
+
+    s = run.size
+    tok = load_tokenizer(run.path("target"))
+    ids = special_ids(tok)
+    target, _ = load_pair(run, s["eval_dtype"], with_draft=False)
+    prompts = regen_prompts(run, tok, s["regen_prompts"])
+    prompts.sort(key=lambda p: len(p["ids"]))  # similar lengths per batch: fewer prompt buckets
+    stops = [ids["im_end"], ids["pad"]]
+    seqs, masks, kinds, t = [], [], [], time.perf_counter()
+    n_new = 0
+    for b in range(0, len(prompts), s["regen_batch"]):
+        chunk = prompts[b:b + s["regen_batch"]]
+        res = dj.generate(target, None, [p["ids"] for p in chunk], max_new_tokens=s["regen_new_tokens"],
+                          temperature=0.0, stop_token_ids=stops)
+        for p, r in zip(chunk, res.tokens):
+            seqs.append(list(p["ids"]) + list(r))
+            masks.append([0] * len(p["ids"]) + [1] * len(r))
+            kinds.append(p["kind"])
+            n_new += len(r)
+        log(f"regen {min(b + s['regen_batch'], len(prompts))}/{len(prompts)} prompts, {n_new} tokens "
+            f"({time.perf_counter() - t:.1f} s)")
+    L = max(len(x) for x in seqs)
+    input_ids = np.full((len(seqs), L), ids["pad"], np.int32)                 # [N, L]
+    loss_mask = np.zeros((len(seqs), L), np.uint8)                            # [N, L]: 1 on responses
+    for i, (x, m) in enumerate(zip(seqs, masks)):
+        input_ids[i, :len(x)], loss_mask[i, :len(m)] = x, m
+    os.makedirs(run.path("regen"), exist_ok=True)
+    np.savez(run.path("regen", "data.npz"), input_ids=input_ids, loss_mask=loss_mask,
+             lengths=np.asarray([len(x) for x in seqs], np.int32))
+    counts = {k: kinds.count(k) for k in sorted(set(kinds))}
+    return dict(sequences=len(seqs), response_tokens=n_new, max_len=int(L), kinds=counts, temperature=0.0,
+                max_new_tokens=s["regen_new_tokens"], time_s=round(time.perf_counter() - t, 1))
+
+
+# ===================================================================================== DRAFT HOOK
+def train_draft_hook(run: Run) -> dict | None:
+    """THE DRAFT STAGE (issue 21's training package): train a DFlash draft, block 16, on the target's
+    own greedy continuations (regen/data.npz: input_ids [N, L], loss_mask [N, L], lengths [N]) and
+    export it in the z-lab format to `<out>/draft` (config.json + model.safetensors).
+
+    TODO(issue 21): wire to dflash_jax.train's real entry points once that package lands. The call
+    below assumes `dflash_jax.train.train_draft(target, draft_config, input_ids=, loss_mask=, steps=,
+    batch_size=, lr=, seed=, log=, time_budget_s=)` → draft module (f32 master weights; it stops
+    early, saying so, when time_budget_s runs out) and `dflash_jax.train.export_draft(draft, dir)`;
+    adjust to the package's real names. Without the package (or those functions) the stage is
+    skipped with a message, and `eval` then measures plain decoding only.
+    """
+    try:
+        import dflash_jax.train as dtrain  # noqa: F401
+    except ImportError:
+        log("draft: dflash_jax.train is not available on this branch; skipping the draft stage (issue 21)")
+        return None
+    train_fn = getattr(dtrain, "train_draft", None)
+    export_fn = getattr(dtrain, "export_draft", None)
+    if train_fn is None or export_fn is None:
+        log("draft: dflash_jax.train has no train_draft/export_draft yet; skipping the draft stage")
+        return None
+    import dflash_jax as dj
+
+    s = run.size["draft"]
+    tok = load_tokenizer(run.path("target"))
+    target, _ = load_pair(run, run.size["dtype"], with_draft=False)
+    cfg = dj.DraftConfig.for_target(target.config, num_layers=s["num_layers"], block_size=s["block_size"],
+                                    mask_token_id=special_ids(tok)["mask"])
+    data = np.load(run.path("regen", "data.npz"))
+    t = time.perf_counter()
+    budget = run.remaining() - 120  # leave the evaluation and the ship stage their time
+    draft = train_fn(target, cfg, input_ids=data["input_ids"], loss_mask=data["loss_mask"], steps=s["steps"],
+                     batch_size=s["batch"], lr=s["lr"], seed=run.seed, log=log,
+                     time_budget_s=None if math.isinf(budget) else max(30.0, budget))
+    if os.path.isdir(run.path("draft")):
+        shutil.rmtree(run.path("draft"))
+    export_fn(draft, run.path("draft"))
+    return dict(num_layers=s["num_layers"], block_size=s["block_size"], taps=list(cfg.target_layer_ids),
+                mask_token_id=cfg.mask_token_id, steps=s["steps"], batch=s["batch"], lr=s["lr"],
+                time_s=round(time.perf_counter() - t, 1))
+# ================================================================================================
+
+
+def stage_draft(run: Run) -> dict:
+    res = train_draft_hook(run)
+    return dict(skipped=True, reason="dflash_jax.train not available") if res is None else res
+
+
+def eval_sets(run: Run, tok) -> dict[str, list[list[int]]]:
+    """HumanEval and GSM8K test prompts (the paper's chat format) and raw prefixes of held-out stdlib
+    modules ending at a function's docstring."""
+    from dflash_jax.data import apply_chat_template, load_prompts
+
+    s = run.size
+    n = s["eval_prompts"]
+    sets = {name: [apply_chat_template(tok, p["turns"][0]) for p in load_prompts(name, max_samples=n)]
+            for name in ("humaneval", "gsm8k")}
+    _, held_rel, root = stdlib_files()
+    cands = []
+    for rel, text in read_sources(root, held_rel):
+        lines = text.splitlines()
+        for f in functions(rel, text):
+            prefix = "\n".join(lines[:f["lineno"] - 1 + f["head"].count("\n") + 1]) + "\n"
+            cands.append(tok.encode(prefix, add_special_tokens=False)[-s["heldout_prompt_tokens"]:])
+    rng = random.Random(run.seed + 2)
+    sets["stdlib-heldout"] = rng.sample(cands, min(n, len(cands)))
+    return sets
+
+
+def stage_eval(run: Run) -> dict:
+    """τ at block 16 per prompt set, greedy and T = 1 (batched), and batch-1 tokens/s against plain
+    decoding with the same target."""
+    import dflash_jax as dj
+
+    s = run.size
+    tok = load_tokenizer(run.path("target"))
+    ids = special_ids(tok)
+    stops = [ids["im_end"], ids["pad"]]
+    target, draft = load_pair(run, s["eval_dtype"], with_draft=True)
+    sets = eval_sets(run, tok)
+    import jax
+    out = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), dtype=s["eval_dtype"],
+               max_new_tokens=s["eval_new_tokens"], draft=draft is not None, sets={})
+    for name, prompts in sets.items():
+        row = dict(prompts=len(prompts))
+        for temp in (0.0, 1.0):
+            key = "greedy" if temp == 0 else "t1"
+            if run.remaining() < EVAL_RESERVE_S:
+                log(f"eval: deadline near, {name} {key} skipped")
+                row[f"skipped_{key}"] = "deadline"
+                continue
+            kw = dict(max_new_tokens=s["eval_new_tokens"], temperature=temp, stop_token_ids=stops, seed=run.seed)
+            if draft is not None:
+                res = dj.generate(target, draft, prompts, **kw)
+                row[f"tau_{key}"] = round(res.mean_tau, 3)
+            # batch-1 wall clock: plain vs DFlash on the same prompts (compiles excluded)
+            timing = {}
+            for mode, d in (("plain", None), ("dflash", draft)):
+                if mode == "dflash" and draft is None:
+                    continue
+                toks, secs, outs = 0, 0.0, []
+                for p in prompts[:s["timing_prompts"]]:
+                    if run.remaining() < EVAL_RESERVE_S and outs:
+                        break
+                    dj.generate(target, d, [p], **kw)  # compile (and warm) this prompt's program
+                    r = dj.generate(target, d, [p], **kw)
+                    toks, secs = toks + r.num_new_tokens, secs + r.run_time_s
+                    outs.append(r.tokens[0])
+                timing[mode] = (toks / secs if secs else float("nan"), outs)
+            row[f"plain_tok_s_{key}"] = round(timing["plain"][0], 1)
+            row["timed_prompts"] = len(timing["plain"][1])
+            if "dflash" in timing:
+                row[f"dflash_tok_s_{key}"] = round(timing["dflash"][0], 1)
+                row[f"speedup_{key}"] = round(timing["dflash"][0] / timing["plain"][0], 2)
+                if temp == 0:  # losslessness: greedy DFlash equals the target's own greedy decoding
+                    n = min(len(timing["dflash"][1]), len(timing["plain"][1]))
+                    row["greedy_identical"] = timing["dflash"][1][:n] == timing["plain"][1][:n]
+        out["sets"][name] = row
+        log(f"eval {name}: {row}")
+    if sets["humaneval"] and run.remaining() > EVAL_RESERVE_S:
+        sample = dj.generate(target, draft, [sets["humaneval"][0]], max_new_tokens=s["eval_new_tokens"],
+                             temperature=0.0, stop_token_ids=stops)
+        out["sample_humaneval_0"] = tok.decode(sample.tokens[0], skip_special_tokens=True)
+    print(eval_table(out), flush=True)
+    return out
+
+
+def eval_table(ev: dict) -> str:
+    cols = ["set", "prompts", "tau_greedy", "tau_t1", "plain_tok_s_greedy", "dflash_tok_s_greedy",
+            "speedup_greedy", "plain_tok_s_t1", "dflash_tok_s_t1", "speedup_t1"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for name, row in ev["sets"].items():
+        lines.append("| " + " | ".join([name] + [str(row.get(c, "-")) for c in cols[1:]]) + " |")
+    return "\n".join(lines)
+
+
+def dir_mb(d: str) -> float:
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) / 2 ** 20 if os.path.isdir(d) else 0.0
+
+
+def model_card(run: Run) -> str:
+    m = run.manifest
+    st, data = m["stages"], m["data"]
+    tgt, draft, ev = st["target"], st.get("draft", {}), st.get("eval", {})
+    c = tgt["config"]
+    if draft.get("skipped", True):
+        draft_section = ("Not trained in this run (the draft stage needs dflash_jax.train); the pair is not "
+                         "complete.")
+    else:
+        draft_section = (f"DFlash, {draft['num_layers']} layer(s) of the target's width, block size "
+                         f"{draft['block_size']}, taps {draft['taps']}, MASK id {draft['mask_token_id']}; trained "
+                         f"with dflash_jax.train for {draft['steps']} steps (batch {draft['batch']}, lr "
+                         f"{draft['lr']}) on {st['regen']['sequences']} greedy continuations "
+                         f"({st['regen']['response_tokens']} response tokens) regenerated by the target with our "
+                         f"`generate`, in {draft['time_s']} s.")
+    note = (f"Measured on {ev.get('device', '?')} ({ev.get('backend', '?')}, {ev.get('dtype', '?')}), "
+            f"{ev.get('max_new_tokens', '?')} new tokens; τ over all prompts of a set (batched), tokens/s at "
+            f"batch 1 on the first {run.size['timing_prompts']} prompt(s) (compile excluded). Held-out stdlib "
+            "prompts are raw code prefixes ending at a function's docstring." if ev else "Not evaluated.")
+    values = dict(
+        size=run.size_name, seed=run.seed, target_params_m=f"{tgt['params'] / 1e6:.1f}",
+        python_version=data["python_version"], stdlib=data["stdlib"], n_files=len(data["stdlib_files"]),
+        heldout=", ".join(data["heldout_modules"]), n_gsm8k=data["gsm8k_train"]["rows_used"],
+        vocab_size=st["tokenizer"]["vocab_size"],
+        target_shape=(f"{c['num_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
+                      f"{c['num_heads']} q / {c['num_kv_heads']} kv heads of {c['head_dim']}, RoPE θ "
+                      f"{c['rope_theta']:g}"),
+        target_params=f"{tgt['params']:,}", target_steps=tgt["steps"], target_batch=tgt["batch"],
+        target_seq=tgt["seq_len"], target_tokens=f"{tgt['tokens_seen'] / 1e6:.1f} M", target_epochs=tgt["epochs"],
+        target_time=f"{tgt['train_s']} s", target_loss=tgt["final_loss"], heldout_loss=tgt["heldout_loss"],
+        draft_section=draft_section, block_size=run.size["draft"]["block_size"],
+        eval_table=eval_table(ev) if ev else "(not evaluated)", eval_note=note,
+        target_mb=f"{dir_mb(run.path('target')):.1f}", draft_mb=f"{dir_mb(run.path('draft')):.1f}",
+        dtype=run.size["ship_dtype"])
+    from dflash_jax.assets import model_card_template
+    return string.Template(model_card_template()).safe_substitute(values)
+
+
+def stage_ship(run: Run) -> dict:
+    ship = run.path("ship", "pair")
+    if os.path.isdir(run.path("ship")):
+        shutil.rmtree(run.path("ship"))
+    shutil.copytree(run.path("target"), os.path.join(ship, "target"))
+    has_draft = os.path.isfile(run.path("draft", "config.json"))
+    if has_draft:
+        shutil.copytree(run.path("draft"), os.path.join(ship, "draft"))
+    with open(os.path.join(ship, "README.md"), "w", encoding="utf-8") as f:
+        f.write(model_card(run))
+    shutil.copy(run.manifest_path, os.path.join(ship, "manifest.json"))
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ship) for f in fs) / 2 ** 20
+    for old in os.listdir(run.out):
+        if old.startswith("pair.tar."):
+            os.remove(run.path(old))
+    tar_path = run.path("ship", "pair.tar")
+    with tarfile.open(tar_path, "w") as tf:
+        tf.add(ship, arcname="pair")
+    pieces = []
+    with open(tar_path, "rb") as f:
+        while chunk := f.read(TAR_PIECE):
+            name = f"pair.tar.{len(pieces):02d}"
+            with open(run.path(name), "wb") as g:
+                g.write(chunk)
+            pieces.append(name)
+    os.remove(tar_path)
+    if total > SHIP_LIMIT_MB:
+        log(f"WARNING: the shipped pair is {total:.1f} MB, over the {SHIP_LIMIT_MB} MB limit")
+    log(f"ship: {ship} ({total:.1f} MB{'' if has_draft else ', no draft'}); pieces {', '.join(pieces)}")
+    return dict(total_mb=round(total, 2), target_mb=round(dir_mb(os.path.join(ship, "target")), 2),
+                draft_mb=round(dir_mb(os.path.join(ship, "draft")), 2), has_draft=has_draft, pieces=pieces)
+
+
+def install(run: Run) -> None:
+    dest = os.path.join(REPO, "dflash_jax", "assets", "pair")
+    if os.path.isdir(dest):
+        shutil.rmtree(dest)
+    shutil.copytree(run.path("ship", "pair"), dest)
+    log(f"installed the pair into {dest}")
+
+
+STAGE_FNS = dict(tokenizer=stage_tokenizer, target=stage_target, regen=stage_regen, draft=stage_draft,
+                 eval=stage_eval, ship=stage_ship)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    p.add_argument("--out", required=True, help="output directory (resumable: finished stages are skipped)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--force", default="", help="comma-separated stages to redo even if finished ('all')")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="wall-clock budget of the whole command (gpu default 540, cpu none): the draft gets "
+                        "what is left minus the evaluation's share; evaluation drops work near it; ship runs")
+    p.add_argument("--deliver", metavar="DIR",
+                   help="after shipping, copy the pair.tar.NN pieces and manifest.json into DIR (e.g. the "
+                        "device tool's $OUT, which returns at most 8 files of 16 MiB)")
+    p.add_argument("--install", action="store_true",
+                   help="after shipping, copy ship/pair into dflash_jax/assets/pair (the embedded default)")
+    args = p.parse_args(argv)
+    stages = [x for x in args.stages.split(",") if x]
+    bad = [x for x in stages if x not in STAGES]
+    if bad:
+        p.error(f"unknown stage(s) {bad}; known: {', '.join(STAGES)}")
+    force = set(STAGES) if args.force == "all" else {x for x in args.force.split(",") if x}
+    run = Run(args.out, args.size, args.seed, force)
+    if args.deadline_s is not None:
+        run.deadline_s = args.deadline_s or None
+    run.manifest["deadline_s"] = run.deadline_s
+    log(f"train_demo_pair --size {args.size} --seed {args.seed} --out {args.out}; stages {','.join(stages)}")
+    for name in STAGES:
+        if name not in stages:
+            continue
+        prev = run.done(name)
+        if prev is not None:
+            log(f"stage {name}: done earlier, skipped")
+            run.manifest.setdefault("stages", {})[name] = prev
+            continue
+        t = time.perf_counter()
+        log(f"stage {name} ...")
+        res = STAGE_FNS[name](run)
+        res["stage_s"] = round(time.perf_counter() - t, 1)
+        run.finish(name, res)
+        log(f"stage {name}: {res['stage_s']} s")
+    if args.deliver and os.path.isfile(run.path("stages", "ship.json")):
+        os.makedirs(args.deliver, exist_ok=True)
+        for f in read_json(run.path("stages", "ship.json"))["pieces"] + ["manifest.json"]:
+            shutil.copy(run.path(f), args.deliver)
+        log(f"delivered the pair pieces and manifest.json to {args.deliver}")
+    if args.install:
+        install(run)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
