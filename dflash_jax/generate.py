@@ -217,14 +217,16 @@ def go_offline_if_unreachable(sources: Sequence[str | None]) -> bool:
     hub_ids = [s for s in sources if s and s.lower() != "none" and not os.path.isdir(s)]
     if not hub_ids:
         return _offline()
-    if not _offline() and not _hub_reachable():
+    if not _offline():
+        if _hub_reachable():
+            return False
         progress("the hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
         os.environ["HF_HUB_OFFLINE"] = "1"
-        try:
-            import huggingface_hub.constants as hc
-            hc.HF_HUB_OFFLINE = True
-        except ImportError:  # pragma: no cover
-            pass
+    try:  # huggingface_hub reads the variable once, at import
+        import huggingface_hub.constants as hc
+        hc.HF_HUB_OFFLINE = True
+    except ImportError:  # pragma: no cover
+        pass
     return _offline()
 
 
