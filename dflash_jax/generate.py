@@ -386,26 +386,31 @@ def run_interruptible(work: Callable[[], Any], cancel: threading.Event) -> Any:
     (the generation's on_commit then stops the loop at its next iteration) and `work`'s result is
     still returned; a second Ctrl-C, or no result within INTERRUPT_GRACE_S, raises KeyboardInterrupt."""
     box: dict[str, Any] = {}
+    # Waiting on an Event, not Thread.join: a KeyboardInterrupt inside join can leave the thread
+    # reported as finished while it still runs (CPython before 3.13).
+    finished = threading.Event()
 
     def body():
         try:
             box["result"] = work()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread as is
             box["error"] = e
+        finally:
+            finished.set()
 
     worker = threading.Thread(target=body, name="dflash-generate", daemon=True)
     worker.start()
     since = None
-    while worker.is_alive():
+    while not finished.is_set():
         try:
-            worker.join(0.1)
+            finished.wait(0.1)
         except KeyboardInterrupt:
             if cancel.is_set():
                 raise
             cancel.set()
             since = time.monotonic()
             progress("interrupted: stopping after the current iteration (Ctrl-C again to quit now)")
-        if since is not None and worker.is_alive() and time.monotonic() - since > INTERRUPT_GRACE_S:
+        if since is not None and not finished.is_set() and time.monotonic() - since > INTERRUPT_GRACE_S:
             raise KeyboardInterrupt
     if "error" in box:
         raise box["error"]
@@ -636,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for f in (sys.stdout, sys.stderr):
             f.flush()
         print("\n[dflash] interrupted", file=sys.stderr, flush=True)
-        if any(t.name == "dflash-generate" and t.is_alive() for t in threading.enumerate()):
+        if any(t.name == "dflash-generate" for t in threading.enumerate()):
             os._exit(EXIT_INTERRUPTED)  # the generation thread is inside XLA (compiling) and cannot be joined
         return EXIT_INTERRUPTED
 
