@@ -242,7 +242,8 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
     args.model_dir = args.draft_dir = None
     if args.draft is not None and args.draft.lower() != "none":
         try:
-            progress(f"resolving draft {args.draft}")
+            if not os.path.isdir(args.draft):
+                progress(f"fetching draft {args.draft} from the hub (or its cache)")
             args.draft_dir = resolve_model_dir(args.draft)
             draft_cfg = DraftConfig.from_pretrained(args.draft_dir)
         except _LOAD_ERRORS as e:
@@ -251,7 +252,8 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
         if args.random_init is not None:
             cfg = TargetConfig.preset(args.random_init)
         else:
-            progress(f"resolving model {args.model}")
+            if not os.path.isdir(args.model):
+                progress(f"fetching model {args.model} from the hub (or its cache)")
             args.model_dir = resolve_model_dir(args.model)
             cfg = TargetConfig.from_pretrained(args.model_dir)
     except _LOAD_ERRORS as e:
