@@ -4,12 +4,14 @@
     target = load_target("Qwen/Qwen3-8B", dtype="bfloat16")
     draft = load_draft("z-lab/Qwen3-8B-DFlash-b16", target=target, dtype="bfloat16")
     res = generate(target, draft, [prompt_ids], max_new_tokens=256)
+    out = generate_text(target, draft, tokenizer, ["What is 17 * 23?"], stop=["\n\n"])  # text in/out
 """
 
 from dflash_jax.config import ConfigError, DraftConfig, TargetConfig, PRESETS
 from dflash_jax.decode import GenerateResult, generate
 from dflash_jax.weights import init_draft, init_target, load_draft, load_target
+from dflash_jax.text import TextResult, generate_text
 
-__all__ = ["load_target", "load_draft", "init_target", "init_draft", "generate", "GenerateResult",
+__all__ = ["load_target", "load_draft", "init_target", "init_draft", "generate", "GenerateResult", "generate_text", "TextResult",
            "TargetConfig", "DraftConfig", "ConfigError", "PRESETS"]
 __version__ = "0.1.0"

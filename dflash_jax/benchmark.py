@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shlex
 import sys
 import time
 from typing import Any, Sequence
 
-from dflash_jax.data import DATASETS, apply_chat_template, load_prompts, normalize_dataset_name
+from dflash_jax.data import BUNDLED, DATASETS, HUB_ONLY, apply_chat_template, load_prompts, normalize_dataset_name
 
 # `from dflash_jax import generate` is the library function, not the CLI module of the same name.
 cli = importlib.import_module("dflash_jax.generate")
@@ -36,7 +37,7 @@ ACCEPTANCE_TOLERANCE = 0.95
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dflash_jax.benchmark",
+        prog="python -m dflash_jax.benchmark", formatter_class=cli.HelpFormatter,
         description="Measure DFlash acceptance length (tau) and speed-up over autoregressive decoding.",
         epilog="Example: python -m dflash_jax.benchmark --model Qwen/Qwen3-8B --draft "
                "z-lab/Qwen3-8B-DFlash-b16 --dataset gsm8k --max-samples 128 --output report.json")
@@ -44,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     # 2048 new tokens is the paper's setting; τ on long reasoning answers differs from short ones.
     cli.add_sampling_args(p, max_new_tokens=2048)
     d = p.add_argument_group("prompts")
-    d.add_argument("--dataset", help=f"prompt set: {', '.join(DATASETS)} (from the hub through `datasets`, "
-                                     "or the format of --data-file)")
+    d.add_argument("--dataset", help=f"prompt set: {', '.join(DATASETS)}. Bundled with the package (no hub): "
+                                     f"{', '.join(BUNDLED)}; from the hub (needs `pip install datasets` and a "
+                                     f"connection): {', '.join(HUB_ONLY)}. With --data-file: the file's format")
     d.add_argument("--data-file", help="local JSONL prompt file (format detected from its fields)")
     d.add_argument("--max-samples", type=int, help="first N prompts (default: all; 8 with --random-init)")
     d.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (rows of one loop)")
@@ -91,6 +93,16 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             import matplotlib  # noqa: F401  (checked now, not after an hour of benchmarking)
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib")
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            parser.error(f"{flag} {path} is a directory; give a file name")
+        if not os.path.isdir(parent):
+            parser.error(f"{flag} {path}: the directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            parser.error(f"{flag} {path}: the directory {parent} is not writable")
 
 
 def _prompts(parser, args, tokenizer, vocab_size: int) -> tuple[str, list[dict[str, Any]]]:
@@ -149,6 +161,11 @@ def _throughput(runs: list[dict[str, Any]]) -> tuple[float, float, int]:
     return (tokens / seconds if seconds > 0 else float("nan")), seconds, tokens
 
 
+def _write_report(path: str, report: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
 def _plot(path: str, report: dict[str, Any]) -> None:
     import matplotlib
     matplotlib.use("Agg")  # files only; no display on servers
@@ -177,17 +194,33 @@ def _plot(path: str, report: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\n[dflash] interrupted", file=sys.stderr, flush=True)
+        return cli.EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    cfg = cli.resolve_sources(parser, args)
     tokenizer = cli.load_tokenizer(parser, args)
+    # Prompts and their lengths are checked before the weights load.
+    dataset, prompts = _prompts(parser, args, tokenizer, cfg.vocab_size)
+    try:
+        cli.validation.check_lengths([len(p["ids"]) for p in prompts], args.max_new_tokens,
+                                     cfg.max_position_embeddings)
+    except ValueError as e:
+        parser.error(cli._flag_message(e))
     target, draft = cli.load_models(parser, args)
     block = cli.effective_block_size(args, draft)
     if draft is None or block < 2:
         parser.error("the benchmark needs a draft and a block size >= 2")
-    dataset, prompts = _prompts(parser, args, tokenizer, target.config.vocab_size)
-    stops = [] if args.ignore_eos or args.random_init else cli.stop_token_ids(args.model, tokenizer)
+    stops = [] if args.ignore_eos or args.random_init else cli.stop_token_ids(args.model_dir, tokenizer)
+    stops = list(dict.fromkeys(stops + args.extra_stop_ids))
 
     from tqdm import tqdm
     runs = [("draft", draft, block)] + ([] if args.no_baseline else [("baseline", None, 1)])
@@ -198,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 results[name] = _run(target, d, prompts, args, stops, s, bar)
             except ValueError as e:  # the library's refusals (prompt too long for the context, ...)
-                parser.error(cli._one_line(e))
+                parser.error(cli._flag_message(e))
     wall = time.perf_counter() - t0
 
     spec = results["draft"]
@@ -248,12 +281,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         check = dict(expected_tau=expected, threshold=threshold, passed=bool(tau >= threshold))
         report["acceptance_check"] = check
 
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot:
-        _plot(args.plot, report)
-
     hist_pct = " ".join(f"{100 * h / max(sum(hist), 1):.0f}%" for h in hist)
     print(f"dataset {dataset} | {len(prompts)} requests | block size {block} | temperature {args.temperature}")
     print(f"tau (mean per request): {tau:.2f}")
@@ -264,8 +291,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"speedup:  {report['speedup']:.2f}x")
     if "greedy_match_rate" in report:
         print(f"greedy outputs equal to the baseline: {100 * report['greedy_match_rate']:.0f}%")
-    if args.output:
-        print(f"report: {args.output}")
+    failed = False
+    for flag, path, write in (("--output", args.output, _write_report), ("--plot", args.plot, _plot)):
+        if path is None:
+            continue
+        try:
+            write(path, report)
+            print(f"{'report' if flag == '--output' else 'plot'}: {path}")
+        except OSError as e:  # the numbers above are printed; say what was not written
+            print(f"error: {flag} {path} could not be written: {cli._one_line(e)}", file=sys.stderr)
+            failed = True
     if check is not None:
         verdict = "PASSED" if check["passed"] else "FAILED"
         msg = (f"acceptance check {verdict}: tau {tau:.2f} {'>=' if check['passed'] else '<'} "
@@ -273,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stdout if check["passed"] else sys.stderr)
         if not check["passed"]:
             return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

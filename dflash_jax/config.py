@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any, Mapping
 
+from dflash_jax.validation import positive_int
+
 __all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids"]
 
 
@@ -30,6 +32,8 @@ def _rope_theta(d: Mapping[str, Any]) -> float:
 
 
 def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{what}: the config must be a JSON object, got {type(d).__name__}")
     mt = d.get("model_type")
     if mt != "qwen3":
         raise ConfigError(f"{what}: model_type={mt!r}; only 'qwen3' is supported")
@@ -44,7 +48,15 @@ def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{what}: hidden_act={act!r}; only 'silu' is supported")
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        _positive(d, k, what)
     n_heads = int(d["num_attention_heads"])
+    if d.get("num_key_value_heads") is not None:
+        _positive(d, "num_key_value_heads", what)
+    if d.get("head_dim") is not None:
+        _positive(d, "head_dim", what)
+    if d.get("max_position_embeddings") is not None:
+        _positive(d, "max_position_embeddings", what)
     n_kv = int(d.get("num_key_value_heads") or n_heads)
     if n_heads % n_kv:
         raise ConfigError(f"{what}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
@@ -62,13 +74,26 @@ def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
     )
 
 
+def _positive(d: Mapping[str, Any], key: str, what: str) -> None:
+    try:
+        positive_int(d[key], key, what)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _read_json(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +208,15 @@ class DraftConfig:
     @classmethod
     def for_target(cls, target: TargetConfig, num_layers: int = 5, block_size: int = 16,
                    mask_token_id: int | None = None, target_layer_ids=None) -> "DraftConfig":
-        """The z-lab draft shape for a target (benchmarks: Qwen3-8B → 5 layers, taps [1,9,17,25,33])."""
-        taps = tuple(target_layer_ids) if target_layer_ids else default_target_layer_ids(target.num_layers, num_layers)
+        """The z-lab draft shape for a target (benchmarks: Qwen3-8B → 5 layers, taps [1,9,17,25,33]).
+
+        For targets under 4 layers the z-lab formula leaves [0, L); its taps are clipped into the
+        target's layers and deduplicated (fewer taps than draft layers)."""
+        if target_layer_ids:
+            taps = tuple(int(t) for t in target_layer_ids)
+        else:
+            L = target.num_layers
+            taps = tuple(sorted({min(max(t, 0), L - 1) for t in default_target_layer_ids(L, num_layers)}))
         return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
                    num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
                    head_dim=target.head_dim, vocab_size=target.vocab_size, block_size=block_size,

@@ -13,7 +13,7 @@ import os
 from typing import Any, Callable, Mapping
 
 __all__ = ["DATASETS", "load_prompts", "detect_format", "format_turns", "apply_chat_template",
-           "normalize_dataset_name"]
+           "normalize_dataset_name", "check_messages", "read_prompt_file", "BUNDLED", "HUB_ONLY"]
 
 _BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 _HUMANEVAL = ("Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -87,9 +87,15 @@ def format_turns(dataset: str, row: Mapping[str, Any]) -> list[str]:
     """The user turns of one row in the paper's format."""
     name = normalize_dataset_name(dataset)
     try:
-        return DATASETS[name][2](row)
+        turns = DATASETS[name][2](row)
     except KeyError as e:
         raise ValueError(f"a {name} row lacks the field {e.args[0]!r} (fields: {sorted(row)})") from None
+    except TypeError:  # e.g. a number where the text belongs: `question + suffix`
+        raise ValueError(f"a {name} row's prompt field is not a string (fields: "
+                         f"{ {k: type(v).__name__ for k, v in row.items()} })") from None
+    if not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(f"a {name} row has no user turn text")
+    return turns
 
 
 def _row_id(row: Mapping[str, Any], index: int) -> str:
@@ -138,6 +144,8 @@ def _load_hub(name: str) -> list[dict[str, Any]]:
 # Prompt sets shipped with the package (unchanged source files, see datasets/README.md): read
 # locally, so the paper's three main benchmarks need no hub.
 _BUNDLED = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl", "mt-bench": "mt_bench.jsonl"}
+BUNDLED = tuple(_BUNDLED)
+HUB_ONLY = tuple(n for n in DATASETS if n not in _BUNDLED)
 
 
 def bundled_path(name: str) -> str | None:
@@ -170,26 +178,86 @@ def load_prompts(dataset: str | None = None, data_file: str | None = None,
     if max_samples is not None:
         rows = rows[:max_samples]
     out = []
+    where = data_file or name
     for i, row in enumerate(rows):
-        turns = format_turns(name, row)
-        if not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"row {i} of {name} has no user turn text")
+        try:
+            turns = format_turns(name, row)
+        except ValueError as e:
+            raise ValueError(f"{where}: row {i + 1}: {e}") from None
         out.append({"id": _row_id(row, i), "turns": turns, "dataset": name})
     return out
 
 
-def apply_chat_template(tokenizer, user_text: str, system: str | None = None,
+_ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages, where: str = "messages") -> list[dict[str, str]]:
+    """A conversation: a non-empty list of {"role": system|user|assistant, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where} must be a non-empty JSON list of {{\"role\", \"content\"}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in _ROLES:
+            raise ValueError(f"{where}[{i}] must be {{\"role\": one of {'/'.join(_ROLES)}, \"content\": text}}, "
+                             f"got {m!r:.80}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def apply_chat_template(tokenizer, user_text, system: str | None = None,
                         thinking: bool = False) -> list[int]:
-    """Token ids of one user turn (and an optional system turn) with the generation prompt.
+    """Token ids of one user turn (and an optional system turn), or of a whole conversation (a list
+    of {"role", "content"} messages as `user_text`), with the generation prompt.
 
     Qwen3's template reads `enable_thinking`; templates that do not use it ignore it.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; pass raw text (--raw-prompt) or a tokenizer "
                          "with a chat_template")
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": user_text}]
+    if isinstance(user_text, str):
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user_text}]
+    else:
+        messages = check_messages(user_text)
+        if system:
+            messages = [{"role": "system", "content": system}] + messages
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=thinking)
     # The template already holds every special token; letting encode add BOS would double it.
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def read_prompt_file(path: str) -> list:
+    """Prompts of `generate --prompt-file`, one per line: a JSONL line is a string (the user turn),
+    an object with `prompt` (text) or `messages` (a conversation), or a list of messages; in a file
+    that is not JSONL every non-empty line is one user turn. Returns str or message lists."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, l.rstrip("\r\n")) for n, l in enumerate(f, 1) if l.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not lines:
+        raise ValueError(f"prompt file {path} has no prompts")
+    jsonl = path.endswith(".jsonl") or lines[0][1].lstrip().startswith(("{", "[", '"'))
+    if not jsonl:
+        return [l for _, l in lines]
+    out: list = []
+    for n, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if isinstance(row, dict):
+            row = row["messages"] if "messages" in row else row.get("prompt")
+        if isinstance(row, str):
+            if not row.strip():
+                raise ValueError(f"{path}:{n}: the prompt is empty")
+            out.append(row)
+        elif isinstance(row, list):
+            out.append(check_messages(row, f"{path}:{n}: messages"))
+        else:
+            raise ValueError(f"{path}:{n}: expected a string, {{\"prompt\": text}}, {{\"messages\": [...]}} "
+                             "or a list of messages")
+    return out

@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import threading
 import time
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -33,7 +32,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.experimental import io_callback
 
-from dflash_jax import sampling
+from dflash_jax import sampling, validation
 from dflash_jax.attention import resolve_impl
 from dflash_jax.cache import KVCache
 from dflash_jax.modeling.draft import DFlashDraft
@@ -94,8 +93,9 @@ _STREAM_LOCK = threading.Lock()  # one streaming generation at a time: the sink 
 
 
 def _stream_to_host(commit, produced):
-    if _STREAM_SINK[0] is not None:
-        _STREAM_SINK[0](np.asarray(commit), np.asarray(produced))
+    """The sink's answer: True asks the loop to stop (every row is marked done)."""
+    stop = _STREAM_SINK[0] is not None and bool(_STREAM_SINK[0](np.asarray(commit), np.asarray(produced)))
+    return np.asarray(stop)
 
 
 def _row_keys(seed, lens):
@@ -134,7 +134,8 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
     if st.stream:  # the prefill token is the first committed token
-        io_callback(_stream_to_host, None, first[:, None], p.active.astype(jnp.int32), ordered=True)
+        done = done | io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), first[:, None],
+                                  p.active.astype(jnp.int32), ordered=True)
     return _Loop(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
                  pending_count=jnp.zeros((B,), jnp.int32), done=done,
                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
@@ -192,7 +193,8 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
             s.accept_log, jnp.minimum(s.iters, C - 1), produced, active)
         done = s.done | jnp.any(is_stop, axis=1) | _finished(st, new_lens, limit, S)
         if st.stream:
-            io_callback(_stream_to_host, None, commit, produced, ordered=True)
+            done = done | io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), commit, produced,
+                                      ordered=True)
     return _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                  draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
                  done=done, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
@@ -262,29 +264,8 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-# Stop ids travel as one fixed-width array (a traced value, not a compile key), -1 padded.
-MAX_STOP_IDS = 16
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _check_stop_ids(stop_token_ids, vocab: int) -> list[int]:
-    if stop_token_ids is None:
-        return []
-    if _is_int(stop_token_ids):
-        stop_token_ids = [stop_token_ids]
-    ids = list(np.asarray(stop_token_ids).reshape(-1).tolist()) if not isinstance(stop_token_ids, (list, tuple, set)) \
-        else list(stop_token_ids)
-    if not all(_is_int(t) for t in ids):
-        raise ValueError(f"stop_token_ids must be integer token ids, got {stop_token_ids!r}")
-    stop = sorted({int(t) for t in ids})
-    if any(not 0 <= t < vocab for t in stop):
-        raise ValueError(f"stop_token_ids {stop} has ids outside the vocabulary [0, {vocab})")
-    if len(stop) > MAX_STOP_IDS:
-        raise ValueError(f"at most {MAX_STOP_IDS} distinct stop_token_ids are supported, got {len(stop)}")
-    return stop
+MAX_STOP_IDS = validation.MAX_STOP_IDS
+_is_int = validation.is_int
 
 
 def _buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity: int | None):
@@ -305,24 +286,6 @@ def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bu
                    stream=stream, draft_override=draft_override if has_draft else None)
 
 
-def _check_prompts(prompts, vocab: int):
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    out = []
-    for i, p in enumerate(prompts):
-        p = np.asarray(p)
-        if p.ndim != 1:
-            raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {p.shape}")
-        if p.size == 0:
-            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
-        if not np.issubdtype(p.dtype, np.integer):
-            raise ValueError(f"prompt {i} holds non-integer values ({p.dtype})")
-        if p.min() < 0 or p.max() >= vocab:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-        out.append(p.astype(np.int32))
-    return out
-
-
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
                        block_size, seed, attention_impl, capacity, stream, draft_override=None):
     if not isinstance(target, Qwen3):
@@ -331,13 +294,12 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
     sampling.validate(temperature, top_p, top_k)
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if capacity is not None and (not _is_int(capacity) or capacity < 1):
-        raise ValueError(f"capacity must be an integer >= 1 (KV-cache entries) or None, got {capacity!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    rows = _check_prompts(prompts, cfg.vocab_size)
+    validation.check_top_k(top_k, cfg.vocab_size)
+    validation.check_max_new_tokens(max_new_tokens, cfg.max_position_embeddings)
+    validation.check_capacity(capacity)
+    seed = validation.check_seed(seed)
+    rows = validation.check_prompts(prompts, cfg.vocab_size)
+    validation.check_lengths([len(r) for r in rows], max_new_tokens, cfg.max_position_embeddings)
     if draft is not None:
         draft.config.check_fits(cfg)
         S = draft.config.block_size if block_size is None else block_size
@@ -350,12 +312,9 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         S = 1
     if S == 1:
         draft = None
-    stop = _check_stop_ids(stop_token_ids, cfg.vocab_size)
+    stop = validation.check_stop_ids(stop_token_ids, cfg.vocab_size)
     longest = max(len(r) for r in rows)
     Tb, C = _buckets(longest, max_new_tokens, S, capacity)
-    if Tb + int(max_new_tokens) > cfg.max_position_embeddings:
-        warnings.warn(f"prompt bucket {Tb} + max_new_tokens {max_new_tokens} exceeds the model's "
-                      f"max_position_embeddings {cfg.max_position_embeddings}", stacklevel=3)
     if longest + 1 + S > C or Tb > C:
         raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
                          f"KV-cache capacity {C}; raise capacity or shorten the prompt")
@@ -379,7 +338,7 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
                 top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
-                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed % (1 << 32), jnp.uint32))
+                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed, jnp.uint32))
     return st, tstate, dstate, p, len(rows), lens
 
 
@@ -422,7 +381,7 @@ def _generate_defaults(kw: dict) -> dict:
 def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str = "auto",
-             capacity: int | None = None, on_commit: Callable[[list[list[int]]], None] | None = None,
+             capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
              _draft_override=None, _return_state: bool = False) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
@@ -431,7 +390,8 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
     (seed, i, position), so a row's output is reproducible given seed, its index and its prompt.
     `on_commit(row_tokens)` (streaming) is called on the host once per loop iteration with the tokens
-    each row committed in it. `capacity` (KV-cache entries) defaults to the prompt bucket +
+    each row committed in it; returning True stops the generation there (the result holds what was
+    committed), and an exception it raises is re-raised to the caller. `capacity` (KV-cache entries) defaults to the prompt bucket +
     max_new_tokens + block, rounded up to 1024; rows stop when it is full.
     """
     st, tstate, dstate, p, n_rows, lens = _static_and_params(
@@ -449,13 +409,25 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     if on_commit is None:
         state, out, run_time = run()
     else:
+        raised: list[BaseException] = []
+
+        def sink(commit, produced):
+            if raised:
+                return True
+            try:
+                return on_commit([commit[i, :produced[i]].tolist() for i in range(n_rows)])
+            except BaseException as e:  # noqa: BLE001 - re-raised below as itself, not as an XLA error
+                raised.append(e)
+                return True
+
         with _STREAM_LOCK:
-            _STREAM_SINK[0] = lambda commit, produced: on_commit(
-                [commit[i, :produced[i]].tolist() for i in range(n_rows)])
+            _STREAM_SINK[0] = sink
             try:
                 state, out, run_time = run()
             finally:
                 _STREAM_SINK[0] = None
+        if raised:
+            raise raised[0]
     tokens, out_lens, log, iters, step = out
     rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
     stops = set(np.asarray(p.stop_ids).tolist()) - {-1}

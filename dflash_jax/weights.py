@@ -16,26 +16,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax import validation
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.modeling.draft import DFlashDraft
 from dflash_jax.modeling.qwen3 import Qwen3
 
 __all__ = ["load_target", "load_draft", "init_target", "init_draft", "resolve_model_dir"]
 
-_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16,
-           "bf16": jnp.bfloat16, "fp32": jnp.float32, "fp16": jnp.float16}
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 def _dtype(dtype):
+    """A dtype from its name (validation.DTYPES or an alias, as on the command line) or a dtype."""
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r}; expected one of {sorted(set(_DTYPES))}")
-        return _DTYPES[dtype]
-    return jnp.dtype(dtype)
+        return _DTYPES[validation.dtype_name(dtype)]
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype={dtype!r}; expected one of {', '.join(validation.DTYPES)}") from None
+    if dt not in [jnp.dtype(d) for d in _DTYPES.values()]:
+        raise ValueError(f"dtype={dt}; expected one of {', '.join(validation.DTYPES)}")
+    return dt
 
 
 def resolve_model_dir(path_or_hub_id: str) -> str:
-    """A local directory as is; otherwise a hub id fetched (config, safetensors, tokenizer files only)."""
+    """A local directory as is; otherwise a hub id fetched (config, safetensors, tokenizer files only).
+
+    Offline (HF_HUB_OFFLINE=1, read by huggingface_hub), a hub id resolves from the local cache alone."""
+    validation.check_source(path_or_hub_id)
     if os.path.isdir(path_or_hub_id):
         return path_or_hub_id
     if os.path.exists(path_or_hub_id) or path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1:
@@ -67,9 +75,16 @@ def _safetensors_files(d: str) -> list[str]:
 def _iter_tensors(d: str):
     from safetensors import safe_open
     for path in _safetensors_files(d):
-        with safe_open(path, framework="flax") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} (listed in the safetensors index) does not exist")
+        try:
+            with safe_open(path, framework="flax") as f:
+                names = list(f.keys())
+                for name in names:
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - SafetensorError and friends: truncated, empty, not safetensors
+            raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())})") from None
 
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -95,48 +110,72 @@ def _variable(model, path):
     return node
 
 
+def _part_widths(config) -> dict[str, int]:
+    """Output widths of the parts of our fused matrices: qkv = [q | k | v], gate_up = [gate | up]."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"q": q, "k": kv, "v": kv, "gate": config.intermediate_size, "up": config.intermediate_size}
+
+
+def _map_tensor(name: str, top_level: dict, model, flat, what: str):
+    """THE mapping from a checkpoint tensor to our parameter: (our path, how, part key, expected HF
+    shape), or None for a tensor this model does not have. `how`: None (as is), "T" (transposed to
+    [in, out]) or the fused parts' order; shapes are the HF tensor's own, so errors name HF terms."""
+    if name in top_level:
+        path, how = top_level[name]
+        key = None
+    else:
+        m = _LAYER.match(name)
+        if not (m and m.group(2) in _LAYER_LEAVES):
+            return None
+        sub, how = _LAYER_LEAVES[m.group(2)]
+        path = ("layers", int(m.group(1))) + sub
+        if path not in flat:
+            raise ValueError(f"{what}: checkpoint has {name} but the config has {len(model.layers)} layers")
+        key = m.group(2).split(".")[-2].replace("_proj", "") if isinstance(how, tuple) else None
+    ours = tuple(_variable(model, path).get_value().shape)
+    if how is None:
+        want = ours
+    elif how == "T":
+        want = ours[::-1]
+    else:  # HF [out, in] of one part; ours is [in, sum of the parts' out]
+        want = (_part_widths(model.config)[key], ours[0])
+    return path, how, key, want
+
+
 def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=()):
-    """Stream (hf_name, array) pairs into the abstract `model`; every parameter must be set once."""
+    """Stream (hf_name, array) pairs into the abstract `model`; every parameter must be set once.
+
+    Each tensor is checked against the shape the config implies for it (named as in the checkpoint)
+    and for non-finite values before it is cast and placed."""
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     todo = set(flat)
     parts: dict[tuple, dict[str, jax.Array]] = {}
 
     def put(path, arr):
-        var = _variable(model, path)
-        want = var.get_value().shape
-        if tuple(arr.shape) != tuple(want):
-            raise ValueError(f"{what}: tensor for {'.'.join(map(str, path))} has shape {tuple(arr.shape)}, "
-                             f"config expects {tuple(want)}")
-        var.set_value(arr.astype(dtype))
+        _variable(model, path).set_value(arr.astype(dtype))
         todo.discard(path)
 
     for name, t in named_tensors:
-        if name in top_level:
-            path, tr = top_level[name]
-            put(path, t.T if tr == "T" else t)
+        mapped = _map_tensor(name, top_level, model, flat, what)
+        if mapped is None:
+            if not any(re.fullmatch(s, name) for s in skip):
+                raise ValueError(f"{what}: unexpected tensor {name!r} in the checkpoint")
             continue
-        m = _LAYER.match(name)
-        if m and m.group(2) in _LAYER_LEAVES:
-            i = int(m.group(1))
-            sub, how = _LAYER_LEAVES[m.group(2)]
-            path = ("layers", i) + sub
-            if path not in flat:
-                raise ValueError(f"{what}: checkpoint has {name} but the config has "
-                                 f"{len(model.layers)} layers")
-            if how is None:
-                put(path, t)
-            elif how == "T":
-                put(path, t.T)
-            else:  # one part of a fused matrix: keep it until all parts are read
-                key = m.group(2).split(".")[-2].replace("_proj", "")
-                got = parts.setdefault(path, {})
-                got[key] = t.T.astype(dtype)
-                if all(p in got for p in how):
-                    put(path, jnp.concatenate([got[p] for p in how], axis=1))
-                    del parts[path]
-            continue
-        if not any(re.fullmatch(s, name) for s in skip):
-            raise ValueError(f"{what}: unexpected tensor {name!r} in the checkpoint")
+        path, how, key, want = mapped
+        if tuple(t.shape) != want:
+            raise ValueError(f"{what}: tensor {name} has shape {tuple(t.shape)}, the config implies {want}")
+        if jnp.issubdtype(t.dtype, jnp.floating) and not bool(jnp.isfinite(t).all()):
+            raise ValueError(f"{what}: tensor {name} holds NaN or inf values")
+        if how is None:
+            put(path, t)
+        elif how == "T":
+            put(path, t.T)
+        else:  # one part of a fused matrix: keep it until all parts are read
+            got = parts.setdefault(path, {})
+            got[key] = t.T.astype(dtype)
+            if all(p in got for p in how):
+                put(path, jnp.concatenate([got[p] for p in how], axis=1))
+                del parts[path]
     if todo:
         names = sorted(".".join(map(str, p)) for p in todo)
         raise ValueError(f"{what}: checkpoint lacks {len(names)} parameter(s): {', '.join(names[:6])}"
@@ -146,9 +185,9 @@ def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=()):
 
 def load_target(path_or_hub_id: str, dtype="bfloat16") -> Qwen3:
     """A Qwen3 causal LM from a HF directory or hub id (config.json + safetensors, sharded or not)."""
+    dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
     config = TargetConfig.from_pretrained(d)
-    dt = _dtype(dtype)
     model = nnx.eval_shape(lambda: Qwen3(config, dt, rngs=nnx.Rngs(0)))
     top = {"model.embed_tokens.weight": (("embed",), None), "model.norm.weight": (("norm", "weight"), None)}
     skip = [r"lm_head\.weight"] if config.tie_word_embeddings else []
@@ -160,11 +199,11 @@ def load_target(path_or_hub_id: str, dtype="bfloat16") -> Qwen3:
 
 def load_draft(path_or_hub_id: str, target: Qwen3 | None = None, dtype="bfloat16") -> DFlashDraft:
     """A z-lab DFlash draft. With `target`, a draft that does not fit it is refused, naming the mismatch."""
+    dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
     config = DraftConfig.from_pretrained(d)
     if target is not None:
         config.check_fits(target.config)
-    dt = _dtype(dtype)
     model = nnx.eval_shape(lambda: DFlashDraft(config, dt, rngs=nnx.Rngs(0)))
     top = {"fc.weight": (("fc",), "T"), "hidden_norm.weight": (("hidden_norm", "weight"), None),
            "norm.weight": (("norm", "weight"), None)}
@@ -175,10 +214,10 @@ def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16") -> 
     """Random weights (for benchmarks on machines without checkpoints). `config` may be a preset name."""
     if isinstance(config, str):
         config = TargetConfig.preset(config)
-    return Qwen3(config, _dtype(dtype), rngs=nnx.Rngs(seed))
+    return Qwen3(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
 
 
 def init_draft(config: DraftConfig, seed: int = 0, dtype="bfloat16", target: Qwen3 | None = None) -> DFlashDraft:
     if target is not None:
         config.check_fits(target.config)
-    return DFlashDraft(config, _dtype(dtype), rngs=nnx.Rngs(seed))
+    return DFlashDraft(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
