@@ -6,7 +6,7 @@ Two servers, both in-process on 127.0.0.1 (uvicorn in a thread, a free port):
   `generate` of the same prompt and settings. The oracle calls generate with a no-op on_commit and the
   server's capacity, so it reuses the server's compiled program (one compile per prompt bucket and
   sampling mode on this machine is the cost that matters); the engine, streaming, detokenisation, stop
-  handling and HTTP are what is under test. All prompts sit in one prompt bucket (17..32 tokens).
+  handling and HTTP are what is under test. All prompts sit in one prompt bucket (33..64 tokens).
 - a stand-in engine (SimpleEngine with a fake generate_fn that emits one token per "iteration" and can
   block, fail, or ignore on_commit's stop request) for the fault cases: queue full, one failing
   request, client disconnect, cancel, shutdown.
@@ -127,13 +127,13 @@ def prompt_ids(i: int, n: int) -> list[int]:
     return [(7 * i + 3 * j + 11) % 300 for j in range(n)]
 
 
-PROMPT = "the quick brown fox jumps over the lazy dog and then"   # 17..32 tokens: the shared bucket
+PROMPT = "the quick brown fox jumps over the lazy dog and then"   # 33..64 tokens: the shared bucket
 
 
 def test_completion_matches_generate(real):
     c = client(real.url)
     ids = list(real.tok.encode(PROMPT))
-    assert 16 < len(ids) <= 32
+    assert 32 < len(ids) <= 64
     want = oracle(real, ids, 24, temperature=0.0)
     r = c.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0,
                              extra_body={"return_token_ids": True})
@@ -155,7 +155,7 @@ def test_chat_matches_generate(real):
         text = real.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
                                             enable_thinking=thinking)
         ids = list(real.tok.encode(text, add_special_tokens=False))
-        assert 16 < len(ids) <= 32
+        assert 32 < len(ids) <= 64
         want = oracle(real, ids, 20, temperature=0.0)
         r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, temperature=0,
                                       extra_body={"chat_template_kwargs": {"enable_thinking": thinking},
@@ -193,7 +193,7 @@ def test_streaming_matches_generate(real):
 
 def test_stop_strings_and_stop_ids(real):
     c = client(real.url)
-    ids = prompt_ids(1, 20)
+    ids = prompt_ids(1, 40)
     want = oracle(real, ids, 24, temperature=0.0)
     full = text_of(real, want)
     # a stop string from the middle of the greedy text: cut before it, for both paths
@@ -219,7 +219,7 @@ def test_models_health_metrics(real):
     c = client(real.url)
     assert [m.id for m in c.models.list().data] == [NAME]
     assert httpx.get(real.url + "/health").json() == {"status": "ok"}
-    c.completions.create(model=NAME, prompt=prompt_ids(2, 20), max_tokens=8, temperature=0)
+    c.completions.create(model=NAME, prompt=prompt_ids(2, 40), max_tokens=8, temperature=0)
     text = httpx.get(real.url + "/metrics").text
     for name in ("dflash_time_to_first_token_seconds_bucket", "dflash_time_per_output_token_seconds_bucket",
                  "dflash_acceptance_length_bucket", "dflash_generation_tokens_total", "dflash_tokens_per_second",
@@ -266,7 +266,7 @@ def test_load_50_requests_concurrency_8(real):
     """Every response complete and equal to its one-shot output; nothing lost."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(prompt_ids(i, 17 + i % 16), 4 + (i * 5) % 21, i % 3 == 0) for i in range(50)]
+    jobs = [(prompt_ids(i, 33 + i % 32), 4 + (i * 5) % 21, i % 3 == 0) for i in range(50)]
     want = [oracle(real, ids, n, temperature=0.0) for ids, n, _ in jobs]
 
     def one(job):
@@ -290,7 +290,7 @@ def test_load_50_requests_concurrency_8(real):
 @pytest.mark.slow
 def test_sampling_with_seed_matches_generate(real):
     c = client(real.url)
-    ids = prompt_ids(3, 20)
+    ids = prompt_ids(3, 40)
     want = oracle(real, ids, 16, temperature=0.9, seed=1234)
     r = c.completions.create(model=NAME, prompt=ids, max_tokens=16, temperature=0.9, seed=1234,
                              extra_body={"return_token_ids": True})
