@@ -20,6 +20,7 @@ import asyncio
 import collections
 import json
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -567,6 +568,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = _server(config, app)
     print(f"[dflash] serving {name} on http://{args.host}:{args.port} (capacity {args.capacity}, "
           f"block {engine.block_size})", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has drained; these handlers absorb it so
+    # that the engine is shut down and the process exits 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:
