@@ -497,18 +497,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _default_pair():
+    """(target_dir, draft_dir) of the pair embedded in the package, or None."""
+    try:
+        from dflash_jax.assets import default_pair
+    except ImportError:
+        return None
+    return default_pair()
+
+
+def _cli():
+    """The generate CLI module (its flag, loading and stop-id helpers); the package attribute of the
+    same name may be the library function."""
+    import importlib
+    return importlib.import_module("dflash_jax.generate")
+
+
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from dflash_jax import generate as cli
+    cli = _cli()
 
     if args.model is None and args.random_init is None:
-        try:
-            from dflash_jax.assets import default_pair  # noqa: F401  (the embedded pair, where built)
-        except ImportError:
-            parser.error("give --model (a hub id or a local HF directory) and --draft, or --random-init PRESET")
+        pair = _default_pair()
+        if pair is None:
+            parser.error("give --model (a hub id or a local HF directory) and --draft, or --random-init PRESET "
+                         "(this package ships no default pair)")
+        args.model, default_draft = pair
+        args.draft = args.draft or default_draft
+        args.served_model_name = args.served_model_name or "dflash-default"
     # check_args also validates the sampling flags, which are per request here
     args.max_new_tokens, args.temperature, args.top_p, args.top_k = 1, 0.0, 1.0, 0
-    if args.model is not None or args.random_init is not None:
-        cli.check_args(parser, args)
+    cli.check_args(parser, args)
     if args.slots != 1:
         parser.error(f"--slots {args.slots}: this build's engine runs one request at a time (--slots 1)")
     if args.max_queue < 0:
@@ -521,13 +539,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _load(parser, args):
     """(target, draft, tokenizer, eos ids, served name) from the flags."""
-    from dflash_jax import generate as cli
+    cli = _cli()
 
-    if args.model is None and args.random_init is None:
-        from dflash_jax.assets import default_pair
-        pair = default_pair()
-        target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
-        return target, draft, tokenizer, cli.stop_token_ids(None, tokenizer), "dflash-default"
     tokenizer = cli.load_tokenizer(parser, args)
     target, draft = cli.load_models(parser, args)
     eos = [] if args.random_init else cli.stop_token_ids(args.model, tokenizer)

@@ -49,7 +49,7 @@ def serving(app):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     for _ in range(500):
@@ -490,3 +490,26 @@ def test_sigterm_finishes_in_flight_and_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
         print(proc.stdout.read())
+
+
+def test_draining_answers_503(tokenizer):
+
+    eng = fake_engine(FakeGenerate())
+    app = build_app(eng, tokenizer, model_name=NAME)
+    with serving(app) as url:
+        app.state.draining = True
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/completions", json=dict(prompt=[1], max_tokens=1))
+        assert r.status_code == 503
+    eng.shutdown()
+
+
+def test_cli_refuses_bad_flags(capsys, monkeypatch):
+    from dflash_jax import serve
+
+    monkeypatch.setattr(serve, "_default_pair", lambda: None)  # as a package that ships no pair
+    for argv, msg in ((["--port", "8001"], "give --model"), (["--random-init", "qwen3-0.6b", "--slots", "4"], "--slots"),
+                      (["--random-init", "qwen3-0.6b", "--port", "0"], "--port")):
+        with pytest.raises(SystemExit) as e:
+            serve.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
