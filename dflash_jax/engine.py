@@ -1,0 +1,396 @@
+"""Serving engines: the interface the HTTP server (`dflash_jax.serve`) drives, and `SimpleEngine`.
+
+The server only ever talks to an engine through this small interface, so the step-wise slot engine
+(fixed slots; insert / step / release sharing the loop's iteration body) replaces `SimpleEngine`
+without touching the server:
+
+    engine.check(request)                  # raises RequestError(field, message) for a request it cannot run
+    handle = engine.submit(request)        # -> Handle; raises QueueFull / EngineClosed / RequestError
+    for event in handle.events(): ...      # blocking consumer (threads)
+    async for event in handle.aevents(): ...   # asyncio consumer (the server)
+    engine.cancel(handle)                  # idempotent; the handle ends with finish_reason "cancelled"
+    engine.stats()                         # -> EngineStats (queue depth, slots busy, compiles, ...)
+    engine.shutdown(timeout=...)           # stop accepting; finish in-flight work or fail it at timeout
+
+A handle yields `Tokens` events (the tokens the engine committed, in order, already cut at the
+request's stop token and max_tokens) and exactly one final `Finished` event. Token order and content
+are the engine's contract: for the same prompt and settings they equal one-shot
+`dflash_jax.generate(target, draft, [prompt], ...)` (greedy; sampling with the same seed).
+
+`SimpleEngine` runs one request at a time on a worker thread through `generate` (batch of one),
+streaming each loop iteration's tokens through `on_commit`. Its one "slot" is the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
+
+__all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
+           "RequestError", "QueueFull", "EngineClosed", "FINISH_REASONS"]
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+# ----------------------------------------------------------------------------------------- requests
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation: prompt token ids and its own settings (nothing here is a compile key but the
+    sampling mode temperature / top-k / top-p select)."""
+    prompt: tuple[int, ...]
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 = off
+    seed: int = 0                        # the row's sampling seed (generate's `seed`)
+    stop_token_ids: tuple[int, ...] = ()  # stop on these in addition to the engine's eos ids
+    ignore_eos: bool = False             # do not stop on the engine's eos ids (stop_token_ids still stop)
+
+
+@dataclasses.dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    iterations: int = 0                  # loop iterations (draft-verify-accept) that produced its tokens
+    acceptance_lengths: list[int] = dataclasses.field(default_factory=list)  # tokens per iteration
+    queued_s: float = 0.0                # submit -> the engine started it
+    first_token_s: float | None = None   # submit -> first token (None: none came)
+    total_s: float = 0.0                 # submit -> finished
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    ids: list[int]                       # newly committed tokens, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    finish_reason: str                   # one of FINISH_REASONS
+    tokens: list[int]                    # every token the handle yielded (stop token included)
+    stats: RequestStats
+    error: str | None = None             # finish_reason "error": what failed, one line
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    queue_depth: int                     # submitted, not yet started
+    slots_busy: int                      # requests running now
+    slots: int                           # how many can run at once
+    max_queue: int
+    compiles: int                        # programs compiled so far (the process's)
+    capacity: int                        # KV entries per slot
+    max_model_len: int                   # prompt + max_tokens must fit in this
+
+
+class RequestError(ValueError):
+    """A request this engine cannot run; `field` names the request field at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+class QueueFull(RuntimeError):
+    """The bounded queue is full; try again later (the server answers 503 + Retry-After)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+# ----------------------------------------------------------------------------------------- handles
+class Handle:
+    """One submitted request's event stream. Events come from the engine's threads; one consumer
+    reads them, blocking (`events`, `next`) or from an asyncio loop (`aevents`, `anext`)."""
+
+    _ids = itertools.count()
+
+    def __init__(self, request: Request):
+        self.id = next(Handle._ids)
+        self.request = request
+        self.submitted_at = time.perf_counter()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._tokens: list[int] = []
+        self._finished: Finished | None = None
+        self.cancelled = False           # set by Engine.cancel; the engine stops it at its next chance
+
+    @property
+    def done(self) -> bool:
+        return self._finished is not None
+
+    # producer side (engine threads) -------------------------------------------------------------
+    def _push(self, ev) -> bool:
+        """Deliver one event; False (and nothing delivered) once the handle has finished."""
+        with self._lock:
+            if self._finished is not None:
+                return False
+            if isinstance(ev, Finished):
+                self._finished = ev
+            else:
+                self._tokens.extend(ev.ids)
+            self._q.put(ev)
+            loop, wake = self._loop, self._wake
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:         # the consumer's loop is closed: nobody is listening
+                pass
+        return True
+
+    def _finish(self, reason: str, stats: RequestStats, error: str | None = None) -> bool:
+        stats.completion_tokens = len(self._tokens)
+        stats.total_s = time.perf_counter() - self.submitted_at
+        return self._push(Finished(reason, list(self._tokens), stats, error))
+
+    # consumer side -------------------------------------------------------------------------------
+    def next(self, timeout: float | None = None):
+        """The next event (blocking); raises queue.Empty after `timeout` seconds."""
+        return self._q.get(timeout=timeout)
+
+    def events(self) -> Iterator[Tokens | Finished]:
+        while True:
+            ev = self._q.get()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+    async def anext(self):
+        """The next event, awaited on the running loop without holding a thread."""
+        with self._lock:
+            if self._loop is None:
+                self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        while True:
+            try:
+                return self._q.get_nowait()
+            except queue.Empty:
+                pass
+            self._wake.clear()
+            if not self._q.empty():      # an event landed between get_nowait and clear
+                continue
+            await self._wake.wait()
+
+    async def aevents(self) -> AsyncIterator[Tokens | Finished]:
+        while True:
+            ev = await self.anext()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+
+# ----------------------------------------------------------------------------------------- interface
+class Engine(Protocol):
+    """What the server needs from an engine (see the module docstring)."""
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+
+    def check(self, request: Request) -> None: ...
+    def submit(self, request: Request) -> Handle: ...
+    def cancel(self, handle: Handle) -> None: ...
+    def stats(self) -> EngineStats: ...
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+class SimpleEngine:
+    """One request at a time through one-shot `generate` (batch of one) on a worker thread.
+
+    capacity: KV entries of the compiled program (fixed, so programs are keyed only by the prompt
+    bucket and the sampling mode); a request must satisfy prompt + max_tokens <= capacity - block.
+    eos_token_ids: the model's stop ids; a request adds its own stop_token_ids, ignore_eos drops these.
+    generate_fn: `dflash_jax.generate` or a stand-in with its signature (tests inject faults with it).
+    """
+
+    def __init__(self, target, draft, *, capacity: int = 4096, max_queue: int = 64,
+                 eos_token_ids: Sequence[int] = (), block_size: int | None = None,
+                 attention_impl: str = "auto", generate_fn: Callable[..., Any] | None = None):
+        from dflash_jax import decode
+
+        if not isinstance(capacity, int) or capacity < 2:
+            raise ValueError(f"capacity must be an integer >= 2 (KV-cache entries), got {capacity!r}")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.target, self.draft = target, draft
+        self.vocab_size = target.config.vocab_size
+        if draft is None:
+            self.block_size = 1
+        else:
+            self.block_size = draft.config.block_size if block_size is None else block_size
+        self.capacity = capacity
+        self.max_model_len = capacity - self.block_size
+        if self.max_model_len < 2:
+            raise ValueError(f"capacity {capacity} leaves no room next to a block of {self.block_size}")
+        self.max_queue = max_queue
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.attention_impl = attention_impl
+        self._generate = generate_fn or decode.generate
+        self._compile_count = decode.compile_count
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._cv = threading.Condition()
+        self._running: Handle | None = None
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
+        self._worker.start()
+
+    # interface ---------------------------------------------------------------------------------
+    def stop_ids(self, request: Request) -> list[int]:
+        eos = () if request.ignore_eos else self.eos_token_ids
+        return sorted(set(eos) | set(request.stop_token_ids))
+
+    def check(self, r: Request) -> None:
+        from dflash_jax import decode, sampling
+
+        n = len(r.prompt)
+        if n == 0:
+            raise RequestError("prompt", "is empty: a prompt needs at least one token")
+        if any(not decode._is_int(t) or not 0 <= t < self.vocab_size for t in r.prompt):
+            raise RequestError("prompt", f"has token ids outside the vocabulary [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise RequestError("prompt", f"{n} tokens, the model's context length is {self.max_model_len} "
+                                         f"(prompt + max_tokens); shorten the prompt")
+        if not decode._is_int(r.max_tokens) or r.max_tokens < 1:
+            raise RequestError("max_tokens", f"must be an integer >= 1, got {r.max_tokens!r}")
+        if n + r.max_tokens > self.max_model_len:
+            raise RequestError("max_tokens", f"{r.max_tokens} with a prompt of {n} tokens exceeds the context "
+                                             f"length {self.max_model_len}; at most {self.max_model_len - n}")
+        for field, check in (("temperature", lambda: sampling.validate(r.temperature, 1.0, 0)),
+                             ("top_p", lambda: sampling.validate(0.0, r.top_p, 0)),
+                             ("top_k", lambda: sampling.validate(0.0, 1.0, r.top_k))):
+            try:
+                check()
+            except ValueError as e:
+                raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
+        if not decode._is_int(r.seed):
+            raise RequestError("seed", f"must be an integer, got {r.seed!r}")
+        try:
+            decode._check_stop_ids(self.stop_ids(r), self.vocab_size)
+        except ValueError as e:
+            raise RequestError("stop_token_ids", _one_line(e)) from None
+
+    def submit(self, request: Request) -> Handle:
+        self.check(request)
+        h = Handle(request)
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine is shutting down")
+            if len(self._queue) >= self.max_queue and not (self._running is None and not self._queue):
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
+            self._queue.append(h)
+            self._cv.notify()
+        return h
+
+    def cancel(self, handle: Handle) -> None:
+        with self._cv:
+            handle.cancelled = True
+            try:
+                self._queue.remove(handle)
+            except ValueError:
+                pass
+        # The response ends now; a running generate stops at its next iteration (on_commit returns
+        # True) or, where generate does not stop early, runs out in the worker.
+        handle._finish("cancelled", self._stats_of(handle))
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            return EngineStats(queue_depth=len(self._queue), slots_busy=int(self._running is not None), slots=1,
+                               max_queue=self.max_queue, compiles=self._compile_count(), capacity=self.capacity,
+                               max_model_len=self.max_model_len)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Take no new requests; let queued and running ones finish, failing what is left after
+        `timeout` seconds (None: wait for all)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout)
+        with self._cv:
+            left = list(self._queue) + ([self._running] if self._running is not None else [])
+            self._queue.clear()
+        for h in left:
+            h._finish("error", self._stats_of(h), "the server shut down before the request finished")
+
+    # worker ------------------------------------------------------------------------------------
+    def _stats_of(self, h: Handle) -> RequestStats:
+        return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                h = self._queue.popleft()
+                self._running = h
+            try:
+                self._run(h)
+            except Exception as e:  # one request's fault fails that request only
+                h._finish("error", self._stats_of(h), _one_line(e))
+            finally:
+                with self._cv:
+                    self._running = None
+
+    def _run(self, h: Handle) -> None:
+        r = h.request
+        if h.cancelled:
+            return
+        stats = h._stats = RequestStats(prompt_tokens=len(r.prompt),
+                                        queued_s=time.perf_counter() - h.submitted_at)
+        stops = self.stop_ids(r)
+        stop_set = set(stops)
+        sent: list[int] = []
+        ended = [False]
+
+        def on_commit(rows) -> bool:
+            # Cut at the stop token and max_tokens the same way generate's result is cut.
+            if h.cancelled:
+                return True
+            if ended[0] or not rows:
+                return False
+            new = []
+            for t in rows[0]:
+                new.append(int(t))
+                if new[-1] in stop_set or len(sent) + len(new) >= r.max_tokens:
+                    ended[0] = True
+                    break
+            if new:
+                if stats.first_token_s is None:
+                    stats.first_token_s = time.perf_counter() - h.submitted_at
+                sent.extend(new)
+                h._push(Tokens(new))
+            return h.cancelled
+
+        res = self._generate(self.target, self.draft, [list(r.prompt)], max_new_tokens=r.max_tokens,
+                             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                             stop_token_ids=stops or None, block_size=self.block_size, seed=r.seed,
+                             attention_impl=self.attention_impl, capacity=self.capacity, on_commit=on_commit)
+        if h.cancelled:
+            return
+        final = [int(t) for t in res.tokens[0]]
+        stats.acceptance_lengths = [int(a) for a in res.acceptance_lengths[0]]
+        stats.iterations = len(stats.acceptance_lengths)
+        if final[:len(sent)] != sent:
+            h._finish("error", stats, "the streamed tokens differ from the generation's result")
+            return
+        if len(final) > len(sent):   # tokens the stream did not deliver (a generate without streaming)
+            if stats.first_token_s is None:
+                stats.first_token_s = time.perf_counter() - h.submitted_at
+            h._push(Tokens(final[len(sent):]))
+        reason = res.finish_reasons[0] if res.finish_reasons else "length"
+        h._finish("stop" if reason == "stop" else "length", stats)

@@ -1,0 +1,515 @@
+"""The OpenAI-compatible server (`dflash_jax.serve`) and the simple engine (`dflash_jax.engine`).
+
+Two servers, both in-process on 127.0.0.1 (uvicorn in a thread, a free port):
+- the real one: a tiny float32 Qwen3 target + DFlash draft + byte-level BPE tokenizer (tests/test_cli's),
+  SimpleEngine over `dflash_jax.generate`; every answer is checked token for token against one-shot
+  `generate` of the same prompt and settings. The oracle calls generate with a no-op on_commit and the
+  server's capacity, so it reuses the server's compiled program (one compile per prompt bucket and
+  sampling mode on this machine is the cost that matters); the engine, streaming, detokenisation, stop
+  handling and HTTP are what is under test. All prompts sit in one prompt bucket (33..64 tokens).
+- a stand-in engine (SimpleEngine with a fake generate_fn that emits one token per "iteration" and can
+  block, fail, or ignore on_commit's stop request) for the fault cases: queue full, one failing
+  request, client disconnect, cancel, shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from dflash_jax.decode import GenerateResult  # noqa: E402
+from dflash_jax.engine import (Finished, QueueFull, Request, SimpleEngine, Tokens)  # noqa: E402
+from dflash_jax.serve import build_app  # noqa: E402
+from tests.test_cli import IM_END, ENDOFTEXT, _write_draft, _write_target, write_tokenizer  # noqa: E402
+
+CAPACITY = 256
+NAME = "tiny"
+
+
+@contextlib.contextmanager
+def serving(app):
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", log_config=None))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        th.join(10)
+        sock.close()
+
+
+def client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def sse(url: str, path: str, body: dict) -> list:
+    """The raw SSE data lines of a streamed request ('[DONE]' kept as a string)."""
+    out = []
+    with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- real models
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import dflash_jax as dj
+    from transformers import AutoTokenizer, GenerationConfig
+
+    root = tmp_path_factory.mktemp("serve")
+    tp, dp = str(root / "target"), str(root / "draft")
+    _write_target(tp)
+    write_tokenizer(tp)
+    GenerationConfig(eos_token_id=[IM_END, ENDOFTEXT]).save_pretrained(tp)
+    _write_draft(dp, tp)
+    target = dj.load_target(tp, dtype="float32")
+    draft = dj.load_draft(dp, target=target, dtype="float32")
+    tok = AutoTokenizer.from_pretrained(tp)
+    return types.SimpleNamespace(target=target, draft=draft, tok=tok, eos=[IM_END, ENDOFTEXT])
+
+
+@pytest.fixture(scope="module")
+def real(tiny):
+    engine = SimpleEngine(tiny.target, tiny.draft, capacity=CAPACITY, max_queue=64, eos_token_ids=tiny.eos,
+                          attention_impl="xla")
+    app = build_app(engine, tiny.tok, model_name=NAME)
+    with serving(app) as url:
+        yield types.SimpleNamespace(url=url, engine=engine, **vars(tiny))
+    engine.shutdown(timeout=5)
+
+
+def oracle(m, ids, max_tokens, stop=None, **kw) -> list[int]:
+    import dflash_jax
+
+    stops = sorted(set(m.eos) | set(stop or []))
+    res = dflash_jax.generate(m.target, m.draft, [list(ids)], max_new_tokens=max_tokens, stop_token_ids=stops,
+                              capacity=CAPACITY, attention_impl="xla", on_commit=lambda rows: None, **kw)
+    return res.tokens[0]
+
+
+def text_of(m, tokens) -> str:
+    if tokens and tokens[-1] in m.eos:
+        tokens = tokens[:-1]
+    return m.tok.decode(tokens, skip_special_tokens=True)
+
+
+def prompt_ids(i: int, n: int) -> list[int]:
+    return [(7 * i + 3 * j + 11) % 300 for j in range(n)]
+
+
+PROMPT = "the quick brown fox jumps over the lazy dog and then"   # 33..64 tokens: the shared bucket
+
+
+def test_completion_matches_generate(real):
+    c = client(real.url)
+    ids = list(real.tok.encode(PROMPT))
+    assert 32 < len(ids) <= 64
+    want = oracle(real, ids, 24, temperature=0.0)
+    r = c.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                             extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    assert ch.token_ids == want
+    assert ch.text == text_of(real, want)
+    assert ch.finish_reason == ("stop" if want[-1] in real.eos else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want))
+    # token-id prompt: the same answer
+    r2 = c.completions.create(model=NAME, prompt=ids, max_tokens=24, temperature=0,
+                              extra_body={"return_token_ids": True})
+    assert r2.choices[0].token_ids == want
+
+
+def test_chat_matches_generate(real):
+    c = client(real.url)
+    msgs = [{"role": "user", "content": "why is the sky blue"}]
+    for thinking in (False, True):
+        text = real.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                            enable_thinking=thinking)
+        ids = list(real.tok.encode(text, add_special_tokens=False))
+        assert 32 < len(ids) <= 64
+        want = oracle(real, ids, 20, temperature=0.0)
+        r = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": thinking},
+                                                  "return_token_ids": True})
+        assert r.choices[0].token_ids == want
+        assert r.choices[0].message.content == text_of(real, want)
+        assert r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_matches_generate(real):
+    c = client(real.url)
+    ids = list(real.tok.encode(PROMPT + " over"))
+    want = oracle(real, ids, 30, temperature=0.0)
+    chunks = list(c.completions.create(model=NAME, prompt=ids, max_tokens=30, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text_of(real, want)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(want)
+    # raw SSE: token ids per chunk, OpenAI's chunk objects, the [DONE] terminator
+    lines = sse(real.url, "/v1/completions", dict(prompt=ids, max_tokens=30, temperature=0, stream=True,
+                                                  return_token_ids=True))
+    assert lines[-1] == "[DONE]"
+    assert all(l["object"] == "text_completion" for l in lines[:-1])
+    assert [t for l in lines[:-1] for t in l["choices"][0]["token_ids"]] == want
+    # chat streaming
+    msgs = [{"role": "user", "content": "why is the sky so blue"}]
+    text = real.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    want = oracle(real, real.tok.encode(text, add_special_tokens=False), 20, temperature=0.0)
+    chunks = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, temperature=0, stream=True,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text_of(real, want)
+
+
+def test_stop_strings_and_stop_ids(real):
+    c = client(real.url)
+    ids = prompt_ids(1, 40)
+    want = oracle(real, ids, 24, temperature=0.0)
+    full = text_of(real, want)
+    # a stop string from the middle of the greedy text: cut before it, for both paths
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    cut = full[:full.find(stop)]
+    r = c.completions.create(model=NAME, prompt=ids, max_tokens=24, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    streamed = list(c.completions.create(model=NAME, prompt=ids, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    # a stop token id: ends at its first occurrence, the token counted but not shown
+    sid = want[5]
+    first = want.index(sid)
+    r = c.completions.create(model=NAME, prompt=ids, max_tokens=24, temperature=0,
+                             extra_body={"stop_token_ids": [sid], "return_token_ids": True})
+    assert r.choices[0].token_ids == want[:first + 1] == oracle(real, ids, 24, stop=[sid], temperature=0.0)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == real.tok.decode(want[:first], skip_special_tokens=True)
+
+
+def test_models_health_metrics(real):
+    c = client(real.url)
+    assert [m.id for m in c.models.list().data] == [NAME]
+    assert httpx.get(real.url + "/health").json() == {"status": "ok"}
+    c.completions.create(model=NAME, prompt=prompt_ids(2, 40), max_tokens=8, temperature=0)
+    text = httpx.get(real.url + "/metrics").text
+    for name in ("dflash_time_to_first_token_seconds_bucket", "dflash_time_per_output_token_seconds_bucket",
+                 "dflash_acceptance_length_bucket", "dflash_generation_tokens_total", "dflash_tokens_per_second",
+                 "dflash_queue_depth", "dflash_slots_busy", "dflash_compiles"):
+        assert name in text, name
+    gen = [l for l in text.splitlines() if l.startswith("dflash_generation_tokens_total")]
+    assert float(gen[0].split()[-1]) >= 8
+    tau = [l for l in text.splitlines() if l.startswith("dflash_acceptance_length_count")]
+    assert float(tau[0].split()[-1]) >= 1
+
+
+def test_bad_requests_are_400_naming_the_field(real):
+    c = client(real.url)
+    cases = [
+        (dict(prompt="hi", temperature=-1), "temperature"),
+        (dict(prompt="hi", top_p=0), "top_p"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens"),
+        (dict(prompt="hi", max_tokens="many"), "max_tokens"),
+        (dict(prompt="hi", n=2), "n"),
+        (dict(prompt="hi", stop_token_ids=[10 ** 6]), "stop_token_ids"),
+        (dict(prompt=[10 ** 6]), "prompt"),
+        (dict(prompt=[]), "prompt"),
+        (dict(max_tokens=4), "prompt"),
+        (dict(prompt=[1] * CAPACITY), "prompt"),                 # longer than the capacity
+        (dict(prompt=[1, 2, 3], max_tokens=CAPACITY), "max_tokens"),
+    ]
+    for body, field in cases:
+        r = httpx.post(real.url + "/v1/completions", json={"model": NAME, **body})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"], (body, err)
+    r = httpx.post(real.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(real.url + "/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="other", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=NAME, prompt="hi", temperature=-0.5)
+    assert httpx.get(real.url + "/health").status_code == 200    # still up
+
+
+def test_load_50_requests_concurrency_8(real):
+    """Every response complete and equal to its one-shot output; nothing lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(prompt_ids(i, 33 + i % 32), 4 + (i * 5) % 21, i % 3 == 0) for i in range(50)]
+    want = [oracle(real, ids, n, temperature=0.0) for ids, n, _ in jobs]
+
+    def one(job):
+        ids, n, stream = job
+        body = dict(model=NAME, prompt=ids, max_tokens=n, temperature=0, return_token_ids=True, stream=stream)
+        if stream:
+            lines = sse(real.url, "/v1/completions", body)
+            assert lines[-1] == "[DONE]"
+            return [t for l in lines[:-1] for t in l["choices"][0].get("token_ids", [])]
+        r = httpx.post(real.url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, jobs))
+    assert got == want
+    st = real.engine.stats()
+    assert (st.queue_depth, st.slots_busy) == (0, 0)
+
+
+@pytest.mark.slow
+def test_sampling_with_seed_matches_generate(real):
+    c = client(real.url)
+    ids = prompt_ids(3, 40)
+    want = oracle(real, ids, 16, temperature=0.9, seed=1234)
+    r = c.completions.create(model=NAME, prompt=ids, max_tokens=16, temperature=0.9, seed=1234,
+                             extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == want
+
+
+# ----------------------------------------------------------------------------------------- stand-in engine
+class FakeGenerate:
+    """generate() stand-in: token i of a prompt is (sum(prompt) + i) % 200, one per iteration, `delay`
+    seconds each; prompt[0] == 199 raises mid-way; `gate` (an Event) holds the first iteration;
+    honour=False ignores on_commit's stop request (a generate that only stops at its end)."""
+
+    def __init__(self, delay=0.0, honour=True):
+        self.delay, self.honour = delay, honour
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls = 0
+
+    def __call__(self, target, draft, prompts, *, max_new_tokens, on_commit, stop_token_ids, **kw):
+        self.calls += 1
+        p = prompts[0]
+        toks = []
+        self.gate.wait(30)
+        for i in range(max_new_tokens):
+            if p[0] == 199 and i == 2:
+                raise RuntimeError("injected fault")
+            t = (sum(p) + i) % 200
+            toks.append(t)
+            stop = on_commit([[t]])
+            if stop and self.honour or t in (stop_token_ids or []):
+                break
+            time.sleep(self.delay)
+        return GenerateResult(tokens=[toks], acceptance_lengths=[[1] * (len(toks) - 1)], block_size=1,
+                              num_iterations=len(toks), compile_time_s=0.0, run_time_s=0.0,
+                              finish_reasons=["stop" if toks[-1] in (stop_token_ids or []) else "length"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return write_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def fake_engine(gen, max_queue=8):
+    target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=320))
+    return SimpleEngine(target, None, capacity=512, max_queue=max_queue, eos_token_ids=[IM_END], generate_fn=gen)
+
+
+def expected(p, n):
+    return [(sum(p) + i) % 200 for i in range(n)]
+
+
+def test_engine_interface_events_and_stop_ids():
+    eng = fake_engine(FakeGenerate())
+    h = eng.submit(Request(prompt=(1, 2, 3), max_tokens=5))
+    evs = list(h.events())
+    assert all(isinstance(e, Tokens) for e in evs[:-1]) and isinstance(evs[-1], Finished)
+    assert [t for e in evs[:-1] for t in e.ids] == evs[-1].tokens == expected((1, 2, 3), 5)
+    assert evs[-1].finish_reason == "length" and evs[-1].stats.completion_tokens == 5
+    assert eng.stop_ids(Request(prompt=(1,), stop_token_ids=(5,))) == [5, IM_END]
+    assert eng.stop_ids(Request(prompt=(1,), stop_token_ids=(5,), ignore_eos=True)) == [5]
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("honour", [True, False], ids=["generate-stops", "generate-runs-out"])
+def test_disconnect_mid_stream_frees_the_slot(tokenizer, honour):
+    gen = FakeGenerate(delay=0.02, honour=honour)
+    eng = fake_engine(gen)
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json=dict(prompt=[1, 2, 3], max_tokens=100, stream=True)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break                                  # one chunk, then hang up
+        t0 = time.time()
+        while eng.stats().slots_busy and time.time() - t0 < 10:
+            time.sleep(0.02)
+        assert eng.stats().slots_busy == 0
+        if honour:
+            assert time.time() - t0 < 1.5                # stopped at the next iteration, not after 100
+        # the server takes the next request and answers it in full
+        r = httpx.post(url + "/v1/completions", json=dict(prompt=[4, 5], max_tokens=3, return_token_ids=True))
+        assert r.json()["choices"][0]["token_ids"] == expected([4, 5], 3)
+    eng.shutdown()
+
+
+def test_cancel_ends_the_response_and_frees_the_slot():
+    for honour in (True, False):
+        eng = fake_engine(FakeGenerate(delay=0.01, honour=honour))
+        h = eng.submit(Request(prompt=(1, 2), max_tokens=200))
+        assert isinstance(h.next(timeout=10), Tokens)
+        eng.cancel(h)
+        evs = list(h.events())
+        assert evs[-1].finish_reason == "cancelled"
+        t0 = time.time()
+        while eng.stats().slots_busy and time.time() - t0 < 10:
+            time.sleep(0.01)
+        assert eng.stats().slots_busy == 0
+        eng.shutdown()
+
+
+def test_full_queue_is_503_with_retry_after(tokenizer):
+    gen = FakeGenerate()
+    gen.gate.clear()                                       # the running request holds the slot
+    eng = fake_engine(gen, max_queue=1)
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(
+            httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2), timeout=30)))
+            for _ in range(2)]
+        for th in threads:
+            th.start()
+            time.sleep(0.3)                                # one running, one queued
+        assert eng.stats().slots_busy == 1 and eng.stats().queue_depth == 1
+        r = httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "service_unavailable"
+        gen.gate.set()
+        for th in threads:
+            th.join(30)
+        assert [x.status_code for x in results] == [200, 200]
+    eng.shutdown()
+    with pytest.raises(QueueFull):
+        e2 = fake_engine(FakeGenerate(), max_queue=0)
+        e2._running = object()                             # busy, and no room to wait
+        e2.submit(Request(prompt=(1,), max_tokens=1))
+
+
+def test_a_failing_request_fails_alone(tokenizer):
+    eng = fake_engine(FakeGenerate())
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+        r = httpx.post(url + "/v1/completions", json=dict(prompt=[199, 1], max_tokens=8))
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        lines = sse(url, "/v1/completions", dict(prompt=[199, 1], max_tokens=8, stream=True))
+        assert "error" in lines[-2] and lines[-1] == "[DONE]"
+        r = httpx.post(url + "/v1/completions", json=dict(prompt=[3], max_tokens=4, return_token_ids=True))
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected([3], 4)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'dflash_requests_total{finish_reason="error"} 2.0' in metrics
+    eng.shutdown()
+
+
+def test_shutdown_finishes_running_and_refuses_new():
+    gen = FakeGenerate(delay=0.01)
+    eng = fake_engine(gen)
+    hs = [eng.submit(Request(prompt=(i + 1,), max_tokens=10)) for i in range(3)]
+    eng.shutdown(timeout=30)
+    assert [list(h.events())[-1].finish_reason for h in hs] == ["length"] * 3
+    from dflash_jax.engine import EngineClosed
+    with pytest.raises(EngineClosed):
+        eng.submit(Request(prompt=(1,), max_tokens=1))
+    # with no time left, what has not finished fails
+    gen = FakeGenerate(delay=0.05)
+    eng = fake_engine(gen)
+    hs = [eng.submit(Request(prompt=(i + 1,), max_tokens=50)) for i in range(2)]
+    eng.shutdown(timeout=0.1)
+    assert [list(h.events())[-1].finish_reason for h in hs] == ["error", "error"]
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_in_flight_and_exits(tmp_path):
+    """`python -m dflash_jax.serve` in a subprocess: SIGTERM during a streamed request lets it finish,
+    then the process exits 0."""
+    import signal
+
+    tp, dp = str(tmp_path / "target"), str(tmp_path / "draft")
+    _write_target(tp)
+    write_tokenizer(tp)
+    _write_draft(dp, tp)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", "--model", tp, "--draft", dp, "--dtype",
+                             "float32", "--port", str(port), "--capacity", "256"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        got = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json=dict(prompt=[5, 6, 7], max_tokens=40, temperature=0, stream=True,
+                                    ignore_eos=True, return_token_ids=True)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got.append(line)
+                    if len(got) == 1:
+                        proc.send_signal(signal.SIGTERM)
+        assert got[-1] == "data: [DONE]"
+        assert sum(len(json.loads(l[6:])["choices"][0]["token_ids"]) for l in got[:-1]) == 40
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        print(proc.stdout.read())
+
+
+def test_draining_answers_503(tokenizer):
+
+    eng = fake_engine(FakeGenerate())
+    app = build_app(eng, tokenizer, model_name=NAME)
+    with serving(app) as url:
+        app.state.draining = True
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/completions", json=dict(prompt=[1], max_tokens=1))
+        assert r.status_code == 503
+    eng.shutdown()
+
+
+def test_cli_refuses_bad_flags(capsys, monkeypatch):
+    from dflash_jax import serve
+
+    monkeypatch.setattr(serve, "_default_pair", lambda: None)  # as a package that ships no pair
+    for argv, msg in ((["--port", "8001"], "give --model"), (["--random-init", "qwen3-0.6b", "--slots", "4"], "--slots"),
+                      (["--random-init", "qwen3-0.6b", "--port", "0"], "--port")):
+        with pytest.raises(SystemExit) as e:
+            serve.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
