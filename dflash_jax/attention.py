@@ -53,9 +53,8 @@ def fused_prologue(impl: str, T: int, head_dim: int) -> bool:
 
 def fused_draft(impl: str, T: int) -> bool:
     """Whether the draft's layers take the fused path too (their prologue with the context rows,
-    residuals deferred into the next norm). DFLASH_FUSED_KERNELS=target keeps the fused kernels to
-    the target's layers (the draft as before call 35, for A/B runs)."""
-    return _fused_ok(impl, T) and os.environ.get("DFLASH_FUSED_KERNELS", "1") != "target"
+    residuals deferred into the next norm)."""
+    return _fused_ok(impl, T)
 
 
 def fused_add_norm(impl: str, T: int, hidden: int) -> bool:
@@ -63,46 +62,6 @@ def fused_add_norm(impl: str, T: int, hidden: int) -> bool:
     (pallas_kernels.gpu.add_rmsnorm); same conditions and switch as fused_prologue."""
     from pallas_kernels import gpu
     return _fused_ok(impl, T) and gpu.add_rmsnorm_supported(hidden)
-
-LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
-
-
-def linear_projections() -> frozenset:
-    """Which projections DFLASH_FUSED_LINEAR puts on pallas_kernels.gpu_linear kernels: "0" (the
-    default) none, "1" all, or a comma list of LINEAR_NAMES. Off by default: on the H200 XLA's
-    GEMMs already stream the weights at copy bandwidth, and our kernels measured 2-5% slower per
-    iteration end to end (BENCHMARKS.md, calls 12-15). Read at trace time."""
-    spec = os.environ.get("DFLASH_FUSED_LINEAR", "0").strip()
-    if spec in ("", "0"):
-        return frozenset()
-    if spec == "1":
-        return frozenset(LINEAR_NAMES)
-    names = frozenset(x.strip() for x in spec.split(",") if x.strip())
-    if names - set(LINEAR_NAMES):
-        raise ValueError(f"DFLASH_FUSED_LINEAR={spec!r}: expected 0, 1 or names from {LINEAR_NAMES}")
-    return names
-
-
-def fused_linear(impl: str, x, w, *, swiglu: bool = False, name: str | None = None) -> bool:
-    """Whether x [B, T, K] @ w [K, N] (projection `name`) runs as a pallas_kernels.gpu_linear
-    kernel (with the SwiGLU of gate/up fused in): DFLASH_FUSED_LINEAR selects it (see
-    linear_projections), on the GPU path, for B * T <= gpu_linear.MAX_ROWS rows (decode, verify,
-    the draft block). swiglu: w is [gate | up]. name None: any selected projection."""
-    chosen = linear_projections()
-    if not chosen or (name is not None and name not in chosen) or not _fused_ok(impl, x.shape[1]):
-        return False
-    from pallas_kernels import gpu_linear
-    return w.dtype == x.dtype and gpu_linear.supported(x.shape[0] * x.shape[1], w.shape[0],
-                                                       w.shape[1], w.dtype, swiglu=swiglu)
-
-
-def linear_prologue() -> bool:
-    """DFLASH_LINEAR_PROLOGUE=1: the residual add and RMSNorm run inside the projection kernel
-    (gpu_linear's residual/norm_weight) instead of add_norm's kernel before it. Off by default:
-    measured 2-3x slower on the H200 (BENCHMARKS.md, calls 12-13), the elementwise work on the
-    activation tile costing Triton its pipelining. Applies to the projections DFLASH_FUSED_LINEAR
-    selects. Read at trace time."""
-    return os.environ.get("DFLASH_LINEAR_PROLOGUE", "0") == "1"
 
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")

@@ -13,8 +13,7 @@ threshold key", and the threshold is found digit by digit (4 bits per pass, 16 c
 pass, each pass one fused reduction over the vocabulary): 8 passes for the score bits, 5 for the
 index among tied scores. A full sort of 16 x 151,936 scores measured +12% per DFlash iteration on
 the H200; a 64-candidate lax.top_k was no better (+10%), XLA:GPU sorts for it too. On the GPU path
-each pass is one Pallas kernel (pallas_kernels.gpu.count_pass, ~12 us against XLA's ~14.6 us a
-pass); elsewhere, and with DFLASH_SAMPLING_KERNEL=0, XLA reductions. Both find the same keys.
+each pass is one Pallas kernel (pallas_kernels.gpu.count_pass); elsewhere, and with DFLASH_SAMPLING_KERNEL=0, XLA reductions. Both find the same keys.
 With top-k on the GPU path, the 8 score passes of top-k are followed by one gather of every token at
 or above the threshold score (pallas_kernels.gpu.gather_above, <= GATHER_MAX per row), and the tie
 cut and the top-p cut run on those (`_gathered_cut`) instead of 18 more passes (+3.4% per iteration
@@ -109,13 +108,6 @@ def search_kernel(impl: str) -> bool:
             and os.environ.get("DFLASH_SAMPLING_KERNEL", "1") != "0")
 
 
-def fast_search(impl: str) -> bool:
-    """The GPU search kernel's shortcut (`search_kernel` paths): top-k candidates gathered
-    (pallas_kernels.gpu.gather_above) for the tie and top-p cuts. DFLASH_SAMPLING_FAST=0 (read at
-    trace time) runs every search in full, as before (an on-device A/B)."""
-    return search_kernel(impl) and os.environ.get("DFLASH_SAMPLING_FAST", "1") != "0"
-
-
 def _signed(u):
     """uint32 -> int32 with the same order (the kernel compares signed integers)."""
     return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
@@ -205,11 +197,12 @@ def _gathered_cut(gk, gi, n, top_k, top_p, mode: str):
     return jnp.take_along_axis(sk, last, axis=1)[:, 0], jnp.take_along_axis(si, last, axis=1)[:, 0]
 
 
-def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla"):
+def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla", fast: bool = True):
     """Which tokens survive top-k then top-p (over the top-k renormalised distribution), cut by
     rank as the reference does. scores [N, V] float32. Returns [N, V] bool. mode "topk" skips the
     top-p search (top_p must be 1), "topp" the top-k search (top_k must be 0). impl: the attention
-    path (resolved); the GPU paths run the search's passes as a Pallas kernel (`search_kernel`)."""
+    path (resolved); the GPU paths run the search's passes as a Pallas kernel (`search_kernel`) and,
+    with `fast` (tests turn it off to compare), gather top-k's candidates for the tie and top-p cuts."""
     N, V = scores.shape
     if V >= 1 << _INDEX_BITS:
         raise ValueError(f"vocabulary of {V} tokens: top-k/top-p support up to {(1 << _INDEX_BITS) - 1}")
@@ -219,7 +212,7 @@ def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla"):
     if mode != "topp":
         k = jnp.broadcast_to(jnp.asarray(top_k, jnp.float32), (N,))
         k = jnp.where(k > 0, k, float(V))                                  # top_k <= 0: off
-        if fast_search(impl):
+        if search_kernel(impl) and fast:
             # Fast path: the top-k score threshold (8 passes), then its candidates gathered; the
             # tie cut and the top-p cut on those. A row with more than GATHER_MAX candidates
             # (top_k > GATHER_MAX, or a wide tie) sends the whole batch down the full searches.

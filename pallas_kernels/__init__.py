@@ -9,11 +9,6 @@ impl:
   "tpu"   Pallas Mosaic TPU kernel (pallas_kernels/tpu.py). Also what an ahead-of-time TPU compile
           from a CPU host must ask for, since the default backend there is "cpu".
   "gpu"   Pallas Triton kernel (pallas_kernels/gpu.py); likewise for a CUDA export from a CPU host.
-          With DFLASH_GPU_ATTN_KERNEL=mosaic in the environment (read at trace time), short blocks
-          (T <= 64: verify, draft) over caches of >= gpu_mosaic.MIN_CAPACITY keys, of the shapes
-          gpu_mosaic takes (64-row tiles, bf16/f16), go to the Mosaic GPU kernel.
-  "gpu_mosaic"  Pallas Mosaic GPU kernel (pallas_kernels/gpu_mosaic.py, Hopper+); other shapes
-          fall back to "gpu".
   "xla"   the reference in plain jnp, with the queries chunked when T*C is large (prefill).
 A shape a kernel cannot tile (head_dim 96, capacity not a multiple of 128, ...) falls back to "xla".
 """
@@ -21,7 +16,6 @@ A shape a kernel cannot tile (head_dim 96, capacity not a multiple of 128, ...) 
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +27,7 @@ from pallas_kernels.tpu import Unsupported, check_shapes
 __all__ = ["block_attention", "reference_block_attention", "xla_block_attention", "IMPLS",
            "Unsupported"]
 
-IMPLS = ("auto", "tpu", "gpu", "gpu_mosaic", "xla")
+IMPLS = ("auto", "tpu", "gpu", "xla")
 _log = logging.getLogger(__name__)
 
 # Score elements (f32) one query chunk of the XLA path may materialise: 2**26 = 256 MiB.
@@ -100,15 +94,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
                 interpret = pltpu.InterpretParams()
             return tpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
                                        interpret=interpret, **tuning)
-        if impl == "gpu" and os.environ.get("DFLASH_GPU_ATTN_KERNEL", "") == "mosaic" and not interpret:
-            from pallas_kernels import gpu_mosaic
-            if q.shape[1] <= 64 and k_cache.shape[2] >= gpu_mosaic.MIN_CAPACITY:
-                impl = "gpu_mosaic"
-        if impl == "gpu_mosaic":
-            from pallas_kernels import gpu_mosaic
-            if gpu_mosaic.supports(q, k_cache) is None:
-                return gpu_mosaic.block_attention(q, k_cache, v_cache, k_end, scale=scale, **tuning)
-            impl = "gpu"
         if impl == "gpu":
             from pallas_kernels import gpu
             return gpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,

@@ -42,9 +42,9 @@ with warnings.catch_warnings():
     from jax.experimental.pallas import triton as pltriton
 
 _MASK = -1e30
-# The online softmax runs in base 2 (config exp2=1): scores are scaled by scale * log2(e) and
-# exponentiated with exp2 (libdevice's exp2f, the hardware's ex2); jnp.exp lowers to libdevice's
-# accurate expf (several instructions per element, on the per-tile critical path). exp2=0 keeps exp.
+# The online softmax runs in base 2: scores are scaled by scale * log2(e) and exponentiated with
+# exp2 (libdevice's exp2f, the hardware's ex2); jnp.exp lowers to libdevice's accurate expf
+# (several instructions per element, on the per-tile critical path).
 _LOG2E = math.log2(math.e)
 _HEAD_DIMS = (64, 128, 256)
 H200_SMS = 132
@@ -157,13 +157,13 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     # call 28 saw no difference in the prompt-512 loop.
     big = B * T * Hkv * G * D // (MERGE_ROWS * MERGE_COLS) >= n_sms     # 16 x 64 tiles fill the GPU
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
-                num_stages=3, min_chunk=min_chunk, one_loop=0, exp2=1,
+                num_stages=3, min_chunk=min_chunk,
                 merge_kernel=int(kv_splits > 1 and C >= SPLIT_MIN_CAPACITY),
                 merge_rows=MERGE_ROWS if big else 4, merge_cols=MERGE_COLS if big else 32)
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int, one_loop: bool, exp2: bool = True):
+            min_chunk: int, decode_rows: int, G: int):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -210,8 +210,8 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     n_full = jnp.clip((lo - start) // block_k, 0, n_iter)
 
     prec = _precision(q.dtype)
-    base = _LOG2E if exp2 else 1.0
-    scale2, exp = scale * base, jnp.exp2 if exp2 else jnp.exp
+    base = _LOG2E
+    scale2, exp = scale * base, jnp.exp2
     cols = lax.broadcasted_iota(jnp.int32, (R, block_k), 1)
 
     def make_body(masked: bool):
@@ -241,13 +241,8 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     acc0 = jnp.zeros((R, D), jnp.float32)
     m0 = jnp.full((R,), _MASK, jnp.float32)
     l0 = jnp.zeros((R,), jnp.float32)
-    if one_loop:
-        # Every tile masked, one software pipeline: a short context (B=1, 512 keys) pays the
-        # pipeline's fill once instead of once per loop.
-        acc, m, l = lax.fori_loop(0, n_iter, make_body(True), (acc0, m0, l0))
-    else:
-        carry = lax.fori_loop(0, n_full, make_body(False), (acc0, m0, l0))
-        acc, m, l = lax.fori_loop(n_full, n_iter, make_body(True), carry)
+    carry = lax.fori_loop(0, n_full, make_body(False), (acc0, m0, l0))
+    acc, m, l = lax.fori_loop(n_full, n_iter, make_body(True), carry)
     l = jnp.where(live, l, 0.0)
     o = jnp.where(live[:, None], acc, 0.0) / jnp.where(l > 0, l, 1.0)[:, None]
     lse = jnp.where(l > 0, m / base + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
@@ -369,17 +364,17 @@ def env_settings(var: str, allowed: tuple) -> dict:
 def _env_overrides() -> dict:
     """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
     return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
-                                            "num_stages", "min_chunk", "one_loop", "merge_kernel",
-                                            "merge_rows", "merge_cols", "exp2"))
+                                            "num_stages", "min_chunk", "merge_kernel",
+                                            "merge_rows", "merge_cols"))
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,
                     block_t: int | None = None, block_k: int | None = None,
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
-                    one_loop: bool | None = None, merge_kernel: bool | None = None,
+                    merge_kernel: bool | None = None,
                     merge_rows: int | None = None, merge_cols: int | None = None,
-                    exp2: bool | None = None, n_sms: int = H200_SMS):
+                    n_sms: int = H200_SMS):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
     merge_kernel: split partials merged by `merge_splits` (a Pallas kernel) instead of XLA's fusion
@@ -402,8 +397,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               jnp.pad(k_end, ((0, 0), (0, Tp - T))), scale=scale,
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
-                              one_loop=one_loop, merge_kernel=merge_kernel, merge_rows=merge_rows,
-                              merge_cols=merge_cols, exp2=exp2, n_sms=n_sms)
+                              merge_kernel=merge_kernel, merge_rows=merge_rows,
+                              merge_cols=merge_cols, n_sms=n_sms)
         return out[:, :T]
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
     cfg.update(_env_overrides())
@@ -411,9 +406,9 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
     for name, val in dict(block_k=block_k, kv_splits=kv_splits, num_warps=num_warps,
-                          num_stages=num_stages, min_chunk=min_chunk, one_loop=one_loop,
+                          num_stages=num_stages, min_chunk=min_chunk,
                           merge_kernel=merge_kernel, merge_rows=merge_rows,
-                          merge_cols=merge_cols, exp2=exp2).items():
+                          merge_cols=merge_cols).items():
         if val is not None:
             cfg[name] = val
     bt, bk, n_split = cfg["block_t"], cfg["block_k"], cfg["kv_splits"]
@@ -463,8 +458,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                          pl.BlockSpec((None, None, bt, None, G), lambda b, h, i, s: (s, b, i, h, 0))]
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
-                               min_chunk=min_chunk, decode_rows=decode_rows, G=G,
-                               one_loop=bool(cfg["one_loop"]), exp2=bool(cfg["exp2"]))
+                               min_chunk=min_chunk, decode_rows=decode_rows, G=G)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(

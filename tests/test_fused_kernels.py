@@ -2,7 +2,7 @@
 interpreter, and their lowering for CUDA:
 - the attention prologue (q/k RMSNorm, RoPE, in-place cache writes in one Pallas Triton kernel);
 - the residual add + post-attention RMSNorm;
-- the skinny projections with the residual add, RMSNorm and SwiGLU fused in (gpu_linear)."""
+- the sampling search's count and gather kernels."""
 
 from __future__ import annotations
 
@@ -136,119 +136,26 @@ def test_add_rmsnorm_lowers_for_cuda():
     assert "dflash_add_rmsnorm" in exp.mlir_module()
 
 
-def _linear_case(B, T, K, N, dtype, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    x = (jax.random.normal(ks[0], (B, T, K)) * 3).astype(dtype)
-    res = jax.random.normal(ks[1], (B, T, K)).astype(dtype)
-    w = (jax.random.normal(ks[2], (K, N)) * K ** -0.5).astype(dtype)
-    norm_w = jax.random.uniform(ks[3], (K,), minval=0.5, maxval=1.5).astype(dtype)
-    return x, res, w, norm_w
-
-
-@pytest.mark.parametrize("B,T,K,N,dtype,config", [
-    (1, 1, 256, 384, jnp.float32, {}),                          # plain decode: 1 row in a 16-row tile
-    (2, 5, 512, 256, jnp.float32, dict(block_k=128, block_n=16)),  # odd rows, several k-steps
-    (1, 16, 512, 512, jnp.bfloat16, dict(block_k=64)),         # verify block, bf16
-    (4, 16, 256, 128, jnp.bfloat16, {}),                        # 64 rows: the largest fused block
-])
-def test_fused_linear_matches_the_layer_ops(B, T, K, N, dtype, config):
-    """Each fused form against the layer's XLA ops: x @ w; (x + r, RMSNorm(x + r) @ w); the MLP's
-    (x + r, silu(g) * u) with the norm; RMSNorm(x) @ w without a residual."""
-    from dflash_jax.modeling.layers import RMSNorm
-    from pallas_kernels.gpu_linear import fused_linear
-    x, res, w, norm_w = _linear_case(B, T, K, N, dtype)
-    norm = RMSNorm(K, 1e-6, dtype)
-    norm.weight[...] = norm_w
-    hi = jax.lax.Precision.HIGHEST
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == jnp.float32 else dict(atol=3e-2, rtol=3e-2)
-    f32 = lambda a: np.asarray(a, np.float32)
-    run = lambda *a, **k: fused_linear(*a, interpret=True, **config, **k)
-
-    np.testing.assert_allclose(f32(run(x, w)), f32(jnp.dot(x, w, precision=hi)), **tol)
-    np.testing.assert_allclose(f32(run(x, w, norm_weight=norm_w, eps=norm.eps)),
-                               f32(jnp.dot(norm(x), w, precision=hi)), **tol)
-    s, y = run(x, w, residual=res, norm_weight=norm_w, eps=norm.eps)
-    np.testing.assert_array_equal(f32(s), f32(x + res))
-    np.testing.assert_allclose(f32(y), f32(jnp.dot(norm(x + res), w, precision=hi)), **tol)
-    s, y = run(x, w, residual=res, norm_weight=norm_w, eps=norm.eps, swiglu=True)
-    gate, up = jnp.split(jnp.dot(norm(x + res), w, precision=hi), 2, axis=-1)
-    np.testing.assert_array_equal(f32(s), f32(x + res))
-    assert y.shape == (B, T, N // 2) and y.dtype == dtype
-    np.testing.assert_allclose(f32(y), f32(jax.nn.silu(gate) * up), **tol)
-
-
-def test_fused_linear_rejects_what_it_cannot_tile():
-    from pallas_kernels.gpu_linear import fused_linear
-    from pallas_kernels.tpu import Unsupported
-    x, res, w, _ = _linear_case(1, 16, 256, 128, jnp.float32)
-    with pytest.raises(Unsupported):
-        fused_linear(jnp.ones((5, 16, 256)), w)             # 80 rows: XLA's GEMM takes those
-    with pytest.raises(Unsupported):
-        fused_linear(x, w[:, :120])                          # 120 columns do not tile
-    with pytest.raises(Unsupported):
-        fused_linear(x, w.astype(jnp.bfloat16))              # mixed dtypes
-
-
-def test_fused_linear_lowers_for_cuda():
-    """The four projections of a Qwen3-8B layer at a verify block lower to Triton kernels."""
-    from jax import export
-    from pallas_kernels.gpu_linear import fused_linear
-    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-
-    def layer(x, d, ln, wqkv, wo, ln2, wgu, wd):
-        x, qkv = fused_linear(x, wqkv, residual=d, norm_weight=ln)
-        x, act = fused_linear(x, wgu, residual=fused_linear(qkv[..., :4096], wo), norm_weight=ln2,
-                              swiglu=True)
-        return x, fused_linear(act, wd)
-    exp = export.export(jax.jit(layer), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        S((1, 16, 4096), bf), S((1, 16, 4096), bf), S((4096,), bf), S((4096, 6144), bf),
-        S((4096, 4096), bf), S((4096,), bf), S((4096, 24576), bf), S((12288, 4096), bf))
-    mlir = exp.mlir_module()
-    for name in ('"dflash_linear_norm"', '"dflash_linear_norm_swiglu"', '"dflash_linear"'):
-        assert name in mlir, name
-
-
 def test_fused_dispatch(monkeypatch):
-    from dflash_jax.attention import fused_add_norm, fused_draft, fused_linear, fused_prologue
+    from dflash_jax.attention import fused_add_norm, fused_draft, fused_prologue
     assert not fused_prologue("xla", 16, 128) and not fused_prologue("pallas_tpu", 16, 128)
     assert fused_prologue("pallas_gpu", 16, 128) and fused_prologue("pallas_gpu", 1, 128)
     assert not fused_prologue("pallas_gpu", 512, 128) and not fused_prologue("pallas_gpu", 16, 96)
     assert fused_add_norm("pallas_gpu", 16, 4096) and not fused_add_norm("pallas_gpu", 16, 2560)
     assert not fused_add_norm("xla", 1, 4096) and not fused_add_norm("pallas_gpu", 512, 4096)
-    x, w = jnp.zeros((1, 16, 4096), jnp.bfloat16), jnp.zeros((4096, 6144), jnp.bfloat16)
-    assert not fused_linear("pallas_gpu", x, w)                       # off by default
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "gate_up,o")
-    assert fused_linear("pallas_gpu", x, w, swiglu=True, name="gate_up")
-    assert fused_linear("pallas_gpu", x, w) and not fused_linear("pallas_gpu", x, w, name="qkv")
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "gate,o")
-    with pytest.raises(ValueError, match="DFLASH_FUSED_LINEAR"):
-        fused_linear("pallas_gpu", x, w)
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
-    assert fused_linear("pallas_gpu", x, w) and fused_linear("pallas_gpu", x[:, :1], w)
-    assert fused_linear("pallas_gpu", x, w, swiglu=True) and not fused_linear("xla", x, w)
-    assert not fused_linear("pallas_gpu", jnp.zeros((8, 16, 4096), jnp.bfloat16), w)  # 128 rows
-    assert not fused_linear("pallas_gpu", x, w.astype(jnp.float32))
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "0")
-    assert not fused_linear("pallas_gpu", x, w) and fused_add_norm("pallas_gpu", 16, 4096)
     monkeypatch.setenv("DFLASH_FUSED_KERNELS", "0")
     assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
     assert not fused_draft("pallas_gpu", 16)
-    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "target")     # the target's layers only
-    assert fused_prologue("pallas_gpu", 16, 128) and not fused_draft("pallas_gpu", 16)
     monkeypatch.setenv("DFLASH_FUSED_KERNELS", "1")
     assert fused_draft("pallas_gpu", 16) and not fused_draft("xla", 16)
 
 
-@pytest.mark.parametrize("linear", ["0", "1"])
-def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
+def test_gpu_path_forward_and_loop_match_xla():
     """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
-    residuals deferred across layers into the next norm; with linear "1" every projection a
-    gpu_linear kernel) against the XLA path: the target's verify and decode forwards (hidden
+    residuals deferred across layers into the next norm) against the XLA path: the target's verify and decode forwards (hidden
     states, taps, caches), the draft's pass (its prologue with the context rows, deferred
     residuals: hidden states, caches) and a speculative generation's tokens."""
     from dflash_jax import DraftConfig, generate, init_draft, init_target
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", linear)
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=64)   # every GPU kernel supports these shapes
     target = init_target(cfg, seed=3, dtype="float32")
@@ -289,26 +196,6 @@ def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     want = generate(target, draft, prompts, attention_impl="xla", **kw).tokens
     got = generate(target, draft, prompts, attention_impl="pallas_gpu_interpret", **kw).tokens
     assert got == want
-
-
-def test_gpu_path_with_the_linear_prologue_matches_xla(monkeypatch):
-    """DFLASH_LINEAR_PROLOGUE=1 (add + norm inside the projection kernels): the verify forward
-    still gives the XLA path's hidden states and caches."""
-    from dflash_jax import init_target
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
-    monkeypatch.setenv("DFLASH_LINEAR_PROLOGUE", "1")
-    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=64)
-    target = init_target(cfg, seed=5, dtype="float32")
-    B, T, C = 1, 16, 64
-    toks = jax.random.randint(jax.random.key(1), (B, T), 0, 128)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    outs = [target(toks, pos, target.new_cache(B, C), pos + 1, taps=(0,), attention_impl=impl)
-            for impl in ("xla", "pallas_gpu_interpret")]
-    (h0, f0, c0), (h1, f1, c1) = outs
-    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(c1.k[1]), np.asarray(c0.k[1]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("N,V,bits,shared,weighted", [(3, 300, 32, False, False), (2, 5000, 32, False, True),
@@ -397,7 +284,7 @@ def test_sampling_gather_kernel_lowers_for_cuda():
     assert "dflash_sampling_gather" in exp.mlir_module()
 
 
-def test_sampling_fast_path_matches_the_full_searches(monkeypatch):
+def test_sampling_fast_path_matches_the_full_searches():
     """The GPU path's shortcut (top-k candidates gathered, then the tie and top-p cuts on them)
     keeps exactly the tokens the full searches keep: top-k
     alone and with top-p, ties inside and across the cut, a row whose tie overflows the gather
@@ -415,9 +302,7 @@ def test_sampling_fast_path_matches_the_full_searches(monkeypatch):
         for top_k, top_p in settings:
             mode = sampling.mode_for(1.0, top_p, top_k)
             args = (jnp.asarray(lg), jnp.int32(top_k), jnp.float32(top_p), mode)
-            monkeypatch.setenv("DFLASH_SAMPLING_FAST", "0")
-            want = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret"))
-            monkeypatch.delenv("DFLASH_SAMPLING_FAST")
+            want = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret", fast=False))
             got = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret"))
             np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
             np.testing.assert_array_equal(want, np.asarray(sampling._keep_mask(*args, "xla")))

@@ -130,19 +130,16 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel,exp2", [(2, False, False, True), (5, False, False, True),
-                                                                 (3, True, False, True), (5, False, True, True),
-                                                                 (5, False, True, False), (1, False, False, False)])
+@pytest.mark.parametrize("kv_splits,merge_kernel", [(2, False), (5, False), (3, False), (5, True), (1, False)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, exp2, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, merge_kernel, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    the one-loop variant (every tile masked) and the merge as a Pallas kernel on the same rows; the
-    softmax in base e (exp2=False, the A/B setting) as well as the default base 2."""
+    the merge as XLA's fusion and as a Pallas kernel on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel, exp2=exp2)
+                              min_chunk=32, merge_kernel=merge_kernel)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
@@ -374,67 +371,3 @@ def test_xla_path_bf16_batched():
     k_end = _k_end("verify", 2, 16, 256)
     _check(jax.jit(attend, static_argnums=4)(q, k, v, k_end, "xla"), _oracle(q, k, v, k_end),
            jnp.bfloat16)
-
-
-# ---- the Mosaic GPU kernel (pallas_kernels/gpu_mosaic.py): lowering everywhere, numerics where
-# this jax has Mosaic GPU's interpret mode (jax >= 0.11; there its wgmma products run as plain dots,
-# the TMA pipeline, barriers, masks, partials and merge as on the GPU). The GPU run is checked on
-# the H200 by `scripts/bench_attention.py --mgpu` (MGPU_CHECKS).
-from pallas_kernels import gpu_mosaic  # noqa: E402
-
-_needs_mgpu = pytest.mark.skipif(not gpu_mosaic.available(), reason="no Mosaic GPU Pallas API")
-
-
-def _mgpu_interpret_params():
-    if not gpu_mosaic.available():
-        return None
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return getattr(plgpu, "InterpretGPUParams", None)
-
-
-@_needs_mgpu
-@pytest.mark.parametrize("B,C,splits,wgs,stages,D", [(1, 8192, 16, 2, 4, 128), (8, 32768, 4, 2, 4, 128),
-                                                     (2, 1024, 3, 1, 2, 64)])
-def test_mosaic_gpu_kernel_lowers_for_cuda(B, C, splits, wgs, stages, D):
-    Hq, Hkv, T = QWEN3_8B["Hq"], QWEN3_8B["Hkv"], 16
-    S = jax.ShapeDtypeStruct
-    from jax import export
-    exp = export.export(
-        jax.jit(lambda q, k, v, e: gpu_mosaic.block_attention(q, k, v, e, kv_splits=splits,
-                                                              compute_wgs=wgs, stages=stages)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(n) for n in ("mosaic_gpu", "mosaic_gpu_v2")],
-    )(S((B, T, Hq, D), jnp.bfloat16), S((B, Hkv, C, D), jnp.bfloat16), S((B, Hkv, C, D), jnp.bfloat16),
-      S((B, T), jnp.int32))
-    assert "mosaic_gpu" in exp.mlir_module()
-
-
-@pytest.mark.skipif(_mgpu_interpret_params() is None, reason="this jax has no Mosaic GPU interpret mode")
-@pytest.mark.parametrize("pattern,B,C,splits,wgs,stages", [
-    ("verify", 2, 512, 3, 2, 4),     # ragged rows across the batch, a row at capacity
-    ("draft", 1, 256, 2, 2, 2),
-    ("ragged", 2, 512, 1, 1, 2),     # rows with k_end 0 and 1, one split, one compute warpgroup
-    ("verify", 1, 512, 8, 2, 6),     # more splits than the keys fill: empty partials
-])
-def test_mosaic_gpu_kernel_interpret(pattern, B, C, splits, wgs, stages):
-    q, k, v = _inputs(B, 16, 8, 2, C, 64, jnp.bfloat16)
-    k_end = _k_end(pattern, B, 16, C)
-    out = gpu_mosaic.block_attention(q, k, v, k_end, kv_splits=splits, compute_wgs=wgs, stages=stages,
-                                     min_chunk=64, interpret=_mgpu_interpret_params()())
-    _check(out, _oracle(q, k, v, k_end), jnp.bfloat16)
-
-
-def test_mosaic_gpu_kernel_refuses_other_shapes():
-    q, k, v = _inputs(1, 1, 8, 2, 256, 64, jnp.bfloat16)            # decode: 4 rows, not a 64-row tile
-    assert gpu_mosaic.supports(q, k) is not None
-    with pytest.raises(pallas_kernels.Unsupported):
-        gpu_mosaic.block_attention(q, k, v, jnp.ones((1, 1), jnp.int32))
-    q32, k32, _ = _inputs(1, 16, 8, 2, 256, 64, jnp.float32)       # f32: wgmma takes 16-bit here
-    assert "dtype" in (gpu_mosaic.supports(q32, k32) or "")
-
-
-@_needs_mgpu
-def test_mosaic_gpu_kernel_names_a_shared_memory_overflow():
-    q, k, v = _inputs(1, 16, 32, 8, 1024, 128, jnp.bfloat16)
-    with pytest.raises(pallas_kernels.Unsupported, match="shared memory"):
-        gpu_mosaic.block_attention(q, k, v, jnp.full((1, 16), 100, jnp.int32), stages=6)

@@ -12,7 +12,6 @@ from tests.doubles import truth_proposer
 from tests.checkpoints import random_prompts, write_draft, write_target
 
 from dflash_jax import DraftConfig, TargetConfig, decode, generate, load_draft, load_target
-from pallas_kernels import gpu_mosaic
 
 
 @pytest.fixture(scope="module")
@@ -73,24 +72,4 @@ def test_pallas_gpu_loop_exports_for_cuda():
     assert "dflash_block_attention_gpu" in mlir
     # the target layers' fused q/k norm + RoPE + cache writes in the loop (not in the prefill)
     assert "dflash_qk_norm_rope_write" in mlir and "dflash_add_rmsnorm" in mlir
-    # the projections stay XLA GEMMs unless DFLASH_FUSED_LINEAR selects the gpu_linear kernels
-    assert "dflash_linear" not in mlir
-    # the attention stays on Triton unless DFLASH_GPU_ATTN_KERNEL=mosaic
     assert "mosaic_gpu" not in mlir
-
-
-def test_pallas_gpu_loop_with_linear_kernels_exports_for_cuda(monkeypatch):
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
-    mlir = _export_gpu_loop().mlir_module()
-    assert "dflash_linear_swiglu" in mlir and '"dflash_linear"' in mlir
-
-
-@pytest.mark.skipif(not gpu_mosaic.available(), reason="this jax has no Mosaic GPU Pallas API")
-def test_pallas_gpu_loop_with_mosaic_attention_exports_for_cuda(monkeypatch):
-    """DFLASH_GPU_ATTN_KERNEL=mosaic: the verify and draft attention (16 positions x 4 heads = one
-    64-row tile) go to the Mosaic GPU kernel, everything else stays as it was."""
-    monkeypatch.setenv("DFLASH_GPU_ATTN_KERNEL", "mosaic")
-    monkeypatch.setattr(gpu_mosaic, "MIN_CAPACITY", 0)   # this tiny cache is short of the 4k default
-    mlir = _export_gpu_loop(num_heads=8, block_size=16, prompt_len=128).mlir_module()
-    assert "mosaic_gpu" in mlir
-    assert "dflash_block_attention_gpu" in mlir      # the 128-token prefill stays on Triton

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_draft, fused_linear,
-                                  fused_prologue, gpu_interpret, linear_prologue)
+from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_draft, fused_prologue,
+                                  gpu_interpret)
 from dflash_jax.cache import write_rows
 
 
@@ -63,8 +63,7 @@ def add_norm(x, y, norm: RMSNorm, impl: str):
 
 
 class MLP(nnx.Module):
-    """The MLP's weights; DecoderLayer._finish applies them (each projection XLA's GEMM or a
-    gpu_linear kernel): down(gated_silu(x @ gate_up))."""
+    """The MLP's weights; DecoderLayer._finish applies them: down(gated_silu(x @ gate_up))."""
     def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs):
         self.gate_up = _init(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
         self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
@@ -141,15 +140,11 @@ class DecoderLayer(nnx.Module):
         Tc = 0 if ctx is None else ctx.shape[1]
         fused = not prefill and fused_prologue(impl, T, self.head_dim) and (
             not Tc or (fused_draft(impl, T) and fused_prologue(impl, Tc, self.head_dim)))
-        if fused and not Tc:   # the target: the input norm may run inside a gpu_linear projection
-            x, qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl, name="qkv")
-            k_pos = positions
-        else:
-            x, h = (add_norm(x, residual, self.input_layernorm, impl) if residual is not None
-                    else (x, self.input_layernorm(x)))
-            hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
-            qkv = hin @ self.qkv[...]
-            k_pos = positions if ctx is None else jnp.concatenate([ctx_positions, positions], axis=1)
+        x, h = (add_norm(x, residual, self.input_layernorm, impl) if residual is not None
+                else (x, self.input_layernorm(x)))
+        hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
+        qkv = hin @ self.qkv[...]
+        k_pos = positions if ctx is None else jnp.concatenate([ctx_positions, positions], axis=1)
         if fused:
             # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
             from pallas_kernels import gpu
@@ -173,45 +168,14 @@ class DecoderLayer(nnx.Module):
             return self._finish(x, q, k_cache, v_cache, k_end, impl, o=o, defer=defer)
         return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
 
-    @staticmethod
-    def _project(x, w, impl: str, name: str):
-        """x @ w: a gpu_linear kernel where attention.fused_linear selects it, else XLA's GEMM."""
-        if fused_linear(impl, x, w, name=name):
-            from pallas_kernels import gpu_linear
-            return gpu_linear.fused_linear(x, w, interpret=gpu_interpret(impl))
-        return x @ w
-
-    @staticmethod
-    def _norm_project(x, residual, norm: RMSNorm, w, impl: str, swiglu: bool = False, name: str = ""):
-        """(x + residual, norm(x + residual) @ w), SwiGLU of its halves with swiglu; residual None:
-        (x, norm(x) @ w). The projection is a gpu_linear kernel where attention.fused_linear allows
-        it, else XLA's GEMM. The add and norm run before it (add_norm's kernel), unless
-        attention.linear_prologue() asks for them inside the projection's kernel."""
-        fused = fused_linear(impl, x, w, swiglu=swiglu, name=name)
-        if fused:
-            from pallas_kernels import gpu_linear
-            if linear_prologue():
-                out = gpu_linear.fused_linear(x, w, residual=residual, norm_weight=norm.weight[...],
-                                              eps=norm.eps, swiglu=swiglu, interpret=gpu_interpret(impl))
-                return out if residual is not None else (x, out)
-        x, h = add_norm(x, residual, norm, impl) if residual is not None else (x, norm(x))
-        if fused:
-            return x, gpu_linear.fused_linear(h, w, swiglu=swiglu, interpret=gpu_interpret(impl))
-        y = h @ w
-        return x, (gated_silu(y) if swiglu else y)
-
     def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
         """Attention over the (written) cache, output projection, residual, MLP."""
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
         o = o.reshape(o.shape[0], x.shape[1], -1)
-        # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down; each
-        # projection a gpu_linear kernel or XLA's GEMM as DFLASH_FUSED_LINEAR selects
         mlp = self.mlp
-        x, act = self._norm_project(x, self._project(o, self.o[...], impl, "o"),
-                                    self.post_attention_layernorm, mlp.gate_up[...], impl,
-                                    swiglu=True, name="gate_up")
-        mlp_out = self._project(act, mlp.down[...], impl, "down")
+        x, h = add_norm(x, o @ self.o[...], self.post_attention_layernorm, impl)
+        mlp_out = gated_silu(h @ mlp.gate_up[...]) @ mlp.down[...]
         if defer:
             return x, mlp_out, k_cache, v_cache
         x = x + mlp_out
