@@ -8,8 +8,9 @@
 
 from dflash_jax.config import ConfigError, DraftConfig, TargetConfig, PRESETS
 from dflash_jax.decode import GenerateResult, generate
+from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.weights import init_draft, init_target, load_draft, load_target
 
 __all__ = ["load_target", "load_draft", "init_target", "init_draft", "generate", "GenerateResult",
-           "TargetConfig", "DraftConfig", "ConfigError", "PRESETS"]
+           "TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "KernelConfig"]
 __version__ = "0.1.0"

@@ -9,8 +9,9 @@ token), then a `lax.while_loop` whose iteration
       stop flags (stop token, max_new_tokens, capacity) and per-iteration acceptance lengths.
 Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no draft step.
 
-Compile keys (`_Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, attention
-implementation, streaming on/off, and the model structures. Everything else (prompt lengths,
+Compile keys (`_Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, the
+resolved KernelConfig (attention backend, fused GPU kernels, GPU tuning), streaming on/off, and the
+model structures. Everything else (prompt lengths,
 max_new_tokens, temperature, top-k/top-p, stop ids, seed) is a traced array.
 
 Semantics match the reference `dflash_generate`: the row's length limit is prompt + max_new_tokens
@@ -34,7 +35,7 @@ from flax import nnx, struct
 from jax.experimental import io_callback
 
 from dflash_jax import sampling
-from dflash_jax.attention import resolve_impl
+from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax.cache import KVCache
 from dflash_jax.modeling.draft import DFlashDraft
 from dflash_jax.modeling.qwen3 import Qwen3
@@ -54,7 +55,7 @@ class _Static:
     prompt_bucket: int
     capacity: int
     mode: str
-    attention_impl: str
+    kernels: KernelConfig     # resolved
     stream: bool
     draft_override: Any = None  # tests only: f(drafts [B, S-1], lens [B]) -> drafts (a proposer double)
 
@@ -115,12 +116,12 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     tcache = target.new_cache(B, C)
     with jax.named_scope("prefill_target"):
         h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
-                                  attention_impl=st.attention_impl, prefill=True)
+                                  kernels=st.kernels, prefill=True)
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
     first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
-                            st.mode, st.attention_impl)
+                            st.mode, st.kernels)
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
@@ -159,7 +160,7 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
         pend_pos = (lens - s.pending_count)[:, None] + j
         with jax.named_scope("draft"):
             dh, dcache = draft(target.embed_tokens(block), positions, s.pending, pend_pos, s.draft_cache,
-                               draft_end, attention_impl=st.attention_impl)
+                               draft_end, kernels=st.kernels)
         with jax.named_scope("draft_lm_head"):
             drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
         if st.draft_override is not None:
@@ -169,12 +170,12 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
         block = current
     with jax.named_scope("verify"):
         h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
-                                  attention_impl=st.attention_impl)
+                                  kernels=st.kernels)
         logits = target.logits(h)                                                   # [B, S, V]
     with jax.named_scope("accept"):
         keys = _row_keys(p.seed, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
-                                 st.attention_impl)
+                                 st.kernels)
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)
@@ -296,12 +297,12 @@ def _buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity
 
 
 def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            attention_impl, stream=False, draft_override=None) -> _Static:
+            kernels, stream=False, draft_override=None) -> _Static:
     has_draft = draft_def is not None
     return _Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    mask_token_id=draft_config.mask_token_id if has_draft else 0, batch=batch,
-                   prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, attention_impl=attention_impl,
+                   prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
                    stream=stream, draft_override=draft_override if has_draft else None)
 
 
@@ -324,7 +325,8 @@ def _check_prompts(prompts, vocab: int):
 
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-                       block_size, seed, attention_impl, capacity, stream, draft_override=None):
+                       block_size, seed, attention_impl, capacity, stream, kernels=None,
+                       draft_override=None):
     if not isinstance(target, Qwen3):
         raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, DFlashDraft):
@@ -368,12 +370,12 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     active = np.arange(B) < len(rows)
     stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
     stop_ids[:len(stop)] = stop
-    impl = resolve_impl(attention_impl)
+    kernels = kernels_from(kernels, attention_impl).resolve()
     mode = sampling.mode_for(temperature, top_p, top_k)
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
-                 prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream,
+                 prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream,
                  draft_override=draft_override)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
@@ -412,7 +414,7 @@ def precompile(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs) -> f
 
 def _generate_defaults(kw: dict) -> dict:
     out = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=None, block_size=None,
-               seed=0, attention_impl="auto", capacity=None)
+               seed=0, attention_impl=None, capacity=None, kernels=None)
     unknown = set(kw) - set(out)
     if unknown:
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")
@@ -421,8 +423,9 @@ def _generate_defaults(kw: dict) -> dict:
 
 def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
-             block_size: int | None = None, seed: int = 0, attention_impl: str = "auto",
+             block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], None] | None = None,
+             kernels: KernelConfig | None = None,
              _draft_override=None, _return_state: bool = False) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
@@ -433,12 +436,15 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     `on_commit(row_tokens)` (streaming) is called on the host once per loop iteration with the tokens
     each row committed in it. `capacity` (KV-cache entries) defaults to the prompt bucket +
     max_new_tokens + block, rounded up to 1024; rows stop when it is full.
+    `kernels` (a KernelConfig, default KernelConfig(): "auto") picks the attention backend and the
+    GPU kernels; it is part of the compile key. `attention_impl` is the older spelling of
+    `kernels.attention` (both given and different: ValueError).
     """
     st, tstate, dstate, p, n_rows, lens = _static_and_params(
         target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
         attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
-        draft_override=_draft_override)
+        kernels=kernels, draft_override=_draft_override)
     fn, compile_time = _compiled(st, tstate, dstate, p)
     def run():
         t0 = time.perf_counter()
@@ -471,7 +477,8 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
 
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
                      max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
-                     sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
+                     sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str | None = None,
+                     device=None, kernels: KernelConfig | None = None):
     """The static key and abstract arguments of a generation, from configs alone (nothing allocated)."""
     from dflash_jax.weights import _dtype
     if sampling_mode not in sampling.MODES:
@@ -486,7 +493,8 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft_config, block_size=S, batch=batch, prompt_bucket=Tb, capacity=C,
-                 mode=sampling_mode, attention_impl=resolve_impl(attention_impl))
+                 mode=sampling_mode,
+                 kernels=kernels_from(kernels, attention_impl or (None if kernels else "xla")).resolve(device=device))
     sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
 
     def abstract(shape, dtype_):
@@ -528,7 +536,7 @@ def lower_generate(target_config, draft_config=None, **kw):
     """Lower the whole generation program from configs alone (abstract weights: nothing allocated),
     e.g. to compile ahead of time for a TPU topology from a CPU host (`device=` a TPU device).
     Keywords: batch, prompt_len, max_new_tokens, capacity, block_size, sampling_mode, dtype,
-    attention_impl, device. Returns `jax.stages.Lowered`."""
+    kernels (a KernelConfig; default the XLA path) or attention_impl, device. Returns `jax.stages.Lowered`."""
     fn, args = _abstract_program(target_config, draft_config, **kw)
     return fn.trace(*args).lower()
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 
 import jax
@@ -47,7 +46,17 @@ _MASK = -1e30
 # (several instructions per element, on the per-tile critical path).
 _LOG2E = math.log2(math.e)
 _HEAD_DIMS = (64, 128, 256)
-H200_SMS = 132
+# SM count for a program built where no GPU can be asked (the interpreter, a CUDA export from a CPU
+# host): a Hopper-class part. Library callers pass the device's (dflash_jax.KernelConfig.n_sms).
+FALLBACK_SMS = 132
+
+
+def sm_count(device=None) -> int:
+    """The streaming multiprocessors of `device` (default: the first device) if it is a GPU that
+    says, else FALLBACK_SMS."""
+    device = device if device is not None else jax.devices()[0]
+    n = getattr(device, "core_count", None) if device.platform in ("gpu", "cuda", "rocm") else None
+    return n if isinstance(n, int) and n > 0 else FALLBACK_SMS
 
 
 def _next_pow2(x: int) -> int:
@@ -112,7 +121,7 @@ MERGE_ROWS = 16
 MERGE_COLS = 64
 
 
-def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int = H200_SMS) -> dict:
+def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int) -> dict:
     """Tile sizes, kv splits and Triton launch parameters for T query positions (G heads each) over C.
 
     From sweeps on an H200 (jax 0.11.2, Qwen3-8B heads, bf16; BENCHMARKS.md):
@@ -355,30 +364,17 @@ def parse_settings(spec: str, allowed: tuple | None = None, what: str = "setting
     return out
 
 
-def env_settings(var: str, allowed: tuple) -> dict:
-    """Launch-setting overrides from the environment variable `var` ("a=1,b=2"), read when a program
-    is traced (on-device A/B of launch settings inside the whole loop; benchmarks only)."""
-    return parse_settings(os.environ.get(var, ""), allowed, var)
-
-
-def _env_overrides() -> dict:
-    """DFLASH_GPU_ATTN="block_k=128,num_warps=8,num_stages=2": default_config overrides."""
-    return env_settings("DFLASH_GPU_ATTN", ("block_t", "block_k", "kv_splits", "num_warps",
-                                            "num_stages", "min_chunk", "merge_kernel",
-                                            "merge_rows", "merge_cols"))
-
-
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, interpret=False,
                     block_t: int | None = None, block_k: int | None = None,
                     kv_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, min_chunk: int | None = None,
                     merge_kernel: bool | None = None,
                     merge_rows: int | None = None, merge_cols: int | None = None,
-                    n_sms: int = H200_SMS):
+                    n_sms: int | None = None):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
     merge_kernel: split partials merged by `merge_splits` (a Pallas kernel) instead of XLA's fusion
-    of `_merge`; None: as default_config says."""
+    of `_merge`; None: as default_config says. n_sms: the GPU's SM count (None: `sm_count()`)."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
     _, Hkv, C, _ = k_cache.shape
@@ -400,8 +396,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               merge_kernel=merge_kernel, merge_rows=merge_rows,
                               merge_cols=merge_cols, n_sms=n_sms)
         return out[:, :T]
+    n_sms = sm_count() if n_sms is None else n_sms
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
-    cfg.update(_env_overrides())
     if block_t is not None:
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)

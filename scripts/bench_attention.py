@@ -332,7 +332,7 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         kv_bytes = kv_read_bytes(e, Hkv, D, 2)
         n_buf = n_buffers(2 * B * Hkv * C * D * 2)
         ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
-        base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv)
+        base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv, n_sms=gpu.sm_count())
         progs, errs = {}, {}
         ref = None
         for var in ("default",) + tuple(variants):
@@ -478,7 +478,7 @@ def read_sweep(args, copy_bw: float) -> list[dict]:
             jax.block_until_ready(f(*fargs))
             return device_call_time(f, fargs, n_buf)
 
-        base = gpu.default_config(S, Hq // Hkv, C, D, 1, Hkv)
+        base = gpu.default_config(S, Hq // Hkv, C, D, 1, Hkv, n_sms=gpu.sm_count())
         record("attention (default config)",
                lambda: device_time(chained(pallas_op(base, interpret), 1), (q, e, ks, vs)))
         record("read-only ceiling (XLA sum)", lambda: read_ceiling_seconds(e, ks, vs, n_buf))
@@ -516,7 +516,7 @@ def run(args) -> dict:
         contexts, batches, prefill_T = [1024, 8192, 32768], [1, 8, 32], [512, 4096]
         copy_bytes = 2 << 30
         opts = dict(min_reps=8, max_reps=100, target_s=0.08)
-        n_sms = gpu.H200_SMS
+        n_sms = gpu.sm_count()
         budget_s = args.budget_s
     t_start = time.perf_counter()
     deadline = t_start + budget_s

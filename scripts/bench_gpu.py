@@ -237,6 +237,10 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.s = Settings(args.smoke)
+        from dflash_jax import KernelConfig
+        # the kernel settings of every program this run times (--no-fused-layer, ...): the compile key
+        self.kernels = KernelConfig(fused_layer=args.fused_layer, sampling_kernels=args.sampling_kernels,
+                                    attention_tuning=KernelConfig.parse_tuning(args.gpu_attn))
         self.out_dir = args.out
         self.R = {"settings": {k: v for k, v in vars(self.s).items()}, "sections": {}, "errors": {},
                   "skipped": [], "compile_s": {}, "curves": {}}
@@ -300,9 +304,17 @@ class Bench:
         # a multiple of 512 keeps every Pallas tiling happy; the same capacity for N1 and N2 runs
         return round_up(prompt_len + n_new + 2 * self.s.block + 8, 512)
 
+    def with_kernels(self, kw: dict) -> dict:
+        """kw with this run's KernelConfig (a row's attention_impl replaces its backend)."""
+        import dataclasses
+        kw = dict(kw)
+        kw["kernels"] = dataclasses.replace(self.kernels, attention=kw.pop("attention_impl", self.kernels.attention))
+        return kw
+
     def gen(self, draft, prompts, n_new, capacity, **kw):
         from dflash_jax import generate
         target = self.models[0]
+        kw = self.with_kernels(kw)
         kw.setdefault("temperature", 0.0)
         kw.setdefault("block_size", self.s.block if draft is not None else None)
         try:
@@ -415,7 +427,7 @@ class Bench:
         target, draft = self.models[0], self.models[1]
         return (target, draft if dflash else None, self.prompts(batch, prompt_len)), dict(
             max_new_tokens=n2, block_size=self.s.block if dflash else None, seed=0,
-            capacity=self.capacity(prompt_len, n2), **kw)
+            capacity=self.capacity(prompt_len, n2), **self.with_kernels(kw))
 
     def precompile(self, sections, workers: int):
         """Compile every planned program into the library's cache before timing anything.
@@ -476,7 +488,8 @@ class Bench:
         impls = ("xla", "pallas") if jax.default_backend() != "cpu" else ("xla",)
         for impl in impls:
             for name, d in (("plain", None), ("dflash", draft)):
-                r = generate(target, d, prompts, max_new_tokens=n, capacity=1024, attention_impl=impl)
+                r = generate(target, d, prompts, max_new_tokens=n, capacity=1024,
+                             **self.with_kernels(dict(attention_impl=impl)))
                 outs[(name, impl)] = r.tokens
         res = {}
 
@@ -584,8 +597,9 @@ class Bench:
         import jax
         import jax.numpy as jnp
         import numpy as np
-        from dflash_jax import sampling
+        from dflash_jax import KernelConfig, sampling
         out = {}
+        gpu_kernels = KernelConfig(attention="pallas_gpu").resolve()
 
         def run():
             logits = jax.random.normal(jax.random.key(11), (16, 151936), jnp.float32) * 4
@@ -593,7 +607,7 @@ class Bench:
             zero = jnp.zeros((16,), jnp.float32)
             k20 = jnp.full((16,), 20.0, jnp.float32)
             # top-k 20's score threshold: counts are exact on both paths, so the keys must be equal
-            got = jax.jit(lambda k: sampling._kernel_min_passing(k, None, zero, k20, 32, "pallas_gpu"))(keys)
+            got = jax.jit(lambda k: sampling._kernel_min_passing(k, None, zero, k20, 32, gpu_kernels))(keys)
             want = jax.jit(lambda k: sampling._min_passing(
                 lambda c: sampling._masked_sums(k, c, None) < k20[:, None], 16, 32))(keys)
             same_key = bool(np.array_equal(np.asarray(got), np.asarray(want)))
@@ -606,8 +620,8 @@ class Bench:
                                        ("tie_k20_p09", tied, (1.0, 20, 0.9)), ("k300_p095", logits, (1.0, 300, 0.95)),
                                        ("p095", logits, (1.0, 0, 0.95))):
                 mode = sampling.mode_for(t, p, k)
-                lp = [np.asarray(jax.jit(lambda x, impl=impl: sampling.log_probs(
-                          x, t, k, p, mode, impl))(x)) for impl in ("pallas_gpu", "xla")]
+                lp = [np.asarray(jax.jit(lambda x, kc=kc: sampling.log_probs(
+                          x, t, k, p, mode, kc))(x)) for kc in (gpu_kernels, None)]
                 supports[name] = bool(np.array_equal(np.isfinite(lp[0]), np.isfinite(lp[1])))
             same_support = all(supports.values())
             rec = {"same_topk_key": same_key, "same_support": same_support, "supports": supports,
@@ -923,11 +937,11 @@ class Bench:
         target, draft, tcfg, dcfg = self.build()
         prompts = self.prompts(1, s.prompt)
         cap = self.capacity(s.prompt, s.n2)  # the b1 program: already compiled when b1 ran
-        # DFLASH_PROFILE_SAMPLING=<a SAMPLING_VARIANTS name>: profile that sampling setting instead
-        samp = os.environ.get("DFLASH_PROFILE_SAMPLING", "")
+        # --profile-sampling <a SAMPLING_VARIANTS name>: profile that sampling setting instead
+        samp = self.args.profile_sampling
         kw = dict(SAMPLING_VARIANTS).get(samp, {})
         if samp and not kw:
-            raise ValueError(f"DFLASH_PROFILE_SAMPLING={samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
+            raise ValueError(f"--profile-sampling {samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
         curve = f"dflash_b1_{samp}" if kw else "dflash_b1"
         self.gen(draft, prompts, s.prof_n1, cap, **kw)  # compile / warm
         root = tempfile.mkdtemp(prefix="dflash_prof_")
@@ -1437,6 +1451,15 @@ def main():
     ap.add_argument("--compile-workers", type=int, default=4, help="threads compiling programs ahead")
     ap.add_argument("--serial-reference", action="store_true",
                     help="finish the PyTorch reference before JAX starts (no overlap with compiles)")
+    ap.add_argument("--no-fused-layer", dest="fused_layer", action="store_false",
+                    help="KernelConfig(fused_layer=False): no fused q/k norm + RoPE + cache writes or "
+                         "add + RMSNorm kernels on the GPU path")
+    ap.add_argument("--no-sampling-kernels", dest="sampling_kernels", action="store_false",
+                    help="KernelConfig(sampling_kernels=False): top-k/top-p search in XLA reductions")
+    ap.add_argument("--gpu-attn", default="", metavar="block_k=128,num_warps=8",
+                    help="KernelConfig.attention_tuning: overrides of the GPU attention kernel's launch settings")
+    ap.add_argument("--profile-sampling", default="",
+                    help="profile this SAMPLING_VARIANTS setting (t1, ...) instead of greedy")
     ap.add_argument("--_reference-child", dest="ref_child", help=argparse.SUPPRESS)
     ap.add_argument("--_ref-new", dest="ref_new", type=int, default=128, help=argparse.SUPPRESS)
     ap.add_argument("--_ref-prompt", dest="ref_prompt", type=int, default=512, help=argparse.SUPPRESS)
@@ -1449,10 +1472,9 @@ def main():
     # leave the reference child room on the GPU (it holds ~20 GB while JAX starts)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.70")
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
-    log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes, "
-        f"add + RMSNorm on the GPU path); "
-        f"DFLASH_GPU_ATTN={os.environ.get('DFLASH_GPU_ATTN', '(default)')}; "
-        )
+    log(f"kernels: fused_layer={args.fused_layer} (fused q/k norm + RoPE + cache writes, add + RMSNorm "
+        f"on the GPU path); sampling_kernels={args.sampling_kernels}; gpu attention overrides "
+        f"{args.gpu_attn or '(default)'}")
     bad = [x for x in sections if x not in ALL_SECTIONS]
     if bad:
         ap.error(f"unknown sections {bad}; known: {ALL_SECTIONS}")

@@ -18,10 +18,11 @@
 #   ATTN_ARGS="--budget-s 150"           extra arguments for bench_attention.py
 #   TOTAL_S=590                          the whole script's time limit
 #   SMOKE=1                              tiny shapes (tries this script on a CPU machine)
-#   DFLASH_FUSED_KERNELS=0               run without the fused prologue / add+norm kernels
-#   EXTRA_RUNS="VAR=value:sections ..."  after the main run, more bench_gpu.py runs, each in its own
-#                                        process with VAR=value set (A/B of a trace-time setting);
-#                                        "A=1+B=2:b1" sets two variables, "~" in a value is a space
+#   BENCH_ARGS="--no-fused-layer"        KernelConfig flags of bench_gpu.py: --no-fused-layer,
+#                                        --no-sampling-kernels, --gpu-attn "block_k=128,num_warps=8"
+#   EXTRA_RUNS="flags:sections ..."      after the main run, more bench_gpu.py runs, each in its own
+#                                        process with those flags (A/B of a kernel setting); "~" in
+#                                        flags is a space: "--no-fused-layer:b1 --gpu-attn~num_stages=4:b1"
 # Files back in $OUT (the tool returns at most 8): env.log (with the check), bench_attention.log,
 # bench_gpu.log, bench_gpu.json, profile_dflash_b1_*.trace.json.gz, and what bench_attention.py writes.
 set -o pipefail
@@ -83,8 +84,8 @@ fi
 # A fused attention prologue that fails its check on this GPU must not sink every measurement:
 # the benchmark then runs without it (and says so).
 if grep -qE "check: kernel (prologue|add_rmsnorm).*(ERROR|FAIL)" "$OUT/env.log" 2>/dev/null; then
-  export DFLASH_FUSED_KERNELS=0
-  say "a fused kernel failed its check: DFLASH_FUSED_KERNELS=0 for the benchmark" | tee -a "$OUT/env.log"
+  BENCH_ARGS="$BENCH_ARGS --no-fused-layer"
+  say "a fused kernel failed its check: --no-fused-layer for the benchmark" | tee -a "$OUT/env.log"
 fi
 
 # 4. the attention benchmark (another engineer's script), if it exists
@@ -106,19 +107,17 @@ timeout -k 15 -s TERM $(( REM - 15 )) python3 scripts/bench_gpu.py --budget-s "$
   | tee "$OUT/bench_gpu.log"
 RC=${PIPESTATUS[0]}
 
-# 6. extra runs, each in its own process with one environment setting (A/B of a trace-time knob):
-#    EXTRA_RUNS="DFLASH_GPU_ATTN=num_stages=4:b1 DFLASH_FUSED_KERNELS=0:b1"
+# 6. extra runs, each in its own process with its own kernel flags (A/B of a KernelConfig setting):
+#    EXTRA_RUNS="--gpu-attn~num_stages=4:b1 --no-fused-layer:b1"
 for spec in $EXTRA_RUNS; do
-  envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "${envset}_${secs}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-80)
-  # "A=1+B=2": several settings; "~" in a value stands for a space (XLA_FLAGS=--a=1~--b=2)
-  IFS='+' read -r -a assigns <<< "$envset"
-  for i in "${!assigns[@]}"; do assigns[$i]=${assigns[$i]//\~/ }; done
+  flags=${spec%%:*}; flags=${flags//\~/ }; secs=${spec#*:}
+  tag=$(echo "${flags}_${secs}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-80)
   REM=$(left)
   if [ "$REM" -lt 90 ]; then say "no time left for extra run $spec"; continue; fi
-  say "extra run: ${assigns[*]} --sections $secs (${REM}s left)"
-  env "${assigns[@]}" timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
-    --sections "$secs" $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
-    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|FUSED|GPU_ATTN|Error|ERROR"
+  say "extra run: $flags --sections $secs (${REM}s left)"
+  timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
+    --sections "$secs" $flags $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
+    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|kernels:|Error|ERROR"
 done
 say "bench_gpu rc=$RC; files in \$OUT:"
 ls -la "$OUT"

@@ -15,6 +15,7 @@ from flax import nnx
 from dflash_jax.config import TargetConfig
 from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
 from dflash_jax.cache import write_rows
+from dflash_jax.kernel_config import KernelConfig
 from pallas_kernels import gpu
 
 
@@ -136,26 +137,31 @@ def test_add_rmsnorm_lowers_for_cuda():
     assert "dflash_add_rmsnorm" in exp.mlir_module()
 
 
-def test_fused_dispatch(monkeypatch):
-    from dflash_jax.attention import fused_add_norm, fused_draft, fused_prologue
-    assert not fused_prologue("xla", 16, 128) and not fused_prologue("pallas_tpu", 16, 128)
-    assert fused_prologue("pallas_gpu", 16, 128) and fused_prologue("pallas_gpu", 1, 128)
-    assert not fused_prologue("pallas_gpu", 512, 128) and not fused_prologue("pallas_gpu", 16, 96)
-    assert fused_add_norm("pallas_gpu", 16, 4096) and not fused_add_norm("pallas_gpu", 16, 2560)
-    assert not fused_add_norm("xla", 1, 4096) and not fused_add_norm("pallas_gpu", 512, 4096)
-    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "0")
-    assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
-    assert not fused_draft("pallas_gpu", 16)
-    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "1")
-    assert fused_draft("pallas_gpu", 16) and not fused_draft("xla", 16)
+GPU = KernelConfig(attention="pallas_gpu").resolve()
+GPU_INTERPRET = KernelConfig(attention="pallas_gpu_interpret").resolve()
 
 
-def test_gpu_path_forward_and_loop_match_xla():
-    """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
-    residuals deferred across layers into the next norm) against the XLA path: the target's verify and decode forwards (hidden
+def test_fused_dispatch():
+    from dflash_jax.attention import fused_add_norm, fused_prologue
+    xla, tpu = KernelConfig("xla").resolve(), KernelConfig("pallas_tpu").resolve()
+    assert not fused_prologue(xla, 16, 128) and not fused_prologue(tpu, 16, 128)
+    assert fused_prologue(GPU, 16, 128) and fused_prologue(GPU, 1, 128)
+    assert not fused_prologue(GPU, 512, 128) and not fused_prologue(GPU, 16, 96)
+    assert fused_add_norm(GPU, 16, 4096) and not fused_add_norm(GPU, 16, 2560)
+    assert not fused_add_norm(xla, 1, 4096) and not fused_add_norm(GPU, 512, 4096)
+    off = KernelConfig("pallas_gpu", fused_layer=False).resolve()
+    assert not fused_prologue(off, 16, 128) and not fused_add_norm(off, 16, 4096)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_path_forward_and_loop_match_xla(fused):
+    """The whole GPU layer path in the interpreter (attention kernel; with `fused` the fused
+    prologue, add + norm and residuals deferred across layers into the next norm, without it the
+    layers' XLA ops around the attention kernel) against the XLA path: the target's verify and decode forwards (hidden
     states, taps, caches), the draft's pass (its prologue with the context rows, deferred
     residuals: hidden states, caches) and a speculative generation's tokens."""
     from dflash_jax import DraftConfig, generate, init_draft, init_target
+    kernels = KernelConfig(attention="pallas_gpu_interpret", fused_layer=fused)
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=64)   # every GPU kernel supports these shapes
     target = init_target(cfg, seed=3, dtype="float32")
@@ -166,8 +172,7 @@ def test_gpu_path_forward_and_loop_match_xla():
     for T in (16, 1):
         toks = jax.random.randint(jax.random.key(T), (B, T), 0, 128)
         p = jnp.asarray([[16], [20]], jnp.int32) + jnp.arange(T, dtype=jnp.int32)
-        outs = [target(toks, p, cache, p + 1, taps=(0, 1), attention_impl=impl)
-                for impl in ("xla", "pallas_gpu_interpret")]
+        outs = [target(toks, p, cache, p + 1, taps=(0, 1), kernels=k) for k in ("xla", kernels)]
         (h0, f0, c0), (h1, f1, c1) = outs
         np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
@@ -181,20 +186,19 @@ def test_gpu_path_forward_and_loop_match_xla():
     blk = jnp.asarray([[30], [24]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)
     pend = jnp.asarray([[26], [22]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)  # overlaps the block
     dcache, d_end = draft.new_cache(B, C), jnp.broadcast_to(blk[:, -1:] + 1, (B, S))
-    outs = [draft(emb, blk, feats, pend, dcache, d_end, attention_impl=impl)
-            for impl in ("xla", "pallas_gpu_interpret")]
+    outs = [draft(emb, blk, feats, pend, dcache, d_end, kernels=k) for k in ("xla", kernels)]
     (h0, c0), (h1, c1) = outs
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
     for a, b in zip(c1.k + c1.v, c0.k + c0.v):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla").tokens
-    got = generate(target, draft, prompts, max_new_tokens=12, attention_impl="pallas_gpu_interpret").tokens
+    got = generate(target, draft, prompts, max_new_tokens=12, kernels=kernels).tokens
     assert got == want
     # sampling with top-k and top-p: the search's passes in the count kernel, same seed, same tokens
     kw = dict(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=5)
     want = generate(target, draft, prompts, attention_impl="xla", **kw).tokens
-    got = generate(target, draft, prompts, attention_impl="pallas_gpu_interpret", **kw).tokens
+    got = generate(target, draft, prompts, kernels=kernels, **kw).tokens
     assert got == want
 
 
@@ -216,7 +220,7 @@ def test_sampling_search_kernel_matches_xla(N, V, bits, shared, weighted):
     offset = jnp.asarray(rng.integers(0, 4, N) / 1024, jnp.float32) if shared else jnp.zeros((N,), jnp.float32)
     want = sampling._min_passing(lambda c: offset[:, None] + sampling._masked_sums(keys, c, weight) < budget[:, None],
                                  N, bits)
-    got = sampling._kernel_min_passing(keys, weight, offset, budget, bits, "pallas_gpu_interpret")
+    got = sampling._kernel_min_passing(keys, weight, offset, budget, bits, GPU_INTERPRET)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -249,7 +253,7 @@ def test_sampling_search_kernel_matches_the_reference():
     for top_k, top_p in ((7, 1.0), (0, 0.9), (20, 0.5), (1000, 0.3)):
         mode = sampling.mode_for(0.8, top_p, top_k)
         ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k),
-                                                    jnp.float32(top_p), mode, "pallas_gpu_interpret")))
+                                                    jnp.float32(top_p), mode, GPU_INTERPRET)))
         ref = _sampling_probs(torch.tensor(logits), 0.8, top_p, top_k).numpy()
         np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
 
@@ -302,10 +306,10 @@ def test_sampling_fast_path_matches_the_full_searches():
         for top_k, top_p in settings:
             mode = sampling.mode_for(1.0, top_p, top_k)
             args = (jnp.asarray(lg), jnp.int32(top_k), jnp.float32(top_p), mode)
-            want = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret", fast=False))
-            got = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret"))
+            want = np.asarray(sampling._keep_mask(*args, GPU_INTERPRET, fast=False))
+            got = np.asarray(sampling._keep_mask(*args, GPU_INTERPRET))
             np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
-            np.testing.assert_array_equal(want, np.asarray(sampling._keep_mask(*args, "xla")))
+            np.testing.assert_array_equal(want, np.asarray(sampling._keep_mask(*args)))
             assert (got.sum(1) <= top_k).all() if lg is logits else True
     # order independence of the gathered cut
     scores = jnp.asarray(logits[:2, :40])
@@ -320,9 +324,37 @@ def test_sampling_fast_path_matches_the_full_searches():
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_search_kernel_dispatch(monkeypatch):
+def test_search_kernel_dispatch():
     from dflash_jax import sampling
-    assert sampling.search_kernel("pallas_gpu") and sampling.search_kernel("pallas_gpu_interpret")
-    assert not sampling.search_kernel("xla") and not sampling.search_kernel("pallas_tpu")
-    monkeypatch.setenv("DFLASH_SAMPLING_KERNEL", "0")
-    assert not sampling.search_kernel("pallas_gpu")
+    assert sampling.search_kernel(GPU) and sampling.search_kernel(GPU_INTERPRET)
+    assert not sampling.search_kernel(KernelConfig("xla").resolve()) and not sampling.search_kernel(None)
+    assert not sampling.search_kernel(KernelConfig("pallas_tpu").resolve())
+    assert not sampling.search_kernel(KernelConfig("pallas_gpu", sampling_kernels=False).resolve())
+
+
+@pytest.mark.slow
+def test_two_kernel_configs_in_one_process_are_two_programs():
+    """KernelConfig is part of the compile key: the fused layer kernels on and off in one process
+    compile two programs, each with its own kernels (the fused ones appear only in the first),
+    and both give the XLA path's tokens."""
+    from dflash_jax import DraftConfig, decode, generate, init_draft, init_target
+    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=64)
+    target = init_target(cfg, seed=3, dtype="float32")
+    draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), seed=4, dtype="float32")
+    prompts, kw = [[5, 6, 7, 8, 9]], dict(max_new_tokens=6, capacity=64)
+    on = KernelConfig(attention="pallas_gpu_interpret")
+    off = KernelConfig(attention="pallas_gpu_interpret", fused_layer=False)
+    before = decode.compile_count()
+    texts = [decode.compiled_program(target, draft, prompts, kernels=k, **kw)[0].as_text() for k in (on, off)]
+    assert decode.compile_count() == before + 2
+    assert "dflash_add_rmsnorm" in texts[0] and "dflash_add_rmsnorm" not in texts[1]
+    assert "dflash_qk_norm_rope_write" in texts[0] and "dflash_qk_norm_rope_write" not in texts[1]
+    assert "dflash_block_attention_gpu" in texts[1]          # the attention kernel stays in both
+    want = generate(target, draft, prompts, kernels=KernelConfig(attention="xla"), **kw).tokens
+    for k in (on, off):
+        res = generate(target, draft, prompts, kernels=k, **kw)
+        assert res.tokens == want and res.compile_time_s == 0.0
+    assert decode.compile_count() == before + 3              # the XLA program; no recompiles
+    with pytest.raises(ValueError, match="disagrees"):
+        generate(target, draft, prompts, kernels=on, attention_impl="xla", **kw)

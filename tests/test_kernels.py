@@ -18,7 +18,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
-from dflash_jax.attention import IMPLS, attend, resolve_impl
+from dflash_jax.attention import attend
+from dflash_jax.kernel_config import ATTENTION_BACKENDS, KernelConfig, resolved
 from pallas_kernels import gpu, reference, tpu
 from tests.tpu_aot import abstract, bytes_accessed, compile_for_tpu, memory_report, requires_libtpu, tpu_device
 
@@ -165,45 +166,45 @@ def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
 
 
 def test_gpu_default_config_splits_small_batch():
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] > 1                     # 8 programs cannot fill 132 SMs
-    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1                    # 256 programs already do
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=32, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 2                    # ... but at 32k two splits balance the waves
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1
     # short caches, few programs: blocks split 8 ways of >= 64 keys while 8 x programs fit in one
     # wave of two per SM (batch <= 4 here), else 4 of >= 128; plain decode (T = 1) always 4
-    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 8 and cfg["min_chunk"] == 64
-    cfg = gpu.default_config(T=1, G=4, C=1024, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=1, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128
-    assert gpu.default_config(T=16, G=4, C=1024, D=128, B=4, Hkv=8)["kv_splits"] == 8    # 256 programs
-    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=8, Hkv=8)
+    assert gpu.default_config(T=16, G=4, C=1024, D=128, B=4, Hkv=8, n_sms=132)["kv_splits"] == 8    # 256 programs
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=8, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128                           # 8 x 64 > 264
-    assert gpu.default_config(T=16, G=4, C=96, D=128, B=1, Hkv=8)["kv_splits"] == 1    # < 2 chunks
-    cfg = gpu.default_config(T=512, G=4, C=1024, D=128, B=1, Hkv=8)
+    assert gpu.default_config(T=16, G=4, C=96, D=128, B=1, Hkv=8, n_sms=132)["kv_splits"] == 1    # < 2 chunks
+    cfg = gpu.default_config(T=512, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1                    # prefill: 256 programs already
-    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=32, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1                    # many programs: no merge kernels
     # Batch 8: 64 programs; splits fill one wave of 2 programs per SM (4 -> 256 <= 264), never
     # spilling a small second wave (5 -> 320).
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=8, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=8, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 4
     # From 16k keys on, batch 1 fills the wave exactly: 33 splits x 8 heads = 264 = 2 x 132 programs
-    assert gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)["kv_splits"] == 33
+    assert gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8, n_sms=132)["kv_splits"] == 33
 
 
 def test_gpu_default_config_merge_kernel():
     """Long caches merge their splits in the Pallas merge kernel, with tiles small enough for >= 512
     programs at batch 1; short caches and unsplit calls keep XLA's merge (or none)."""
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (4, 32)
-    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=8, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=8, Hkv=8, n_sms=132)
     assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (16, 64)
-    assert not gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)["merge_kernel"]   # 8 short splits
-    assert not gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8)["merge_kernel"]  # no splits
+    assert not gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)["merge_kernel"]   # 8 short splits
+    assert not gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8, n_sms=132)["merge_kernel"]  # no splits
 
 
 @pytest.mark.parametrize("kv_splits,merge_kernel", [(1, False), (3, False), (3, True)])
@@ -244,20 +245,30 @@ def test_attend_dispatch(impl):
         # Forced kernels are for AOT/export from a CPU host; on CPU they must refuse to run
         # (Pallas: "Only interpret mode is supported on CPU backend") rather than silently differ.
         with pytest.raises(Exception):
-            jax.block_until_ready(attend(q, k, v, k_end, impl))
+            jax.block_until_ready(attend(q, k, v, k_end, resolved(impl)))
         return
-    out = jax.jit(attend, static_argnums=4)(q, k, v, k_end, impl)
+    out = jax.jit(attend, static_argnums=4)(q, k, v, k_end, resolved(impl))
     _check(out, ref, jnp.float32)
 
 
-def test_resolve_impl_on_cpu():
-    assert set(IMPLS) == {"auto", "xla", "pallas", "pallas_tpu", "pallas_gpu"}
-    assert resolve_impl("auto") == "xla"
-    assert resolve_impl("pallas") == "pallas_interpret"
-    assert resolve_impl("pallas_tpu") == "pallas_tpu"
-    assert resolve_impl(resolve_impl("pallas")) == "pallas_interpret"      # idempotent
-    with pytest.raises(ValueError, match="attention_impl"):
-        resolve_impl("flash")
+def test_kernel_config_resolves_on_cpu():
+    assert set(ATTENTION_BACKENDS) == {"auto", "xla", "pallas", "pallas_tpu", "pallas_gpu"}
+    attention = lambda name: KernelConfig(attention=name).resolve().attention
+    assert attention("auto") == "xla"
+    assert attention("pallas") == "pallas_interpret"
+    assert attention("pallas_tpu") == "pallas_tpu"
+    once = KernelConfig(attention="pallas").resolve()
+    assert once.resolve() == once and hash(once.resolve()) == hash(once)            # idempotent
+    # the GPU-only settings are off (one compile key) on the other paths
+    assert KernelConfig("xla", fused_layer=True) .resolve() == KernelConfig("xla", fused_layer=False).resolve()
+    # a GPU path from a host without a GPU takes its SM count from the tuning table
+    gpu = KernelConfig(attention="pallas_gpu").resolve()
+    assert gpu.fused and gpu.search_kernels and gpu.n_sms == 132
+    assert KernelConfig(attention="pallas_gpu", n_sms=78).resolve().n_sms == 78
+    with pytest.raises(ValueError, match="attention"):
+        KernelConfig(attention="flash")
+    with pytest.raises(ValueError, match="attention_tuning"):
+        KernelConfig(attention_tuning=(("warps", 8),))
 
 
 def test_unsupported_shapes_fall_back():
@@ -330,7 +341,7 @@ def test_attend_pallas_tpu_compiles_for_tpu():
     dev = tpu_device("v5e:2x2")
     args = (abstract((2, 16, 32, 128), jnp.bfloat16, dev), abstract((2, 8, 4096, 128), jnp.bfloat16, dev),
             abstract((2, 8, 4096, 128), jnp.bfloat16, dev), abstract((2, 16), jnp.int32, dev))
-    compiled = compile_for_tpu(lambda q, k, v, e: attend(q, k, v, e, "pallas_tpu"), *args)
+    compiled = compile_for_tpu(lambda q, k, v, e: attend(q, k, v, e, resolved("pallas_tpu")), *args)
     assert "tpu_custom_call" in compiled.as_text()
 
 
@@ -347,7 +358,7 @@ def _export_cuda(f, *shapes):
 def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
     Hq, Hkv = QWEN3_8B["Hq"], QWEN3_8B["Hkv"]
     S = jax.ShapeDtypeStruct
-    exp = _export_cuda(lambda q, k, v, e: attend(q, k, v, e, "pallas_gpu"),
+    exp = _export_cuda(lambda q, k, v, e: attend(q, k, v, e, resolved("pallas_gpu")),
                        S((B, T, Hq, D), dtype), S((B, Hkv, C, D), dtype), S((B, Hkv, C, D), dtype),
                        S((B, T), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
@@ -369,5 +380,5 @@ def test_xla_path_bf16_batched():
     """The XLA path runs bf16 with B > 1 on CPU (see pallas_kernels._xla_dense) and matches."""
     q, k, v = _inputs(2, 16, 8, 2, 256, 64, jnp.bfloat16)
     k_end = _k_end("verify", 2, 16, 256)
-    _check(jax.jit(attend, static_argnums=4)(q, k, v, k_end, "xla"), _oracle(q, k, v, k_end),
+    _check(jax.jit(attend, static_argnums=4)(q, k, v, k_end, resolved("xla")), _oracle(q, k, v, k_end),
            jnp.bfloat16)

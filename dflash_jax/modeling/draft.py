@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import fused_add_norm, fused_draft
+from dflash_jax.attention import fused_add_norm
+from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, add_norm
@@ -41,29 +42,29 @@ class DFlashDraft(nnx.Module):
         return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
 
     def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, k_end,
-                 *, attention_impl: str = "xla"):
+                 *, kernels: KernelConfig | str | None = None):
         """One draft pass. block_embeds [B, S, H] at positions [B, S] (the block starts at the row's
         length); pending_feats [B, S, n·H]: target taps of tokens committed last iteration, at
         pending_positions [B, S] (entries past the row's pending count land at/after the block start
         and are overwritten by the block). k_end [B, S]. Returns (hidden [B, S, H] final-normed, cache)."""
+        kernels = resolved(kernels)
         ctx = self.context(pending_feats)
         x = block_embeds.astype(self.dtype)
         start, ctx_start = positions[:, 0], pending_positions[:, 0]
         ks, vs = list(cache.k), list(cache.v)
         # GPU path: each layer's MLP residual is added by the next RMSNorm's kernel (as in Qwen3)
-        defer = (fused_draft(attention_impl, x.shape[1])
-                 and fused_add_norm(attention_impl, x.shape[1], self.config.hidden_size))
+        defer = fused_add_norm(kernels, x.shape[1], self.config.hidden_size)
         delta = None
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"draft_layer{i}"):
-                out = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl, ctx=ctx,
+                out = layer(x, positions, ks[i], vs[i], start, k_end, kernels, ctx=ctx,
                             ctx_positions=pending_positions, ctx_write_start=ctx_start,
                             residual=delta, defer=defer)
                 if defer:
                     x, delta, ks[i], vs[i] = out
                 else:
                     x, ks[i], vs[i] = out
-        h = add_norm(x, delta, self.norm, attention_impl)[1] if defer else self.norm(x)
+        h = add_norm(x, delta, self.norm, kernels)[1] if defer else self.norm(x)
         return h, KVCache(k=tuple(ks), v=tuple(vs), lens=start)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_draft, fused_prologue,
-                                  gpu_interpret)
+from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue
+from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.cache import write_rows
 
 
@@ -52,12 +52,12 @@ def rope(x, positions, theta: float):
     return out.astype(x.dtype)
 
 
-def add_norm(x, y, norm: RMSNorm, impl: str):
+def add_norm(x, y, norm: RMSNorm, kernels: KernelConfig):
     """(x + y, norm(x + y)): one Pallas kernel on the fused GPU path (attention.fused_add_norm),
     else the XLA ops; the same numbers either way."""
-    if fused_add_norm(impl, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
+    if fused_add_norm(kernels, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
         from pallas_kernels import gpu
-        return gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=gpu_interpret(impl))
+        return gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=kernels.interpret)
     x = x + y
     return x, norm(x)
 
@@ -122,7 +122,7 @@ class DecoderLayer(nnx.Module):
         k, v = jnp.split(kv.reshape(B, T, 2 * self.num_kv_heads, D), 2, axis=2)
         return rope(self.k_norm(k), positions, self.rope_theta), v
 
-    def __call__(self, x, positions, k_cache, v_cache, write_start, k_end, impl: str,
+    def __call__(self, x, positions, k_cache, v_cache, write_start, k_end, kernels: KernelConfig,
                  ctx=None, ctx_positions=None, ctx_write_start=None, prefill: bool = False,
                  residual=None, defer: bool = False):
         """x [B, T, H] at `positions` [B, T]; its K/V go to cache rows [write_start, write_start + T).
@@ -138,9 +138,9 @@ class DecoderLayer(nnx.Module):
         being x + mlp_out."""
         T = x.shape[1]
         Tc = 0 if ctx is None else ctx.shape[1]
-        fused = not prefill and fused_prologue(impl, T, self.head_dim) and (
-            not Tc or (fused_draft(impl, T) and fused_prologue(impl, Tc, self.head_dim)))
-        x, h = (add_norm(x, residual, self.input_layernorm, impl) if residual is not None
+        fused = not prefill and fused_prologue(kernels, T, self.head_dim) and (
+            not Tc or fused_prologue(kernels, Tc, self.head_dim))
+        x, h = (add_norm(x, residual, self.input_layernorm, kernels) if residual is not None
                 else (x, self.input_layernorm(x)))
         hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
         qkv = hin @ self.qkv[...]
@@ -152,8 +152,8 @@ class DecoderLayer(nnx.Module):
             q, k_cache, v_cache = gpu.qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
                 self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
-                ctx_rows=Tc, ctx_start=ctx_write_start, interpret=gpu_interpret(impl))
-            return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
+                ctx_rows=Tc, ctx_start=ctx_write_start, interpret=kernels.interpret)
+            return self._finish(x, q, k_cache, v_cache, k_end, kernels, defer=defer)
         q, k, v = self._split_heads(qkv)
         q = rope(self.q_norm(q[:, -T:]), positions, self.rope_theta)           # [B, T, Hq, D]
         k = rope(self.k_norm(k), k_pos, self.rope_theta)                        # [B, Tc+T, Hkv, D]
@@ -164,17 +164,17 @@ class DecoderLayer(nnx.Module):
         k_cache = write_rows(k_cache, k, write_start)
         v_cache = write_rows(v_cache, v, write_start)
         if prefill and ctx is None:
-            o = attend_prefill(q, k, v, k_cache, v_cache, k_end, impl)           # [B, T, Hq, D]
-            return self._finish(x, q, k_cache, v_cache, k_end, impl, o=o, defer=defer)
-        return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
+            o = attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels)           # [B, T, Hq, D]
+            return self._finish(x, q, k_cache, v_cache, k_end, kernels, o=o, defer=defer)
+        return self._finish(x, q, k_cache, v_cache, k_end, kernels, defer=defer)
 
-    def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
+    def _finish(self, x, q, k_cache, v_cache, k_end, kernels, o=None, defer: bool = False):
         """Attention over the (written) cache, output projection, residual, MLP."""
         if o is None:
-            o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
+            o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
         o = o.reshape(o.shape[0], x.shape[1], -1)
         mlp = self.mlp
-        x, h = add_norm(x, o @ self.o[...], self.post_attention_layernorm, impl)
+        x, h = add_norm(x, o @ self.o[...], self.post_attention_layernorm, kernels)
         mlp_out = gated_silu(h @ mlp.gate_up[...]) @ mlp.down[...]
         if defer:
             return x, mlp_out, k_cache, v_cache
