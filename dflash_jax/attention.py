@@ -33,16 +33,16 @@ def _fused_ok(kernels: KernelConfig, T: int) -> bool:
 
 def fused_prologue(kernels: KernelConfig, T: int, head_dim: int) -> bool:
     """Whether a layer's q/k norm, RoPE and cache writes run as one Pallas GPU kernel
-    (pallas_kernels.gpu.qk_norm_rope_write) instead of ~6 XLA kernels."""
-    from pallas_kernels import gpu
-    return _fused_ok(kernels, T) and gpu.prologue_supported(T, head_dim)
+    (pallas_kernels.fused_layer.qk_norm_rope_write) instead of ~6 XLA kernels."""
+    from pallas_kernels import fused_layer
+    return _fused_ok(kernels, T) and fused_layer.prologue_supported(T, head_dim)
 
 
 def fused_add_norm(kernels: KernelConfig, T: int, hidden: int) -> bool:
     """Whether `x + y` and the following RMSNorm run as one Pallas GPU kernel
-    (pallas_kernels.gpu.add_rmsnorm); same conditions as fused_prologue."""
-    from pallas_kernels import gpu
-    return _fused_ok(kernels, T) and gpu.add_rmsnorm_supported(hidden)
+    (pallas_kernels.fused_layer.add_rmsnorm); same conditions as fused_prologue."""
+    from pallas_kernels import fused_layer
+    return _fused_ok(kernels, T) and fused_layer.add_rmsnorm_supported(hidden)
 
 
 def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | None = None):

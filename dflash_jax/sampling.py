@@ -13,9 +13,9 @@ threshold key", and the threshold is found digit by digit (4 bits per pass, 16 c
 pass, each pass one fused reduction over the vocabulary): 8 passes for the score bits, 5 for the
 index among tied scores. A full sort of 16 x 151,936 scores measured +12% per DFlash iteration on
 the H200; a 64-candidate lax.top_k was no better (+10%), XLA:GPU sorts for it too. On the GPU path
-each pass is one Pallas kernel (pallas_kernels.gpu.count_pass); elsewhere, and with KernelConfig(sampling_kernels=False), XLA reductions. Both find the same keys.
+each pass is one Pallas kernel (pallas_kernels.sampling.count_pass); elsewhere, and with KernelConfig(sampling_kernels=False), XLA reductions. Both find the same keys.
 With top-k on the GPU path, the 8 score passes of top-k are followed by one gather of every token at
-or above the threshold score (pallas_kernels.gpu.gather_above, <= GATHER_MAX per row), and the tie
+or above the threshold score (pallas_kernels.sampling.gather_above, <= GATHER_MAX per row), and the tie
 cut and the top-p cut run on those (`_gathered_cut`) instead of 18 more passes (+3.4% per iteration
 against +6.6% for T=0.6 / top-p 0.95 / top-k 20 on the H200).
 
@@ -102,7 +102,7 @@ def _masked_sums(keys, cand, weight):
 
 def search_kernel(kernels: KernelConfig | None) -> bool:
     """Whether the threshold search's passes run as a Pallas GPU kernel
-    (pallas_kernels.gpu.count_pass) rather than XLA reductions: KernelConfig.sampling_kernels on
+    (pallas_kernels.sampling.count_pass) rather than XLA reductions: KernelConfig.sampling_kernels on
     the GPU path."""
     return kernels is not None and kernels.search_kernels
 
@@ -119,18 +119,18 @@ def _unsigned(i):
 
 def _kernel_min_passing(keys, weight, offset, budget, bits: int, kernels: KernelConfig | None):
     """`_min_passing` for pred(c) = offset + (weight above c) < budget, each pass one Pallas GPU
-    kernel (pallas_kernels.gpu.count_pass) that also decides the previous pass's digit. keys
+    kernel (pallas_kernels.sampling.count_pass) that also decides the previous pass's digit. keys
     [N or 1, V] uint32, weight [N, V] or None (1 each), offset and budget [N] float32."""
-    from pallas_kernels import gpu
+    from pallas_kernels import sampling as kernels_
     N, V = budget.shape[0], keys.shape[1]
-    P, chunk = gpu.count_layout(N, V)
+    P, chunk = kernels_.count_layout(N, V)
     ks, w = _signed(keys), None if weight is None else weight.astype(jnp.float32)
     d = _DIGIT
     widths = ([bits % d] if bits % d else []) + [d] * (bits // d)
     prev, shift, prev_shift = None, bits, 0
     for width in widths:
         shift -= width
-        prev = gpu.count_pass(ks, w, prev, offset, budget, P=P, chunk=chunk, shift=shift, width=width,
+        prev = kernels_.count_pass(ks, w, prev, offset, budget, P=P, chunk=chunk, shift=shift, width=width,
                               prev_shift=prev_shift, interpret=kernels.interpret)
         prev_shift = shift
     part, x = prev
@@ -215,16 +215,16 @@ def _keep_mask(scores, top_k, top_p, mode: str = "filtered", kernels: KernelConf
             # Fast path: the top-k score threshold (8 passes), then its candidates gathered; the
             # tie cut and the top-p cut on those. A row with more than GATHER_MAX candidates
             # (top_k > GATHER_MAX, or a wide tie) sends the whole batch down the full searches.
-            from pallas_kernels import gpu
+            from pallas_kernels import sampling as kernels_
             h = _search(hi, None, jnp.zeros((N,), jnp.float32), k, 32, kernels)
-            n, gk, gi = gpu.gather_above(_signed(hi), _signed(h), kmax=gpu.GATHER_MAX,
+            n, gk, gi = kernels_.gather_above(_signed(hi), _signed(h), kmax=kernels_.GATHER_MAX,
                                          interpret=kernels.interpret)
 
             def gathered():
                 tk, ti = _gathered_cut(_unsigned(gk), gi, n, top_k, top_p, mode)
                 idx = jnp.arange(V)[None, :]
                 return (hi > tk[:, None]) | ((hi == tk[:, None]) & (idx <= ti[:, None]))
-            return jax.lax.cond(jnp.all(n <= gpu.GATHER_MAX), gathered,
+            return jax.lax.cond(jnp.all(n <= kernels_.GATHER_MAX), gathered,
                                 lambda: _full_cut(hi, lo, scores, k, top_k, top_p, mode, kernels, h))
     return _full_cut(hi, lo, scores, k, top_k, top_p, mode, kernels)
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from pallas_kernels import gpu  # noqa: E402
+from pallas_kernels.attention import gpu  # noqa: E402
 
 L2_BYTES = 60 << 20           # H200: 50 MiB L2; rotate buffers totalling >= 4x this
 BUF_BYTES_CAP = 24 << 30      # never allocate more than this for rotated K/V buffers

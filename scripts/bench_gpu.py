@@ -573,7 +573,7 @@ class Bench:
         out.update(self.check_prologue())
 
         def run():
-            from pallas_kernels import gpu
+            from pallas_kernels import fused_layer as gpu
             from dflash_jax.modeling.layers import RMSNorm
             norm = RMSNorm(4096, 1e-6, jnp.bfloat16)
             norm.weight[...] = jnp.linspace(0.5, 1.5, 4096).astype(jnp.bfloat16)
@@ -640,7 +640,7 @@ class Bench:
         from dflash_jax.cache import write_rows
         from dflash_jax.config import TargetConfig
         from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
-        from pallas_kernels import gpu
+        from pallas_kernels import fused_layer as gpu
         Hq, Hkv, D, C = 32, 8, 128, 2048
         cfg = TargetConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_layers=1, num_heads=Hq,
                            num_kv_heads=Hkv, head_dim=D)

@@ -16,7 +16,8 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
 from dflash_jax.cache import write_rows
 from dflash_jax.kernel_config import KernelConfig
-from pallas_kernels import gpu
+from pallas_kernels import Unsupported, fused_layer
+from pallas_kernels import sampling as search
 
 
 def _layer(D, Hq, Hkv, dtype):
@@ -53,7 +54,7 @@ def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
     want = _xla(layer, qkv, positions, k_cache, v_cache, start)
     cos, sin = rope_tables(positions, D, layer.rope_theta)
-    got = gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+    got = fused_layer.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
                                  layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq, interpret=True)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
     for name, g, w in zip(("q", "k_cache", "v_cache"), got, want):
@@ -87,15 +88,15 @@ def test_prologue_with_context_rows_matches_the_draft_layer(dtype):
     want_k = write_rows(write_rows(k_cache, k[:, :Tc], ctx_start), k[:, Tc:], start)
     want_v = write_rows(write_rows(v_cache, v[:, :Tc], ctx_start), v[:, Tc:], start)
     cos, sin = rope_tables(all_pos, D, layer.rope_theta)
-    got = gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+    got = fused_layer.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
                                  layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq,
                                  ctx_rows=Tc, ctx_start=ctx_start, interpret=True)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
     for name, g, w in zip(("q", "k_cache", "v_cache"), got, (want_q, want_k, want_v)):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name, **tol)
-    with pytest.raises(gpu.Unsupported, match="context rows"):
-        gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+    with pytest.raises(Unsupported, match="context rows"):
+        fused_layer.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
                                layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq, ctx_rows=Tc)
 
 
@@ -104,7 +105,7 @@ def test_prologue_lowers_for_cuda():
     B, T, Hq, Hkv, D, C = 2, 16, 32, 8, 128, 4096
     S = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    f = lambda qkv, c, s, qw, kw, kc, vc, st: gpu.qk_norm_rope_write(qkv, c, s, qw, kw, 1e-6, kc, vc, st,
+    f = lambda qkv, c, s, qw, kw, kc, vc, st: fused_layer.qk_norm_rope_write(qkv, c, s, qw, kw, 1e-6, kc, vc, st,
                                                                        num_heads=Hq)
     exp = export.export(jax.jit(f, donate_argnums=(5, 6)), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
@@ -121,7 +122,7 @@ def test_add_rmsnorm_matches_the_layer(shape, dtype):
     kx, ky = jax.random.split(jax.random.key(3))
     x = (jax.random.normal(kx, shape) * 4).astype(dtype)
     y = jax.random.normal(ky, shape).astype(dtype)
-    s, n = gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=True)
+    s, n = fused_layer.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=True)
     want_s = x + y
     np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want_s, np.float32))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -131,7 +132,7 @@ def test_add_rmsnorm_matches_the_layer(shape, dtype):
 def test_add_rmsnorm_lowers_for_cuda():
     from jax import export
     S = jax.ShapeDtypeStruct
-    exp = export.export(jax.jit(lambda x, y, w: gpu.add_rmsnorm(x, y, w, 1e-6)), platforms=["cuda"],
+    exp = export.export(jax.jit(lambda x, y, w: fused_layer.add_rmsnorm(x, y, w, 1e-6)), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((1, 16, 4096), jnp.bfloat16), S((1, 16, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16))
     assert "dflash_add_rmsnorm" in exp.mlir_module()
@@ -229,12 +230,12 @@ def test_sampling_count_pass_lowers_for_cuda(first):
     from jax import export
     S = jax.ShapeDtypeStruct
     V = 151936
-    P, chunk = gpu.count_layout(16, V)
+    P, chunk = search.count_layout(16, V)
     assert P == 64 and P * chunk >= V
     prev = None if first else (S((16, P, 16), jnp.float32), S((16, P, 16), jnp.int32))
 
     def f(k, w, off, bud, prev):
-        return gpu.count_pass(k, w, prev, off, bud, P=P, chunk=chunk, shift=24, width=4, prev_shift=28)
+        return search.count_pass(k, w, prev, off, bud, P=P, chunk=chunk, shift=24, width=4, prev_shift=28)
     exp = export.export(jax.jit(f), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((16, V), jnp.int32), S((16, V), jnp.float32), S((16,), jnp.float32), S((16,), jnp.float32), prev)
@@ -267,8 +268,8 @@ def test_sampling_gather_kernel_collects_the_keys_above(N, V, ranks):
     keys = rng.integers(-2**31, 2**31, size=(N, V)).astype(np.int32)
     h = -np.sort(-keys, axis=1)[np.arange(N), list(ranks)]
     keys[0, 5:9] = h[0]                                                      # ties at the cut
-    cnt, gk, gi = map(np.asarray, gpu.gather_above(jnp.asarray(keys), jnp.asarray(h), interpret=True))
-    G = gpu.GATHER_MAX
+    cnt, gk, gi = map(np.asarray, search.gather_above(jnp.asarray(keys), jnp.asarray(h), interpret=True))
+    G = search.GATHER_MAX
     assert gk.shape == gi.shape == (N, G)
     for n in range(N):
         above = np.nonzero(keys[n] >= h[n])[0]
@@ -282,7 +283,7 @@ def test_sampling_gather_kernel_collects_the_keys_above(N, V, ranks):
 def test_sampling_gather_kernel_lowers_for_cuda():
     from jax import export
     S = jax.ShapeDtypeStruct
-    exp = export.export(jax.jit(gpu.gather_above), platforms=["cuda"],
+    exp = export.export(jax.jit(search.gather_above), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((16, 151936), jnp.int32), S((16,), jnp.int32))
     assert "dflash_sampling_gather" in exp.mlir_module()

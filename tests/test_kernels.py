@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_kernels
 from dflash_jax.attention import attend
 from dflash_jax.kernel_config import ATTENTION_BACKENDS, KernelConfig, resolved
-from pallas_kernels import gpu, reference, tpu
+from pallas_kernels.attention import gpu, merge, reference, tpu
 from tests.tpu_aot import abstract, bytes_accessed, compile_for_tpu, memory_report, requires_libtpu, tpu_device
 
 F32_ATOL = 1e-5
@@ -156,8 +156,8 @@ def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
     o = o.at[1 % S].set(jnp.nan)                          # ... whose partial was never written
     lse = lse.at[:, 5].set(-jnp.inf)                      # a row with no keys at all
     o = o.astype(dtype)
-    got = gpu.merge_splits(o, lse, dtype, interpret=True)
-    want = gpu._merge(o, lse).astype(dtype)
+    got = merge.merge_splits(o, lse, dtype, interpret=True)
+    want = merge._merge(o, lse).astype(dtype)
     assert got.shape == (N, D) and got.dtype == dtype
     assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)),
@@ -262,8 +262,8 @@ def test_kernel_config_resolves_on_cpu():
     # the GPU-only settings are off (one compile key) on the other paths
     assert KernelConfig("xla", fused_layer=True) .resolve() == KernelConfig("xla", fused_layer=False).resolve()
     # a GPU path from a host without a GPU takes its SM count from the tuning table
-    gpu = KernelConfig(attention="pallas_gpu").resolve()
-    assert gpu.fused and gpu.search_kernels and gpu.n_sms == 132
+    on_gpu = KernelConfig(attention="pallas_gpu").resolve()
+    assert on_gpu.fused and on_gpu.search_kernels and on_gpu.n_sms == 132
     assert KernelConfig(attention="pallas_gpu", n_sms=78).resolve().n_sms == 78
     with pytest.raises(ValueError, match="attention"):
         KernelConfig(attention="flash")

@@ -56,8 +56,8 @@ def add_norm(x, y, norm: RMSNorm, kernels: KernelConfig):
     """(x + y, norm(x + y)): one Pallas kernel on the fused GPU path (attention.fused_add_norm),
     else the XLA ops; the same numbers either way."""
     if fused_add_norm(kernels, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
-        from pallas_kernels import gpu
-        return gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=kernels.interpret)
+        from pallas_kernels import fused_layer
+        return fused_layer.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=kernels.interpret)
     x = x + y
     return x, norm(x)
 
@@ -147,9 +147,9 @@ class DecoderLayer(nnx.Module):
         k_pos = positions if ctx is None else jnp.concatenate([ctx_positions, positions], axis=1)
         if fused:
             # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
-            from pallas_kernels import gpu
+            from pallas_kernels import fused_layer
             cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)
-            q, k_cache, v_cache = gpu.qk_norm_rope_write(
+            q, k_cache, v_cache = fused_layer.qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
                 self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
                 ctx_rows=Tc, ctx_start=ctx_write_start, interpret=kernels.interpret)
