@@ -47,17 +47,15 @@ __all__ = ["generate", "GenerateResult", "precompile", "compiled_program", "lowe
 @dataclasses.dataclass(frozen=True)
 class _Static:
     target_def: Any
-    draft_def: Any            # None: plain decoding
+    draft_def: Any            # the proposer's structure (a DFlashDraft, or a double); None: plain decoding
     taps: tuple
     block_size: int
-    mask_token_id: int
     batch: int
     prompt_bucket: int
     capacity: int
     mode: str
     kernels: KernelConfig     # resolved
     stream: bool
-    draft_override: Any = None  # tests only: f(drafts [B, S-1], lens [B]) -> drafts (a proposer double)
 
 
 @struct.dataclass
@@ -151,20 +149,10 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
     positions = lens[:, None] + j                                               # [B, S]
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
     dcache, taps = s.draft_cache, ()
-    if draft is not None:
+    if draft is not None:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
-        block = jnp.concatenate([current, jnp.full((B, S - 1), st.mask_token_id, jnp.int32)], axis=1)
-        # The reference shortens the last block to the tokens still allowed; the non-causal draft
-        # sees that as keys ending there.
-        draft_end = jnp.broadcast_to((lens + jnp.minimum(S, remaining))[:, None], (B, S))
-        pend_pos = (lens - s.pending_count)[:, None] + j
-        with jax.named_scope("draft"):
-            dh, dcache = draft(target.embed_tokens(block), positions, s.pending, pend_pos, s.draft_cache,
-                               draft_end, kernels=st.kernels)
-        with jax.named_scope("draft_lm_head"):
-            drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
-        if st.draft_override is not None:
-            drafts = st.draft_override(drafts, lens)
+        drafts, dcache = draft.propose(target, current, lens, limit, s.pending, s.pending_count,
+                                       s.draft_cache, block_size=S, kernels=st.kernels)  # [B, S-1]
         block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
     else:
         block = current
@@ -297,13 +285,13 @@ def _buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity
 
 
 def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            kernels, stream=False, draft_override=None) -> _Static:
+            kernels, stream=False) -> _Static:
     has_draft = draft_def is not None
     return _Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
-                   mask_token_id=draft_config.mask_token_id if has_draft else 0, batch=batch,
+                   batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
-                   stream=stream, draft_override=draft_override if has_draft else None)
+                   stream=stream)
 
 
 def _check_prompts(prompts, vocab: int):
@@ -325,11 +313,10 @@ def _check_prompts(prompts, vocab: int):
 
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-                       block_size, seed, attention_impl, capacity, stream, kernels=None,
-                       draft_override=None):
+                       block_size, seed, attention_impl, capacity, stream, kernels=None):
     if not isinstance(target, Qwen3):
         raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
-    if draft is not None and not isinstance(draft, DFlashDraft):
+    if draft is not None and not (isinstance(draft, nnx.Module) and callable(getattr(draft, "propose", None))):
         raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
     sampling.validate(temperature, top_p, top_k)
@@ -375,8 +362,7 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
-                 prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream,
-                 draft_override=draft_override)
+                 prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
@@ -397,7 +383,7 @@ def _compiled(st: _Static, tstate, dstate, p) -> tuple[Any, float]:
     return fn, time.perf_counter() - t0
 
 
-def compiled_program(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs):
+def compiled_program(target: Qwen3, draft, prompts, **kwargs):
     """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
     compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
     on_commit = kwargs.pop("on_commit", None)
@@ -406,7 +392,7 @@ def compiled_program(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs
     return _compiled(st, tstate, dstate, p)
 
 
-def precompile(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs) -> float:
+def precompile(target: Qwen3, draft, prompts, **kwargs) -> float:
     """Compile (and cache) the program `generate(target, draft, prompts, **kwargs)` would run, without
     running it. Returns the compile seconds (0.0 when it was already compiled)."""
     return compiled_program(target, draft, prompts, **kwargs)[1]
@@ -421,15 +407,15 @@ def _generate_defaults(kw: dict) -> dict:
     return {**out, **kw}
 
 
-def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_tokens: int = 256,
+def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], None] | None = None,
-             kernels: KernelConfig | None = None,
-             _draft_override=None, _return_state: bool = False) -> GenerateResult:
+             kernels: KernelConfig | None = None) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
-    draft=None (or block_size=1) runs plain autoregressive decoding through the same loop. Greedy
+    draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
+    plain autoregressive decoding through the same loop. Greedy
     output equals the target's own greedy decoding token for token; sampled output follows the
     target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
     (seed, i, position), so a row's output is reproducible given seed, its index and its prompt.
@@ -440,12 +426,22 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     GPU kernels; it is part of the compile key. `attention_impl` is the older spelling of
     `kernels.attention` (both given and different: ValueError).
     """
+    return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
+                     seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
+                     kernels=kernels)[0]
+
+
+def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
+              block_size, seed, attention_impl, capacity, on_commit, kernels):
+    """`generate`, also returning the final loop state (`_Loop`: caches, lengths; tests read it)."""
     st, tstate, dstate, p, n_rows, lens = _static_and_params(
         target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
         attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
-        kernels=kernels, draft_override=_draft_override)
+        kernels=kernels)
     fn, compile_time = _compiled(st, tstate, dstate, p)
+
     def run():
         t0 = time.perf_counter()
         state = fn(tstate, dstate, p)
@@ -470,9 +466,7 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
         tokens=rows, finish_reasons=reasons,
         acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
         block_size=st.block_size, num_iterations=int(step), compile_time_s=compile_time, run_time_s=run_time)
-    if _return_state:  # tests: the final loop state (caches included)
-        res.state = state
-    return res
+    return res, state
 
 
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,

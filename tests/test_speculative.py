@@ -121,8 +121,9 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
     truth = np.zeros((2, 64 + n + 2 * S), np.int32)
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
-    res = generate(target, draft, prompts, max_new_tokens=n, block_size=S, _return_state=True,
-                   _draft_override=truth_proposer(truth, corrupt, 128))
+    res, st = decode._generate(target, truth_proposer(draft, truth, corrupt, 128), prompts,
+                               **decode._generate_defaults(dict(max_new_tokens=n, block_size=S)),
+                               on_commit=None)
     assert res.tokens == [t[:n] for t in plain.tokens]
     expect = S if corrupt is None else corrupt + 1
     for row in res.acceptance_lengths:
@@ -130,7 +131,6 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
     # The draft's context cache after partial acceptance: rows [0, len - pending) hold exactly the K/V
     # of the target taps of the committed tokens, as if written from scratch (the last iteration's
     # tokens are still pending: the loop ended before a draft step wrote them).
-    st = res.state
     for b, (p, t) in enumerate(zip(prompts, res.tokens)):
         seq = np.array([p + t[:-1]])
         assert int(st.lens[b]) == seq.shape[1]
