@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 import warnings
@@ -70,6 +71,7 @@ class _Params:
     top_p: jax.Array           # [] float32
     stop_ids: jax.Array        # [K] int32, -1 padded
     seed: jax.Array            # [] uint32
+    stream_id: Any = None      # [] int32: the call's on_commit in _STREAMS (streaming programs only)
 
 
 @struct.dataclass
@@ -81,20 +83,48 @@ class _Loop:
     pending: Any               # [B, S, n_taps·H] taps of last iteration's committed tokens, or None
     pending_count: jax.Array   # [B]
     done: jax.Array            # [B] bool
+    stopped: Any               # [B] bool: rows on_commit stopped (streaming programs only, else None)
     accept_log: jax.Array      # [B, C] tokens produced per iteration
     iters: jax.Array           # [B] iterations per row
     step: jax.Array            # [] loop iterations
 
 
-# The compiled program streams through this one host function, so a streaming program is compiled
-# once too; generate() points it at the caller's callback for the duration of a call.
-_STREAM_SINK: list = [None]
-_STREAM_LOCK = threading.Lock()  # one streaming generation at a time: the sink is process-wide
+# Streaming: the compiled program calls this one host function with the call's id (a traced value,
+# so a streaming program is compiled once), which finds that call's sink here. Each generate() call
+# registers its own sink for its duration, so streaming calls may run in several threads at once.
+_STREAMS: dict = {}
+_STREAM_IDS = itertools.count(1)
+_STREAM_LOCK = threading.Lock()      # guards the id counter and the dict, not the calls
 
 
-def _stream_to_host(commit, produced):
-    if _STREAM_SINK[0] is not None:
-        _STREAM_SINK[0](np.asarray(commit), np.asarray(produced))
+class _Stream:
+    """One call's on_commit. Returns the stop flag for the device loop: True when on_commit
+    returned True, or raised (the exception is kept and re-raised by generate)."""
+
+    def __init__(self, on_commit, n_rows: int):
+        self.on_commit, self.n_rows, self.error = on_commit, n_rows, None
+
+    def __call__(self, commit, produced) -> bool:
+        if self.error is not None:
+            return True
+        try:
+            out = self.on_commit([commit[i, :produced[i]].tolist() for i in range(self.n_rows)])
+        except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt too: the caller gets it back)
+            self.error = e
+            return True
+        return isinstance(out, (bool, np.bool_)) and bool(out)
+
+
+def _stream_to_host(call_id, commit, produced):
+    sink = _STREAMS.get(int(call_id))
+    return np.bool_(sink is not None and sink(np.asarray(commit), np.asarray(produced)))
+
+
+def _stream(p: _Params, commit, produced):
+    """Send one iteration's commits [B, n] (produced [B] of them per row) to the host; returns
+    the host's stop flag [] bool."""
+    return io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), p.stream_id, commit, produced,
+                       ordered=True)
 
 
 def _row_keys(seed, lens):
@@ -132,10 +162,12 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     stop = jnp.any(first[:, None] == p.stop_ids[None], axis=1)
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
+    stopped = None
     if st.stream:  # the prefill token is the first committed token
-        io_callback(_stream_to_host, None, first[:, None], p.active.astype(jnp.int32), ordered=True)
+        halt = _stream(p, first[:, None], p.active.astype(jnp.int32))
+        stopped, done = halt & ~done, done | halt
     return _Loop(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
-                 pending_count=jnp.zeros((B,), jnp.int32), done=done,
+                 pending_count=jnp.zeros((B,), jnp.int32), done=done, stopped=stopped,
                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
                  step=jnp.zeros((), jnp.int32))
 
@@ -180,11 +212,13 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
         accept_log = jax.vmap(lambda r, i, n, on: jnp.where(on, r.at[i].set(n), r))(
             s.accept_log, jnp.minimum(s.iters, C - 1), produced, active)
         done = s.done | jnp.any(is_stop, axis=1) | _finished(st, new_lens, limit, S)
-        if st.stream:
-            io_callback(_stream_to_host, None, commit, produced, ordered=True)
+        stopped = s.stopped
+        if st.stream:   # on_commit asked to stop (or raised): every row still running stops here
+            halt = _stream(p, commit, produced)
+            stopped, done = s.stopped | (halt & ~done), done | halt
     return _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                  draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
-                 done=done, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
+                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
 
 
 def _run(st: _Static, target_state, draft_state, p: _Params):
@@ -206,7 +240,8 @@ class GenerateResult:
     num_iterations: int                   # loop iterations (the longest row's)
     compile_time_s: float                 # 0.0 when the program was already compiled
     run_time_s: float                     # the one dispatch, prefill included, to results on the host
-    # per row: "stop" (stop token, included in tokens), "length" (max_new_tokens) or "capacity" (KV full)
+    # per row: "stop" (stop token, included in tokens), "length" (max_new_tokens), "capacity" (KV
+    # full) or "stopped" (on_commit returned True or raised)
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -367,7 +402,8 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
                 top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
-                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed % (1 << 32), jnp.uint32))
+                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed % (1 << 32), jnp.uint32),
+                stream_id=jnp.asarray(0, jnp.int32) if stream else None)
     return st, tstate, dstate, p, len(rows), lens
 
 
@@ -419,8 +455,13 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     output equals the target's own greedy decoding token for token; sampled output follows the
     target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
     (seed, i, position), so a row's output is reproducible given seed, its index and its prompt.
-    `on_commit(row_tokens)` (streaming) is called on the host once per loop iteration with the tokens
-    each row committed in it. `capacity` (KV-cache entries) defaults to the prompt bucket +
+    Streaming: `on_commit(row_tokens)` is called on the host after the prefill and once per loop
+    iteration, with the tokens each row committed then (a list per prompt, empty for finished
+    rows). If it returns True, the device loop marks every row done at that iteration and
+    generate returns what was committed so far, finish reason "stopped" for the rows that were
+    still running; if it raises, the loop stops the same way and generate re-raises that
+    exception. Each call has its own sink, so streaming calls may run in several threads; the
+    streaming program is still compiled once. `capacity` (KV-cache entries) defaults to the prompt bucket +
     max_new_tokens + block, rounded up to 1024; rows stop when it is full.
     `kernels` (a KernelConfig, default KernelConfig(): "auto") picks the attention backend and the
     GPU kernels; it is part of the compile key. `attention_impl` is the older spelling of
@@ -451,17 +492,25 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
     if on_commit is None:
         state, out, run_time = run()
     else:
+        sink = _Stream(on_commit, n_rows)
         with _STREAM_LOCK:
-            _STREAM_SINK[0] = lambda commit, produced: on_commit(
-                [commit[i, :produced[i]].tolist() for i in range(n_rows)])
-            try:
-                state, out, run_time = run()
-            finally:
-                _STREAM_SINK[0] = None
+            call_id = next(_STREAM_IDS) % (1 << 31)
+            _STREAMS[call_id] = sink
+        try:
+            p = p.replace(stream_id=jnp.asarray(call_id, jnp.int32))
+            state, out, run_time = run()
+            stopped = np.asarray(state.stopped)
+        finally:
+            with _STREAM_LOCK:
+                del _STREAMS[call_id]
+        if sink.error is not None:
+            raise sink.error
     tokens, out_lens, log, iters, step = out
     rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
     stops = set(np.asarray(p.stop_ids).tolist()) - {-1}
     reasons = ["stop" if r[-1] in stops else "length" if len(r) >= max_new_tokens else "capacity" for r in rows]
+    if on_commit is not None:
+        reasons = ["stopped" if stopped[i] else r for i, r in enumerate(reasons)]
     res = GenerateResult(
         tokens=rows, finish_reasons=reasons,
         acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
