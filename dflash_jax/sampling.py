@@ -11,13 +11,13 @@ order of a stable descending sort. Top-k keeps the tokens with fewer than k toke
 them, top-p the tokens whose higher-ranked mass is below p; both sets are "every key >= a
 threshold key", and the threshold is found digit by digit (4 bits per pass, 16 candidates per
 pass, each pass one fused reduction over the vocabulary): 8 passes for the score bits, 5 for the
-index among tied scores. A full sort of 16 x 151,936 scores measured +12% per DFlash iteration on
-the H200; a 64-candidate lax.top_k was no better (+10%), XLA:GPU sorts for it too. On the GPU path
-each pass is one Pallas kernel (pallas_kernels.sampling.count_pass); elsewhere, and with KernelConfig(sampling_kernels=False), XLA reductions. Both find the same keys.
-With top-k on the GPU path, the 8 score passes of top-k are followed by one gather of every token at
-or above the threshold score (pallas_kernels.sampling.gather_above, <= GATHER_MAX per row), and the tie
-cut and the top-p cut run on those (`_gathered_cut`) instead of 18 more passes (+3.4% per iteration
-against +6.6% for T=0.6 / top-p 0.95 / top-k 20 on the H200).
+index among tied scores. A full sort of the vocabulary, and lax.top_k (XLA:GPU sorts for it too),
+were slower per iteration (docs/perf-log.md). On the GPU path with KernelConfig.sampling_kernels
+each pass is one Pallas kernel (pallas_kernels.sampling.count_pass); elsewhere XLA reductions. Both
+find the same keys. With top-k on that path, the 8 score passes of top-k are followed by one gather
+of every token at or above the threshold score (pallas_kernels.sampling.gather_above, <= GATHER_MAX
+per row), and the tie cut and the top-p cut run on those (`_gathered_cut`) instead of 18 more
+passes.
 
 Speculative acceptance with argmax drafts (q one-hot): draft token d_i is accepted with probability
 p_i(d_i) under the target's processed distribution; at the first rejection the next token is drawn
@@ -63,7 +63,7 @@ def mode_for(temperature: float, top_p: float, top_k: int) -> str:
     return "topp" if top_p < 1.0 else "sample"
 
 
-_DIGIT = 4                      # bits decided per pass (5 measured slower on the H200: +9.0% vs +6.6%)
+_DIGIT = 4                      # bits decided per pass (5 was slower: docs/perf-log.md)
 _INDEX_BITS = 20                # vocabularies up to 2**20 - 1 tokens
 
 
@@ -94,8 +94,8 @@ def _masked_sums(keys, cand, weight):
     """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, K], weight [N, V] or None
     (a count) -> [N, K].
 
-    One [N, V, K] reduction over V. Measured on the H200 against the same sums laid out [N, K, V]
-    (+12.3% per DFlash iteration instead of +6.6%) and as K sibling [N, V] reductions (+19.2%)."""
+    One [N, V, K] reduction over V: faster than the same sums laid out [N, K, V] or as K sibling
+    [N, V] reductions (docs/perf-log.md)."""
     w = 1.0 if weight is None else weight[:, :, None]
     return jnp.sum(jnp.where(keys[:, :, None] > cand[:, None, :], w, 0.0), axis=1)
 

@@ -728,7 +728,7 @@ class Bench:
 
     def ensure_rates(self):
         if self.bw is None:
-            # no floors section: the H200 numbers measured earlier (DESIGN.md)
+            # no floors section: the H200's copy and GEMM rates from an earlier floors run
             self.bw = 4.23e12 if not self.s.smoke else 20e9
             self.gemm_rate = 780e12 if not self.s.smoke else 50e9
             self.R.setdefault("assumed_rates", {"copy_Bps": self.bw, "gemm_FLOPs": self.gemm_rate})
@@ -794,7 +794,7 @@ class Bench:
 
         "bare": each product feeds the next (a slice where the widths differ), the LM head's argmax
         picks the next embeddings. "glue": plus the residual adds and the SwiGLU, the least elementwise
-        work a Qwen3 layer needs (DESIGN.md's synthetic decode step). DFlash: the target over the
+        work a Qwen3 layer needs (a synthetic decode step). DFlash: the target over the
         block's rows and its LM head, the draft's fc over the five taps, five draft layers (q/k/v
         over context + block rows in one product, as the fused path runs it), the draft's LM head over
         S - 1 rows."""

@@ -20,7 +20,7 @@ of >= SPLIT_MIN_CAPACITY rows; for shorter ones a small XLA epilogue (one elemen
 Caches shorter than SPLIT_MIN_CAPACITY are split as SHORT_SPLITS says (8 ways in chunks of >= 64
 keys for a batch-1 block, 4 of >= 128 for decode) when the block is short (decode, verify, draft)
 and the programs few: at batch 1 and a 512-token prompt the unsplit kernel is latency-bound (8
-programs, ~9 tiles each, 13 us a call).
+programs, ~9 tiles each).
 """
 
 from __future__ import annotations
@@ -56,15 +56,15 @@ def sm_count(device=None) -> int:
     return n if isinstance(n, int) and n > 0 else FALLBACK_SMS
 
 
-# Shared memory Triton may use per program for the q tile and the pipelined K/V tiles (H200 has 227 KiB;
-# Triton needs some for layout conversions too). Seen on the H200: the bf16 tuned prefill tile run in
-# float32 asked for 288 KiB and failed, so wider dtypes shrink the pipeline until it fits.
+# Shared memory Triton may use per program for the q tile and the pipelined K/V tiles (an H200 has
+# 227 KiB; Triton needs some for layout conversions too). The bf16 prefill tile run in float32 asks
+# for more than an SM has, so wider dtypes shrink the pipeline until it fits.
 _SMEM_BUDGET = 128 * 1024
 
 
 def _fit_smem(cfg: dict, rows: int, D: int, itemsize: int) -> dict:
     if itemsize <= 2:
-        return cfg  # the H200 sweep's bf16/f16 settings fit as measured
+        return cfg  # the tuned bf16/f16 settings fit
     def need(c):
         return (rows * D + 2 * c["num_stages"] * c["block_k"] * D) * itemsize
     while need(cfg) > _SMEM_BUDGET:
@@ -91,12 +91,9 @@ def _row_tile(T: int, G: int, rows: int = 64) -> int:
 # Below this capacity the split count does not come from filling the GPU: short blocks with fewer
 # programs than SMs split into the first (splits, min chunk) of SHORT_SPLITS whose programs fit in
 # one wave of two per SM (blocks of 2+ positions: 8 of >= 64 keys up to batch 4 at Qwen3-8B heads,
-# else 4 of >= 128), everything else not at all. Measured on the H200: in the whole loop (call 7,
-# B=1, prompt 512) DFlash 5.59 ms per iteration with 4 splits of >= 128 keys against 5.78-5.87
-# unsplit, plain decode 4.30 against 4.46 ms. The kernel alone (calls 33-34, device time, B=1 over
-# 528 keys) 7.3-7.5 us with 8 splits of 64 keys against 8.9 with 4 and 8.0 with 16 of 32; in the
-# loop (call 34) DFlash 5.488 / 5.473 ms with 8 against 5.532 / 5.495 with 4, but plain decode
-# (T = 1, 16-row tiles of 4 live rows) 4.330 / 4.281 against 4.264 / 4.255: it keeps 4.
+# else 4 of >= 128), everything else not at all. Splitting beat the unsplit kernel in the whole loop
+# at batch 1, prompt 512; 8 short splits won for blocks, while plain decode (T = 1, 16-row tiles of
+# 4 live rows) kept 4 (docs/perf-log.md).
 SPLIT_MIN_CAPACITY = 4096
 SHORT_SPLITS = ((8, 64), (4, 128))
 
@@ -104,12 +101,12 @@ SHORT_SPLITS = ((8, 64), (4, 128))
 def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: int) -> dict:
     """Tile sizes, kv splits and Triton launch parameters for T query positions (G heads each) over C.
 
-    From sweeps on an H200 (jax 0.11.2, Qwen3-8B heads, bf16; BENCHMARKS.md):
-    - 64-row tiles, block_k 64, 4 warps, 3 stages: best for verify/draft (3.9 TB/s at B=32 / 32k)
-      and for prefill too (T=4096: 558 us against 631-1004 us for 128-row tiles or 8 warps).
-    - Splits: fewer programs than SMs (batch 1-8) -> two waves' worth of splits; B=32 at 32k
-      (256 programs, under two waves) ran 1163 us with 2 splits against 1387 us with 1, while at 8k
-      one split was better (344 vs 369 us).
+    From sweeps on an H200 (Qwen3-8B heads, bf16; docs/perf-log.md):
+    - 64-row tiles, block_k 64, 4 warps, 3 stages: best for verify/draft and for prefill too
+      (against 128-row tiles or 8 warps).
+    - Splits: fewer programs than SMs (batch 1-8) -> two waves' worth of splits; at 32k, 256
+      programs (under two waves) ran faster with 2 splits than with 1, while at 8k one was better.
+    n_sms: the GPU's SM count (dflash_jax.KernelConfig.n_sms, from the device).
     """
     block_t = _row_tile(T, G, 64)
     block_k = 32 if D > 128 else 64
@@ -127,11 +124,10 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     elif programs < n_sms:
         # Two programs fit on an SM (~112 KiB of shared memory each): fill exactly one wave of
         # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave
-        # of 56 programs that ran at a fraction of the bandwidth (B=8, 32k: 1.72 TB/s).
-        # At most 16 splits below 16k rows: B=1 at 8k ran 20.9 us with 16 against 24.2 us with 32
-        # (3 alternating rounds, call 8). From 16k on the wave is filled: B=1 at 32k takes 33
-        # splits (264 programs, 16 tiles each; 32 splits left 17-tile chunks): 43.9-44.3 us against
-        # 44.8-45.2 with 32 (device time, calls 26-30).
+        # of 56 programs that ran at a fraction of the bandwidth.
+        # At most 16 splits below 16k rows (16 beat 32 at B=1, 8k). From 16k on the wave is
+        # filled: B=1 at 32k takes 33 splits (264 programs, 16 tiles each), faster than 32 splits'
+        # 17-tile chunks (docs/perf-log.md).
         cap = 16 if C < 16384 else 2 * n_sms
         kv_splits = max(1, min(2 * n_sms // programs, max(1, C // block_k), cap))
     elif programs < 4 * n_sms and C >= 16384:
@@ -139,11 +135,9 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     else:
         kv_splits = 1
     # Long caches merge their splits in merge_splits' kernel with >= 512 programs: 4 x 32 tiles when
-    # the output is small (B=1: 512 rows), 16 x 64 from B=4 on. Device time (calls 28-31): the merge
-    # 4.1 us against XLA's fusion's 5.7-5.9 at B=1 32k, 2.6 against 3.6-3.7 at B=1 8k, 3.0-3.2
-    # against 4.1-4.3 at B=8; with the 33 splits, B=1 32k 42.5 against 44.6 us. Short caches (few,
-    # small partials) keep XLA's fusion, which can overlap its launch with the next GEMM's (PDL);
-    # call 28 saw no difference in the prompt-512 loop.
+    # the output is small (B=1: 512 rows), 16 x 64 from B=4 on; faster than XLA's fusion of the
+    # merge at 8k and 32k. Short caches (few, small partials) keep XLA's fusion, which can overlap
+    # its launch with the next GEMM's (PDL); docs/perf-log.md has the measurements.
     big = B * T * Hkv * G * D // (MERGE_ROWS * MERGE_COLS) >= n_sms     # 16 x 64 tiles fill the GPU
     return dict(block_t=block_t, block_k=block_k, kv_splits=kv_splits, num_warps=4,
                 num_stages=3, min_chunk=min_chunk,

@@ -42,7 +42,7 @@ def choose_blocks(R: int, C: int, D: int, dtype, *, block_q: int | None = None,
     if sub is None:
         raise Unsupported(f"dtype {dtype} not supported")
     if block_k is None:
-        # Big KV tiles: decode is HBM-bound and each grid step costs ~0.35 us of overhead.
+        # Big KV tiles: decode is HBM-bound and each grid step has a fixed overhead.
         block_k = next((bk for bk in (512, 256, 128) if C % bk == 0), None)
         if block_k is None:
             if C > 1024:

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import Unsupported, pltriton
 
 # Residual add + RMSNorm in one kernel (GPU path, short blocks). XLA:GPU runs `x + attn_out` and the
-# post-attention RMSNorm as two launches (~2 us each at decode sizes); this is one program per row.
+# post-attention RMSNorm as two launch-bound kernels at decode sizes; this is one program per row.
 
 def _add_rmsnorm_kernel(x_ref, y_ref, w_ref, s_ref, n_ref, *, eps: float):
     f32 = jnp.float32

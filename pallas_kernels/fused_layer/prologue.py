@@ -17,7 +17,7 @@ from pallas_kernels._common import HEAD_DIMS as _HEAD_DIMS, Unsupported, pltrito
 #
 # After the fused q/k/v projection, XLA runs q-norm, k-norm, RoPE and the two cache writes as about
 # six small kernels per layer (two row reductions, two elementwise fusions, two dynamic-update-slices;
-# ~2 us each on the H200, launch-bound). This kernel does all of it in one launch: one program per
+# each launch-bound at these sizes). This kernel does all of it in one launch: one program per
 # (batch row, head), q heads first, then kv heads. The caches are updated in place
 # (input_output_aliases). Numerics follow modeling.layers exactly: RMSNorm in float32, cast back,
 # times the weight in the input dtype; RoPE in float32 from that, cast back.

@@ -16,8 +16,8 @@ from pallas_kernels._common import Unsupported, pltriton, round_up as _round_up
 # Sampling's top-k / top-p threshold search (dflash_jax.sampling) on the GPU. The search finds, per
 # row n, the smallest key x with  offset[n] + sum_v weight[n, v] * (keys[n, v] > x)  <  budget[n],
 # deciding `width` bits of x per pass from 2**width candidates. XLA emits each pass as an
-# [N, V, K] -> [N, K] column reduction with little parallelism over V (~14 us a pass for 16 x
-# 151,936 on the H200; 26 passes per iteration with top-k and top-p) plus small kernels for the
+# [N, V, K] -> [N, K] column reduction with little parallelism over V (26 passes per iteration with
+# top-k and top-p) plus small kernels for the
 # digit decision. Here a pass is one kernel: each row's vocabulary is cut into P chunks, one
 # program each (N * P programs fill the GPU); a program first decides the previous pass's digit
 # from that pass's P partial sums (every program of a row computes the same digit), then sums its
