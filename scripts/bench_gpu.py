@@ -527,6 +527,7 @@ class Bench:
         import jax.numpy as jnp
         import numpy as np
         from dflash_jax import attention
+        from dflash_jax.kernel_config import resolved
         Hq, Hkv, D = 32, 8, 128
         out = {}
         cases = [("decode C1024", 2, 1, 1024, jnp.bfloat16), ("decode C32768 split", 1, 1, 32768, jnp.bfloat16),
@@ -542,20 +543,20 @@ class Bench:
                     e = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + 1, (B, T))
                     kn = kc[:, :, :T].transpose(0, 2, 1, 3)
                     vn = vc[:, :, :T].transpose(0, 2, 1, 3)
-                    f = jax.jit(lambda q, kn, vn, kc, vc, e: attention.attend_prefill(q, kn, vn, kc, vc, e, "pallas"))
+                    f = jax.jit(lambda q, kn, vn, kc, vc, e: attention.attend_prefill(q, kn, vn, kc, vc, e, resolved("pallas")))
                     args = (q, kn, vn, kc, vc, e)
                     hlo = f.lower(*args).compile().as_text()
                     route = "cudnn" if "cudnn" in hlo else "pallas"
                 else:
                     lens = C // 2 + 17 + np.arange(B)
                     e = jnp.asarray(lens[:, None] + np.arange(T)[None] + 1, jnp.int32)
-                    f = jax.jit(lambda q, kc, vc, e: attention.attend(q, kc, vc, e, "pallas"))
+                    f = jax.jit(lambda q, kc, vc, e: attention.attend(q, kc, vc, e, resolved("pallas")))
                     args = (q, kc, vc, e)
                     route = "pallas"
                 got = np.asarray(f(*args).astype(jnp.float32))
                 with jax.default_matmul_precision("highest"):  # XLA:GPU's f32 default is TF32
                     ref = np.asarray(attention.attend(q.astype(jnp.float32), kc.astype(jnp.float32),
-                                                      vc.astype(jnp.float32), e, "xla"))
+                                                      vc.astype(jnp.float32), e, resolved("xla")))
                 rel = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
                 tol = 1e-4 if dt == jnp.float32 else 2e-2
                 rec = {"rel_err": rel, "ok": bool(rel <= tol and np.isfinite(got).all()), "route": route}

@@ -56,13 +56,14 @@ def test_speculative_loop_compiles_for_tpu(topology, impl):
         assert "tpu_custom_call" in compiled.as_text()
 
 
-def _export_gpu_loop(num_heads=4, block_size=8, prompt_len=32):
+def _export_gpu_loop(num_heads=4, block_size=8, prompt_len=32, **kw):
     """The small speculative loop on the Pallas GPU path, exported for CUDA from this CPU host."""
     cfg = TargetConfig(vocab_size=512, hidden_size=64 * num_heads, intermediate_size=256, num_layers=2,
                        num_heads=num_heads, num_kv_heads=2, head_dim=64)
     dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=block_size)
     return decode.export_generate(cfg, dcfg, batch=1, prompt_len=prompt_len, max_new_tokens=64,
-                                  attention_impl="pallas_gpu", dtype="bfloat16", platforms=("cuda",))
+                                  dtype="bfloat16", platforms=("cuda",),
+                                  **(kw or dict(attention_impl="pallas_gpu")))
 
 
 def test_pallas_gpu_loop_exports_for_cuda():
@@ -73,3 +74,17 @@ def test_pallas_gpu_loop_exports_for_cuda():
     # the target layers' fused q/k norm + RoPE + cache writes in the loop (not in the prefill)
     assert "dflash_qk_norm_rope_write" in mlir and "dflash_add_rmsnorm" in mlir
     assert "mosaic_gpu" not in mlir
+
+
+def test_kernel_config_reaches_the_exported_cuda_program():
+    """export_generate takes a KernelConfig: the fused layer kernels off leave the attention kernel
+    alone in the loop; sampling_kernels off keeps top-k's search in XLA reductions."""
+    from dflash_jax import KernelConfig
+    mlir = _export_gpu_loop(kernels=KernelConfig(attention="pallas_gpu", fused_layer=False)).mlir_module()
+    assert "dflash_block_attention_gpu" in mlir
+    assert "dflash_qk_norm_rope_write" not in mlir and "dflash_add_rmsnorm" not in mlir
+    on = _export_gpu_loop(kernels=KernelConfig(attention="pallas_gpu"), sampling_mode="topk").mlir_module()
+    off = _export_gpu_loop(kernels=KernelConfig(attention="pallas_gpu", sampling_kernels=False),
+                           sampling_mode="topk").mlir_module()
+    assert "dflash_sampling_count" in on and "dflash_sampling_gather" in on
+    assert "dflash_sampling_count" not in off and "dflash_qk_norm_rope_write" in off
