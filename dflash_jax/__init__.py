@@ -9,9 +9,10 @@
 
 from dflash_jax.config import ConfigError, DraftConfig, TargetConfig, PRESETS
 from dflash_jax.decode import GenerateResult, generate
+from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.weights import init_draft, init_target, load_draft, load_target
 from dflash_jax.text import TextResult, generate_text
 
-__all__ = ["load_target", "load_draft", "init_target", "init_draft", "generate", "GenerateResult", "generate_text", "TextResult",
-           "TargetConfig", "DraftConfig", "ConfigError", "PRESETS"]
+__all__ = ["load_target", "load_draft", "init_target", "init_draft", "generate", "GenerateResult", "generate_text",
+           "TextResult", "TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "KernelConfig"]
 __version__ = "0.1.0"

@@ -1,30 +1,25 @@
-"""Attention dispatch: every attention in the target and the draft goes through `attend`.
-
-impl (a static string; it picks code at trace time):
-  "auto"        TPU/GPU -> the Pallas kernel of that backend, CPU -> "xla"
-  "xla"         the jnp reference (queries chunked for long prefill)
-  "pallas"      the Pallas kernel of the default backend; on CPU the TPU kernel in interpret mode
-                (pltpu.InterpretParams), so the whole decode loop can be tested on CPU
-  "pallas_tpu"  force the TPU kernel: ahead-of-time compiles for a TPU from a CPU host, where
-                jax.default_backend() is "cpu"
-  "pallas_gpu"  force the Triton GPU kernel: jax.export(..., platforms=["cuda"]) from a CPU host
-Shapes a kernel cannot tile fall back to the XLA path (pallas_kernels.block_attention does that).
+"""Attention dispatch: every attention in the target and the draft goes through `attend`, on the
+backend a resolved `KernelConfig` names (dflash_jax.kernel_config). Shapes a kernel cannot tile
+fall back to the XLA path (pallas_kernels.block_attention does that).
 
 `attend_prefill` is the prompt's causal attention from position 0. On the GPU path a long bf16/fp16
 prompt goes to cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`) on
-the prompt's own K/V: measured faster than our Triton kernel from a few thousand tokens on (H200,
-BENCHMARKS.md: T=4096 0.42 ms vs 0.58 ms; at T=512 ours is faster, 63 us vs 72-86 us).
+the prompt's own K/V: faster than our Triton kernel from a few thousand tokens on, slower at a few
+hundred (see docs/perf-log.md).
+
+The fused GPU layer kernels (`fused_prologue`, `fused_add_norm`) apply on the GPU path with
+`KernelConfig.fused_layer`, to blocks of up to 64 tokens (decode, verify, the draft block).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from dflash_jax.kernel_config import KernelConfig
 
 _log = logging.getLogger(__name__)
 
@@ -32,130 +27,54 @@ _log = logging.getLogger(__name__)
 CUDNN_PREFILL_MIN_T = 2048
 
 
-def _fused_ok(impl: str, T: int) -> bool:
-    return (os.environ.get("DFLASH_FUSED_KERNELS", "1") != "0" and 1 <= T <= 64
-            and resolve_impl(impl) in ("pallas_gpu", "pallas_gpu_interpret"))
+def _fused_ok(kernels: KernelConfig, T: int) -> bool:
+    return kernels.fused and 1 <= T <= 64
 
 
-def gpu_interpret(impl: str) -> bool:
-    """Whether the GPU kernels of this path run in the Pallas interpreter (CPU tests)."""
-    return resolve_impl(impl) == "pallas_gpu_interpret"
+def fused_prologue(kernels: KernelConfig, T: int, head_dim: int) -> bool:
+    """Whether a layer's q/k norm, RoPE and cache writes run as one Pallas GPU kernel
+    (pallas_kernels.fused_layer.qk_norm_rope_write) instead of ~6 XLA kernels."""
+    from pallas_kernels import fused_layer
+    return _fused_ok(kernels, T) and fused_layer.prologue_supported(T, head_dim)
 
 
-def fused_prologue(impl: str, T: int, head_dim: int) -> bool:
-    """Whether a target layer's q/k norm, RoPE and cache writes run as one Pallas GPU kernel
-    (pallas_kernels.gpu.qk_norm_rope_write) instead of ~6 XLA kernels: the GPU path, blocks of up to
-    64 tokens (decode, verify). DFLASH_FUSED_KERNELS=0 in the environment turns the fused kernels
-    off (read when a program is traced)."""
-    from pallas_kernels import gpu
-    return _fused_ok(impl, T) and gpu.prologue_supported(T, head_dim)
+def fused_add_norm(kernels: KernelConfig, T: int, hidden: int) -> bool:
+    """Whether `x + y` and the following RMSNorm run as one Pallas GPU kernel
+    (pallas_kernels.fused_layer.add_rmsnorm); same conditions as fused_prologue."""
+    from pallas_kernels import fused_layer
+    return _fused_ok(kernels, T) and fused_layer.add_rmsnorm_supported(hidden)
 
 
-def fused_draft(impl: str, T: int) -> bool:
-    """Whether the draft's layers take the fused path too (their prologue with the context rows,
-    residuals deferred into the next norm). DFLASH_FUSED_KERNELS=target keeps the fused kernels to
-    the target's layers (the draft as before call 35, for A/B runs)."""
-    return _fused_ok(impl, T) and os.environ.get("DFLASH_FUSED_KERNELS", "1") != "target"
-
-
-def fused_add_norm(impl: str, T: int, hidden: int) -> bool:
-    """Whether `x + attn_out` and the post-attention RMSNorm run as one Pallas GPU kernel
-    (pallas_kernels.gpu.add_rmsnorm); same conditions and switch as fused_prologue."""
-    from pallas_kernels import gpu
-    return _fused_ok(impl, T) and gpu.add_rmsnorm_supported(hidden)
-
-LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
-
-
-def linear_projections() -> frozenset:
-    """Which projections DFLASH_FUSED_LINEAR puts on pallas_kernels.gpu_linear kernels: "0" (the
-    default) none, "1" all, or a comma list of LINEAR_NAMES. Off by default: on the H200 XLA's
-    GEMMs already stream the weights at copy bandwidth, and our kernels measured 2-5% slower per
-    iteration end to end (BENCHMARKS.md, calls 12-15). Read at trace time."""
-    spec = os.environ.get("DFLASH_FUSED_LINEAR", "0").strip()
-    if spec in ("", "0"):
-        return frozenset()
-    if spec == "1":
-        return frozenset(LINEAR_NAMES)
-    names = frozenset(x.strip() for x in spec.split(",") if x.strip())
-    if names - set(LINEAR_NAMES):
-        raise ValueError(f"DFLASH_FUSED_LINEAR={spec!r}: expected 0, 1 or names from {LINEAR_NAMES}")
-    return names
-
-
-def fused_linear(impl: str, x, w, *, swiglu: bool = False, name: str | None = None) -> bool:
-    """Whether x [B, T, K] @ w [K, N] (projection `name`) runs as a pallas_kernels.gpu_linear
-    kernel (with the SwiGLU of gate/up fused in): DFLASH_FUSED_LINEAR selects it (see
-    linear_projections), on the GPU path, for B * T <= gpu_linear.MAX_ROWS rows (decode, verify,
-    the draft block). swiglu: w is [gate | up]. name None: any selected projection."""
-    chosen = linear_projections()
-    if not chosen or (name is not None and name not in chosen) or not _fused_ok(impl, x.shape[1]):
-        return False
-    from pallas_kernels import gpu_linear
-    return w.dtype == x.dtype and gpu_linear.supported(x.shape[0] * x.shape[1], w.shape[0],
-                                                       w.shape[1], w.dtype, swiglu=swiglu)
-
-
-def linear_prologue() -> bool:
-    """DFLASH_LINEAR_PROLOGUE=1: the residual add and RMSNorm run inside the projection kernel
-    (gpu_linear's residual/norm_weight) instead of add_norm's kernel before it. Off by default:
-    measured 2-3x slower on the H200 (BENCHMARKS.md, calls 12-13), the elementwise work on the
-    activation tile costing Triton its pipelining. Applies to the projections DFLASH_FUSED_LINEAR
-    selects. Read at trace time."""
-    return os.environ.get("DFLASH_LINEAR_PROLOGUE", "0") == "1"
-
-
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
-
-# What `resolve_impl` returns: the concrete path. "pallas_gpu_interpret" (tests only) runs the GPU
-# path, fused kernels included, in the Pallas interpreter on CPU.
-_RESOLVED = ("xla", "pallas_tpu", "pallas_gpu", "pallas_interpret", "pallas_gpu_interpret")
-
-
-def resolve_impl(impl: str) -> str:
-    """The concrete path for `impl` on the default backend: one of _RESOLVED (idempotent)."""
-    if impl in _RESOLVED:
-        return impl
-    if impl not in IMPLS:
-        raise ValueError(f"attention_impl={impl!r}; expected one of {IMPLS}")
-    backend = jax.default_backend()
-    on_tpu = backend == "tpu"
-    on_gpu = backend in ("gpu", "cuda", "rocm")
-    if impl == "auto":
-        return "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "xla"
-    if impl == "pallas":
-        return "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "pallas_interpret"
-    return impl
-
-
-def attend(q, k_cache, v_cache, k_end, impl: str = "auto", *, scale: float | None = None):
+def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | None = None):
     """q [B,T,Hq,D] over cache [B,Hkv,C,D]; row t of batch b sees keys [0, k_end[b,t]).
+    kernels: a resolved KernelConfig.
 
     Returns [B,T,Hq,D] in q.dtype (float32 accumulation); a row with k_end == 0 gives zeros.
     """
-    path = resolve_impl(impl)
+    path = kernels.attention
     if path == "xla":
         return pallas_kernels.xla_block_attention(q, k_cache, v_cache, k_end, scale=scale)
     if path == "pallas_interpret":
         return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu",
                                               scale=scale, interpret=True)
-    kernel = "tpu" if path == "pallas_tpu" else "gpu"
-    return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl=kernel, scale=scale,
-                                          interpret=path == "pallas_gpu_interpret")
+    if path == "pallas_tpu":
+        return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu", scale=scale)
+    return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="gpu", scale=scale,
+                                          interpret=kernels.interpret,
+                                          **kernels.gpu_attention_tuning())
 
 
-def attend_prefill(q, k, v, k_cache, v_cache, k_end, impl: str = "auto", *,
+def attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels: KernelConfig, *,
                    scale: float | None = None):
     """Causal attention of a prompt written at cache rows [0, T): q [B,T,Hq,D], k/v [B,T,Hkv,D]
     the prompt's own K/V (already in the cache), k_end [B,T] = t + 1.
 
-    Same result as `attend(q, k_cache, v_cache, k_end, impl)`; long prompts on the GPU path run
+    Same result as `attend(q, k_cache, v_cache, k_end, kernels)`; long prompts on the GPU path run
     cuDNN's fused causal attention on k/v instead. Rows past a prompt's length are padding: they see
     the padded tokens before them, which no caller reads.
     """
-    path = resolve_impl(impl)
     T = q.shape[1]
-    if (path == "pallas_gpu" and T >= CUDNN_PREFILL_MIN_T
+    if (kernels.attention == "pallas_gpu" and T >= CUDNN_PREFILL_MIN_T
             and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype):
         try:
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
@@ -163,4 +82,4 @@ def attend_prefill(q, k, v, k_cache, v_cache, k_end, impl: str = "auto", *,
         except Exception as e:  # cuDNN refuses the shape (head_dim, ...): our kernel takes it
             _log.warning("cuDNN prefill attention refused q%s (%s): using the Pallas kernel",
                          q.shape, e)
-    return attend(q, k_cache, v_cache, k_end, impl, scale=scale)
+    return attend(q, k_cache, v_cache, k_end, kernels, scale=scale)

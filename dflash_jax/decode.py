@@ -9,8 +9,9 @@ token), then a `lax.while_loop` whose iteration
       stop flags (stop token, max_new_tokens, capacity) and per-iteration acceptance lengths.
 Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no draft step.
 
-Compile keys (`_Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, attention
-implementation, streaming on/off, and the model structures. Everything else (prompt lengths,
+Compile keys (`_Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, the
+resolved KernelConfig (attention backend, fused GPU kernels, GPU tuning), streaming on/off, and the
+model structures. Everything else (prompt lengths,
 max_new_tokens, temperature, top-k/top-p, stop ids, seed) is a traced array.
 
 Semantics match the reference `dflash_generate`: the row's length limit is prompt + max_new_tokens
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from typing import Any, Callable
@@ -33,7 +35,7 @@ from flax import nnx, struct
 from jax.experimental import io_callback
 
 from dflash_jax import sampling, validation
-from dflash_jax.attention import resolve_impl
+from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax.cache import KVCache
 from dflash_jax.modeling.draft import DFlashDraft
 from dflash_jax.modeling.qwen3 import Qwen3
@@ -45,17 +47,15 @@ __all__ = ["generate", "GenerateResult", "precompile", "compiled_program", "lowe
 @dataclasses.dataclass(frozen=True)
 class _Static:
     target_def: Any
-    draft_def: Any            # None: plain decoding
+    draft_def: Any            # the proposer's structure (a DFlashDraft, or a double); None: plain decoding
     taps: tuple
     block_size: int
-    mask_token_id: int
     batch: int
     prompt_bucket: int
     capacity: int
     mode: str
-    attention_impl: str
+    kernels: KernelConfig     # resolved
     stream: bool
-    draft_override: Any = None  # tests only: f(drafts [B, S-1], lens [B]) -> drafts (a proposer double)
 
 
 @struct.dataclass
@@ -70,6 +70,7 @@ class _Params:
     top_p: jax.Array           # [] float32
     stop_ids: jax.Array        # [K] int32, -1 padded
     seed: jax.Array            # [] uint32
+    stream_id: Any = None      # [] int32: the call's on_commit in _STREAMS (streaming programs only)
 
 
 @struct.dataclass
@@ -81,21 +82,48 @@ class _Loop:
     pending: Any               # [B, S, n_taps·H] taps of last iteration's committed tokens, or None
     pending_count: jax.Array   # [B]
     done: jax.Array            # [B] bool
+    stopped: Any               # [B] bool: rows on_commit stopped (streaming programs only, else None)
     accept_log: jax.Array      # [B, C] tokens produced per iteration
     iters: jax.Array           # [B] iterations per row
     step: jax.Array            # [] loop iterations
 
 
-# The compiled program streams through this one host function, so a streaming program is compiled
-# once too; generate() points it at the caller's callback for the duration of a call.
-_STREAM_SINK: list = [None]
-_STREAM_LOCK = threading.Lock()  # one streaming generation at a time: the sink is process-wide
+# Streaming: the compiled program calls this one host function with the call's id (a traced value,
+# so a streaming program is compiled once), which finds that call's sink here. Each generate() call
+# registers its own sink for its duration, so streaming calls may run in several threads at once.
+_STREAMS: dict = {}
+_STREAM_IDS = itertools.count(1)
+_STREAM_LOCK = threading.Lock()      # guards the id counter and the dict, not the calls
 
 
-def _stream_to_host(commit, produced):
-    """The sink's answer: True asks the loop to stop (every row is marked done)."""
-    stop = _STREAM_SINK[0] is not None and bool(_STREAM_SINK[0](np.asarray(commit), np.asarray(produced)))
-    return np.asarray(stop)
+class _Stream:
+    """One call's on_commit. Returns the stop flag for the device loop: True when on_commit
+    returned True, or raised (the exception is kept and re-raised by generate)."""
+
+    def __init__(self, on_commit, n_rows: int):
+        self.on_commit, self.n_rows, self.error = on_commit, n_rows, None
+
+    def __call__(self, commit, produced) -> bool:
+        if self.error is not None:
+            return True
+        try:
+            out = self.on_commit([commit[i, :produced[i]].tolist() for i in range(self.n_rows)])
+        except BaseException as e:  # noqa: BLE001  (KeyboardInterrupt too: the caller gets it back)
+            self.error = e
+            return True
+        return isinstance(out, (bool, np.bool_)) and bool(out)
+
+
+def _stream_to_host(call_id, commit, produced):
+    sink = _STREAMS.get(int(call_id))
+    return np.bool_(sink is not None and sink(np.asarray(commit), np.asarray(produced)))
+
+
+def _stream(p: _Params, commit, produced):
+    """Send one iteration's commits [B, n] (produced [B] of them per row) to the host; returns
+    the host's stop flag [] bool."""
+    return io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), p.stream_id, commit, produced,
+                       ordered=True)
 
 
 def _row_keys(seed, lens):
@@ -115,12 +143,12 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     tcache = target.new_cache(B, C)
     with jax.named_scope("prefill_target"):
         h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
-                                  attention_impl=st.attention_impl, prefill=True)
+                                  kernels=st.kernels, prefill=True)
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
     first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
-                            st.mode, st.attention_impl)
+                            st.mode, st.kernels)
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
@@ -133,11 +161,12 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     stop = jnp.any(first[:, None] == p.stop_ids[None], axis=1)
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
+    stopped = None
     if st.stream:  # the prefill token is the first committed token
-        done = done | io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), first[:, None],
-                                  p.active.astype(jnp.int32), ordered=True)
+        halt = _stream(p, first[:, None], p.active.astype(jnp.int32))
+        stopped, done = halt & ~done, done | halt
     return _Loop(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
-                 pending_count=jnp.zeros((B,), jnp.int32), done=done,
+                 pending_count=jnp.zeros((B,), jnp.int32), done=done, stopped=stopped,
                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
                  step=jnp.zeros((), jnp.int32))
 
@@ -151,31 +180,21 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
     positions = lens[:, None] + j                                               # [B, S]
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
     dcache, taps = s.draft_cache, ()
-    if draft is not None:
+    if draft is not None:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
-        block = jnp.concatenate([current, jnp.full((B, S - 1), st.mask_token_id, jnp.int32)], axis=1)
-        # The reference shortens the last block to the tokens still allowed; the non-causal draft
-        # sees that as keys ending there.
-        draft_end = jnp.broadcast_to((lens + jnp.minimum(S, remaining))[:, None], (B, S))
-        pend_pos = (lens - s.pending_count)[:, None] + j
-        with jax.named_scope("draft"):
-            dh, dcache = draft(target.embed_tokens(block), positions, s.pending, pend_pos, s.draft_cache,
-                               draft_end, attention_impl=st.attention_impl)
-        with jax.named_scope("draft_lm_head"):
-            drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
-        if st.draft_override is not None:
-            drafts = st.draft_override(drafts, lens)
+        drafts, dcache = draft.propose(target, current, lens, limit, s.pending, s.pending_count,
+                                       s.draft_cache, block_size=S, kernels=st.kernels)  # [B, S-1]
         block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
     else:
         block = current
     with jax.named_scope("verify"):
         h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
-                                  attention_impl=st.attention_impl)
+                                  kernels=st.kernels)
         logits = target.logits(h)                                                   # [B, S, V]
     with jax.named_scope("accept"):
         keys = _row_keys(p.seed, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
-                                 st.attention_impl)
+                                 st.kernels)
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)
@@ -192,12 +211,13 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
         accept_log = jax.vmap(lambda r, i, n, on: jnp.where(on, r.at[i].set(n), r))(
             s.accept_log, jnp.minimum(s.iters, C - 1), produced, active)
         done = s.done | jnp.any(is_stop, axis=1) | _finished(st, new_lens, limit, S)
-        if st.stream:
-            done = done | io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), commit, produced,
-                                      ordered=True)
+        stopped = s.stopped
+        if st.stream:   # on_commit asked to stop (or raised): every row still running stops here
+            halt = _stream(p, commit, produced)
+            stopped, done = s.stopped | (halt & ~done), done | halt
     return _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                  draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
-                 done=done, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
+                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
 
 
 def _run(st: _Static, target_state, draft_state, p: _Params):
@@ -219,7 +239,8 @@ class GenerateResult:
     num_iterations: int                   # loop iterations (the longest row's)
     compile_time_s: float                 # 0.0 when the program was already compiled
     run_time_s: float                     # the one dispatch, prefill included, to results on the host
-    # per row: "stop" (stop token, included in tokens), "length" (max_new_tokens) or "capacity" (KV full)
+    # per row: "stop" (stop token, included in tokens), "length" (max_new_tokens), "capacity" (KV
+    # full) or "stopped" (on_commit returned True or raised)
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -277,20 +298,20 @@ def _buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity
 
 
 def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            attention_impl, stream=False, draft_override=None) -> _Static:
+            kernels, stream=False) -> _Static:
     has_draft = draft_def is not None
     return _Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
-                   mask_token_id=draft_config.mask_token_id if has_draft else 0, batch=batch,
-                   prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, attention_impl=attention_impl,
-                   stream=stream, draft_override=draft_override if has_draft else None)
+                   batch=batch,
+                   prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
+                   stream=stream)
 
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-                       block_size, seed, attention_impl, capacity, stream, draft_override=None):
+                       block_size, seed, attention_impl, capacity, stream, kernels=None):
     if not isinstance(target, Qwen3):
         raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
-    if draft is not None and not isinstance(draft, DFlashDraft):
+    if draft is not None and not (isinstance(draft, nnx.Module) and callable(getattr(draft, "propose", None))):
         raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
     sampling.validate(temperature, top_p, top_k)
@@ -327,18 +348,18 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     active = np.arange(B) < len(rows)
     stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
     stop_ids[:len(stop)] = stop
-    impl = resolve_impl(attention_impl)
+    kernels = kernels_from(kernels, attention_impl).resolve()
     mode = sampling.mode_for(temperature, top_p, top_k)
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
-                 prompt_bucket=Tb, capacity=C, mode=mode, attention_impl=impl, stream=stream,
-                 draft_override=draft_override)
+                 prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
                 top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
-                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed, jnp.uint32))
+                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed, jnp.uint32),
+                stream_id=jnp.asarray(0, jnp.int32) if stream else None)
     return st, tstate, dstate, p, len(rows), lens
 
 
@@ -354,7 +375,7 @@ def _compiled(st: _Static, tstate, dstate, p) -> tuple[Any, float]:
     return fn, time.perf_counter() - t0
 
 
-def compiled_program(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs):
+def compiled_program(target: Qwen3, draft, prompts, **kwargs):
     """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
     compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
     on_commit = kwargs.pop("on_commit", None)
@@ -363,7 +384,7 @@ def compiled_program(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs
     return _compiled(st, tstate, dstate, p)
 
 
-def precompile(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs) -> float:
+def precompile(target: Qwen3, draft, prompts, **kwargs) -> float:
     """Compile (and cache) the program `generate(target, draft, prompts, **kwargs)` would run, without
     running it. Returns the compile seconds (0.0 when it was already compiled)."""
     return compiled_program(target, draft, prompts, **kwargs)[1]
@@ -371,35 +392,53 @@ def precompile(target: Qwen3, draft: DFlashDraft | None, prompts, **kwargs) -> f
 
 def _generate_defaults(kw: dict) -> dict:
     out = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=None, block_size=None,
-               seed=0, attention_impl="auto", capacity=None)
+               seed=0, attention_impl=None, capacity=None, kernels=None)
     unknown = set(kw) - set(out)
     if unknown:
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")
     return {**out, **kw}
 
 
-def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_tokens: int = 256,
+def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
-             block_size: int | None = None, seed: int = 0, attention_impl: str = "auto",
+             block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
-             _draft_override=None, _return_state: bool = False) -> GenerateResult:
+             kernels: KernelConfig | None = None) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
-    draft=None (or block_size=1) runs plain autoregressive decoding through the same loop. Greedy
+    draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
+    plain autoregressive decoding through the same loop. Greedy
     output equals the target's own greedy decoding token for token; sampled output follows the
     target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
     (seed, i, position), so a row's output is reproducible given seed, its index and its prompt.
-    `on_commit(row_tokens)` (streaming) is called on the host once per loop iteration with the tokens
-    each row committed in it; returning True stops the generation there (the result holds what was
-    committed), and an exception it raises is re-raised to the caller. `capacity` (KV-cache entries) defaults to the prompt bucket +
+    Streaming: `on_commit(row_tokens)` is called on the host after the prefill and once per loop
+    iteration, with the tokens each row committed then (a list per prompt, empty for finished
+    rows). If it returns True, the device loop marks every row done at that iteration and
+    generate returns what was committed so far, finish reason "stopped" for the rows that were
+    still running; if it raises, the loop stops the same way and generate re-raises that
+    exception. Each call has its own sink, so streaming calls may run in several threads; the
+    streaming program is still compiled once. `capacity` (KV-cache entries) defaults to the prompt bucket +
     max_new_tokens + block, rounded up to 1024; rows stop when it is full.
+    `kernels` (a KernelConfig, default KernelConfig(): "auto") picks the attention backend and the
+    GPU kernels; it is part of the compile key. `attention_impl` is the older spelling of
+    `kernels.attention` (both given and different: ValueError).
     """
+    return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
+                     seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
+                     kernels=kernels)[0]
+
+
+def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
+              block_size, seed, attention_impl, capacity, on_commit, kernels):
+    """`generate`, also returning the final loop state (`_Loop`: caches, lengths; tests read it)."""
     st, tstate, dstate, p, n_rows, lens = _static_and_params(
         target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
         attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
-        draft_override=_draft_override)
+        kernels=kernels)
     fn, compile_time = _compiled(st, tstate, dstate, p)
+
     def run():
         t0 = time.perf_counter()
         state = fn(tstate, dstate, p)
@@ -409,41 +448,36 @@ def generate(target: Qwen3, draft: DFlashDraft | None, prompts, *, max_new_token
     if on_commit is None:
         state, out, run_time = run()
     else:
-        raised: list[BaseException] = []
-
-        def sink(commit, produced):
-            if raised:
-                return True
-            try:
-                return on_commit([commit[i, :produced[i]].tolist() for i in range(n_rows)])
-            except BaseException as e:  # noqa: BLE001 - re-raised below as itself, not as an XLA error
-                raised.append(e)
-                return True
-
+        sink = _Stream(on_commit, n_rows)
         with _STREAM_LOCK:
-            _STREAM_SINK[0] = sink
-            try:
-                state, out, run_time = run()
-            finally:
-                _STREAM_SINK[0] = None
-        if raised:
-            raise raised[0]
+            call_id = next(_STREAM_IDS) % (1 << 31)
+            _STREAMS[call_id] = sink
+        try:
+            p = p.replace(stream_id=jnp.asarray(call_id, jnp.int32))
+            state, out, run_time = run()
+            stopped = np.asarray(state.stopped)
+        finally:
+            with _STREAM_LOCK:
+                del _STREAMS[call_id]
+        if sink.error is not None:
+            raise sink.error
     tokens, out_lens, log, iters, step = out
     rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
     stops = set(np.asarray(p.stop_ids).tolist()) - {-1}
     reasons = ["stop" if r[-1] in stops else "length" if len(r) >= max_new_tokens else "capacity" for r in rows]
+    if on_commit is not None:
+        reasons = ["stopped" if stopped[i] else r for i, r in enumerate(reasons)]
     res = GenerateResult(
         tokens=rows, finish_reasons=reasons,
         acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
         block_size=st.block_size, num_iterations=int(step), compile_time_s=compile_time, run_time_s=run_time)
-    if _return_state:  # tests: the final loop state (caches included)
-        res.state = state
-    return res
+    return res, state
 
 
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
                      max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
-                     sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str = "xla", device=None):
+                     sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str | None = None,
+                     device=None, kernels: KernelConfig | None = None):
     """The static key and abstract arguments of a generation, from configs alone (nothing allocated)."""
     from dflash_jax.weights import _dtype
     if sampling_mode not in sampling.MODES:
@@ -458,7 +492,8 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft_config, block_size=S, batch=batch, prompt_bucket=Tb, capacity=C,
-                 mode=sampling_mode, attention_impl=resolve_impl(attention_impl))
+                 mode=sampling_mode,
+                 kernels=kernels_from(kernels, attention_impl or (None if kernels else "xla")).resolve(device=device))
     sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
 
     def abstract(shape, dtype_):
@@ -500,7 +535,7 @@ def lower_generate(target_config, draft_config=None, **kw):
     """Lower the whole generation program from configs alone (abstract weights: nothing allocated),
     e.g. to compile ahead of time for a TPU topology from a CPU host (`device=` a TPU device).
     Keywords: batch, prompt_len, max_new_tokens, capacity, block_size, sampling_mode, dtype,
-    attention_impl, device. Returns `jax.stages.Lowered`."""
+    kernels (a KernelConfig; default the XLA path) or attention_impl, device. Returns `jax.stages.Lowered`."""
     fn, args = _abstract_program(target_config, draft_config, **kw)
     return fn.trace(*args).lower()
 

@@ -11,14 +11,13 @@ order of a stable descending sort. Top-k keeps the tokens with fewer than k toke
 them, top-p the tokens whose higher-ranked mass is below p; both sets are "every key >= a
 threshold key", and the threshold is found digit by digit (4 bits per pass, 16 candidates per
 pass, each pass one fused reduction over the vocabulary): 8 passes for the score bits, 5 for the
-index among tied scores. A full sort of 16 x 151,936 scores measured +12% per DFlash iteration on
-the H200; a 64-candidate lax.top_k was no better (+10%), XLA:GPU sorts for it too. On the GPU path
-each pass is one Pallas kernel (pallas_kernels.gpu.count_pass, ~12 us against XLA's ~14.6 us a
-pass); elsewhere, and with DFLASH_SAMPLING_KERNEL=0, XLA reductions. Both find the same keys.
-With top-k on the GPU path, the 8 score passes of top-k are followed by one gather of every token at
-or above the threshold score (pallas_kernels.gpu.gather_above, <= GATHER_MAX per row), and the tie
-cut and the top-p cut run on those (`_gathered_cut`) instead of 18 more passes (+3.4% per iteration
-against +6.6% for T=0.6 / top-p 0.95 / top-k 20 on the H200).
+index among tied scores. A full sort of the vocabulary, and lax.top_k (XLA:GPU sorts for it too),
+were slower per iteration (docs/perf-log.md). On the GPU path with KernelConfig.sampling_kernels
+each pass is one Pallas kernel (pallas_kernels.sampling.count_pass); elsewhere XLA reductions. Both
+find the same keys. With top-k on that path, the 8 score passes of top-k are followed by one gather
+of every token at or above the threshold score (pallas_kernels.sampling.gather_above, <= GATHER_MAX
+per row), and the tie cut and the top-p cut run on those (`_gathered_cut`) instead of 18 more
+passes.
 
 Speculative acceptance with argmax drafts (q one-hot): draft token d_i is accepted with probability
 p_i(d_i) under the target's processed distribution; at the first rejection the next token is drawn
@@ -31,11 +30,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dflash_jax.kernel_config import KernelConfig
 
 MODES = ("greedy", "sample", "topk", "topp", "filtered")
 FILTER_MODES = ("topk", "topp", "filtered")
@@ -63,7 +63,7 @@ def mode_for(temperature: float, top_p: float, top_k: int) -> str:
     return "topp" if top_p < 1.0 else "sample"
 
 
-_DIGIT = 4                      # bits decided per pass (5 measured slower on the H200: +9.0% vs +6.6%)
+_DIGIT = 4                      # bits decided per pass (5 was slower: docs/perf-log.md)
 _INDEX_BITS = 20                # vocabularies up to 2**20 - 1 tokens
 
 
@@ -94,26 +94,17 @@ def _masked_sums(keys, cand, weight):
     """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, K], weight [N, V] or None
     (a count) -> [N, K].
 
-    One [N, V, K] reduction over V. Measured on the H200 against the same sums laid out [N, K, V]
-    (+12.3% per DFlash iteration instead of +6.6%) and as K sibling [N, V] reductions (+19.2%)."""
+    One [N, V, K] reduction over V: faster than the same sums laid out [N, K, V] or as K sibling
+    [N, V] reductions (docs/perf-log.md)."""
     w = 1.0 if weight is None else weight[:, :, None]
     return jnp.sum(jnp.where(keys[:, :, None] > cand[:, None, :], w, 0.0), axis=1)
 
 
-def search_kernel(impl: str) -> bool:
+def search_kernel(kernels: KernelConfig | None) -> bool:
     """Whether the threshold search's passes run as a Pallas GPU kernel
-    (pallas_kernels.gpu.count_pass) rather than XLA reductions: the GPU attention paths
-    ("pallas_gpu", and "pallas_gpu_interpret" in tests). DFLASH_SAMPLING_KERNEL=0 in the
-    environment (read when a program is traced) keeps XLA's."""
-    return (impl in ("pallas_gpu", "pallas_gpu_interpret")
-            and os.environ.get("DFLASH_SAMPLING_KERNEL", "1") != "0")
-
-
-def fast_search(impl: str) -> bool:
-    """The GPU search kernel's shortcut (`search_kernel` paths): top-k candidates gathered
-    (pallas_kernels.gpu.gather_above) for the tie and top-p cuts. DFLASH_SAMPLING_FAST=0 (read at
-    trace time) runs every search in full, as before (an on-device A/B)."""
-    return search_kernel(impl) and os.environ.get("DFLASH_SAMPLING_FAST", "1") != "0"
+    (pallas_kernels.sampling.count_pass) rather than XLA reductions: KernelConfig.sampling_kernels on
+    the GPU path."""
+    return kernels is not None and kernels.search_kernels
 
 
 def _signed(u):
@@ -126,38 +117,38 @@ def _unsigned(i):
     return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def _kernel_min_passing(keys, weight, offset, budget, bits: int, impl: str):
+def _kernel_min_passing(keys, weight, offset, budget, bits: int, kernels: KernelConfig | None):
     """`_min_passing` for pred(c) = offset + (weight above c) < budget, each pass one Pallas GPU
-    kernel (pallas_kernels.gpu.count_pass) that also decides the previous pass's digit. keys
+    kernel (pallas_kernels.sampling.count_pass) that also decides the previous pass's digit. keys
     [N or 1, V] uint32, weight [N, V] or None (1 each), offset and budget [N] float32."""
-    from pallas_kernels import gpu
+    from pallas_kernels import sampling as kernels_
     N, V = budget.shape[0], keys.shape[1]
-    P, chunk = gpu.count_layout(N, V)
+    P, chunk = kernels_.count_layout(N, V)
     ks, w = _signed(keys), None if weight is None else weight.astype(jnp.float32)
     d = _DIGIT
     widths = ([bits % d] if bits % d else []) + [d] * (bits // d)
     prev, shift, prev_shift = None, bits, 0
     for width in widths:
         shift -= width
-        prev = gpu.count_pass(ks, w, prev, offset, budget, P=P, chunk=chunk, shift=shift, width=width,
-                              prev_shift=prev_shift, interpret=impl == "pallas_gpu_interpret")
+        prev = kernels_.count_pass(ks, w, prev, offset, budget, P=P, chunk=chunk, shift=shift, width=width,
+                              prev_shift=prev_shift, interpret=kernels.interpret)
         prev_shift = shift
     part, x = prev
     last = jnp.argmax(offset[:, None] + jnp.sum(part, axis=1) < budget[:, None], axis=1)     # [N]
     return jax.lax.bitcast_convert_type(x[:, 0, 0], jnp.uint32) | (last.astype(jnp.uint32) << prev_shift)
 
 
-def _search(keys, weight, offset, budget, bits: int, impl: str):
+def _search(keys, weight, offset, budget, bits: int, kernels: KernelConfig | None):
     """Smallest x in [0, 2**bits) with offset + (weight above x) < budget, per row: keys [N or 1, V]
     uint32, weight [N, V] or None (1 each), offset and budget [N]. The GPU paths run each pass as
     one count kernel (`search_kernel`), the others as XLA reductions."""
-    if search_kernel(impl):
-        return _kernel_min_passing(keys, weight, offset, budget, bits, impl)
+    if search_kernel(kernels):
+        return _kernel_min_passing(keys, weight, offset, budget, bits, kernels)
     return _min_passing(lambda c: offset[:, None] + _masked_sums(keys, c, weight) < budget[:, None],
                         budget.shape[0], bits)
 
 
-def _rank_threshold(hi, lo, weight, budget, impl: str = "xla", h=None):
+def _rank_threshold(hi, lo, weight, budget, kernels: KernelConfig | None = None, h=None):
     """Keep mask [N, V] of the tokens whose higher-ranked weight (weight [N, V], None: 1 each) is
     below budget [N] (> 0).
 
@@ -167,10 +158,10 @@ def _rank_threshold(hi, lo, weight, budget, impl: str = "xla", h=None):
     tied at that score (bf16 logits tie often, so the index search always runs)."""
     w = 1.0 if weight is None else weight
     if h is None:
-        h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, impl)
+        h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, kernels)
     base = jnp.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1)                           # [N]
     tie = hi == h[:, None]
-    low = _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, impl)
+    low = _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, kernels)
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
 
 
@@ -205,11 +196,12 @@ def _gathered_cut(gk, gi, n, top_k, top_p, mode: str):
     return jnp.take_along_axis(sk, last, axis=1)[:, 0], jnp.take_along_axis(si, last, axis=1)[:, 0]
 
 
-def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla"):
+def _keep_mask(scores, top_k, top_p, mode: str = "filtered", kernels: KernelConfig | None = None, fast: bool = True):
     """Which tokens survive top-k then top-p (over the top-k renormalised distribution), cut by
     rank as the reference does. scores [N, V] float32. Returns [N, V] bool. mode "topk" skips the
-    top-p search (top_p must be 1), "topp" the top-k search (top_k must be 0). impl: the attention
-    path (resolved); the GPU paths run the search's passes as a Pallas kernel (`search_kernel`)."""
+    top-p search (top_p must be 1), "topp" the top-k search (top_k must be 0). kernels: the attention
+    path (resolved); the GPU paths run the search's passes as a Pallas kernel (`search_kernel`) and,
+    with `fast` (tests turn it off to compare), gather top-k's candidates for the tie and top-p cuts."""
     N, V = scores.shape
     if V >= 1 << _INDEX_BITS:
         raise ValueError(f"vocabulary of {V} tokens: top-k/top-p support up to {(1 << _INDEX_BITS) - 1}")
@@ -219,58 +211,58 @@ def _keep_mask(scores, top_k, top_p, mode: str = "filtered", impl: str = "xla"):
     if mode != "topp":
         k = jnp.broadcast_to(jnp.asarray(top_k, jnp.float32), (N,))
         k = jnp.where(k > 0, k, float(V))                                  # top_k <= 0: off
-        if fast_search(impl):
+        if search_kernel(kernels) and fast:
             # Fast path: the top-k score threshold (8 passes), then its candidates gathered; the
             # tie cut and the top-p cut on those. A row with more than GATHER_MAX candidates
             # (top_k > GATHER_MAX, or a wide tie) sends the whole batch down the full searches.
-            from pallas_kernels import gpu
-            h = _search(hi, None, jnp.zeros((N,), jnp.float32), k, 32, impl)
-            n, gk, gi = gpu.gather_above(_signed(hi), _signed(h), kmax=gpu.GATHER_MAX,
-                                         interpret=impl == "pallas_gpu_interpret")
+            from pallas_kernels import sampling as kernels_
+            h = _search(hi, None, jnp.zeros((N,), jnp.float32), k, 32, kernels)
+            n, gk, gi = kernels_.gather_above(_signed(hi), _signed(h), kmax=kernels_.GATHER_MAX,
+                                         interpret=kernels.interpret)
 
             def gathered():
                 tk, ti = _gathered_cut(_unsigned(gk), gi, n, top_k, top_p, mode)
                 idx = jnp.arange(V)[None, :]
                 return (hi > tk[:, None]) | ((hi == tk[:, None]) & (idx <= ti[:, None]))
-            return jax.lax.cond(jnp.all(n <= gpu.GATHER_MAX), gathered,
-                                lambda: _full_cut(hi, lo, scores, k, top_k, top_p, mode, impl, h))
-    return _full_cut(hi, lo, scores, k, top_k, top_p, mode, impl)
+            return jax.lax.cond(jnp.all(n <= kernels_.GATHER_MAX), gathered,
+                                lambda: _full_cut(hi, lo, scores, k, top_k, top_p, mode, kernels, h))
+    return _full_cut(hi, lo, scores, k, top_k, top_p, mode, kernels)
 
 
-def _full_cut(hi, lo, scores, k, top_k, top_p, mode: str, impl: str, h=None):
+def _full_cut(hi, lo, scores, k, top_k, top_p, mode: str, kernels: KernelConfig | None, h=None):
     """The keep mask by the threshold searches over the whole vocabulary (h: top-k's score
     threshold when already found)."""
     N = scores.shape[0]
     keep = jnp.ones(scores.shape, bool)
     if mode != "topp":
-        keep = _rank_threshold(hi, lo, None, k, impl, h=h) | (top_k <= 0)
+        keep = _rank_threshold(hi, lo, None, k, kernels, h=h) | (top_k <= 0)
     if mode != "topk":
         p = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
-        keep_p = _rank_threshold(hi, lo, p, jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (N,)), impl)
+        keep_p = _rank_threshold(hi, lo, p, jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (N,)), kernels)
         keep = keep & (keep_p | (top_p >= 1.0))
     return keep
 
 
-def log_probs(logits, temperature, top_k, top_p, mode: str, impl: str = "xla"):
-    """The processed target distribution as log-probabilities. logits [..., V] float32. impl: the
+def log_probs(logits, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
+    """The processed target distribution as log-probabilities. logits [..., V] float32. kernels: the
     resolved attention path (picks the search's kernels; the result does not depend on it)."""
     scores = logits / temperature
     if mode in FILTER_MODES:
         V = logits.shape[-1]
-        keep = _keep_mask(scores.reshape(-1, V), top_k, top_p, mode, impl)
+        keep = _keep_mask(scores.reshape(-1, V), top_k, top_p, mode, kernels)
         scores = jnp.where(keep.reshape(scores.shape), scores, -jnp.inf)
     return jax.nn.log_softmax(scores, axis=-1)
 
 
-def select(logits, key, temperature, top_k, top_p, mode: str, impl: str = "xla"):
+def select(logits, key, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
     """One token per row. logits [B, V], key [B] (per-row keys) → [B] int32."""
     if mode == "greedy":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    lp = log_probs(logits, temperature, top_k, top_p, mode, impl)
+    lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)
     return jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
 
 
-def accept(block, logits, key, temperature, top_k, top_p, mode: str, impl: str = "xla"):
+def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
     """Verify a block. block [B, S] = [last token, d_1 .. d_{S-1}], logits [B, S, V] float32 (slot i
     predicts the token after block[:, i]), key [B]. Returns (a [B] accepted drafts, next_token [B]:
     the bonus or the correction at slot a)."""
@@ -280,7 +272,7 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, impl: str =
         post = jnp.argmax(logits, axis=-1).astype(jnp.int32)                    # [B, S]
         a = jnp.sum(jnp.cumprod(drafts == post[:, :-1], axis=1), axis=1).astype(jnp.int32)
         return a, jnp.take_along_axis(post, a[:, None], axis=1)[:, 0]
-    lp = log_probs(logits, temperature, top_k, top_p, mode, impl)                # [B, S, V]
+    lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)                # [B, S, V]
     k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
     p_draft = jnp.exp(jnp.take_along_axis(lp[:, :-1], drafts[..., None], axis=-1)[..., 0])  # [B, S-1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (S - 1,)))(k_accept)

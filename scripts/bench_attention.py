@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from pallas_kernels import gpu, gpu_mosaic  # noqa: E402
+from pallas_kernels.attention import gpu  # noqa: E402
 
 L2_BYTES = 60 << 20           # H200: 50 MiB L2; rotate buffers totalling >= 4x this
 BUF_BYTES_CAP = 24 << 30      # never allocate more than this for rotated K/V buffers
@@ -207,10 +207,6 @@ def pallas_op(cfg, interpret):
     return lambda q, k, v, e: gpu.block_attention(q, k, v, e, interpret=interpret, **cfg)
 
 
-def mgpu_op(cfg):
-    return lambda q, k, v, e: gpu_mosaic.block_attention(q, k, v, e, **cfg)
-
-
 def xla_op(q, k, v, e):
     return pallas_kernels.xla_block_attention(q, k, v, e)
 
@@ -248,23 +244,12 @@ def to_bthd(ks, vs):
 
 # ---------------------------------------------------------------------------------- correctness
 
-MGPU_CHECKS = [  # B, T, Hq, Hkv, C, D, dtype, pattern, tuning: the shapes gpu_mosaic takes
-    (2, 16, 32, 8, 8192, 128, jnp.bfloat16, "verify", {}),
-    (3, 16, 32, 8, 4096, 128, jnp.bfloat16, "ragged", dict(kv_splits=3)),
-    (2, 16, 32, 8, 1024, 128, jnp.bfloat16, "draft", dict(kv_splits=7, compute_wgs=1, stages=2)),
-    (1, 16, 32, 8, 32768, 128, jnp.bfloat16, "verify", dict(block_k=128, stages=2)),
-    (2, 32, 16, 4, 2048, 64, jnp.float16, "ragged", dict(kv_splits=4, stages=6)),
-    (1, 16, 32, 8, 640, 128, jnp.bfloat16, "verify", dict(kv_splits=16)),   # empty splits
-]
-
-
 def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict]:
     """The Pallas GPU kernel against the reference on the device: ragged rows (0, 1, capacity,
-    mid-tile), GQA 1/4/8, f32/bf16, head_dim 64/128/256, decode, verify, draft, prefill, kv splits.
-    impl="mgpu": the Mosaic GPU kernel on the shapes it takes (MGPU_CHECKS)."""
+    mid-tile), GQA 1/4/8, f32/bf16, head_dim 64/128/256, decode, verify, draft, prefill, kv splits."""
     rng = np.random.default_rng(0)
-    kernel = gpu.block_attention if impl == "gpu" else gpu_mosaic.block_attention
-    cases = MGPU_CHECKS if impl == "mgpu" else [  # B, T, Hq, Hkv, C, D, dtype, pattern, tuning
+    kernel = gpu.block_attention
+    cases = [  # B, T, Hq, Hkv, C, D, dtype, pattern, tuning
         (3, 1, 32, 8, 4096, 128, jnp.bfloat16, "ragged", {}),
         (2, 16, 32, 8, 8192, 128, jnp.bfloat16, "verify", {}),
         (2, 16, 32, 8, 8192, 128, jnp.bfloat16, "draft", dict(kv_splits=7)),
@@ -275,7 +260,7 @@ def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict
         (1, 1024, 32, 8, 1024, 128, jnp.bfloat16, "prefill", {}),
         (1, 512, 16, 2, 640, 64, jnp.float32, "prefill", {}),
     ]
-    if interpret and impl == "gpu":   # CPU: the interpreter is slow; small shapes, same patterns
+    if interpret:   # CPU: the interpreter is slow; small shapes, same patterns
         cases = [(B, min(T, 64), 8, 2 if Hq // Hkv > 1 else 8, min(C, 256), D, dt, pat, tun)
                  for (B, T, Hq, Hkv, C, D, dt, pat, tun) in cases[::2]]
     out = []
@@ -295,7 +280,7 @@ def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict
         rec = dict(B=B, T=T, Hq=Hq, Hkv=Hkv, C=C, D=D, dtype=jnp.dtype(dtype).name, pattern=pattern,
                    tuning=tuning)
         try:
-            kw = dict(interpret=interpret) if impl == "gpu" else {}
+            kw = dict(interpret=interpret)
             got = jax.jit(lambda q, k, v, e: kernel(q, k, v, e, **kw, **tuning))(q, k, v, e)
             # The oracle in f32 on the host CPU: exact, and no GPU compile (XLA's autotuning of a
             # fresh GPU program costs seconds) for each of these shapes.
@@ -320,25 +305,11 @@ def check_kernel(interpret: bool, verbose: bool, impl: str = "gpu") -> list[dict
 # --------------------------------------------------------------------------------------- driver
 
 AB_CASES = (  # (B, ctx, variants): default_config against each variant, verify pattern; "xla" = reference
-    # The online softmax in base 2 (exp2, the default since call 39) against natural exp (libdevice's
-    # accurate expf): the short cache of the prompt-512 loop, the long B=1 rows, and B=8 8k.
-    # Earlier cases (calls 33-38: 8 short splits, the read sweep's 16 splits / 8 warps) in BENCHMARKS.md.
-    (1, 512, (dict(exp2=0), "xla")),
-    (1, 8192, (dict(exp2=0),)),
-    (1, 32768, (dict(exp2=0), "xla")),
-    (8, 8192, (dict(exp2=0),)),
-)
-
-
-# The Mosaic GPU kernel (gpu_mosaic) against the Triton default: {"impl": "mgpu", ...} is its
-# default_config updated with the rest of the dict.
-_MG = {"impl": "mgpu"}
-MGPU_AB_CASES = (   # call 20 measured B=1 1k (Triton 13.8 us, mgpu 16.2, XLA 28.9); each mgpu variant
-    # costs ~18 s of Mosaic GPU compile on the H200, so few variants, the rows under 75% first
-    (1, 32768, (_MG, dict(_MG, block_k=128, stages=2))),
-    (8, 8192, (_MG, dict(_MG, kv_splits=4))),
-    (1, 8192, (_MG, dict(_MG, kv_splits=32))),
-    (8, 32768, (_MG,)),
+    # the short cache of the prompt-512 loop, the long B=1 rows, and B=8 8k (history: docs/perf-log.md)
+    (1, 512, (dict(kv_splits=4, min_chunk=128), "xla")),
+    (1, 8192, (dict(kv_splits=32),)),
+    (1, 32768, (dict(kv_splits=32), "xla")),
+    (8, 8192, (dict(kv_splits=2),)),
 )
 
 
@@ -347,7 +318,7 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
     then all timed in turn, `--ab-rounds` times; the median per-call time of each. The sweep
     times every variant once, and its single samples moved by 10-20% between calls."""
     Hq, Hkv, D, S, dtype = 32, 8, 128, 16, jnp.bfloat16
-    cases, interpret = (MGPU_AB_CASES if args.mgpu else AB_CASES), False
+    cases, interpret = AB_CASES, False
     if args.smoke:          # CPU: tiny heads, the kernel in interpret mode
         Hq, Hkv, cases, interpret = 8, 2, ((1, 240, (dict(kv_splits=2), "xla")),), jax.default_backend() == "cpu"
     if args.only:       # "B:ctx,...": just these cases
@@ -361,18 +332,12 @@ def ab_rounds(args, copy_bw: float, opts: dict) -> list[dict]:
         kv_bytes = kv_read_bytes(e, Hkv, D, 2)
         n_buf = n_buffers(2 * B * Hkv * C * D * 2)
         ks, vs = make_buffers(n_buf, B, Hkv, C, D, dtype, seed=ctx + B)
-        base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv)
+        base = gpu.default_config(S, Hq // Hkv, C, D, B, Hkv, n_sms=gpu.sm_count())
         progs, errs = {}, {}
         ref = None
         for var in ("default",) + tuple(variants):
-            if isinstance(var, dict) and var.get("impl") == "mgpu":
-                mcfg = gpu_mosaic.default_config(S, Hq // Hkv, C, D, B, Hkv)
-                mcfg.update({k: v for k, v in var.items() if k != "impl"})
-                op = mgpu_op(mcfg)
-                name = "mgpu " + ",".join(f"{k}={v}" for k, v in mcfg.items())
-            else:
-                op = xla_op if var == "xla" else pallas_op(base if var == "default" else dict(base, **var), interpret)
-                name = var if isinstance(var, str) else ",".join(f"{k}={v}" for k, v in var.items())
+            op = xla_op if var == "xla" else pallas_op(base if var == "default" else dict(base, **var), interpret)
+            name = var if isinstance(var, str) else ",".join(f"{k}={v}" for k, v in var.items())
             try:
                 # --device-time reads the one-pass chain's trace: the long chain is not needed
                 pair = (chained(op, 1), None if args.device_time else chained(op, CHAIN_PASSES))
@@ -513,7 +478,7 @@ def read_sweep(args, copy_bw: float) -> list[dict]:
             jax.block_until_ready(f(*fargs))
             return device_call_time(f, fargs, n_buf)
 
-        base = gpu.default_config(S, Hq // Hkv, C, D, 1, Hkv)
+        base = gpu.default_config(S, Hq // Hkv, C, D, 1, Hkv, n_sms=gpu.sm_count())
         record("attention (default config)",
                lambda: device_time(chained(pallas_op(base, interpret), 1), (q, e, ks, vs)))
         record("read-only ceiling (XLA sum)", lambda: read_ceiling_seconds(e, ks, vs, n_buf))
@@ -551,7 +516,7 @@ def run(args) -> dict:
         contexts, batches, prefill_T = [1024, 8192, 32768], [1, 8, 32], [512, 4096]
         copy_bytes = 2 << 30
         opts = dict(min_reps=8, max_reps=100, target_s=0.08)
-        n_sms = gpu.H200_SMS
+        n_sms = gpu.sm_count()
         budget_s = args.budget_s
     t_start = time.perf_counter()
     deadline = t_start + budget_s
@@ -577,9 +542,8 @@ def run(args) -> dict:
 
     if args.read_sweep:
         return dict(info=info, checks=[], cases=[], prefill=[], sweep=[], read=read_sweep(args, copy_bw))
-    if args.ab or args.mgpu:
-        checks = (check_kernel(False, args.verbose, impl="mgpu")
-                  if args.mgpu and not smoke and not args.no_check else [])
+    if args.ab:
+        checks = []
         ab = ab_rounds(args, copy_bw, opts)
         n_bad = sum(not c["ok"] for c in checks)
         print(f"# kernel checks: {len(checks) - n_bad}/{len(checks)} ok")
@@ -763,7 +727,7 @@ def run(args) -> dict:
                         if not (bk == 256 and st == 4)]
             variants += ["splits*2", "splits*4", "splits/2", dict(block_t=8), dict(block_t=4)]
         else:
-            variants = [dict(block_k=128, num_warps=8, num_stages=3), dict(one_loop=1), "splits*2", "splits/2"]
+            variants = [dict(block_k=128, num_warps=8, num_stages=3), "splits*2", "splits/2"]
         order = sorted((r for r in results if r["pattern"] == "verify"), key=lambda r: -r["kv_MB"])
         if args.only:
             order, variants = [], []
@@ -791,11 +755,11 @@ def run(args) -> dict:
                      "splits/2": dict(kv_splits=max(1, splits // 2))}
             row_vars = list(variants)
             if args.focus and ctx < 8192:           # short context: splits need a smaller min_chunk
-                row_vars = [dict(one_loop=1)] + [dict(kv_splits=n, min_chunk=128) for n in (2, 4, 8)]
+                row_vars = [dict(kv_splits=n, min_chunk=128) for n in (2, 4, 8)]
             elif args.focus:
                 row_vars = [dict(kv_splits=n) for n in (4, 8, 16, 32, 64) if n != splits]
                 row_vars += [dict(num_stages=4), dict(block_k=128, num_warps=8, num_stages=3),
-                             dict(block_k=32, num_stages=4), dict(one_loop=1)]
+                             dict(block_k=32, num_stages=4)]
             elif B <= 8 and not smoke and not args.sweep_only:     # the split count, around the default
                 row_vars += [dict(kv_splits=n) for n in (2, 4, 8, 16, 32) if n != splits]
             cands = [(var, dict(row["default_cfg"], **named.get(var, var) if isinstance(var, str) else var))
@@ -867,12 +831,8 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="B:ctx[,B:ctx...]: only these draft/verify rows (or --ab cases), no sweep")
     ap.add_argument("--ab", action="store_true",
                     help="only the repeated A/B of default_config against the variants in AB_CASES")
-    ap.add_argument("--mgpu", action="store_true",
-                    help="the Mosaic GPU kernel (gpu_mosaic): its checks on the device, then --ab rounds "
-                         "against the Triton default (MGPU_AB_CASES)")
-    ap.add_argument("--no-check", action="store_true", help="--mgpu without its device checks")
     ap.add_argument("--device-time", action="store_true",
-                    help="every time (table, sweep, --ab / --mgpu rounds, the copy and read bandwidth) "
+                    help="every time (table, sweep, --ab rounds, the copy and read bandwidth) "
                          "taken as the kernels' device time in a profiler trace (no host jitter or "
                          "launch gaps) instead of the wall-clock difference of two chains; the table "
                          "gains a read-only column: a plain XLA reduction over the same K/V bytes")

@@ -237,6 +237,10 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.s = Settings(args.smoke)
+        from dflash_jax import KernelConfig
+        # the kernel settings of every program this run times (--no-fused-layer, ...): the compile key
+        self.kernels = KernelConfig(fused_layer=args.fused_layer, sampling_kernels=args.sampling_kernels,
+                                    attention_tuning=KernelConfig.parse_tuning(args.gpu_attn))
         self.out_dir = args.out
         self.R = {"settings": {k: v for k, v in vars(self.s).items()}, "sections": {}, "errors": {},
                   "skipped": [], "compile_s": {}, "curves": {}}
@@ -300,9 +304,17 @@ class Bench:
         # a multiple of 512 keeps every Pallas tiling happy; the same capacity for N1 and N2 runs
         return round_up(prompt_len + n_new + 2 * self.s.block + 8, 512)
 
+    def with_kernels(self, kw: dict) -> dict:
+        """kw with this run's KernelConfig (a row's attention_impl replaces its backend)."""
+        import dataclasses
+        kw = dict(kw)
+        kw["kernels"] = dataclasses.replace(self.kernels, attention=kw.pop("attention_impl", self.kernels.attention))
+        return kw
+
     def gen(self, draft, prompts, n_new, capacity, **kw):
         from dflash_jax import generate
         target = self.models[0]
+        kw = self.with_kernels(kw)
         kw.setdefault("temperature", 0.0)
         kw.setdefault("block_size", self.s.block if draft is not None else None)
         try:
@@ -415,7 +427,7 @@ class Bench:
         target, draft = self.models[0], self.models[1]
         return (target, draft if dflash else None, self.prompts(batch, prompt_len)), dict(
             max_new_tokens=n2, block_size=self.s.block if dflash else None, seed=0,
-            capacity=self.capacity(prompt_len, n2), **kw)
+            capacity=self.capacity(prompt_len, n2), **self.with_kernels(kw))
 
     def precompile(self, sections, workers: int):
         """Compile every planned program into the library's cache before timing anything.
@@ -476,7 +488,8 @@ class Bench:
         impls = ("xla", "pallas") if jax.default_backend() != "cpu" else ("xla",)
         for impl in impls:
             for name, d in (("plain", None), ("dflash", draft)):
-                r = generate(target, d, prompts, max_new_tokens=n, capacity=1024, attention_impl=impl)
+                r = generate(target, d, prompts, max_new_tokens=n, capacity=1024,
+                             **self.with_kernels(dict(attention_impl=impl)))
                 outs[(name, impl)] = r.tokens
         res = {}
 
@@ -514,6 +527,7 @@ class Bench:
         import jax.numpy as jnp
         import numpy as np
         from dflash_jax import attention
+        from dflash_jax.kernel_config import resolved
         Hq, Hkv, D = 32, 8, 128
         out = {}
         cases = [("decode C1024", 2, 1, 1024, jnp.bfloat16), ("decode C32768 split", 1, 1, 32768, jnp.bfloat16),
@@ -529,20 +543,20 @@ class Bench:
                     e = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + 1, (B, T))
                     kn = kc[:, :, :T].transpose(0, 2, 1, 3)
                     vn = vc[:, :, :T].transpose(0, 2, 1, 3)
-                    f = jax.jit(lambda q, kn, vn, kc, vc, e: attention.attend_prefill(q, kn, vn, kc, vc, e, "pallas"))
+                    f = jax.jit(lambda q, kn, vn, kc, vc, e: attention.attend_prefill(q, kn, vn, kc, vc, e, resolved("pallas")))
                     args = (q, kn, vn, kc, vc, e)
                     hlo = f.lower(*args).compile().as_text()
                     route = "cudnn" if "cudnn" in hlo else "pallas"
                 else:
                     lens = C // 2 + 17 + np.arange(B)
                     e = jnp.asarray(lens[:, None] + np.arange(T)[None] + 1, jnp.int32)
-                    f = jax.jit(lambda q, kc, vc, e: attention.attend(q, kc, vc, e, "pallas"))
+                    f = jax.jit(lambda q, kc, vc, e: attention.attend(q, kc, vc, e, resolved("pallas")))
                     args = (q, kc, vc, e)
                     route = "pallas"
                 got = np.asarray(f(*args).astype(jnp.float32))
                 with jax.default_matmul_precision("highest"):  # XLA:GPU's f32 default is TF32
                     ref = np.asarray(attention.attend(q.astype(jnp.float32), kc.astype(jnp.float32),
-                                                      vc.astype(jnp.float32), e, "xla"))
+                                                      vc.astype(jnp.float32), e, resolved("xla")))
                 rel = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
                 tol = 1e-4 if dt == jnp.float32 else 2e-2
                 rec = {"rel_err": rel, "ok": bool(rel <= tol and np.isfinite(got).all()), "route": route}
@@ -560,7 +574,7 @@ class Bench:
         out.update(self.check_prologue())
 
         def run():
-            from pallas_kernels import gpu
+            from pallas_kernels import fused_layer as gpu
             from dflash_jax.modeling.layers import RMSNorm
             norm = RMSNorm(4096, 1e-6, jnp.bfloat16)
             norm.weight[...] = jnp.linspace(0.5, 1.5, 4096).astype(jnp.bfloat16)
@@ -575,32 +589,6 @@ class Bench:
             return rec, f"rel err sum {errs[0]:.2e} norm {errs[1]:.2e}"
         kernel_check(out, "add_rmsnorm B2 T16", run)
 
-        def run_linear(M, name):
-            from pallas_kernels.gpu_linear import fused_linear
-            K, N = {"qkv": (4096, 6144), "gate_up": (4096, 24576), "down": (12288, 4096)}[name]
-            ks = jax.random.split(jax.random.key(M), 4)
-            x = (jax.random.normal(ks[0], (1, M, K)) * 4).astype(jnp.bfloat16)
-            r = jax.random.normal(ks[1], (1, M, K)).astype(jnp.bfloat16)
-            w = (jax.random.normal(ks[2], (K, N)) * K ** -0.5).astype(jnp.bfloat16)
-            from dflash_jax.modeling.layers import RMSNorm, gated_silu
-            norm = RMSNorm(K, 1e-6, jnp.bfloat16)
-            norm.weight[...] = jnp.linspace(0.5, 1.5, K).astype(jnp.bfloat16)
-            nw = norm.weight[...]
-            if name == "down":
-                got, want = jax.jit(fused_linear)(x, w), jax.jit(jnp.matmul)(x, w)
-            else:
-                sw = name == "gate_up"
-                got = jax.jit(lambda x, r: fused_linear(x, w, residual=r, norm_weight=nw, swiglu=sw)[1])(x, r)
-
-                def xla(x, r):
-                    y = norm(x + r) @ w
-                    return gated_silu(y) if sw else y
-                want = jax.jit(xla)(x, r)
-            f = lambda a: np.asarray(a.astype(jnp.float32))
-            err = float(np.abs(f(got) - f(want)).max() / max(np.abs(f(want)).max(), 1e-6))
-            return {"rel_err": err, "ok": err <= 2e-2, "route": "pallas"}, f"rel err {err:.2e}"
-        for M, name in ((16, "qkv"), (1, "gate_up"), (16, "gate_up"), (16, "down")):
-            kernel_check(out, f"linear {name} M{M}", lambda: run_linear(M, name))
         out.update(self.check_sampling_kernel())
         return out
 
@@ -610,8 +598,9 @@ class Bench:
         import jax
         import jax.numpy as jnp
         import numpy as np
-        from dflash_jax import sampling
+        from dflash_jax import KernelConfig, sampling
         out = {}
+        gpu_kernels = KernelConfig(attention="pallas_gpu").resolve()
 
         def run():
             logits = jax.random.normal(jax.random.key(11), (16, 151936), jnp.float32) * 4
@@ -619,7 +608,7 @@ class Bench:
             zero = jnp.zeros((16,), jnp.float32)
             k20 = jnp.full((16,), 20.0, jnp.float32)
             # top-k 20's score threshold: counts are exact on both paths, so the keys must be equal
-            got = jax.jit(lambda k: sampling._kernel_min_passing(k, None, zero, k20, 32, "pallas_gpu"))(keys)
+            got = jax.jit(lambda k: sampling._kernel_min_passing(k, None, zero, k20, 32, gpu_kernels))(keys)
             want = jax.jit(lambda k: sampling._min_passing(
                 lambda c: sampling._masked_sums(k, c, None) < k20[:, None], 16, 32))(keys)
             same_key = bool(np.array_equal(np.asarray(got), np.asarray(want)))
@@ -632,8 +621,8 @@ class Bench:
                                        ("tie_k20_p09", tied, (1.0, 20, 0.9)), ("k300_p095", logits, (1.0, 300, 0.95)),
                                        ("p095", logits, (1.0, 0, 0.95))):
                 mode = sampling.mode_for(t, p, k)
-                lp = [np.asarray(jax.jit(lambda x, impl=impl: sampling.log_probs(
-                          x, t, k, p, mode, impl))(x)) for impl in ("pallas_gpu", "xla")]
+                lp = [np.asarray(jax.jit(lambda x, kc=kc: sampling.log_probs(
+                          x, t, k, p, mode, kc))(x)) for kc in (gpu_kernels, None)]
                 supports[name] = bool(np.array_equal(np.isfinite(lp[0]), np.isfinite(lp[1])))
             same_support = all(supports.values())
             rec = {"same_topk_key": same_key, "same_support": same_support, "supports": supports,
@@ -652,7 +641,7 @@ class Bench:
         from dflash_jax.cache import write_rows
         from dflash_jax.config import TargetConfig
         from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
-        from pallas_kernels import gpu
+        from pallas_kernels import fused_layer as gpu
         Hq, Hkv, D, C = 32, 8, 128, 2048
         cfg = TargetConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_layers=1, num_heads=Hq,
                            num_kv_heads=Hkv, head_dim=D)
@@ -740,7 +729,7 @@ class Bench:
 
     def ensure_rates(self):
         if self.bw is None:
-            # no floors section: the H200 numbers measured earlier (DESIGN.md)
+            # no floors section: the H200's copy and GEMM rates from an earlier floors run
             self.bw = 4.23e12 if not self.s.smoke else 20e9
             self.gemm_rate = 780e12 if not self.s.smoke else 50e9
             self.R.setdefault("assumed_rates", {"copy_Bps": self.bw, "gemm_FLOPs": self.gemm_rate})
@@ -806,7 +795,7 @@ class Bench:
 
         "bare": each product feeds the next (a slice where the widths differ), the LM head's argmax
         picks the next embeddings. "glue": plus the residual adds and the SwiGLU, the least elementwise
-        work a Qwen3 layer needs (DESIGN.md's synthetic decode step). DFlash: the target over the
+        work a Qwen3 layer needs (a synthetic decode step). DFlash: the target over the
         block's rows and its LM head, the draft's fc over the five taps, five draft layers (q/k/v
         over context + block rows in one product, as the fused path runs it), the draft's LM head over
         S - 1 rows."""
@@ -949,11 +938,11 @@ class Bench:
         target, draft, tcfg, dcfg = self.build()
         prompts = self.prompts(1, s.prompt)
         cap = self.capacity(s.prompt, s.n2)  # the b1 program: already compiled when b1 ran
-        # DFLASH_PROFILE_SAMPLING=<a SAMPLING_VARIANTS name>: profile that sampling setting instead
-        samp = os.environ.get("DFLASH_PROFILE_SAMPLING", "")
+        # --profile-sampling <a SAMPLING_VARIANTS name>: profile that sampling setting instead
+        samp = self.args.profile_sampling
         kw = dict(SAMPLING_VARIANTS).get(samp, {})
         if samp and not kw:
-            raise ValueError(f"DFLASH_PROFILE_SAMPLING={samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
+            raise ValueError(f"--profile-sampling {samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
         curve = f"dflash_b1_{samp}" if kw else "dflash_b1"
         self.gen(draft, prompts, s.prof_n1, cap, **kw)  # compile / warm
         root = tempfile.mkdtemp(prefix="dflash_prof_")
@@ -1463,6 +1452,15 @@ def main():
     ap.add_argument("--compile-workers", type=int, default=4, help="threads compiling programs ahead")
     ap.add_argument("--serial-reference", action="store_true",
                     help="finish the PyTorch reference before JAX starts (no overlap with compiles)")
+    ap.add_argument("--no-fused-layer", dest="fused_layer", action="store_false",
+                    help="KernelConfig(fused_layer=False): no fused q/k norm + RoPE + cache writes or "
+                         "add + RMSNorm kernels on the GPU path")
+    ap.add_argument("--no-sampling-kernels", dest="sampling_kernels", action="store_false",
+                    help="KernelConfig(sampling_kernels=False): top-k/top-p search in XLA reductions")
+    ap.add_argument("--gpu-attn", default="", metavar="block_k=128,num_warps=8",
+                    help="KernelConfig.attention_tuning: overrides of the GPU attention kernel's launch settings")
+    ap.add_argument("--profile-sampling", default="",
+                    help="profile this SAMPLING_VARIANTS setting (t1, ...) instead of greedy")
     ap.add_argument("--_reference-child", dest="ref_child", help=argparse.SUPPRESS)
     ap.add_argument("--_ref-new", dest="ref_new", type=int, default=128, help=argparse.SUPPRESS)
     ap.add_argument("--_ref-prompt", dest="ref_prompt", type=int, default=512, help=argparse.SUPPRESS)
@@ -1475,12 +1473,9 @@ def main():
     # leave the reference child room on the GPU (it holds ~20 GB while JAX starts)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.70")
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
-    log(f"DFLASH_FUSED_KERNELS={os.environ.get('DFLASH_FUSED_KERNELS', '1')} (fused q/k norm + RoPE + cache writes, "
-        f"add + RMSNorm on the GPU path); "
-        f"DFLASH_GPU_ATTN={os.environ.get('DFLASH_GPU_ATTN', '(default)')}; "
-        f"DFLASH_GPU_ATTN_KERNEL={os.environ.get('DFLASH_GPU_ATTN_KERNEL', 'triton')}; "
-        f"DFLASH_FUSED_LINEAR={os.environ.get('DFLASH_FUSED_LINEAR', '0')} (projections on gpu_linear kernels, "
-        f"SwiGLU fused in); DFLASH_GPU_LINEAR={os.environ.get('DFLASH_GPU_LINEAR', '(default)')}")
+    log(f"kernels: fused_layer={args.fused_layer} (fused q/k norm + RoPE + cache writes, add + RMSNorm "
+        f"on the GPU path); sampling_kernels={args.sampling_kernels}; gpu attention overrides "
+        f"{args.gpu_attn or '(default)'}")
     bad = [x for x in sections if x not in ALL_SECTIONS]
     if bad:
         ap.error(f"unknown sections {bad}; known: {ALL_SECTIONS}")

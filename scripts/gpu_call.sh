@@ -14,21 +14,16 @@
 #   BENCH_ARGS="--sections b1,profile"   extra arguments for bench_gpu.py (e.g. a second call for
 #                                        sections a first call skipped)
 #   SKIP_CHECK=1 SKIP_ATTN=1             skip the correctness check / bench_attention.py
-#   LINEAR=1 LINEAR_TIMEOUT=240          run bench_linear.py (projection kernels vs XLA, settings sweep)
-#   LINEAR_ARGS="--budget-s 150"         extra arguments for bench_linear.py
-#   LINEAR_TABLE=1                       bench_gpu.py then uses bench_linear's best settings per shape
 #   ATTN_TIMEOUT=120 CHECK_TIMEOUT=90    their time limits in seconds
 #   ATTN_ARGS="--budget-s 150"           extra arguments for bench_attention.py
 #   TOTAL_S=590                          the whole script's time limit
 #   SMOKE=1                              tiny shapes (tries this script on a CPU machine)
-#   DFLASH_FUSED_KERNELS=0               run without the fused prologue / add+norm kernels
-#   EXTRA_RUNS="VAR=value:sections ..."  after the main run, more bench_gpu.py runs, each in its own
-#                                        process with VAR=value set (A/B of a trace-time setting);
-#                                        "A=1+B=2:b1" sets two variables, "~" in a value is a space
-#   PROBE=1 PROBE_FLAGS="f1 f2~f3"       first run xla_gpu_probe.py: XLA's PDL / graph flags here, and
-#                                        a small layer stack per flag set ("~" joins flags of one set)
+#   BENCH_ARGS="--no-fused-layer"        KernelConfig flags of bench_gpu.py: --no-fused-layer,
+#                                        --no-sampling-kernels, --gpu-attn "block_k=128,num_warps=8"
+#   EXTRA_RUNS="flags:sections ..."      after the main run, more bench_gpu.py runs, each in its own
+#                                        process with those flags (A/B of a kernel setting); "~" in
+#                                        flags is a space: "--no-fused-layer:b1 --gpu-attn~num_stages=4:b1"
 # Files back in $OUT (the tool returns at most 8): env.log (with the check), bench_attention.log,
-# bench_linear.log/.json and linear_table.json (LINEAR=1),
 # bench_gpu.log, bench_gpu.json, profile_dflash_b1_*.trace.json.gz, and what bench_attention.py writes.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -86,25 +81,11 @@ if [ -z "$SKIP_CHECK" ]; then
   fi
 fi
 
-if grep -qE "check: kernel linear.*(ERROR|FAIL)" "$OUT/env.log" 2>/dev/null; then
-  export DFLASH_FUSED_LINEAR=0
-  say "a fused projection kernel failed its check: DFLASH_FUSED_LINEAR=0 for the benchmark" | tee -a "$OUT/env.log"
-fi
-
 # A fused attention prologue that fails its check on this GPU must not sink every measurement:
 # the benchmark then runs without it (and says so).
 if grep -qE "check: kernel (prologue|add_rmsnorm).*(ERROR|FAIL)" "$OUT/env.log" 2>/dev/null; then
-  export DFLASH_FUSED_KERNELS=0
-  say "a fused kernel failed its check: DFLASH_FUSED_KERNELS=0 for the benchmark" | tee -a "$OUT/env.log"
-fi
-
-# 3b. what XLA here offers for launch overlap (PDL), with each flag set of PROBE_FLAGS
-if [ -n "$PROBE" ] && [ -f scripts/xla_gpu_probe.py ]; then
-  say "xla_gpu_probe.py"
-  PROBE_ARGS=()
-  for f in $PROBE_FLAGS; do PROBE_ARGS+=("${f//\~/ }"); done
-  timeout -k 10 "${PROBE_TIMEOUT:-150}" python3 scripts/xla_gpu_probe.py "${PROBE_ARGS[@]}" 2>&1 \
-    | grep -vE 'Logging before InitGoogle|^E0000|common_lib.cc' | tee "$OUT/probe.log"
+  BENCH_ARGS="$BENCH_ARGS --no-fused-layer"
+  say "a fused kernel failed its check: --no-fused-layer for the benchmark" | tee -a "$OUT/env.log"
 fi
 
 # 4. the attention benchmark (another engineer's script), if it exists
@@ -112,18 +93,6 @@ if [ -z "$SKIP_ATTN" ] && [ -f scripts/bench_attention.py ]; then
   say "bench_attention.py"
   timeout -k 10 "${ATTN_TIMEOUT:-120}" python3 scripts/bench_attention.py $ATTN_ARGS 2>&1 | tee "$OUT/bench_attention.log"
   say "bench_attention rc=$?"
-fi
-
-# 4b. the projection kernels against XLA's GEMMs, and their launch-setting sweep (LINEAR=1)
-if [ -n "$LINEAR" ] && [ -f scripts/bench_linear.py ]; then
-  say "bench_linear.py"
-  timeout -k 10 "${LINEAR_TIMEOUT:-240}" python3 scripts/bench_linear.py --table "$OUT/linear_table.json" $LINEAR_ARGS 2>&1 | tee "$OUT/bench_linear.log"
-  say "bench_linear rc=$?"
-  # LINEAR_TABLE=1: the benchmark below runs the projection kernels with the sweep's best settings
-  if [ -n "$LINEAR_TABLE" ] && [ -s "$OUT/linear_table.json" ]; then
-    export DFLASH_GPU_LINEAR_TABLE="$OUT/linear_table.json"
-    say "DFLASH_GPU_LINEAR_TABLE=$DFLASH_GPU_LINEAR_TABLE"
-  fi
 fi
 
 # 5. the full benchmark, with what time is left
@@ -138,19 +107,17 @@ timeout -k 15 -s TERM $(( REM - 15 )) python3 scripts/bench_gpu.py --budget-s "$
   | tee "$OUT/bench_gpu.log"
 RC=${PIPESTATUS[0]}
 
-# 6. extra runs, each in its own process with one environment setting (A/B of a trace-time knob):
-#    EXTRA_RUNS="DFLASH_GPU_ATTN=num_stages=4:b1 DFLASH_FUSED_KERNELS=0:b1"
+# 6. extra runs, each in its own process with its own kernel flags (A/B of a KernelConfig setting):
+#    EXTRA_RUNS="--gpu-attn~num_stages=4:b1 --no-fused-layer:b1"
 for spec in $EXTRA_RUNS; do
-  envset=${spec%%:*}; secs=${spec#*:}; tag=$(echo "${envset}_${secs}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-80)
-  # "A=1+B=2": several settings; "~" in a value stands for a space (XLA_FLAGS=--a=1~--b=2)
-  IFS='+' read -r -a assigns <<< "$envset"
-  for i in "${!assigns[@]}"; do assigns[$i]=${assigns[$i]//\~/ }; done
+  flags=${spec%%:*}; flags=${flags//\~/ }; secs=${spec#*:}
+  tag=$(echo "${flags}_${secs}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-80)
   REM=$(left)
   if [ "$REM" -lt 90 ]; then say "no time left for extra run $spec"; continue; fi
-  say "extra run: ${assigns[*]} --sections $secs (${REM}s left)"
-  env "${assigns[@]}" timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
-    --sections "$secs" $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
-    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|FUSED|GPU_ATTN|Error|ERROR"
+  say "extra run: $flags --sections $secs (${REM}s left)"
+  timeout -k 10 $(( REM - 20 )) python3 scripts/bench_gpu.py --budget-s $(( REM - 40 )) --out '' \
+    --sections "$secs" $flags $SMOKE_ARG 2>&1 | grep --line-buffered -vE 'Logging before InitGoogle|^E0000|common_lib.cc' \
+    | tee "$OUT/extra_${tag}.log" | grep -E "ms/iter|sampling:|overhead|kernels:|Error|ERROR"
 done
 say "bench_gpu rc=$RC; files in \$OUT:"
 ls -la "$OUT"

@@ -8,7 +8,7 @@
 
 No TPU is used or needed: libtpu's compiler compiles the programs ahead of time for one chip of a
 TPU topology (v6e: "v6e:2x2", v5p: "v5p:2x2x1"; device 0) with abstract arguments
-(jax.ShapeDtypeStruct placed on that device), see DESIGN.md "TPU without a TPU". Each chip runs in its
+(jax.ShapeDtypeStruct placed on that device), see docs/benchmarks-howto.md. Each chip runs in its
 own child process (libtpu reads TPU_ACCELERATOR_TYPE when it loads), both at once.
 
 What it reports, per chip:

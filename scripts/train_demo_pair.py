@@ -398,7 +398,7 @@ def train_target_model(run: Run, tok, stream: np.ndarray, heldout: np.ndarray):
         x, y = batch[:, :-1], batch[:, 1:]
         pos = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape)  # [B, T]
         # a fresh cache of capacity T + prefill: the causal forward over the window
-        h, _, _ = model(x, pos, model.new_cache(x.shape[0], x.shape[1]), pos + 1, attention_impl="xla",
+        h, _, _ = model(x, pos, model.new_cache(x.shape[0], x.shape[1]), pos + 1, kernels="xla",
                         prefill=True)
         logits = model.logits(h)                                               # [B, T, V] f32
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()

@@ -114,7 +114,7 @@ def _random_target(seed=0):
 def _our_logits(model, ids):
     tokens = jnp.asarray([ids], jnp.int32)
     pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    h, _, _ = model(tokens, pos, model.new_cache(1, len(ids)), pos + 1, attention_impl="xla", prefill=True)
+    h, _, _ = model(tokens, pos, model.new_cache(1, len(ids)), pos + 1, kernels="xla", prefill=True)
     return np.asarray(model.logits(h))[0]
 
 

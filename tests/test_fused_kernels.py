@@ -2,7 +2,7 @@
 interpreter, and their lowering for CUDA:
 - the attention prologue (q/k RMSNorm, RoPE, in-place cache writes in one Pallas Triton kernel);
 - the residual add + post-attention RMSNorm;
-- the skinny projections with the residual add, RMSNorm and SwiGLU fused in (gpu_linear)."""
+- the sampling search's count and gather kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from flax import nnx
 from dflash_jax.config import TargetConfig
 from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
 from dflash_jax.cache import write_rows
-from pallas_kernels import gpu
+from dflash_jax.kernel_config import KernelConfig
+from pallas_kernels import Unsupported, fused_layer
+from pallas_kernels import sampling as search
 
 
 def _layer(D, Hq, Hkv, dtype):
@@ -52,7 +54,7 @@ def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
     want = _xla(layer, qkv, positions, k_cache, v_cache, start)
     cos, sin = rope_tables(positions, D, layer.rope_theta)
-    got = gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+    got = fused_layer.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
                                  layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq, interpret=True)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
     for name, g, w in zip(("q", "k_cache", "v_cache"), got, want):
@@ -86,15 +88,15 @@ def test_prologue_with_context_rows_matches_the_draft_layer(dtype):
     want_k = write_rows(write_rows(k_cache, k[:, :Tc], ctx_start), k[:, Tc:], start)
     want_v = write_rows(write_rows(v_cache, v[:, :Tc], ctx_start), v[:, Tc:], start)
     cos, sin = rope_tables(all_pos, D, layer.rope_theta)
-    got = gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+    got = fused_layer.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
                                  layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq,
                                  ctx_rows=Tc, ctx_start=ctx_start, interpret=True)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
     for name, g, w in zip(("q", "k_cache", "v_cache"), got, (want_q, want_k, want_v)):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name, **tol)
-    with pytest.raises(gpu.Unsupported, match="context rows"):
-        gpu.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
+    with pytest.raises(Unsupported, match="context rows"):
+        fused_layer.qk_norm_rope_write(qkv, cos, sin, layer.q_norm.weight[...], layer.k_norm.weight[...],
                                layer.q_norm.eps, k_cache, v_cache, start, num_heads=Hq, ctx_rows=Tc)
 
 
@@ -103,7 +105,7 @@ def test_prologue_lowers_for_cuda():
     B, T, Hq, Hkv, D, C = 2, 16, 32, 8, 128, 4096
     S = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    f = lambda qkv, c, s, qw, kw, kc, vc, st: gpu.qk_norm_rope_write(qkv, c, s, qw, kw, 1e-6, kc, vc, st,
+    f = lambda qkv, c, s, qw, kw, kc, vc, st: fused_layer.qk_norm_rope_write(qkv, c, s, qw, kw, 1e-6, kc, vc, st,
                                                                        num_heads=Hq)
     exp = export.export(jax.jit(f, donate_argnums=(5, 6)), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
@@ -120,7 +122,7 @@ def test_add_rmsnorm_matches_the_layer(shape, dtype):
     kx, ky = jax.random.split(jax.random.key(3))
     x = (jax.random.normal(kx, shape) * 4).astype(dtype)
     y = jax.random.normal(ky, shape).astype(dtype)
-    s, n = gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=True)
+    s, n = fused_layer.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=True)
     want_s = x + y
     np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want_s, np.float32))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -130,125 +132,37 @@ def test_add_rmsnorm_matches_the_layer(shape, dtype):
 def test_add_rmsnorm_lowers_for_cuda():
     from jax import export
     S = jax.ShapeDtypeStruct
-    exp = export.export(jax.jit(lambda x, y, w: gpu.add_rmsnorm(x, y, w, 1e-6)), platforms=["cuda"],
+    exp = export.export(jax.jit(lambda x, y, w: fused_layer.add_rmsnorm(x, y, w, 1e-6)), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((1, 16, 4096), jnp.bfloat16), S((1, 16, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16))
     assert "dflash_add_rmsnorm" in exp.mlir_module()
 
 
-def _linear_case(B, T, K, N, dtype, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    x = (jax.random.normal(ks[0], (B, T, K)) * 3).astype(dtype)
-    res = jax.random.normal(ks[1], (B, T, K)).astype(dtype)
-    w = (jax.random.normal(ks[2], (K, N)) * K ** -0.5).astype(dtype)
-    norm_w = jax.random.uniform(ks[3], (K,), minval=0.5, maxval=1.5).astype(dtype)
-    return x, res, w, norm_w
+GPU = KernelConfig(attention="pallas_gpu").resolve()
+GPU_INTERPRET = KernelConfig(attention="pallas_gpu_interpret").resolve()
 
 
-@pytest.mark.parametrize("B,T,K,N,dtype,config", [
-    (1, 1, 256, 384, jnp.float32, {}),                          # plain decode: 1 row in a 16-row tile
-    (2, 5, 512, 256, jnp.float32, dict(block_k=128, block_n=16)),  # odd rows, several k-steps
-    (1, 16, 512, 512, jnp.bfloat16, dict(block_k=64)),         # verify block, bf16
-    (4, 16, 256, 128, jnp.bfloat16, {}),                        # 64 rows: the largest fused block
-])
-def test_fused_linear_matches_the_layer_ops(B, T, K, N, dtype, config):
-    """Each fused form against the layer's XLA ops: x @ w; (x + r, RMSNorm(x + r) @ w); the MLP's
-    (x + r, silu(g) * u) with the norm; RMSNorm(x) @ w without a residual."""
-    from dflash_jax.modeling.layers import RMSNorm
-    from pallas_kernels.gpu_linear import fused_linear
-    x, res, w, norm_w = _linear_case(B, T, K, N, dtype)
-    norm = RMSNorm(K, 1e-6, dtype)
-    norm.weight[...] = norm_w
-    hi = jax.lax.Precision.HIGHEST
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == jnp.float32 else dict(atol=3e-2, rtol=3e-2)
-    f32 = lambda a: np.asarray(a, np.float32)
-    run = lambda *a, **k: fused_linear(*a, interpret=True, **config, **k)
-
-    np.testing.assert_allclose(f32(run(x, w)), f32(jnp.dot(x, w, precision=hi)), **tol)
-    np.testing.assert_allclose(f32(run(x, w, norm_weight=norm_w, eps=norm.eps)),
-                               f32(jnp.dot(norm(x), w, precision=hi)), **tol)
-    s, y = run(x, w, residual=res, norm_weight=norm_w, eps=norm.eps)
-    np.testing.assert_array_equal(f32(s), f32(x + res))
-    np.testing.assert_allclose(f32(y), f32(jnp.dot(norm(x + res), w, precision=hi)), **tol)
-    s, y = run(x, w, residual=res, norm_weight=norm_w, eps=norm.eps, swiglu=True)
-    gate, up = jnp.split(jnp.dot(norm(x + res), w, precision=hi), 2, axis=-1)
-    np.testing.assert_array_equal(f32(s), f32(x + res))
-    assert y.shape == (B, T, N // 2) and y.dtype == dtype
-    np.testing.assert_allclose(f32(y), f32(jax.nn.silu(gate) * up), **tol)
+def test_fused_dispatch():
+    from dflash_jax.attention import fused_add_norm, fused_prologue
+    xla, tpu = KernelConfig("xla").resolve(), KernelConfig("pallas_tpu").resolve()
+    assert not fused_prologue(xla, 16, 128) and not fused_prologue(tpu, 16, 128)
+    assert fused_prologue(GPU, 16, 128) and fused_prologue(GPU, 1, 128)
+    assert not fused_prologue(GPU, 512, 128) and not fused_prologue(GPU, 16, 96)
+    assert fused_add_norm(GPU, 16, 4096) and not fused_add_norm(GPU, 16, 2560)
+    assert not fused_add_norm(xla, 1, 4096) and not fused_add_norm(GPU, 512, 4096)
+    off = KernelConfig("pallas_gpu", fused_layer=False).resolve()
+    assert not fused_prologue(off, 16, 128) and not fused_add_norm(off, 16, 4096)
 
 
-def test_fused_linear_rejects_what_it_cannot_tile():
-    from pallas_kernels.gpu_linear import fused_linear
-    from pallas_kernels.tpu import Unsupported
-    x, res, w, _ = _linear_case(1, 16, 256, 128, jnp.float32)
-    with pytest.raises(Unsupported):
-        fused_linear(jnp.ones((5, 16, 256)), w)             # 80 rows: XLA's GEMM takes those
-    with pytest.raises(Unsupported):
-        fused_linear(x, w[:, :120])                          # 120 columns do not tile
-    with pytest.raises(Unsupported):
-        fused_linear(x, w.astype(jnp.bfloat16))              # mixed dtypes
-
-
-def test_fused_linear_lowers_for_cuda():
-    """The four projections of a Qwen3-8B layer at a verify block lower to Triton kernels."""
-    from jax import export
-    from pallas_kernels.gpu_linear import fused_linear
-    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-
-    def layer(x, d, ln, wqkv, wo, ln2, wgu, wd):
-        x, qkv = fused_linear(x, wqkv, residual=d, norm_weight=ln)
-        x, act = fused_linear(x, wgu, residual=fused_linear(qkv[..., :4096], wo), norm_weight=ln2,
-                              swiglu=True)
-        return x, fused_linear(act, wd)
-    exp = export.export(jax.jit(layer), platforms=["cuda"],
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        S((1, 16, 4096), bf), S((1, 16, 4096), bf), S((4096,), bf), S((4096, 6144), bf),
-        S((4096, 4096), bf), S((4096,), bf), S((4096, 24576), bf), S((12288, 4096), bf))
-    mlir = exp.mlir_module()
-    for name in ('"dflash_linear_norm"', '"dflash_linear_norm_swiglu"', '"dflash_linear"'):
-        assert name in mlir, name
-
-
-def test_fused_dispatch(monkeypatch):
-    from dflash_jax.attention import fused_add_norm, fused_draft, fused_linear, fused_prologue
-    assert not fused_prologue("xla", 16, 128) and not fused_prologue("pallas_tpu", 16, 128)
-    assert fused_prologue("pallas_gpu", 16, 128) and fused_prologue("pallas_gpu", 1, 128)
-    assert not fused_prologue("pallas_gpu", 512, 128) and not fused_prologue("pallas_gpu", 16, 96)
-    assert fused_add_norm("pallas_gpu", 16, 4096) and not fused_add_norm("pallas_gpu", 16, 2560)
-    assert not fused_add_norm("xla", 1, 4096) and not fused_add_norm("pallas_gpu", 512, 4096)
-    x, w = jnp.zeros((1, 16, 4096), jnp.bfloat16), jnp.zeros((4096, 6144), jnp.bfloat16)
-    assert not fused_linear("pallas_gpu", x, w)                       # off by default
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "gate_up,o")
-    assert fused_linear("pallas_gpu", x, w, swiglu=True, name="gate_up")
-    assert fused_linear("pallas_gpu", x, w) and not fused_linear("pallas_gpu", x, w, name="qkv")
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "gate,o")
-    with pytest.raises(ValueError, match="DFLASH_FUSED_LINEAR"):
-        fused_linear("pallas_gpu", x, w)
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
-    assert fused_linear("pallas_gpu", x, w) and fused_linear("pallas_gpu", x[:, :1], w)
-    assert fused_linear("pallas_gpu", x, w, swiglu=True) and not fused_linear("xla", x, w)
-    assert not fused_linear("pallas_gpu", jnp.zeros((8, 16, 4096), jnp.bfloat16), w)  # 128 rows
-    assert not fused_linear("pallas_gpu", x, w.astype(jnp.float32))
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "0")
-    assert not fused_linear("pallas_gpu", x, w) and fused_add_norm("pallas_gpu", 16, 4096)
-    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "0")
-    assert not fused_prologue("pallas_gpu", 16, 128) and not fused_add_norm("pallas_gpu", 16, 4096)
-    assert not fused_draft("pallas_gpu", 16)
-    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "target")     # the target's layers only
-    assert fused_prologue("pallas_gpu", 16, 128) and not fused_draft("pallas_gpu", 16)
-    monkeypatch.setenv("DFLASH_FUSED_KERNELS", "1")
-    assert fused_draft("pallas_gpu", 16) and not fused_draft("xla", 16)
-
-
-@pytest.mark.parametrize("linear", ["0", "1"])
-def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
-    """The whole GPU layer path in the interpreter (attention kernel, fused prologue, add + norm,
-    residuals deferred across layers into the next norm; with linear "1" every projection a
-    gpu_linear kernel) against the XLA path: the target's verify and decode forwards (hidden
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_path_forward_and_loop_match_xla(fused):
+    """The whole GPU layer path in the interpreter (attention kernel; with `fused` the fused
+    prologue, add + norm and residuals deferred across layers into the next norm, without it the
+    layers' XLA ops around the attention kernel) against the XLA path: the target's verify and decode forwards (hidden
     states, taps, caches), the draft's pass (its prologue with the context rows, deferred
     residuals: hidden states, caches) and a speculative generation's tokens."""
     from dflash_jax import DraftConfig, generate, init_draft, init_target
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", linear)
+    kernels = KernelConfig(attention="pallas_gpu_interpret", fused_layer=fused)
     cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=64)   # every GPU kernel supports these shapes
     target = init_target(cfg, seed=3, dtype="float32")
@@ -259,8 +173,7 @@ def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     for T in (16, 1):
         toks = jax.random.randint(jax.random.key(T), (B, T), 0, 128)
         p = jnp.asarray([[16], [20]], jnp.int32) + jnp.arange(T, dtype=jnp.int32)
-        outs = [target(toks, p, cache, p + 1, taps=(0, 1), attention_impl=impl)
-                for impl in ("xla", "pallas_gpu_interpret")]
+        outs = [target(toks, p, cache, p + 1, taps=(0, 1), kernels=k) for k in ("xla", kernels)]
         (h0, f0, c0), (h1, f1, c1) = outs
         np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
@@ -274,41 +187,20 @@ def test_gpu_path_forward_and_loop_match_xla(linear, monkeypatch):
     blk = jnp.asarray([[30], [24]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)
     pend = jnp.asarray([[26], [22]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)  # overlaps the block
     dcache, d_end = draft.new_cache(B, C), jnp.broadcast_to(blk[:, -1:] + 1, (B, S))
-    outs = [draft(emb, blk, feats, pend, dcache, d_end, attention_impl=impl)
-            for impl in ("xla", "pallas_gpu_interpret")]
+    outs = [draft(emb, blk, feats, pend, dcache, d_end, kernels=k) for k in ("xla", kernels)]
     (h0, c0), (h1, c1) = outs
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
     for a, b in zip(c1.k + c1.v, c0.k + c0.v):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla").tokens
-    got = generate(target, draft, prompts, max_new_tokens=12, attention_impl="pallas_gpu_interpret").tokens
+    got = generate(target, draft, prompts, max_new_tokens=12, kernels=kernels).tokens
     assert got == want
     # sampling with top-k and top-p: the search's passes in the count kernel, same seed, same tokens
     kw = dict(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=5)
     want = generate(target, draft, prompts, attention_impl="xla", **kw).tokens
-    got = generate(target, draft, prompts, attention_impl="pallas_gpu_interpret", **kw).tokens
+    got = generate(target, draft, prompts, kernels=kernels, **kw).tokens
     assert got == want
-
-
-def test_gpu_path_with_the_linear_prologue_matches_xla(monkeypatch):
-    """DFLASH_LINEAR_PROLOGUE=1 (add + norm inside the projection kernels): the verify forward
-    still gives the XLA path's hidden states and caches."""
-    from dflash_jax import init_target
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
-    monkeypatch.setenv("DFLASH_LINEAR_PROLOGUE", "1")
-    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=64)
-    target = init_target(cfg, seed=5, dtype="float32")
-    B, T, C = 1, 16, 64
-    toks = jax.random.randint(jax.random.key(1), (B, T), 0, 128)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    outs = [target(toks, pos, target.new_cache(B, C), pos + 1, taps=(0,), attention_impl=impl)
-            for impl in ("xla", "pallas_gpu_interpret")]
-    (h0, f0, c0), (h1, f1, c1) = outs
-    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(c1.k[1]), np.asarray(c0.k[1]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("N,V,bits,shared,weighted", [(3, 300, 32, False, False), (2, 5000, 32, False, True),
@@ -329,7 +221,7 @@ def test_sampling_search_kernel_matches_xla(N, V, bits, shared, weighted):
     offset = jnp.asarray(rng.integers(0, 4, N) / 1024, jnp.float32) if shared else jnp.zeros((N,), jnp.float32)
     want = sampling._min_passing(lambda c: offset[:, None] + sampling._masked_sums(keys, c, weight) < budget[:, None],
                                  N, bits)
-    got = sampling._kernel_min_passing(keys, weight, offset, budget, bits, "pallas_gpu_interpret")
+    got = sampling._kernel_min_passing(keys, weight, offset, budget, bits, GPU_INTERPRET)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -338,12 +230,12 @@ def test_sampling_count_pass_lowers_for_cuda(first):
     from jax import export
     S = jax.ShapeDtypeStruct
     V = 151936
-    P, chunk = gpu.count_layout(16, V)
+    P, chunk = search.count_layout(16, V)
     assert P == 64 and P * chunk >= V
     prev = None if first else (S((16, P, 16), jnp.float32), S((16, P, 16), jnp.int32))
 
     def f(k, w, off, bud, prev):
-        return gpu.count_pass(k, w, prev, off, bud, P=P, chunk=chunk, shift=24, width=4, prev_shift=28)
+        return search.count_pass(k, w, prev, off, bud, P=P, chunk=chunk, shift=24, width=4, prev_shift=28)
     exp = export.export(jax.jit(f), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((16, V), jnp.int32), S((16, V), jnp.float32), S((16,), jnp.float32), S((16,), jnp.float32), prev)
@@ -362,7 +254,7 @@ def test_sampling_search_kernel_matches_the_reference():
     for top_k, top_p in ((7, 1.0), (0, 0.9), (20, 0.5), (1000, 0.3)):
         mode = sampling.mode_for(0.8, top_p, top_k)
         ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k),
-                                                    jnp.float32(top_p), mode, "pallas_gpu_interpret")))
+                                                    jnp.float32(top_p), mode, GPU_INTERPRET)))
         ref = _sampling_probs(torch.tensor(logits), 0.8, top_p, top_k).numpy()
         np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
 
@@ -376,8 +268,8 @@ def test_sampling_gather_kernel_collects_the_keys_above(N, V, ranks):
     keys = rng.integers(-2**31, 2**31, size=(N, V)).astype(np.int32)
     h = -np.sort(-keys, axis=1)[np.arange(N), list(ranks)]
     keys[0, 5:9] = h[0]                                                      # ties at the cut
-    cnt, gk, gi = map(np.asarray, gpu.gather_above(jnp.asarray(keys), jnp.asarray(h), interpret=True))
-    G = gpu.GATHER_MAX
+    cnt, gk, gi = map(np.asarray, search.gather_above(jnp.asarray(keys), jnp.asarray(h), interpret=True))
+    G = search.GATHER_MAX
     assert gk.shape == gi.shape == (N, G)
     for n in range(N):
         above = np.nonzero(keys[n] >= h[n])[0]
@@ -391,13 +283,13 @@ def test_sampling_gather_kernel_collects_the_keys_above(N, V, ranks):
 def test_sampling_gather_kernel_lowers_for_cuda():
     from jax import export
     S = jax.ShapeDtypeStruct
-    exp = export.export(jax.jit(gpu.gather_above), platforms=["cuda"],
+    exp = export.export(jax.jit(search.gather_above), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         S((16, 151936), jnp.int32), S((16,), jnp.int32))
     assert "dflash_sampling_gather" in exp.mlir_module()
 
 
-def test_sampling_fast_path_matches_the_full_searches(monkeypatch):
+def test_sampling_fast_path_matches_the_full_searches():
     """The GPU path's shortcut (top-k candidates gathered, then the tie and top-p cuts on them)
     keeps exactly the tokens the full searches keep: top-k
     alone and with top-p, ties inside and across the cut, a row whose tie overflows the gather
@@ -415,12 +307,10 @@ def test_sampling_fast_path_matches_the_full_searches(monkeypatch):
         for top_k, top_p in settings:
             mode = sampling.mode_for(1.0, top_p, top_k)
             args = (jnp.asarray(lg), jnp.int32(top_k), jnp.float32(top_p), mode)
-            monkeypatch.setenv("DFLASH_SAMPLING_FAST", "0")
-            want = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret"))
-            monkeypatch.delenv("DFLASH_SAMPLING_FAST")
-            got = np.asarray(sampling._keep_mask(*args, "pallas_gpu_interpret"))
+            want = np.asarray(sampling._keep_mask(*args, GPU_INTERPRET, fast=False))
+            got = np.asarray(sampling._keep_mask(*args, GPU_INTERPRET))
             np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
-            np.testing.assert_array_equal(want, np.asarray(sampling._keep_mask(*args, "xla")))
+            np.testing.assert_array_equal(want, np.asarray(sampling._keep_mask(*args)))
             assert (got.sum(1) <= top_k).all() if lg is logits else True
     # order independence of the gathered cut
     scores = jnp.asarray(logits[:2, :40])
@@ -435,9 +325,37 @@ def test_sampling_fast_path_matches_the_full_searches(monkeypatch):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_search_kernel_dispatch(monkeypatch):
+def test_search_kernel_dispatch():
     from dflash_jax import sampling
-    assert sampling.search_kernel("pallas_gpu") and sampling.search_kernel("pallas_gpu_interpret")
-    assert not sampling.search_kernel("xla") and not sampling.search_kernel("pallas_tpu")
-    monkeypatch.setenv("DFLASH_SAMPLING_KERNEL", "0")
-    assert not sampling.search_kernel("pallas_gpu")
+    assert sampling.search_kernel(GPU) and sampling.search_kernel(GPU_INTERPRET)
+    assert not sampling.search_kernel(KernelConfig("xla").resolve()) and not sampling.search_kernel(None)
+    assert not sampling.search_kernel(KernelConfig("pallas_tpu").resolve())
+    assert not sampling.search_kernel(KernelConfig("pallas_gpu", sampling_kernels=False).resolve())
+
+
+@pytest.mark.slow
+def test_two_kernel_configs_in_one_process_are_two_programs():
+    """KernelConfig is part of the compile key: the fused layer kernels on and off in one process
+    compile two programs, each with its own kernels (the fused ones appear only in the first),
+    and both give the XLA path's tokens."""
+    from dflash_jax import DraftConfig, decode, generate, init_draft, init_target
+    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=64)
+    target = init_target(cfg, seed=3, dtype="float32")
+    draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), seed=4, dtype="float32")
+    prompts, kw = [[5, 6, 7, 8, 9]], dict(max_new_tokens=6, capacity=64)
+    on = KernelConfig(attention="pallas_gpu_interpret")
+    off = KernelConfig(attention="pallas_gpu_interpret", fused_layer=False)
+    before = decode.compile_count()
+    texts = [decode.compiled_program(target, draft, prompts, kernels=k, **kw)[0].as_text() for k in (on, off)]
+    assert decode.compile_count() == before + 2
+    assert "dflash_add_rmsnorm" in texts[0] and "dflash_add_rmsnorm" not in texts[1]
+    assert "dflash_qk_norm_rope_write" in texts[0] and "dflash_qk_norm_rope_write" not in texts[1]
+    assert "dflash_block_attention_gpu" in texts[1]          # the attention kernel stays in both
+    want = generate(target, draft, prompts, kernels=KernelConfig(attention="xla"), **kw).tokens
+    for k in (on, off):
+        res = generate(target, draft, prompts, kernels=k, **kw)
+        assert res.tokens == want and res.compile_time_s == 0.0
+    assert decode.compile_count() == before + 3              # the XLA program; no recompiles
+    with pytest.raises(ValueError, match="disagrees"):
+        generate(target, draft, prompts, kernels=on, attention_impl="xla", **kw)

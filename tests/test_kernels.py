@@ -18,8 +18,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
-from dflash_jax.attention import IMPLS, attend, resolve_impl
-from pallas_kernels import gpu, reference, tpu
+from dflash_jax.attention import attend
+from dflash_jax.kernel_config import ATTENTION_BACKENDS, KernelConfig, resolved
+from pallas_kernels.attention import gpu, merge, reference, tpu
 from tests.tpu_aot import abstract, bytes_accessed, compile_for_tpu, memory_report, requires_libtpu, tpu_device
 
 F32_ATOL = 1e-5
@@ -130,19 +131,16 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,one_loop,merge_kernel,exp2", [(2, False, False, True), (5, False, False, True),
-                                                                 (3, True, False, True), (5, False, True, True),
-                                                                 (5, False, True, False), (1, False, False, False)])
+@pytest.mark.parametrize("kv_splits,merge_kernel", [(2, False), (5, False), (3, False), (5, True), (1, False)])
 @pytest.mark.parametrize("pattern", ["verify", "ragged"])
-def test_gpu_kernel_kv_splits(kv_splits, one_loop, merge_kernel, exp2, pattern):
+def test_gpu_kernel_kv_splits(kv_splits, merge_kernel, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
-    the one-loop variant (every tile masked) and the merge as a Pallas kernel on the same rows; the
-    softmax in base e (exp2=False, the A/B setting) as well as the default base 2."""
+    the merge as XLA's fusion and as a Pallas kernel on the same rows."""
     B, T, Hq, Hkv, C, D = 2, 16, 8, 2, 512, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32, seed=1)
     k_end = _k_end(pattern, B, T, C, seed=1)
     out = gpu.block_attention(q, k, v, k_end, interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, one_loop=one_loop, merge_kernel=merge_kernel, exp2=exp2)
+                              min_chunk=32, merge_kernel=merge_kernel)
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
@@ -158,8 +156,8 @@ def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
     o = o.at[1 % S].set(jnp.nan)                          # ... whose partial was never written
     lse = lse.at[:, 5].set(-jnp.inf)                      # a row with no keys at all
     o = o.astype(dtype)
-    got = gpu.merge_splits(o, lse, dtype, interpret=True)
-    want = gpu._merge(o, lse).astype(dtype)
+    got = merge.merge_splits(o, lse, dtype, interpret=True)
+    want = merge._merge(o, lse).astype(dtype)
     assert got.shape == (N, D) and got.dtype == dtype
     assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)),
@@ -168,45 +166,45 @@ def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
 
 
 def test_gpu_default_config_splits_small_batch():
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] > 1                     # 8 programs cannot fill 132 SMs
-    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1                    # 256 programs already do
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=32, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 2                    # ... but at 32k two splits balance the waves
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=128, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1
     # short caches, few programs: blocks split 8 ways of >= 64 keys while 8 x programs fit in one
     # wave of two per SM (batch <= 4 here), else 4 of >= 128; plain decode (T = 1) always 4
-    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 8 and cfg["min_chunk"] == 64
-    cfg = gpu.default_config(T=1, G=4, C=1024, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=1, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128
-    assert gpu.default_config(T=16, G=4, C=1024, D=128, B=4, Hkv=8)["kv_splits"] == 8    # 256 programs
-    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=8, Hkv=8)
+    assert gpu.default_config(T=16, G=4, C=1024, D=128, B=4, Hkv=8, n_sms=132)["kv_splits"] == 8    # 256 programs
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=8, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 4 and cfg["min_chunk"] == 128                           # 8 x 64 > 264
-    assert gpu.default_config(T=16, G=4, C=96, D=128, B=1, Hkv=8)["kv_splits"] == 1    # < 2 chunks
-    cfg = gpu.default_config(T=512, G=4, C=1024, D=128, B=1, Hkv=8)
+    assert gpu.default_config(T=16, G=4, C=96, D=128, B=1, Hkv=8, n_sms=132)["kv_splits"] == 1    # < 2 chunks
+    cfg = gpu.default_config(T=512, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1                    # prefill: 256 programs already
-    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=32, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=1024, D=128, B=32, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 1                    # many programs: no merge kernels
     # Batch 8: 64 programs; splits fill one wave of 2 programs per SM (4 -> 256 <= 264), never
     # spilling a small second wave (5 -> 320).
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=8, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=8, Hkv=8, n_sms=132)
     assert cfg["kv_splits"] == 4
     # From 16k keys on, batch 1 fills the wave exactly: 33 splits x 8 heads = 264 = 2 x 132 programs
-    assert gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)["kv_splits"] == 33
+    assert gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8, n_sms=132)["kv_splits"] == 33
 
 
 def test_gpu_default_config_merge_kernel():
     """Long caches merge their splits in the Pallas merge kernel, with tiles small enough for >= 512
     programs at batch 1; short caches and unsplit calls keep XLA's merge (or none)."""
-    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=32768, D=128, B=1, Hkv=8, n_sms=132)
     assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (4, 32)
-    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=8, Hkv=8)
+    cfg = gpu.default_config(T=16, G=4, C=8192, D=128, B=8, Hkv=8, n_sms=132)
     assert cfg["merge_kernel"] and (cfg["merge_rows"], cfg["merge_cols"]) == (16, 64)
-    assert not gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8)["merge_kernel"]   # 8 short splits
-    assert not gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8)["merge_kernel"]  # no splits
+    assert not gpu.default_config(T=16, G=4, C=1024, D=128, B=1, Hkv=8, n_sms=132)["merge_kernel"]   # 8 short splits
+    assert not gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8, n_sms=132)["merge_kernel"]  # no splits
 
 
 @pytest.mark.parametrize("kv_splits,merge_kernel", [(1, False), (3, False), (3, True)])
@@ -247,20 +245,30 @@ def test_attend_dispatch(impl):
         # Forced kernels are for AOT/export from a CPU host; on CPU they must refuse to run
         # (Pallas: "Only interpret mode is supported on CPU backend") rather than silently differ.
         with pytest.raises(Exception):
-            jax.block_until_ready(attend(q, k, v, k_end, impl))
+            jax.block_until_ready(attend(q, k, v, k_end, resolved(impl)))
         return
-    out = jax.jit(attend, static_argnums=4)(q, k, v, k_end, impl)
+    out = jax.jit(attend, static_argnums=4)(q, k, v, k_end, resolved(impl))
     _check(out, ref, jnp.float32)
 
 
-def test_resolve_impl_on_cpu():
-    assert set(IMPLS) == {"auto", "xla", "pallas", "pallas_tpu", "pallas_gpu"}
-    assert resolve_impl("auto") == "xla"
-    assert resolve_impl("pallas") == "pallas_interpret"
-    assert resolve_impl("pallas_tpu") == "pallas_tpu"
-    assert resolve_impl(resolve_impl("pallas")) == "pallas_interpret"      # idempotent
-    with pytest.raises(ValueError, match="attention_impl"):
-        resolve_impl("flash")
+def test_kernel_config_resolves_on_cpu():
+    assert set(ATTENTION_BACKENDS) == {"auto", "xla", "pallas", "pallas_tpu", "pallas_gpu"}
+    attention = lambda name: KernelConfig(attention=name).resolve().attention
+    assert attention("auto") == "xla"
+    assert attention("pallas") == "pallas_interpret"
+    assert attention("pallas_tpu") == "pallas_tpu"
+    once = KernelConfig(attention="pallas").resolve()
+    assert once.resolve() == once and hash(once.resolve()) == hash(once)            # idempotent
+    # the GPU-only settings are off (one compile key) on the other paths
+    assert KernelConfig("xla", fused_layer=True) .resolve() == KernelConfig("xla", fused_layer=False).resolve()
+    # a GPU path from a host without a GPU takes its SM count from the tuning table
+    on_gpu = KernelConfig(attention="pallas_gpu").resolve()
+    assert on_gpu.fused and on_gpu.search_kernels and on_gpu.n_sms == 132
+    assert KernelConfig(attention="pallas_gpu", n_sms=78).resolve().n_sms == 78
+    with pytest.raises(ValueError, match="attention"):
+        KernelConfig(attention="flash")
+    with pytest.raises(ValueError, match="attention_tuning"):
+        KernelConfig(attention_tuning=(("warps", 8),))
 
 
 def test_unsupported_shapes_fall_back():
@@ -333,7 +341,7 @@ def test_attend_pallas_tpu_compiles_for_tpu():
     dev = tpu_device("v5e:2x2")
     args = (abstract((2, 16, 32, 128), jnp.bfloat16, dev), abstract((2, 8, 4096, 128), jnp.bfloat16, dev),
             abstract((2, 8, 4096, 128), jnp.bfloat16, dev), abstract((2, 16), jnp.int32, dev))
-    compiled = compile_for_tpu(lambda q, k, v, e: attend(q, k, v, e, "pallas_tpu"), *args)
+    compiled = compile_for_tpu(lambda q, k, v, e: attend(q, k, v, e, resolved("pallas_tpu")), *args)
     assert "tpu_custom_call" in compiled.as_text()
 
 
@@ -350,7 +358,7 @@ def _export_cuda(f, *shapes):
 def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
     Hq, Hkv = QWEN3_8B["Hq"], QWEN3_8B["Hkv"]
     S = jax.ShapeDtypeStruct
-    exp = _export_cuda(lambda q, k, v, e: attend(q, k, v, e, "pallas_gpu"),
+    exp = _export_cuda(lambda q, k, v, e: attend(q, k, v, e, resolved("pallas_gpu")),
                        S((B, T, Hq, D), dtype), S((B, Hkv, C, D), dtype), S((B, Hkv, C, D), dtype),
                        S((B, T), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
@@ -372,69 +380,5 @@ def test_xla_path_bf16_batched():
     """The XLA path runs bf16 with B > 1 on CPU (see pallas_kernels._xla_dense) and matches."""
     q, k, v = _inputs(2, 16, 8, 2, 256, 64, jnp.bfloat16)
     k_end = _k_end("verify", 2, 16, 256)
-    _check(jax.jit(attend, static_argnums=4)(q, k, v, k_end, "xla"), _oracle(q, k, v, k_end),
+    _check(jax.jit(attend, static_argnums=4)(q, k, v, k_end, resolved("xla")), _oracle(q, k, v, k_end),
            jnp.bfloat16)
-
-
-# ---- the Mosaic GPU kernel (pallas_kernels/gpu_mosaic.py): lowering everywhere, numerics where
-# this jax has Mosaic GPU's interpret mode (jax >= 0.11; there its wgmma products run as plain dots,
-# the TMA pipeline, barriers, masks, partials and merge as on the GPU). The GPU run is checked on
-# the H200 by `scripts/bench_attention.py --mgpu` (MGPU_CHECKS).
-from pallas_kernels import gpu_mosaic  # noqa: E402
-
-_needs_mgpu = pytest.mark.skipif(not gpu_mosaic.available(), reason="no Mosaic GPU Pallas API")
-
-
-def _mgpu_interpret_params():
-    if not gpu_mosaic.available():
-        return None
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return getattr(plgpu, "InterpretGPUParams", None)
-
-
-@_needs_mgpu
-@pytest.mark.parametrize("B,C,splits,wgs,stages,D", [(1, 8192, 16, 2, 4, 128), (8, 32768, 4, 2, 4, 128),
-                                                     (2, 1024, 3, 1, 2, 64)])
-def test_mosaic_gpu_kernel_lowers_for_cuda(B, C, splits, wgs, stages, D):
-    Hq, Hkv, T = QWEN3_8B["Hq"], QWEN3_8B["Hkv"], 16
-    S = jax.ShapeDtypeStruct
-    from jax import export
-    exp = export.export(
-        jax.jit(lambda q, k, v, e: gpu_mosaic.block_attention(q, k, v, e, kv_splits=splits,
-                                                              compute_wgs=wgs, stages=stages)),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(n) for n in ("mosaic_gpu", "mosaic_gpu_v2")],
-    )(S((B, T, Hq, D), jnp.bfloat16), S((B, Hkv, C, D), jnp.bfloat16), S((B, Hkv, C, D), jnp.bfloat16),
-      S((B, T), jnp.int32))
-    assert "mosaic_gpu" in exp.mlir_module()
-
-
-@pytest.mark.skipif(_mgpu_interpret_params() is None, reason="this jax has no Mosaic GPU interpret mode")
-@pytest.mark.parametrize("pattern,B,C,splits,wgs,stages", [
-    ("verify", 2, 512, 3, 2, 4),     # ragged rows across the batch, a row at capacity
-    ("draft", 1, 256, 2, 2, 2),
-    ("ragged", 2, 512, 1, 1, 2),     # rows with k_end 0 and 1, one split, one compute warpgroup
-    ("verify", 1, 512, 8, 2, 6),     # more splits than the keys fill: empty partials
-])
-def test_mosaic_gpu_kernel_interpret(pattern, B, C, splits, wgs, stages):
-    q, k, v = _inputs(B, 16, 8, 2, C, 64, jnp.bfloat16)
-    k_end = _k_end(pattern, B, 16, C)
-    out = gpu_mosaic.block_attention(q, k, v, k_end, kv_splits=splits, compute_wgs=wgs, stages=stages,
-                                     min_chunk=64, interpret=_mgpu_interpret_params()())
-    _check(out, _oracle(q, k, v, k_end), jnp.bfloat16)
-
-
-def test_mosaic_gpu_kernel_refuses_other_shapes():
-    q, k, v = _inputs(1, 1, 8, 2, 256, 64, jnp.bfloat16)            # decode: 4 rows, not a 64-row tile
-    assert gpu_mosaic.supports(q, k) is not None
-    with pytest.raises(pallas_kernels.Unsupported):
-        gpu_mosaic.block_attention(q, k, v, jnp.ones((1, 1), jnp.int32))
-    q32, k32, _ = _inputs(1, 16, 8, 2, 256, 64, jnp.float32)       # f32: wgmma takes 16-bit here
-    assert "dtype" in (gpu_mosaic.supports(q32, k32) or "")
-
-
-@_needs_mgpu
-def test_mosaic_gpu_kernel_names_a_shared_memory_overflow():
-    q, k, v = _inputs(1, 16, 32, 8, 1024, 128, jnp.bfloat16)
-    with pytest.raises(pallas_kernels.Unsupported, match="shared memory"):
-        gpu_mosaic.block_attention(q, k, v, jnp.full((1, 16), 100, jnp.int32), stages=6)

@@ -12,7 +12,6 @@ from tests.doubles import truth_proposer
 from tests.checkpoints import random_prompts, write_draft, write_target
 
 from dflash_jax import DraftConfig, TargetConfig, decode, generate, load_draft, load_target
-from pallas_kernels import gpu_mosaic
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,9 @@ def test_pallas_interpret_loop_gives_the_xla_tokens(d64_pair):
     truth = np.zeros((2, 1024), np.int32)
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
-    override = truth_proposer(truth, 2, 128)   # partial acceptance: 2 drafts + bonus per iteration
-    xla = generate(target, draft, prompts, max_new_tokens=n, attention_impl="xla", _draft_override=override)
-    pallas = generate(target, draft, prompts, max_new_tokens=n, attention_impl="pallas", _draft_override=override)
+    proposer = truth_proposer(draft, truth, 2, 128)   # partial acceptance: 2 drafts + bonus per iteration
+    xla = generate(target, proposer, prompts, max_new_tokens=n, attention_impl="xla")
+    pallas = generate(target, proposer, prompts, max_new_tokens=n, attention_impl="pallas")
     assert pallas.tokens == xla.tokens == [t[:n] for t in plain.tokens]
     assert pallas.acceptance_lengths == xla.acceptance_lengths
     assert max(a for row in xla.acceptance_lengths for a in row) == 3
@@ -57,13 +56,14 @@ def test_speculative_loop_compiles_for_tpu(topology, impl):
         assert "tpu_custom_call" in compiled.as_text()
 
 
-def _export_gpu_loop(num_heads=4, block_size=8, prompt_len=32):
+def _export_gpu_loop(num_heads=4, block_size=8, prompt_len=32, **kw):
     """The small speculative loop on the Pallas GPU path, exported for CUDA from this CPU host."""
     cfg = TargetConfig(vocab_size=512, hidden_size=64 * num_heads, intermediate_size=256, num_layers=2,
                        num_heads=num_heads, num_kv_heads=2, head_dim=64)
     dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=block_size)
     return decode.export_generate(cfg, dcfg, batch=1, prompt_len=prompt_len, max_new_tokens=64,
-                                  attention_impl="pallas_gpu", dtype="bfloat16", platforms=("cuda",))
+                                  dtype="bfloat16", platforms=("cuda",),
+                                  **(kw or dict(attention_impl="pallas_gpu")))
 
 
 def test_pallas_gpu_loop_exports_for_cuda():
@@ -73,24 +73,18 @@ def test_pallas_gpu_loop_exports_for_cuda():
     assert "dflash_block_attention_gpu" in mlir
     # the target layers' fused q/k norm + RoPE + cache writes in the loop (not in the prefill)
     assert "dflash_qk_norm_rope_write" in mlir and "dflash_add_rmsnorm" in mlir
-    # the projections stay XLA GEMMs unless DFLASH_FUSED_LINEAR selects the gpu_linear kernels
-    assert "dflash_linear" not in mlir
-    # the attention stays on Triton unless DFLASH_GPU_ATTN_KERNEL=mosaic
     assert "mosaic_gpu" not in mlir
 
 
-def test_pallas_gpu_loop_with_linear_kernels_exports_for_cuda(monkeypatch):
-    monkeypatch.setenv("DFLASH_FUSED_LINEAR", "1")
-    mlir = _export_gpu_loop().mlir_module()
-    assert "dflash_linear_swiglu" in mlir and '"dflash_linear"' in mlir
-
-
-@pytest.mark.skipif(not gpu_mosaic.available(), reason="this jax has no Mosaic GPU Pallas API")
-def test_pallas_gpu_loop_with_mosaic_attention_exports_for_cuda(monkeypatch):
-    """DFLASH_GPU_ATTN_KERNEL=mosaic: the verify and draft attention (16 positions x 4 heads = one
-    64-row tile) go to the Mosaic GPU kernel, everything else stays as it was."""
-    monkeypatch.setenv("DFLASH_GPU_ATTN_KERNEL", "mosaic")
-    monkeypatch.setattr(gpu_mosaic, "MIN_CAPACITY", 0)   # this tiny cache is short of the 4k default
-    mlir = _export_gpu_loop(num_heads=8, block_size=16, prompt_len=128).mlir_module()
-    assert "mosaic_gpu" in mlir
-    assert "dflash_block_attention_gpu" in mlir      # the 128-token prefill stays on Triton
+def test_kernel_config_reaches_the_exported_cuda_program():
+    """export_generate takes a KernelConfig: the fused layer kernels off leave the attention kernel
+    alone in the loop; sampling_kernels off keeps top-k's search in XLA reductions."""
+    from dflash_jax import KernelConfig
+    mlir = _export_gpu_loop(kernels=KernelConfig(attention="pallas_gpu", fused_layer=False)).mlir_module()
+    assert "dflash_block_attention_gpu" in mlir
+    assert "dflash_qk_norm_rope_write" not in mlir and "dflash_add_rmsnorm" not in mlir
+    on = _export_gpu_loop(kernels=KernelConfig(attention="pallas_gpu"), sampling_mode="topk").mlir_module()
+    off = _export_gpu_loop(kernels=KernelConfig(attention="pallas_gpu", sampling_kernels=False),
+                           sampling_mode="topk").mlir_module()
+    assert "dflash_sampling_count" in on and "dflash_sampling_gather" in on
+    assert "dflash_sampling_count" not in off and "dflash_qk_norm_rope_write" in off

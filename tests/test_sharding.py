@@ -280,18 +280,24 @@ def test_load_reads_only_local_slices(tmp_path, monkeypatch, fused):
 
 # -------------------------------------------------------------------- the loop, sharded (slow)
 
-def _loop_case(spec, prompts, override=None):
+def _loop_case(spec, prompts, truth=None):
     from dflash_jax import decode
     d, m = sh.parse_mesh(spec)
     mesh = _mesh(spec)
     dcfg = DraftConfig.for_target(TINY, num_layers=2, block_size=4)
-    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64, _draft_override=override)
+    from tests.doubles import truth_proposer
+    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
+
+    def proposer(draft):   # the real draft, or a double that errs at draft slot 1
+        return draft if truth is None else truth_proposer(draft, truth, 1, TINY.vocab_size)
+
     decode.clear_compiled()
-    one = decode.generate(init_target(TINY, dtype="float32"), init_draft(dcfg, dtype="float32"), prompts, **kw)
+    one = decode.generate(init_target(TINY, dtype="float32"), proposer(init_draft(dcfg, dtype="float32")),
+                          prompts, **kw)
     decode.clear_compiled()   # the compile key does not hold the mesh yet (docs/sharding.md)
     target = sh.shard_model(init_target(TINY, dtype="float32"), mesh)
     draft = sh.shard_model(init_draft(dcfg, dtype="float32"), mesh)
-    many = decode.generate(target, draft, prompts, **kw)
+    many = decode.generate(target, proposer(draft), prompts, **kw)
     decode.clear_compiled()
     return one, many
 
@@ -300,7 +306,6 @@ def _loop_case(spec, prompts, override=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["1x2", "1x8", "2x4", "8x1"])
 def test_sharded_generate_matches_one_device(spec):
-    from tests.doubles import truth_proposer
     from dflash_jax import decode
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [9, 10, 11, 12], [5], [6, 7], [8], [100, 101]]
     # plain decoding gives the truth; a proposer double that errs at draft slot 1 makes the
@@ -311,8 +316,8 @@ def test_sharded_generate_matches_one_device(spec):
     truth = np.zeros((len(prompts), 64), np.int32)
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
-    for override in (None, truth_proposer(truth, 1, TINY.vocab_size)):
-        one, many = _loop_case(spec, prompts, override)
+    for t in (None, truth):
+        one, many = _loop_case(spec, prompts, t)
         assert one.tokens == plain.tokens
         assert many.tokens == one.tokens
         assert many.acceptance_lengths == one.acceptance_lengths

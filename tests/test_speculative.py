@@ -121,8 +121,9 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
     truth = np.zeros((2, 64 + n + 2 * S), np.int32)
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
-    res = generate(target, draft, prompts, max_new_tokens=n, block_size=S, _return_state=True,
-                   _draft_override=truth_proposer(truth, corrupt, 128))
+    res, st = decode._generate(target, truth_proposer(draft, truth, corrupt, 128), prompts,
+                               **decode._generate_defaults(dict(max_new_tokens=n, block_size=S)),
+                               on_commit=None)
     assert res.tokens == [t[:n] for t in plain.tokens]
     expect = S if corrupt is None else corrupt + 1
     for row in res.acceptance_lengths:
@@ -130,7 +131,6 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
     # The draft's context cache after partial acceptance: rows [0, len - pending) hold exactly the K/V
     # of the target taps of the committed tokens, as if written from scratch (the last iteration's
     # tokens are still pending: the loop ended before a draft step wrote them).
-    st = res.state
     for b, (p, t) in enumerate(zip(prompts, res.tokens)):
         seq = np.array([p + t[:-1]])
         assert int(st.lens[b]) == seq.shape[1]
@@ -222,3 +222,63 @@ def test_speculative_loop_exports_for_cuda():
                                       platforms=("cuda",))
     assert exported.platforms == ("cuda",) and lowered is not None
     assert "while" in exported.mlir_module()
+
+
+def test_on_commit_true_stops_the_loop_with_partial_tokens(random_pair):
+    """on_commit returning True stops every running row at that iteration (device side): generate
+    returns what was committed (a prefix of the full run), finish reason "stopped"."""
+    target, draft = random_pair["target"], random_pair["draft"]
+    prompts = random_prompts(2, 127, min_len=4, max_len=12, seed=21)
+    full = generate(target, draft, prompts, max_new_tokens=40, block_size=4)
+    seen, calls = [[], []], []
+
+    def on_commit(rows):
+        calls.append(1)
+        for s, r in zip(seen, rows):
+            s.extend(r)
+        return len(calls) == 3            # the prefill, then two loop iterations
+    res = generate(target, draft, prompts, max_new_tokens=40, block_size=4, on_commit=on_commit)
+    assert len(calls) == 3 and res.tokens == seen
+    assert res.finish_reasons == ["stopped", "stopped"]
+    for got, want in zip(res.tokens, full.tokens):
+        assert 3 <= len(got) < len(want) and got == want[:len(got)]
+
+
+def test_on_commit_exception_reaches_the_caller(random_pair):
+    target, draft = random_pair["target"], random_pair["draft"]
+
+    class Halt(Exception):
+        pass
+    calls = []
+
+    def on_commit(rows):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Halt("user stop")
+    with pytest.raises(Halt, match="user stop"):
+        generate(target, draft, [[3, 4, 5]], max_new_tokens=30, block_size=4, on_commit=on_commit)
+    assert len(calls) == 2                 # the loop stopped at the iteration that raised
+
+
+def test_streaming_calls_run_in_threads_with_one_program(random_pair):
+    """Two streaming generations at once, each with its own on_commit: each callback sees exactly its
+    own call's tokens, and the streaming program is compiled once."""
+    import threading
+    target, draft = random_pair["target"], random_pair["draft"]
+    prompts = [[[7, 8, 9]], [[1, 2, 3, 4, 5]]]
+    generate(target, draft, prompts[0], max_new_tokens=12, block_size=4, on_commit=lambda rows: None)
+    before = decode.compile_count()
+    seen, results = [[], []], [None, None]
+
+    def run(i):
+        results[i] = generate(target, draft, prompts[i], max_new_tokens=12, block_size=4,
+                              on_commit=lambda rows: seen[i].extend(rows[0]))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert decode.compile_count() == before
+    for i in range(2):
+        assert seen[i] == results[i].tokens[0]
+        assert results[i].tokens == generate(target, draft, prompts[i], max_new_tokens=12, block_size=4).tokens

@@ -1,7 +1,11 @@
 """The DFlash draft: `fc` + `hidden_norm` over the concatenated target taps give the context; each
 draft layer projects the context with its own k/v weights into the draft KV cache (k_norm and RoPE at
 each token's position) and lets the block [last token, MASK × (S-1)] attend, non-causally, to the
-cached context plus the whole block. The draft has no embedding or LM head: it uses the target's."""
+cached context plus the whole block. The draft has no embedding or LM head: it uses the target's.
+
+`propose` is what the generation loop calls (dflash_jax.decode): a proposer is any module with
+`config` (block_size, target_layer_ids, check_fits), `new_cache`, `write_context` and `propose`,
+so another drafting scheme (a DFlash-2 draft, a test double) can stand where this one does."""
 
 from __future__ import annotations
 
@@ -9,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import fused_add_norm, fused_draft
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.config import DraftConfig
-from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, add_norm
+from dflash_jax.kernel_config import KernelConfig, resolved
+from dflash_jax.modeling.layers import DecoderLayer, DraftContext, RMSNorm, _init, run_layers
 
 
 class DFlashDraft(nnx.Module):
@@ -41,30 +45,41 @@ class DFlashDraft(nnx.Module):
         return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
 
     def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, k_end,
-                 *, attention_impl: str = "xla"):
+                 *, kernels: KernelConfig | str | None = None):
         """One draft pass. block_embeds [B, S, H] at positions [B, S] (the block starts at the row's
         length); pending_feats [B, S, n·H]: target taps of tokens committed last iteration, at
         pending_positions [B, S] (entries past the row's pending count land at/after the block start
         and are overwritten by the block). k_end [B, S]. Returns (hidden [B, S, H] final-normed, cache)."""
-        ctx = self.context(pending_feats)
-        x = block_embeds.astype(self.dtype)
-        start, ctx_start = positions[:, 0], pending_positions[:, 0]
-        ks, vs = list(cache.k), list(cache.v)
-        # GPU path: each layer's MLP residual is added by the next RMSNorm's kernel (as in Qwen3)
-        defer = (fused_draft(attention_impl, x.shape[1])
-                 and fused_add_norm(attention_impl, x.shape[1], self.config.hidden_size))
-        delta = None
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"draft_layer{i}"):
-                out = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl, ctx=ctx,
-                            ctx_positions=pending_positions, ctx_write_start=ctx_start,
-                            residual=delta, defer=defer)
-                if defer:
-                    x, delta, ks[i], vs[i] = out
-                else:
-                    x, ks[i], vs[i] = out
-        h = add_norm(x, delta, self.norm, attention_impl)[1] if defer else self.norm(x)
-        return h, KVCache(k=tuple(ks), v=tuple(vs), lens=start)
+        kernels = resolved(kernels)
+        context = DraftContext(feats=self.context(pending_feats), positions=pending_positions)
+        h, _, (ks, vs) = run_layers(self.layers, block_embeds.astype(self.dtype), positions, cache, k_end,
+                                    kernels, self.norm, context=context, scope="draft_layer")
+        return h, KVCache(k=ks, v=vs, lens=positions[:, 0])
+
+    def propose(self, target, current, lens, limit, pending, pending_count, cache: KVCache, *,
+                block_size: int, kernels: KernelConfig):
+        """The S-1 draft tokens after each row's last token, and the new draft cache.
+
+        target: the Qwen3 target (its embedding and LM head); current [B, 1] the last committed
+        token, at position lens [B]; limit [B] the row's length limit (prompt + max_new_tokens);
+        pending [B, S, n·H] the target taps of the tokens committed last iteration (pending_count
+        [B] of them, ending at lens); cache: the draft's KV cache. Greedy drafts (argmax of the
+        target's LM head on the block's hidden states). Returns (drafts [B, S-1] int32, cache)."""
+        B, S = current.shape[0], block_size
+        j = jnp.arange(S, dtype=jnp.int32)
+        positions = lens[:, None] + j                                               # [B, S]
+        block = jnp.concatenate([current, jnp.full((B, S - 1), self.config.mask_token_id, jnp.int32)],
+                                axis=1)                                             # [B, S]
+        # The reference shortens the last block to the tokens still allowed; the non-causal draft
+        # sees that as keys ending there.
+        draft_end = jnp.broadcast_to((lens + jnp.minimum(S, limit - lens))[:, None], (B, S))
+        pend_pos = (lens - pending_count)[:, None] + j
+        with jax.named_scope("draft"):
+            dh, cache = self(target.embed_tokens(block), positions, pending, pend_pos, cache, draft_end,
+                             kernels=kernels)
+        with jax.named_scope("draft_lm_head"):
+            drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
+        return drafts, cache
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config

@@ -1,7 +1,9 @@
 """The layers shared by the Qwen3 target and the DFlash draft: RMSNorm, RoPE, SwiGLU MLP, and a
 decoder layer whose attention writes its K/V into a fixed-capacity cache before attending.
 
-Weight layout (chosen for decode speed, see DESIGN.md "Reference numbers"):
+`run_layers` is the one layer loop of both models (the GPU path's deferred residuals live there).
+
+Weight layout (chosen for decode speed, see docs/perf-log.md):
   - one buffer per layer (no stacked [L, ...] weights: slicing them in a loop costs 3x on GPU);
   - q/k/v fused into one [H, (Hq + 2 Hkv) D] matrix and gate/up into one [H, 2 I] matrix, stored
     [in, out] so activations multiply from the left without transposes.
@@ -15,9 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import (attend, attend_prefill, fused_add_norm, fused_draft, fused_linear,
-                                  fused_prologue, gpu_interpret, linear_prologue)
-from dflash_jax.cache import write_rows
+from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue
+from typing import NamedTuple
+
+from dflash_jax.cache import KVCache, write_rows
+from dflash_jax.kernel_config import KernelConfig
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
@@ -52,19 +56,18 @@ def rope(x, positions, theta: float):
     return out.astype(x.dtype)
 
 
-def add_norm(x, y, norm: RMSNorm, impl: str):
+def add_norm(x, y, norm: RMSNorm, kernels: KernelConfig):
     """(x + y, norm(x + y)): one Pallas kernel on the fused GPU path (attention.fused_add_norm),
     else the XLA ops; the same numbers either way."""
-    if fused_add_norm(impl, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
-        from pallas_kernels import gpu
-        return gpu.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=gpu_interpret(impl))
+    if fused_add_norm(kernels, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
+        from pallas_kernels import fused_layer
+        return fused_layer.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=kernels.interpret)
     x = x + y
     return x, norm(x)
 
 
 class MLP(nnx.Module):
-    """The MLP's weights; DecoderLayer._finish applies them (each projection XLA's GEMM or a
-    gpu_linear kernel): down(gated_silu(x @ gate_up))."""
+    """The MLP's weights; DecoderLayer._finish applies them: down(gated_silu(x @ gate_up))."""
     def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs):
         self.gate_up = _init(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
         self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
@@ -103,9 +106,14 @@ class DecoderLayer(nnx.Module):
         """The XLA path's attention inputs of already-normed rows h [B, T, H] at positions [B, T]:
         q [B, T, Hq, D], k, v [B, T, Hkv, D], q and k normed and rotated. Training's packed-block
         forward calls this and `attn_mlp` around its own attention (dflash_jax.train)."""
-        q, k, v = self._split_heads(h @ self.qkv[...])
-        return (rope(self.q_norm(q), positions, self.rope_theta),
-                rope(self.k_norm(k), positions, self.rope_theta), v)
+        return self._heads(h @ self.qkv[...], positions, positions)
+
+    def _heads(self, qkv, positions, k_positions):
+        """q, k, v of the fused projection's output qkv [B, Tk, (Hq + 2 Hkv) D]: q of its last T
+        rows (positions [B, T]) and k of all Tk rows (k_positions [B, Tk]), normed and rotated."""
+        q, k, v = self._split_heads(qkv)
+        q = rope(self.q_norm(q[:, -positions.shape[1]:]), positions, self.rope_theta)   # [B, T, Hq, D]
+        return q, rope(self.k_norm(k), k_positions, self.rope_theta), v                 # [B, Tk, Hkv, D]
 
     def attn_mlp(self, x, o):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
@@ -123,96 +131,86 @@ class DecoderLayer(nnx.Module):
         k, v = jnp.split(kv.reshape(B, T, 2 * self.num_kv_heads, D), 2, axis=2)
         return rope(self.k_norm(k), positions, self.rope_theta), v
 
-    def __call__(self, x, positions, k_cache, v_cache, write_start, k_end, impl: str,
-                 ctx=None, ctx_positions=None, ctx_write_start=None, prefill: bool = False,
-                 residual=None, defer: bool = False):
-        """x [B, T, H] at `positions` [B, T]; its K/V go to cache rows [write_start, write_start + T).
-        prefill: the caller promises a causal prompt from row 0 (write_start 0, k_end = t + 1), so
-        the attention may run on the new K/V alone (attend_prefill).
-        Draft mode: `ctx` [B, Tc, H] context features at `ctx_positions`, written at `ctx_write_start`
-        first (the block's K/V are written after them and win where they overlap).
-        Returns (x_out [B, T, H], k_cache, v_cache).
+    def __call__(self, x, residual, positions, k_cache, v_cache, k_end, kernels: KernelConfig, *,
+                 context: DraftContext | None = None, prefill: bool = False):
+        """One layer. x [B, T, H] at `positions` [B, T]; residual: None, or the previous layer's MLP
+        output not yet added to x (the GPU path adds it inside this layer's input-norm kernel).
+        The block's K/V go to cache rows [positions[:, 0], + T), after the draft's context rows
+        (`context`, written first; the block wins where they overlap). prefill: a causal prompt from
+        row 0 (k_end = t + 1), so the attention may run on the new K/V alone (attend_prefill).
 
-        Deferred residuals (the fused GPU path, see attention.fused_add_norm): `residual` is the
-        previous layer's MLP output not yet added to x (the add is fused with this layer's input
-        RMSNorm); with defer=True the return is (x, mlp_out, k_cache, v_cache), the layer's output
-        being x + mlp_out."""
+        Returns (x, mlp_out, k_cache, v_cache): the layer's output is x + mlp_out, mlp_out None
+        when it is already added (the XLA path, prefill) and an array where the next RMSNorm's
+        kernel adds it (the fused GPU path, attention.fused_add_norm)."""
         T = x.shape[1]
-        Tc = 0 if ctx is None else ctx.shape[1]
-        fused = not prefill and fused_prologue(impl, T, self.head_dim) and (
-            not Tc or (fused_draft(impl, T) and fused_prologue(impl, Tc, self.head_dim)))
-        if fused and not Tc:   # the target: the input norm may run inside a gpu_linear projection
-            x, qkv = self._norm_project(x, residual, self.input_layernorm, self.qkv[...], impl, name="qkv")
-            k_pos = positions
-        else:
-            x, h = (add_norm(x, residual, self.input_layernorm, impl) if residual is not None
-                    else (x, self.input_layernorm(x)))
-            hin = h if ctx is None else jnp.concatenate([ctx.astype(h.dtype), h], axis=1)
-            qkv = hin @ self.qkv[...]
-            k_pos = positions if ctx is None else jnp.concatenate([ctx_positions, positions], axis=1)
+        Tc = 0 if context is None else context.feats.shape[1]
+        fused = not prefill and fused_prologue(kernels, T, self.head_dim) and (
+            not Tc or fused_prologue(kernels, Tc, self.head_dim))
+        x, h = (add_norm(x, residual, self.input_layernorm, kernels) if residual is not None
+                else (x, self.input_layernorm(x)))
+        write_start = positions[:, 0]
+        hin, k_pos = h, positions
+        if Tc:   # the context rows go through the same projection: one weight read for both
+            hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)      # [B, Tc+T, H]
+            k_pos = jnp.concatenate([context.positions, positions], axis=1)        # [B, Tc+T]
+        qkv = hin @ self.qkv[...]
+        o = None
         if fused:
             # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
-            from pallas_kernels import gpu
+            from pallas_kernels import fused_layer
             cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)
-            q, k_cache, v_cache = gpu.qk_norm_rope_write(
+            q, k_cache, v_cache = fused_layer.qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
                 self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
-                ctx_rows=Tc, ctx_start=ctx_write_start, interpret=gpu_interpret(impl))
-            return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
-        q, k, v = self._split_heads(qkv)
-        q = rope(self.q_norm(q[:, -T:]), positions, self.rope_theta)           # [B, T, Hq, D]
-        k = rope(self.k_norm(k), k_pos, self.rope_theta)                        # [B, Tc+T, Hkv, D]
-        if Tc:
-            k_cache = write_rows(k_cache, k[:, :Tc], ctx_write_start)
-            v_cache = write_rows(v_cache, v[:, :Tc], ctx_write_start)
-            k, v = k[:, Tc:], v[:, Tc:]
-        k_cache = write_rows(k_cache, k, write_start)
-        v_cache = write_rows(v_cache, v, write_start)
-        if prefill and ctx is None:
-            o = attend_prefill(q, k, v, k_cache, v_cache, k_end, impl)           # [B, T, Hq, D]
-            return self._finish(x, q, k_cache, v_cache, k_end, impl, o=o, defer=defer)
-        return self._finish(x, q, k_cache, v_cache, k_end, impl, defer=defer)
-
-    @staticmethod
-    def _project(x, w, impl: str, name: str):
-        """x @ w: a gpu_linear kernel where attention.fused_linear selects it, else XLA's GEMM."""
-        if fused_linear(impl, x, w, name=name):
-            from pallas_kernels import gpu_linear
-            return gpu_linear.fused_linear(x, w, interpret=gpu_interpret(impl))
-        return x @ w
-
-    @staticmethod
-    def _norm_project(x, residual, norm: RMSNorm, w, impl: str, swiglu: bool = False, name: str = ""):
-        """(x + residual, norm(x + residual) @ w), SwiGLU of its halves with swiglu; residual None:
-        (x, norm(x) @ w). The projection is a gpu_linear kernel where attention.fused_linear allows
-        it, else XLA's GEMM. The add and norm run before it (add_norm's kernel), unless
-        attention.linear_prologue() asks for them inside the projection's kernel."""
-        fused = fused_linear(impl, x, w, swiglu=swiglu, name=name)
-        if fused:
-            from pallas_kernels import gpu_linear
-            if linear_prologue():
-                out = gpu_linear.fused_linear(x, w, residual=residual, norm_weight=norm.weight[...],
-                                              eps=norm.eps, swiglu=swiglu, interpret=gpu_interpret(impl))
-                return out if residual is not None else (x, out)
-        x, h = add_norm(x, residual, norm, impl) if residual is not None else (x, norm(x))
-        if fused:
-            return x, gpu_linear.fused_linear(h, w, swiglu=swiglu, interpret=gpu_interpret(impl))
-        y = h @ w
-        return x, (gated_silu(y) if swiglu else y)
-
-    def _finish(self, x, q, k_cache, v_cache, k_end, impl, o=None, defer: bool = False):
-        """Attention over the (written) cache, output projection, residual, MLP."""
+                ctx_rows=Tc, ctx_start=context.positions[:, 0] if Tc else None,
+                interpret=kernels.interpret)
+        else:
+            q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
+            if Tc:
+                ctx_start = context.positions[:, 0]
+                k_cache = write_rows(k_cache, k[:, :Tc], ctx_start)
+                v_cache = write_rows(v_cache, v[:, :Tc], ctx_start)
+                k, v = k[:, Tc:], v[:, Tc:]
+            k_cache = write_rows(k_cache, k, write_start)
+            v_cache = write_rows(v_cache, v, write_start)
+            if prefill and not Tc:
+                o = attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels)      # [B, T, Hq, D]
         if o is None:
-            o = attend(q, k_cache, v_cache, k_end, impl)                        # [B, T, Hq, D]
-        o = o.reshape(o.shape[0], x.shape[1], -1)
-        # o projection, residual add + post-attention RMSNorm, gate/up with SwiGLU, down; each
-        # projection a gpu_linear kernel or XLA's GEMM as DFLASH_FUSED_LINEAR selects
-        mlp = self.mlp
-        x, act = self._norm_project(x, self._project(o, self.o[...], impl, "o"),
-                                    self.post_attention_layernorm, mlp.gate_up[...], impl,
-                                    swiglu=True, name="gate_up")
-        mlp_out = self._project(act, mlp.down[...], impl, "down")
-        if defer:
-            return x, mlp_out, k_cache, v_cache
-        x = x + mlp_out
-        return x, k_cache, v_cache
+            o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
+        if not fused_add_norm(kernels, T, x.shape[-1]):
+            return self.attn_mlp(x, o), None, k_cache, v_cache
+        x, h = add_norm(x, o.reshape(o.shape[0], T, -1) @ self.o[...], self.post_attention_layernorm,
+                        kernels)
+        mlp_out = gated_silu(h @ self.mlp.gate_up[...]) @ self.mlp.down[...]
+        if prefill:
+            return x + mlp_out, None, k_cache, v_cache
+        return x, mlp_out, k_cache, v_cache
+
+
+class DraftContext(NamedTuple):
+    """The draft's context rows of one pass, given to each of its layers: feats [B, Tc, H] (the
+    context features: fc + hidden_norm of the target taps) at positions [B, Tc], whose K/V are
+    written at cache rows [positions[:, 0], + Tc)."""
+    feats: jax.Array
+    positions: jax.Array
+
+
+def run_layers(layers, x, positions, cache: KVCache, k_end, kernels: KernelConfig, final_norm: RMSNorm, *,
+               context: DraftContext | None = None, prefill: bool = False, taps: tuple = (),
+               scope: str = "layer"):
+    """The layer loop of the target and the draft: x [B, T, H] through `layers`, each writing its
+    K/V into its cache entry, then `final_norm`. On the fused GPU path a layer's MLP output is
+    carried to the next RMSNorm's kernel (the next layer's input norm, or the final norm), so the
+    hidden state after layer i is x + residual.
+
+    Returns (hidden [B, T, H] final-normed, {i: hidden state after layer i for i in taps},
+    (k caches, v caches) as tuples)."""
+    ks, vs, tapped, residual = list(cache.k), list(cache.v), {}, None
+    for i, layer in enumerate(layers):
+        with jax.named_scope(f"{scope}{i}"):
+            x, residual, ks[i], vs[i] = layer(x, residual, positions, ks[i], vs[i], k_end, kernels,
+                                              context=context, prefill=prefill)
+        if i in taps:
+            tapped[i] = x if residual is None else x + residual
+    h = final_norm(x) if residual is None else add_norm(x, residual, final_norm, kernels)[1]
+    return h, tapped, (tuple(ks), tuple(vs))

@@ -5,14 +5,13 @@ taps: hidden states after the given layers (HF `hidden_states[id + 1]`), concate
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import fused_add_norm
+from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.cache import KVCache
 from dflash_jax.config import TargetConfig
-from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, add_norm
+from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, run_layers
 
 
 class Qwen3(nnx.Module):
@@ -35,33 +34,21 @@ class Qwen3(nnx.Module):
         return jnp.einsum("bth,hv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, k_end, *, taps: tuple[int, ...] = (),
-                 attention_impl: str = "xla", prefill: bool = False):
+                 kernels: KernelConfig | str | None = None, prefill: bool = False):
         """tokens, positions, k_end [B, T] int32. The new K/V are written at cache rows
         [positions[:, 0], positions[:, 0] + T). prefill: a prompt from row 0 with k_end = t + 1
         (lets long prompts use a library causal kernel, see attention.attend_prefill). Returns (hidden [B, T, H] final-normed,
-        taps [B, T, len(taps) * H] or None, cache with lens = positions[:, 0] + T)."""
+        taps [B, T, len(taps) * H] or None, cache with lens = positions[:, 0] + T). kernels: a
+        KernelConfig or an attention backend's name (default: the XLA path)."""
+        kernels = resolved(kernels)
         x = self.embed_tokens(tokens)
         start = positions[:, 0]
-        ks, vs, tapped = list(cache.k), list(cache.v), {}
-        # GPU path, short blocks: each layer's last residual add is fused with the next RMSNorm
-        # (the next layer's input norm, or the final norm), so x + delta is the true hidden state.
-        defer = not prefill and fused_add_norm(attention_impl, tokens.shape[1], self.config.hidden_size)
-        delta = None
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"target_layer{i}"):
-                if defer:
-                    x, delta, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
-                                                   residual=delta, defer=True)
-                else:
-                    x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], start, k_end, attention_impl,
-                                            prefill=prefill)
-            if i in taps:
-                tapped[i] = x + delta if defer else x
-        h = add_norm(x, delta, self.norm, attention_impl)[1] if defer else self.norm(x)
+        h, tapped, (ks, vs) = run_layers(self.layers, x, positions, cache, k_end, kernels, self.norm,
+                                         prefill=prefill, taps=taps, scope="target_layer")
         # HF's last hidden_states entry is taken after the final norm; keep its meaning for tap L-1.
         tapped[len(self.layers) - 1] = h
         feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-        cache = KVCache(k=tuple(ks), v=tuple(vs), lens=start + tokens.shape[1])
+        cache = KVCache(k=ks, v=vs, lens=start + tokens.shape[1])
         return h, feats, cache
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

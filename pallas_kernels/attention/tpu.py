@@ -1,6 +1,6 @@
 """Block attention as a Pallas Mosaic TPU kernel.
 
-Same contract as `reference.block_attention`: q [B,T,Hq,D] over a cache [B,Hkv,C,D]; row t of batch b
+Same contract as `pallas_kernels.attention.reference.block_attention`: q [B,T,Hq,D] over a cache [B,Hkv,C,D]; row t of batch b
 attends keys [0, k_end[b,t]).
 
 Layout. The GQA group is folded into the query rows: for each (b, kv head) the kernel sees
@@ -26,24 +26,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# A finite "minus infinity": exp(MASK - m) underflows to 0 without the inf - inf = nan of -inf.
-_MASK = -1e30
+from pallas_kernels._common import (HEAD_DIMS as _HEAD_DIMS, MASK as _MASK, Unsupported, check_shapes,
+                                    online_softmax_step, round_up as _round_up)
+
 # Sublane packing: a block's second-to-last dim must be a multiple of 8 (f32) / 16 (bf16).
 _SUBLANE = {4: 8, 2: 16, 1: 32}
-_HEAD_DIMS = (64, 128, 256)
-
-
-class Unsupported(ValueError):
-    """The shape cannot be tiled for this kernel; callers fall back to the reference."""
-
-
-def _precision(dtype):
-    # f32 inputs: full-precision passes (the default is TF32 on GPU, bf16 passes on some TPUs).
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def choose_blocks(R: int, C: int, D: int, dtype, *, block_q: int | None = None,
@@ -55,7 +42,7 @@ def choose_blocks(R: int, C: int, D: int, dtype, *, block_q: int | None = None,
     if sub is None:
         raise Unsupported(f"dtype {dtype} not supported")
     if block_k is None:
-        # Big KV tiles: decode is HBM-bound and each grid step costs ~0.35 us of overhead.
+        # Big KV tiles: decode is HBM-bound and each grid step has a fixed overhead.
         block_k = next((bk for bk in (512, 256, 128) if C % bk == 0), None)
         if block_k is None:
             if C > 1024:
@@ -92,26 +79,15 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
     def _step(masked: bool):
         q = q_ref[...]
         k = k_ref[...]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                            precision=_precision(q.dtype)) * scale                # [bq, bk]
-        if masked:
-            col = k0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)          # [bq, bk]
-            visible = col < kend_ref[...]                                   # [bq, bk]
-            s = jnp.where(visible, s, _MASK)
-        m_prev = m_sc[...]                                                   # [bq, 1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_new)
-        p = jnp.exp(s - m_new)                                               # [bq, bk]
-        if masked:
-            # A row with nothing visible yet has m_new == _MASK and exp(0) == 1: zero it.
-            p = jnp.where(visible, p, 0.0)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        v = v_ref[...]
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32,
-                             precision=_precision(v.dtype))                       # [bq, D]
-        acc_sc[...] = alpha * acc_sc[...] + pv
-        m_sc[...] = m_new
+
+        def visible():
+            col = k0 + lax.broadcasted_iota(jnp.int32, (q.shape[0], k.shape[0]), 1)   # [bq, bk]
+            return col < kend_ref[...]                                      # [bq, bk]
+        m, l, acc = online_softmax_step(q, k, lambda: v_ref[...], m_sc[...], l_sc[...], acc_sc[...],
+                                        scale=scale, visible=visible if masked else None)
+        l_sc[...] = l
+        acc_sc[...] = acc
+        m_sc[...] = m
 
     # Every live row of the tile sees the whole KV tile: no mask needed (most of a long context).
     @pl.when(jnp.logical_and(k0 + block_k <= lo, k0 < hi))
@@ -147,21 +123,6 @@ def unfold_output(of, B: int, T: int, Hq: int, G: int):
     Hkv, D = Hq // G, of.shape[-1]
     of = of[:, :, : T * G].reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4)
     return of.reshape(B, T, Hq, D)
-
-
-def check_shapes(q, k_cache, v_cache, k_end):
-    """Shape errors that no backend can handle (as opposed to Unsupported tilings)."""
-    if q.ndim != 4 or k_cache.ndim != 4:
-        raise ValueError(f"q must be [B,T,Hq,D] and k_cache [B,Hkv,C,D]; got {q.shape}, {k_cache.shape}")
-    B, T, Hq, D = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if k_cache.shape[0] != B or k_cache.shape[3] != D:
-        raise ValueError(f"k_cache {k_cache.shape} does not match q {q.shape} (batch, head_dim)")
-    if Hq % k_cache.shape[1]:
-        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={k_cache.shape[1]}")
-    if k_end.shape != (B, T):
-        raise ValueError(f"k_end must be [B,T]={(B, T)}; got {k_end.shape}")
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,

@@ -1,0 +1,178 @@
+"""Which kernels a generation program uses: one frozen, hashable value, part of the compile key.
+
+    from dflash_jax import KernelConfig, generate
+    generate(target, draft, prompts, kernels=KernelConfig(attention="pallas", fused_layer=False))
+
+Every setting that changes the compiled program lives here and nowhere else (no environment
+variables): two configs in one process compile two programs. `resolve()` turns "auto" into the
+concrete path of a backend and fills the GPU tuning from the device; the loop, the layers and the
+sampler only ever see resolved configs.
+
+attention (the backend of every attention in the target and the draft):
+  "auto"        TPU/GPU -> the Pallas kernel of that backend, CPU -> "xla"
+  "xla"         the jnp reference (queries chunked for long prefill)
+  "pallas"      the Pallas kernel of the default backend; on CPU the TPU kernel in interpret mode
+  "pallas_tpu"  force the TPU kernel: ahead-of-time compiles for a TPU from a CPU host
+  "pallas_gpu"  force the Triton GPU kernel: jax.export(..., platforms=["cuda"]) from a CPU host
+  resolved only (tests): "pallas_interpret" (the TPU kernel interpreted on CPU),
+  "pallas_gpu_interpret" (the whole GPU path, fused kernels included, interpreted on CPU).
+
+The GPU path's other kernels (ignored, and reset by resolve(), on the other paths):
+  fused_layer       q/k norm + RoPE + cache writes as one kernel and the residual add + RMSNorm as
+                    another, for blocks of up to 64 tokens (decode, verify, the draft block)
+  sampling_kernels  top-k / top-p threshold search as Pallas kernels (count passes and the
+                    top-k gather) instead of XLA reductions
+  n_sms             the GPU's streaming multiprocessors (the attention kernel's split counts fill
+                    them); None: read from the device, else GPU_TUNING by device kind
+  attention_tuning  overrides of pallas_kernels.attention.gpu.default_config, as (name, value)
+                    pairs (benchmarks' on-device A/B of launch settings)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+__all__ = ["KernelConfig", "ATTENTION_BACKENDS", "GPU_TUNING"]
+
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+# What resolve() leaves in `attention`: the concrete path.
+RESOLVED_ATTENTION = ("xla", "pallas_tpu", "pallas_gpu", "pallas_interpret", "pallas_gpu_interpret")
+GPU_PATHS = ("pallas_gpu", "pallas_gpu_interpret")
+
+# Tuning by GPU device kind (a substring of jax's device_kind), for a program built where no GPU
+# can be asked (a CUDA export from a CPU host, the interpreter). "default" is a Hopper-class part.
+GPU_TUNING = {
+    "H200": dict(n_sms=132),
+    "H100": dict(n_sms=132),
+    "A100": dict(n_sms=108),
+    "L4": dict(n_sms=58),
+    "default": dict(n_sms=132),
+}
+ATTENTION_TUNING_NAMES = ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
+                          "merge_kernel", "merge_rows", "merge_cols")
+
+
+def _gpu_tuning(device_kind: str | None) -> dict:
+    for kind, tuning in GPU_TUNING.items():
+        if device_kind and kind != "default" and kind.lower() in device_kind.lower():
+            return tuning
+    return GPU_TUNING["default"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    attention: str = "auto"
+    fused_layer: bool = True
+    sampling_kernels: bool = True
+    n_sms: int | None = None
+    attention_tuning: tuple = ()     # ((name, int), ...), sorted by resolve()
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
+            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_BACKENDS}")
+        if self.n_sms is not None and (not isinstance(self.n_sms, int) or self.n_sms < 1):
+            raise ValueError(f"n_sms must be a positive integer or None, got {self.n_sms!r}")
+        tuning = dict(self.attention_tuning)
+        bad = set(tuning) - set(ATTENTION_TUNING_NAMES)
+        if bad:
+            raise ValueError(f"attention_tuning: unknown settings {sorted(bad)}; "
+                             f"expected names from {ATTENTION_TUNING_NAMES}")
+
+    @classmethod
+    def parse_tuning(cls, spec: str) -> tuple:
+        """"block_k=128,num_warps=8" -> (("block_k", 128), ("num_warps", 8)) (for CLI flags)."""
+        out = []
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            name, _, val = item.partition("=")
+            out.append((name.strip(), int(val)))
+        return tuple(out)
+
+    def resolve(self, backend: str | None = None, device=None) -> "KernelConfig":
+        """The concrete config for `backend` (default: jax.default_backend()): "auto"/"pallas"
+        chosen, the GPU-only settings off on the other paths, n_sms from `device` (default: the
+        first device of the backend) or GPU_TUNING. Idempotent; equal programs give equal configs."""
+        backend = backend or jax.default_backend()
+        on_tpu, on_gpu = backend == "tpu", backend in ("gpu", "cuda", "rocm")
+        attention = self.attention
+        if attention == "auto":
+            attention = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "xla"
+        elif attention == "pallas":
+            attention = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "pallas_interpret"
+        if attention not in GPU_PATHS:
+            return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False)
+        n_sms = self.n_sms
+        if n_sms is None:
+            if device is None and on_gpu:
+                device = jax.devices()[0]
+            is_gpu = device is not None and device.platform in ("gpu", "cuda", "rocm")
+            n_sms = getattr(device, "core_count", None) if is_gpu else None
+            if not isinstance(n_sms, int) or n_sms < 1:
+                n_sms = _gpu_tuning(device.device_kind if is_gpu else None)["n_sms"]
+        return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
+                            sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
+                            attention_tuning=tuple(sorted(dict(self.attention_tuning).items())))
+
+    @classmethod
+    def for_device(cls, device=None, **settings) -> "KernelConfig":
+        """The resolved defaults (or `settings`) for `device` (default: the first device)."""
+        device = device if device is not None else jax.devices()[0]
+        return cls(**settings).resolve(device.platform, device)
+
+    # ---- what the resolved config means for the code that traces the program
+
+    @property
+    def gpu(self) -> bool:
+        """The Triton GPU path (compiled, or interpreted on CPU)."""
+        return self.attention in GPU_PATHS
+
+    @property
+    def interpret(self) -> bool:
+        """Whether the Pallas kernels of this path run in the interpreter (CPU tests)."""
+        return self.attention in ("pallas_interpret", "pallas_gpu_interpret")
+
+    @property
+    def fused(self) -> bool:
+        """The fused layer kernels (prologue, add + RMSNorm) on this path."""
+        return self.gpu and self.fused_layer
+
+    @property
+    def search_kernels(self) -> bool:
+        """Sampling's threshold search as Pallas kernels on this path."""
+        return self.gpu and self.sampling_kernels
+
+    def gpu_attention_tuning(self) -> dict:
+        """Keyword arguments for the GPU attention kernel: n_sms and the overrides."""
+        return dict(self.attention_tuning, n_sms=self.n_sms)
+
+
+XLA = KernelConfig(attention="xla").resolve("cpu")
+
+
+def resolved(kernels: "KernelConfig | str | None") -> KernelConfig:
+    """A resolved config from a KernelConfig, an attention backend's name, or None (the XLA path)."""
+    if kernels is None:
+        return XLA
+    if isinstance(kernels, str):
+        kernels = KernelConfig(attention=kernels)
+    if not isinstance(kernels, KernelConfig):
+        raise TypeError(f"kernels must be a KernelConfig, got {type(kernels).__name__}")
+    return kernels.resolve()
+
+
+def kernels_from(kernels: KernelConfig | None, attention_impl: str | None) -> KernelConfig:
+    """The (unresolved) config of a call that takes both `kernels=` and the older
+    `attention_impl=`: either alone, or both when they agree."""
+    if attention_impl is not None and not isinstance(attention_impl, str):
+        raise ValueError(f"attention_impl must be a string, got {attention_impl!r}")
+    if attention_impl is not None and attention_impl not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
+        raise ValueError(f"attention_impl={attention_impl!r}; expected one of {ATTENTION_BACKENDS}")
+    if kernels is None:
+        return KernelConfig(attention=attention_impl or "auto")
+    if not isinstance(kernels, KernelConfig):
+        raise TypeError(f"kernels must be a KernelConfig, got {type(kernels).__name__}")
+    if attention_impl is not None and attention_impl != kernels.attention:
+        raise ValueError(f"attention_impl={attention_impl!r} disagrees with kernels.attention="
+                         f"{kernels.attention!r}: give one of them")
+    return kernels
