@@ -76,7 +76,7 @@ def configs(smoke: bool):
     return tc, dc
 
 
-def plan(smoke: bool, quick: bool, full: bool = False):
+def plan(smoke: bool, quick: bool, full: bool = False, iters_only: bool = False):
     """(kind, label, draft?, batch, prompt_len, capacity) in compile order."""
     if smoke:
         return [("iter", "DFlash iteration B=1 C=1024", True, 1, 512, 1024),
@@ -90,10 +90,14 @@ def plan(smoke: bool, quick: bool, full: bool = False):
          ("iter", "DFlash iteration B=1 C=33792", True, 1, 32768, 33792),
          ("whole", "DFlash program B=1 p32768 C=33792", True, 1, 32768, 33792)]
     if full:
-        p += [("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024),
-              ("iter", "DFlash iteration B=32 C=1024", True, 32, 512, 1024)]
+        p += [("iter", "plain step B=1 C=33792", False, 1, 32768, 33792),
+              ("iter", "DFlash iteration B=32 C=1024", True, 32, 512, 1024),
+              ("iter", "plain step B=32 C=1024", False, 32, 512, 1024),
+              ("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024)]
     elif quick:
         p = p[:3]
+    if iters_only:
+        p = [q for q in p if q[0] == "iter"]
     return p
 
 
@@ -163,8 +167,11 @@ def lower_whole(tc, dc, *, batch, prompt_len, capacity, attention_impl, device):
                                  capacity=capacity, dtype="bfloat16", attention_impl=attention_impl, device=device)
 
 
-def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: str, full: bool = False):
+def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: str, full: bool = False,
+          iters_only: bool = False):
     import jax
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tpu_bytes
     from jax.experimental import topologies
     spec = CHIPS[chip]
     topo = topologies.get_topology_desc(platform="tpu", topology_name=spec["topology"])
@@ -182,7 +189,7 @@ def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: st
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
 
-    for kind, label, with_draft, B, P, C in plan(smoke, quick, full):
+    for kind, label, with_draft, B, P, C in plan(smoke, quick, full, iters_only):
         d = dc if with_draft else None
         t = time.perf_counter()
         pt = dict(kind=kind, label=label, draft=with_draft, batch=B, prompt=P, capacity=C)
@@ -208,6 +215,15 @@ def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: st
             pt["bytes_accessed"] = float(ca.get("bytes accessed", float("nan")))
             pt["flops"] = float(ca.get("flops", float("nan")))
             pt["fits"] = pt["total_bytes"] <= spec["hbm"]
+            if kind == "iter":  # the bytes named (scripts/tpu_bytes.py): per kind, cost model and HBM
+                bd = tpu_bytes.breakdown(comp.as_text())
+                pt["bytes_by_kind"] = {k: float(bd["kinds_model"].get(k, 0)) for k in tpu_bytes.KINDS}
+                pt["hbm_bytes_by_kind"] = {k: float(bd["kinds_hbm"].get(k, 0)) for k in tpu_bytes.KINDS}
+                pt["tool_bytes_accessed"] = float(bd["model_total"])
+                pt["hbm_bytes"] = float(bd["hbm_total"])
+                pt["ideal_by_kind"] = tpu_bytes.ideal_bytes(tc, dc, draft=with_draft, batch=B, capacity=C)
+                pt["bytes_by_op"] = {k: float(v) for k, v in bd["ops_model"].items() if v > 1e6}
+                pt["hbm_bytes_by_op"] = {k: float(v) for k, v in bd["ops_hbm"].items() if v > 1e6}
             log(f"[{chip}] {label}: compiled in {pt['compile_s']:.0f}s; args {pt['argument_size_in_bytes'] / 1e9:.2f} GB, "
                 f"out {pt['output_size_in_bytes'] / 1e9:.2f}, alias {pt['alias_size_in_bytes'] / 1e9:.2f}, "
                 f"temp {pt['temp_size_in_bytes'] / 1e9:.2f}; bytes accessed {pt['bytes_accessed'] / 1e9:.2f} GB, "
@@ -238,7 +254,8 @@ def run_children(chips, args) -> dict:
         env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, os.path.abspath(__file__), "--_child", chip, "--_out", path,
                "--attention-impl", args.attention_impl] + (["--smoke"] if args.smoke else []) + \
-              (["--quick"] if args.quick else []) + (["--full"] if args.full else [])
+              (["--quick"] if args.quick else []) + (["--full"] if args.full else []) + \
+              (["--iters-only"] if args.iters_only else [])
         errf = tempfile.TemporaryFile(mode="w+")
         procs[chip] = (subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=errf, text=True), path, errf)
         log(f"started {chip} ({CHIPS[chip]['topology']})")
@@ -377,6 +394,23 @@ def report(results: dict, args) -> dict:
                   + (f"   (* past the model's {mp:,} positions)" if mp else ""))
         summary[chip] = r
     P("")
+    P("bytes named (scripts/tpu_bytes.py, per op of the optimized HLO): 'compiler' = cost_analysis; 'HBM' = the")
+    P("traffic to and from HBM (weights the compiler prefetches into VMEM by async slices are charged by its cost")
+    P("model at the slice's read and write, at the ConcatBitcast that joins the pieces and again at the matmul that")
+    P("reads the VMEM copy: one HBM read, four charges). x ideal = / ideal (weights once per use + KV at capacity).")
+    P(f"{'chip':5} {'program':36} {'compiler':>9} {'x ideal':>7} {'HBM GB':>8} {'x ideal':>7} {'ms HBM':>7}  "
+      "HBM by kind GB: " + " ".join(k for k in ("weights", "lm_head", "kv_read", "kv_write", "copies", "activations")))
+    for chip, r in results.items():
+        for p in r["points"]:
+            if p.get("kind") != "iter" or "hbm_bytes" not in p or "ideal_bytes" not in p:
+                continue
+            hb = p["hbm_bytes_by_kind"]
+            p["hbm_ms"] = 1000 * max(p["hbm_bytes"] / CHIPS[chip]["bw"], p["flops"] / CHIPS[chip]["flops"])
+            P(f"{chip:5} {p['label']:36} {p['bytes_accessed'] / 1e9:9.2f} {p['bytes_accessed'] / p['ideal_bytes']:7.2f} "
+              f"{p['hbm_bytes'] / 1e9:8.2f} {p['hbm_bytes'] / p['ideal_bytes']:7.3f} {p['hbm_ms']:7.2f}  "
+              + " ".join(f"{hb.get(k, 0) / 1e9:.3f}" for k in ("weights", "lm_head", "kv_read", "kv_write", "copies",
+                                                               "activations")))
+    P("")
     gpu = h200_numbers(args.h200_json, {})
     P("per-iteration ms: TPU compiler's bytes / HBM bandwidth ('proj'), the ideal bytes / HBM bandwidth ('ideal'),")
     P("the H200 floor (ideal bytes / 4.23 TB/s copy bandwidth, or flops / 780 TFLOP/s when larger) and, with")
@@ -411,6 +445,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (about a minute)")
     ap.add_argument("--quick", action="store_true", help="iterations only (no whole-program memory point), ~2 min")
     ap.add_argument("--full", action="store_true", help="add the 512-prompt program and the B=32 iteration (~8-10 min)")
+    ap.add_argument("--iters-only", action="store_true",
+                    help="only the one-iteration points (with --full: DFlash and plain, B=1 and 32, 32k context)")
     ap.add_argument("--chips", default="v6e,v5p", help=f"comma-separated subset of {','.join(CHIPS)}")
     ap.add_argument("--attention-impl", default="pallas_tpu", help="pallas_tpu (the Mosaic kernel) or xla")
     ap.add_argument("--h200-json", default=None, help="bench_gpu.json of an H200 run, for the side-by-side column")
@@ -423,7 +459,7 @@ def main():
     if args.child:
         _LOG_TO[0] = sys.stdout  # the parent passes our stdout through live; stderr (libtpu noise) is filtered
         sys.path.insert(0, REPO)
-        child(args.child, args.out, args.smoke, args.quick, args.attention_impl, args.full)
+        child(args.child, args.out, args.smoke, args.quick, args.attention_impl, args.full, args.iters_only)
         return
     chips = [c.strip() for c in args.chips.split(",") if c.strip()]
     bad = [c for c in chips if c not in CHIPS]
