@@ -13,7 +13,8 @@ charges every top-level op its operands + results, the way XLA's HloCostAnalysis
   * a fusion whose root is a dynamic-update-slice into a parameter (in place) costs the update, not
     the buffer, on both sides;
   * parameters, constants, bitcasts, tuples and get-tuple-element cost nothing; an async op
-    (copy-start/done, slice-start/done) is charged once, at its start, as the copy it is.
+    (copy-start/done, slice-start/done) is charged at its start: a slice its read and write, a copy
+    four times its size (as the compiler's total shows it counts them).
 Each op is grouped by its named scope (target_layerN, draft_layerN, draft_lm_head, verify, accept,
 commit) and its bytes split by kind: the operand that is a weight (traced back through bitcasts,
 slices and copies to an entry parameter) is "weights" (the LM head its own kind), a KV-cache operand
@@ -332,8 +333,9 @@ def _tuple_elems(s: str) -> list:
 def charges(prog: Program) -> list:
     """One record per top-level op that moves bytes: {name, op, group, kind parts, model, hbm, what}.
 
-    model: the cost model's charge (operands + results with the fusion rules; an async slice or copy
-    counted as its read and its write; ConcatBitcast, which only renames VMEM, its result).
+    model: the cost model's charge (operands + results with the fusion rules; an async slice counted
+    as its read and its write, an async copy four times its size (read, the start's two-buffer tuple,
+    the done's result); ConcatBitcast, which only renames VMEM, its result).
     hbm: the same op's traffic to and from HBM only (arrays whose layout puts them in VMEM/SMEM,
     S(n), cost nothing: they are on-chip)."""
     out = []
@@ -362,7 +364,9 @@ def charges(prog: Program) -> list:
                 kind = _operand_kind(src0, False)
                 if kind == "kv_read" and wr and not rd:
                     kind = "kv_write"     # the cache evicted back to HBM after its update in VMEM
-                parts += [(kind, 2 * n, rd + wr)]
+                # the cost model: the source read, the (destination, source) tuple the start returns
+                # and the done's result (fitted: it sums the compiler's total to within 0.2%)
+                parts += [(kind, 4 * n, rd + wr)]
                 what = f"async copy of {src0 or i.operands[0]} {'HBM' if rd else 'VMEM'}->{'HBM' if wr else 'VMEM'}"
             out.append(dict(name=i.name, op=i.op, group=prog.group(i, src0), parts=parts, what=what))
             continue
