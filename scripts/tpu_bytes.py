@@ -179,12 +179,22 @@ _FOLLOW = {"bitcast", "copy-done", "slice-done", "copy-start", "slice-start", "r
 class Program:
     """The entry computation of an optimized HLO module, with the helpers that name its bytes."""
 
-    def __init__(self, text: str):
-        self.comps, self.entry = parse_hlo(text)
-        self.instrs = self.comps[self.entry]
+    def __init__(self, text: str | None = None, *, comps=None, comp: str | None = None, tuple_sources=None,
+                 group: str | None = None):
+        if comps is None:
+            comps, comp = parse_hlo(text)
+        self.comps, self.entry = comps, comp
+        self.instrs = self.comps[comp]
         self.by = {i.name: i for i in self.instrs}
-        m = re.search(r"input_output_alias=\{(.*?)\}\s*(,|$)", text.splitlines()[0]) if text else None
-        self.aliased_params = {int(x) for x in re.findall(r"\((\d+), \{\}", m.group(1))} if m else set()
+        # a while body's parameter is the loop tuple: element k comes from the loop's k-th input
+        self.tuple_sources = tuple_sources
+        self.default_group = group
+
+    def sub(self, while_instr: Instr, comp: str) -> "Program":
+        """The body (or condition) of a while loop, its tuple parameter traced to the loop's inputs."""
+        t = self.by.get(while_instr.operands[0]) if while_instr.operands else None
+        srcs = [self.source(o) for o in t.operands] if t is not None and t.op == "tuple" else None
+        return Program(comps=self.comps, comp=comp, tuple_sources=srcs, group=self.group(while_instr))
 
     def source(self, name: str, depth: int = 0):
         """The entry parameter an operand comes from (through bitcasts, copies, async slices and
@@ -195,6 +205,10 @@ class Program:
             depth += 1
             if i.op == "parameter":
                 return i.op_name or i.name
+            if (i.op == "get-tuple-element" and self.tuple_sources is not None and i.operands
+                    and self.by.get(i.operands[0]) is not None and self.by[i.operands[0]].op == "parameter"):
+                k = int(re.search(r"index=(\d+)", i.attrs).group(1))
+                return self.tuple_sources[k] if k < len(self.tuple_sources) else None
             if i.op in _FOLLOW or (i.op == "custom-call" and i.attr("custom_call_target") == "ConcatBitcast"):
                 if not i.operands:
                     return None
@@ -275,7 +289,7 @@ class Program:
         for s in _SCOPES:
             if f"/{s}/" in on + "/":
                 return s
-        return "loop"
+        return self.default_group or "loop"
 
 
 def _bitcast_chain(p, users):
@@ -341,6 +355,16 @@ def charges(prog: Program) -> list:
     out = []
     for i in prog.instrs:
         if i.op in FREE or i.op in ASYNC_DONE:
+            continue
+        if i.op == "while":
+            # charged as its body and condition, once each (as the compiler's total counts a loop):
+            # its operands are the loop state, which the body updates in place
+            for key in ("body", "condition"):
+                m = re.search(key + r"=%([\w.\-]+)", i.attrs)
+                if m:
+                    for r in charges(prog.sub(i, m.group(1))):
+                        r["name"] = f"{i.name}/{r['name']}"
+                        out.append(r)
             continue
         parts = []   # (kind, model bytes, hbm bytes)
         lm_scope = "draft_lm_head" in i.op_name or "btv/dot_general" in i.op_name
@@ -456,8 +480,7 @@ def summarize(recs: list) -> dict:
 def breakdown(compiled_or_text) -> dict:
     """The per-kind breakdown of a compiled program (or its as_text()), with the compiler's total."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    prog = Program(text)
-    recs = charges(prog)
+    recs = charges(Program(text))
     s = summarize(recs)
     if not isinstance(compiled_or_text, str):
         ca = compiled_or_text.cost_analysis()
