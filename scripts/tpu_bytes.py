@@ -209,6 +209,14 @@ class Program:
                     and self.by.get(i.operands[0]) is not None and self.by[i.operands[0]].op == "parameter"):
                 k = int(re.search(r"index=(\d+)", i.attrs).group(1))
                 return self.tuple_sources[k] if k < len(self.tuple_sources) else None
+            if i.op == "get-tuple-element" and i.operands and getattr(self.by.get(i.operands[0]), "op", "") == "while":
+                # a loop's result k is its state element k: the loop's k-th input, updated in place
+                t = self.by.get(self.by[i.operands[0]].operands[0])
+                k = int(re.search(r"index=(\d+)", i.attrs).group(1))
+                if t is None or t.op != "tuple" or k >= len(t.operands):
+                    return None
+                i = self.by.get(t.operands[k])
+                continue
             if i.op in _FOLLOW or (i.op == "custom-call" and i.attr("custom_call_target") == "ConcatBitcast"):
                 if not i.operands:
                     return None
