@@ -24,6 +24,12 @@ What it reports, per chip:
     flops / peak bf16 rate (v6e 918 TFLOP/s, v5p 459 TFLOP/s) when that is larger; next to the H200
     floor (bytes / the 4.23 TB/s measured copy bandwidth) and, with --h200-json, the H200 measurement.
 
+  * for each iteration, the bytes named (scripts/tpu_bytes.py, docs/tpu-bytes.md): per kind (weights, LM
+    head, KV read/write, copies, sampling, activations) as the cost model counts them and as HBM traffic
+    (weights the compiler prefetches into VMEM are charged four times by its cost model, read once from
+    HBM), next to the ideal (every weight once per use, the LM head twice for DFlash, KV at capacity).
+    `--full --iters-only` compiles just the iterations: DFlash and plain, B=1 and 32, 1k and 32k context.
+
 These are PROJECTIONS FROM THE COMPILER'S ACCOUNTING, NOT MEASUREMENTS: the cost model counts the bytes
 each HLO op reads and writes (a Pallas kernel: its declared operands, i.e. the whole KV capacity, not
 only the tiles it visits), and real kernels reach some fraction of the HBM bandwidth.
