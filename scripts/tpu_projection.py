@@ -370,6 +370,8 @@ def report(results: dict, args) -> dict:
                     ideal = pb["target_read"] + (pb["draft"] + pb["lm_head"] if p["draft"] else 0) + \
                         p["batch"] * p["capacity"] * (r["kv_bytes_per_token"]["target"] +
                                                       (r["kv_bytes_per_token"]["draft"] if p["draft"] else 0))
+                    if "ideal_by_kind" in p:  # + the KV rows the iteration writes (tpu_bytes.ideal_bytes)
+                        ideal = p["ideal_by_kind"]["total"]
                     p["ideal_bytes"] = ideal
                     p["ideal_ms"] = 1000 * max(ideal / spec["bw"], p["flops"] / spec["flops"])
                 tb = p["bytes_accessed"] / spec["bw"]
