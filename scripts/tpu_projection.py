@@ -340,8 +340,9 @@ def report(results: dict, args) -> dict:
     P("NOT MEASUREMENTS. ms/iter = bytes accessed / HBM bandwidth (or flops / peak when larger); attention "
       f"impl {args.attention_impl}.")
     P("")
-    P("GB/iter = the compiler's bytes accessed for one iteration; ideal = parameters read once + KV at capacity "
-      "(bench_gpu.py's floor formula), ms at the chip's HBM bandwidth. (whole program: prefill + one loop body)")
+    P("GB/iter = the compiler's bytes accessed for one iteration; ideal = parameters read once per use (the LM head "
+      "twice for DFlash) + KV at capacity + the KV rows written, ms at the chip's HBM bandwidth. (whole program: "
+      "prefill + one loop body)")
     P(f"{'chip':5} {'program':36} {'args GB':>8} {'out GB':>7} {'temp GB':>8} {'total GB':>9} {'HBM':>5} {'fits':>5} "
       f"{'GB/iter':>8} {'TFLOP':>7} {'ms proj':>8} {'bound':>6} {'ideal GB':>8} {'ideal ms':>8} {'compile':>8}")
     summary = {}
