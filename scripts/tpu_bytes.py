@@ -286,9 +286,9 @@ class Program:
         if m:
             return m.group(1)
         src = src or ""
-        m = re.search(r"(ts|ds)\['layers'\]\[(\d+)\]", src)
+        m = re.search(r"(ts|ds|target_state|draft_state)\['layers'\]\[(\d+)\]", src)
         if m:
-            return ("target_layer" if m.group(1) == "ts" else "draft_layer") + m.group(2)
+            return ("target_layer" if m.group(1) in ("ts", "target_state") else "draft_layer") + m.group(2)
         m = re.search(r"s\.(target|draft)_cache\.[kv]\[(\d+)\]", src)
         if m:
             return f"{m.group(1)}_layer{m.group(2)}"
@@ -323,12 +323,16 @@ def _users_through_bitcast(p, users):
     return out
 
 
+# entry parameter names of the weights: lower_iteration's (ts, ds) and the generation program's
+_WEIGHT_PREFIXES = ("ts[", "ds[", "target_state[", "draft_state[")
+
+
 def _operand_kind(src: str | None, lm_scope: bool) -> str:
     if src is None:
         return "activations"
     if "lm_head" in src or ("embed" in src and lm_scope):
         return "lm_head"
-    if src.startswith(("ts[", "ds[")):
+    if src.startswith(_WEIGHT_PREFIXES):
         return "weights"
     if src.startswith(("s.target_cache", "s.draft_cache")):
         return "kv_read"
