@@ -401,7 +401,7 @@ def charges(prog: Program) -> list:
                 if kind == "kv_read" and wr and not rd:
                     kind = "kv_write"     # the cache evicted back to HBM after its update in VMEM
                 # the cost model: the source read, the (destination, source) tuple the start returns
-                # and the done's result (fitted: it sums the compiler's total to within 0.2%)
+                # and the done's result (the rule that makes the sum agree with the compiler's total)
                 parts += [(kind, 4 * n, rd + wr)]
                 what = f"async copy of {src0 or i.operands[0]} {'HBM' if rd else 'VMEM'}->{'HBM' if wr else 'VMEM'}"
             out.append(dict(name=i.name, op=i.op, group=prog.group(i, src0), parts=parts, what=what))
