@@ -24,6 +24,12 @@ What it reports, per chip:
     flops / peak bf16 rate (v6e 918 TFLOP/s, v5p 459 TFLOP/s) when that is larger; next to the H200
     floor (bytes / the 4.23 TB/s measured copy bandwidth) and, with --h200-json, the H200 measurement.
 
+  * for each iteration, the bytes named (scripts/tpu_bytes.py, docs/tpu-bytes.md): per kind (weights, LM
+    head, KV read/write, copies, sampling, activations) as the cost model counts them and as HBM traffic
+    (weights the compiler prefetches into VMEM are charged four times by its cost model, read once from
+    HBM), next to the ideal (every weight once per use, the LM head twice for DFlash, KV at capacity).
+    `--full --iters-only` compiles just the iterations: DFlash and plain, B=1 and 32, 1k and 32k context.
+
 These are PROJECTIONS FROM THE COMPILER'S ACCOUNTING, NOT MEASUREMENTS: the cost model counts the bytes
 each HLO op reads and writes (a Pallas kernel: its declared operands, i.e. the whole KV capacity, not
 only the tiles it visits), and real kernels reach some fraction of the HBM bandwidth.
@@ -76,7 +82,7 @@ def configs(smoke: bool):
     return tc, dc
 
 
-def plan(smoke: bool, quick: bool, full: bool = False):
+def plan(smoke: bool, quick: bool, full: bool = False, iters_only: bool = False):
     """(kind, label, draft?, batch, prompt_len, capacity) in compile order."""
     if smoke:
         return [("iter", "DFlash iteration B=1 C=1024", True, 1, 512, 1024),
@@ -90,10 +96,14 @@ def plan(smoke: bool, quick: bool, full: bool = False):
          ("iter", "DFlash iteration B=1 C=33792", True, 1, 32768, 33792),
          ("whole", "DFlash program B=1 p32768 C=33792", True, 1, 32768, 33792)]
     if full:
-        p += [("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024),
-              ("iter", "DFlash iteration B=32 C=1024", True, 32, 512, 1024)]
+        p += [("iter", "plain step B=1 C=33792", False, 1, 32768, 33792),
+              ("iter", "DFlash iteration B=32 C=1024", True, 32, 512, 1024),
+              ("iter", "plain step B=32 C=1024", False, 32, 512, 1024),
+              ("whole", "DFlash program B=1 p512 C=1024", True, 1, 512, 1024)]
     elif quick:
         p = p[:3]
+    if iters_only:
+        p = [q for q in p if q[0] == "iter"]
     return p
 
 
@@ -163,8 +173,11 @@ def lower_whole(tc, dc, *, batch, prompt_len, capacity, attention_impl, device):
                                  capacity=capacity, dtype="bfloat16", attention_impl=attention_impl, device=device)
 
 
-def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: str, full: bool = False):
+def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: str, full: bool = False,
+          iters_only: bool = False):
     import jax
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tpu_bytes
     from jax.experimental import topologies
     spec = CHIPS[chip]
     topo = topologies.get_topology_desc(platform="tpu", topology_name=spec["topology"])
@@ -182,7 +195,7 @@ def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: st
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
 
-    for kind, label, with_draft, B, P, C in plan(smoke, quick, full):
+    for kind, label, with_draft, B, P, C in plan(smoke, quick, full, iters_only):
         d = dc if with_draft else None
         t = time.perf_counter()
         pt = dict(kind=kind, label=label, draft=with_draft, batch=B, prompt=P, capacity=C)
@@ -208,6 +221,15 @@ def child(chip: str, out_path: str, smoke: bool, quick: bool, attention_impl: st
             pt["bytes_accessed"] = float(ca.get("bytes accessed", float("nan")))
             pt["flops"] = float(ca.get("flops", float("nan")))
             pt["fits"] = pt["total_bytes"] <= spec["hbm"]
+            if kind == "iter":  # the bytes named (scripts/tpu_bytes.py): per kind, cost model and HBM
+                bd = tpu_bytes.breakdown(comp.as_text())
+                pt["bytes_by_kind"] = {k: float(bd["kinds_model"].get(k, 0)) for k in tpu_bytes.KINDS}
+                pt["hbm_bytes_by_kind"] = {k: float(bd["kinds_hbm"].get(k, 0)) for k in tpu_bytes.KINDS}
+                pt["tool_bytes_accessed"] = float(bd["model_total"])
+                pt["hbm_bytes"] = float(bd["hbm_total"])
+                pt["ideal_by_kind"] = tpu_bytes.ideal_bytes(tc, dc, draft=with_draft, batch=B, capacity=C)
+                pt["bytes_by_op"] = {k: float(v) for k, v in bd["ops_model"].items() if v > 1e6}
+                pt["hbm_bytes_by_op"] = {k: float(v) for k, v in bd["ops_hbm"].items() if v > 1e6}
             log(f"[{chip}] {label}: compiled in {pt['compile_s']:.0f}s; args {pt['argument_size_in_bytes'] / 1e9:.2f} GB, "
                 f"out {pt['output_size_in_bytes'] / 1e9:.2f}, alias {pt['alias_size_in_bytes'] / 1e9:.2f}, "
                 f"temp {pt['temp_size_in_bytes'] / 1e9:.2f}; bytes accessed {pt['bytes_accessed'] / 1e9:.2f} GB, "
@@ -238,7 +260,8 @@ def run_children(chips, args) -> dict:
         env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, os.path.abspath(__file__), "--_child", chip, "--_out", path,
                "--attention-impl", args.attention_impl] + (["--smoke"] if args.smoke else []) + \
-              (["--quick"] if args.quick else []) + (["--full"] if args.full else [])
+              (["--quick"] if args.quick else []) + (["--full"] if args.full else []) + \
+              (["--iters-only"] if args.iters_only else [])
         errf = tempfile.TemporaryFile(mode="w+")
         procs[chip] = (subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=errf, text=True), path, errf)
         log(f"started {chip} ({CHIPS[chip]['topology']})")
@@ -317,8 +340,9 @@ def report(results: dict, args) -> dict:
     P("NOT MEASUREMENTS. ms/iter = bytes accessed / HBM bandwidth (or flops / peak when larger); attention "
       f"impl {args.attention_impl}.")
     P("")
-    P("GB/iter = the compiler's bytes accessed for one iteration; ideal = parameters read once + KV at capacity "
-      "(bench_gpu.py's floor formula), ms at the chip's HBM bandwidth. (whole program: prefill + one loop body)")
+    P("GB/iter = the compiler's bytes accessed for one iteration; ideal = parameters read once per use (the LM head "
+      "twice for DFlash) + KV at capacity + the KV rows written, ms at the chip's HBM bandwidth. (whole program: "
+      "prefill + one loop body)")
     P(f"{'chip':5} {'program':36} {'args GB':>8} {'out GB':>7} {'temp GB':>8} {'total GB':>9} {'HBM':>5} {'fits':>5} "
       f"{'GB/iter':>8} {'TFLOP':>7} {'ms proj':>8} {'bound':>6} {'ideal GB':>8} {'ideal ms':>8} {'compile':>8}")
     summary = {}
@@ -347,6 +371,8 @@ def report(results: dict, args) -> dict:
                     ideal = pb["target_read"] + (pb["draft"] + pb["lm_head"] if p["draft"] else 0) + \
                         p["batch"] * p["capacity"] * (r["kv_bytes_per_token"]["target"] +
                                                       (r["kv_bytes_per_token"]["draft"] if p["draft"] else 0))
+                    if "ideal_by_kind" in p:  # + the KV rows the iteration writes (tpu_bytes.ideal_bytes)
+                        ideal = p["ideal_by_kind"]["total"]
                     p["ideal_bytes"] = ideal
                     p["ideal_ms"] = 1000 * max(ideal / spec["bw"], p["flops"] / spec["flops"])
                 tb = p["bytes_accessed"] / spec["bw"]
@@ -376,6 +402,23 @@ def report(results: dict, args) -> dict:
                   + ", ".join(f"B={b}: {c:,}" + ("*" if mp and c > mp else "") for b, c in fm[key].items())
                   + (f"   (* past the model's {mp:,} positions)" if mp else ""))
         summary[chip] = r
+    P("")
+    P("bytes named (scripts/tpu_bytes.py, per op of the optimized HLO): 'compiler' = cost_analysis; 'HBM' = the")
+    P("traffic to and from HBM (weights the compiler prefetches into VMEM by async slices are charged by its cost")
+    P("model at the slice's read and write, at the ConcatBitcast that joins the pieces and again at the matmul that")
+    P("reads the VMEM copy: one HBM read, four charges). x ideal = / ideal (weights once per use + KV at capacity).")
+    P(f"{'chip':5} {'program':36} {'compiler':>9} {'x ideal':>7} {'HBM GB':>8} {'x ideal':>7} {'ms HBM':>7}  "
+      "HBM by kind GB: " + " ".join(k for k in ("weights", "lm_head", "kv_read", "kv_write", "copies", "activations")))
+    for chip, r in results.items():
+        for p in r["points"]:
+            if p.get("kind") != "iter" or "hbm_bytes" not in p or "ideal_bytes" not in p:
+                continue
+            hb = p["hbm_bytes_by_kind"]
+            p["hbm_ms"] = 1000 * max(p["hbm_bytes"] / CHIPS[chip]["bw"], p["flops"] / CHIPS[chip]["flops"])
+            P(f"{chip:5} {p['label']:36} {p['bytes_accessed'] / 1e9:9.2f} {p['bytes_accessed'] / p['ideal_bytes']:7.2f} "
+              f"{p['hbm_bytes'] / 1e9:8.2f} {p['hbm_bytes'] / p['ideal_bytes']:7.3f} {p['hbm_ms']:7.2f}  "
+              + " ".join(f"{hb.get(k, 0) / 1e9:.3f}" for k in ("weights", "lm_head", "kv_read", "kv_write", "copies",
+                                                               "activations")))
     P("")
     gpu = h200_numbers(args.h200_json, {})
     P("per-iteration ms: TPU compiler's bytes / HBM bandwidth ('proj'), the ideal bytes / HBM bandwidth ('ideal'),")
@@ -411,6 +454,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (about a minute)")
     ap.add_argument("--quick", action="store_true", help="iterations only (no whole-program memory point), ~2 min")
     ap.add_argument("--full", action="store_true", help="add the 512-prompt program and the B=32 iteration (~8-10 min)")
+    ap.add_argument("--iters-only", action="store_true",
+                    help="only the one-iteration points (with --full: DFlash and plain, B=1 and 32, 32k context)")
     ap.add_argument("--chips", default="v6e,v5p", help=f"comma-separated subset of {','.join(CHIPS)}")
     ap.add_argument("--attention-impl", default="pallas_tpu", help="pallas_tpu (the Mosaic kernel) or xla")
     ap.add_argument("--h200-json", default=None, help="bench_gpu.json of an H200 run, for the side-by-side column")
@@ -423,7 +468,7 @@ def main():
     if args.child:
         _LOG_TO[0] = sys.stdout  # the parent passes our stdout through live; stderr (libtpu noise) is filtered
         sys.path.insert(0, REPO)
-        child(args.child, args.out, args.smoke, args.quick, args.attention_impl, args.full)
+        child(args.child, args.out, args.smoke, args.quick, args.attention_impl, args.full, args.iters_only)
         return
     chips = [c.strip() for c in args.chips.split(",") if c.strip()]
     bad = [c for c in chips if c not in CHIPS]

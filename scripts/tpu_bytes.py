@@ -1,0 +1,618 @@
+#!/usr/bin/env python
+"""Where the bytes of a compiled TPU program go: its optimized HLO's ops by bytes accessed, named.
+
+    python scripts/tpu_bytes.py --chip v6e                      # Qwen3-8B DFlash iteration, B=1, C=1024
+    python scripts/tpu_bytes.py --chip v6e --plain --batch 32   # the plain step at B=32
+    python scripts/tpu_bytes.py --chip v6e --layers 4 --draft-layers 1 --top 30   # small, ~10 s
+    python scripts/tpu_bytes.py --hlo FILE.hlo                   # an earlier --save-hlo, no compiling
+
+It compiles one loop iteration (dflash_jax.decode.lower_iteration, the Mosaic attention kernel) for one
+chip of a TPU topology on this CPU host (DESIGN.md "TPU without a TPU"), reads `compiled.as_text()` and
+charges every top-level op its operands + results, the way XLA's HloCostAnalysis does:
+  * a fusion's operand that the fused computation only slices (slice / dynamic-slice) costs the slice;
+  * a fusion whose root is a dynamic-update-slice into a parameter (in place) costs the update, not
+    the buffer, on both sides;
+  * parameters, constants, bitcasts, tuples and get-tuple-element cost nothing; an async op
+    (copy-start/done, slice-start/done) is charged at its start: a slice its read and write, a copy
+    four times its size (as the compiler's total shows it counts them).
+Each op is grouped by its named scope (target_layerN, draft_layerN, draft_lm_head, verify, accept,
+commit) and its bytes split by kind: the operand that is a weight (traced back through bitcasts,
+slices and copies to an entry parameter) is "weights" (the LM head its own kind), a KV-cache operand
+"kv read", a result written into a cache "kv write", copies/transposes "copies", the accept and
+commit scopes "sampling", the rest "activations". The total is printed next to the compiler's
+cost_analysis()['bytes accessed'] (TOTAL CHECK), so the breakdown is the compiler's own sum, named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1,
+               "token": 0}
+FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all", "partition-id",
+        "replica-id"}
+# async pairs: the start carries the transfer, the done is free
+ASYNC_DONE = {"copy-done", "slice-done", "all-gather-done", "all-reduce-done", "collective-permute-done",
+              "async-done", "send-done", "recv-done"}
+KINDS = ("weights", "lm_head", "kv_read", "kv_write", "copies", "sampling", "activations")
+
+_ARRAY = re.compile(r"\b(pred|[sufb]f?\d+|bf16|f8e4m3fn|f8e5m2|token)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_COMP = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\((.*)\)\s*->\s*(.*)\{\s*$")
+
+
+def _elems(s: str) -> list:
+    """The arrays of a shape string as (bytes, in_hbm): a layout with S(n), n > 0, is another memory
+    space (S(1) VMEM, S(2) SMEM, ...), not HBM."""
+    out = []
+    for m in re.finditer(r"\b(pred|[sufb]f?\d+|bf16|f8e4m3fn|f8e5m2|token)\[([\d,]*)\](\{[^}]*\})?", s):
+        dt, dims, lay = m.group(1), m.group(2), m.group(3) or ""
+        if dt not in DTYPE_BYTES:
+            continue
+        size = 1
+        for d in dims.split(","):
+            if d:
+                size *= int(d)
+        out.append((int(size * DTYPE_BYTES[dt]), not re.search(r"S\([1-9]\d*\)", lay)))
+    return out
+
+
+def hbm_bytes(s: str) -> int:
+    return sum(b for b, h in _elems(s) if h)
+
+
+def shape_bytes(s: str) -> int:
+    """Bytes of an HLO shape string (array or tuple), layouts ignored (logical sizes, as the cost model)."""
+    n = 0
+    for dt, dims in _ARRAY.findall(s):
+        if dt not in DTYPE_BYTES:
+            continue
+        size = 1
+        for d in dims.split(","):
+            if d:
+                size *= int(d)
+        n += size * DTYPE_BYTES[dt]
+    return int(n)
+
+
+def _split_type_and_rest(text: str):
+    """'bf16[2,3]{1,0} opcode(...), attrs' -> ('bf16[2,3]{1,0}', 'opcode(...), attrs')."""
+    text = text.strip()
+    if text.startswith("("):
+        depth = 0
+        for i, ch in enumerate(text):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return text[:i + 1], text[i + 1:].strip()
+    i = text.find(" ")
+    return text[:i], text[i + 1:].strip()
+
+
+def _operands(rest: str):
+    """opcode and the %names in its operand list."""
+    i = rest.find("(")
+    op = rest[:i].strip()
+    depth, j = 0, i
+    for j in range(i, len(rest)):
+        depth += rest[j] == "("
+        depth -= rest[j] == ")"
+        if depth == 0:
+            break
+    return op, rest[i + 1:j], rest[j + 1:]
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    shape: str
+    op: str
+    operands: list
+    attrs: str
+    root: bool = False
+    args: str = ""
+
+    @property
+    def param_num(self) -> int:
+        return int(self.args)
+
+    @property
+    def op_name(self) -> str:
+        m = re.search(r'op_name="([^"]*)"', self.attrs)
+        return m.group(1).replace("\\'", "'") if m else ""
+
+    @property
+    def calls(self) -> list:
+        return re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)", self.attrs)
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(key + r'="([^"]*)"', self.attrs)
+        return m.group(1) if m else None
+
+
+def parse_hlo(text: str):
+    """{computation: [Instr]}, entry name, entry parameter names by number."""
+    comps, entry, cur = {}, None, None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+            continue
+        if line.strip() == "}":
+            cur = None
+            continue
+        if cur is None:
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        shape, rest = _split_type_and_rest(m.group(3))
+        op, args, attrs = _operands(rest)
+        comps[cur].append(Instr(m.group(2), shape, op, re.findall(r"%([\w.\-]+)", args), attrs,
+                                root=bool(m.group(1)), args=args))
+    return comps, entry
+
+
+
+# ---------------------------------------------------------------------------------------------
+# charging ops
+# ---------------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"(target_layer\d+|draft_layer\d+|draft_lm_head)")
+_SCOPES = ("verify", "draft", "accept", "commit")
+_FOLLOW = {"bitcast", "copy-done", "slice-done", "copy-start", "slice-start", "reshape", "copy", "transpose",
+           "get-tuple-element"}
+
+
+class Program:
+    """The entry computation of an optimized HLO module, with the helpers that name its bytes."""
+
+    def __init__(self, text: str | None = None, *, comps=None, comp: str | None = None, tuple_sources=None,
+                 group: str | None = None):
+        if comps is None:
+            comps, comp = parse_hlo(text)
+        self.comps, self.entry = comps, comp
+        self.instrs = self.comps[comp]
+        self.by = {i.name: i for i in self.instrs}
+        # a while body's parameter is the loop tuple: element k comes from the loop's k-th input
+        self.tuple_sources = tuple_sources
+        self.default_group = group
+
+    def sub(self, while_instr: Instr, comp: str) -> "Program":
+        """The body (or condition) of a while loop, its tuple parameter traced to the loop's inputs."""
+        t = self.by.get(while_instr.operands[0]) if while_instr.operands else None
+        srcs = [self.source(o) for o in t.operands] if t is not None and t.op == "tuple" else None
+        return Program(comps=self.comps, comp=comp, tuple_sources=srcs, group=self.group(while_instr))
+
+    def source(self, name: str, depth: int = 0):
+        """The entry parameter an operand comes from (through bitcasts, copies, async slices and
+        ConcatBitcast), as its metadata op_name ("ts['layers'][3]['qkv'].value", "s.target_cache.k[3]"),
+        or None for a computed value."""
+        i = self.by.get(name)
+        while i is not None and depth < 64:
+            depth += 1
+            if i.op == "parameter":
+                return i.op_name or i.name
+            if (i.op == "get-tuple-element" and self.tuple_sources is not None and i.operands
+                    and self.by.get(i.operands[0]) is not None and self.by[i.operands[0]].op == "parameter"):
+                k = int(re.search(r"index=(\d+)", i.attrs).group(1))
+                return self.tuple_sources[k] if k < len(self.tuple_sources) else None
+            if i.op == "get-tuple-element" and i.operands and getattr(self.by.get(i.operands[0]), "op", "") == "while":
+                # a loop's result k is its state element k: the loop's k-th input, updated in place
+                t = self.by.get(self.by[i.operands[0]].operands[0])
+                k = int(re.search(r"index=(\d+)", i.attrs).group(1))
+                if t is None or t.op != "tuple" or k >= len(t.operands):
+                    return None
+                i = self.by.get(t.operands[k])
+                continue
+            if i.op in _FOLLOW or (i.op == "custom-call" and i.attr("custom_call_target") == "ConcatBitcast"):
+                if not i.operands:
+                    return None
+                i = self.by.get(i.operands[0])
+                continue
+            if i.op == "dynamic-update-slice":  # the buffer it updates
+                i = self.by.get(i.operands[0])
+                continue
+            if i.op == "fusion":
+                dus = self.fusion_dus_buffer(i)
+                if dus is None:
+                    return None
+                i = self.by.get(i.operands[dus])
+                continue
+            return None
+        return None
+
+    def fusion_root(self, f: Instr) -> Instr:
+        comp = self.comps[f.calls[0]]
+        by = {i.name: i for i in comp}
+        r = next((i for i in comp if i.root), comp[-1])
+        while r.op == "bitcast" and r.operands:
+            r = by[r.operands[0]]
+        return r
+
+    def fusion_dus_buffer(self, f: Instr):
+        """Operand index of the buffer a fusion updates in place (root dynamic-update-slice of a
+        parameter), else None."""
+        comp = self.comps[f.calls[0]]
+        by = {i.name: i for i in comp}
+        r = self.fusion_root(f)
+        if r.op != "dynamic-update-slice":
+            return None
+        b = by.get(r.operands[0])
+        while b is not None and b.op == "bitcast":
+            b = by.get(b.operands[0])
+        return b.param_num if b is not None and b.op == "parameter" else None
+
+    def fusion_operand_reads(self, f: Instr) -> list:
+        """Bytes each fusion operand is charged: its size, or what the fused computation slices or
+        gathers from it; the in-place buffer of a root dynamic-update-slice: nothing."""
+        comp = self.comps[f.calls[0]]
+        by = {i.name: i for i in comp}
+        users = collections.defaultdict(list)
+        for i in comp:
+            for o in i.operands:
+                users[o].append(i)
+        params = {i.param_num: i for i in comp if i.op == "parameter"}
+        dus = self.fusion_dus_buffer(f)
+        out = []
+        for k, name in enumerate(f.operands):
+            full = shape_bytes(self.by[name].shape) if name in self.by else 0
+            p = params.get(k)
+            us = _users_through_bitcast(p, users) if p is not None else []
+            if k == dus and all(u.op == "dynamic-update-slice" for u in us):
+                out.append(0)
+            elif us and all(u.op in ("slice", "dynamic-slice") or (u.op == "gather" and by.get(u.operands[0]) in
+                                                                    _bitcast_chain(p, users)) for u in us):
+                out.append(min(full, sum(shape_bytes(u.shape) for u in us)))
+            else:
+                out.append(full)
+        return out
+
+    def group(self, i: Instr, src: str | None = None) -> str:
+        on = i.op_name
+        m = _LAYER.search(on)
+        if m:
+            return m.group(1)
+        src = src or ""
+        m = re.search(r"(ts|ds|target_state|draft_state)\['layers'\]\[(\d+)\]", src)
+        if m:
+            return ("target_layer" if m.group(1) in ("ts", "target_state") else "draft_layer") + m.group(2)
+        m = re.search(r"s\.(target|draft)_cache\.[kv]\[(\d+)\]", src)
+        if m:
+            return f"{m.group(1)}_layer{m.group(2)}"
+        if "lm_head" in src:
+            return "lm_head"
+        for s in _SCOPES:
+            if f"/{s}/" in on + "/":
+                return s
+        return self.default_group or "loop"
+
+
+def _bitcast_chain(p, users):
+    out, stack = [p], [p]
+    while stack:
+        x = stack.pop()
+        for u in users.get(x.name, []):
+            if u.op == "bitcast":
+                out.append(u)
+                stack.append(u)
+    return out
+
+
+def _users_through_bitcast(p, users):
+    out, stack = [], [p]
+    while stack:
+        x = stack.pop()
+        for u in users.get(x.name, []):
+            if u.op == "bitcast":
+                stack.append(u)
+            else:
+                out.append(u)
+    return out
+
+
+# entry parameter names of the weights: lower_iteration's (ts, ds) and the generation program's
+_WEIGHT_PREFIXES = ("ts[", "ds[", "target_state[", "draft_state[")
+
+
+def _operand_kind(src: str | None, lm_scope: bool) -> str:
+    if src is None:
+        return "activations"
+    if "lm_head" in src or ("embed" in src and lm_scope):
+        return "lm_head"
+    if src.startswith(_WEIGHT_PREFIXES):
+        return "weights"
+    if src.startswith(("s.target_cache", "s.draft_cache")):
+        return "kv_read"
+    return "activations"
+
+
+def _tuple_elems(s: str) -> list:
+    s = s.strip()
+    if not s.startswith("("):
+        return [s]
+    out, depth, cur = [], 0, ""
+    for ch in s[1:-1]:
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return [x for x in out if x and not x.startswith("/*")] if out else []
+
+
+def charges(prog: Program) -> list:
+    """One record per top-level op that moves bytes: {name, op, group, kind parts, model, hbm, what}.
+
+    model: the cost model's charge (operands + results with the fusion rules; an async slice counted
+    as its read and its write, an async copy four times its size (read, the start's two-buffer tuple,
+    the done's result); ConcatBitcast, which only renames VMEM, its result).
+    hbm: the same op's traffic to and from HBM only (arrays whose layout puts them in VMEM/SMEM,
+    S(n), cost nothing: they are on-chip)."""
+    out = []
+    for i in prog.instrs:
+        if i.op in FREE or i.op in ASYNC_DONE:
+            continue
+        if i.op == "while":
+            # charged as its body and condition, once each (as the compiler's total counts a loop):
+            # its operands are the loop state, which the body updates in place
+            for key in ("body", "condition"):
+                m = re.search(key + r"=%([\w.\-]+)", i.attrs)
+                if m:
+                    for r in charges(prog.sub(i, m.group(1))):
+                        r["name"] = f"{i.name}/{r['name']}"
+                        out.append(r)
+            continue
+        parts = []   # (kind, model bytes, hbm bytes)
+        lm_scope = "draft_lm_head" in i.op_name or "btv/dot_general" in i.op_name
+        scope_kind = "sampling" if re.search(r"/(accept|commit)/", i.op_name) else "activations"
+        src0 = prog.source(i.operands[0]) if i.operands else None
+        target = i.attr("custom_call_target") if i.op == "custom-call" else None
+        if i.op in ("slice-start", "copy-start"):
+            el = _tuple_elems(i.shape)
+            if i.op == "slice-start":
+                dst = el[1]
+                src_hbm = hbm_bytes(prog.by[i.operands[0]].shape) > 0
+                n = shape_bytes(dst)
+                rd, wr = n if src_hbm else 0, hbm_bytes(dst)
+                kind = _operand_kind(src0, False)
+                parts += [(kind, 2 * n, rd + wr)]
+                what = f"async slice of {src0} into {'VMEM' if not wr else 'HBM'}"
+            else:
+                dst, src = el[0], el[1]
+                n = shape_bytes(dst)
+                rd, wr = hbm_bytes(src), hbm_bytes(dst)
+                kind = _operand_kind(src0, False)
+                if kind == "kv_read" and wr and not rd:
+                    kind = "kv_write"     # the cache evicted back to HBM after its update in VMEM
+                # the cost model: the source read, the (destination, source) tuple the start returns
+                # and the done's result (the rule that makes the sum agree with the compiler's total)
+                parts += [(kind, 4 * n, rd + wr)]
+                what = f"async copy of {src0 or i.operands[0]} {'HBM' if rd else 'VMEM'}->{'HBM' if wr else 'VMEM'}"
+            out.append(dict(name=i.name, op=i.op, group=prog.group(i, src0), parts=parts, what=what))
+            continue
+        if target == "ConcatBitcast":
+            parts.append((_operand_kind(src0, False), shape_bytes(i.shape), hbm_bytes(i.shape)))
+            out.append(dict(name=i.name, op="ConcatBitcast", group=prog.group(i, src0), parts=parts,
+                            what=f"VMEM pieces of {src0} joined (no data moved)"))
+            continue
+        if i.op == "fusion":
+            reads = prog.fusion_operand_reads(i)
+            dus = prog.fusion_dus_buffer(i)
+            root = prog.fusion_root(i)
+        else:
+            reads = [shape_bytes(prog.by[o].shape) if o in prog.by else 0 for o in i.operands]
+            dus = 0 if i.op == "dynamic-update-slice" else None
+            root = i
+        is_copy = root.op in ("copy", "transpose")
+        srcs = []
+        for k, o in enumerate(i.operands):
+            src = prog.source(o)
+            srcs.append(src)
+            shape = prog.by[o].shape if o in prog.by else ""
+            full = shape_bytes(shape)
+            hb = reads[k] if hbm_bytes(shape) == full and full else 0
+            if k == dus and i.op == "dynamic-update-slice":
+                hb = m = 0   # in place: the buffer is neither read nor copied
+            else:
+                m = reads[k]
+            kind = "copies" if is_copy else _operand_kind(src, lm_scope)
+            if kind == "activations":
+                kind = scope_kind
+            parts.append((kind, m, hb))
+        # the result
+        res = i.shape
+        if dus is not None:
+            upd_name = None
+            if i.op == "dynamic-update-slice":
+                upd_name = i.operands[1]
+                n = shape_bytes(prog.by[upd_name].shape)
+            else:
+                comp = prog.comps[i.calls[0]]
+                byc = {x.name: x for x in comp}
+                n = shape_bytes(byc[root.operands[1]].shape)
+            hb = n if hbm_bytes(res) else 0
+            kind = "kv_write" if (srcs[dus] or "").startswith(("s.target_cache", "s.draft_cache")) else scope_kind
+            parts.append((kind, n, hb))
+        else:
+            kind = "copies" if is_copy else scope_kind
+            parts.append((kind, shape_bytes(res), hbm_bytes(res)))
+        what = i.op if target is None else target
+        if i.op == "fusion":
+            what = f"fusion[{root.op}]"
+        named = [s for s in srcs if s]
+        if named:
+            what += " of " + ", ".join(sorted(set(named)))[:120]
+        out.append(dict(name=i.name, op=i.op if target is None else target, group=prog.group(i, src0 or (named[0] if named else None)),
+                        parts=parts, what=what, op_name=i.op_name[-80:]))
+    for r in out:
+        r["model"] = sum(p[1] for p in r["parts"])
+        r["hbm"] = sum(p[2] for p in r["parts"])
+    return out
+
+
+def group_class(g: str) -> str:
+    """target_layer7 -> target layers (the per-layer rows summed in the short table)."""
+    return re.sub(r"\d+$", "", g)
+
+
+def summarize(recs: list) -> dict:
+    """Totals: by kind, by group class x kind, for the cost model and for HBM traffic."""
+    tot = {"model": collections.Counter(), "hbm": collections.Counter()}
+    by_group = {"model": collections.defaultdict(collections.Counter), "hbm": collections.defaultdict(collections.Counter)}
+    by_op = {"model": collections.Counter(), "hbm": collections.Counter()}
+    for r in recs:
+        for kind, m, h in r["parts"]:
+            for key, b in (("model", m), ("hbm", h)):
+                tot[key][kind] += b
+                by_group[key][group_class(r["group"])][kind] += b
+                by_op[key][r["op"]] += b
+    return {"kinds_model": dict(tot["model"]), "kinds_hbm": dict(tot["hbm"]),
+            "model_total": sum(tot["model"].values()), "hbm_total": sum(tot["hbm"].values()),
+            "groups_model": {g: dict(c) for g, c in by_group["model"].items()},
+            "groups_hbm": {g: dict(c) for g, c in by_group["hbm"].items()},
+            "ops_model": dict(by_op["model"]), "ops_hbm": dict(by_op["hbm"])}
+
+
+def breakdown(compiled_or_text) -> dict:
+    """The per-kind breakdown of a compiled program (or its as_text()), with the compiler's total."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    recs = charges(Program(text))
+    s = summarize(recs)
+    if not isinstance(compiled_or_text, str):
+        ca = compiled_or_text.cost_analysis()
+        if isinstance(ca, (list, tuple)):
+            ca = ca[0] if ca else {}
+        s["compiler_bytes_accessed"] = float(ca.get("bytes accessed", float("nan")))
+    s["records"] = recs
+    return s
+
+
+def print_report(s: dict, top: int = 25, ideal: float | None = None, file=sys.stdout):
+    P = lambda *a: print(*a, file=file)  # noqa: E731
+    G = 1e9
+    comp = s.get("compiler_bytes_accessed")
+    P(f"TOTAL CHECK: tool's cost-model sum {s['model_total'] / G:.3f} GB"
+      + (f" vs compiler cost_analysis {comp / G:.3f} GB ({100 * (s['model_total'] / comp - 1):+.1f}%)" if comp else "")
+      + f"; HBM traffic (on-chip VMEM/SMEM operands excluded) {s['hbm_total'] / G:.3f} GB"
+      + (f"; ideal {ideal / G:.3f} GB" if ideal else ""))
+    P(f"{'kind':12} {'cost model GB':>14} {'HBM GB':>8}")
+    for k in KINDS:
+        P(f"{k:12} {s['kinds_model'].get(k, 0) / G:14.3f} {s['kinds_hbm'].get(k, 0) / G:8.3f}")
+    P("")
+    P(f"{'group':16} " + " ".join(f"{k[:10]:>10}" for k in KINDS) + "   (cost model GB / HBM GB)")
+    for g in sorted(s["groups_model"]):
+        m, h = s["groups_model"][g], s["groups_hbm"].get(g, {})
+        P(f"{g:16} " + " ".join(f"{m.get(k, 0) / G:5.2f}/{h.get(k, 0) / G:4.2f}" for k in KINDS))
+    P("")
+    P(f"{'op kind':22} {'cost model GB':>14} {'HBM GB':>8}")
+    for op, b in sorted(s["ops_model"].items(), key=lambda x: -x[1])[:12]:
+        P(f"{op:22} {b / G:14.3f} {s['ops_hbm'].get(op, 0) / G:8.3f}")
+    P("")
+    P(f"top {top} ops by cost-model bytes:")
+    for r in sorted(s["records"], key=lambda r: -r["model"])[:top]:
+        P(f"  {r['model'] / 1e6:9.1f} MB (HBM {r['hbm'] / 1e6:8.1f}) {r['group']:14} {r['name']:28} {r['what'][:110]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI: compile one iteration for a chip
+# ---------------------------------------------------------------------------------------------
+
+def _compile(args):
+    import dataclasses as dc_
+    import jax  # noqa: F401
+    from jax.experimental import topologies
+    sys.path.insert(0, REPO)
+    from dflash_jax import DraftConfig, TargetConfig, decode
+    topo = {"v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "v5e": "v5e:2x2", "v4": "v4:2x2x1"}[args.chip]
+    dev = topologies.get_topology_desc(platform="tpu", topology_name=topo).devices[0]
+    tc = TargetConfig.preset(args.preset)
+    if args.layers:
+        tc = dc_.replace(tc, num_layers=args.layers)
+    n = args.draft_layers
+    taps = tuple(sorted({min(tc.num_layers - 1, 1 + k * max(1, (tc.num_layers - 2) // max(1, n - 1))) for k in range(n)}))
+    if args.preset == "qwen3-8b" and not args.layers and n == 5:
+        taps = (1, 9, 17, 25, 33)
+    dc = DraftConfig.for_target(tc, num_layers=n, block_size=16, mask_token_id=tc.vocab_size - 1,
+                                target_layer_ids=taps)
+    low = decode.lower_iteration(tc, None if args.plain else dc, batch=args.batch, prompt_len=512,
+                                 capacity=args.capacity, attention_impl="pallas_tpu", device=dev)
+    return low.compile(), tc, dc
+
+
+def ideal_bytes(tc, dc, *, draft: bool, batch: int, capacity: int) -> dict:
+    """Every weight read once per use (the LM head twice with a draft: the draft's and the verify's
+    logits), the KV caches read over the capacity (what the kernel declares), the rows the iteration
+    writes."""
+    def layer(c):
+        H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+        return 2 * (H * (c.num_heads + 2 * c.num_kv_heads) * D + c.num_heads * D * H + H * 2 * I + I * H + 2 * H + 2 * D)
+    lm = 2 * tc.hidden_size * tc.vocab_size
+    t_layers = tc.num_layers * layer(tc) + 2 * tc.hidden_size
+    kv_t = 2 * tc.num_layers * tc.num_kv_heads * tc.head_dim * 2
+    S = 16 if draft else 1
+    out = {"target_layers": t_layers, "lm_head": lm * (2 if draft else 1),
+           "kv_read": batch * capacity * kv_t, "kv_write": batch * S * kv_t}
+    if draft:
+        kv_d = 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim * 2
+        out["draft"] = dc.num_layers * layer(dc) + 2 * len(dc.target_layer_ids) * tc.hidden_size ** 2 + 4 * tc.hidden_size
+        out["kv_read"] += batch * capacity * kv_d
+        out["kv_write"] += batch * 2 * S * kv_d     # the pending context rows and the block's rows
+    out["total"] = sum(out.values())
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chip", default="v6e", choices=("v6e", "v5p", "v5e", "v4"))
+    ap.add_argument("--preset", default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=0, help="target layers (0: the preset's)")
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--plain", action="store_true", help="the plain step (no draft)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--capacity", type=int, default=1024)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--hlo", default=None, help="analyse this saved as_text() instead of compiling")
+    ap.add_argument("--save-hlo", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    ideal = None
+    if args.hlo:
+        with open(args.hlo) as f:
+            s = breakdown(f.read())
+    else:
+        accel = {"v6e": "v6e-4", "v5p": "v5p-8", "v5e": "v5litepod-4", "v4": "v4-8"}[args.chip]
+        for k, v in dict(JAX_PLATFORMS="cpu", TPU_WORKER_HOSTNAMES="localhost", TPU_ACCELERATOR_TYPE=accel,
+                         TPU_SKIP_MDS_QUERY="1").items():
+            os.environ.setdefault(k, v)
+        comp, tc, dc = _compile(args)
+        if args.save_hlo:
+            with open(args.save_hlo, "w") as f:
+                f.write(comp.as_text())
+        s = breakdown(comp)
+        ideal = ideal_bytes(tc, dc, draft=not args.plain, batch=args.batch, capacity=args.capacity)
+        s["ideal"] = ideal
+        ideal = ideal["total"]
+    print_report(s, args.top, ideal)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in s.items() if k != "records"}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
