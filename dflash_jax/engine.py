@@ -254,17 +254,17 @@ class SimpleEngine:
         return sorted(set(eos) | set(request.stop_token_ids))
 
     def check(self, r: Request) -> None:
-        from dflash_jax import decode, sampling
+        from dflash_jax import sampling, validation
 
         n = len(r.prompt)
         if n == 0:
             raise RequestError("prompt", "is empty: a prompt needs at least one token")
-        if any(not decode._is_int(t) or not 0 <= t < self.vocab_size for t in r.prompt):
+        if any(not validation.is_int(t) or not 0 <= t < self.vocab_size for t in r.prompt):
             raise RequestError("prompt", f"has token ids outside the vocabulary [0, {self.vocab_size})")
         if n >= self.max_model_len:
             raise RequestError("prompt", f"{n} tokens, the model's context length is {self.max_model_len} "
                                          f"(prompt + max_tokens); shorten the prompt")
-        if not decode._is_int(r.max_tokens) or r.max_tokens < 1:
+        if not validation.is_int(r.max_tokens) or r.max_tokens < 1:
             raise RequestError("max_tokens", f"must be an integer >= 1, got {r.max_tokens!r}")
         if n + r.max_tokens > self.max_model_len:
             raise RequestError("max_tokens", f"{r.max_tokens} with a prompt of {n} tokens exceeds the context "
@@ -276,10 +276,12 @@ class SimpleEngine:
                 check()
             except ValueError as e:
                 raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
-        if not decode._is_int(r.seed):
-            raise RequestError("seed", f"must be an integer, got {r.seed!r}")
         try:
-            decode._check_stop_ids(self.stop_ids(r), self.vocab_size)
+            validation.check_seed(r.seed)
+        except ValueError as e:
+            raise RequestError("seed", _one_line(e)) from None
+        try:
+            validation.check_stop_ids(self.stop_ids(r), self.vocab_size)
         except ValueError as e:
             raise RequestError("stop_token_ids", _one_line(e)) from None
 

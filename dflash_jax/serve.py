@@ -526,6 +526,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.served_model_name = args.served_model_name or "dflash-default"
     # check_args also validates the sampling flags, which are per request here
     args.max_new_tokens, args.temperature, args.top_p, args.top_k = 1, 0.0, 1.0, 0
+    args.stop_token_ids = None   # per request here
     cli.check_args(parser, args)
     if args.slots != 1:
         parser.error(f"--slots {args.slots}: this build's engine runs one request at a time (--slots 1)")
