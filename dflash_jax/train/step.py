@@ -149,7 +149,7 @@ class Trainer:
             target = nnx.merge(self.target_def, target_state)
             (loss, sums), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
                 state.params, self.draft_def, target, tokens, loss_mask, sample_ids, epoch, sched_cfg)
-            gnorm = optax.global_norm(grads)
+            gnorm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
             updates, opt_state = opt.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             warm = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
