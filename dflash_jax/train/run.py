@@ -235,3 +235,27 @@ def train(target: Qwen3, draft: DFlashDraft | DraftConfig, data: TokenData, step
                 all_records = [json.loads(l) for l in f if l.strip()]
         _plot(all_records, os.path.join(run.out_dir, "curves.png"))
     return RunResult(state=state, draft_def=draft_def, step=step, epoch=epoch, status=status, metrics=records)
+
+
+def load_run_draft(run_dir: str, step: int | None = None, dtype="float32") -> tuple[DFlashDraft, dict]:
+    """(draft module, checkpoint meta) from a run directory's latest (or given) checkpoint."""
+    from dflash_jax.train.step import StepConfig as _SC
+    ckpt = RunCheckpoints(os.path.join(run_dir, "checkpoints"))
+    try:
+        step = ckpt.latest() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint (checkpoints/ is empty or missing)")
+        meta = ckpt.read_meta(step)
+        d = dict(meta["draft_config"])
+        d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        dcfg = DraftConfig(**d)
+        c = meta["contract"]
+        scfg = _SC(block_size=c["block_size"], mask_token_id=c["mask_token_id"],
+                   target_layer_ids=tuple(c["target_layer_ids"]), total_steps=c["total_steps"])
+        shell = nnx.eval_shape(lambda: DFlashDraft(dcfg, jnp.float32, rngs=nnx.Rngs(0)))
+        draft_def, params = nnx.split(shell, nnx.Param)
+        abstract = jax.eval_shape(lambda p: init_state(p, scfg), params)
+        state, meta = ckpt.restore(step, abstract)
+    finally:
+        ckpt.close()
+    return draft_from_params(draft_def, state.params, dtype), meta

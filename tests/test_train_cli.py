@@ -1,0 +1,45 @@
+"""`python -m dflash_jax.train` regenerate → train → export on a tiny random target (in process)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dflash_jax import load_draft, load_target
+from dflash_jax.train.__main__ import main
+from tests import checkpoints as ck
+
+
+@pytest.mark.slow
+def test_cli_regenerate_train_export(tmp_path, capsys):
+    tp = ck.write_target(str(tmp_path / "target"), vocab_size=64, num_layers=4, seed=0)
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for p in ck.random_prompts(8, 63, min_len=3, max_len=6, seed=0):
+            f.write(json.dumps({"prompt_ids": p}) + "\n")
+    common = ["--model", tp, "--dtype", "float32", "--attention", "xla"]
+    data = str(tmp_path / "data")
+    assert main(["regenerate", *common, "--prompts", str(prompts), "--prompts-are-ids", "--out", data,
+                 "--max-len", "32", "--max-new-tokens", "20", "--batch-size", "4", "--shard-rows", "4"]) == 0
+    # a rerun finds every prompt done and changes nothing
+    assert main(["regenerate", *common, "--prompts", str(prompts), "--prompts-are-ids", "--out", data,
+                 "--max-len", "32", "--max-new-tokens", "20", "--batch-size", "4", "--shard-rows", "4"]) == 0
+    assert json.load(open(os.path.join(data, "manifest.json")))["rows"] == 8
+    run = str(tmp_path / "run")
+    assert main(["train", *common, "--data", data, "--out", run, "--draft-layers", "1", "--block-size", "4",
+                 "--taps", "1,2", "--batch-size", "4", "--max-steps", "3", "--num-anchors", "8",
+                 "--compute-dtype", "float32", "--log-every", "1"]) == 0
+    out = str(tmp_path / "exported")
+    assert main(["export", "--run", run, "--out", out, "--dtype", "float32"]) == 0
+    draft = load_draft(out, target=load_target(tp, dtype="float32"), dtype="float32")
+    assert draft.config.block_size == 4 and draft.config.target_layer_ids == (1, 2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="already exists"):
+        main(["export", "--run", run, "--out", out])
+    # a different contract on resume: one clear line, exit 2
+    assert main(["train", *common, "--data", data, "--out", run, "--draft-layers", "1", "--block-size", "4",
+                 "--taps", "1,2", "--batch-size", "4", "--max-steps", "3", "--num-anchors", "6",
+                 "--compute-dtype", "float32"]) == 2
+    assert "contract differs" in capsys.readouterr().err
