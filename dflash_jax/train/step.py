@@ -25,8 +25,8 @@ from dflash_jax.train.anchors import anchor_key, sample_anchors
 from dflash_jax.train.loss import block_labels, block_loss_sums, default_gamma
 from dflash_jax.train.packed import block_tokens, draft_forward
 
-__all__ = ["StepConfig", "TrainState", "make_optimizer", "init_state", "make_mesh", "Trainer",
-           "loss_and_metrics"]
+__all__ = ["StepConfig", "TrainState", "make_optimizer", "init_state", "make_mesh", "Trainer", "build_step",
+           "step_shardings", "split_draft", "loss_and_metrics"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +68,15 @@ class TrainState:
     step: jax.Array      # [] int32
 
 
+def lr_schedule(cfg: StepConfig):
+    """Cosine decay to 0 after a linear warm-up over warmup_frac of the run (from 0)."""
+    warmup = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1), 0.0)
+
+
 def make_optimizer(cfg: StepConfig) -> optax.GradientTransformation:
-    warmup = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1), 0.0)
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
-
-
-def lr_at(cfg: StepConfig, step: int) -> float:
-    warmup = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
-    return float(optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1), 0.0)(step))
+                       optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
 
 
 def split_draft(draft: DFlashDraft, compute_dtype):
@@ -131,6 +130,32 @@ def _metrics(loss, sums, grad_norm, lr):
                 finite=jnp.isfinite(loss) & jnp.isfinite(grad_norm))
 
 
+def build_step(target_def, draft_def, cfg: StepConfig):
+    """The pure training step (state, target_state, tokens, loss_mask, sample_ids, epoch) → (state,
+    metrics), for `jax.jit` with the caller's shardings (Trainer; ahead-of-time compiles)."""
+    opt = make_optimizer(cfg)
+    sched = lr_schedule(cfg)
+    norm = optax.tree.norm if hasattr(optax, "tree") else optax.global_norm
+
+    def step(state: TrainState, target_state, tokens, loss_mask, sample_ids, epoch):
+        target = nnx.merge(target_def, target_state)
+        (loss, sums), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
+            state.params, draft_def, target, tokens, loss_mask, sample_ids, epoch, cfg)
+        gnorm = norm(grads)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
+        return new, _metrics(loss, sums, gnorm, sched(state.step))
+
+    return step
+
+
+def step_shardings(mesh: Mesh):
+    """(in_shardings, out_shardings) of build_step's function: batch on 'data', the rest replicated."""
+    repl, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    return (repl, repl, batch, batch, batch, repl), (repl, repl)
+
+
 class Trainer:
     """The compiled step over a mesh. `step(state, tokens, loss_mask, sample_ids, epoch)` → (state,
     metrics); the state is donated. tokens / loss_mask [B, T] (B a multiple of the 'data' axis)."""
@@ -140,25 +165,10 @@ class Trainer:
         self.target_def, target_state = nnx.split(target)
         self.draft_def = draft_def
         self.repl = NamedSharding(self.mesh, P())
-        self.batch = NamedSharding(self.mesh, P("data"))
         self.target_state = jax.device_put(target_state, self.repl)
-        opt = make_optimizer(cfg)
-        sched_cfg = cfg
-
-        def step(state: TrainState, target_state, tokens, loss_mask, sample_ids, epoch):
-            target = nnx.merge(self.target_def, target_state)
-            (loss, sums), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
-                state.params, self.draft_def, target, tokens, loss_mask, sample_ids, epoch, sched_cfg)
-            gnorm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
-            updates, opt_state = opt.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            warm = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
-            lr = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, max(cfg.total_steps, warm + 1), 0.0)(state.step)
-            new = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
-            return new, _metrics(loss, sums, gnorm, lr)
-
-        self._step = jax.jit(step, in_shardings=(self.repl, self.repl, self.batch, self.batch, self.batch, self.repl),
-                             out_shardings=(self.repl, self.repl), donate_argnums=(0,))
+        ins, outs = step_shardings(self.mesh)
+        self._step = jax.jit(build_step(self.target_def, draft_def, cfg), in_shardings=ins,
+                             out_shardings=outs, donate_argnums=(0,))
 
     def place_state(self, state: TrainState) -> TrainState:
         return jax.device_put(state, self.repl)
