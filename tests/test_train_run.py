@@ -173,3 +173,32 @@ def test_learning_raises_real_tau_and_overfit_gate(tmp_path):
     gate = _mean_tau(target, fit.draft(), [prompts[i] for i in range(10)], 40)
     print(f"overfit gate: tau {gate:.2f} of {S} on the 10 training prompts")
     assert gate >= 0.85 * S, gate
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_nan_names_the_step(tmp_path, monkeypatch):
+    import signal
+
+    from dflash_jax.train import step as step_mod
+    from dflash_jax.train.run import TrainingDiverged
+    target = init_target(TINY, dtype="float32")
+    dcfg = DraftConfig.for_target(TINY, num_layers=1, block_size=4, target_layer_ids=(1, 2))
+    data = _random_data()
+    kw = dict(batch_size=4, epochs=2, log_every=1, save_every=1000, progress=False)
+    sk = dict(num_anchors=6, compute_dtype="float32", chunk_blocks=4)
+    real, calls = step_mod.Trainer.step, []
+
+    def preempt_on_second(self, *a):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)   # a preempted VM: the handler flags, the loop saves
+        return real(self, *a)
+
+    monkeypatch.setattr(step_mod.Trainer, "step", preempt_on_second)
+    res = train(target, init_draft(dcfg, seed=1, dtype="float32"), data, run=RunConfig(out_dir=str(tmp_path / "p"), **kw), **sk)
+    assert res.status == "preempted" and res.step == 2
+    assert sorted(os.listdir(tmp_path / "p" / "checkpoints")) == ["2"]
+    monkeypatch.setattr(step_mod.Trainer, "step", real)
+    with pytest.raises(TrainingDiverged, match=r"at step 2 .*checkpoint \(step 1\)"):
+        train(target, init_draft(dcfg, seed=1, dtype="float32"), data,
+              run=RunConfig(out_dir=str(tmp_path / "n"), **dict(kw, save_every=1)), **dict(sk, lr=float("inf")))
