@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from dflash_jax import load_draft, load_target
@@ -43,3 +44,33 @@ def test_cli_regenerate_train_export(tmp_path, capsys):
                  "--taps", "1,2", "--batch-size", "4", "--max-steps", "3", "--num-anchors", "6",
                  "--compute-dtype", "float32"]) == 2
     assert "contract differs" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_regenerate_resumes_after_a_kill(tmp_path, monkeypatch):
+    import dflash_jax.decode as dec
+    from dflash_jax.train.data import DataError, TokenData, regenerate
+    tp = ck.write_target(str(tmp_path / "target"), vocab_size=64, num_layers=2, seed=0)
+    target = load_target(tp, dtype="float32")
+    prompts = ck.random_prompts(8, 63, min_len=3, max_len=6, seed=0)
+    kw = dict(max_len=24, max_new_tokens=12, batch_size=4, shard_rows=4, attention_impl="xla", progress=False)
+    real, calls = dec.generate, []
+
+    def killed_on_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(dec, "generate", killed_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(target, prompts, str(tmp_path / "d"), **kw)
+    assert json.load(open(tmp_path / "d" / "manifest.json"))["prompts_done"] == 4
+    monkeypatch.setattr(dec, "generate", real)
+    data = regenerate(target, prompts, str(tmp_path / "d"), **kw)
+    whole = regenerate(target, prompts, str(tmp_path / "whole"), **kw)
+    np.testing.assert_array_equal(data.tokens, whole.tokens)
+    np.testing.assert_array_equal(data.loss_mask, whole.loss_mask)
+    assert TokenData.from_dir(str(tmp_path / "d")).tokens.shape == (8, 24)
+    with pytest.raises(DataError, match="other settings"):
+        regenerate(target, prompts, str(tmp_path / "d"), **dict(kw, temperature=1.0))
