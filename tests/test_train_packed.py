@@ -32,13 +32,17 @@ def test_split_attention_equals_dense_mask(chunk):
     B, T, N, S = 2, 24, 5, 4
     args = _qkv(B, T, N, S)
     anchors = jnp.asarray(ANCHORS)
-    split = packed.split_attention(*args, anchors, S, chunk_blocks=chunk)
-    dense = packed.dense_attention(*args, anchors, S)
+    ct = jax.random.normal(jax.random.key(9), args[0].shape)
+
+    @jax.jit
+    def both(*a):
+        split = lambda *x: packed.split_attention(*x, anchors, S, chunk_blocks=chunk)
+        dense = lambda *x: packed.dense_attention(*x, anchors, S)
+        grads = [jax.grad(lambda *x: jnp.sum(f(*x) * ct), argnums=range(5))(*a) for f in (split, dense)]
+        return split(*a), dense(*a), grads[0], grads[1]
+
+    split, dense, gs, gd = both(*args)
     np.testing.assert_allclose(split, dense, atol=2e-6, rtol=1e-5)
-    ct = jax.random.normal(jax.random.key(9), split.shape)
-    gs = jax.grad(lambda *a: jnp.sum(packed.split_attention(*a, anchors, S, chunk_blocks=chunk) * ct),
-                  argnums=range(5))(*args)
-    gd = jax.grad(lambda *a: jnp.sum(packed.dense_attention(*a, anchors, S) * ct), argnums=range(5))(*args)
     for a, b in zip(gs, gd):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
@@ -118,7 +122,8 @@ def test_train_inference_parity(pair32):
     anchors = jnp.array([[1, 5, 17, 30, 38]])           # 38: the block runs past the sequence end
     N = anchors.shape[1]
     blk = packed.block_tokens(tokens, anchors, S, pair["mask_token_id"])
-    hidden = packed.draft_forward(draft, target.embed_tokens(blk), feats, anchors, chunk_blocks=2)
+    hidden = jax.jit(lambda e, f, a: packed.draft_forward(draft, e, f, a, chunk_blocks=2))(
+        target.embed_tokens(blk), feats, anchors)
     train_logits = target.logits(hidden).reshape(1, N, S, -1)[:, :, 1:]       # [1, N, S-1, V]
     j = jnp.arange(S)
     # the inference path: the context written into the draft cache, then the block pass at position a

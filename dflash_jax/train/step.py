@@ -97,20 +97,27 @@ def make_mesh(devices=None) -> Mesh:
     return Mesh(devs.reshape(-1), ("data",))
 
 
+def target_features(target: Qwen3, tokens, cfg: StepConfig):
+    """The frozen target's taps [B, T, n·H] of the whole sequence (no gradient): prefill from a fresh
+    cache of capacity T, the same forward inference runs."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    _, feats, _ = target(tokens, positions, target.new_cache(B, T), positions + 1,
+                         taps=cfg.target_layer_ids, attention_impl=cfg.attention_impl, prefill=True)
+    return jax.lax.stop_gradient(feats)
+
+
 def loss_and_metrics(params, draft_def, target: Qwen3, tokens, loss_mask, sample_ids, epoch, cfg: StepConfig,
-                     dense: bool = False):
+                     dense: bool = False, feats=None):
     """(loss, metrics) of the draft with master `params` on a batch: tokens, loss_mask [B, T],
-    sample_ids [B] (anchor keys), epoch [] int32."""
+    sample_ids [B] (anchor keys), epoch [] int32; feats: the target's taps when computed already."""
     dt = jnp.dtype(cfg.compute_dtype)
     draft = nnx.merge(draft_def, jax.tree.map(lambda p: p.astype(dt), params))
-    B, T = tokens.shape
     keys = anchor_key(cfg.anchor_seed, epoch, sample_ids)
     anchors, keep = sample_anchors(keys, loss_mask, cfg.num_anchors)           # [B, N]
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     with jax.named_scope("target"):
-        _, feats, _ = target(tokens, positions, target.new_cache(B, T), positions + 1,
-                             taps=cfg.target_layer_ids, attention_impl=cfg.attention_impl, prefill=True)
-        feats = jax.lax.stop_gradient(feats)                                   # [B, T, n·H]
+        if feats is None:
+            feats = target_features(target, tokens, cfg)                       # [B, T, n·H]
         embeds = jax.lax.stop_gradient(
             target.embed_tokens(block_tokens(tokens, anchors, cfg.block_size, cfg.mask_token_id)))
     with jax.named_scope("draft"):
@@ -139,8 +146,10 @@ def build_step(target_def, draft_def, cfg: StepConfig):
 
     def step(state: TrainState, target_state, tokens, loss_mask, sample_ids, epoch):
         target = nnx.merge(target_def, target_state)
+        with jax.named_scope("target"):   # outside the differentiated function: no tangents at all
+            feats = target_features(target, tokens, cfg)
         (loss, sums), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
-            state.params, draft_def, target, tokens, loss_mask, sample_ids, epoch, cfg)
+            state.params, draft_def, target, tokens, loss_mask, sample_ids, epoch, cfg, feats=feats)
         gnorm = norm(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
