@@ -74,3 +74,15 @@ def test_regenerate_resumes_after_a_kill(tmp_path, monkeypatch):
     assert TokenData.from_dir(str(tmp_path / "d")).tokens.shape == (8, 24)
     with pytest.raises(DataError, match="other settings"):
         regenerate(target, prompts, str(tmp_path / "d"), **dict(kw, temperature=1.0))
+
+
+@pytest.mark.slow
+def test_bench_train_quick_runs():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_train.py"), "--quick"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [l for l in p.stdout.splitlines() if l.startswith("| 1 ") or l.startswith("| 2 ")]
+    assert len(rows) == 2, p.stdout
