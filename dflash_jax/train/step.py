@@ -1,0 +1,195 @@
+"""One jitted training step: the frozen target's forward gives the tap features online, then the
+draft's forward and backward over the packed anchor blocks, AdamW with a clipped global norm.
+
+Master weights and optimiser state are float32; the draft runs in the compute dtype (bf16 by
+default) by casting the master weights inside the step, so gradients arrive in float32. Data
+parallelism: the batch is sharded over the mesh axis 'data' (NamedSharding), parameters and optimiser
+state replicated; the loss is Σ w·CE / Σ w over the global batch, which jit computes across devices,
+so 1 and 8 devices give the same update. The same code runs on one device (a mesh of one)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dflash_jax.modeling.draft import DFlashDraft
+from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax.train.anchors import anchor_key, sample_anchors
+from dflash_jax.train.loss import block_labels, block_loss_sums, default_gamma
+from dflash_jax.train.packed import block_tokens, draft_forward
+
+__all__ = ["StepConfig", "TrainState", "make_optimizer", "init_state", "make_mesh", "Trainer", "build_step",
+           "step_shardings", "split_draft", "loss_and_metrics"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the compiled step specialises on (hashable; part of the run's contract where marked)."""
+    block_size: int                      # contract
+    mask_token_id: int                   # contract
+    target_layer_ids: tuple[int, ...]    # contract
+    num_anchors: int = 512               # contract
+    gamma: float | None = None           # contract; None: default_gamma(block_size)
+    total_steps: int = 1000
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    compute_dtype: str = "bfloat16"
+    attention_impl: str = "xla"          # the target's forward (auto: Pallas / cuDNN on accelerators)
+    chunk_blocks: int = 32               # blocks per attention chunk
+    head_chunk: int = 2048               # block slots per LM-head chunk
+    anchor_seed: int = 0                 # contract
+
+    @property
+    def gamma_value(self) -> float:
+        return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+
+    def contract(self) -> dict:
+        """The fields a resumed run must share with the checkpoint."""
+        return dict(block_size=self.block_size, mask_token_id=self.mask_token_id,
+                    target_layer_ids=list(self.target_layer_ids), num_anchors=self.num_anchors,
+                    gamma=self.gamma_value, anchor_seed=self.anchor_seed)
+
+
+@struct.dataclass
+class TrainState:
+    params: Any          # the draft's nnx.Param state, float32
+    opt_state: Any
+    step: jax.Array      # [] int32
+
+
+def lr_schedule(cfg: StepConfig):
+    """Cosine decay to 0 after a linear warm-up over warmup_frac of the run (from 0)."""
+    warmup = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.total_steps, warmup + 1), 0.0)
+
+
+def make_optimizer(cfg: StepConfig) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+def split_draft(draft: DFlashDraft, compute_dtype):
+    """(graphdef in the compute dtype, float32 master params) of a draft module of any dtype."""
+    dt = jnp.dtype(compute_dtype)
+    shell = nnx.eval_shape(lambda: DFlashDraft(draft.config, dt, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(shell, nnx.Param)
+    params = nnx.state(draft, nnx.Param)
+    return graphdef, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def init_state(params, cfg: StepConfig) -> TrainState:
+    return TrainState(params=params, opt_state=make_optimizer(cfg).init(params), step=jnp.zeros((), jnp.int32))
+
+
+def make_mesh(devices=None) -> Mesh:
+    devs = np.asarray(jax.devices() if devices is None else devices)
+    return Mesh(devs.reshape(-1), ("data",))
+
+
+def target_features(target: Qwen3, tokens, cfg: StepConfig):
+    """The frozen target's taps [B, T, n·H] of the whole sequence (no gradient): prefill from a fresh
+    cache of capacity T, the same forward inference runs."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    _, feats, _ = target(tokens, positions, target.new_cache(B, T), positions + 1,
+                         taps=cfg.target_layer_ids, attention_impl=cfg.attention_impl, prefill=True)
+    return jax.lax.stop_gradient(feats)
+
+
+def loss_and_metrics(params, draft_def, target: Qwen3, tokens, loss_mask, sample_ids, epoch, cfg: StepConfig,
+                     dense: bool = False, feats=None):
+    """(loss, metrics) of the draft with master `params` on a batch: tokens, loss_mask [B, T],
+    sample_ids [B] (anchor keys), epoch [] int32; feats: the target's taps when computed already."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    draft = nnx.merge(draft_def, jax.tree.map(lambda p: p.astype(dt), params))
+    keys = anchor_key(cfg.anchor_seed, epoch, sample_ids)
+    anchors, keep = sample_anchors(keys, loss_mask, cfg.num_anchors)           # [B, N]
+    with jax.named_scope("target"):
+        if feats is None:
+            feats = target_features(target, tokens, cfg)                       # [B, T, n·H]
+        embeds = jax.lax.stop_gradient(
+            target.embed_tokens(block_tokens(tokens, anchors, cfg.block_size, cfg.mask_token_id)))
+    with jax.named_scope("draft"):
+        hidden = draft_forward(draft, embeds, feats, anchors, chunk_blocks=cfg.chunk_blocks, dense=dense)
+    labels, weights, valid = block_labels(tokens, loss_mask, anchors, keep, cfg.block_size, cfg.gamma_value)
+    with jax.named_scope("lm_head"):
+        sums = block_loss_sums(target, hidden, labels, weights, valid, head_chunk=cfg.head_chunk)
+    loss = sums["loss_sum"] / jnp.maximum(sums["weight_sum"], 1e-9)
+    return loss, sums
+
+
+def _metrics(loss, sums, grad_norm, lr):
+    return dict(loss=loss, grad_norm=grad_norm, lr=lr,
+                slot_acc=sums["slot_correct"] / jnp.maximum(sums["slot_count"], 1.0),
+                tau_est=sums["tau_sum"] / jnp.maximum(sums["blocks"], 1.0),
+                blocks=sums["blocks"], weight_sum=sums["weight_sum"],
+                finite=jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+
+
+def build_step(target_def, draft_def, cfg: StepConfig):
+    """The pure training step (state, target_state, tokens, loss_mask, sample_ids, epoch) → (state,
+    metrics), for `jax.jit` with the caller's shardings (Trainer; ahead-of-time compiles)."""
+    opt = make_optimizer(cfg)
+    sched = lr_schedule(cfg)
+    norm = optax.tree.norm if hasattr(optax, "tree") else optax.global_norm
+
+    def step(state: TrainState, target_state, tokens, loss_mask, sample_ids, epoch):
+        target = nnx.merge(target_def, target_state)
+        with jax.named_scope("target"):   # outside the differentiated function: no tangents at all
+            feats = target_features(target, tokens, cfg)
+        (loss, sums), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
+            state.params, draft_def, target, tokens, loss_mask, sample_ids, epoch, cfg, feats=feats)
+        gnorm = norm(grads)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
+        return new, _metrics(loss, sums, gnorm, sched(state.step))
+
+    return step
+
+
+def step_shardings(mesh: Mesh):
+    """(in_shardings, out_shardings) of build_step's function: batch on 'data', the rest replicated."""
+    repl, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    return (repl, repl, batch, batch, batch, repl), (repl, repl)
+
+
+class Trainer:
+    """The compiled step over a mesh. `step(state, tokens, loss_mask, sample_ids, epoch)` → (state,
+    metrics); the state is donated. tokens / loss_mask [B, T] (B a multiple of the 'data' axis)."""
+
+    def __init__(self, target: Qwen3, draft_def, cfg: StepConfig, mesh: Mesh | None = None):
+        self.cfg, self.mesh = cfg, mesh or make_mesh()
+        self.target_def, target_state = nnx.split(target)
+        self.draft_def = draft_def
+        self.repl = NamedSharding(self.mesh, P())
+        self.target_state = jax.device_put(target_state, self.repl)
+        ins, outs = step_shardings(self.mesh)
+        self._step = jax.jit(build_step(self.target_def, draft_def, cfg), in_shardings=ins,
+                             out_shardings=outs, donate_argnums=(0,))
+
+    def place_state(self, state: TrainState) -> TrainState:
+        return jax.device_put(state, self.repl)
+
+    def step(self, state: TrainState, tokens, loss_mask, sample_ids, epoch):
+        n = self.mesh.shape["data"]
+        if tokens.shape[0] % n:
+            raise ValueError(f"batch {tokens.shape[0]} is not a multiple of the {n} devices on the 'data' axis")
+        args = (jnp.asarray(tokens, jnp.int32), jnp.asarray(loss_mask, jnp.int32),
+                jnp.asarray(sample_ids, jnp.int32), jnp.asarray(epoch, jnp.int32))
+        return self._step(state, self.target_state, *args)
+
+    def lower(self, state, tokens, loss_mask, sample_ids, epoch):
+        """The step lowered (ahead-of-time compiles: memory_analysis, cost_analysis)."""
+        return self._step.lower(state, self.target_state, tokens, loss_mask, sample_ids, epoch)
