@@ -103,7 +103,7 @@ def target_features(target: Qwen3, tokens, cfg: StepConfig):
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     _, feats, _ = target(tokens, positions, target.new_cache(B, T), positions + 1,
-                         taps=cfg.target_layer_ids, attention_impl=cfg.attention_impl, prefill=True)
+                         taps=cfg.target_layer_ids, kernels=cfg.attention_impl, prefill=True)
     return jax.lax.stop_gradient(feats)
 
 
