@@ -48,11 +48,17 @@ def _models(args):
     return target, draft, "tiny random pair (4+2 layers, H 128, 4q/2kv heads, hd 32, S 8)"
 
 
+def _fresh_programs():
+    decode.clear_compiled()
+    jax.clear_caches()
+
+
 def _tokens_per_s(target, draft, prompts, capacity, kv_chunk, args) -> float:
-    """Median tokens/s over the repeats; the module constant sets the chunk while the program traces."""
+    """Median tokens/s over the repeats; the module constant sets the chunk while the program traces
+    (JAX's trace caches are cleared too: they would hand back the program traced with another chunk)."""
     saved = pallas_kernels.attention.XLA_KV_CHUNK
     pallas_kernels.attention.XLA_KV_CHUNK = kv_chunk
-    decode.clear_compiled()
+    _fresh_programs()
     try:
         kw = dict(max_new_tokens=args.new_tokens, capacity=capacity, attention_impl="xla")
         dj.generate(target, draft, prompts, **kw)                            # compile + warm-up
@@ -63,7 +69,7 @@ def _tokens_per_s(target, draft, prompts, capacity, kv_chunk, args) -> float:
         return statistics.median(rates)
     finally:
         pallas_kernels.attention.XLA_KV_CHUNK = saved
-        decode.clear_compiled()
+        _fresh_programs()
 
 
 def main(argv=None):

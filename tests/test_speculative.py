@@ -155,6 +155,7 @@ def test_kv_chunks_and_a_generous_capacity_keep_the_tokens(trained, monkeypatch,
 
     prompts, S = trained["eval_prompts"][:4], 8
     decode.clear_compiled()
+    jax.clear_caches()        # a program traced earlier with the same key would ignore the patch
     if kv_chunk is not None:
         monkeypatch.setattr(pallas_kernels.attention, "XLA_KV_CHUNK", kv_chunk)
     try:
@@ -163,6 +164,7 @@ def test_kv_chunks_and_a_generous_capacity_keep_the_tokens(trained, monkeypatch,
         plain = generate(trained["target"], None, prompts, max_new_tokens=40, capacity=capacity)
     finally:
         decode.clear_compiled()   # the programs traced with the patched chunk
+        jax.clear_caches()
     ref = _reference_run(trained, prompts, 40, S)
     assert res.tokens == plain.tokens == [t for t, _ in ref]
     assert res.acceptance_lengths == [a for _, a in ref]
