@@ -382,3 +382,90 @@ def test_xla_path_bf16_batched():
     k_end = _k_end("verify", 2, 16, 256)
     _check(jax.jit(attend, static_argnums=4)(q, k, v, k_end, resolved("xla")), _oracle(q, k, v, k_end),
            jnp.bfloat16)
+
+
+# (B, T, Hq, Hkv, C, D, dtype, pattern, kv_chunk): the XLA path's KV-chunk loop for short query
+# blocks. Capacities that are no multiple of the chunk (the tail chunk slides back and masks the
+# overlap), GQA 1/4, f32/bf16, decode / verify / draft / ragged (k_end 0, 1, C) lengths.
+XLA_CHUNK_CASES = [
+    pytest.param(3, 1, 8, 2, 300, 32, jnp.float32, "decode", 128, id="decode-g4-tail-f32"),
+    pytest.param(3, 16, 8, 2, 300, 32, jnp.float32, "verify", 128, id="verify-g4-tail-f32"),
+    pytest.param(2, 16, 4, 4, 520, 64, jnp.float32, "draft", 256, id="draft-g1-tail-f32"),
+    pytest.param(3, 8, 8, 2, 333, 32, jnp.float32, "ragged", 64, id="ragged-g4-tail-f32"),
+    pytest.param(2, 16, 8, 2, 384, 64, jnp.bfloat16, "verify", 128, id="verify-g4-bf16"),
+    pytest.param(3, 8, 4, 1, 300, 32, jnp.bfloat16, "ragged", 128, id="ragged-g4-tail-bf16"),
+    pytest.param(2, 64, 4, 2, 200, 16, jnp.float32, "ragged", 64, id="ragged-T64-f32"),
+]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,kv_chunk", XLA_CHUNK_CASES)
+def test_xla_kv_chunks_match_the_reference(B, T, Hq, Hkv, C, D, dtype, pattern, kv_chunk):
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
+    k_end = _k_end(pattern, B, T, C)
+    if pattern == "ragged":            # a whole row with no key (zeros), rows near 0 and at C
+        k_end = k_end.at[-1].set(0).at[0, 1:3].set(jnp.asarray([2, C - 1], jnp.int32))
+    out = jax.jit(pallas_kernels.xla_block_attention, static_argnames="kv_chunk")(
+        q, k, v, k_end, kv_chunk=kv_chunk)
+    _check(out, _oracle(q, k, v, k_end), dtype)
+    if pattern == "ragged":
+        assert not np.any(np.asarray(out[-1].astype(jnp.float32)))
+    if dtype == jnp.float32:           # the dense path (kv_chunk=0) agrees to float32 rounding too
+        dense = pallas_kernels.xla_block_attention(q, k, v, k_end, kv_chunk=0)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=2e-6, rtol=0)
+
+
+def test_xla_kv_chunk_trip_count_follows_the_longest_row():
+    """One compiled program; each call visits ceil(max(k_end) / chunk) chunks: keys past every row's
+    end are never read (NaN there must not leak), all-zero k_end gives zeros without a chunk."""
+    B, T, Hq, Hkv, C, D, K = 2, 16, 4, 2, 1024, 16, 128
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32)
+    traces = []
+
+    def attend_chunked(q, k, v, k_end):
+        traces.append(k_end)
+        return pallas_kernels.xla_block_attention(q, k, v, k_end, kv_chunk=K)
+
+    fn = jax.jit(attend_chunked)
+    for longest in (1, K - 1, K, K + 1, 700, C):
+        k_end = jnp.asarray(np.minimum(np.arange(T)[None] + longest - T + 1, longest).clip(0)
+                            .repeat(B, 0), jnp.int32).at[1].set(min(longest, 5))
+        past = (-(-longest // K)) * K        # first key no chunk of this call reads
+        k_nan = k.at[:, :, past:].set(jnp.nan)
+        v_nan = v.at[:, :, past:].set(jnp.nan)
+        out = fn(q, k_nan, v_nan, k_end)
+        _check(out, _oracle(q, k, v, k_end), jnp.float32)
+    zero = fn(q, k * jnp.nan, v * jnp.nan, jnp.zeros((B, T), jnp.int32))
+    assert len(traces) == 1
+    assert not np.any(np.asarray(zero))
+
+
+def test_xla_kv_chunks_only_for_short_query_blocks():
+    """The loop is for T <= 64 with C > chunk; prefill-length queries keep the query-tiled path (no
+    while loop: it must stay reverse-differentiable) and kv_chunk=0 is the dense path."""
+    def whiles(T, C, **kw):
+        q = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, 2, C, 16), jnp.float32)
+        e = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        text = str(jax.make_jaxpr(lambda *a: pallas_kernels.xla_block_attention(*a, **kw))(q, kv, kv, e))
+        return text.count("while[")
+    assert whiles(16, 4096) == 1 and whiles(1, 4096) == 1 and whiles(64, 4096) == 1
+    assert whiles(16, 4096, kv_chunk=0) == 0
+    assert whiles(16, pallas_kernels.attention.XLA_KV_CHUNK) == 0        # one chunk: dense
+    assert whiles(65, 4096) == 0 and whiles(512, 4096) == 0
+    with pytest.raises(ValueError, match="kv_chunk"):
+        pallas_kernels.xla_block_attention(*_inputs(1, 1, 2, 1, 8, 16, jnp.float32),
+                                           jnp.ones((1, 1), jnp.int32), kv_chunk=-1)
+
+
+def test_xla_kv_chunks_differentiate_like_the_reference():
+    """Gradients through the chunk loop (a while loop, not transposable) come from the dense oracle."""
+    B, T, Hq, Hkv, C, D = 2, 8, 4, 2, 300, 16
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32)
+    k_end = _k_end("ragged", B, T, C)
+    w = jax.random.normal(jax.random.key(7), (B, T, Hq, D))
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * w)
+    got = jax.jit(jax.grad(loss(lambda *a: pallas_kernels.xla_block_attention(*a, k_end, kv_chunk=64)),
+                           argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(lambda *a: reference.block_attention(*a, k_end)), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5, rtol=0)

@@ -9,12 +9,14 @@ impl:
   "tpu"   Pallas Mosaic TPU kernel (attention/tpu.py). Also what an ahead-of-time TPU compile
           from a CPU host must ask for, since the default backend there is "cpu".
   "gpu"   Pallas Triton kernel (attention/gpu.py); likewise for a CUDA export from a CPU host.
-  "xla"   the reference in plain jnp, with the queries chunked when T*C is large (prefill).
+  "xla"   the reference in plain jnp: short query blocks loop over KV chunks up to the longest
+          row (cost follows the lengths, not the capacity); long ones tile the queries (prefill).
 A shape a kernel cannot tile (head_dim 96, capacity not a multiple of 128, ...) falls back to "xla".
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -32,6 +34,12 @@ _log = logging.getLogger(__name__)
 
 # Score elements (f32) one query chunk of the XLA path may materialise: 2**26 = 256 MiB.
 _XLA_SCORE_BUDGET = 1 << 26
+# Query blocks up to this length (decode, verify, the draft block: the shapes inside the generation
+# loop) attend in KV chunks up to the longest row's k_end instead of over the whole capacity.
+XLA_CHUNKED_MAX_T = 64
+# Keys per chunk of that loop: large enough that the per-chunk loop overhead stays small next to
+# the chunk's matmuls, small enough that a short row reads little past its end (docs/perf-log.md).
+XLA_KV_CHUNK = 512
 
 
 def _xla_dense(q, k_cache, v_cache, k_end, scale):
@@ -39,15 +47,85 @@ def _xla_dense(q, k_cache, v_cache, k_end, scale):
     return reference_block_attention(q, k_cache, v_cache, k_end, scale=scale)
 
 
-def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
-                        q_tile: int | None = None):
-    """The reference in XLA ops, with queries processed in tiles (lax.map) so B*tile*Hq*C scores stay bounded.
+def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk):
+    """Online softmax over KV chunks [i*K, (i+1)*K) for i < ceil(max(k_end) / K): the work follows
+    the longest row, not the capacity. Requires K <= C."""
+    B, T, Hq, D = q.shape
+    Hkv, C = k_cache.shape[1], k_cache.shape[2]
+    G, K = Hq // Hkv, kv_chunk
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.reshape(B, T, Hkv, G, D)
+    n_chunks = jnp.clip((jnp.max(k_end) + K - 1) // K, 0, -(-C // K))     # traced trip count
 
-    A 32k prompt over a 32k cache would otherwise build a [B, Hq, 32k, 32k] f32 score tensor.
+    def chunk(i, carry):
+        m, l, acc = carry
+        lo = i * K
+        # The tail chunk of a capacity that is no multiple of K slides back to end at C; the keys
+        # it shares with the chunk before (pos < lo) are masked so none is counted twice.
+        start = jnp.minimum(lo, C - K)
+        kc = lax.dynamic_slice_in_dim(k_cache, start, K, axis=2)            # [B, Hkv, K, D]
+        vc = lax.dynamic_slice_in_dim(v_cache, start, K, axis=2)            # [B, Hkv, K, D]
+        pos = start + jnp.arange(K)                                         # [K]
+        visible = (pos >= lo)[None, None, :] & (pos[None, None, :] < k_end[:, :, None])   # [B, T, K]
+        s = jnp.einsum("btkgd,bkcd->bkgtc", qg, kc, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)                  # [B, Hkv, G, T, K]
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)                 # no key yet: exp(-inf) = 0
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe)
+        l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+        pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_cache.dtype), vc,
+                        preferred_element_type=jnp.float32)
+        return m_new, l, alpha * acc + pv
+
+    init = (jnp.full((B, Hkv, G, T, 1), -jnp.inf, jnp.float32),             # running max
+            jnp.zeros((B, Hkv, G, T, 1), jnp.float32),                      # running sum
+            jnp.zeros((B, Hkv, G, T, D), jnp.float32))                      # accumulator
+    _, l, acc = lax.fori_loop(0, n_chunks, chunk, init)
+    o = acc / jnp.where(l > 0, l, 1.0)                                      # rows with no key: 0
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+
+
+# A fori_loop with a traced trip count is a while_loop, which reverse-mode AD cannot transpose. The
+# chunked path therefore differentiates through the dense oracle (same value, same gradient), so any
+# caller that takes gradients (a short prompt's prefill inside training) still can. The long-query
+# (prefill) path never uses the loop: training differentiates through the target's prefill forward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk):
+    return _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk)
+
+
+def _xla_chunked_fwd(q, k_cache, v_cache, k_end, scale, kv_chunk):
+    return _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk), (q, k_cache, v_cache, k_end)
+
+
+def _xla_chunked_bwd(scale, kv_chunk, res, g):
+    q, k_cache, v_cache, k_end = res
+    _, vjp = jax.vjp(lambda q_, k_, v_: _xla_dense(q_, k_, v_, k_end, scale), q, k_cache, v_cache)
+    return (*vjp(g), None)
+
+
+_xla_chunked.defvjp(_xla_chunked_fwd, _xla_chunked_bwd)
+
+
+def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
+                        q_tile: int | None = None, kv_chunk: int | None = None):
+    """The reference in XLA ops, sized to the work rather than the buffers.
+
+    Short query blocks (T <= XLA_CHUNKED_MAX_T) attend in chunks of `kv_chunk` keys (default
+    XLA_KV_CHUNK) up to the longest row's k_end: a generous capacity costs nothing until it is used.
+    kv_chunk=0 keeps the dense path over the whole capacity (benchmarks compare against it).
+    Longer queries (prefill) are processed in tiles (lax.map) so B*tile*Hq*C scores stay bounded:
+    a 32k prompt over a 32k cache would otherwise build a [B, Hq, 32k, 32k] f32 score tensor.
     """
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
     C = k_cache.shape[2]
+    kv_chunk = XLA_KV_CHUNK if kv_chunk is None else int(kv_chunk)
+    if kv_chunk < 0:
+        raise ValueError(f"kv_chunk must be >= 0 (0: dense over the whole capacity), got {kv_chunk}")
+    if T <= XLA_CHUNKED_MAX_T and 0 < kv_chunk < C and q_tile is None:
+        return _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk)
     if q_tile is None:
         if B * T * Hq * C <= _XLA_SCORE_BUDGET:
             return _xla_dense(q, k_cache, v_cache, k_end, scale)
