@@ -53,7 +53,8 @@ def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | 
     """
     path = kernels.attention
     if path == "xla":
-        return pallas_kernels.xla_block_attention(q, k_cache, v_cache, k_end, scale=scale)
+        return pallas_kernels.xla_block_attention(q, k_cache, v_cache, k_end, scale=scale,
+                                                  kv_chunk=kernels.xla_kv_chunk)
     if path == "pallas_interpret":
         return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu",
                                               scale=scale, interpret=True)

@@ -24,6 +24,9 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
                     top-k gather) instead of XLA reductions
   n_sms             the GPU's streaming multiprocessors (the attention kernel's split counts fill
                     them); None: read from the device, else GPU_TUNING by device kind
+  xla_kv_chunk      (the XLA path) keys per chunk of the short-block attention's loop, which stops
+                    at the longest row's k_end, so unused capacity costs nothing; 0: dense over the
+                    whole capacity (benchmarks compare against it)
   attention_tuning  overrides of pallas_kernels.attention.gpu.default_config, as (name, value)
                     pairs (benchmarks' on-device A/B of launch settings)
 """
@@ -68,10 +71,13 @@ class KernelConfig:
     sampling_kernels: bool = True
     n_sms: int | None = None
     attention_tuning: tuple = ()     # ((name, int), ...), sorted by resolve()
+    xla_kv_chunk: int = 512
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_BACKENDS}")
+        if not isinstance(self.xla_kv_chunk, int) or self.xla_kv_chunk < 0:
+            raise ValueError(f"xla_kv_chunk must be an integer >= 0 (0: dense), got {self.xla_kv_chunk!r}")
         if self.n_sms is not None and (not isinstance(self.n_sms, int) or self.n_sms < 1):
             raise ValueError(f"n_sms must be a positive integer or None, got {self.n_sms!r}")
         tuning = dict(self.attention_tuning)
@@ -101,7 +107,8 @@ class KernelConfig:
         elif attention == "pallas":
             attention = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "pallas_interpret"
         if attention not in GPU_PATHS:
-            return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False)
+            return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False,
+                                xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512)
         n_sms = self.n_sms
         if n_sms is None:
             if device is None and on_gpu:
@@ -112,7 +119,8 @@ class KernelConfig:
                 n_sms = _gpu_tuning(device.device_kind if is_gpu else None)["n_sms"]
         return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
-                            attention_tuning=tuple(sorted(dict(self.attention_tuning).items())))
+                            attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
+                            xla_kv_chunk=512)
 
     @classmethod
     def for_device(cls, device=None, **settings) -> "KernelConfig":

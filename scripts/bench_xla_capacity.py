@@ -24,7 +24,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dflash_jax as dj  # noqa: E402
-import pallas_kernels.attention  # noqa: E402
 from dflash_jax import decode  # noqa: E402
 from dflash_jax.config import DraftConfig, TargetConfig  # noqa: E402
 
@@ -48,28 +47,17 @@ def _models(args):
     return target, draft, "tiny random pair (4+2 layers, H 128, 4q/2kv heads, hd 32, S 8)"
 
 
-def _fresh_programs():
-    decode.clear_compiled()
-    jax.clear_caches()
-
-
 def _tokens_per_s(target, draft, prompts, capacity, kv_chunk, args) -> float:
-    """Median tokens/s over the repeats; the module constant sets the chunk while the program traces
-    (JAX's trace caches are cleared too: they would hand back the program traced with another chunk)."""
-    saved = pallas_kernels.attention.XLA_KV_CHUNK
-    pallas_kernels.attention.XLA_KV_CHUNK = kv_chunk
-    _fresh_programs()
-    try:
-        kw = dict(max_new_tokens=args.new_tokens, capacity=capacity, attention_impl="xla")
-        dj.generate(target, draft, prompts, **kw)                            # compile + warm-up
-        rates = []
-        for _ in range(args.repeats):
-            res = dj.generate(target, draft, prompts, **kw)
-            rates.append(res.num_new_tokens / res.run_time_s)
-        return statistics.median(rates)
-    finally:
-        pallas_kernels.attention.XLA_KV_CHUNK = saved
-        _fresh_programs()
+    """Median tokens/s over the repeats, the chunk size set through KernelConfig (its own program)."""
+    kw = dict(max_new_tokens=args.new_tokens, capacity=capacity,
+              kernels=dj.KernelConfig(attention="xla", xla_kv_chunk=kv_chunk))
+    dj.generate(target, draft, prompts, **kw)                                # compile + warm-up
+    rates = []
+    for _ in range(args.repeats):
+        res = dj.generate(target, draft, prompts, **kw)
+        rates.append(res.num_new_tokens / res.run_time_s)
+    decode.clear_compiled()
+    return statistics.median(rates)
 
 
 def main(argv=None):

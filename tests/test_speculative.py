@@ -146,29 +146,23 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
 
 
 
-@pytest.mark.parametrize("kv_chunk,capacity", [(16, 1000), (None, 8192)], ids=["chunk16-cap1000", "cap8192"])
-def test_kv_chunks_and_a_generous_capacity_keep_the_tokens(trained, monkeypatch, kv_chunk, capacity):
+@pytest.mark.parametrize("kv_chunk,capacity", [(16, 1000), (512, 8192)], ids=["chunk16-cap1000", "cap8192"])
+def test_kv_chunks_and_a_generous_capacity_keep_the_tokens(trained, kv_chunk, capacity):
     """The XLA path's KV-chunk attention inside the loop: tiny chunks (rows cross many chunk
     boundaries, a capacity that is no multiple of the chunk) and a capacity far above what the rows
     use give the reference's tokens and acceptance lengths, speculative and plain."""
-    import pallas_kernels.attention
+    from dflash_jax import KernelConfig
 
     prompts, S = trained["eval_prompts"][:4], 8
-    decode.clear_compiled()
-    jax.clear_caches()        # a program traced earlier with the same key would ignore the patch
-    if kv_chunk is not None:
-        monkeypatch.setattr(pallas_kernels.attention, "XLA_KV_CHUNK", kv_chunk)
-    try:
-        res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S,
-                       capacity=capacity)
-        plain = generate(trained["target"], None, prompts, max_new_tokens=40, capacity=capacity)
-    finally:
-        decode.clear_compiled()   # the programs traced with the patched chunk
-        jax.clear_caches()
+    kernels = KernelConfig(attention="xla", xla_kv_chunk=kv_chunk)
+    res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S,
+                   capacity=capacity, kernels=kernels)
+    plain = generate(trained["target"], None, prompts, max_new_tokens=40, capacity=capacity, kernels=kernels)
     ref = _reference_run(trained, prompts, 40, S)
     assert res.tokens == plain.tokens == [t for t, _ in ref]
     assert res.acceptance_lengths == [a for _, a in ref]
     assert res.mean_tau > 2.0
+
 
 def test_speculative_loop_compiles_once_and_is_one_dispatch(random_pair, monkeypatch):
     target, draft = random_pair["target"], random_pair["draft"]
