@@ -135,7 +135,7 @@ def test_train_inference_parity(pair32):
     def infer(a, bt):
         pend = jnp.zeros((1, S, feats.shape[-1]), feats.dtype)                   # nothing pending
         h, _ = draft(target.embed_tokens(bt), a + j[None], pend, a + j[None], cache,
-                     jnp.full((1, S), a + S), attention_impl="xla")
+                     jnp.full((1, S), a + S), kernels="xla")
         return target.logits(h[:, 1:])[0]
 
     for n, a in enumerate(np.asarray(anchors[0]).tolist()):
@@ -146,5 +146,5 @@ def test_train_inference_parity(pair32):
     cut = draft.write_context(feats[:, :a], pos[:, :a], draft.new_cache(1, 64))
     pend = jnp.zeros((1, S, feats.shape[-1]), feats.dtype)
     h, _ = draft(target.embed_tokens(blk[:, 2 * S:3 * S]), a + j[None], pend, a + j[None], cut,
-                 jnp.full((1, S), a + S), attention_impl="xla")
+                 jnp.full((1, S), a + S), kernels="xla")
     np.testing.assert_allclose(train_logits[0, 2], target.logits(h[:, 1:])[0], atol=2e-4, rtol=1e-4)

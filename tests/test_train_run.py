@@ -54,7 +54,7 @@ def test_export_round_trip_reference_and_ours(tiny_pair, tmp_path):
     for d in (draft, ours):   # the inference path: context of all T, block at T..T+S-1
         cache = d.write_context(feats, pos, d.new_cache(1, 64))
         h, _ = d(emb, T + j, jnp.zeros((1, S, feats.shape[-1])), T + j, cache, jnp.full((1, S), T + S),
-                 attention_impl="xla")
+                 kernels="xla")
         outs.append(np.asarray(h))
     with torch.no_grad():
         r = ref(position_ids=torch.arange(T + S)[None], noise_embedding=torch.tensor(np.asarray(emb)),
