@@ -211,12 +211,3 @@ def test_cpu_pipeline_end_to_end(tmp_path):
         assert res.mean_tau > 1.0
         plain = dj.generate(target, None, [prompt], max_new_tokens=32, stop_token_ids=[2, 0])
         assert res.tokens == plain.tokens
-
-
-def test_draft_hook_skips_without_the_training_package(tdp, tmp_path, monkeypatch, capsys):
-    """Until dflash_jax.train lands, the draft stage is skipped with a message, never an error."""
-    monkeypatch.setitem(sys.modules, "dflash_jax.train", None)  # import now raises ImportError
-    run = tdp.Run(str(tmp_path), "cpu", 0, set())
-    assert tdp.train_draft_hook(run) is None
-    assert tdp.stage_draft(run)["skipped"] is True
-    assert "skipping the draft stage" in capsys.readouterr().out
