@@ -77,7 +77,7 @@ SIZES = {
         seq_len=128, batch=8, epochs=1.0, max_steps=150, lr=3e-3, warmup=20, train_budget_s=150,
         dtype="float32", eval_dtype="float32",
         regen_prompts=32, regen_new_tokens=48, regen_batch=16,
-        draft=dict(num_layers=1, block_size=16, steps=400, batch=8, num_anchors=32, lr=6e-4, budget_s=240),
+        draft=dict(num_layers=1, block_size=16, steps=120, batch=8, num_anchors=32, lr=6e-4, budget_s=240),
         eval_prompts=4, eval_new_tokens=48, timing_prompts=1, heldout_prompt_tokens=96,
         ship_dtype="bfloat16", deadline_s=None),
     # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
@@ -311,6 +311,7 @@ class Run:
         self.manifest.update(size=size_name, seed=seed, settings=self.size)
         self._corpus = None
         self.deadline_s = self.size["deadline_s"]
+        self.reference = "auto"
 
     def remaining(self) -> float:
         """Seconds left before --deadline-s (inf without one): eval drops work past it, ship still runs."""
@@ -683,6 +684,48 @@ def eval_sets(run: Run, tok) -> dict[str, list[list[int]]]:
     return sets
 
 
+REFERENCE_PROMPTS, REFERENCE_NEW_TOKENS = 3, 48
+
+
+def reference_check(run: Run, sets: dict) -> dict:
+    """The reference implementation (`dflash.model.dflash_generate`, torch float32, transformers'
+    Qwen3ForCausalLM reading our saved target) against ours in float32 on the shipped weights, greedy,
+    block 16, no stop tokens: the same tokens and the same acceptance lengths (hence τ)."""
+    try:
+        import torch
+        import dflash.model as ref
+        from dflash.model import DFlashDraftModel, dflash_generate
+        from transformers import Qwen3ForCausalLM
+    except ImportError as e:
+        return dict(skipped=f"torch / the reference dflash package not importable ({e})")
+    import dflash_jax as dj
+
+    S = run.size["draft"]["block_size"]
+    target, draft = load_pair(run, "float32", with_draft=True)
+    hf = Qwen3ForCausalLM.from_pretrained(run.path("target"), dtype=torch.float32).eval().requires_grad_(False)
+    rd = DFlashDraftModel.from_pretrained(run.path("draft"), dtype=torch.float32).eval().requires_grad_(False)
+    prompts = [p for name in ("humaneval", "stdlib-heldout", "gsm8k") for p in sets[name][:1]][:REFERENCE_PROMPTS]
+    saved = ref._cuda_time
+    if not torch.cuda.is_available():  # return_stats times with torch.cuda.synchronize()
+        ref._cuda_time = time.perf_counter
+    rows = []
+    try:
+        for p in prompts:
+            r = dflash_generate(rd, hf, torch.tensor([p], dtype=torch.long), REFERENCE_NEW_TOKENS, None,
+                                temperature=0.0, block_size=S, return_stats=True)
+            theirs, their_acc = r.output_ids[0, len(p):].tolist(), [int(a) for a in r.acceptance_lengths]
+            o = dj.generate(target, draft, [p], max_new_tokens=REFERENCE_NEW_TOKENS, block_size=S, temperature=0.0)
+            ours, our_acc = list(o.tokens[0]), [int(a) for a in o.acceptance_lengths[0]]
+            rows.append(dict(prompt_tokens=len(p), identical_tokens=ours == theirs,
+                             identical_acceptance=our_acc == their_acc, tau_ours=round(float(np.mean(our_acc)), 3),
+                             tau_reference=round(float(np.mean(their_acc)), 3)))
+    finally:
+        ref._cuda_time = saved
+    ok = all(r["identical_tokens"] and r["identical_acceptance"] for r in rows)
+    log(f"reference check (dflash_generate, float32, block {S}): {'identical' if ok else 'DIFFERENT'} {rows}")
+    return dict(identical=ok, block_size=S, max_new_tokens=REFERENCE_NEW_TOKENS, prompts=rows)
+
+
 def stage_eval(run: Run) -> dict:
     """τ at block 16 per prompt set, greedy and T = 1 (batched), and batch-1 tokens/s against plain
     decoding with the same target."""
@@ -733,6 +776,10 @@ def stage_eval(run: Run) -> dict:
                     row["greedy_identical"] = timing["dflash"][1][:n] == timing["plain"][1][:n]
         out["sets"][name] = row
         log(f"eval {name}: {row}")
+    if draft is not None and run.reference != "off" and run.remaining() > EVAL_RESERVE_S:
+        out["reference"] = reference_check(run, sets)
+        if run.reference == "on" and "skipped" in out["reference"]:
+            raise SystemExit(f"--reference-check on: {out['reference']['skipped']}")
     if sets["humaneval"] and run.remaining() > EVAL_RESERVE_S:
         sample = dj.generate(target, draft, [sets["humaneval"][0]], max_new_tokens=s["eval_new_tokens"],
                              temperature=0.0, stop_token_ids=stops)
@@ -752,6 +799,19 @@ def eval_table(ev: dict) -> str:
 
 def dir_mb(d: str) -> float:
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) / 2 ** 20 if os.path.isdir(d) else 0.0
+
+
+def reference_section(r: dict | None) -> str:
+    if not r:
+        return "Not run."
+    if "skipped" in r:
+        return f"Skipped: {r['skipped']}."
+    taus = ", ".join(f"{x['tau_ours']} / {x['tau_reference']}" for x in r["prompts"])
+    return (f"The reference `dflash.model.dflash_generate` (torch, float32; transformers' Qwen3ForCausalLM "
+            f"reading these files) against ours (float32), greedy, block {r['block_size']}, "
+            f"{r['max_new_tokens']} new tokens on {len(r['prompts'])} evaluation prompts: "
+            f"{'identical tokens and acceptance lengths' if r['identical'] else 'NOT identical'} "
+            f"(τ ours / reference: {taus}).")
 
 
 def model_card(run: Run) -> str:
@@ -789,6 +849,7 @@ def model_card(run: Run) -> str:
         target_time=f"{tgt['train_s']} s", target_loss=tgt["final_loss"], heldout_loss=tgt["heldout_loss"],
         draft_section=draft_section, block_size=run.size["draft"]["block_size"],
         eval_table=eval_table(ev) if ev else "(not evaluated)", eval_note=note,
+        reference_section=reference_section(ev.get("reference")),
         target_mb=f"{dir_mb(run.path('target')):.1f}", draft_mb=f"{dir_mb(run.path('draft')):.1f}",
         dtype=run.size["ship_dtype"])
     from dflash_jax.assets import model_card_template
@@ -850,6 +911,9 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="wall-clock budget of the whole command (gpu default 540, cpu none): the draft gets "
                         "what is left minus the evaluation's share; evaluation drops work near it; ship runs")
+    p.add_argument("--reference-check", choices=("auto", "on", "off"), default="auto",
+                   help="eval: compare with the reference dflash.model.dflash_generate (torch, float32) on the "
+                        "shipped weights; auto = when torch and dflash import")
     p.add_argument("--deliver", metavar="DIR",
                    help="after shipping, copy the pair.tar.NN pieces and manifest.json into DIR (e.g. the "
                         "device tool's $OUT, which returns at most 8 files of 16 MiB)")
@@ -865,6 +929,7 @@ def main(argv=None) -> int:
     if args.deadline_s is not None:
         run.deadline_s = args.deadline_s or None
     run.manifest["deadline_s"] = run.deadline_s
+    run.reference = args.reference_check
     log(f"train_demo_pair --size {args.size} --seed {args.seed} --out {args.out}; stages {','.join(stages)}")
     for name in STAGES:
         if name not in stages:
