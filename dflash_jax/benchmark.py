@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     cli.check_args(parser, args)
+    if args.default_pair and args.dataset is None and args.data_file is None:
+        args.dataset = "humaneval"  # the embedded demo pair's natural prompts (bundled, held out of its training)
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_samples is not None and args.max_samples < 1:

@@ -120,8 +120,17 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject bad values before anything heavy is loaded."""
+    args.default_pair = False
     if args.model is None and args.random_init is None:
-        parser.error("give --model (hub id or local path) or --random-init PRESET")
+        from dflash_jax.assets import default_pair
+        pair = default_pair()
+        if pair is None:
+            parser.error("give --model (hub id or local path) or --random-init PRESET (this install ships "
+                         "no embedded demo pair: see scripts/train_demo_pair.py)")
+        # the embedded demo pair: its target directory carries the tokenizer and chat template
+        args.model = pair[0]
+        args.draft = pair[1] if args.draft is None else args.draft
+        args.default_pair = True
     if args.model is not None and args.draft is None:
         parser.error("--draft is required with --model: a hub id, a local path, or 'none' for plain decoding")
     if args.random_init is not None:

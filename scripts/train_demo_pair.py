@@ -77,7 +77,7 @@ SIZES = {
         seq_len=128, batch=8, epochs=1.0, max_steps=150, lr=3e-3, warmup=20, train_budget_s=150,
         dtype="float32", eval_dtype="float32",
         regen_prompts=32, regen_new_tokens=48, regen_batch=16,
-        draft=dict(num_layers=1, block_size=16, steps=200, batch=8, lr=6e-4),
+        draft=dict(num_layers=1, block_size=16, steps=120, batch=8, num_anchors=32, lr=6e-4, budget_s=240),
         eval_prompts=4, eval_new_tokens=48, timing_prompts=1, heldout_prompt_tokens=96,
         ship_dtype="bfloat16", deadline_s=None),
     # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
@@ -88,7 +88,7 @@ SIZES = {
         seq_len=512, batch=64, epochs=6.0, max_steps=4000, lr=2e-3, warmup=100, train_budget_s=210,
         dtype="bfloat16", eval_dtype="bfloat16",
         regen_prompts=4096, regen_new_tokens=256, regen_batch=256,
-        draft=dict(num_layers=2, block_size=16, steps=3000, batch=32, lr=6e-4),
+        draft=dict(num_layers=2, block_size=16, steps=6000, batch=64, num_anchors=128, lr=6e-4, budget_s=170),
         eval_prompts=64, eval_new_tokens=256, timing_prompts=8, heldout_prompt_tokens=192,
         ship_dtype="bfloat16", deadline_s=540),
 }
@@ -311,6 +311,7 @@ class Run:
         self.manifest.update(size=size_name, seed=seed, settings=self.size)
         self._corpus = None
         self.deadline_s = self.size["deadline_s"]
+        self.reference = "auto"
 
     def remaining(self) -> float:
         """Seconds left before --deadline-s (inf without one): eval drops work past it, ship still runs."""
@@ -552,54 +553,114 @@ def stage_regen(run: Run) -> dict:
                 max_new_tokens=s["regen_new_tokens"], time_s=round(time.perf_counter() - t, 1))
 
 
-# ===================================================================================== DRAFT HOOK
-def train_draft_hook(run: Run) -> dict | None:
-    """THE DRAFT STAGE (issue 21's training package): train a DFlash draft, block 16, on the target's
-    own greedy continuations (regen/data.npz: input_ids [N, L], loss_mask [N, L], lengths [N]) and
-    export it in the z-lab format to `<out>/draft` (config.json + model.safetensors).
+# ===================================================================================== DRAFT
+DRAFT_EVAL_RESERVE_S = 110  # kept (with a deadline) for the evaluation and ship stages after the draft
+CALIB_STEPS = 12            # timed steps of the calibration run that sizes the draft's schedule
 
-    TODO(issue 21): wire to dflash_jax.train's real entry points once that package lands. The call
-    below assumes `dflash_jax.train.train_draft(target, draft_config, input_ids=, loss_mask=, steps=,
-    batch_size=, lr=, seed=, log=, time_budget_s=)` → draft module (f32 master weights; it stops
-    early, saying so, when time_budget_s runs out) and `dflash_jax.train.export_draft(draft, dir)`;
-    adjust to the package's real names. Without the package (or those functions) the stage is
-    skipped with a message, and `eval` then measures plain decoding only.
-    """
-    try:
-        import dflash_jax.train as dtrain  # noqa: F401
-    except ImportError:
-        log("draft: dflash_jax.train is not available on this branch; skipping the draft stage (issue 21)")
-        return None
-    train_fn = getattr(dtrain, "train_draft", None)
-    export_fn = getattr(dtrain, "export_draft", None)
-    if train_fn is None or export_fn is None:
-        log("draft: dflash_jax.train has no train_draft/export_draft yet; skipping the draft stage")
-        return None
+
+def _draft_run(run: Run, target, cfg, data, out_dir: str, steps: int, log_every: int,
+               stop_after: int | None = None):
+    from dflash_jax.train.run import RunConfig, train
+
+    s = run.size["draft"]
+    rc = RunConfig(out_dir=out_dir, batch_size=s["batch"], epochs=10 ** 6, max_steps=steps, seed=run.seed,
+                   save_every=10 ** 9, log_every=log_every, stop_after=stop_after, progress=False)
+    return train(target, cfg, data, run=rc, num_anchors=s["num_anchors"], lr=s["lr"],
+                 compute_dtype=run.size["dtype"], attention_impl="auto")
+
+
+def _step_seconds(res, data, batch: int, seed: int) -> float:
+    """Steady seconds per step of a log_every=1 run: each record's loss-mask tokens / its tokens/s
+    (the first record carries the compile)."""
+    from dflash_jax.train.run import epoch_order
+
+    order = epoch_order(seed, 0, len(data))
+    secs = []
+    for i, rec in enumerate(res.metrics[1:], start=1):
+        idx = np.sort(order[i * batch:(i + 1) * batch])
+        secs.append(float(data.loss_mask[idx].sum()) / max(rec["tokens_per_s"], 1e-9))
+    return float(np.median(secs)) if secs else math.nan
+
+
+def train_draft_stage(run: Run) -> dict:
+    """Train a DFlash draft, block 16, on the target's own greedy continuations (regen/data.npz:
+    input_ids [N, L], loss_mask [N, L]) with dflash_jax.train (the paper's recipe: AdamW 6e-4, cosine
+    after a 4% warm-up, clip 1, γ = 7) and export it in the z-lab format to `<out>/draft`.
+
+    With a deadline, a short calibration run times the compiled step first, and the real run's
+    step count (the cosine schedule's horizon) is what fits the time left minus the evaluation's
+    share; a watchdog SIGTERM (the trainer saves and returns "preempted") guards the estimate."""
+    import signal
+    import threading
+
     import dflash_jax as dj
+    from dflash_jax.train.data import TokenData
 
     s = run.size["draft"]
     tok = load_tokenizer(run.path("target"))
     target, _ = load_pair(run, run.size["dtype"], with_draft=False)
     cfg = dj.DraftConfig.for_target(target.config, num_layers=s["num_layers"], block_size=s["block_size"],
                                     mask_token_id=special_ids(tok)["mask"])
-    data = np.load(run.path("regen", "data.npz"))
+    npz = np.load(run.path("regen", "data.npz"))
+    data = TokenData(npz["input_ids"].astype(np.int32), npz["loss_mask"].astype(np.uint8))
+    work = run.path("draft_run")
+    if os.path.isdir(work):  # a stage that did not finish: start over (its contract may differ)
+        shutil.rmtree(work)
     t = time.perf_counter()
-    budget = run.remaining() - 120  # leave the evaluation and the ship stage their time
-    draft = train_fn(target, cfg, input_ids=data["input_ids"], loss_mask=data["loss_mask"], steps=s["steps"],
-                     batch_size=s["batch"], lr=s["lr"], seed=run.seed, log=log,
-                     time_budget_s=None if math.isinf(budget) else max(30.0, budget))
+    steps, calib = s["steps"], None
+    budget = run.remaining() - DRAFT_EVAL_RESERVE_S
+    if not math.isinf(budget):
+        budget = min(budget, s["budget_s"])
+        if budget < 30:
+            raise SystemExit(f"draft: only {budget:.0f} s left before the deadline; rerun (stages resume) "
+                             "with a larger --deadline-s")
+        tc = time.perf_counter()
+        cres = _draft_run(run, target, cfg, data, os.path.join(work, "calib"), steps, 1, stop_after=CALIB_STEPS)
+        call_s = time.perf_counter() - tc
+        step_s = _step_seconds(cres, data, s["batch"], run.seed)
+        overhead = call_s - step_s * CALIB_STEPS          # compile + checkpoint, paid again by the real run
+        left = budget - (time.perf_counter() - t) - overhead
+        steps = int(max(50, min(s["steps"], left / step_s * 0.92)))
+        calib = dict(step_s=round(step_s, 4), overhead_s=round(overhead, 1), call_s=round(call_s, 1))
+        log(f"draft: calibration {step_s * 1e3:.1f} ms/step, {overhead:.1f} s compile + save; "
+            f"{left:.0f} s left for the run -> {steps} steps")
+    log(f"draft: {len(data)} sequences of {data.max_len}, batch {s['batch']}, {s['num_anchors']} anchors, "
+        f"{steps} steps ({steps * s['batch'] / len(data):.1f} epochs); taps {list(cfg.target_layer_ids)}")
+    timer = None
+    if not math.isinf(budget):  # the guard: past the budget the trainer checkpoints and returns
+        timer = threading.Timer(max(1.0, budget - (time.perf_counter() - t)),
+                                lambda: os.kill(os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+    tr = time.perf_counter()
+    try:
+        res = _draft_run(run, target, cfg, data, os.path.join(work, "run"), steps, max(1, steps // 20))
+    finally:
+        if timer is not None:
+            timer.cancel()
+    train_s = time.perf_counter() - tr
+    if res.status != "done":
+        log(f"draft: stopped at step {res.step}/{steps} ({res.status}): the time budget ran out")
     if os.path.isdir(run.path("draft")):
         shutil.rmtree(run.path("draft"))
-    export_fn(draft, run.path("draft"))
+    from dflash_jax.train.export import export_draft
+    export_draft(res.draft(), run.path("draft"), dtype=run.size["ship_dtype"])
+    last = [r for r in res.metrics if "loss" in r]
+    curve = [(r["step"], round(r["loss"], 4), round(r["tau_est"], 3)) for r in last]
+    log(f"draft: {res.step} steps in {train_s:.1f} s, loss {curve[0][1] if curve else '?'} -> "
+        f"{curve[-1][1] if curve else '?'}, teacher-forced τ {curve[-1][2] if curve else '?'}")
     return dict(num_layers=s["num_layers"], block_size=s["block_size"], taps=list(cfg.target_layer_ids),
-                mask_token_id=cfg.mask_token_id, steps=s["steps"], batch=s["batch"], lr=s["lr"],
-                time_s=round(time.perf_counter() - t, 1))
+                mask_token_id=cfg.mask_token_id, steps=res.step, planned_steps=steps, status=res.status,
+                batch=s["batch"], num_anchors=s["num_anchors"], lr=s["lr"], compute_dtype=run.size["dtype"],
+                sequences=len(data), max_len=data.max_len, epochs=round(res.step * s["batch"] / len(data), 2),
+                loss_curve=curve, final_loss=curve[-1][1] if curve else None,
+                teacher_forced_tau=curve[-1][2] if curve else None, calibration=calib,
+                train_s=round(train_s, 1), time_s=round(time.perf_counter() - t, 1))
 # ================================================================================================
 
 
 def stage_draft(run: Run) -> dict:
-    res = train_draft_hook(run)
-    return dict(skipped=True, reason="dflash_jax.train not available") if res is None else res
+    return train_draft_stage(run)
 
 
 def eval_sets(run: Run, tok) -> dict[str, list[list[int]]]:
@@ -621,6 +682,48 @@ def eval_sets(run: Run, tok) -> dict[str, list[list[int]]]:
     rng = random.Random(run.seed + 2)
     sets["stdlib-heldout"] = rng.sample(cands, min(n, len(cands)))
     return sets
+
+
+REFERENCE_PROMPTS, REFERENCE_NEW_TOKENS = 3, 48
+
+
+def reference_check(run: Run, sets: dict) -> dict:
+    """The reference implementation (`dflash.model.dflash_generate`, torch float32, transformers'
+    Qwen3ForCausalLM reading our saved target) against ours in float32 on the shipped weights, greedy,
+    block 16, no stop tokens: the same tokens and the same acceptance lengths (hence τ)."""
+    try:
+        import torch
+        import dflash.model as ref
+        from dflash.model import DFlashDraftModel, dflash_generate
+        from transformers import Qwen3ForCausalLM
+    except ImportError as e:
+        return dict(skipped=f"torch / the reference dflash package not importable ({e})")
+    import dflash_jax as dj
+
+    S = run.size["draft"]["block_size"]
+    target, draft = load_pair(run, "float32", with_draft=True)
+    hf = Qwen3ForCausalLM.from_pretrained(run.path("target"), dtype=torch.float32).eval().requires_grad_(False)
+    rd = DFlashDraftModel.from_pretrained(run.path("draft"), dtype=torch.float32).eval().requires_grad_(False)
+    prompts = [p for name in ("humaneval", "stdlib-heldout", "gsm8k") for p in sets[name][:1]][:REFERENCE_PROMPTS]
+    saved = ref._cuda_time
+    if not torch.cuda.is_available():  # return_stats times with torch.cuda.synchronize()
+        ref._cuda_time = time.perf_counter
+    rows = []
+    try:
+        for p in prompts:
+            r = dflash_generate(rd, hf, torch.tensor([p], dtype=torch.long), REFERENCE_NEW_TOKENS, None,
+                                temperature=0.0, block_size=S, return_stats=True)
+            theirs, their_acc = r.output_ids[0, len(p):].tolist(), [int(a) for a in r.acceptance_lengths]
+            o = dj.generate(target, draft, [p], max_new_tokens=REFERENCE_NEW_TOKENS, block_size=S, temperature=0.0)
+            ours, our_acc = list(o.tokens[0]), [int(a) for a in o.acceptance_lengths[0]]
+            rows.append(dict(prompt_tokens=len(p), identical_tokens=ours == theirs,
+                             identical_acceptance=our_acc == their_acc, tau_ours=round(float(np.mean(our_acc)), 3),
+                             tau_reference=round(float(np.mean(their_acc)), 3)))
+    finally:
+        ref._cuda_time = saved
+    ok = all(r["identical_tokens"] and r["identical_acceptance"] for r in rows)
+    log(f"reference check (dflash_generate, float32, block {S}): {'identical' if ok else 'DIFFERENT'} {rows}")
+    return dict(identical=ok, block_size=S, max_new_tokens=REFERENCE_NEW_TOKENS, prompts=rows)
 
 
 def stage_eval(run: Run) -> dict:
@@ -673,6 +776,10 @@ def stage_eval(run: Run) -> dict:
                     row["greedy_identical"] = timing["dflash"][1][:n] == timing["plain"][1][:n]
         out["sets"][name] = row
         log(f"eval {name}: {row}")
+    if draft is not None and run.reference != "off" and run.remaining() > EVAL_RESERVE_S:
+        out["reference"] = reference_check(run, sets)
+        if run.reference == "on" and "skipped" in out["reference"]:
+            raise SystemExit(f"--reference-check on: {out['reference']['skipped']}")
     if sets["humaneval"] and run.remaining() > EVAL_RESERVE_S:
         sample = dj.generate(target, draft, [sets["humaneval"][0]], max_new_tokens=s["eval_new_tokens"],
                              temperature=0.0, stop_token_ids=stops)
@@ -694,21 +801,37 @@ def dir_mb(d: str) -> float:
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) / 2 ** 20 if os.path.isdir(d) else 0.0
 
 
+def reference_section(r: dict | None) -> str:
+    if not r:
+        return "Not run."
+    if "skipped" in r:
+        return f"Skipped: {r['skipped']}."
+    taus = ", ".join(f"{x['tau_ours']} / {x['tau_reference']}" for x in r["prompts"])
+    return (f"The reference `dflash.model.dflash_generate` (torch, float32; transformers' Qwen3ForCausalLM "
+            f"reading these files) against ours (float32), greedy, block {r['block_size']}, "
+            f"{r['max_new_tokens']} new tokens on {len(r['prompts'])} evaluation prompts: "
+            f"{'identical tokens and acceptance lengths' if r['identical'] else 'NOT identical'} "
+            f"(τ ours / reference: {taus}).")
+
+
 def model_card(run: Run) -> str:
     m = run.manifest
     st, data = m["stages"], m["data"]
     tgt, draft, ev = st["target"], st.get("draft", {}), st.get("eval", {})
     c = tgt["config"]
-    if draft.get("skipped", True):
-        draft_section = ("Not trained in this run (the draft stage needs dflash_jax.train); the pair is not "
-                         "complete.")
+    if not draft or draft.get("skipped"):
+        draft_section = "Not trained in this run; the pair is not complete."
     else:
+        stopped = "" if draft["status"] == "done" else f" (stopped at the time budget, of {draft['planned_steps']} planned)"
         draft_section = (f"DFlash, {draft['num_layers']} layer(s) of the target's width, block size "
                          f"{draft['block_size']}, taps {draft['taps']}, MASK id {draft['mask_token_id']}; trained "
-                         f"with dflash_jax.train for {draft['steps']} steps (batch {draft['batch']}, lr "
-                         f"{draft['lr']}) on {st['regen']['sequences']} greedy continuations "
-                         f"({st['regen']['response_tokens']} response tokens) regenerated by the target with our "
-                         f"`generate`, in {draft['time_s']} s.")
+                         f"with dflash_jax.train (the paper's recipe: AdamW lr {draft['lr']}, cosine after a 4% "
+                         f"warm-up, clip 1, loss decay γ = 7; {draft['compute_dtype']} compute) for "
+                         f"{draft['steps']} steps{stopped} of batch {draft['batch']} with {draft['num_anchors']} "
+                         f"anchor blocks per sequence ({draft['epochs']} epochs) on {st['regen']['sequences']} "
+                         f"greedy continuations ({st['regen']['response_tokens']} response tokens) regenerated "
+                         f"by the target with our `generate`, in {draft['train_s']} s. Final loss "
+                         f"{draft['final_loss']}, teacher-forced τ {draft['teacher_forced_tau']}.")
     note = (f"Measured on {ev.get('device', '?')} ({ev.get('backend', '?')}, {ev.get('dtype', '?')}), "
             f"{ev.get('max_new_tokens', '?')} new tokens; τ over all prompts of a set (batched), tokens/s at "
             f"batch 1 on the first {run.size['timing_prompts']} prompt(s) (compile excluded). Held-out stdlib "
@@ -726,6 +849,7 @@ def model_card(run: Run) -> str:
         target_time=f"{tgt['train_s']} s", target_loss=tgt["final_loss"], heldout_loss=tgt["heldout_loss"],
         draft_section=draft_section, block_size=run.size["draft"]["block_size"],
         eval_table=eval_table(ev) if ev else "(not evaluated)", eval_note=note,
+        reference_section=reference_section(ev.get("reference")),
         target_mb=f"{dir_mb(run.path('target')):.1f}", draft_mb=f"{dir_mb(run.path('draft')):.1f}",
         dtype=run.size["ship_dtype"])
     from dflash_jax.assets import model_card_template
@@ -787,6 +911,9 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="wall-clock budget of the whole command (gpu default 540, cpu none): the draft gets "
                         "what is left minus the evaluation's share; evaluation drops work near it; ship runs")
+    p.add_argument("--reference-check", choices=("auto", "on", "off"), default="auto",
+                   help="eval: compare with the reference dflash.model.dflash_generate (torch, float32) on the "
+                        "shipped weights; auto = when torch and dflash import")
     p.add_argument("--deliver", metavar="DIR",
                    help="after shipping, copy the pair.tar.NN pieces and manifest.json into DIR (e.g. the "
                         "device tool's $OUT, which returns at most 8 files of 16 MiB)")
@@ -802,6 +929,7 @@ def main(argv=None) -> int:
     if args.deadline_s is not None:
         run.deadline_s = args.deadline_s or None
     run.manifest["deadline_s"] = run.deadline_s
+    run.reference = args.reference_check
     log(f"train_demo_pair --size {args.size} --seed {args.seed} --out {args.out}; stages {','.join(stages)}")
     for name in STAGES:
         if name not in stages:

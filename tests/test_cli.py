@@ -274,6 +274,40 @@ def test_generate_random_init(capsys, monkeypatch):
     assert code == 0 and len(out.split()) == 5  # token ids: there is no tokenizer
 
 
+def test_generate_defaults_to_the_embedded_pair(models, capsys, monkeypatch):
+    """No --model, no --random-init: the shipped demo pair (its tokenizer, chat template and draft);
+    a tiny pair stands in for it. Without one shipped: the one-line error."""
+    import dflash_jax.assets as assets
+
+    target, draft = models
+    monkeypatch.setattr(assets, "default_pair", lambda: (target, draft))
+    base = ["--dtype", "float32", "--max-new-tokens", "12", "--json", "Tell me a story."]
+    code, out, _ = _run(gen_cli, base, capsys)
+    pair = json.loads(out)
+    code2, out2, _ = _run(gen_cli, ["--model", target, "--draft", draft] + base, capsys)
+    explicit = json.loads(out2)
+    assert code == code2 == 0 and pair["block_size"] == 8 and pair["mean_tau"] >= 1
+    assert pair["tokens"] == explicit["tokens"] and pair["prompt_tokens"] == explicit["prompt_tokens"]
+    code, out, _ = _run(gen_cli, ["--draft", "none"] + base, capsys)  # the pair's target, plain decoding
+    assert json.loads(out)["block_size"] == 1 and json.loads(out)["tokens"] == pair["tokens"]
+    monkeypatch.setattr(assets, "default_pair", lambda: None)
+    assert "no embedded demo pair" in _usage_error(gen_cli, ["hi"], capsys)
+
+
+def test_benchmark_defaults_to_the_embedded_pair(models, capsys, monkeypatch, tmp_path):
+    import dflash_jax.assets as assets
+
+    monkeypatch.setattr(assets, "default_pair", lambda: models)
+    report = tmp_path / "r.json"
+    code, _, err = _run(bench_cli, ["--max-samples", "1", "--max-new-tokens", "8", "--dtype", "float32",
+                                    "--no-baseline", "--output", str(report)], capsys)
+    r = json.loads(report.read_text())
+    assert code == 0, err
+    assert r["dataset"] == "humaneval" and r["model"] == models[0] and r["block_size"] == 8
+    monkeypatch.setattr(assets, "default_pair", lambda: None)
+    assert "no embedded demo pair" in _usage_error(bench_cli, [], capsys)
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "/no/such/dir", "--draft", "none", "hi"], "--model /no/such/dir: no such directory"),
     (["--model", "TARGET", "hi"], "--draft is required"),
