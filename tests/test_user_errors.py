@@ -89,7 +89,7 @@ def test_ctrl_c_while_waiting_cancels_and_keeps_the_result():
     cancel = threading.Event()
 
     def work():
-        for i in range(200):
+        for i in range(3000):  # 30 s: the interrupt lands long before, even on a loaded machine
             if cancel.is_set():
                 return f"stopped at {i}"
             time.sleep(0.01)
@@ -98,7 +98,7 @@ def test_ctrl_c_while_waiting_cancels_and_keeps_the_result():
     threading.Timer(0.3, _thread.interrupt_main).start()
     t0 = time.monotonic()
     out = gen_cli.run_interruptible(work, cancel)
-    assert cancel.is_set() and out.startswith("stopped at") and time.monotonic() - t0 < 1.5
+    assert cancel.is_set() and out.startswith("stopped at") and time.monotonic() - t0 < 10
 
 
 # ----------------------------------------------------------------------------------------- item 3
