@@ -2,7 +2,9 @@
 interpreter, and their lowering for CUDA:
 - the attention prologue (q/k RMSNorm, RoPE, in-place cache writes in one Pallas Triton kernel);
 - the residual add + post-attention RMSNorm;
-- the sampling search's count and gather kernels."""
+- the sampling search's count and gather kernels.
+The whole-path, search and fast-path checks run the interpreter over many grid steps (minutes on a
+CPU): they are `slow` (.ci/run runs them); the single-kernel checks stay in the default run."""
 
 from __future__ import annotations
 
@@ -154,6 +156,7 @@ def test_fused_dispatch():
     assert not fused_prologue(off, 16, 128) and not fused_add_norm(off, 16, 4096)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
 def test_gpu_path_forward_and_loop_match_xla(fused):
     """The whole GPU layer path in the interpreter (attention kernel; with `fused` the fused
@@ -203,6 +206,7 @@ def test_gpu_path_forward_and_loop_match_xla(fused):
     assert got == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("N,V,bits,shared,weighted", [(3, 300, 32, False, False), (2, 5000, 32, False, True),
                                                       (4, 1100, 20, True, True)])
 def test_sampling_search_kernel_matches_xla(N, V, bits, shared, weighted):
@@ -242,6 +246,7 @@ def test_sampling_count_pass_lowers_for_cuda(first):
     assert "dflash_sampling_count" in exp.mlir_module()
 
 
+@pytest.mark.slow
 def test_sampling_search_kernel_matches_the_reference():
     """top-k, top-p and both, with the search's passes in the count kernel (interpreter), against the
     reference's sort-based `_sampling_probs`, ties at the cut included."""
@@ -289,6 +294,7 @@ def test_sampling_gather_kernel_lowers_for_cuda():
     assert "dflash_sampling_gather" in exp.mlir_module()
 
 
+@pytest.mark.slow
 def test_sampling_fast_path_matches_the_full_searches():
     """The GPU path's shortcut (top-k candidates gathered, then the tie and top-p cuts on them)
     keeps exactly the tokens the full searches keep: top-k

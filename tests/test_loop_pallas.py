@@ -25,6 +25,7 @@ def d64_pair(tmp_path_factory):
     return target, load_draft(dp, target=target, dtype="float32")
 
 
+@pytest.mark.slow
 def test_pallas_interpret_loop_gives_the_xla_tokens(d64_pair):
     target, draft = d64_pair
     prompts = random_prompts(2, 127, min_len=3, max_len=11, seed=2)
@@ -41,6 +42,7 @@ def test_pallas_interpret_loop_gives_the_xla_tokens(d64_pair):
     assert max(a for row in xla.acceptance_lengths for a in row) == 3
 
 
+@pytest.mark.slow
 @tpu_aot.requires_libtpu
 @pytest.mark.parametrize("impl", ["pallas_tpu", "xla"])
 @pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)

@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+# subprocess runs of whole scripts: .ci/run runs them, a plain `pytest` skips them
+pytestmark = pytest.mark.slow
 
 
 def _run(args, tmp_path, timeout=600, **extra_env):

@@ -193,6 +193,7 @@ def test_presets_have_the_real_shapes():
     assert 8.1e9 < sum(int(np.prod(x.shape)) for x in abstract) < 8.3e9
 
 
+@pytest.mark.slow
 @tpu_aot.requires_libtpu
 @pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
 def test_plain_loop_compiles_for_tpu(topology):

@@ -62,25 +62,8 @@ def test_jinja2_is_a_runtime_dependency():
 
 
 # ----------------------------------------------------------------------------------------- item 2
-def test_on_commit_can_stop_and_its_exception_arrives_as_itself(loaded):
-    target, draft, _ = loaded
-    calls = []
-
-    def stop_after_two(rows):
-        calls.append(rows[0])
-        return len(calls) >= 2
-
-    res = dj.generate(target, draft, [[1, 2, 3, 4]], max_new_tokens=200, on_commit=stop_after_two)
-    assert len(calls) == 2 and res.tokens[0] == calls[0] + calls[1]
-
-    class Mine(Exception):
-        pass
-
-    def boom(rows):
-        raise Mine("from on_commit")
-
-    with pytest.raises(Mine, match="from on_commit"):
-        dj.generate(target, draft, [[1, 2, 3, 4]], max_new_tokens=200, on_commit=boom)
+# on_commit's stop (True) and its exception arriving as itself: tests/test_speculative.py
+# (test_on_commit_true_stops_the_loop_with_partial_tokens, test_on_commit_exception_reaches_the_caller)
 
 
 def test_ctrl_c_while_waiting_cancels_and_keeps_the_result():
@@ -89,7 +72,7 @@ def test_ctrl_c_while_waiting_cancels_and_keeps_the_result():
     cancel = threading.Event()
 
     def work():
-        for i in range(200):
+        for i in range(3000):  # 30 s: the interrupt lands long before, even on a loaded machine
             if cancel.is_set():
                 return f"stopped at {i}"
             time.sleep(0.01)
@@ -98,7 +81,7 @@ def test_ctrl_c_while_waiting_cancels_and_keeps_the_result():
     threading.Timer(0.3, _thread.interrupt_main).start()
     t0 = time.monotonic()
     out = gen_cli.run_interruptible(work, cancel)
-    assert cancel.is_set() and out.startswith("stopped at") and time.monotonic() - t0 < 1.5
+    assert cancel.is_set() and out.startswith("stopped at") and time.monotonic() - t0 < 10
 
 
 # ----------------------------------------------------------------------------------------- item 3
