@@ -286,17 +286,15 @@ def breakdown(args):
     print(f"# device {kind}; target {args.preset if not args.quick else 'tiny'}, draft {dc.num_layers} layers, "
           f"S {dc.block_size}, T {T}, N {N}, batch {B}; median of {steps} synced runs per part; jax {jax.__version__}",
           flush=True)
-    times = {}
-    for name, call, _ in parts:
-        times[name] = _median_time(call, steps)
-    step_s = times[parts[0][0]][1]
     print("| part | ms | share of step | model TFLOP | MFU | compile + first run (s) |")
-    print("|---|---|---|---|---|---|")
-    rows = []
-    for name, _, flops in parts:
-        first, t = times[name]
+    print("|---|---|---|---|---|---|", flush=True)
+    rows, times = [], {}
+    for name, call, flops in parts:   # each row as soon as it is measured: a cut-short run keeps the rest
+        first, t = times[name] = _median_time(call, steps)
+        step_s = times[parts[0][0]][1]
         mfu = flops / t / peak if peak else float("nan")
-        print(f"| {name} | {t * 1e3:.1f} | {t / step_s:.1%} | {flops / 1e12:.3g} | {mfu:.1%} | {first:.1f} |")
+        print(f"| {name} | {t * 1e3:.1f} | {t / step_s:.1%} | {flops / 1e12:.3g} | {mfu:.1%} | {first:.1f} |",
+              flush=True)
         rows.append(dict(part=name, ms=t * 1e3, share=t / step_s, model_flops=flops, mfu=mfu, first_s=first))
     a, b = times[parts[1][0]][1], times[parts[2][0]][1]
     b1, b2 = times[parts[3][0]][1], times[parts[4][0]][1]
