@@ -4,6 +4,7 @@ CPU host: per-chip memory from memory_analysis(), flops from cost_analysis().
 
     python scripts/bench_train.py                       # H200: Qwen3-8B target + z-lab draft, random bf16
     python scripts/bench_train.py --quick               # CPU, tiny shapes, seconds
+    python scripts/bench_train.py --breakdown 4 --steps 3 [--profile DIR]   # where a B=4 step's time goes
     JAX_PLATFORMS=cpu python scripts/bench_train.py --tpu-aot [--presets qwen3-4b,qwen3-8b]
 
 MFU = model FLOPs (target forward + draft forward and backward, the LM head over the block slots
@@ -11,11 +12,19 @@ included) / step time / the chip's bf16 dense peak (H200: 989 TFLOP/s). Model FL
 only: 2·params·tokens for projections, the causal target attention at T²/2, the draft's context
 attention at the anchors' mean position, backward = 2× forward for the draft, 1× for the frozen LM
 head (input gradient only).
+
+--breakdown B times, for one batch, the full step and its parts, each its own jitted function run
+alone with a device sync (median over --steps): (a) the frozen target's forward giving the taps,
+(b) the draft's forward + backward + AdamW update given those taps, (b1) the packed draft layers with
+the split attention, forward + backward to the parameters under a fixed cotangent, (b2) the chunked LM
+head + loss over the block slots, forward + backward to the hidden states. --profile DIR also wraps
+two full steps in jax.profiler.trace(DIR) (TensorBoard xplane + a Perfetto trace.json.gz).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -32,13 +41,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dflash_jax.config import PRESETS, DraftConfig, TargetConfig  # noqa: E402
 from dflash_jax.modeling.draft import DFlashDraft  # noqa: E402
 from dflash_jax.modeling.qwen3 import Qwen3  # noqa: E402
-from dflash_jax.train.step import (StepConfig, Trainer, build_step, init_state, make_mesh,  # noqa: E402
-                                   split_draft, step_shardings)
+from dflash_jax.train.anchors import anchor_key, sample_anchors  # noqa: E402
+from dflash_jax.train.loss import block_labels, block_loss_sums  # noqa: E402
+from dflash_jax.train.packed import block_tokens, draft_forward  # noqa: E402
+from dflash_jax.train.step import (StepConfig, Trainer, build_step, init_state, loss_and_metrics,  # noqa: E402
+                                   lr_schedule, make_mesh, make_optimizer, split_draft, step_shardings,
+                                   target_features)
 
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "v6e": 918e12, "cpu": None}
 QWEN3_MASK = 151669
@@ -56,7 +70,8 @@ def model_flops(tc: TargetConfig, dc: DraftConfig, B: int, T: int, N: int, mean_
     d_att = 2 * 2 * dl * B * N * S * Hq * D * (mean_anchor + S)
     head = 2 * H * tc.vocab_size * B * N * (S - 1)
     draft = 3 * (d_proj + d_ctx + d_att) + 2 * head
-    return dict(target_fwd=tgt, draft_fwd_bwd=draft, total=tgt + draft)
+    return dict(target_fwd=tgt, draft_fwd_bwd=draft, total=tgt + draft,
+                draft_layers_fwd_bwd=3 * (d_proj + d_ctx + d_att), lm_head_fwd_bwd=2 * head)
 
 
 def batch_data(B: int, T: int, seed: int = 0, vocab: int = 1000):
@@ -74,7 +89,18 @@ def _peak_bytes():
         return None
 
 
-def measure(tc, dc, cfg, B, T, steps, warmup=2):
+def _profile(call, profile_dir, n=2):
+    """Run `call` n times under jax.profiler.trace (xplane for TensorBoard + a Perfetto trace)."""
+    try:
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for _ in range(n):
+                jax.block_until_ready(call())
+        print(f"# profile of {n} steps written under {profile_dir}", flush=True)
+    except Exception as e:  # a missing profiler backend (CUPTI) must not lose the timings
+        print(f"# profile failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}", flush=True)
+
+
+def measure(tc, dc, cfg, B, T, steps, warmup=2, profile_dir=None):
     target = Qwen3(tc, jnp.bfloat16, rngs=nnx.Rngs(0))
     draft = DFlashDraft(dc, jnp.float32, rngs=nnx.Rngs(1))
     gd, params = split_draft(draft, cfg.compute_dtype)
@@ -96,33 +122,57 @@ def measure(tc, dc, cfg, B, T, steps, warmup=2):
         state, m = tr.step(state, tokens, lm, ids, 0)
     jax.block_until_ready(m["loss"])
     dt = (time.perf_counter() - t0) / steps
-    return dict(step_s=dt, compile_s=compile_s, peak_bytes=_peak_bytes(), loss=float(m["loss"]))
+    loss = float(m["loss"])
+    if profile_dir:
+        box = [state]
+
+        def call():
+            box[0], mm = tr.step(box[0], tokens, lm, ids, 0)
+            return mm["loss"]
+        _profile(call, os.path.join(profile_dir, f"b{B}"))
+    return dict(step_s=dt, compile_s=compile_s, peak_bytes=_peak_bytes(), loss=loss)
 
 
-def gpu_table(args):
+def _shapes(args):
+    """(target config, draft config, T, N) of the run: tiny under --quick, else the preset."""
     if args.quick:
         tc = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                           num_kv_heads=2, head_dim=16, rope_theta=1e6)
         dc = DraftConfig.for_target(tc, num_layers=2, block_size=8)
-        T, N, batches, steps = 128, 16, [1, 2], 2
-    else:
-        tc = PRESETS[args.preset]
-        dc = DraftConfig.for_target(tc, num_layers=5, block_size=16, mask_token_id=QWEN3_MASK)
-        T, N, steps = args.seq, args.anchors, args.steps
-        batches = [int(b) for b in args.batches.split(",")]
+        return tc, dc, 128, 16
+    tc = PRESETS[args.preset]
+    dc = DraftConfig.for_target(tc, num_layers=5, block_size=16, mask_token_id=QWEN3_MASK)
+    return tc, dc, args.seq, args.anchors
+
+
+def _step_cfg(args, dc, N):
+    return StepConfig(block_size=dc.block_size, mask_token_id=dc.mask_token_id,
+                      target_layer_ids=dc.target_layer_ids, num_anchors=N, total_steps=1000,
+                      attention_impl=args.attention, chunk_blocks=args.chunk_blocks, head_chunk=args.head_chunk)
+
+
+def _peak():
     kind = jax.devices()[0].device_kind
-    peak = next((v for k, v in PEAK_BF16.items() if k.lower() in kind.lower()), None)
+    return kind, next((v for k, v in PEAK_BF16.items() if k.lower() in kind.lower()), None)
+
+
+def gpu_table(args):
+    tc, dc, T, N = _shapes(args)
+    if args.quick:
+        batches, steps = [1, 2], 2
+    else:
+        steps = args.steps
+        batches = [int(b) for b in args.batches.split(",")]
+    kind, peak = _peak()
     print(f"# device {kind}; target {args.preset if not args.quick else 'tiny'}, draft {dc.num_layers} layers, "
           f"S {dc.block_size}, T {T}, N {N}; jax {jax.__version__}", flush=True)
     print("| batch | step (ms) | tokens/s | block tokens/s | peak mem (GiB) | model TFLOP/step | MFU | compile (s) |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for B in batches:
-        cfg = StepConfig(block_size=dc.block_size, mask_token_id=dc.mask_token_id,
-                         target_layer_ids=dc.target_layer_ids, num_anchors=N, total_steps=1000,
-                         attention_impl=args.attention, chunk_blocks=args.chunk_blocks, head_chunk=args.head_chunk)
+        cfg = _step_cfg(args, dc, N)
         try:
-            r = measure(tc, dc, cfg, B, T, steps)
+            r = measure(tc, dc, cfg, B, T, steps, profile_dir=args.profile if B == batches[0] else None)
         except Exception as e:  # the first batch that does not fit ends the sweep
             msg = " ".join(str(e).split())[:160]
             print(f"| {B} | does not run: {type(e).__name__}: {msg} |")
@@ -133,6 +183,128 @@ def gpu_table(args):
         print(f"| {B} | {r['step_s'] * 1e3:.1f} | {B * T / r['step_s']:.0f} | {B * N * dc.block_size / r['step_s']:.0f} "
               f"| {pk:.1f} | {fl['total'] / 1e12:.1f} | {mfu:.1%} | {r['compile_s']:.1f} |", flush=True)
         rows.append(dict(batch=B, **r, **fl, mfu=mfu))
+    return rows
+
+
+def _median_time(call, steps):
+    """(compile + first run s, median s of `steps` synced runs after one warm-up) of call()."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    first = time.perf_counter() - t0
+    jax.block_until_ready(call())
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        ts.append(time.perf_counter() - t0)
+    return first, float(np.median(ts))
+
+
+def breakdown(args):
+    """The full step and its parts (a), (b), (b1), (b2) for one batch, each jitted alone, on one device."""
+    tc, dc, T, N = _shapes(args)
+    B = args.breakdown
+    steps = 2 if args.quick else args.steps
+    cfg = _step_cfg(args, dc, N)
+    kind, peak = _peak()
+    dt = jnp.dtype(cfg.compute_dtype)
+    target = Qwen3(tc, jnp.bfloat16, rngs=nnx.Rngs(0))
+    draft = DFlashDraft(dc, jnp.float32, rngs=nnx.Rngs(1))
+    gd, params = split_draft(draft, cfg.compute_dtype)
+    del draft
+    tr = Trainer(target, gd, cfg, make_mesh(jax.devices()[:1]))
+    del target
+    tdef, tstate = tr.target_def, tr.target_state
+    box = [tr.place_state(init_state(params, cfg))]                            # donated by (full) and (b)
+    del params
+    tokens_np, lm_np = batch_data(B, T)
+    tokens, lm = jnp.asarray(tokens_np), jnp.asarray(lm_np)
+    ids, epoch = jnp.arange(B, dtype=jnp.int32), jnp.zeros((), jnp.int32)
+    opt, sched = make_optimizer(cfg), lr_schedule(cfg)
+
+    @jax.jit
+    def part_a(tstate, tokens):
+        return target_features(nnx.merge(tdef, tstate), tokens, cfg)             # [B, T, n·H]
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def part_b(state, tstate, feats, tokens, lm, ids, epoch):
+        target = nnx.merge(tdef, tstate)
+        (loss, _), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
+            state.params, gd, target, tokens, lm, ids, epoch, cfg, feats=feats)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
+                            step=state.step + 1)
+        return new, loss, sched(state.step)
+
+    @jax.jit
+    def prep(tstate, tokens, lm, ids, epoch):
+        """What (b1) and (b2) take as given: anchors, block embeddings, labels, weights."""
+        target = nnx.merge(tdef, tstate)
+        anchors, keep = sample_anchors(anchor_key(cfg.anchor_seed, epoch, ids), lm, cfg.num_anchors)   # [B, N]
+        embeds = target.embed_tokens(block_tokens(tokens, anchors, cfg.block_size, cfg.mask_token_id))  # [B, N·S, H]
+        return anchors, embeds, block_labels(tokens, lm, anchors, keep, cfg.block_size, cfg.gamma_value)
+
+    @jax.jit
+    def part_b1(params, embeds, feats, anchors, cot):
+        def f(p):
+            d = nnx.merge(gd, jax.tree.map(lambda x: x.astype(dt), p))
+            h = draft_forward(d, embeds, feats, anchors, chunk_blocks=cfg.chunk_blocks)
+            return jnp.sum(h.astype(jnp.float32) * cot)
+        return jax.grad(f)(params)
+
+    @jax.jit
+    def part_b2(tstate, hidden, labels, weights, valid):
+        target = nnx.merge(tdef, tstate)
+
+        def f(h):
+            sums = block_loss_sums(target, h, labels, weights, valid, head_chunk=cfg.head_chunk)
+            return sums["loss_sum"] / jnp.maximum(sums["weight_sum"], 1e-9)
+        return jax.value_and_grad(f)(hidden)
+
+    def full():
+        box[0], m = tr.step(box[0], tokens, lm, ids, epoch)
+        return m["loss"]
+
+    feats = part_a(tstate, tokens)
+    anchors, embeds, (labels, weights, valid) = prep(tstate, tokens, lm, ids, epoch)
+    key = jax.random.key(2)
+    cot = jax.random.normal(key, embeds.shape, dt)                             # [B, N·S, H]
+    hidden = jax.random.normal(jax.random.fold_in(key, 1), embeds.shape, dt)   # [B, N·S, H]
+
+    def call_b():
+        box[0], loss, _ = part_b(box[0], tstate, feats, tokens, lm, ids, epoch)
+        return loss
+
+    fl = model_flops(tc, dc, B, T, min(N, int(0.9 * T) - 1), mean_anchor=0.55 * T)
+    parts = [("full step (a + b in one program)", full, fl["total"]),
+             ("(a) target forward → taps", lambda: part_a(tstate, tokens), fl["target_fwd"]),
+             ("(b) draft fwd + bwd + AdamW, given taps", call_b, fl["draft_fwd_bwd"]),
+             ("(b1) draft layers + split attention, fwd + bwd", lambda: part_b1(box[0].params, embeds, feats, anchors, cot),
+              fl["draft_layers_fwd_bwd"]),
+             ("(b2) LM head + CE over block slots, fwd + bwd", lambda: part_b2(tstate, hidden, labels, weights, valid),
+              fl["lm_head_fwd_bwd"])]
+    print(f"# device {kind}; target {args.preset if not args.quick else 'tiny'}, draft {dc.num_layers} layers, "
+          f"S {dc.block_size}, T {T}, N {N}, batch {B}; median of {steps} synced runs per part; jax {jax.__version__}",
+          flush=True)
+    print("| part | ms | share of step | model TFLOP | MFU | compile + first run (s) |")
+    print("|---|---|---|---|---|---|", flush=True)
+    rows, times = [], {}
+    for name, call, flops in parts:   # each row as soon as it is measured: a cut-short run keeps the rest
+        first, t = times[name] = _median_time(call, steps)
+        step_s = times[parts[0][0]][1]
+        mfu = flops / t / peak if peak else float("nan")
+        print(f"| {name} | {t * 1e3:.1f} | {t / step_s:.1%} | {flops / 1e12:.3g} | {mfu:.1%} | {first:.1f} |",
+              flush=True)
+        rows.append(dict(part=name, ms=t * 1e3, share=t / step_s, model_flops=flops, mfu=mfu, first_s=first))
+    a, b = times[parts[1][0]][1], times[parts[2][0]][1]
+    b1, b2 = times[parts[3][0]][1], times[parts[4][0]][1]
+    rest = b - b1 - b2
+    print(f"| (b) − (b1) − (b2): anchors, embeds, AdamW, grad norm | {rest * 1e3:.1f} | {rest / step_s:.1%} | | | |")
+    print(f"| step − (a) − (b): gained (−) or lost (+) by one program | {(step_s - a - b) * 1e3:.1f} | "
+          f"{(step_s - a - b) / step_s:.1%} | | | |", flush=True)
+    print(f"# peak memory {(_peak_bytes() or float('nan')) / 2**30:.1f} GiB", flush=True)
+    if args.profile:
+        _profile(full, os.path.join(args.profile, f"b{B}"))
     return rows
 
 
@@ -198,9 +370,14 @@ def main():
     p.add_argument("--presets", default="qwen3-4b,qwen3-8b")
     p.add_argument("--tpu-batch", type=int, default=1, help="sequences per chip for --tpu-aot")
     p.add_argument("--tpu-attention", default="xla", help="the target's attention in the TPU program")
+    p.add_argument("--breakdown", type=int, nargs="?", const=4, default=None, metavar="B",
+                   help="time the step's parts for batch B (default 4) instead of the batch sweep")
+    p.add_argument("--profile", metavar="DIR", help="also trace 2 full steps with jax.profiler into DIR")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
-    rows = tpu_aot(args) if args.tpu_aot else gpu_table(args)
+    if args.breakdown is not None and args.breakdown < 1:
+        p.error(f"--breakdown needs a batch of at least 1, got {args.breakdown}")
+    rows = tpu_aot(args) if args.tpu_aot else breakdown(args) if args.breakdown is not None else gpu_table(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=float)

@@ -86,3 +86,15 @@ def test_bench_train_quick_runs():
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [l for l in p.stdout.splitlines() if l.startswith("| 1 ") or l.startswith("| 2 ")]
     assert len(rows) == 2, p.stdout
+
+
+@pytest.mark.slow
+def test_bench_train_breakdown_quick_runs():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_train.py"), "--quick", "--breakdown", "2"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    for part in ("full step", "(a) target", "(b) draft", "(b1) draft layers", "(b2) LM head"):
+        assert any(l.startswith(f"| {part}") for l in p.stdout.splitlines()), p.stdout
