@@ -231,6 +231,15 @@ class Program:
                     return None
                 i = self.by.get(t.operands[k])
                 continue
+            if i.op == "get-tuple-element" and i.operands and getattr(self.by.get(i.operands[0]), "op", "") == "custom-call":
+                # an in-place kernel's result k is the operand it is aliased to (the cache row write)
+                k = int(re.search(r"index=(\d+)", i.attrs).group(1))
+                cc = self.by[i.operands[0]]
+                m = re.search(r"\{%d\}:\s*\((\d+)," % k, cc.attr_block("output_to_operand_aliasing"))
+                if not m:
+                    return None
+                i = self.by.get(cc.operands[int(m.group(1))])
+                continue
             if i.op in _FOLLOW or (i.op == "custom-call" and i.attr("custom_call_target") == "ConcatBitcast"):
                 if not i.operands:
                     return None

@@ -121,6 +121,20 @@ def write_kv_rows(k_cache, v_cache, k, v, start, *, interpret=False):
         raise Unsupported(f"capacity C={C} must be a multiple of {ROW_TILE} and hold {W} rows")
     rows = _chunk_rows(B, 4 * Hkv * W * D * dtype.itemsize)
 
+    return _call(k_cache, v_cache, k, v, start.astype(jnp.int32), T=T, W=W, rows=rows, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "W", "rows", "interpret"))
+def _call(k_cache, v_cache, k, v, start, *, T: int, W: int, rows: int, interpret):
+    # jitted: the memory-space constraint below only exists inside a traced program
+    B, Hkv, C, D = k_cache.shape
+    dtype = jnp.dtype(k_cache.dtype)
+    if not interpret:
+        # HBM at the XLA level too: a BlockSpec's memory space alone binds only the kernel's view,
+        # and XLA would still place a cache that fits in VMEM and evict it whole afterwards.
+        k_cache = pltpu.with_memory_space_constraint(k_cache, pltpu.HBM)
+        v_cache = pltpu.with_memory_space_constraint(v_cache, pltpu.HBM)
+
     def pad(x):   # [B, T, Hkv, D] -> [B, Hkv, W, D], the new rows at the top
         x = jnp.swapaxes(x, 1, 2).astype(dtype)
         return jnp.pad(x, ((0, 0), (0, 0), (0, W - T), (0, 0)))
@@ -147,4 +161,4 @@ def write_kv_rows(k_cache, v_cache, k, v, start, *, interpret=False):
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=6 * window_bytes),
         interpret=interpret,
         name="dflash_kv_write_tpu",
-    )(start.astype(jnp.int32), pad(k), pad(v), k_cache, v_cache)
+    )(start, pad(k), pad(v), k_cache, v_cache)
