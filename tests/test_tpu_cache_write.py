@@ -139,3 +139,42 @@ def test_batched_iteration_keeps_the_caches_in_hbm(topology):
     ideal = tpu_bytes.ideal_bytes(tc, dc, draft=True, batch=32, capacity=1024)
     W = tpu_cache_write.window_rows(16)
     assert s["kinds_hbm"]["kv_write"] <= W / 16 * ideal["kv_write"] * 1.01, (s["kinds_hbm"], ideal)
+
+
+# An iteration's cache write as the TPU compiler leaves it: the row-write kernel updating the
+# donated cache in place (its cost estimate: the windows), the attention kernel reading its result.
+_WRITE_HLO = """HloModule m, is_scheduled=true, input_output_alias={ {0}: (0, {}, may-alias) }
+
+ENTRY %main (c: bf16[2,1,64,128], n: bf16[2,1,24,128], s: s32[2]) -> bf16[2,1,64,128] {
+  %c = bf16[2,1,64,128]{3,2,1,0} parameter(0), metadata={op_name="s.target_cache.k[0]"}
+  %n = bf16[2,1,24,128]{3,2,1,0} parameter(1), metadata={op_name="rows"}
+  %s = s32[2]{0} parameter(2), metadata={op_name="start"}
+  %w = (bf16[2,1,64,128]{3,2,1,0}) custom-call(%s, %n, %c), custom_call_target="tpu_custom_call", output_to_operand_aliasing={{0}: (2, {})}, backend_config={"custom_call_config":{"body":"x","cost_estimate":{"flops":"0","transcendentals":"0","bytes_accessed":"61448","remote_bytes_transferred":"0"}}}
+  %g = bf16[2,1,64,128]{3,2,1,0} get-tuple-element(%w), index=0
+  ROOT %a = bf16[2,1,64,128]{3,2,1,0} custom-call(%g), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/target_layer0/dflash_block_attention_tpu"}
+}
+"""
+
+
+def test_tpu_bytes_charges_the_in_place_kernel_its_windows():
+    import importlib.util
+    import sys
+    from pathlib import Path
+    tpu_bytes = sys.modules.get("tpu_bytes")
+    if tpu_bytes is None:
+        spec = importlib.util.spec_from_file_location(
+            "tpu_bytes", Path(__file__).resolve().parent.parent / "scripts" / "tpu_bytes.py")
+        tpu_bytes = importlib.util.module_from_spec(spec)
+        sys.modules["tpu_bytes"] = tpu_bytes
+        spec.loader.exec_module(tpu_bytes)
+    s = tpu_bytes.breakdown(_WRITE_HLO)
+    w = next(r for r in s["records"] if r["what"].startswith("tpu_custom_call in place"))
+    # the estimate (61448) = start (8) + rows (12288) + the cache windows read and written
+    assert w["model"] == w["hbm"] == 61448
+    window = 61448 - 8 - 12288
+    parts = {k: b for k, b, _ in w["parts"]}
+    assert parts["kv_read"] == parts["kv_write"] == window // 2
+    # the attention kernel's operand is traced through the write kernel to the cache
+    a = next(r for r in s["records"] if r["name"] == "a")
+    assert "s.target_cache.k[0]" in a["what"]
+    assert w["group"] == "target_layer0"

@@ -17,6 +17,12 @@ W = round_up(T + 7, 8) rows that covers [start, start + T) (moved down to end at
 pass the end), puts the new rows in it (a sublane rotate by the offset and a select), and writes the
 window back. Traffic per call: 2 · B · Hkv · W · D elements of each cache, plus the new rows.
 
+The caches are pinned to HBM for XLA with pltpu.with_memory_space_constraint (the BlockSpec's
+memory space binds only the kernel's own view). Known limit of the TPU compiler: a program whose
+donated input cache is written only by this kernel and returned unread fails XLA's alias check
+(RET_CHECK "Different aliasing shapes"); the generation program and its iteration, where the
+attention kernel reads every written cache, compile.
+
 Batch rows are processed in chunks of `rows` (a grid axis): all reads of a chunk are started, then
 waited on, merged, and all its writes started and waited on, so the DMAs of a chunk overlap.
 """
