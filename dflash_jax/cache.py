@@ -37,3 +37,29 @@ def write_rows(cache, new, start):
     if cache.shape[0] == 1:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, start[0], 0))
     return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))(cache, new, start)
+
+
+# The attention backends whose programs write cache rows with the TPU row-write kernel.
+TPU_WRITE_PATHS = ("pallas_tpu", "pallas_interpret")
+
+
+def write_kv_rows(k_cache, v_cache, k, v, start, kernels=None):
+    """write_rows for a layer's K and V caches together: k, v [B, T, Hkv, D] at rows
+    [start[b], start[b] + T). kernels: the resolved KernelConfig of the program (None: XLA).
+
+    On the TPU attention paths the rows go in through the Pallas row-write kernel, the caches
+    aliased in/out and kept in HBM (XLA would stage a cache that fits VMEM through it and write
+    the whole buffer back, pallas_kernels.attention.tpu_cache_write); a shape it cannot tile, and
+    every other path, uses dynamic_update_slice."""
+    if kernels is not None and kernels.attention in TPU_WRITE_PATHS:
+        from jax.experimental.pallas import tpu as pltpu
+
+        from pallas_kernels import Unsupported
+        from pallas_kernels.attention import tpu_cache_write
+        try:
+            return tpu_cache_write.write_kv_rows(
+                k_cache, v_cache, k, v, start,
+                interpret=pltpu.InterpretParams() if kernels.interpret else False)
+        except Unsupported:
+            pass
+    return write_rows(k_cache, k, start), write_rows(v_cache, v, start)

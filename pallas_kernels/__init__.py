@@ -1,8 +1,9 @@
 """Pallas kernels for DFlash, one folder per kernel family, each kernel beside its reference:
 
   attention/     block attention: reference.py (the jnp oracle), tpu.py (Mosaic TPU), gpu.py (Triton),
-                 merge.py (the split-KV merge); `block_attention` dispatches, `xla_block_attention`
-                 is the reference with long prompts tiled
+                 merge.py (the split-KV merge), tpu_cache_write.py (the TPU path's K/V row write,
+                 caches kept in HBM); `block_attention` dispatches, `xla_block_attention` is the
+                 reference with long prompts tiled
   fused_layer/   the GPU path's fused decoder-layer kernels: the attention prologue (q/k norm, RoPE,
                  cache writes) and the residual add + RMSNorm
   sampling/      the GPU path's top-k / top-p threshold search kernels

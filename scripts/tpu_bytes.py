@@ -138,6 +138,20 @@ class Instr:
         m = re.search(key + r'="([^"]*)"', self.attrs)
         return m.group(1) if m else None
 
+    def attr_block(self, key: str) -> str:
+        """The text of a `key={...}` attribute (nested braces), "" when absent."""
+        j = self.attrs.find(key + "={")
+        if j < 0:
+            return ""
+        j += len(key) + 1
+        depth = 0
+        for e in range(j, len(self.attrs)):
+            depth += self.attrs[e] == "{"
+            depth -= self.attrs[e] == "}"
+            if depth == 0:
+                return self.attrs[j:e + 1]
+        return self.attrs[j:]
+
 
 def parse_hlo(text: str):
     """{computation: [Instr]}, entry name, entry parameter names by number."""
@@ -216,6 +230,15 @@ class Program:
                 if t is None or t.op != "tuple" or k >= len(t.operands):
                     return None
                 i = self.by.get(t.operands[k])
+                continue
+            if i.op == "get-tuple-element" and i.operands and getattr(self.by.get(i.operands[0]), "op", "") == "custom-call":
+                # an in-place kernel's result k is the operand it is aliased to (the cache row write)
+                k = int(re.search(r"index=(\d+)", i.attrs).group(1))
+                cc = self.by[i.operands[0]]
+                m = re.search(r"\{%d\}:\s*\((\d+)," % k, cc.attr_block("output_to_operand_aliasing"))
+                if not m:
+                    return None
+                i = self.by.get(cc.operands[int(m.group(1))])
                 continue
             if i.op in _FOLLOW or (i.op == "custom-call" and i.attr("custom_call_target") == "ConcatBitcast"):
                 if not i.operands:
@@ -411,6 +434,11 @@ def charges(prog: Program) -> list:
             out.append(dict(name=i.name, op="ConcatBitcast", group=prog.group(i, src0), parts=parts,
                             what=f"VMEM pieces of {src0} joined (no data moved)"))
             continue
+        if target == "tpu_custom_call" and "output_to_operand_aliasing" in i.attrs:
+            rec = _aliased_kernel_charge(prog, i, src0)
+            if rec is not None:
+                out.append(rec)
+                continue
         if i.op == "fusion":
             reads = prog.fusion_operand_reads(i)
             dus = prog.fusion_dus_buffer(i)
@@ -464,6 +492,36 @@ def charges(prog: Program) -> list:
         r["model"] = sum(p[1] for p in r["parts"])
         r["hbm"] = sum(p[2] for p in r["parts"])
     return out
+
+
+def _aliased_kernel_charge(prog: Program, i: Instr, src0):
+    """A Pallas kernel that updates operands in place (output_to_operand_aliasing), such as the
+    cache row-write kernel: its aliased buffers stay in HBM and it moves only what its DMAs name,
+    which its declared cost estimate says (the compiler charges that figure too). The other
+    operands are charged whole; the estimate's remainder is the aliased buffers' traffic, half read
+    and half written (kv read / kv write where they are caches). None: no estimate, charge as usual."""
+    m = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', i.attrs)
+    if not m:
+        return None
+    aliased = {int(x) for x in re.findall(r":\s*\((\d+),", i.attr_block("output_to_operand_aliasing"))}
+    parts, srcs, rest = [], [], int(m.group(1))
+    for k, o in enumerate(i.operands):
+        src = prog.source(o)
+        srcs.append(src)
+        if k in aliased:
+            continue
+        shape = prog.by[o].shape if o in prog.by else ""
+        n = shape_bytes(shape)
+        rest -= n
+        parts.append((_operand_kind(src, False), n, hbm_bytes(shape)))
+    rest = max(rest, 0)
+    cache = any((srcs[k] or "").startswith(("s.target_cache", "s.draft_cache")) for k in aliased)
+    rd, wr = ("kv_read", "kv_write") if cache else ("activations", "activations")
+    parts += [(rd, rest // 2, rest // 2), (wr, rest - rest // 2, rest - rest // 2)]
+    named = sorted({srcs[k] for k in aliased if srcs[k]})
+    what = "tpu_custom_call in place" + (" of " + ", ".join(named)[:120] if named else "")
+    return dict(name=i.name, op="tpu_custom_call", group=prog.group(i, named[0] if named else src0),
+                parts=parts, what=what, op_name=i.op_name[-80:])
 
 
 def group_class(g: str) -> str:

@@ -20,7 +20,7 @@ from flax import nnx
 from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue
 from typing import NamedTuple
 
-from dflash_jax.cache import KVCache, write_rows
+from dflash_jax.cache import KVCache, write_kv_rows
 from dflash_jax.kernel_config import KernelConfig
 
 
@@ -168,11 +168,9 @@ class DecoderLayer(nnx.Module):
             q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
             if Tc:
                 ctx_start = context.positions[:, 0]
-                k_cache = write_rows(k_cache, k[:, :Tc], ctx_start)
-                v_cache = write_rows(v_cache, v[:, :Tc], ctx_start)
+                k_cache, v_cache = write_kv_rows(k_cache, v_cache, k[:, :Tc], v[:, :Tc], ctx_start, kernels)
                 k, v = k[:, Tc:], v[:, Tc:]
-            k_cache = write_rows(k_cache, k, write_start)
-            v_cache = write_rows(v_cache, v, write_start)
+            k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, write_start, kernels)
             if prefill and not Tc:
                 o = attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels)      # [B, T, Hq, D]
         if o is None:

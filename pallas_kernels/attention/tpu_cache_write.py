@@ -1,0 +1,170 @@
+"""The TPU path's KV-cache row write as a Pallas Mosaic kernel: the block's new K/V rows into the
+caches, the caches aliased in/out and left in HBM.
+
+    k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, start)
+    # caches [B, Hkv, C, D]; k, v [B, T, Hkv, D]; rows [start[b], start[b] + T) of batch row b
+
+Same result as `dflash_jax.cache.write_rows` (dynamic_update_slice per row; callers guarantee
+start + T <= C). Why a kernel: XLA writes a batched row update as a scatter loop, and where a
+cache fits VMEM it stages the whole buffer there for that loop and evicts the whole buffer back to
+HBM afterwards, so every iteration writes each cache whole instead of T rows. Here the caches are
+operands in HBM (memory_space HBM, aliased to the outputs): XLA cannot stage them, and the kernel
+moves only a window of rows around each write.
+
+The window. A DMA into HBM must start and end on the layout's row tiles (8 rows of the [C, D]
+plane), and `start` is arbitrary, so for each batch row the kernel reads the tile-aligned window of
+W = round_up(T + 7, 8) rows that covers [start, start + T) (moved down to end at C where it would
+pass the end), puts the new rows in it (a sublane rotate by the offset and a select), and writes the
+window back. Traffic per call: 2 · B · Hkv · W · D elements of each cache, plus the new rows.
+
+The caches are pinned to HBM for XLA with pltpu.with_memory_space_constraint (the BlockSpec's
+memory space binds only the kernel's own view). Known limit of the TPU compiler: a program whose
+donated input cache is written only by this kernel and returned unread fails XLA's alias check
+(RET_CHECK "Different aliasing shapes"); the generation program and its iteration, where the
+attention kernel reads every written cache, compile.
+
+Batch rows are processed in chunks of `rows` (a grid axis): all reads of a chunk are started, then
+waited on, merged, and all its writes started and waited on, so the DMAs of a chunk overlap.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import Unsupported, round_up
+
+# HBM row tile of a [C, D] cache plane (f32 (8, 128); bf16 (8, 128)(2, 1)): a DMA's row offset
+# must be a multiple of it.
+ROW_TILE = 8
+# VMEM for one chunk's buffers (the new rows and the window, for K and for V): well inside the
+# default scoped VMEM of every TPU generation.
+_CHUNK_BUDGET = 4 << 20
+_DTYPES = (jnp.float32, jnp.bfloat16)
+
+__all__ = ["write_kv_rows", "window_rows", "ROW_TILE"]
+
+
+def window_rows(T: int) -> int:
+    """Rows W of the aligned window that covers any T rows."""
+    return round_up(T + ROW_TILE - 1, ROW_TILE)
+
+
+def _kernel(start_ref, nk_ref, nv_ref, kc_in, vc_in, kc_ref, vc_ref, kbuf, vbuf, sems, *,
+            T: int, W: int, C: int, rows: int):
+    # start_ref [B] int32 (SMEM); nk_ref/nv_ref [rows, Hkv, W, D] (VMEM, new rows at the top);
+    # kc_ref/vc_ref [B, Hkv, C, D] (HBM, aliased to kc_in/vc_in); kbuf/vbuf [rows, Hkv, W, D] VMEM
+    del kc_in, vc_in
+    b0 = pl.program_id(0) * rows
+
+    def window(j):
+        s = start_ref[b0 + j]
+        w0 = pl.multiple_of(jnp.minimum(jnp.bitwise_and(s, -ROW_TILE), C - W), ROW_TILE)
+        return s, w0
+
+    def dma(j, read: bool):
+        _, w0 = window(j)
+        b = b0 + j
+        pairs = ((kc_ref, kbuf, 0), (vc_ref, vbuf, 1))
+        return [pltpu.make_async_copy(c.at[b, :, pl.ds(w0, W), :], buf.at[j], sems.at[i, j]) if read
+                else pltpu.make_async_copy(buf.at[j], c.at[b, :, pl.ds(w0, W), :], sems.at[i, j])
+                for c, buf, i in pairs]
+
+    def each(fn):
+        lax.fori_loop(0, rows, lambda j, c: (fn(j), c)[1], 0)
+
+    each(lambda j: [d.start() for d in dma(j, True)])
+    each(lambda j: [d.wait() for d in dma(j, True)])
+
+    def merge(j):
+        s, w0 = window(j)
+        r = s - w0                                   # the new rows go to window rows [r, r + T)
+        for new_ref, buf in ((nk_ref, kbuf), (nv_ref, vbuf)):
+            # f32 for the rotate (exact for bf16); the new rows come padded to W at the top
+            new = new_ref[j].astype(jnp.float32)                                 # [Hkv, W, D]
+            row = lax.broadcasted_iota(jnp.int32, new.shape, 1)
+            put = jnp.logical_and(row >= r, row < r + T)
+            buf[j] = jnp.where(put, pltpu.roll(new, r, 1), buf[j].astype(jnp.float32)).astype(buf.dtype)
+
+    each(merge)
+    each(lambda j: [d.start() for d in dma(j, False)])
+    each(lambda j: [d.wait() for d in dma(j, False)])
+
+
+def _chunk_rows(B: int, row_bytes: int) -> int:
+    """The largest divisor of B whose chunk of buffers fits the budget."""
+    fits = [r for r in range(1, B + 1) if B % r == 0 and r * row_bytes <= _CHUNK_BUDGET]
+    if not fits:
+        raise Unsupported(f"one batch row's window buffers ({row_bytes} bytes) exceed the "
+                          f"{_CHUNK_BUDGET}-byte VMEM budget")
+    return fits[-1]
+
+
+def write_kv_rows(k_cache, v_cache, k, v, start, *, interpret=False):
+    """k_cache, v_cache [B, Hkv, C, D] ← k, v [B, T, Hkv, D] at rows [start[b], start[b] + T).
+    start [B] int32, start + T <= C (the caller's guarantee, as for dynamic_update_slice).
+    interpret: False, or pltpu.InterpretParams() to run on CPU. Raises Unsupported for a shape
+    it cannot tile (callers write with XLA instead)."""
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} "
+                         f"{v_cache.dtype} must be equal [B, Hkv, C, D] buffers")
+    B, Hkv, C, D = k_cache.shape
+    if k.shape != v.shape or k.ndim != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (B, Hkv, D):
+        raise ValueError(f"new rows k {k.shape}, v {v.shape} must be [B, T, Hkv, D] of the cache {k_cache.shape}")
+    if start.shape != (B,):
+        raise ValueError(f"start must be [B]={(B,)}; got {start.shape}")
+    T = k.shape[1]
+    W = window_rows(T)
+    dtype = jnp.dtype(k_cache.dtype)
+    if dtype not in map(jnp.dtype, _DTYPES):
+        raise Unsupported(f"cache dtype {dtype} not supported")
+    if C % ROW_TILE or W > C:
+        raise Unsupported(f"capacity C={C} must be a multiple of {ROW_TILE} and hold {W} rows")
+    rows = _chunk_rows(B, 4 * Hkv * W * D * dtype.itemsize)
+
+    return _call(k_cache, v_cache, k, v, start.astype(jnp.int32), T=T, W=W, rows=rows, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "W", "rows", "interpret"))
+def _call(k_cache, v_cache, k, v, start, *, T: int, W: int, rows: int, interpret):
+    # jitted: the memory-space constraint below only exists inside a traced program
+    B, Hkv, C, D = k_cache.shape
+    dtype = jnp.dtype(k_cache.dtype)
+    if not interpret:
+        # HBM at the XLA level too: a BlockSpec's memory space alone binds only the kernel's view,
+        # and XLA would still place a cache that fits in VMEM and evict it whole afterwards.
+        k_cache = pltpu.with_memory_space_constraint(k_cache, pltpu.HBM)
+        v_cache = pltpu.with_memory_space_constraint(v_cache, pltpu.HBM)
+
+    def pad(x):   # [B, T, Hkv, D] -> [B, Hkv, W, D], the new rows at the top
+        x = jnp.swapaxes(x, 1, 2).astype(dtype)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, W - T), (0, 0)))
+
+    new_spec = pl.BlockSpec((rows, Hkv, W, D), lambda i, *_: (i, 0, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+    kernel = functools.partial(_kernel, T=T, W=W, C=C, rows=rows)
+    window_bytes = B * Hkv * W * D * dtype.itemsize
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(k_cache.shape, dtype), jax.ShapeDtypeStruct(v_cache.shape, dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B // rows,),
+            in_specs=[new_spec, new_spec, hbm, hbm],
+            out_specs=(hbm, hbm),
+            scratch_shapes=[pltpu.VMEM((rows, Hkv, W, D), dtype), pltpu.VMEM((rows, Hkv, W, D), dtype),
+                            pltpu.SemaphoreType.DMA((2, rows))],
+        ),
+        # operands count the scalar-prefetch start: (start, new k, new v, k cache, v cache)
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # what moves: each cache's windows read and written, the new rows read
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=6 * window_bytes),
+        interpret=interpret,
+        name="dflash_kv_write_tpu",
+    )(start, pad(k), pad(v), k_cache, v_cache)
