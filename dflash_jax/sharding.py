@@ -34,7 +34,7 @@ __all__ = ["AXES", "make_mesh", "parse_mesh", "RULES", "spec_for", "shard_model"
            "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax", "sharded_topk",
            "sample_candidates", "load_target_sharded", "load_draft_sharded", "model_axis_size",
            "data_axis_size", "as_mesh", "mesh_of", "active", "current_mesh", "argmax", "constrain",
-           "attention_specs", "per_shard", "abstract_on_mesh"]
+           "attention_specs", "per_shard", "abstract_on_mesh", "fused_layout_fits"]
 
 AXES = ("data", "model")
 _ALIASES = {"data": "data", "dp": "data", "model": "model", "tp": "model"}
@@ -304,6 +304,18 @@ def split_gate_up(y, groups: int = 1):
     return z[..., 0, :].reshape(*lead, -1), z[..., 1, :].reshape(*lead, -1)
 
 
+def fused_layout_fits(cfg, tp: int) -> bool:
+    """Whether cfg's heads split over tp shards in the fused layout (q heads divisible, kv heads
+    dividing or divided by tp) and its MLP width divides."""
+    return (cfg.num_heads % tp == 0 and (cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0)
+            and cfg.intermediate_size % tp == 0)
+
+
+def _use_fused(cfg, tp: int, fused) -> bool:
+    """fused_layout=None (the default): the fused layout wherever it fits, else the plain split."""
+    return fused_layout_fits(cfg, tp) if fused is None else bool(fused)
+
+
 def _layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
     if not fused:
         return FusedLayout(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1)
@@ -327,15 +339,17 @@ def _place(model, mesh: Mesh, rules, transform=None):
     return model
 
 
-def shard_model(model, mesh: Mesh, *, fused_layout: bool = True, rules=RULES):
+def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RULES):
     """Place `model`'s parameters (a Qwen3 target or a DFlashDraft, in place) on `mesh` by RULES;
-    returns the model. fused_layout (the default) also permutes qkv / gate_up into the per-shard
+    returns the model. fused_layout (None, the default: wherever the heads split over the model
+    axis, `fused_layout_fits`) also permutes qkv / gate_up into the per-shard
     layout (qkv_permutation) and records it on each layer (`qkv_groups`, `num_kv_heads`, which
     DecoderLayer reads through `split_qkv` / `split_gate_up`), so a layer needs no collective but
     its two all-reduces. fused_layout=False keeps the plain column split: still correct (jit
     inserts the collectives the slices need), slower."""
     tp = model_axis_size(mesh)
     cfg = model.config
+    fused_layout = _use_fused(cfg, tp, fused_layout)
     lay = _layout_for(cfg, tp, fused_layout)
     perm_qkv = qkv_permutation(lay) if fused_layout else None
     perm_gu = gate_up_permutation(cfg.intermediate_size, tp) if fused_layout else None
@@ -360,12 +374,13 @@ def _set_layout(model, lay: FusedLayout):
         layer.num_kv_heads = lay.num_kv_heads
 
 
-def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool = True, rules=RULES):
+def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RULES):
     """An abstract model (nnx.eval_shape) laid out for `mesh` as shard_model would place it: the
     fused layout set on its layers (qkv widened by kv copies), every parameter a ShapeDtypeStruct
     with its NamedSharding. For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
     from flax import nnx
     tp = model_axis_size(mesh)
+    fused_layout = _use_fused(model.config, tp, fused_layout)
     lay = _layout_for(model.config, tp, fused_layout)
     if fused_layout:
         _set_layout(model, lay)
@@ -570,6 +585,7 @@ def _load_sharded(d: str, model, mesh: Mesh, dtype, top: dict, prefix: str, fuse
     ck = _Checkpoint(d)
     cfg = model.config
     tp = model_axis_size(mesh)
+    fused_layout = _use_fused(cfg, tp, fused_layout)
     lay = _layout_for(cfg, tp, fused_layout)
     D, Hq, Hkv, I = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     perm_qkv = qkv_permutation(lay) if fused_layout else None
@@ -633,7 +649,7 @@ def _load_sharded(d: str, model, mesh: Mesh, dtype, top: dict, prefix: str, fuse
     return model
 
 
-def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool = True):
+def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
     """A Qwen3 target whose parameters are built on `mesh` by RULES straight from the checkpoint's
     safetensors slices (each process reads only its devices' blocks)."""
     from flax import nnx
@@ -650,7 +666,7 @@ def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout
     return _load_sharded(d, model, mesh, dt, top, "model.", fused_layout)
 
 
-def load_draft_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool = True):
+def load_draft_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
     """A DFlash draft on `mesh`, as load_target_sharded."""
     from flax import nnx
     from dflash_jax.config import DraftConfig
