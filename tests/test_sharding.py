@@ -420,3 +420,14 @@ def test_sharded_iteration_collectives(spec):
     assert all(n <= residual for n in reduces), ops          # nothing bigger than the residual
     # the argmaxes' (value, index) gathers of [B, S, TP]: never a weight or the logits
     assert all(n <= B // dp * S * tp for op, n, _ in ops if op == "all-gather"), ops
+
+
+@child
+@pytest.mark.slow
+def test_streaming_on_mesh():
+    from dflash_jax import decode
+    target, draft = _models(_mesh("2x4"))
+    seen = []
+    res = decode.generate(target, draft, PROMPTS[:2], on_commit=lambda rows: seen.append(rows), **KW)
+    assert [sum((r[i] for r in seen), []) for i in range(2)] == res.tokens
+    assert res.tokens == decode.generate(*_models(None), PROMPTS[:2], **KW).tokens
