@@ -288,13 +288,14 @@ def _flag_message(e: BaseException) -> str:
 
 def init_distributed() -> None:
     """jax.distributed.initialize() when the environment names a multi-process run: a coordinator
-    (JAX_COORDINATOR_ADDRESS, with JAX_NUM_PROCESSES / JAX_PROCESS_ID), or the workers of a
-    multi-host TPU slice (TPU_WORKER_HOSTNAMES with several hosts; JAX finds the rest). Then only
+    (JAX_COORDINATOR_ADDRESS, with JAX_NUM_PROCESSES / JAX_PROCESS_ID), the workers of a
+    multi-host TPU slice (TPU_WORKER_HOSTNAMES with several hosts), or DFLASH_DISTRIBUTED=1 (set by
+    scripts/tpu_vm_setup.sh on every worker; JAX finds the slice's workers itself). Then only
     process 0 prints: the others' stdout and stderr go to /dev/null (DFLASH_ALL_PROCESSES_PRINT=1
     keeps them)."""
     import jax
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or "," in hosts):
+    if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or "," in hosts or os.environ.get("DFLASH_DISTRIBUTED") == "1"):
         return
     if not jax.distributed.is_initialized():
         jax.distributed.initialize()
