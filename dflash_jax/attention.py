@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 
 _log = logging.getLogger(__name__)
@@ -52,17 +53,21 @@ def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | 
     Returns [B,T,Hq,D] in q.dtype (float32 accumulation); a row with k_end == 0 gives zeros.
     """
     path = kernels.attention
-    if path == "xla":
+    if path == "xla":   # sharded through jit's propagation (heads and batch stay local)
         return pallas_kernels.xla_block_attention(q, k_cache, v_cache, k_end, scale=scale,
                                                   kv_chunk=kernels.xla_kv_chunk)
     if path == "pallas_interpret":
-        return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu",
-                                              scale=scale, interpret=True)
-    if path == "pallas_tpu":
-        return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu", scale=scale)
-    return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="gpu", scale=scale,
-                                          interpret=kernels.interpret,
-                                          **kernels.gpu_attention_tuning())
+        fn = lambda q, k, v, e: pallas_kernels.block_attention(q, k, v, e, impl="tpu", scale=scale,
+                                                               interpret=True)
+    elif path == "pallas_tpu":
+        fn = lambda q, k, v, e: pallas_kernels.block_attention(q, k, v, e, impl="tpu", scale=scale)
+    else:
+        fn = lambda q, k, v, e: pallas_kernels.block_attention(q, k, v, e, impl="gpu", scale=scale,
+                                                               interpret=kernels.interpret,
+                                                               **kernels.gpu_attention_tuning())
+    # A Pallas kernel is one custom call XLA cannot partition: under a mesh it runs per shard
+    # (shard_map), each on its batch rows and its kv heads with their q heads.
+    return sharding.per_shard(fn, q, k_cache, v_cache, k_end)
 
 
 def attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels: KernelConfig, *,

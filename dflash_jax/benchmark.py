@@ -295,7 +295,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"greedy outputs equal to the baseline: {100 * report['greedy_match_rate']:.0f}%")
     failed = False
     for flag, path, write in (("--output", args.output, _write_report), ("--plot", args.plot, _plot)):
-        if path is None:
+        if path is None or not cli.is_main_process():   # multi-host: process 0 writes
             continue
         try:
             write(path, report)

@@ -56,10 +56,12 @@ def write_kv_rows(k_cache, v_cache, k, v, start, kernels=None):
 
         from pallas_kernels import Unsupported
         from pallas_kernels.attention import tpu_cache_write
-        try:
-            return tpu_cache_write.write_kv_rows(
-                k_cache, v_cache, k, v, start,
-                interpret=pltpu.InterpretParams() if kernels.interpret else False)
+        from dflash_jax import sharding
+        interpret = pltpu.InterpretParams() if kernels.interpret else False
+        try:   # a custom call XLA cannot partition: under a mesh it runs per shard
+            return sharding.per_shard_rows(
+                lambda kc, vc, k_, v_, s: tpu_cache_write.write_kv_rows(kc, vc, k_, v_, s, interpret=interpret),
+                k_cache, v_cache, k, v, start)
         except Unsupported:
             pass
     return write_rows(k_cache, k, start), write_rows(v_cache, v, start)

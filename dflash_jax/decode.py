@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 from jax.experimental import io_callback
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import sampling, validation
+from dflash_jax import sampling, sharding, validation
 from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax.cache import KVCache
 from dflash_jax.modeling.draft import DFlashDraft
@@ -56,6 +57,7 @@ class _Static:
     mode: str
     kernels: KernelConfig     # resolved
     stream: bool
+    mesh: Any = None          # jax.sharding.Mesh ('data', 'model') the program runs on; None: one device
 
 
 @struct.dataclass
@@ -122,8 +124,10 @@ def _stream_to_host(call_id, commit, produced):
 def _stream(p: _Params, commit, produced):
     """Send one iteration's commits [B, n] (produced [B] of them per row) to the host; returns
     the host's stop flag [] bool."""
+    # ordered effects are refused in programs over several devices; the loop's data dependence
+    # (the flag decides `done`) orders the calls there
     return io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), p.stream_id, commit, produced,
-                       ordered=True)
+                       ordered=sharding.current_mesh() is None)
 
 
 def _row_keys(seed, lens):
@@ -140,7 +144,7 @@ def _finished(st: _Static, lens, limit, cap_block):
 def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
-    tcache = target.new_cache(B, C)
+    tcache = _on_mesh(st, target.new_cache(B, C))
     with jax.named_scope("prefill_target"):
         h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
                                   kernels=st.kernels, prefill=True)
@@ -152,7 +156,7 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
-            dcache = draft.write_context(feats, positions, draft.new_cache(B, C))
+            dcache = draft.write_context(feats, positions, _on_mesh(st, draft.new_cache(B, C)))
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
     tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
@@ -165,10 +169,10 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     if st.stream:  # the prefill token is the first committed token
         halt = _stream(p, first[:, None], p.active.astype(jnp.int32))
         stopped, done = halt & ~done, done | halt
-    return _Loop(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
+    return _placed(st, _Loop(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
                  pending_count=jnp.zeros((B,), jnp.int32), done=done, stopped=stopped,
                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
-                 step=jnp.zeros((), jnp.int32))
+                 step=jnp.zeros((), jnp.int32)))
 
 
 def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop:
@@ -215,17 +219,48 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
         if st.stream:   # on_commit asked to stop (or raised): every row still running stops here
             halt = _stream(p, commit, produced)
             stopped, done = s.stopped | (halt & ~done), done | halt
-    return _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
+    return _placed(st, _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                  draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
-                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
+                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1))
+
+
+def _loop_specs(st: _Static, s: _Loop) -> _Loop:
+    """The loop state's PartitionSpecs on st.mesh: rows on 'data', caches by sharding.cache_specs."""
+    row, mat = P("data"), P("data", None)
+
+    def cache(c):
+        if not isinstance(c, KVCache):
+            return jax.tree.map(lambda _: P(), c)
+        kv, lens = sharding.cache_specs(c.k[0].shape[1], st.mesh, c.k[0].shape[0])
+        return KVCache(k=tuple(kv for _ in c.k), v=tuple(kv for _ in c.v), lens=lens)
+    return _Loop(tokens=mat, lens=row, target_cache=cache(s.target_cache),
+                 draft_cache=None if s.draft_cache is None else cache(s.draft_cache),
+                 pending=None if s.pending is None else P("data", None, None), pending_count=row, done=row,
+                 stopped=None if s.stopped is None else row, accept_log=mat, iters=row, step=P())
+
+
+def _on_mesh(st: _Static, cache):
+    """A cache born inside the program, placed by sharding.cache_specs (left to propagation, a
+    cache's layout could differ between prefill and loop and force reshards)."""
+    return cache if st.mesh is None or not isinstance(cache, KVCache) else sharding.shard_cache(cache, st.mesh)
+
+
+def _placed(st: _Static, s: _Loop) -> _Loop:
+    """The loop carry constrained to _loop_specs, so it keeps one layout from prefill through
+    every iteration."""
+    if st.mesh is None:
+        return s
+    return jax.tree.map(lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(st.mesh, spec)),
+                        _loop_specs(st, s), s, is_leaf=lambda x: isinstance(x, P))
 
 
 def _run(st: _Static, target_state, draft_state, p: _Params):
-    target = nnx.merge(st.target_def, target_state)
-    draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
-    s = _prefill(st, target, draft, p)
-    s = jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.step < st.capacity),
-                           lambda s: _iteration(st, target, draft, p, s), s)
+    with sharding.active(st.mesh):
+        target = nnx.merge(st.target_def, target_state)
+        draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
+        s = _prefill(st, target, draft, p)
+        s = jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.step < st.capacity),
+                               lambda s: _iteration(st, target, draft, p, s), s)
     return s
 
 
@@ -298,17 +333,17 @@ def _buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity
 
 
 def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            kernels, stream=False) -> _Static:
+            kernels, stream=False, mesh=None) -> _Static:
     has_draft = draft_def is not None
     return _Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
-                   stream=stream)
+                   stream=stream, mesh=mesh)
 
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-                       block_size, seed, attention_impl, capacity, stream, kernels=None):
+                       block_size, seed, attention_impl, capacity, stream, kernels=None, mesh=None):
     if not isinstance(target, Qwen3):
         raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
     if draft is not None and not (isinstance(draft, nnx.Module) and callable(getattr(draft, "propose", None))):
@@ -339,7 +374,10 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     if longest + 1 + S > C or Tb > C:
         raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
                          f"KV-cache capacity {C}; raise capacity or shorten the prompt")
-    B = _pow2(len(rows), 1)
+    mesh = _resolve_mesh(mesh, target, draft)
+    # a power of two, and a multiple of the data axis (every data shard gets whole rows; the
+    # padding rows are inactive)
+    B = _round_up(_pow2(len(rows), 1), 1 if mesh is None else sharding.data_axis_size(mesh))
     prompt = np.zeros((B, Tb), np.int32)
     lens = np.ones((B,), np.int32)
     for i, r in enumerate(rows):
@@ -353,14 +391,68 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
-                 prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream)
+                 prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                 max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
                 temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
                 top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
                 stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed, jnp.uint32),
                 stream_id=jnp.asarray(0, jnp.int32) if stream else None)
+    p = _params_on_mesh(p, mesh)
     return st, tstate, dstate, p, len(rows), lens
+
+
+def _resolve_mesh(mesh, target, draft):
+    """The program's mesh: `mesh` (a Mesh or a make_mesh spec) or, when None, the one the target's
+    parameters are on. Both models must sit on it (one-line errors otherwise)."""
+    on = sharding.mesh_of(target)
+    mesh = on if mesh is None else sharding.as_mesh(mesh)
+    hint = "load it with load_target/load_draft(..., mesh=) or place it with sharding.shard_model"
+    if on != mesh:
+        raise ValueError(f"the target's parameters are on {_mesh_name(on)}, generate was given {_mesh_name(mesh)}; {hint}")
+    if draft is not None and sharding.mesh_of(draft) != mesh:
+        raise ValueError(f"the draft's parameters are on {_mesh_name(sharding.mesh_of(draft))}, the target's on "
+                         f"{_mesh_name(mesh)}; {hint}")
+    return mesh
+
+
+def _mesh_name(mesh) -> str:
+    return "one device" if mesh is None else "mesh " + ",".join(f"{a}={n}" for a, n in mesh.shape.items())
+
+
+# _Params fields with one entry per batch row (placed on 'data'); the others are replicated
+_ROW_FIELDS = ("prompt", "prompt_lens", "active")
+
+
+def _param_specs(p: _Params) -> _Params:
+    def spec(name, x):
+        if x is None:
+            return None
+        return P("data", *([None] * (len(x.shape) - 1))) if name in _ROW_FIELDS else P()
+    return p.replace(**{f.name: spec(f.name, getattr(p, f.name)) for f in dataclasses.fields(p)})
+
+
+def _params_on_mesh(p: _Params, mesh) -> _Params:
+    """The run-time values placed on the mesh (_param_specs). Built from the host copy every
+    process holds, each process filling only its own devices (multi-host)."""
+    if mesh is None:
+        return p
+
+    def put(spec, x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+    return jax.tree.map(put, _param_specs(p), p, is_leaf=lambda x: isinstance(x, P))
+
+
+def _to_host(tree):
+    """device_get, gathering arrays that span other processes' devices first (multi-host)."""
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+    return jax.tree.map(get, tree)
 
 
 def _compiled(st: _Static, tstate, dstate, p) -> tuple[Any, float]:
@@ -392,7 +484,7 @@ def precompile(target: Qwen3, draft, prompts, **kwargs) -> float:
 
 def _generate_defaults(kw: dict) -> dict:
     out = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=None, block_size=None,
-               seed=0, attention_impl=None, capacity=None, kernels=None)
+               seed=0, attention_impl=None, capacity=None, kernels=None, mesh=None)
     unknown = set(kw) - set(out)
     if unknown:
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")
@@ -403,7 +495,7 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
-             kernels: KernelConfig | None = None) -> GenerateResult:
+             kernels: KernelConfig | None = None, mesh=None) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
     draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
@@ -422,27 +514,31 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     `kernels` (a KernelConfig, default KernelConfig(): "auto") picks the attention backend and the
     GPU kernels; it is part of the compile key. `attention_impl` is the older spelling of
     `kernels.attention` (both given and different: ValueError).
+    `mesh` (a jax Mesh with axes ('data', 'model'), or a spec such as "data=2,model=4"; default:
+    the mesh the target's parameters are on, if any) runs the program sharded: the models must be
+    on it (load_target/load_draft(..., mesh=) or sharding.shard_model), the batch is padded to a
+    multiple of the data axis; it is part of the compile key. Same tokens as one device.
     """
     return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
                      seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
-                     kernels=kernels)[0]
+                     kernels=kernels, mesh=mesh)[0]
 
 
 def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-              block_size, seed, attention_impl, capacity, on_commit, kernels):
+              block_size, seed, attention_impl, capacity, on_commit, kernels, mesh=None):
     """`generate`, also returning the final loop state (`_Loop`: caches, lengths; tests read it)."""
     st, tstate, dstate, p, n_rows, lens = _static_and_params(
         target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
         attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
-        kernels=kernels)
+        kernels=kernels, mesh=mesh)
     fn, compile_time = _compiled(st, tstate, dstate, p)
 
     def run():
         t0 = time.perf_counter()
         state = fn(tstate, dstate, p)
-        out = jax.device_get((state.tokens, state.lens, state.accept_log, state.iters, state.step))
+        out = _to_host((state.tokens, state.lens, state.accept_log, state.iters, state.step))
         return state, out, time.perf_counter() - t0
 
     if on_commit is None:
@@ -453,9 +549,10 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
             call_id = next(_STREAM_IDS) % (1 << 31)
             _STREAMS[call_id] = sink
         try:
-            p = p.replace(stream_id=jnp.asarray(call_id, jnp.int32))
+            p = p.replace(stream_id=_params_on_mesh(p.replace(stream_id=np.int32(call_id)), st.mesh).stream_id
+                          if st.mesh is not None else jnp.asarray(call_id, jnp.int32))
             state, out, run_time = run()
-            stopped = np.asarray(state.stopped)
+            stopped = np.asarray(_to_host(state.stopped))
         finally:
             with _STREAM_LOCK:
                 del _STREAMS[call_id]
@@ -477,8 +574,10 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
                      max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
                      sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str | None = None,
-                     device=None, kernels: KernelConfig | None = None):
-    """The static key and abstract arguments of a generation, from configs alone (nothing allocated)."""
+                     device=None, kernels: KernelConfig | None = None, mesh=None):
+    """The static key and abstract arguments of a generation, from configs alone (nothing allocated).
+    mesh: a Mesh (e.g. over a TPU topology's devices) or a spec: the weights laid out and placed
+    as sharding.shard_model would (fused layout), rows on 'data'."""
     from dflash_jax.weights import _dtype
     if sampling_mode not in sampling.MODES:
         raise ValueError(f"sampling_mode={sampling_mode!r}; expected one of {sampling.MODES}")
@@ -488,24 +587,36 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     S = 1 if draft is None else (block_size or draft_config.block_size)
     if S == 1:
         draft = None
+    mesh = sharding.as_mesh(mesh)
+    if mesh is not None:
+        if batch % sharding.data_axis_size(mesh):
+            raise ValueError(f"batch {batch} is not a multiple of the data axis size {sharding.data_axis_size(mesh)}")
+        target = sharding.abstract_on_mesh(target, mesh)
+        draft = sharding.abstract_on_mesh(draft, mesh) if draft is not None else None
+        device = device if device is not None else mesh.devices.flat[0]
     Tb, C = _buckets(prompt_len, max_new_tokens, S, capacity)
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = _static(tdef, ddef, draft_config, block_size=S, batch=batch, prompt_bucket=Tb, capacity=C,
                  mode=sampling_mode,
-                 kernels=kernels_from(kernels, attention_impl or (None if kernels else "xla")).resolve(device=device))
-    sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+                 kernels=kernels_from(kernels, attention_impl or (None if kernels else "xla")).resolve(device=device),
+                 mesh=mesh)
+    one = jax.sharding.SingleDeviceSharding(device) if device is not None else None
 
     def abstract(shape, dtype_):
-        return jax.ShapeDtypeStruct(shape, dtype_, sharding=sharding)
+        return jax.ShapeDtypeStruct(shape, dtype_, sharding=one)
 
-    tstate = jax.tree.map(lambda x: abstract(x.shape, x.dtype), tstate)
-    dstate = jax.tree.map(lambda x: abstract(x.shape, x.dtype), dstate) if dstate is not None else None
+    keep = (lambda x: x) if mesh is not None else (lambda x: abstract(x.shape, x.dtype))   # on the mesh already
+    tstate = jax.tree.map(keep, tstate)
+    dstate = jax.tree.map(keep, dstate) if dstate is not None else None
     i32, f32 = jnp.int32, jnp.float32
     p = _Params(prompt=abstract((batch, Tb), i32), prompt_lens=abstract((batch,), i32),
                 active=abstract((batch,), jnp.bool_), max_new=abstract((), i32), temperature=abstract((), f32),
                 top_k=abstract((), i32), top_p=abstract((), f32), stop_ids=abstract((MAX_STOP_IDS,), i32),
                 seed=abstract((), jnp.uint32))
+    if mesh is not None:
+        p = jax.tree.map(lambda spec, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+                         _param_specs(p), p, is_leaf=lambda x: isinstance(x, P))
     return st, (tstate, dstate, p)
 
 
@@ -524,11 +635,17 @@ def lower_iteration(target_config, draft_config=None, **kw):
     def models(ts, ds):
         return nnx.merge(st.target_def, ts), (None if st.draft_def is None else nnx.merge(st.draft_def, ds))
 
-    loop = jax.eval_shape(lambda ts, ds, p: _prefill(st, *models(ts, ds), p), tstate, dstate, p)
-    sharding = jax.tree.leaves(tstate)[0].sharding
-    loop = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), loop)
-    return jax.jit(lambda ts, ds, p, s: _iteration(st, *models(ts, ds), p, s),
-                   donate_argnums=(3,)).trace(tstate, dstate, p, loop).lower()
+    with sharding.active(st.mesh):
+        loop = jax.eval_shape(lambda ts, ds, p: _prefill(st, *models(ts, ds), p), tstate, dstate, p)
+        if st.mesh is None:
+            one = jax.tree.leaves(tstate)[0].sharding
+            loop = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), loop)
+        else:
+            loop = jax.tree.map(lambda spec, x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                     sharding=NamedSharding(st.mesh, spec)),
+                                _loop_specs(st, loop), loop, is_leaf=lambda x: isinstance(x, P))
+        return jax.jit(lambda ts, ds, p, s: _iteration(st, *models(ts, ds), p, s),
+                       donate_argnums=(3,)).trace(tstate, dstate, p, loop).lower()
 
 
 def lower_generate(target_config, draft_config=None, **kw):

@@ -100,6 +100,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="attention backend: Pallas kernels on TPU/GPU (auto), or the XLA reference")
     g.add_argument("--block-size", type=int, help="draft block size (default: the draft's; 1 = no speculation)")
+    g.add_argument("--mesh", metavar="SPEC",
+                   help="run on many devices: 'data=N,model=M' (aliases dp/tp, or 'NxM'); model = tensor "
+                        "parallel, data = batch rows; N*M must equal the device count (all hosts' together)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -292,19 +295,59 @@ def _flag_message(e: BaseException) -> str:
     return text
 
 
+def init_distributed() -> None:
+    """jax.distributed.initialize() when the environment names a multi-process run: a coordinator
+    (JAX_COORDINATOR_ADDRESS, with JAX_NUM_PROCESSES / JAX_PROCESS_ID), the workers of a
+    multi-host TPU slice (TPU_WORKER_HOSTNAMES with several hosts), or DFLASH_DISTRIBUTED=1 (set by
+    scripts/tpu_vm_setup.sh on every worker; JAX finds the slice's workers itself). Then only
+    process 0 prints: the others' stdout and stderr go to /dev/null (DFLASH_ALL_PROCESSES_PRINT=1
+    keeps them)."""
+    import jax
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or "," in hosts or os.environ.get("DFLASH_DISTRIBUTED") == "1"):
+        return
+    if not jax.distributed.is_initialized():
+        jax.distributed.initialize()
+    if jax.process_index() != 0 and os.environ.get("DFLASH_ALL_PROCESSES_PRINT") != "1":
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def is_main_process() -> bool:
+    """Process 0 of a multi-host run (always True on one host): the one that prints and writes."""
+    import jax
+    return jax.process_index() == 0
+
+
+def get_mesh(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The --mesh as a jax Mesh (None without the flag, or on one device); errors end in parser.error."""
+    from dflash_jax import sharding
+    if getattr(args, "mesh", None) is None:
+        return None
+    try:
+        return sharding.as_mesh(args.mesh)
+    except ValueError as e:
+        parser.error(f"--mesh {args.mesh}: {_one_line(e)}")
+
+
 def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """(target, draft or None) from the parsed flags; user mistakes end in parser.error."""
+    """(target, draft or None) from the parsed flags, on the --mesh when given; user mistakes end
+    in parser.error."""
     import dflash_jax as dj
+    from dflash_jax import sharding
 
     if not hasattr(args, "model_dir"):
         resolve_sources(parser, args)
+    init_distributed()
+    mesh = get_mesh(parser, args)
     try:
         if args.random_init is not None:
             progress(f"building random {args.random_init} ({args.dtype})")
             target = dj.init_target(args.random_init.lower(), seed=args.seed, dtype=args.dtype)
+            if mesh is not None:
+                sharding.shard_model(target, mesh)
         else:
-            progress(f"loading target {args.model} ({args.dtype})")
-            target = dj.load_target(args.model_dir, dtype=args.dtype)
+            progress(f"loading target {args.model} ({args.dtype})" + (f" on mesh {args.mesh}" if mesh else ""))
+            target = dj.load_target(args.model_dir, dtype=args.dtype, mesh=mesh)
     except _LOAD_ERRORS as e:
         parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
                      f"{_one_line(e)}")
@@ -313,10 +356,12 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
         cfg = dj.DraftConfig.for_target(target.config, num_layers=RANDOM_DRAFT_LAYERS,
                                         block_size=RANDOM_DRAFT_BLOCK)
         draft = dj.init_draft(cfg, seed=(args.seed + 1) % validation.SEED_LIMIT, dtype=args.dtype)
+        if mesh is not None:
+            sharding.shard_model(draft, mesh)
     elif args.draft_dir is not None:
         try:
             progress(f"loading draft {args.draft}")
-            draft = dj.load_draft(args.draft_dir, target=target, dtype=args.dtype)
+            draft = dj.load_draft(args.draft_dir, target=target, dtype=args.dtype, mesh=mesh)
         except _LOAD_ERRORS as e:
             parser.error(f"--draft {args.draft}: {_one_line(e)}")
     if args.block_size is not None and draft is not None and args.block_size > draft.config.block_size:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 
 MODES = ("greedy", "sample", "topk", "topp", "filtered")
@@ -256,8 +257,8 @@ def log_probs(logits, temperature, top_k, top_p, mode: str, kernels: KernelConfi
 
 def select(logits, key, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
     """One token per row. logits [B, V], key [B] (per-row keys) → [B] int32."""
-    if mode == "greedy":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":   # sharding.argmax: vocab-sharded under a mesh, never gathering the logits
+        return sharding.argmax(logits)
     lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)
     return jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
 
@@ -269,7 +270,7 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     B, S, V = logits.shape
     drafts = block[:, 1:]                                                       # [B, S-1]
     if mode == "greedy":
-        post = jnp.argmax(logits, axis=-1).astype(jnp.int32)                    # [B, S]
+        post = sharding.argmax(logits)                                          # [B, S]
         a = jnp.sum(jnp.cumprod(drafts == post[:, :-1], axis=1), axis=1).astype(jnp.int32)
         return a, jnp.take_along_axis(post, a[:, None], axis=1)[:, 0]
     lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)                # [B, S, V]

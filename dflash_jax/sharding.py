@@ -18,6 +18,8 @@ cache) has TP kv heads, a legal GQA model with the same outputs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import re
 from typing import Any, Iterable
@@ -31,7 +33,8 @@ __all__ = ["AXES", "make_mesh", "parse_mesh", "RULES", "spec_for", "shard_model"
            "cache_specs", "check_sharded", "FusedLayout", "fused_layout", "qkv_permutation",
            "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax", "sharded_topk",
            "sample_candidates", "load_target_sharded", "load_draft_sharded", "model_axis_size",
-           "data_axis_size"]
+           "data_axis_size", "as_mesh", "mesh_of", "active", "current_mesh", "argmax", "constrain",
+           "attention_specs", "per_shard", "abstract_on_mesh", "fused_layout_fits"]
 
 AXES = ("data", "model")
 _ALIASES = {"data": "data", "dp": "data", "model": "model", "tp": "model"}
@@ -85,6 +88,106 @@ def make_mesh(spec=None, *, dp: int | None = None, tp: int | None = None, device
                          + ("" if data * model > len(devices) else "; pass devices=jax.devices()[:n] to use fewer"))
     auto = (jax.sharding.AxisType.Auto,) * 2
     return jax.make_mesh((data, model), AXES, auto, devices=devices)
+
+
+def as_mesh(mesh) -> Mesh | None:
+    """None, a Mesh (axes ('data', 'model')), or a spec for make_mesh ("data=2,model=4", "2x4", an
+    int, a pair) → a Mesh or None. A mesh of one device is None (nothing to shard)."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        mesh = make_mesh(mesh)
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh axes {tuple(mesh.axis_names)}: expected {AXES} (sharding.make_mesh)")
+    return None if mesh.size == 1 else mesh
+
+
+def mesh_of(model) -> Mesh | None:
+    """The ('data', 'model') mesh `model`'s parameters are placed on (None: not on one). Every
+    parameter must be on the same mesh."""
+    from flax import nnx
+    meshes = set()
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        sh = getattr(var.get_value(), "sharding", None)
+        meshes.add(sh.mesh if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == AXES else None)
+    if len(meshes) > 1:
+        raise ValueError(f"{type(model).__name__}'s parameters are not all on one ('data', 'model') mesh; "
+                         "place it with sharding.shard_model or load it with mesh=")
+    m = meshes.pop() if meshes else None
+    return None if m is None or m.size == 1 else m
+
+
+# The mesh of the program being traced (decode sets it around its trace; the mesh is in the
+# compile key). Layers and sampling read it to pick the per-shard paths: a context variable, so
+# programs traced in several threads each see their own.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("dflash_mesh", default=None)
+
+
+@contextlib.contextmanager
+def active(mesh: Mesh | None):
+    """Trace under `mesh`: `argmax`, `constrain` and the Pallas attention (`per_shard`) use it."""
+    tok = _ACTIVE.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _ACTIVE.reset(tok)
+
+
+def current_mesh() -> Mesh | None:
+    return _ACTIVE.get()
+
+
+def constrain(x, spec: P):
+    """with_sharding_constraint(x, spec) under the active mesh; x unchanged without one. A batch
+    axis on 'data' that does not divide is left unconstrained."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    spec = P(*(None if a == "data" and x.shape[i] % data_axis_size(mesh) else a for i, a in enumerate(spec)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def argmax(logits):
+    """jnp.argmax(logits, axis=-1) as int32; under an active mesh with a model axis > 1 the
+    vocab-sharded `sharded_argmax` (same result, the logits never gathered)."""
+    mesh = current_mesh()
+    if mesh is None or model_axis_size(mesh) == 1 or logits.shape[-1] % model_axis_size(mesh):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return sharded_argmax(logits, mesh)
+
+
+def attention_specs(q_shape, cache_shape, mesh: Mesh):
+    """(q / output spec, cache spec, k_end spec) of block attention q [B, T, Hq, D] over caches
+    [B, Hkv, C, D] per shard: batch on 'data', heads on 'model' (each shard's q heads are exactly
+    those of its kv heads, so every shard is a small GQA attention). Heads that do not split over
+    'model' (the plain layout with fewer kv heads than shards) stay whole on every shard."""
+    B, Hq, Hkv = q_shape[0], q_shape[2], cache_shape[1]
+    d = "data" if B % data_axis_size(mesh) == 0 else None
+    tp = model_axis_size(mesh)
+    m = "model" if Hkv % tp == 0 and Hq % tp == 0 else None
+    return P(d, None, m, None), P(d, m, None, None), P(d, None)
+
+
+def per_shard(fn, q, k_cache, v_cache, k_end):
+    """fn(q, k_cache, v_cache, k_end) (a Pallas attention kernel) on each shard's batch rows and
+    heads via shard_map under the active mesh; fn itself without one. No collective inside."""
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(q, k_cache, v_cache, k_end)
+    qs, cs, es = attention_specs(q.shape, k_cache.shape, mesh)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(qs, cs, cs, es), out_specs=qs,
+                         check_vma=False)(q, k_cache, v_cache, k_end)
+
+
+def per_shard_rows(fn, k_cache, v_cache, k, v, start):
+    """fn(k_cache, v_cache, k, v, start) -> (k_cache, v_cache) (a Pallas cache-row writer) on each
+    shard's batch rows and kv heads via shard_map under the active mesh; fn itself without one."""
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(k_cache, v_cache, k, v, start)
+    rows, cs, _ = attention_specs(k.shape, k_cache.shape, mesh)       # k [B, T, Hkv, D] as q
+    return jax.shard_map(fn, mesh=mesh, in_specs=(cs, cs, rows, rows, P(rows[0])), out_specs=(cs, cs),
+                         check_vma=False)(k_cache, v_cache, k, v, start)
 
 
 def model_axis_size(mesh: Mesh) -> int:
@@ -212,6 +315,18 @@ def split_gate_up(y, groups: int = 1):
     return z[..., 0, :].reshape(*lead, -1), z[..., 1, :].reshape(*lead, -1)
 
 
+def fused_layout_fits(cfg, tp: int) -> bool:
+    """Whether cfg's heads split over tp shards in the fused layout (q heads divisible, kv heads
+    dividing or divided by tp) and its MLP width divides."""
+    return (cfg.num_heads % tp == 0 and (cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0)
+            and cfg.intermediate_size % tp == 0)
+
+
+def _use_fused(cfg, tp: int, fused) -> bool:
+    """fused_layout=None (the default): the fused layout wherever it fits, else the plain split."""
+    return fused_layout_fits(cfg, tp) if fused is None else bool(fused)
+
+
 def _layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
     if not fused:
         return FusedLayout(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1)
@@ -235,14 +350,17 @@ def _place(model, mesh: Mesh, rules, transform=None):
     return model
 
 
-def shard_model(model, mesh: Mesh, *, fused_layout: bool = False, rules=RULES):
+def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RULES):
     """Place `model`'s parameters (a Qwen3 target or a DFlashDraft, in place) on `mesh` by RULES;
-    returns the model. fused_layout=True also permutes qkv / gate_up into the per-shard layout
-    (qkv_permutation) and records it on each layer (`qkv_groups`, `num_kv_heads`): only for layers
-    that read those attributes (the layer side is `split_qkv` / `split_gate_up`). Without it the
-    plain column split is still correct (jit inserts the collectives the slices need)."""
+    returns the model. fused_layout (None, the default: wherever the heads split over the model
+    axis, `fused_layout_fits`) also permutes qkv / gate_up into the per-shard
+    layout (qkv_permutation) and records it on each layer (`qkv_groups`, `num_kv_heads`, which
+    DecoderLayer reads through `split_qkv` / `split_gate_up`), so a layer needs no collective but
+    its two all-reduces. fused_layout=False keeps the plain column split: still correct (jit
+    inserts the collectives the slices need), slower."""
     tp = model_axis_size(mesh)
     cfg = model.config
+    fused_layout = _use_fused(cfg, tp, fused_layout)
     lay = _layout_for(cfg, tp, fused_layout)
     perm_qkv = qkv_permutation(lay) if fused_layout else None
     perm_gu = gate_up_permutation(cfg.intermediate_size, tp) if fused_layout else None
@@ -265,6 +383,28 @@ def _set_layout(model, lay: FusedLayout):
     for layer in model.layers:
         layer.qkv_groups = lay.groups
         layer.num_kv_heads = lay.num_kv_heads
+
+
+def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RULES):
+    """An abstract model (nnx.eval_shape) laid out for `mesh` as shard_model would place it: the
+    fused layout set on its layers (qkv widened by kv copies), every parameter a ShapeDtypeStruct
+    with its NamedSharding. For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
+    from flax import nnx
+    tp = model_axis_size(mesh)
+    fused_layout = _use_fused(model.config, tp, fused_layout)
+    lay = _layout_for(model.config, tp, fused_layout)
+    if fused_layout:
+        _set_layout(model, lay)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = _path_str(path)
+        x = var.get_value()
+        shape = tuple(x.shape)
+        if fused_layout and re.fullmatch(r"layers/\d+/qkv", name):
+            shape = (shape[0], (lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim)
+        spec = spec_for(name, rules)
+        _check_divisible(name, shape, spec, mesh)
+        var.set_value(jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec)))
+    return model
 
 
 def cache_specs(num_kv_heads: int, mesh: Mesh, batch: int | None = None):
@@ -456,6 +596,7 @@ def _load_sharded(d: str, model, mesh: Mesh, dtype, top: dict, prefix: str, fuse
     ck = _Checkpoint(d)
     cfg = model.config
     tp = model_axis_size(mesh)
+    fused_layout = _use_fused(cfg, tp, fused_layout)
     lay = _layout_for(cfg, tp, fused_layout)
     D, Hq, Hkv, I = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     perm_qkv = qkv_permutation(lay) if fused_layout else None
@@ -519,7 +660,7 @@ def _load_sharded(d: str, model, mesh: Mesh, dtype, top: dict, prefix: str, fuse
     return model
 
 
-def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool = False):
+def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
     """A Qwen3 target whose parameters are built on `mesh` by RULES straight from the checkpoint's
     safetensors slices (each process reads only its devices' blocks)."""
     from flax import nnx
@@ -536,7 +677,7 @@ def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout
     return _load_sharded(d, model, mesh, dt, top, "model.", fused_layout)
 
 
-def load_draft_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool = False):
+def load_draft_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
     """A DFlash draft on `mesh`, as load_target_sharded."""
     from flax import nnx
     from dflash_jax.config import DraftConfig

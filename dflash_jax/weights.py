@@ -183,8 +183,14 @@ def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=()):
     return model
 
 
-def load_target(path_or_hub_id: str, dtype="bfloat16") -> Qwen3:
-    """A Qwen3 causal LM from a HF directory or hub id (config.json + safetensors, sharded or not)."""
+def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None) -> Qwen3:
+    """A Qwen3 causal LM from a HF directory or hub id (config.json + safetensors, sharded or not).
+    mesh (a Mesh or a spec such as "data=2,model=4"): placed on it by sharding.RULES in the fused
+    TP layout, each process reading only its devices' slices (sharding.load_target_sharded)."""
+    from dflash_jax import sharding
+    m = sharding.as_mesh(mesh)
+    if m is not None:
+        return sharding.load_target_sharded(path_or_hub_id, m, dtype)
     dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
     config = TargetConfig.from_pretrained(d)
@@ -197,13 +203,18 @@ def load_target(path_or_hub_id: str, dtype="bfloat16") -> Qwen3:
     return _fill(model, _iter_tensors(d), top, dt, f"target {path_or_hub_id}", skip)
 
 
-def load_draft(path_or_hub_id: str, target: Qwen3 | None = None, dtype="bfloat16") -> DFlashDraft:
-    """A z-lab DFlash draft. With `target`, a draft that does not fit it is refused, naming the mismatch."""
+def load_draft(path_or_hub_id: str, target: Qwen3 | None = None, dtype="bfloat16", *, mesh=None) -> DFlashDraft:
+    """A z-lab DFlash draft. With `target`, a draft that does not fit it is refused, naming the mismatch.
+    mesh: as load_target (the draft sits on the target's mesh with the same rules)."""
+    from dflash_jax import sharding
     dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
     config = DraftConfig.from_pretrained(d)
     if target is not None:
         config.check_fits(target.config)
+    m = sharding.as_mesh(mesh)
+    if m is not None:
+        return sharding.load_draft_sharded(d, m, dtype)
     model = nnx.eval_shape(lambda: DFlashDraft(config, dt, rngs=nnx.Rngs(0)))
     top = {"fc.weight": (("fc",), "T"), "hidden_norm.weight": (("hidden_norm", "weight"), None),
            "norm.weight": (("norm", "weight"), None)}

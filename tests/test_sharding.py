@@ -278,46 +278,156 @@ def test_load_reads_only_local_slices(tmp_path, monkeypatch, fused):
     assert any("q_proj" in n for n, _, _ in reads)
 
 
-# -------------------------------------------------------------------- the loop, sharded (slow)
+# ------------------------------------------------------------------------------ the loop, sharded
 
-def _loop_case(spec, prompts, truth=None):
+if CHILD:
+    # 8 q / 2 kv heads: the fused layout fits every mesh here, and 1x8 replicates each kv head 4x
+    TINY8 = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8,
+                         num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+    DRAFT8 = DraftConfig.for_target(TINY8, num_layers=2, block_size=4)
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [9, 10, 11, 12], [5], [6, 7], [8], [100, 101]]
+KW = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
+
+
+def _models(mesh):
+    target, draft = init_target(TINY8, dtype="float32"), init_draft(DRAFT8, dtype="float32")
+    if mesh is not None:
+        sh.shard_model(target, mesh)
+        sh.shard_model(draft, mesh)
+    return target, draft
+
+
+def _truth(prompts):
     from dflash_jax import decode
-    d, m = sh.parse_mesh(spec)
-    mesh = _mesh(spec)
-    dcfg = DraftConfig.for_target(TINY, num_layers=2, block_size=4)
+    plain = decode.generate(_models(None)[0], None, prompts, **KW)
+    truth = np.zeros((len(prompts), 64), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
+        truth[i, :len(p) + len(t)] = p + t
+    return plain, truth
+
+
+def _same_on_mesh(spec, prompts, proposers, **kw):
+    """generate on one device and on `spec` (fused layout, mesh= given) for each proposer kind:
+    None (plain), "draft" (the random draft), "truth" (a double that errs at draft slot 1, so
+    acceptance lengths vary); the mesh's results must be identical."""
+    from dflash_jax import decode
     from tests.doubles import truth_proposer
-    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
+    plain, truth = _truth(prompts)
+    mesh = _mesh(spec)
+    for kind in proposers:
+        out = []
+        for m in (None, mesh):
+            target, draft = _models(m)
+            prop = None if kind is None else draft if kind == "draft" else truth_proposer(draft, truth, 1, 128)
+            out.append(decode.generate(target, prop, prompts, mesh=m, **{**KW, **kw}))
+        one, many = out
+        if kw.get("temperature", 0) == 0:
+            assert one.tokens == plain.tokens, kind
+        assert many.tokens == one.tokens, (spec, kind)
+        assert many.acceptance_lengths == one.acceptance_lengths, (spec, kind)
+        if kind == "truth" and kw.get("temperature", 0) == 0:
+            assert max(max(a) for a in many.acceptance_lengths) > 1      # acceptance really varies
+    if spec == "1x8":
+        assert target.layers[0].num_kv_heads == 8 and target.layers[0].qkv_groups == 8   # kv copies
+    return many
 
-    def proposer(draft):   # the real draft, or a double that errs at draft slot 1
-        return draft if truth is None else truth_proposer(draft, truth, 1, TINY.vocab_size)
 
-    decode.clear_compiled()
-    one = decode.generate(init_target(TINY, dtype="float32"), proposer(init_draft(dcfg, dtype="float32")),
-                          prompts, **kw)
-    decode.clear_compiled()   # the compile key does not hold the mesh yet (docs/sharding.md)
-    target = sh.shard_model(init_target(TINY, dtype="float32"), mesh)
-    draft = sh.shard_model(init_draft(dcfg, dtype="float32"), mesh)
-    many = decode.generate(target, proposer(draft), prompts, **kw)
-    decode.clear_compiled()
-    return one, many
+@child
+@pytest.mark.parametrize("spec", ["2x4", "1x8"])
+def test_generate_on_mesh_matches_one_device(spec):
+    _same_on_mesh(spec, PROMPTS, (None, "truth"))
 
 
 @child
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["1x2", "1x8", "2x4", "8x1"])
-def test_sharded_generate_matches_one_device(spec):
+def test_generate_on_mesh_matches_one_device_all_meshes(spec):
+    _same_on_mesh(spec, PROMPTS, (None, "draft", "truth"))
+
+
+@child
+def test_one_prompt_is_padded_to_the_data_axis():
     from dflash_jax import decode
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [9, 10, 11, 12], [5], [6, 7], [8], [100, 101]]
-    # plain decoding gives the truth; a proposer double that errs at draft slot 1 makes the
-    # acceptance lengths vary
-    decode.clear_compiled()
-    plain = decode.generate(init_target(TINY, dtype="float32"), None, prompts, max_new_tokens=10,
-                            attention_impl="xla", capacity=64)
-    truth = np.zeros((len(prompts), 64), np.int32)
-    for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
-        truth[i, :len(p) + len(t)] = p + t
-    for t in (None, truth):
-        one, many = _loop_case(spec, prompts, t)
-        assert one.tokens == plain.tokens
-        assert many.tokens == one.tokens
-        assert many.acceptance_lengths == one.acceptance_lengths
+    many = _same_on_mesh("8x1", PROMPTS[:1], (None,))
+    st, *_ = decode._static_and_params(*_models(_mesh("8x1")), PROMPTS[:1], stream=False,
+                                       **decode._generate_defaults(KW))
+    assert st.batch == 8 and len(many.tokens) == 1
+
+
+@child
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 5, 1.0), (1.0, 0, 1.0)])
+def test_sampled_tokens_on_mesh_match_one_device(temperature, top_k, top_p):
+    _same_on_mesh("2x4", PROMPTS, ("truth",), temperature=temperature, top_k=top_k, top_p=top_p, seed=5)
+
+
+@child
+@pytest.mark.slow
+def test_sampled_top_p_on_mesh_matches_one_device():
+    _same_on_mesh("2x4", PROMPTS, ("truth",), temperature=0.9, top_k=0, top_p=0.8, seed=5)
+
+
+@child
+def test_mesh_errors_are_one_line():
+    from dflash_jax import decode
+    target, draft = _models(_mesh("1x2"))
+    with pytest.raises(ValueError, match=r"the target's parameters are on mesh data=1,model=2, generate was given mesh data=2,model=4"):
+        decode.generate(target, draft, PROMPTS, mesh="2x4", **KW)
+    with pytest.raises(ValueError, match=r"the draft's parameters are on one device"):
+        decode.generate(target, _models(None)[1], PROMPTS, **KW)
+    with pytest.raises(ValueError, match="needs 16 devices, there are 8"):
+        decode.generate(target, draft, PROMPTS, mesh="data=4,model=4", **KW)
+
+
+def _collective_ops(hlo: str):
+    """[(op, result element count, result bytes)] of every collective in compiled HLO text."""
+    import re
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f16": 2}
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)
+        if not m:
+            continue
+        n = b = 0
+        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            k = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
+            n, b = n + k, b + k * sizes.get(dt, 4)
+        out.append((m.group(2), n, b))
+    return out
+
+
+@child
+@pytest.mark.parametrize("spec", ["1x8", "2x4"])
+def test_sharded_iteration_collectives(spec):
+    """One compiled loop iteration: two all-reduces of the [B, S, H] residual stream per layer
+    (target and draft) and one per embedding lookup, a few scalar ones, the argmaxes' small
+    all-gathers, and nothing else: no weight all-gather,
+    no all-to-all or collective-permute."""
+    from dflash_jax import decode
+    dp, tp = sh.parse_mesh(spec)
+    B, S, H = 8, DRAFT8.block_size, TINY8.hidden_size
+    low = decode.lower_iteration(TINY8, DRAFT8, batch=B, prompt_len=16, capacity=64, dtype="float32",
+                                 attention_impl="xla", mesh=_mesh(spec))
+    ops = _collective_ops(low.compile().as_text())
+    kinds = {op for op, _, _ in ops}
+    assert kinds <= {"all-reduce", "all-gather"}, ops
+    residual = B // dp * S * H                               # the compiled HLO's shapes are per shard
+    reduces = [n for op, n, _ in ops if op == "all-reduce"]
+    layers = TINY8.num_layers + DRAFT8.num_layers
+    # + one per embedding lookup (the vocab-sharded table: each shard's rows, summed), the draft's
+    # block and the verify block
+    assert sum(n == residual for n in reduces) == 2 * layers + 2, ops
+    assert all(n <= residual for n in reduces), ops          # nothing bigger than the residual
+    # the argmaxes' (value, index) gathers of [B, S, TP]: never a weight or the logits
+    assert all(n <= B // dp * S * tp for op, n, _ in ops if op == "all-gather"), ops
+
+
+@child
+@pytest.mark.slow
+def test_streaming_on_mesh():
+    from dflash_jax import decode
+    target, draft = _models(_mesh("2x4"))
+    seen = []
+    res = decode.generate(target, draft, PROMPTS[:2], on_commit=lambda rows: seen.append(rows), **KW)
+    assert [sum((r[i] for r in seen), []) for i in range(2)] == res.tokens
+    assert res.tokens == decode.generate(*_models(None), PROMPTS[:2], **KW).tokens

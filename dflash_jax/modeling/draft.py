@@ -16,6 +16,7 @@ from flax import nnx
 from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
+from dflash_jax.sharding import argmax
 from dflash_jax.modeling.layers import DecoderLayer, DraftContext, RMSNorm, _init, run_layers
 
 
@@ -78,9 +79,12 @@ class DFlashDraft(nnx.Module):
             dh, cache = self(target.embed_tokens(block), positions, pending, pend_pos, cache, draft_end,
                              kernels=kernels)
         with jax.named_scope("draft_lm_head"):
-            drafts = jnp.argmax(target.logits(dh[:, 1:]), axis=-1).astype(jnp.int32)   # [B, S-1]
+            # sharding.argmax: jnp.argmax, or over a vocab-sharded head without gathering the logits
+            drafts = argmax(target.logits(dh[:, 1:]))                                  # [B, S-1]
         return drafts, cache
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
+        # kv heads from the layers: under TP with fewer kv heads than shards the layers hold copies
+        # (sharding.fused_layout), and each copy has its own cache entry
         c = self.config
-        return KVCache.zeros(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype)
+        return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from dflash_jax.cache import KVCache, write_kv_rows
 from dflash_jax.kernel_config import KernelConfig
+from dflash_jax.sharding import split_gate_up, split_qkv
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
@@ -73,9 +74,11 @@ class MLP(nnx.Module):
         self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
 
 
-def gated_silu(y):
-    """silu(gate) * up for y = [gate | up] on its last axis."""
-    gate, up = jnp.split(y, 2, axis=-1)
+def gated_silu(y, groups: int = 1):
+    """silu(gate) * up for y = [gate | up] on its last axis, or in the fused layout of `groups`
+    tensor-parallel shards ([gate_0 | up_0 | gate_1 | up_1 | ...], dflash_jax.sharding), where the
+    split is local to each shard."""
+    gate, up = split_gate_up(y, groups)
     return jax.nn.silu(gate) * up
 
 
@@ -85,6 +88,11 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
+        # Tensor parallelism: qkv / gate_up in the fused layout of this many shards (each shard's
+        # contiguous columns are its own q, k, v heads), and num_kv_heads the layout's (kv heads
+        # copied when the model has fewer than the shards). sharding.shard_model and the sharded
+        # loaders set both; 1 is the plain [q | k | v] layout.
+        self.qkv_groups = 1
         self.rope_theta = cfg.rope_theta
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
         self.qkv = _init(rngs, (H, (cfg.num_heads + 2 * cfg.num_kv_heads) * D), dtype, H ** -0.5)
@@ -95,12 +103,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs)
 
     def _split_heads(self, qkv):
-        B, T, _ = qkv.shape
-        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = qkv[..., : Hq * D].reshape(B, T, Hq, D)
-        k = qkv[..., Hq * D: (Hq + Hkv) * D].reshape(B, T, Hkv, D)
-        v = qkv[..., (Hq + Hkv) * D:].reshape(B, T, Hkv, D)
-        return q, k, v
+        """q [B, T, Hq, D], k, v [B, T, Hkv, D] of the fused projection (its layout: qkv_groups)."""
+        return split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_groups)
 
     def qkv_heads(self, h, positions):
         """The XLA path's attention inputs of already-normed rows h [B, T, H] at positions [B, T]:
@@ -119,16 +123,21 @@ class DecoderLayer(nnx.Module):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
         x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
-        y = gated_silu(self.post_attention_layernorm(x) @ self.mlp.gate_up[...])
+        y = gated_silu(self.post_attention_layernorm(x) @ self.mlp.gate_up[...], self.qkv_groups)
         return x + y @ self.mlp.down[...]
 
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
         ctx [B, T, H] → k, v [B, T, Hkv, D] (k normed and rotated)."""
-        Hq, D = self.num_heads, self.head_dim
-        kv = ctx @ self.qkv[:, Hq * D:]
+        Hq, Hkv, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_groups
+        w = self.qkv[...]
+        # the k|v columns of each shard's chunk (G = 1: the plain layout's last 2 Hkv D columns);
+        # the slice is per shard, so under TP it reads only local columns
+        kv_w = w.reshape(w.shape[0], G, -1)[..., (Hq // G) * D:].reshape(w.shape[0], -1)  # [H, 2 Hkv D]
+        kv = ctx @ kv_w
         B, T, _ = kv.shape
-        k, v = jnp.split(kv.reshape(B, T, 2 * self.num_kv_heads, D), 2, axis=2)
+        kv = kv.reshape(B, T, G, 2, Hkv // G, D)
+        k, v = kv[:, :, :, 0].reshape(B, T, Hkv, D), kv[:, :, :, 1].reshape(B, T, Hkv, D)
         return rope(self.k_norm(k), positions, self.rope_theta), v
 
     def __call__(self, x, residual, positions, k_cache, v_cache, k_end, kernels: KernelConfig, *,
@@ -144,7 +153,9 @@ class DecoderLayer(nnx.Module):
         kernel adds it (the fused GPU path, attention.fused_add_norm)."""
         T = x.shape[1]
         Tc = 0 if context is None else context.feats.shape[1]
-        fused = not prefill and fused_prologue(kernels, T, self.head_dim) and (
+        # the fused GPU prologue reads the plain [q | k | v] layout (per shard it would be that too,
+        # but the layer does not run inside shard_map yet)
+        fused = not prefill and self.qkv_groups == 1 and fused_prologue(kernels, T, self.head_dim) and (
             not Tc or fused_prologue(kernels, Tc, self.head_dim))
         x, h = (add_norm(x, residual, self.input_layernorm, kernels) if residual is not None
                 else (x, self.input_layernorm(x)))
@@ -179,7 +190,7 @@ class DecoderLayer(nnx.Module):
             return self.attn_mlp(x, o), None, k_cache, v_cache
         x, h = add_norm(x, o.reshape(o.shape[0], T, -1) @ self.o[...], self.post_attention_layernorm,
                         kernels)
-        mlp_out = gated_silu(h @ self.mlp.gate_up[...]) @ self.mlp.down[...]
+        mlp_out = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
         if prefill:
             return x + mlp_out, None, k_cache, v_cache
         return x, mlp_out, k_cache, v_cache

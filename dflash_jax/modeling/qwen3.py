@@ -52,5 +52,7 @@ class Qwen3(nnx.Module):
         return h, feats, cache
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
+        # kv heads from the layers: under TP with fewer kv heads than shards the layers hold copies
+        # (sharding.fused_layout), and each copy has its own cache entry
         c = self.config
-        return KVCache.zeros(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, self.dtype)
+        return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
