@@ -64,12 +64,17 @@ class _Params:
     prompt: jax.Array          # [B, Tb] int32
     prompt_lens: jax.Array     # [B] int32
     active: jax.Array          # [B] bool (False: batch padding)
-    max_new: jax.Array         # [] int32
-    temperature: jax.Array     # [] float32
-    top_k: jax.Array           # [] int32
-    top_p: jax.Array           # [] float32
-    stop_ids: jax.Array        # [K] int32, -1 padded
-    seed: jax.Array            # [] uint32
+    # Sampling settings and limits are per row, so the rows of one batch (the serving engine's
+    # slots) may each carry their own request's.
+    max_new: jax.Array         # [B] int32
+    temperature: jax.Array     # [B] float32 (0: greedy row)
+    top_k: jax.Array           # [B] int32
+    top_p: jax.Array           # [B] float32
+    stop_ids: jax.Array        # [B, K] int32, -1 padded
+    seed: jax.Array            # [B] uint32
+    # [B] uint32: the stream a row's randomness is keyed by with its seed: its index in its generate
+    # call (not its batch slot), so a request's samples do not depend on where it runs.
+    rng_row: jax.Array
     stream_id: Any = None      # [] int32: the call's on_commit in _STREAMS (streaming programs only)
 
 
@@ -126,11 +131,11 @@ def _stream(p: _Params, commit, produced):
                        ordered=True)
 
 
-def _row_keys(seed, lens):
-    """Per-row PRNG keys that depend only on (seed, row index, row length)."""
-    base = jax.random.key(seed)
-    rows = jnp.arange(lens.shape[0], dtype=jnp.uint32)
-    return jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base, r), n))(rows, lens.astype(jnp.uint32))
+def _row_keys(p: _Params, lens):
+    """Per-row PRNG keys that depend only on the row's (seed, rng_row, length), never on its batch
+    slot or on the other rows."""
+    return jax.vmap(lambda s, r, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), r), n))(
+        p.seed, p.rng_row, lens.astype(jnp.uint32))
 
 
 def _finished(st: _Static, lens, limit, cap_block):
@@ -147,7 +152,7 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
-    first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
+    first = sampling.select(logits, _row_keys(p, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
                             st.mode, st.kernels)
     dcache = pending = None
     if draft is not None:
@@ -158,7 +163,7 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
     lens = p.prompt_lens
     limit = p.prompt_lens + p.max_new
-    stop = jnp.any(first[:, None] == p.stop_ids[None], axis=1)
+    stop = jnp.any(first[:, None] == p.stop_ids, axis=1)
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
     stopped = None
@@ -172,6 +177,12 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
 
 
 def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop:
+    return _iterate(st, target, draft, p, s)[0]
+
+
+def _iterate(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop):
+    """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
+    row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it."""
     B, S, C = st.batch, st.block_size, st.capacity
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
@@ -192,13 +203,13 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
                                   kernels=st.kernels)
         logits = target.logits(h)                                                   # [B, S, V]
     with jax.named_scope("accept"):
-        keys = _row_keys(p.seed, lens)
+        keys = _row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
                                  st.kernels)
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)
-        is_stop = jnp.any(commit[..., None] == p.stop_ids, axis=-1) & (j < produced[:, None])
+        is_stop = jnp.any(commit[..., None] == p.stop_ids[:, None, :], axis=-1) & (j < produced[:, None])
         produced = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, produced)
         produced = jnp.where(s.done, 0, produced).astype(jnp.int32)
     with jax.named_scope("commit"):
@@ -217,7 +228,8 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
             stopped, done = s.stopped | (halt & ~done), done | halt
     return _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                  draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
-                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)
+                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32),
+                 step=s.step + 1), commit, produced
 
 
 def _run(st: _Static, target_state, draft_state, p: _Params):
@@ -346,8 +358,6 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         prompt[i, :len(r)] = r
         lens[i] = len(r)
     active = np.arange(B) < len(rows)
-    stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-    stop_ids[:len(stop)] = stop
     kernels = kernels_from(kernels, attention_impl).resolve()
     mode = sampling.mode_for(temperature, top_p, top_k)
     tdef, tstate = nnx.split(target)
@@ -355,12 +365,22 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
                  prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
-                max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
-                temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
-                top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
-                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed, jnp.uint32),
+                **_row_settings([dict(max_new=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                      stop_ids=stop, seed=seed, rng_row=i) for i in range(B)]),
                 stream_id=jnp.asarray(0, jnp.int32) if stream else None)
     return st, tstate, dstate, p, len(rows), lens
+
+
+def _row_settings(rows: list[dict]) -> dict:
+    """_Params' per-row fields from one dict per batch row (max_new, temperature, top_k, top_p,
+    stop_ids: a list of at most MAX_STOP_IDS ids, seed, rng_row), as numpy-backed device arrays."""
+    stop_ids = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
+    for i, r in enumerate(rows):
+        stop_ids[i, :len(r["stop_ids"])] = r["stop_ids"]
+    col = lambda k, dt: jnp.asarray(np.array([r[k] for r in rows], dt))             # noqa: E731
+    return dict(max_new=col("max_new", np.int32), temperature=col("temperature", np.float32),
+                top_k=col("top_k", np.int32), top_p=col("top_p", np.float32), stop_ids=jnp.asarray(stop_ids),
+                seed=col("seed", np.uint32), rng_row=col("rng_row", np.uint32))
 
 
 def _compiled(st: _Static, tstate, dstate, p) -> tuple[Any, float]:
@@ -463,7 +483,7 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
             raise sink.error
     tokens, out_lens, log, iters, step = out
     rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
-    stops = set(np.asarray(p.stop_ids).tolist()) - {-1}
+    stops = set(np.asarray(p.stop_ids[0]).tolist()) - {-1}
     reasons = ["stop" if r[-1] in stops else "length" if len(r) >= max_new_tokens else "capacity" for r in rows]
     if on_commit is not None:
         reasons = ["stopped" if stopped[i] else r for i, r in enumerate(reasons)]
@@ -502,10 +522,11 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     tstate = jax.tree.map(lambda x: abstract(x.shape, x.dtype), tstate)
     dstate = jax.tree.map(lambda x: abstract(x.shape, x.dtype), dstate) if dstate is not None else None
     i32, f32 = jnp.int32, jnp.float32
-    p = _Params(prompt=abstract((batch, Tb), i32), prompt_lens=abstract((batch,), i32),
-                active=abstract((batch,), jnp.bool_), max_new=abstract((), i32), temperature=abstract((), f32),
-                top_k=abstract((), i32), top_p=abstract((), f32), stop_ids=abstract((MAX_STOP_IDS,), i32),
-                seed=abstract((), jnp.uint32))
+    row = (batch,)
+    p = _Params(prompt=abstract((batch, Tb), i32), prompt_lens=abstract(row, i32),
+                active=abstract(row, jnp.bool_), max_new=abstract(row, i32), temperature=abstract(row, f32),
+                top_k=abstract(row, i32), top_p=abstract(row, f32), stop_ids=abstract((batch, MAX_STOP_IDS), i32),
+                seed=abstract(row, jnp.uint32), rng_row=abstract(row, jnp.uint32))
     return st, (tstate, dstate, p)
 
 
