@@ -423,7 +423,7 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
-             kernels: KernelConfig | None = None) -> GenerateResult:
+             kernels: KernelConfig | None = None, slots: int | None = None) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
     draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
@@ -442,7 +442,16 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     `kernels` (a KernelConfig, default KernelConfig(): "auto") picks the attention backend and the
     GPU kernels; it is part of the compile key. `attention_impl` is the older spelling of
     `kernels.attention` (both given and different: ValueError).
+    `slots`: with more prompts than this, the prompts run through the slot engine
+    (dflash_jax.engine.Slots: continuous batching, `slots` rows at once, each refilled as its row
+    finishes) instead of one batch that runs until its longest row ends; the tokens are the same
+    (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit.
     """
+    if slots is not None and len(prompts) > slots:
+        return _generate_slots(target, draft, prompts, slots=slots, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
+                               block_size=block_size, seed=seed, attention_impl=attention_impl, capacity=capacity,
+                               on_commit=on_commit, kernels=kernels)
     return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
                      seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
@@ -492,6 +501,112 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
         acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
         block_size=st.block_size, num_iterations=int(step), compile_time_s=compile_time, run_time_s=run_time)
     return res, state
+
+
+# ------------------------------------------------------------------------ the serving engine's programs
+# The engine (dflash_jax/engine.py) keeps one loop row per slot on the device and drives it with three
+# programs over the same _prefill and _iterate as the one-shot loop: `_slots_empty` (allocation),
+# `_slots_insert` (prefill a bucket of requests, write their rows into free slots) and `_slots_step`
+# (up to n iterations, the commits returned). Slot state is donated to insert and step.
+
+@struct.dataclass
+class _Slots:
+    """The engine's device state: one _Loop row per slot and that slot's request settings
+    (_Params with prompt None: a slot keeps only its prompt length)."""
+    loop: _Loop
+    params: _Params
+
+
+def _models(st: _Static, tstate, dstate):
+    return nnx.merge(st.target_def, tstate), (None if st.draft_def is None else nnx.merge(st.draft_def, dstate))
+
+
+def _idle_params(batch: int, prompt_bucket: int) -> _Params:
+    """Parameters of `batch` idle rows (prompt of one token, nothing to generate)."""
+    zeros = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * batch
+    return _Params(prompt=jnp.zeros((batch, prompt_bucket), jnp.int32), prompt_lens=jnp.ones((batch,), jnp.int32),
+                   active=jnp.zeros((batch,), bool), **_row_settings(zeros))
+
+
+def _slots_empty(st: _Static, tstate, dstate) -> _Slots:
+    """Every slot free: done, length 0 (its verify writes land in its own rows, never read)."""
+    def init(ts, ds):
+        loop = _prefill(dataclasses.replace(st, prompt_bucket=16), *_models(st, ts, ds), _idle_params(st.batch, 16))
+        return _Slots(loop=loop, params=_idle_params(st.batch, 16).replace(prompt=None))
+    shapes = jax.eval_shape(init, tstate, dstate)
+    s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    params = s.params.replace(stop_ids=jnp.full(s.params.stop_ids.shape, -1, jnp.int32))
+    return _Slots(loop=s.loop.replace(done=jnp.ones((st.batch,), bool)), params=params)
+
+
+def _slots_insert(st: _Static, tstate, dstate, slots: _Slots, p: _Params, rows):
+    """Prefill the requests of p ([Bp] rows, prompt bucket st.prompt_bucket) and write each into
+    slot rows[i] (rows [Bp] int32; a row >= the slot count drops that request: bucket padding).
+    Other slots are untouched. Returns (slots, first token [Bp], done [Bp])."""
+    new = _prefill(st, *_models(st, tstate, dstate), p)
+    put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
+    loop = jax.tree.map(put, slots.loop.replace(step=None), new.replace(step=None)).replace(step=slots.loop.step)
+    params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
+    first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
+    return _Slots(loop=loop, params=params), first, new.done
+
+
+def _slots_step(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, release):
+    """Up to n_iters iterations of _iterate over every slot (stops early once all are done); slots
+    with release [B] set are marked done first. Returns (slots, commits [n, B, S], produced [n, B],
+    done [B]): slot b committed commits[k, b, :produced[k, b]] at iteration k."""
+    target, draft = _models(st, tstate, dstate)
+    B, S = st.batch, st.block_size
+    loop = slots.loop.replace(done=slots.loop.done | release)
+    commits = jnp.zeros((n_iters, B, S), jnp.int32)                              # [n, B, S]
+    produced = jnp.zeros((n_iters, B), jnp.int32)                                # [n, B]
+
+    def body(c):
+        s, i, commits, produced = c
+        s, commit, n = _iterate(st, target, draft, slots.params, s)
+        return s, i + 1, commits.at[i].set(commit), produced.at[i].set(n)
+
+    loop, _, commits, produced = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < n_iters), body,
+                                                    (loop, jnp.zeros((), jnp.int32), commits, produced))
+    return slots.replace(loop=loop), commits, produced, loop.done
+
+
+def _engine_program(key, fn, args, donate=()):
+    """The cached executable of an engine program (counted by compile_count); key: its static part."""
+    prog = _COMPILED.get(key)
+    if prog is None:
+        static = key[1:]
+        prog = jax.jit(functools.partial(fn, *static), donate_argnums=donate).lower(*args).compile()
+        _COMPILES[0] += 1
+        _COMPILED[key] = prog
+    return prog
+
+
+def _generate_slots(target, draft, prompts, *, slots, on_commit, **kw):
+    """generate through the slot engine (generate's `slots`)."""
+    from dflash_jax.engine import RowRequest, Slots
+    if on_commit is not None:
+        raise ValueError("on_commit (streaming) is not supported with slots=; use dflash_jax.engine.SlotEngine")
+    if not _is_int(slots) or slots < 1:
+        raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+    st, _, _, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=False, **kw)
+    stop = [int(t) for t in np.asarray(p.stop_ids[0]) if t >= 0]
+    eng = Slots(target, draft if st.draft_def is not None else None, slots=int(slots), capacity=st.capacity,
+                block_size=st.block_size, kernels=st.kernels)
+    reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(kw["max_new_tokens"]),
+                       temperature=float(kw["temperature"]), top_k=int(kw["top_k"]), top_p=float(kw["top_p"]),
+                       stop_ids=tuple(stop), seed=int(kw["seed"]), rng_row=i) for i, r in enumerate(prompts)]
+    t0 = time.perf_counter()
+    n0 = _COMPILES[0]
+    eng.warmup([len(r.prompt) for r in reqs], [st.mode])
+    compile_time = time.perf_counter() - t0 if _COMPILES[0] > n0 else 0.0
+    t0 = time.perf_counter()
+    out = eng.run(reqs)
+    run_time = time.perf_counter() - t0
+    return GenerateResult(tokens=[o.tokens for o in out], acceptance_lengths=[o.acceptance_lengths for o in out],
+                          finish_reasons=[o.finish_reason for o in out], block_size=st.block_size,
+                          num_iterations=max(len(o.acceptance_lengths) for o in out),
+                          compile_time_s=compile_time, run_time_s=run_time)
 
 
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,

@@ -1,8 +1,7 @@
-"""Serving engines: the interface the HTTP server (`dflash_jax.serve`) drives, and `SimpleEngine`.
+"""Serving engines: the interface the HTTP server (`dflash_jax.serve`) drives, the step-wise slot
+engine (`Slots` on the device, `SlotEngine` around it) and `SimpleEngine`.
 
-The server only ever talks to an engine through this small interface, so the step-wise slot engine
-(fixed slots; insert / step / release sharing the loop's iteration body) replaces `SimpleEngine`
-without touching the server:
+The server only ever talks to an engine through this small interface:
 
     engine.check(request)                  # raises RequestError(field, message) for a request it cannot run
     handle = engine.submit(request)        # -> Handle; raises QueueFull / EngineClosed / RequestError
@@ -17,8 +16,20 @@ request's stop token and max_tokens) and exactly one final `Finished` event. Tok
 are the engine's contract: for the same prompt and settings they equal one-shot
 `dflash_jax.generate(target, draft, [prompt], ...)` (greedy; sampling with the same seed).
 
+`Slots` is continuous batching: a fixed number of slots whose state (target and draft caches,
+length, pending context, done flag, limits, sampling settings, seeds) lives on the device in one
+pytree (decode._Slots). `insert` prefills a bucket of requests and writes their rows into free slots,
+`step` runs up to K draft-verify-accept iterations of the one-shot loop's own iteration
+(decode._iterate) over all slots and returns each slot's commits, `release` frees a slot at the next
+step. Each program compiles once per (slots, capacity, block, sampling mode, and for insert the
+prompt bucket and insert width), never on a request's arrival; the slot state is donated. `run`
+drives it offline (generate(..., slots=N) with more prompts than slots), `SlotEngine` drives it
+from a thread for the server. A request's tokens do not depend on its slot or its batch-mates: rows
+are independent, and its randomness is keyed by its own seed, stream and position.
+
 `SimpleEngine` runs one request at a time on a worker thread through `generate` (batch of one),
-streaming each loop iteration's tokens through `on_commit`. Its one "slot" is the worker.
+streaming each loop iteration's tokens through `on_commit` (tests inject faults through its
+generate_fn).
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
+import numpy as np
+
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
+           "Slots", "SlotEngine", "RowResult",
            "RequestError", "QueueFull", "EngineClosed", "FINISH_REASONS"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -208,6 +222,38 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) -> None:
+    """The one check of a request against an engine's vocabulary and context length."""
+    from dflash_jax import decode, sampling, validation
+
+    n = len(r.prompt)
+    if n == 0:
+        raise RequestError("prompt", "is empty: a prompt needs at least one token")
+    if any(not decode._is_int(t) or not 0 <= t < vocab_size for t in r.prompt):
+        raise RequestError("prompt", f"has token ids outside the vocabulary [0, {vocab_size})")
+    if n >= max_model_len:
+        raise RequestError("prompt", f"{n} tokens, the model's context length is {max_model_len} "
+                                     f"(prompt + max_tokens); shorten the prompt")
+    if not decode._is_int(r.max_tokens) or r.max_tokens < 1:
+        raise RequestError("max_tokens", f"must be an integer >= 1, got {r.max_tokens!r}")
+    if n + r.max_tokens > max_model_len:
+        raise RequestError("max_tokens", f"{r.max_tokens} with a prompt of {n} tokens exceeds the context "
+                                         f"length {max_model_len}; at most {max_model_len - n}")
+    for field, check in (("temperature", lambda: sampling.validate(r.temperature, 1.0, 0)),
+                         ("top_p", lambda: sampling.validate(0.0, r.top_p, 0)),
+                         ("top_k", lambda: sampling.validate(0.0, 1.0, r.top_k))):
+        try:
+            check()
+        except ValueError as e:
+            raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
+    if not decode._is_int(r.seed) or not 0 <= r.seed < validation.SEED_LIMIT:
+        raise RequestError("seed", f"must be an integer in [0, 2**32), got {r.seed!r}")
+    try:
+        validation.check_stop_ids(stop_ids, vocab_size)
+    except ValueError as e:
+        raise RequestError("stop_token_ids", _one_line(e)) from None
+
+
 class SimpleEngine:
     """One request at a time through one-shot `generate` (batch of one) on a worker thread.
 
@@ -254,34 +300,7 @@ class SimpleEngine:
         return sorted(set(eos) | set(request.stop_token_ids))
 
     def check(self, r: Request) -> None:
-        from dflash_jax import decode, sampling
-
-        n = len(r.prompt)
-        if n == 0:
-            raise RequestError("prompt", "is empty: a prompt needs at least one token")
-        if any(not decode._is_int(t) or not 0 <= t < self.vocab_size for t in r.prompt):
-            raise RequestError("prompt", f"has token ids outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.max_model_len:
-            raise RequestError("prompt", f"{n} tokens, the model's context length is {self.max_model_len} "
-                                         f"(prompt + max_tokens); shorten the prompt")
-        if not decode._is_int(r.max_tokens) or r.max_tokens < 1:
-            raise RequestError("max_tokens", f"must be an integer >= 1, got {r.max_tokens!r}")
-        if n + r.max_tokens > self.max_model_len:
-            raise RequestError("max_tokens", f"{r.max_tokens} with a prompt of {n} tokens exceeds the context "
-                                             f"length {self.max_model_len}; at most {self.max_model_len - n}")
-        for field, check in (("temperature", lambda: sampling.validate(r.temperature, 1.0, 0)),
-                             ("top_p", lambda: sampling.validate(0.0, r.top_p, 0)),
-                             ("top_k", lambda: sampling.validate(0.0, 1.0, r.top_k))):
-            try:
-                check()
-            except ValueError as e:
-                raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
-        if not decode._is_int(r.seed):
-            raise RequestError("seed", f"must be an integer, got {r.seed!r}")
-        try:
-            decode._check_stop_ids(self.stop_ids(r), self.vocab_size)
-        except ValueError as e:
-            raise RequestError("stop_token_ids", _one_line(e)) from None
+        _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
 
     def submit(self, request: Request) -> Handle:
         self.check(request)
@@ -394,3 +413,229 @@ class SimpleEngine:
             h._push(Tokens(final[len(sent):]))
         reason = res.finish_reasons[0] if res.finish_reasons else "length"
         h._finish("stop" if reason == "stop" else "length", stats)
+
+
+# ----------------------------------------------------------------------------------------- slots
+@dataclasses.dataclass(frozen=True)
+class RowRequest:
+    """One row for `Slots`: a prompt and its own settings (stop_ids already merged with eos)."""
+    prompt: tuple[int, ...]
+    max_new: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+    rng_row: int = 0          # the stream its randomness is keyed by (generate: the prompt's index)
+
+    @property
+    def mode(self) -> str:
+        from dflash_jax import sampling
+        return sampling.mode_for(self.temperature, self.top_p, self.top_k)
+
+
+@dataclasses.dataclass
+class RowResult:
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    finish_reason: str        # "stop", "length" or "capacity", as GenerateResult's
+
+
+_MODE_FILTERS = {"greedy": None, "sample": frozenset(), "topk": frozenset("k"), "topp": frozenset("p"),
+                 "filtered": frozenset("kp")}
+
+
+def union_mode(modes) -> str:
+    """The sampling mode whose program serves rows of all these modes: greedy rows stay argmax in
+    any mode, and a filter a row does not use keeps its whole distribution."""
+    filters = [_MODE_FILTERS[m] for m in modes if _MODE_FILTERS[m] is not None]
+    if not filters:
+        return "greedy"
+    u = frozenset().union(*filters)
+    return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered")
+
+
+class Slots:
+    """The device side of continuous batching: `slots` rows of loop state, each a request or free.
+
+    insert(items) prefills requests into free slots (grouped by prompt bucket, `insert_width` rows
+    per prefill program), step() runs up to `steps` iterations over all slots, release(slot) frees
+    a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
+    mode, prompt bucket / insert width) and cached with generate's programs (compile_count counts
+    them). capacity: KV entries per slot; a request needs prompt + max_new <= capacity - block.
+    """
+
+    def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
+                 steps: int = 4, insert_width: int = 1, kernels=None, attention_impl=None):
+        from flax import nnx
+
+        from dflash_jax import decode
+        from dflash_jax.kernel_config import kernels_from
+
+        for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
+                            ("insert_width", insert_width, 1)):
+            if not decode._is_int(v) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        S = 1 if draft is None else (draft.config.block_size if block_size is None else block_size)
+        if draft is not None and not 1 <= S <= draft.config.block_size:
+            raise ValueError(f"block_size={block_size!r} must be in [1, {draft.config.block_size}]")
+        if S == 1:
+            draft = None
+        if capacity - S < 2:
+            raise ValueError(f"capacity {capacity} leaves no room next to a block of {S}")
+        self._decode = decode
+        self.target, self.draft = target, draft
+        self.slots, self.capacity, self.block_size = int(slots), int(capacity), S
+        self.steps, self.insert_width = int(steps), int(insert_width)
+        self.max_model_len = self.capacity - S
+        self.kernels = kernels_from(kernels, attention_impl).resolve()
+        self._tdef, self._tstate = nnx.split(target)
+        self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
+        st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
+        self.state = decode._slots_empty(st, self._tstate, self._dstate)
+        self._release = np.zeros((self.slots,), bool)
+        self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
+
+    def _static(self, *, prompt_bucket: int, batch: int, mode: str):
+        return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
+                                    block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
+                                    capacity=self.capacity, mode=mode, kernels=self.kernels)
+
+    def prompt_bucket(self, n: int) -> int:
+        return min(self._decode._pow2(n, 16), self.capacity)
+
+    def check(self, r: RowRequest) -> None:
+        if not r.prompt or len(r.prompt) + r.max_new > self.max_model_len:
+            raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new {r.max_new} exceeds the context "
+                             f"length {self.max_model_len} (capacity {self.capacity} - block {self.block_size})")
+
+    # programs ----------------------------------------------------------------------------------
+    def _insert_program(self, bucket: int, mode: str):
+        d = self._decode
+        st = self._static(prompt_bucket=bucket, batch=self.insert_width, mode=mode)
+        p = d._idle_params(self.insert_width, bucket)
+        rows = _full_rows(self.insert_width, self.slots)
+        return d._engine_program(("engine_insert", st), d._slots_insert,
+                                 (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
+
+    def _step_program(self, mode: str):
+        d = self._decode
+        st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
+        return d._engine_program(("engine_step", st, self.steps), d._slots_step,
+                                 (self._tstate, self._dstate, self.state, self._release), donate=(2,))
+
+    def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
+        """Compile the insert programs of these prompt lengths' buckets and the step programs of
+        these modes now, so no request waits for a compile."""
+        for m in modes:
+            self._step_program(m)
+            for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
+                self._insert_program(n, m)
+
+    # operations ----------------------------------------------------------------------------------
+    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
+        """Prefill each (slot, request) into its slot (the slots must be free). Returns
+        {slot: (first token, done)}."""
+        import jax.numpy as jnp
+
+        d = self._decode
+        groups: dict[int, list] = {}
+        for slot, r in items:
+            self.check(r)
+            groups.setdefault(self.prompt_bucket(len(r.prompt)), []).append((slot, r))
+        out = {}
+        for bucket, group in sorted(groups.items()):
+            for at in range(0, len(group), self.insert_width):
+                chunk = group[at:at + self.insert_width]
+                mode = union_mode(r.mode for _, r in chunk)
+                W = self.insert_width
+                prompt = np.zeros((W, bucket), np.int32)
+                lens = np.ones((W,), np.int32)
+                rows = np.full((W,), self.slots, np.int32)
+                settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
+                for i, (slot, r) in enumerate(chunk):
+                    prompt[i, :len(r.prompt)] = r.prompt
+                    lens[i], rows[i] = len(r.prompt), slot
+                    settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                       stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
+                    self.modes[slot] = r.mode
+                    self._release[slot] = False
+                p = d._Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
+                              active=jnp.asarray(np.arange(W) < len(chunk)), **d._row_settings(settings))
+                prog = self._insert_program(bucket, mode)
+                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, jnp.asarray(rows))
+                first, done = np.asarray(first), np.asarray(done)
+                for i, (slot, _) in enumerate(chunk):
+                    out[slot] = (int(first[i]), bool(done[i]))
+        return out
+
+    def release(self, slot: int) -> None:
+        """Free `slot` at the next step (its row is marked done there)."""
+        self._release[slot] = True
+        self.modes[slot] = "greedy"
+
+    def step(self, busy: Sequence[int] | None = None):
+        """Up to `steps` iterations over every slot, in the program of the union of the busy slots'
+        modes. Returns numpy (commits [K, B, S], produced [K, B], done [B])."""
+        import jax
+        import jax.numpy as jnp
+
+        busy = range(self.slots) if busy is None else busy
+        prog = self._step_program(union_mode(self.modes[b] for b in busy))
+        self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, jnp.asarray(self._release))
+        self._release[:] = False
+        return tuple(np.asarray(x) for x in jax.device_get((commits, produced, done)))
+
+    # offline -------------------------------------------------------------------------------------
+    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None
+            ) -> list[RowResult]:
+        """Run every request to its end, refilling slots as rows finish (arrival order)."""
+        for r in requests:
+            self.check(r)
+        waiting = collections.deque(range(len(requests)))
+        free = list(range(self.slots))
+        owner: dict[int, int] = {}
+        toks: dict[int, list] = {}
+        accs: dict[int, list] = {}
+        results: list[RowResult | None] = [None] * len(requests)
+
+        def finish(slot):
+            i = owner.pop(slot)
+            r = requests[i]
+            t = toks.pop(i)
+            reason = "stop" if t and t[-1] in r.stop_ids else "length" if len(t) >= r.max_new else "capacity"
+            results[i] = RowResult(tokens=t, acceptance_lengths=accs.pop(i), finish_reason=reason)
+            free.append(slot)
+            if on_finish is not None:
+                on_finish(i, results[i])
+
+        while waiting or owner:
+            if waiting and free:
+                items = []
+                free.sort()
+                while waiting and free:
+                    i, slot = waiting.popleft(), free.pop(0)
+                    owner[slot], toks[i], accs[i] = i, [], []
+                    items.append((slot, requests[i]))
+                for slot, (first, done) in self.insert(items).items():
+                    toks[owner[slot]].append(first)
+                    if done:
+                        finish(slot)
+            if not owner:
+                continue
+            commits, produced, done = self.step(list(owner))
+            for slot in list(owner):
+                i = owner[slot]
+                for k in range(produced.shape[0]):
+                    n = int(produced[k, slot])
+                    if n:
+                        toks[i].extend(commits[k, slot, :n].tolist())
+                        accs[i].append(n)
+                if done[slot]:
+                    finish(slot)
+        return results
+
+
+def _full_rows(n: int, value: int):
+    import jax.numpy as jnp
+    return jnp.full((n,), value, jnp.int32)
