@@ -639,3 +639,194 @@ class Slots:
 def _full_rows(n: int, value: int):
     import jax.numpy as jnp
     return jnp.full((n,), value, jnp.int32)
+
+
+class SlotEngine:
+    """The Engine interface over `Slots`: continuous batching for the server.
+
+    One thread owns the device: each turn it frees the slots of cancelled requests (released at
+    that step), inserts waiting requests into free slots (their first token is pushed at once),
+    runs one `step` and pushes every slot's committed tokens into its Handle, finishing the
+    requests whose rows are done. Compiles happen in `warmup` (the constructor compiles the greedy
+    programs for the prompt buckets up to `warmup_prompt_len`) or on a request of a mode or bucket
+    not seen yet, never again after.
+    """
+
+    def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
+                 eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
+                 steps: int = 4, insert_width: int = 1, kernels=None, warmup_prompt_len: int = 0):
+        from dflash_jax import decode
+
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
+                           insert_width=insert_width, kernels=kernels, attention_impl=attention_impl)
+        self.block_size, self.capacity = self.slots.block_size, capacity
+        self.max_model_len, self.max_queue = self.slots.max_model_len, max_queue
+        self.vocab_size = target.config.vocab_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._compile_count = decode.compile_count
+        if warmup_prompt_len:
+            lengths, n = [], 16
+            while n // 2 < min(warmup_prompt_len, self.max_model_len - 1):
+                lengths.append(min(n, self.max_model_len - 1))
+                n *= 2
+            self.slots.warmup(lengths, ("greedy",))
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._cv = threading.Condition()
+        self._running: dict[int, Handle] = {}          # slot -> handle
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="dflash-slot-engine", daemon=True)
+        self._worker.start()
+
+    # interface ---------------------------------------------------------------------------------
+    def stop_ids(self, request: Request) -> list[int]:
+        eos = () if request.ignore_eos else self.eos_token_ids
+        return sorted(set(eos) | set(request.stop_token_ids))
+
+    def check(self, r: Request) -> None:
+        _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
+
+    def submit(self, request: Request) -> Handle:
+        self.check(request)
+        h = Handle(request)
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine is shutting down")
+            free = self.slots.slots - len(self._running)
+            if len(self._queue) >= self.max_queue + max(0, free):     # those go to free slots at once
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
+            self._queue.append(h)
+            self._cv.notify()
+        return h
+
+    def cancel(self, handle: Handle) -> None:
+        with self._cv:
+            handle.cancelled = True
+            try:
+                self._queue.remove(handle)
+            except ValueError:
+                pass
+            self._cv.notify()
+        handle._finish("cancelled", self._stats_of(handle))    # its slot is released at the next step
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running), slots=self.slots.slots,
+                               max_queue=self.max_queue, compiles=self._compile_count(), capacity=self.capacity,
+                               max_model_len=self.max_model_len)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Take no new requests; let queued and running ones finish, failing what is left after
+        `timeout` seconds (None: wait for all)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout)
+        with self._cv:
+            self._closed, self._abort = True, True
+            left = list(self._queue) + list(self._running.values())
+            self._queue.clear()
+        for h in left:
+            h._finish("error", self._stats_of(h), "the server shut down before the request finished")
+
+    # worker ------------------------------------------------------------------------------------
+    _abort = False
+
+    def _stats_of(self, h: Handle) -> RequestStats:
+        return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
+
+    def _row(self, h: Handle) -> RowRequest:
+        r = h.request
+        return RowRequest(prompt=tuple(int(t) for t in r.prompt), max_new=int(r.max_tokens),
+                          temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
+                          stop_ids=tuple(self.stop_ids(r)), seed=int(r.seed), rng_row=0)
+
+    def _deliver(self, h: Handle, ids: list[int], accepted: int | None = None) -> None:
+        st = h._stats
+        if accepted is not None:
+            st.acceptance_lengths.append(accepted)
+            st.iterations += 1
+        if ids:
+            if st.first_token_s is None:
+                st.first_token_s = time.perf_counter() - h.submitted_at
+            h._push(Tokens(ids))
+
+    def _end(self, slot: int, h: Handle) -> None:
+        del self._running[slot]
+        if h.done:
+            return
+        toks = h._tokens
+        stops = set(self.stop_ids(h.request))
+        h._finish("stop" if toks and toks[-1] in stops else "length", h._stats)
+
+    def _work(self) -> None:
+        free = list(range(self.slots.slots))
+        while True:
+            with self._cv:
+                while not self._queue and not self._running and not self._closed:
+                    self._cv.wait()
+                if self._abort or (self._closed and not self._queue and not self._running):
+                    return
+                for slot, h in list(self._running.items()):     # cancelled: free at this step
+                    if h.cancelled:
+                        self.slots.release(slot)
+                        del self._running[slot]
+                        free.append(slot)
+                admit = []
+                free.sort()
+                while self._queue and free:
+                    h = self._queue.popleft()
+                    slot = free.pop(0)
+                    self._running[slot] = h
+                    admit.append((slot, h))
+            if admit:
+                for slot, h in admit:
+                    h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
+                                            queued_s=time.perf_counter() - h.submitted_at)
+                try:
+                    firsts = self.slots.insert([(slot, self._row(h)) for slot, h in admit])
+                except Exception as e:  # the inserted requests fail; the others keep running
+                    with self._cv:
+                        for slot, h in admit:
+                            self._running.pop(slot, None)
+                            free.append(slot)
+                            self.slots.release(slot)
+                    for _, h in admit:
+                        h._finish("error", h._stats, _one_line(e))
+                    continue
+                with self._cv:
+                    for slot, h in admit:
+                        first, done = firsts[slot]
+                        self._deliver(h, [first])
+                        if done:
+                            self._end(slot, h)
+                            free.append(slot)
+            with self._cv:
+                busy = list(self._running)
+            if not busy:
+                continue
+            try:
+                commits, produced, done = self.slots.step(busy)
+            except Exception as e:  # a failed step fails every running request; the engine stays up
+                with self._cv:
+                    failed = list(self._running.items())
+                    for slot, _ in failed:
+                        self.slots.release(slot)
+                        free.append(slot)
+                    self._running.clear()
+                for _, h in failed:
+                    h._finish("error", self._stats_of(h), _one_line(e))
+                continue
+            with self._cv:
+                for slot in busy:
+                    h = self._running.get(slot)
+                    if h is None:
+                        continue
+                    for k in range(produced.shape[0]):
+                        n = int(produced[k, slot])
+                        if n and not h.done:
+                            self._deliver(h, commits[k, slot, :n].tolist(), n)
+                    if done[slot]:
+                        self._end(slot, h)
+                        free.append(slot)
