@@ -571,11 +571,11 @@ def _slots_step(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, releas
     return slots.replace(loop=loop), commits, produced, loop.done
 
 
-def _engine_program(key, fn, args, donate=()):
-    """The cached executable of an engine program (counted by compile_count); key: its static part."""
+def _engine_program(key, fn, static: tuple, args, donate=()):
+    """The cached executable of fn(*static, *args) (counted by compile_count); key: everything its
+    program depends on beyond the argument values (static, and the slot state's shape)."""
     prog = _COMPILED.get(key)
     if prog is None:
-        static = key[1:]
         prog = jax.jit(functools.partial(fn, *static), donate_argnums=donate).lower(*args).compile()
         _COMPILES[0] += 1
         _COMPILED[key] = prog

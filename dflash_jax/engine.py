@@ -515,13 +515,13 @@ class Slots:
         st = self._static(prompt_bucket=bucket, batch=self.insert_width, mode=mode)
         p = d._idle_params(self.insert_width, bucket)
         rows = _full_rows(self.insert_width, self.slots)
-        return d._engine_program(("engine_insert", st), d._slots_insert,
+        return d._engine_program(("engine_insert", st, self.slots), d._slots_insert, (st,),
                                  (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
 
     def _step_program(self, mode: str):
         d = self._decode
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
-        return d._engine_program(("engine_step", st, self.steps), d._slots_step,
+        return d._engine_program(("engine_step", st, self.steps), d._slots_step, (st, self.steps),
                                  (self._tstate, self._dstate, self.state, self._release), donate=(2,))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
@@ -599,7 +599,10 @@ class Slots:
         accs: dict[int, list] = {}
         results: list[RowResult | None] = [None] * len(requests)
 
+        self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
+
         def finish(slot):
+            self.last_run_times[owner[slot]].append(time.perf_counter())
             i = owner.pop(slot)
             r = requests[i]
             t = toks.pop(i)
@@ -619,6 +622,7 @@ class Slots:
                     items.append((slot, requests[i]))
                 for slot, (first, done) in self.insert(items).items():
                     toks[owner[slot]].append(first)
+                    self.last_run_times[owner[slot]] = [time.perf_counter()]
                     if done:
                         finish(slot)
             if not owner:

@@ -530,6 +530,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.served_model_name = args.served_model_name or "dflash-default"
     # check_args also validates the sampling flags, which are per request here
     args.max_new_tokens, args.temperature, args.top_p, args.top_k = 1, 0.0, 1.0, 0
+    args.stop_token_ids = getattr(args, "stop_token_ids", None)
     cli.check_args(parser, args)
     if args.slots < 1:
         parser.error(f"--slots must be >= 1, got {args.slots}")
