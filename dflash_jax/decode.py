@@ -66,12 +66,17 @@ class _Params:
     prompt: jax.Array          # [B, Tb] int32
     prompt_lens: jax.Array     # [B] int32
     active: jax.Array          # [B] bool (False: batch padding)
-    max_new: jax.Array         # [] int32
-    temperature: jax.Array     # [] float32
-    top_k: jax.Array           # [] int32
-    top_p: jax.Array           # [] float32
-    stop_ids: jax.Array        # [K] int32, -1 padded
-    seed: jax.Array            # [] uint32
+    # Sampling settings and limits are per row, so the rows of one batch (the serving engine's
+    # slots) may each carry their own request's.
+    max_new: jax.Array         # [B] int32
+    temperature: jax.Array     # [B] float32 (0: greedy row)
+    top_k: jax.Array           # [B] int32
+    top_p: jax.Array           # [B] float32
+    stop_ids: jax.Array        # [B, K] int32, -1 padded
+    seed: jax.Array            # [B] uint32
+    # [B] uint32: the stream a row's randomness is keyed by with its seed: its index in its generate
+    # call (not its batch slot), so a request's samples do not depend on where it runs.
+    rng_row: jax.Array
     stream_id: Any = None      # [] int32: the call's on_commit in _STREAMS (streaming programs only)
 
 
@@ -130,11 +135,11 @@ def _stream(p: _Params, commit, produced):
                        ordered=sharding.current_mesh() is None)
 
 
-def _row_keys(seed, lens):
-    """Per-row PRNG keys that depend only on (seed, row index, row length)."""
-    base = jax.random.key(seed)
-    rows = jnp.arange(lens.shape[0], dtype=jnp.uint32)
-    return jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base, r), n))(rows, lens.astype(jnp.uint32))
+def _row_keys(p: _Params, lens):
+    """Per-row PRNG keys that depend only on the row's (seed, rng_row, length), never on its batch
+    slot or on the other rows."""
+    return jax.vmap(lambda s, r, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), r), n))(
+        p.seed, p.rng_row, lens.astype(jnp.uint32))
 
 
 def _finished(st: _Static, lens, limit, cap_block):
@@ -151,7 +156,7 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
-    first = sampling.select(logits, _row_keys(p.seed, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
+    first = sampling.select(logits, _row_keys(p, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
                             st.mode, st.kernels)
     dcache = pending = None
     if draft is not None:
@@ -162,7 +167,7 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
     lens = p.prompt_lens
     limit = p.prompt_lens + p.max_new
-    stop = jnp.any(first[:, None] == p.stop_ids[None], axis=1)
+    stop = jnp.any(first[:, None] == p.stop_ids, axis=1)
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
     stopped = None
@@ -176,6 +181,12 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
 
 
 def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop:
+    return _iterate(st, target, draft, p, s)[0]
+
+
+def _iterate(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop):
+    """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
+    row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it."""
     B, S, C = st.batch, st.block_size, st.capacity
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
@@ -196,13 +207,13 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
                                   kernels=st.kernels)
         logits = target.logits(h)                                                   # [B, S, V]
     with jax.named_scope("accept"):
-        keys = _row_keys(p.seed, lens)
+        keys = _row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
                                  st.kernels)
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)
-        is_stop = jnp.any(commit[..., None] == p.stop_ids, axis=-1) & (j < produced[:, None])
+        is_stop = jnp.any(commit[..., None] == p.stop_ids[:, None, :], axis=-1) & (j < produced[:, None])
         produced = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, produced)
         produced = jnp.where(s.done, 0, produced).astype(jnp.int32)
     with jax.named_scope("commit"):
@@ -221,7 +232,7 @@ def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop
             stopped, done = s.stopped | (halt & ~done), done | halt
     return _placed(st, _Loop(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                  draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
-                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1))
+                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)), commit, produced
 
 
 def _loop_specs(st: _Static, s: _Loop) -> _Loop:
@@ -384,8 +395,6 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         prompt[i, :len(r)] = r
         lens[i] = len(r)
     active = np.arange(B) < len(rows)
-    stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-    stop_ids[:len(stop)] = stop
     kernels = kernels_from(kernels, attention_impl).resolve()
     mode = sampling.mode_for(temperature, top_p, top_k)
     tdef, tstate = nnx.split(target)
@@ -393,10 +402,8 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     st = _static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
                  prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh)
     p = _Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
-                max_new=jnp.asarray(int(max_new_tokens), jnp.int32),
-                temperature=jnp.asarray(max(float(temperature), 1e-6), jnp.float32),
-                top_k=jnp.asarray(int(top_k), jnp.int32), top_p=jnp.asarray(float(top_p), jnp.float32),
-                stop_ids=jnp.asarray(stop_ids), seed=jnp.asarray(seed, jnp.uint32),
+                **_row_settings([dict(max_new=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                      stop_ids=stop, seed=seed, rng_row=i) for i in range(B)]),
                 stream_id=jnp.asarray(0, jnp.int32) if stream else None)
     p = _params_on_mesh(p, mesh)
     return st, tstate, dstate, p, len(rows), lens
@@ -421,7 +428,8 @@ def _mesh_name(mesh) -> str:
 
 
 # _Params fields with one entry per batch row (placed on 'data'); the others are replicated
-_ROW_FIELDS = ("prompt", "prompt_lens", "active")
+_ROW_FIELDS = ("prompt", "prompt_lens", "active", "max_new", "temperature", "top_k", "top_p", "stop_ids",
+               "seed", "rng_row")
 
 
 def _param_specs(p: _Params) -> _Params:
@@ -453,6 +461,18 @@ def _to_host(tree):
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return jax.device_get(x)
     return jax.tree.map(get, tree)
+
+
+def _row_settings(rows: list[dict]) -> dict:
+    """_Params' per-row fields from one dict per batch row (max_new, temperature, top_k, top_p,
+    stop_ids: a list of at most MAX_STOP_IDS ids, seed, rng_row), as numpy-backed device arrays."""
+    stop_ids = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
+    for i, r in enumerate(rows):
+        stop_ids[i, :len(r["stop_ids"])] = r["stop_ids"]
+    col = lambda k, dt: jnp.asarray(np.array([r[k] for r in rows], dt))             # noqa: E731
+    return dict(max_new=col("max_new", np.int32), temperature=col("temperature", np.float32),
+                top_k=col("top_k", np.int32), top_p=col("top_p", np.float32), stop_ids=jnp.asarray(stop_ids),
+                seed=col("seed", np.uint32), rng_row=col("rng_row", np.uint32))
 
 
 def _compiled(st: _Static, tstate, dstate, p) -> tuple[Any, float]:
@@ -495,7 +515,8 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
-             kernels: KernelConfig | None = None, mesh=None) -> GenerateResult:
+             kernels: KernelConfig | None = None, mesh=None,
+             slots: int | None = None) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
     draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
@@ -518,7 +539,18 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     the mesh the target's parameters are on, if any) runs the program sharded: the models must be
     on it (load_target/load_draft(..., mesh=) or sharding.shard_model), the batch is padded to a
     multiple of the data axis; it is part of the compile key. Same tokens as one device.
+    `slots`: with more prompts than this, the prompts run through the slot engine
+    (dflash_jax.engine.Slots: continuous batching, `slots` rows at once, each refilled as its row
+    finishes) instead of one batch that runs until its longest row ends; the tokens are the same
+    (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit.
     """
+    if slots is not None and len(prompts) > slots:
+        if mesh is not None or sharding.mesh_of(target) is not None:
+            raise ValueError("slots= (the slot engine) does not run on a mesh yet; give mesh=None with one-device models")
+        return _generate_slots(target, draft, prompts, slots=slots, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
+                               block_size=block_size, seed=seed, attention_impl=attention_impl, capacity=capacity,
+                               on_commit=on_commit, kernels=kernels)
     return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
                      seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
@@ -560,7 +592,7 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
             raise sink.error
     tokens, out_lens, log, iters, step = out
     rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
-    stops = set(np.asarray(p.stop_ids).tolist()) - {-1}
+    stops = set(np.asarray(p.stop_ids[0]).tolist()) - {-1}
     reasons = ["stop" if r[-1] in stops else "length" if len(r) >= max_new_tokens else "capacity" for r in rows]
     if on_commit is not None:
         reasons = ["stopped" if stopped[i] else r for i, r in enumerate(reasons)]
@@ -569,6 +601,112 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
         acceptance_lengths=[log[i, :iters[i]].tolist() for i in range(n_rows)],
         block_size=st.block_size, num_iterations=int(step), compile_time_s=compile_time, run_time_s=run_time)
     return res, state
+
+
+# ------------------------------------------------------------------------ the serving engine's programs
+# The engine (dflash_jax/engine.py) keeps one loop row per slot on the device and drives it with three
+# programs over the same _prefill and _iterate as the one-shot loop: `_slots_empty` (allocation),
+# `_slots_insert` (prefill a bucket of requests, write their rows into free slots) and `_slots_step`
+# (up to n iterations, the commits returned). Slot state is donated to insert and step.
+
+@struct.dataclass
+class _Slots:
+    """The engine's device state: one _Loop row per slot and that slot's request settings
+    (_Params with prompt None: a slot keeps only its prompt length)."""
+    loop: _Loop
+    params: _Params
+
+
+def _models(st: _Static, tstate, dstate):
+    return nnx.merge(st.target_def, tstate), (None if st.draft_def is None else nnx.merge(st.draft_def, dstate))
+
+
+def _idle_params(batch: int, prompt_bucket: int) -> _Params:
+    """Parameters of `batch` idle rows (prompt of one token, nothing to generate)."""
+    zeros = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * batch
+    return _Params(prompt=jnp.zeros((batch, prompt_bucket), jnp.int32), prompt_lens=jnp.ones((batch,), jnp.int32),
+                   active=jnp.zeros((batch,), bool), **_row_settings(zeros))
+
+
+def _slots_empty(st: _Static, tstate, dstate) -> _Slots:
+    """Every slot free: done, length 0 (its verify writes land in its own rows, never read)."""
+    def init(ts, ds):
+        loop = _prefill(dataclasses.replace(st, prompt_bucket=16), *_models(st, ts, ds), _idle_params(st.batch, 16))
+        return _Slots(loop=loop, params=_idle_params(st.batch, 16).replace(prompt=None))
+    shapes = jax.eval_shape(init, tstate, dstate)
+    s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    params = s.params.replace(stop_ids=jnp.full(s.params.stop_ids.shape, -1, jnp.int32))
+    return _Slots(loop=s.loop.replace(done=jnp.ones((st.batch,), bool)), params=params)
+
+
+def _slots_insert(st: _Static, tstate, dstate, slots: _Slots, p: _Params, rows):
+    """Prefill the requests of p ([Bp] rows, prompt bucket st.prompt_bucket) and write each into
+    slot rows[i] (rows [Bp] int32; a row >= the slot count drops that request: bucket padding).
+    Other slots are untouched. Returns (slots, first token [Bp], done [Bp])."""
+    new = _prefill(st, *_models(st, tstate, dstate), p)
+    put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
+    loop = jax.tree.map(put, slots.loop.replace(step=None), new.replace(step=None)).replace(step=slots.loop.step)
+    params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
+    first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
+    return _Slots(loop=loop, params=params), first, new.done
+
+
+def _slots_step(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, release):
+    """Up to n_iters iterations of _iterate over every slot (stops early once all are done); slots
+    with release [B] set are marked done first. Returns (slots, commits [n, B, S], produced [n, B],
+    done [B]): slot b committed commits[k, b, :produced[k, b]] at iteration k."""
+    target, draft = _models(st, tstate, dstate)
+    B, S = st.batch, st.block_size
+    loop = slots.loop.replace(done=slots.loop.done | release)
+    commits = jnp.zeros((n_iters, B, S), jnp.int32)                              # [n, B, S]
+    produced = jnp.zeros((n_iters, B), jnp.int32)                                # [n, B]
+
+    def body(c):
+        s, i, commits, produced = c
+        s, commit, n = _iterate(st, target, draft, slots.params, s)
+        return s, i + 1, commits.at[i].set(commit), produced.at[i].set(n)
+
+    loop, _, commits, produced = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < n_iters), body,
+                                                    (loop, jnp.zeros((), jnp.int32), commits, produced))
+    return slots.replace(loop=loop), commits, produced, loop.done
+
+
+def _engine_program(key, fn, static: tuple, args, donate=()):
+    """The cached executable of fn(*static, *args) (counted by compile_count); key: everything its
+    program depends on beyond the argument values (static, and the slot state's shape)."""
+    prog = _COMPILED.get(key)
+    if prog is None:
+        prog = jax.jit(functools.partial(fn, *static), donate_argnums=donate).lower(*args).compile()
+        _COMPILES[0] += 1
+        _COMPILED[key] = prog
+    return prog
+
+
+def _generate_slots(target, draft, prompts, *, slots, on_commit, **kw):
+    """generate through the slot engine (generate's `slots`)."""
+    from dflash_jax.engine import RowRequest, Slots
+    if on_commit is not None:
+        raise ValueError("on_commit (streaming) is not supported with slots=; use dflash_jax.engine.SlotEngine")
+    if not _is_int(slots) or slots < 1:
+        raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+    st, _, _, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=False, **kw)
+    stop = [int(t) for t in np.asarray(p.stop_ids[0]) if t >= 0]
+    eng = Slots(target, draft if st.draft_def is not None else None, slots=int(slots), capacity=st.capacity,
+                block_size=st.block_size, kernels=st.kernels)
+    reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(kw["max_new_tokens"]),
+                       temperature=float(kw["temperature"]), top_k=int(kw["top_k"]), top_p=float(kw["top_p"]),
+                       stop_ids=tuple(stop), seed=int(kw["seed"]), rng_row=i) for i, r in enumerate(prompts)]
+    t0 = time.perf_counter()
+    n0 = _COMPILES[0]
+    eng.warmup([len(r.prompt) for r in reqs], [st.mode])
+    compile_time = time.perf_counter() - t0 if _COMPILES[0] > n0 else 0.0
+    t0 = time.perf_counter()
+    out = eng.run(reqs)
+    run_time = time.perf_counter() - t0
+    return GenerateResult(tokens=[o.tokens for o in out], acceptance_lengths=[o.acceptance_lengths for o in out],
+                          finish_reasons=[o.finish_reason for o in out], block_size=st.block_size,
+                          num_iterations=max(len(o.acceptance_lengths) for o in out),
+                          compile_time_s=compile_time, run_time_s=run_time)
 
 
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
@@ -610,10 +748,11 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     tstate = jax.tree.map(keep, tstate)
     dstate = jax.tree.map(keep, dstate) if dstate is not None else None
     i32, f32 = jnp.int32, jnp.float32
-    p = _Params(prompt=abstract((batch, Tb), i32), prompt_lens=abstract((batch,), i32),
-                active=abstract((batch,), jnp.bool_), max_new=abstract((), i32), temperature=abstract((), f32),
-                top_k=abstract((), i32), top_p=abstract((), f32), stop_ids=abstract((MAX_STOP_IDS,), i32),
-                seed=abstract((), jnp.uint32))
+    row = (batch,)
+    p = _Params(prompt=abstract((batch, Tb), i32), prompt_lens=abstract(row, i32),
+                active=abstract(row, jnp.bool_), max_new=abstract(row, i32), temperature=abstract(row, f32),
+                top_k=abstract(row, i32), top_p=abstract(row, f32), stop_ids=abstract((batch, MAX_STOP_IDS), i32),
+                seed=abstract(row, jnp.uint32), rng_row=abstract(row, jnp.uint32))
     if mesh is not None:
         p = jax.tree.map(lambda spec, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
                          _param_specs(p), p, is_leaf=lambda x: isinstance(x, P))

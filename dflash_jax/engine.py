@@ -1,8 +1,7 @@
-"""Serving engines: the interface the HTTP server (`dflash_jax.serve`) drives, and `SimpleEngine`.
+"""Serving engines: the interface the HTTP server (`dflash_jax.serve`) drives, the step-wise slot
+engine (`Slots` on the device, `SlotEngine` around it) and `SimpleEngine`.
 
-The server only ever talks to an engine through this small interface, so the step-wise slot engine
-(fixed slots; insert / step / release sharing the loop's iteration body) replaces `SimpleEngine`
-without touching the server:
+The server only ever talks to an engine through this small interface:
 
     engine.check(request)                  # raises RequestError(field, message) for a request it cannot run
     handle = engine.submit(request)        # -> Handle; raises QueueFull / EngineClosed / RequestError
@@ -17,8 +16,20 @@ request's stop token and max_tokens) and exactly one final `Finished` event. Tok
 are the engine's contract: for the same prompt and settings they equal one-shot
 `dflash_jax.generate(target, draft, [prompt], ...)` (greedy; sampling with the same seed).
 
+`Slots` is continuous batching: a fixed number of slots whose state (target and draft caches,
+length, pending context, done flag, limits, sampling settings, seeds) lives on the device in one
+pytree (decode._Slots). `insert` prefills a bucket of requests and writes their rows into free slots,
+`step` runs up to K draft-verify-accept iterations of the one-shot loop's own iteration
+(decode._iterate) over all slots and returns each slot's commits, `release` frees a slot at the next
+step. Each program compiles once per (slots, capacity, block, sampling mode, and for insert the
+prompt bucket and insert width), never on a request's arrival; the slot state is donated. `run`
+drives it offline (generate(..., slots=N) with more prompts than slots), `SlotEngine` drives it
+from a thread for the server. A request's tokens do not depend on its slot or its batch-mates: rows
+are independent, and its randomness is keyed by its own seed, stream and position.
+
 `SimpleEngine` runs one request at a time on a worker thread through `generate` (batch of one),
-streaming each loop iteration's tokens through `on_commit`. Its one "slot" is the worker.
+streaming each loop iteration's tokens through `on_commit` (tests inject faults through its
+generate_fn).
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
+import numpy as np
+
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
+           "Slots", "SlotEngine", "RowResult",
            "RequestError", "QueueFull", "EngineClosed", "FINISH_REASONS"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -208,6 +222,38 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) -> None:
+    """The one check of a request against an engine's vocabulary and context length."""
+    from dflash_jax import decode, sampling, validation
+
+    n = len(r.prompt)
+    if n == 0:
+        raise RequestError("prompt", "is empty: a prompt needs at least one token")
+    if any(not decode._is_int(t) or not 0 <= t < vocab_size for t in r.prompt):
+        raise RequestError("prompt", f"has token ids outside the vocabulary [0, {vocab_size})")
+    if n >= max_model_len:
+        raise RequestError("prompt", f"{n} tokens, the model's context length is {max_model_len} "
+                                     f"(prompt + max_tokens); shorten the prompt")
+    if not decode._is_int(r.max_tokens) or r.max_tokens < 1:
+        raise RequestError("max_tokens", f"must be an integer >= 1, got {r.max_tokens!r}")
+    if n + r.max_tokens > max_model_len:
+        raise RequestError("max_tokens", f"{r.max_tokens} with a prompt of {n} tokens exceeds the context "
+                                         f"length {max_model_len}; at most {max_model_len - n}")
+    for field, check in (("temperature", lambda: sampling.validate(r.temperature, 1.0, 0)),
+                         ("top_p", lambda: sampling.validate(0.0, r.top_p, 0)),
+                         ("top_k", lambda: sampling.validate(0.0, 1.0, r.top_k))):
+        try:
+            check()
+        except ValueError as e:
+            raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
+    if not decode._is_int(r.seed) or not 0 <= r.seed < validation.SEED_LIMIT:
+        raise RequestError("seed", f"must be an integer in [0, 2**32), got {r.seed!r}")
+    try:
+        validation.check_stop_ids(stop_ids, vocab_size)
+    except ValueError as e:
+        raise RequestError("stop_token_ids", _one_line(e)) from None
+
+
 class SimpleEngine:
     """One request at a time through one-shot `generate` (batch of one) on a worker thread.
 
@@ -254,36 +300,7 @@ class SimpleEngine:
         return sorted(set(eos) | set(request.stop_token_ids))
 
     def check(self, r: Request) -> None:
-        from dflash_jax import sampling, validation
-
-        n = len(r.prompt)
-        if n == 0:
-            raise RequestError("prompt", "is empty: a prompt needs at least one token")
-        if any(not validation.is_int(t) or not 0 <= t < self.vocab_size for t in r.prompt):
-            raise RequestError("prompt", f"has token ids outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.max_model_len:
-            raise RequestError("prompt", f"{n} tokens, the model's context length is {self.max_model_len} "
-                                         f"(prompt + max_tokens); shorten the prompt")
-        if not validation.is_int(r.max_tokens) or r.max_tokens < 1:
-            raise RequestError("max_tokens", f"must be an integer >= 1, got {r.max_tokens!r}")
-        if n + r.max_tokens > self.max_model_len:
-            raise RequestError("max_tokens", f"{r.max_tokens} with a prompt of {n} tokens exceeds the context "
-                                             f"length {self.max_model_len}; at most {self.max_model_len - n}")
-        for field, check in (("temperature", lambda: sampling.validate(r.temperature, 1.0, 0)),
-                             ("top_p", lambda: sampling.validate(0.0, r.top_p, 0)),
-                             ("top_k", lambda: sampling.validate(0.0, 1.0, r.top_k))):
-            try:
-                check()
-            except ValueError as e:
-                raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
-        try:
-            validation.check_seed(r.seed)
-        except ValueError as e:
-            raise RequestError("seed", _one_line(e)) from None
-        try:
-            validation.check_stop_ids(self.stop_ids(r), self.vocab_size)
-        except ValueError as e:
-            raise RequestError("stop_token_ids", _one_line(e)) from None
+        _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
 
     def submit(self, request: Request) -> Handle:
         self.check(request)
@@ -396,3 +413,424 @@ class SimpleEngine:
             h._push(Tokens(final[len(sent):]))
         reason = res.finish_reasons[0] if res.finish_reasons else "length"
         h._finish("stop" if reason == "stop" else "length", stats)
+
+
+# ----------------------------------------------------------------------------------------- slots
+@dataclasses.dataclass(frozen=True)
+class RowRequest:
+    """One row for `Slots`: a prompt and its own settings (stop_ids already merged with eos)."""
+    prompt: tuple[int, ...]
+    max_new: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+    rng_row: int = 0          # the stream its randomness is keyed by (generate: the prompt's index)
+
+    @property
+    def mode(self) -> str:
+        from dflash_jax import sampling
+        return sampling.mode_for(self.temperature, self.top_p, self.top_k)
+
+
+@dataclasses.dataclass
+class RowResult:
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    finish_reason: str        # "stop", "length" or "capacity", as GenerateResult's
+
+
+_MODE_FILTERS = {"greedy": None, "sample": frozenset(), "topk": frozenset("k"), "topp": frozenset("p"),
+                 "filtered": frozenset("kp")}
+
+
+def union_mode(modes) -> str:
+    """The sampling mode whose program serves rows of all these modes: greedy rows stay argmax in
+    any mode, and a filter a row does not use keeps its whole distribution."""
+    filters = [_MODE_FILTERS[m] for m in modes if _MODE_FILTERS[m] is not None]
+    if not filters:
+        return "greedy"
+    u = frozenset().union(*filters)
+    return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered")
+
+
+class Slots:
+    """The device side of continuous batching: `slots` rows of loop state, each a request or free.
+
+    insert(items) prefills requests into free slots (grouped by prompt bucket, `insert_width` rows
+    per prefill program), step() runs up to `steps` iterations over all slots, release(slot) frees
+    a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
+    mode, prompt bucket / insert width) and cached with generate's programs (compile_count counts
+    them). capacity: KV entries per slot; a request needs prompt + max_new <= capacity - block.
+    """
+
+    def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
+                 steps: int = 4, insert_width: int = 1, kernels=None, attention_impl=None):
+        from flax import nnx
+
+        from dflash_jax import decode
+        from dflash_jax.kernel_config import kernels_from
+
+        for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
+                            ("insert_width", insert_width, 1)):
+            if not decode._is_int(v) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        S = 1 if draft is None else (draft.config.block_size if block_size is None else block_size)
+        if draft is not None and not 1 <= S <= draft.config.block_size:
+            raise ValueError(f"block_size={block_size!r} must be in [1, {draft.config.block_size}]")
+        if S == 1:
+            draft = None
+        if capacity - S < 2:
+            raise ValueError(f"capacity {capacity} leaves no room next to a block of {S}")
+        self._decode = decode
+        self.target, self.draft = target, draft
+        self.slots, self.capacity, self.block_size = int(slots), int(capacity), S
+        self.steps, self.insert_width = int(steps), int(insert_width)
+        self.max_model_len = self.capacity - S
+        self.kernels = kernels_from(kernels, attention_impl).resolve()
+        self._tdef, self._tstate = nnx.split(target)
+        self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
+        st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
+        self.state = decode._slots_empty(st, self._tstate, self._dstate)
+        self._release = np.zeros((self.slots,), bool)
+        self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
+
+    def _static(self, *, prompt_bucket: int, batch: int, mode: str):
+        return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
+                                    block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
+                                    capacity=self.capacity, mode=mode, kernels=self.kernels)
+
+    def prompt_bucket(self, n: int) -> int:
+        return min(self._decode._pow2(n, 16), self.capacity)
+
+    def check(self, r: RowRequest) -> None:
+        if not r.prompt or len(r.prompt) + r.max_new > self.max_model_len:
+            raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new {r.max_new} exceeds the context "
+                             f"length {self.max_model_len} (capacity {self.capacity} - block {self.block_size})")
+
+    # programs ----------------------------------------------------------------------------------
+    def _insert_program(self, bucket: int, mode: str):
+        d = self._decode
+        st = self._static(prompt_bucket=bucket, batch=self.insert_width, mode=mode)
+        p = d._idle_params(self.insert_width, bucket)
+        rows = _full_rows(self.insert_width, self.slots)
+        return d._engine_program(("engine_insert", st, self.slots), d._slots_insert, (st,),
+                                 (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
+
+    def _step_program(self, mode: str):
+        d = self._decode
+        st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
+        return d._engine_program(("engine_step", st, self.steps), d._slots_step, (st, self.steps),
+                                 (self._tstate, self._dstate, self.state, self._release), donate=(2,))
+
+    def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
+        """Compile the insert programs of these prompt lengths' buckets and the step programs of
+        these modes now, so no request waits for a compile."""
+        for m in modes:
+            self._step_program(m)
+            for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
+                self._insert_program(n, m)
+
+    # operations ----------------------------------------------------------------------------------
+    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
+        """Prefill each (slot, request) into its slot (the slots must be free). Returns
+        {slot: (first token, done)}."""
+        import jax.numpy as jnp
+
+        d = self._decode
+        groups: dict[int, list] = {}
+        for slot, r in items:
+            self.check(r)
+            groups.setdefault(self.prompt_bucket(len(r.prompt)), []).append((slot, r))
+        out = {}
+        for bucket, group in sorted(groups.items()):
+            for at in range(0, len(group), self.insert_width):
+                chunk = group[at:at + self.insert_width]
+                mode = union_mode(r.mode for _, r in chunk)
+                W = self.insert_width
+                prompt = np.zeros((W, bucket), np.int32)
+                lens = np.ones((W,), np.int32)
+                rows = np.full((W,), self.slots, np.int32)
+                settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
+                for i, (slot, r) in enumerate(chunk):
+                    prompt[i, :len(r.prompt)] = r.prompt
+                    lens[i], rows[i] = len(r.prompt), slot
+                    settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                       stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
+                    self.modes[slot] = r.mode
+                    self._release[slot] = False
+                p = d._Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
+                              active=jnp.asarray(np.arange(W) < len(chunk)), **d._row_settings(settings))
+                prog = self._insert_program(bucket, mode)
+                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, jnp.asarray(rows))
+                first, done = np.asarray(first), np.asarray(done)
+                for i, (slot, _) in enumerate(chunk):
+                    out[slot] = (int(first[i]), bool(done[i]))
+        return out
+
+    def release(self, slot: int) -> None:
+        """Free `slot` at the next step (its row is marked done there)."""
+        self._release[slot] = True
+        self.modes[slot] = "greedy"
+
+    def step(self, busy: Sequence[int] | None = None):
+        """Up to `steps` iterations over every slot, in the program of the union of the busy slots'
+        modes. Returns numpy (commits [K, B, S], produced [K, B], done [B])."""
+        import jax
+        import jax.numpy as jnp
+
+        busy = range(self.slots) if busy is None else busy
+        prog = self._step_program(union_mode(self.modes[b] for b in busy))
+        self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, jnp.asarray(self._release))
+        self._release[:] = False
+        return tuple(np.asarray(x) for x in jax.device_get((commits, produced, done)))
+
+    # offline -------------------------------------------------------------------------------------
+    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None
+            ) -> list[RowResult]:
+        """Run every request to its end, refilling slots as rows finish (arrival order)."""
+        for r in requests:
+            self.check(r)
+        waiting = collections.deque(range(len(requests)))
+        free = list(range(self.slots))
+        owner: dict[int, int] = {}
+        toks: dict[int, list] = {}
+        accs: dict[int, list] = {}
+        results: list[RowResult | None] = [None] * len(requests)
+
+        self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
+
+        def finish(slot):
+            self.last_run_times[owner[slot]].append(time.perf_counter())
+            i = owner.pop(slot)
+            r = requests[i]
+            t = toks.pop(i)
+            reason = "stop" if t and t[-1] in r.stop_ids else "length" if len(t) >= r.max_new else "capacity"
+            results[i] = RowResult(tokens=t, acceptance_lengths=accs.pop(i), finish_reason=reason)
+            free.append(slot)
+            if on_finish is not None:
+                on_finish(i, results[i])
+
+        while waiting or owner:
+            if waiting and free:
+                items = []
+                free.sort()
+                while waiting and free:
+                    i, slot = waiting.popleft(), free.pop(0)
+                    owner[slot], toks[i], accs[i] = i, [], []
+                    items.append((slot, requests[i]))
+                for slot, (first, done) in self.insert(items).items():
+                    toks[owner[slot]].append(first)
+                    self.last_run_times[owner[slot]] = [time.perf_counter()]
+                    if done:
+                        finish(slot)
+            if not owner:
+                continue
+            commits, produced, done = self.step(list(owner))
+            for slot in list(owner):
+                i = owner[slot]
+                for k in range(produced.shape[0]):
+                    n = int(produced[k, slot])
+                    if n:
+                        toks[i].extend(commits[k, slot, :n].tolist())
+                        accs[i].append(n)
+                if done[slot]:
+                    finish(slot)
+        return results
+
+
+def _full_rows(n: int, value: int):
+    import jax.numpy as jnp
+    return jnp.full((n,), value, jnp.int32)
+
+
+class SlotEngine:
+    """The Engine interface over `Slots`: continuous batching for the server.
+
+    One thread owns the device: each turn it frees the slots of cancelled requests (released at
+    that step), inserts waiting requests into free slots (their first token is pushed at once),
+    runs one `step` and pushes every slot's committed tokens into its Handle, finishing the
+    requests whose rows are done. Compiles happen in `warmup` (the constructor compiles the greedy
+    programs for the prompt buckets up to `warmup_prompt_len`) or on a request of a mode or bucket
+    not seen yet, never again after.
+    """
+
+    def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
+                 eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
+                 steps: int = 4, insert_width: int = 1, kernels=None, warmup_prompt_len: int = 0):
+        from dflash_jax import decode
+
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
+                           insert_width=insert_width, kernels=kernels, attention_impl=attention_impl)
+        self.block_size, self.capacity = self.slots.block_size, capacity
+        self.max_model_len, self.max_queue = self.slots.max_model_len, max_queue
+        self.vocab_size = target.config.vocab_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._compile_count = decode.compile_count
+        if warmup_prompt_len:
+            lengths, n = [], 16
+            while n // 2 < min(warmup_prompt_len, self.max_model_len - 1):
+                lengths.append(min(n, self.max_model_len - 1))
+                n *= 2
+            self.slots.warmup(lengths, ("greedy",))
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._cv = threading.Condition()
+        self._running: dict[int, Handle] = {}          # slot -> handle
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="dflash-slot-engine", daemon=True)
+        self._worker.start()
+
+    # interface ---------------------------------------------------------------------------------
+    def stop_ids(self, request: Request) -> list[int]:
+        eos = () if request.ignore_eos else self.eos_token_ids
+        return sorted(set(eos) | set(request.stop_token_ids))
+
+    def check(self, r: Request) -> None:
+        _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
+
+    def submit(self, request: Request) -> Handle:
+        self.check(request)
+        h = Handle(request)
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine is shutting down")
+            free = self.slots.slots - len(self._running)
+            if len(self._queue) >= self.max_queue + max(0, free):     # those go to free slots at once
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
+            self._queue.append(h)
+            self._cv.notify()
+        return h
+
+    def cancel(self, handle: Handle) -> None:
+        with self._cv:
+            handle.cancelled = True
+            try:
+                self._queue.remove(handle)
+            except ValueError:
+                pass
+            self._cv.notify()
+        handle._finish("cancelled", self._stats_of(handle))    # its slot is released at the next step
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running), slots=self.slots.slots,
+                               max_queue=self.max_queue, compiles=self._compile_count(), capacity=self.capacity,
+                               max_model_len=self.max_model_len)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Take no new requests; let queued and running ones finish, failing what is left after
+        `timeout` seconds (None: wait for all)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout)
+        with self._cv:
+            self._closed, self._abort = True, True
+            left = list(self._queue) + list(self._running.values())
+            self._queue.clear()
+        for h in left:
+            h._finish("error", self._stats_of(h), "the server shut down before the request finished")
+
+    # worker ------------------------------------------------------------------------------------
+    _abort = False
+
+    def _stats_of(self, h: Handle) -> RequestStats:
+        return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
+
+    def _row(self, h: Handle) -> RowRequest:
+        r = h.request
+        return RowRequest(prompt=tuple(int(t) for t in r.prompt), max_new=int(r.max_tokens),
+                          temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
+                          stop_ids=tuple(self.stop_ids(r)), seed=int(r.seed), rng_row=0)
+
+    def _deliver(self, h: Handle, ids: list[int], accepted: int | None = None) -> None:
+        st = h._stats
+        if accepted is not None:
+            st.acceptance_lengths.append(accepted)
+            st.iterations += 1
+        if ids:
+            if st.first_token_s is None:
+                st.first_token_s = time.perf_counter() - h.submitted_at
+            h._push(Tokens(ids))
+
+    def _end(self, slot: int, h: Handle) -> None:
+        del self._running[slot]
+        if h.done:
+            return
+        toks = h._tokens
+        stops = set(self.stop_ids(h.request))
+        h._finish("stop" if toks and toks[-1] in stops else "length", h._stats)
+
+    def _work(self) -> None:
+        free = list(range(self.slots.slots))
+        while True:
+            with self._cv:
+                while not self._queue and not self._running and not self._closed:
+                    self._cv.wait()
+                if self._abort or (self._closed and not self._queue and not self._running):
+                    return
+                for slot, h in list(self._running.items()):     # cancelled: free at this step
+                    if h.cancelled:
+                        self.slots.release(slot)
+                        del self._running[slot]
+                        free.append(slot)
+                admit = []
+                free.sort()
+                while self._queue and free:
+                    h = self._queue.popleft()
+                    slot = free.pop(0)
+                    self._running[slot] = h
+                    admit.append((slot, h))
+            if admit:
+                for slot, h in admit:
+                    h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
+                                            queued_s=time.perf_counter() - h.submitted_at)
+                try:
+                    firsts = self.slots.insert([(slot, self._row(h)) for slot, h in admit])
+                except Exception as e:  # the inserted requests fail; the others keep running
+                    with self._cv:
+                        for slot, h in admit:
+                            self._running.pop(slot, None)
+                            free.append(slot)
+                            self.slots.release(slot)
+                    for _, h in admit:
+                        h._finish("error", h._stats, _one_line(e))
+                    continue
+                with self._cv:
+                    for slot, h in admit:
+                        first, done = firsts[slot]
+                        self._deliver(h, [first])
+                        if done:
+                            self._end(slot, h)
+                            free.append(slot)
+            with self._cv:
+                busy = list(self._running)
+            if not busy:
+                continue
+            try:
+                commits, produced, done = self.slots.step(busy)
+            except Exception as e:  # a failed step fails every running request; the engine stays up
+                with self._cv:
+                    failed = list(self._running.items())
+                    for slot, _ in failed:
+                        self.slots.release(slot)
+                        free.append(slot)
+                    self._running.clear()
+                for _, h in failed:
+                    h._finish("error", self._stats_of(h), _one_line(e))
+                continue
+            with self._cv:
+                for slot in busy:
+                    h = self._running.get(slot)
+                    if h is None:
+                        continue
+                    for k in range(produced.shape[0]):
+                        n = int(produced[k, slot])
+                        if n and not h.done:
+                            self._deliver(h, commits[k, slot, :n].tolist(), n)
+                    if done[slot]:
+                        self._end(slot, h)
+                        free.append(slot)

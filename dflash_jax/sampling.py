@@ -3,8 +3,11 @@ lossless acceptance rule of speculative decoding.
 
 Sampling modes (a compile key): "greedy" (argmax), "sample" (temperature only), "topk" (top-k,
 top_p = 1), "topp" (top-p, top_k = 0) and "filtered" (both). The values themselves (temperature,
-top_k, top_p) are traced scalars, so changing them within a mode does not recompile; a mode runs only
-the threshold searches it needs.
+top_k, top_p) are traced, a scalar or one per batch row ([B]: rows of one batch may differ, as the
+serving engine's slots do), so changing them within a mode does not recompile; a mode runs only the
+threshold searches it needs, and a filter a row does not use (top_k 0, top_p 1) keeps its whole
+distribution. In a sampling mode, a row with temperature 0 (or top_k 1) is still greedy: its token
+is the argmax, exactly as in "greedy" mode.
 
 top-k / top-p without sorting the vocabulary: a token's rank is its (score, -index) order, the
 order of a stable descending sort. Top-k keeps the tokens with fewer than k tokens ranked above
@@ -62,6 +65,17 @@ def mode_for(temperature: float, top_p: float, top_k: int) -> str:
     if top_k > 0:
         return "filtered" if top_p < 1.0 else "topk"
     return "topp" if top_p < 1.0 else "sample"
+
+
+def _per_row(x, lead: tuple):
+    """A scalar or a per-batch-row [B] setting broadcast to the leading shape `lead` ([B] or [B, S])."""
+    x = jnp.asarray(x)
+    return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(lead) - x.ndim)), lead)
+
+
+def _greedy_rows(temperature, top_k, lead: tuple):
+    """[lead] bool: rows whose settings mean greedy (temperature 0 or top_k 1), as `mode_for` says."""
+    return (_per_row(temperature, lead) <= 0) | (_per_row(top_k, lead) == 1)
 
 
 _DIGIT = 4                      # bits decided per pass (5 was slower: docs/perf-log.md)
@@ -187,6 +201,7 @@ def _gathered_cut(gk, gi, n, top_k, top_p, mode: str):
     sk = jnp.max(jnp.where(at, gk[:, None, :], jnp.uint32(0)), axis=2)                   # [N, G] by rank
     si = jnp.min(jnp.where(at, gi[:, None, :], jnp.iinfo(jnp.int32).max), axis=2)
     r = jnp.arange(G)[None, :]
+    top_k, top_p = _per_row(top_k, (N,))[:, None], _per_row(top_p, (N,))[:, None]
     kept = r < jnp.minimum(jnp.where(top_k > 0, top_k, G), n[:, None])
     if mode == "filtered":
         s = _score_of_key(sk)
@@ -210,7 +225,7 @@ def _keep_mask(scores, top_k, top_p, mode: str = "filtered", kernels: KernelConf
     lo = (V - 1 - jnp.arange(V)).astype(jnp.uint32)
     k = None
     if mode != "topp":
-        k = jnp.broadcast_to(jnp.asarray(top_k, jnp.float32), (N,))
+        k = _per_row(top_k, (N,)).astype(jnp.float32)
         k = jnp.where(k > 0, k, float(V))                                  # top_k <= 0: off
         if search_kernel(kernels) and fast:
             # Fast path: the top-k score threshold (8 passes), then its candidates gathered; the
@@ -234,23 +249,28 @@ def _full_cut(hi, lo, scores, k, top_k, top_p, mode: str, kernels: KernelConfig 
     """The keep mask by the threshold searches over the whole vocabulary (h: top-k's score
     threshold when already found)."""
     N = scores.shape[0]
+    top_k, top_p = _per_row(top_k, (N,)), _per_row(top_p, (N,)).astype(jnp.float32)
     keep = jnp.ones(scores.shape, bool)
     if mode != "topp":
-        keep = _rank_threshold(hi, lo, None, k, kernels, h=h) | (top_k <= 0)
+        keep = _rank_threshold(hi, lo, None, k, kernels, h=h) | (top_k <= 0)[:, None]
     if mode != "topk":
         p = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
-        keep_p = _rank_threshold(hi, lo, p, jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (N,)), kernels)
-        keep = keep & (keep_p | (top_p >= 1.0))
+        keep_p = _rank_threshold(hi, lo, p, top_p, kernels)
+        keep = keep & (keep_p | (top_p >= 1.0)[:, None])
     return keep
 
 
 def log_probs(logits, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
-    """The processed target distribution as log-probabilities. logits [..., V] float32. kernels: the
-    resolved attention path (picks the search's kernels; the result does not depend on it)."""
-    scores = logits / temperature
+    """The processed target distribution as log-probabilities. logits [B, V] or [B, S, V] float32;
+    temperature, top_k, top_p scalars or [B]. kernels: the resolved attention path (picks the
+    search's kernels; the result does not depend on it)."""
+    lead = logits.shape[:-1]
+    # temperature 0 marks a greedy row (select/accept take its argmax); keep its scores finite here
+    scores = logits / jnp.maximum(_per_row(temperature, lead), 1e-6)[..., None]
     if mode in FILTER_MODES:
         V = logits.shape[-1]
-        keep = _keep_mask(scores.reshape(-1, V), top_k, top_p, mode, kernels)
+        flat = lambda x: _per_row(x, lead).reshape(-1)                                  # noqa: E731
+        keep = _keep_mask(scores.reshape(-1, V), flat(top_k), flat(top_p), mode, kernels)
         scores = jnp.where(keep.reshape(scores.shape), scores, -jnp.inf)
     return jax.nn.log_softmax(scores, axis=-1)
 
@@ -260,7 +280,9 @@ def select(logits, key, temperature, top_k, top_p, mode: str, kernels: KernelCon
     if mode == "greedy":   # sharding.argmax: vocab-sharded under a mesh, never gathering the logits
         return sharding.argmax(logits)
     lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)
-    return jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
+    sampled = jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
+    greedy = sharding.argmax(logits)
+    return jnp.where(_greedy_rows(temperature, top_k, logits.shape[:1]), greedy, sampled)
 
 
 def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
@@ -269,10 +291,11 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     the bonus or the correction at slot a)."""
     B, S, V = logits.shape
     drafts = block[:, 1:]                                                       # [B, S-1]
+    post = sharding.argmax(logits)                                              # [B, S]
+    a_greedy = jnp.sum(jnp.cumprod(drafts == post[:, :-1], axis=1), axis=1).astype(jnp.int32)
+    next_greedy = jnp.take_along_axis(post, a_greedy[:, None], axis=1)[:, 0]
     if mode == "greedy":
-        post = sharding.argmax(logits)                                          # [B, S]
-        a = jnp.sum(jnp.cumprod(drafts == post[:, :-1], axis=1), axis=1).astype(jnp.int32)
-        return a, jnp.take_along_axis(post, a[:, None], axis=1)[:, 0]
+        return a_greedy, next_greedy
     lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)                # [B, S, V]
     k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
     p_draft = jnp.exp(jnp.take_along_axis(lp[:, :-1], drafts[..., None], axis=-1)[..., 0])  # [B, S-1]
@@ -284,4 +307,6 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     residual = jnp.where(remove, -jnp.inf, row)
     # p(d) == 1 cannot be rejected, so the residual always keeps mass; guard rounding anyway.
     residual = jnp.where(jnp.any(jnp.isfinite(residual), axis=-1, keepdims=True), residual, row)
-    return a, jax.vmap(jax.random.categorical)(k_next, residual).astype(jnp.int32)
+    nxt = jax.vmap(jax.random.categorical)(k_next, residual).astype(jnp.int32)
+    greedy = _greedy_rows(temperature, top_k, (B,))
+    return jnp.where(greedy, a_greedy, a), jnp.where(greedy, next_greedy, nxt)

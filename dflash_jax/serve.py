@@ -27,7 +27,8 @@ import time
 import uuid
 from typing import Any, Literal, Sequence, Union
 
-from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, Tokens)
+from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, SlotEngine,
+                               Tokens)
 
 __all__ = ["build_app", "build_parser", "main"]
 
@@ -485,7 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", help="the model id clients send (default: --model)")
-    g.add_argument("--slots", type=int, default=1, help="requests decoded at once (the simple engine: 1)")
+    g.add_argument("--slots", type=int, default=1,
+                   help="requests decoded at once (> 1: the continuous-batching slot engine; 1: one at a time)")
+    g.add_argument("--engine-steps", type=int, default=4,
+                   help="loop iterations per engine step between admissions (--slots > 1)")
     g.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
     g.add_argument("--capacity", type=int, default=4096,
                    help="KV-cache entries per slot: prompt + max_tokens + one block must fit")
@@ -528,8 +532,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.max_new_tokens, args.temperature, args.top_p, args.top_k = 1, 0.0, 1.0, 0
     args.stop_token_ids = None   # per request here
     cli.check_args(parser, args)
-    if args.slots != 1:
-        parser.error(f"--slots {args.slots}: this build's engine runs one request at a time (--slots 1)")
+    if args.slots < 1:
+        parser.error(f"--slots must be >= 1, got {args.slots}")
+    if args.engine_steps < 1:
+        parser.error(f"--engine-steps must be >= 1, got {args.engine_steps}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 1 <= args.port <= 65535:
@@ -571,8 +577,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, draft, tokenizer, eos, name = _load(parser, args)
     block = None if draft is None else (args.block_size or draft.config.block_size)
     try:
-        engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
-                              eos_token_ids=eos, block_size=block, attention_impl=args.attention)
+        if args.slots > 1:
+            engine = SlotEngine(target, draft, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
+                                eos_token_ids=eos, block_size=block, attention_impl=args.attention,
+                                steps=args.engine_steps, warmup_prompt_len=min(args.capacity, 512))
+        else:
+            engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
+                                  eos_token_ids=eos, block_size=block, attention_impl=args.attention)
     except ValueError as e:
         parser.error(str(e))
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name,
@@ -581,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
     server = _server(config, app)
     print(f"[dflash] serving {name} on http://{args.host}:{args.port} (capacity {args.capacity}, "
-          f"block {engine.block_size})", file=sys.stderr, flush=True)
+          f"block {engine.block_size}, {args.slots} slot(s))", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has drained; these handlers absorb it so
     # that the engine is shut down and the process exits 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

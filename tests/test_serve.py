@@ -34,7 +34,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from dflash_jax.decode import GenerateResult  # noqa: E402
-from dflash_jax.engine import (Finished, QueueFull, Request, SimpleEngine, Tokens)  # noqa: E402
+from dflash_jax.engine import (Finished, QueueFull, Request, SimpleEngine, SlotEngine, Tokens)  # noqa: E402
 from dflash_jax.serve import build_app  # noqa: E402
 from tests.test_cli import IM_END, ENDOFTEXT, _write_draft, _write_target, write_tokenizer  # noqa: E402
 
@@ -98,10 +98,14 @@ def tiny(tmp_path_factory):
     return types.SimpleNamespace(target=target, draft=draft, tok=tok, eos=[IM_END, ENDOFTEXT])
 
 
-@pytest.fixture(scope="module")
-def real(tiny):
-    engine = SimpleEngine(tiny.target, tiny.draft, capacity=CAPACITY, max_queue=64, eos_token_ids=tiny.eos,
-                          attention_impl="xla")
+@pytest.fixture(scope="module", params=["simple", "slots4"])
+def real(tiny, request):
+    if request.param == "slots4":   # the continuous-batching engine, as `serve --slots 4`
+        engine = SlotEngine(tiny.target, tiny.draft, slots=4, capacity=CAPACITY, max_queue=64,
+                            eos_token_ids=tiny.eos, attention_impl="xla")
+    else:
+        engine = SimpleEngine(tiny.target, tiny.draft, capacity=CAPACITY, max_queue=64, eos_token_ids=tiny.eos,
+                              attention_impl="xla")
     app = build_app(engine, tiny.tok, model_name=NAME)
     with serving(app) as url:
         yield types.SimpleNamespace(url=url, engine=engine, **vars(tiny))
@@ -508,7 +512,7 @@ def test_cli_refuses_bad_flags(capsys, monkeypatch):
     from dflash_jax import serve
 
     monkeypatch.setattr(serve, "_default_pair", lambda: None)  # as a package that ships no pair
-    for argv, msg in ((["--port", "8001"], "give --model"), (["--random-init", "qwen3-0.6b", "--slots", "4"], "--slots"),
+    for argv, msg in ((["--port", "8001"], "give --model"), (["--random-init", "qwen3-0.6b", "--slots", "0"], "--slots"),
                       (["--random-init", "qwen3-0.6b", "--port", "0"], "--port")):
         with pytest.raises(SystemExit) as e:
             serve.main(argv)
