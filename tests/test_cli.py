@@ -274,6 +274,7 @@ def test_generate_random_init(capsys, monkeypatch):
     assert code == 0 and len(out.split()) == 5  # token ids: there is no tokenizer
 
 
+@pytest.mark.slow
 def test_generate_defaults_to_the_embedded_pair(models, capsys, monkeypatch):
     """No --model, no --random-init: the shipped demo pair (its tokenizer, chat template and draft);
     a tiny pair stands in for it. Without one shipped: the one-line error."""
@@ -294,6 +295,7 @@ def test_generate_defaults_to_the_embedded_pair(models, capsys, monkeypatch):
     assert "no embedded demo pair" in _usage_error(gen_cli, ["hi"], capsys)
 
 
+@pytest.mark.slow
 def test_benchmark_defaults_to_the_embedded_pair(models, capsys, monkeypatch, tmp_path):
     import dflash_jax.assets as assets
 

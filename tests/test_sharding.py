@@ -32,6 +32,7 @@ def _run_child(marker: str):
 
 
 @parent
+@pytest.mark.slow
 def test_on_8_devices():
     _run_child("not slow")
 
