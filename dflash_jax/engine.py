@@ -254,7 +254,22 @@ def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) ->
         raise RequestError("stop_token_ids", _one_line(e)) from None
 
 
-class SimpleEngine:
+class _RequestChecks:
+    """What both engines share: a request's stop ids (eos unless ignore_eos, plus its own) and its
+    checks against the engine's vocabulary and context (RequestError naming the field)."""
+    eos_token_ids: tuple
+    vocab_size: int
+    max_model_len: int
+
+    def stop_ids(self, request: Request) -> list[int]:
+        eos = () if request.ignore_eos else self.eos_token_ids
+        return sorted(set(eos) | set(request.stop_token_ids))
+
+    def check(self, r: Request) -> None:
+        _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
+
+
+class SimpleEngine(_RequestChecks):
     """One request at a time through one-shot `generate` (batch of one) on a worker thread.
 
     capacity: KV entries of the compiled program (fixed, so programs are keyed only by the prompt
@@ -295,13 +310,6 @@ class SimpleEngine:
         self._worker.start()
 
     # interface ---------------------------------------------------------------------------------
-    def stop_ids(self, request: Request) -> list[int]:
-        eos = () if request.ignore_eos else self.eos_token_ids
-        return sorted(set(eos) | set(request.stop_token_ids))
-
-    def check(self, r: Request) -> None:
-        _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
-
     def submit(self, request: Request) -> Handle:
         self.check(request)
         h = Handle(request)
@@ -645,7 +653,7 @@ def _full_rows(n: int, value: int):
     return jnp.full((n,), value, jnp.int32)
 
 
-class SlotEngine:
+class SlotEngine(_RequestChecks):
     """The Engine interface over `Slots`: continuous batching for the server.
 
     One thread owns the device: each turn it frees the slots of cancelled requests (released at
@@ -684,13 +692,6 @@ class SlotEngine:
         self._worker.start()
 
     # interface ---------------------------------------------------------------------------------
-    def stop_ids(self, request: Request) -> list[int]:
-        eos = () if request.ignore_eos else self.eos_token_ids
-        return sorted(set(eos) | set(request.stop_token_ids))
-
-    def check(self, r: Request) -> None:
-        _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
-
     def submit(self, request: Request) -> Handle:
         self.check(request)
         h = Handle(request)
