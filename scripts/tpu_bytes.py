@@ -7,7 +7,7 @@
     python scripts/tpu_bytes.py --hlo FILE.hlo                   # an earlier --save-hlo, no compiling
 
 It compiles one loop iteration (dflash_jax.decode.lower_iteration, the Mosaic attention kernel) for one
-chip of a TPU topology on this CPU host (DESIGN.md "TPU without a TPU"), reads `compiled.as_text()` and
+chip of a TPU topology on this CPU host (see docs/benchmarks-howto.md for the ahead-of-time set-up), reads `compiled.as_text()` and
 charges every top-level op its operands + results, the way XLA's HloCostAnalysis does:
   * a fusion's operand that the fused computation only slices (slice / dynamic-slice) costs the slice;
   * a fusion whose root is a dynamic-update-slice into a parameter (in place) costs the update, not

@@ -2,7 +2,7 @@
 evaluation → shipped files. One command, seeded, resumable per stage, everything under --out.
 
     python scripts/train_demo_pair.py --size gpu --out out/demo_pair --deliver $OUT   # one H200 call, < 10 min
-    python scripts/train_demo_pair.py --size cpu --out /tmp/demo_cpu       # CI: minutes on 2 cores
+    python scripts/train_demo_pair.py --size cpu --out out/demo_cpu        # CI: minutes on 2 cores
 
 Stages (each writes its outputs and a `stages/<name>.json`; a rerun skips finished stages unless
 --force names them): tokenizer, target, regen, draft, eval, ship. `manifest.json` records exactly
