@@ -310,6 +310,9 @@ def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int, groups: int
 
 def split_gate_up(y, groups: int = 1):
     """(gate, up) [..., I] in order from y [..., 2I] in gate_up_permutation's layout."""
+    if groups == 1:   # one device: a plain split (the reshape led XLA:TPU to copy the weight each use)
+        gate, up = jnp.split(y, 2, axis=-1)
+        return gate, up
     lead = y.shape[:-1]
     z = y.reshape(*lead, groups, 2, y.shape[-1] // (2 * groups))                      # [..., G, 2, I/G]
     return z[..., 0, :].reshape(*lead, -1), z[..., 1, :].reshape(*lead, -1)
