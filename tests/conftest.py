@@ -108,3 +108,14 @@ def trained_pair(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def trained_small_vocab_pair(tmp_path_factory) -> dict:
     return _build_pair(tmp_path_factory, "trained_small_vocab_pair", ck.SMALL_VOCAB_PAIR)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each test file's compiled programs when it ends: the whole suite in one process
+    otherwise keeps hundreds of executables alive (a full run once ended in a crash inside XLA's
+    compiler late in the run)."""
+    yield
+    from dflash_jax import decode
+    decode.clear_compiled()
+    jax.clear_caches()
