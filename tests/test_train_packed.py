@@ -148,3 +148,91 @@ def test_train_inference_parity(pair32):
     h, _ = draft(target.embed_tokens(blk[:, 2 * S:3 * S]), a + j[None], pend, a + j[None], cut,
                  jnp.full((1, S), a + S), kernels="xla")
     np.testing.assert_allclose(train_logits[0, 2], target.logits(h[:, 1:])[0], atol=2e-4, rtol=1e-4)
+
+
+# The Pallas GPU context attention in interpret mode (tests/README: slow). Small tiles so the shapes
+# exercise several query and key tiles, tails of both, and query tiles that straddle two blocks.
+_TILES = dict(rows=16, block_k=16, bwd_rows=16, bwd_block_k=16)
+
+
+@pytest.mark.slow
+def test_pallas_context_attention_equals_reference():
+    """context_attention alone: o and lse, and the gradients of q, kc, vc under cotangents on both
+    (the lse cotangent is what the merge sends), against dense scores; rows with an empty context
+    (k_end 0) give o = 0 and lse = MASK."""
+    from pallas_kernels.attention import train_gpu as tg
+    B, L, Hq, Hkv, D, T = 2, 24, 4, 2, 16, 40                                  # T: not a tile multiple
+    ks = jax.random.split(jax.random.key(4), 5)
+    q = jax.random.normal(ks[0], (B, L, Hq, D))
+    kc, vc = (jax.random.normal(k, (B, T, Hkv, D)) for k in ks[1:3])
+    ke = jnp.asarray(np.repeat([[0, 3, 17, 33, 39, 0], [1, 2, 20, 0, 0, 0]], 4, axis=1))   # [B, L]
+    ct, cl = jax.random.normal(ks[3], q.shape), jax.random.normal(ks[4], (B, L, Hq))
+    live = (ke > 0)[:, :, None]
+
+    def loss(f):
+        def g(q, kc, vc):
+            o, lse = f(q, kc, vc, ke)
+            return jnp.sum(o * ct) + jnp.sum(jnp.where(live, lse, 0.0) * cl)
+        return g
+
+    pallas = lambda *a: tg.context_attention(*a, interpret=True, **_TILES)
+    (o, lse), (ro, rl) = pallas(q, kc, vc, ke), tg.context_attention_reference(q, kc, vc, ke)
+    np.testing.assert_allclose(o, ro, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(lse, rl, atol=2e-6, rtol=1e-5)
+    assert np.all(np.asarray(o)[~np.asarray(ke > 0)] == 0)
+    for a, b in zip(jax.grad(loss(pallas), argnums=(0, 1, 2))(q, kc, vc),
+                    jax.grad(loss(tg.context_attention_reference), argnums=(0, 1, 2))(q, kc, vc)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("S,N,T", [(4, 5, 64), (8, 4, 128)])
+def test_split_attention_pallas_equals_dense_and_xla(S, N, T):
+    """split_attention with the Pallas context kernel = the dense-mask reference = the XLA split
+    attention, values and gradients (float32, GQA group 2): anchors at 0 (empty context), near the
+    end, a shorter row with padded blocks (anchor 0)."""
+    B = 2
+    args = _qkv(B, T, N, S, Hq=4, Hkv=2, D=16, seed=S)
+    a0 = [0, 3, 9, T // 2, T - 2][:N]
+    anchors = jnp.asarray(np.array([a0, [1, 2, T // 3] + [0] * (N - 3)], np.int32))
+    ct = jax.random.normal(jax.random.key(9), args[0].shape)
+    fns = dict(
+        pallas=lambda *x: packed.split_attention(*x, anchors, S, chunk_blocks=2, attention="pallas_gpu",
+                                                 interpret=True),
+        xla=lambda *x: packed.split_attention(*x, anchors, S, chunk_blocks=2),
+        dense=lambda *x: packed.dense_attention(*x, anchors, S))
+    out = {k: (f(*args), jax.grad(lambda *x: jnp.sum(f(*x) * ct), argnums=range(5))(*args)) for k, f in fns.items()}
+    for other in ("dense", "xla"):
+        np.testing.assert_allclose(out["pallas"][0], out[other][0], atol=2e-6, rtol=1e-5)
+        for a, b in zip(out["pallas"][1], out[other][1]):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_train_attention_choice_is_checked():
+    from dflash_jax.train.step import StepConfig
+    with pytest.raises(ValueError, match="train_attention 'cudnn' is not one of"):
+        StepConfig(block_size=4, mask_token_id=1, target_layer_ids=(1,), train_attention="cudnn")
+    with pytest.raises(ValueError, match="training attention 'flash' is not one of"):
+        packed.split_attention(*_qkv(1, 8, 2, 4), jnp.zeros((1, 2), jnp.int32), 4, attention="flash")
+
+
+def test_pallas_context_attention_lowers_for_cuda():
+    """Forward and backward (three Triton kernels) lower for CUDA at the H200 benchmark's shapes
+    (Qwen3-8B heads, T 3072, 512 anchors × 16, bf16), from this CPU host."""
+    from jax import export
+    from pallas_kernels.attention import train_gpu as tg
+    B, L, Hq, Hkv, D, T = 4, 8192, 32, 8, 128, 3072
+    SD = jax.ShapeDtypeStruct
+
+    def f(q, kc, vc, ke, ct, cl):
+        def g(q, kc, vc):
+            o, lse = tg.context_attention(q, kc, vc, ke)
+            return jnp.sum(o.astype(jnp.float32) * ct) + jnp.sum(lse * cl)
+        return jax.grad(g, argnums=(0, 1, 2))(q, kc, vc)
+
+    exp = export.export(jax.jit(f), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        SD((B, L, Hq, D), jnp.bfloat16), SD((B, T, Hkv, D), jnp.bfloat16), SD((B, T, Hkv, D), jnp.bfloat16),
+        SD((B, L), jnp.int32), SD((B, L, Hq, D), jnp.float32), SD((B, L, Hq), jnp.float32))
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 3

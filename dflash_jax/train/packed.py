@@ -17,7 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["block_tokens", "block_positions", "split_attention", "dense_attention", "draft_forward"]
+from pallas_kernels.attention.train_gpu import context_attention
+
+__all__ = ["TRAIN_ATTENTION", "block_tokens", "block_positions", "split_attention", "dense_attention", "draft_forward"]
 
 _NEG = -1e30  # a finite "minus infinity": a block with an empty context keeps finite gradients
 
@@ -71,33 +73,53 @@ def _merge(o1, lse1, o2, lse2):
     return (o1 * w1 + o2 * w2) / (w1 + w2)
 
 
-def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks: int = 32):
+TRAIN_ATTENTION = ("xla", "pallas_gpu")
+
+
+def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks: int = 32,
+                    attention: str = "xla", interpret: bool = False):
     """q [B, N·S, Hq, D] block queries; kc, vc [B, T, Hkv, D] context K/V at positions 0..T-1;
-    kb, vb [B, N·S, Hkv, D] block K/V; anchors [B, N]. Returns o [B, N·S, Hq, D] in q.dtype."""
+    kb, vb [B, N·S, Hkv, D] block K/V; anchors [B, N]. Returns o [B, N·S, Hq, D] in q.dtype.
+
+    attention: "xla" computes the context part per chunk of blocks as dense scores over all T keys
+    (masked to t < a_j); "pallas_gpu" runs it as one flash-attention kernel pair over the whole
+    sequence (pallas_kernels.attention.train_gpu: no scores in HBM, key tiles past a block's anchor
+    skipped; `interpret` runs it in Pallas interpret mode, for tests on CPU). The block-diagonal
+    part and the merge are the same jnp code for both."""
+    if attention not in TRAIN_ATTENTION:
+        raise ValueError(f"training attention {attention!r} is not one of {TRAIN_ATTENTION}")
     B, NS, Hq, D = q.shape
     S, Hkv = block_size, kb.shape[2]
     N = NS // S
+    G = Hq // Hkv
     scale = D ** -0.5
     c = max(1, min(chunk_blocks, N))
     n = -(-N // c)
     pad = n * c - N
     qb = _gqa(q.reshape(B, N, S, Hq, D), Hkv)                                  # [B, N, S, Hkv, G, D]
     kbb, vbb = kb.reshape(B, N, S, Hkv, D), vb.reshape(B, N, S, Hkv, D)
-    ends = anchors
-    if pad:
-        padn = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        qb, kbb, vbb, ends = padn(qb), padn(kbb), padn(vbb), padn(ends)
+    if attention == "pallas_gpu":
+        ends = jnp.repeat(anchors, S, axis=1)                                  # [B, N·S]
+        o1, l1 = context_attention(q, kc, vc, ends, scale=scale, interpret=interpret)
+        ctx = (o1.reshape(B, N, S, Hkv, G, D),                                 # [B, N, S, Hkv, G, D]
+               jnp.moveaxis(l1.reshape(B, N, S, Hkv, G), 2, -1))              # [B, N, Hkv, G, S]
+    else:
+        ctx = (anchors,)
+    padn = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
     # chunks first for lax.map: [n, B, c, ...]
-    chunked = lambda x: jnp.moveaxis(x.reshape(B, n, c, *x.shape[2:]), 1, 0)
+    chunked = lambda x: jnp.moveaxis(padn(x).reshape(B, n, c, *x.shape[2:]), 1, 0)
 
     @jax.checkpoint
     def one(args):
-        qc, kbc, vbc, ec = args
-        o1, l1 = _context_part(qc, kc, vc, ec, scale)
+        qc, kbc, vbc, *ctx_c = args
+        if attention == "pallas_gpu":
+            o1, l1 = ctx_c
+        else:
+            o1, l1 = _context_part(qc, kc, vc, ctx_c[0], scale)
         o2, l2 = _block_part(qc, kbc, vbc, scale)
         return _merge(o1, l1, o2, l2).astype(q.dtype)                          # [B, c, S, Hkv, G, D]
 
-    o = jax.lax.map(one, (chunked(qb), chunked(kbb), chunked(vbb), chunked(ends)))
+    o = jax.lax.map(one, tuple(chunked(x) for x in (qb, kbb, vbb, *ctx)))
     o = jnp.moveaxis(o, 0, 1).reshape(B, n * c, S, Hq, D)[:, :N]
     return o.reshape(B, NS, Hq, D)
 
@@ -124,10 +146,12 @@ def dense_attention(q, kc, vc, kb, vb, anchors, block_size: int):
     return o.reshape(B, NS, Hq, D).astype(q.dtype)
 
 
-def draft_forward(draft, block_embeds, feats, anchors, *, chunk_blocks: int = 32, dense: bool = False):
+def draft_forward(draft, block_embeds, feats, anchors, *, chunk_blocks: int = 32, dense: bool = False,
+                  attention: str = "xla", interpret: bool = False):
     """The draft over all packed blocks. block_embeds [B, N·S, H] (the target's embedding of
     `block_tokens`), feats [B, T, n·H] the target's taps of the whole sequence, anchors [B, N].
-    Returns the final-normed hidden states [B, N·S, H] (slot k of block j at j·S + k)."""
+    Returns the final-normed hidden states [B, N·S, H] (slot k of block j at j·S + k).
+    attention / interpret: the context part's implementation (`split_attention`)."""
     S = draft.config.block_size
     B, T = feats.shape[:2]
     positions = block_positions(anchors, S)                                    # [B, N·S]
@@ -141,6 +165,7 @@ def draft_forward(draft, block_embeds, feats, anchors, *, chunk_blocks: int = 32
             if dense:
                 o = dense_attention(q, kc, vc, kb, vb, anchors, S)
             else:
-                o = split_attention(q, kc, vc, kb, vb, anchors, S, chunk_blocks=chunk_blocks)
+                o = split_attention(q, kc, vc, kb, vb, anchors, S, chunk_blocks=chunk_blocks,
+                                    attention=attention, interpret=interpret)
             x = layer.attn_mlp(x, o)
     return draft.norm(x)

@@ -23,7 +23,7 @@ from dflash_jax.modeling.draft import DFlashDraft
 from dflash_jax.modeling.qwen3 import Qwen3
 from dflash_jax.train.anchors import anchor_key, sample_anchors
 from dflash_jax.train.loss import block_labels, block_loss_sums, default_gamma
-from dflash_jax.train.packed import block_tokens, draft_forward
+from dflash_jax.train.packed import TRAIN_ATTENTION, block_tokens, draft_forward
 
 __all__ = ["StepConfig", "TrainState", "make_optimizer", "init_state", "make_mesh", "Trainer", "build_step",
            "step_shardings", "split_draft", "loss_and_metrics"]
@@ -46,9 +46,14 @@ class StepConfig:
     b2: float = 0.999
     compute_dtype: str = "bfloat16"
     attention_impl: str = "xla"          # the target's forward (auto: Pallas / cuDNN on accelerators)
+    train_attention: str = "xla"         # the draft's context attention: "xla" | "pallas_gpu" (packed.py)
     chunk_blocks: int = 32               # blocks per attention chunk
     head_chunk: int = 2048               # block slots per LM-head chunk
     anchor_seed: int = 0                 # contract
+
+    def __post_init__(self):
+        if self.train_attention not in TRAIN_ATTENTION:
+            raise ValueError(f"train_attention {self.train_attention!r} is not one of {TRAIN_ATTENTION}")
 
     @property
     def gamma_value(self) -> float:
@@ -121,7 +126,8 @@ def loss_and_metrics(params, draft_def, target: Qwen3, tokens, loss_mask, sample
         embeds = jax.lax.stop_gradient(
             target.embed_tokens(block_tokens(tokens, anchors, cfg.block_size, cfg.mask_token_id)))
     with jax.named_scope("draft"):
-        hidden = draft_forward(draft, embeds, feats, anchors, chunk_blocks=cfg.chunk_blocks, dense=dense)
+        hidden = draft_forward(draft, embeds, feats, anchors, chunk_blocks=cfg.chunk_blocks, dense=dense,
+                               attention=cfg.train_attention)
     labels, weights, valid = block_labels(tokens, loss_mask, anchors, keep, cfg.block_size, cfg.gamma_value)
     with jax.named_scope("lm_head"):
         sums = block_loss_sums(target, hidden, labels, weights, valid, head_chunk=cfg.head_chunk)
