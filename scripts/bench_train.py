@@ -5,6 +5,7 @@ CPU host: per-chip memory from memory_analysis(), flops from cost_analysis().
     python scripts/bench_train.py                       # H200: Qwen3-8B target + z-lab draft, random bf16
     python scripts/bench_train.py --quick               # CPU, tiny shapes, seconds
     python scripts/bench_train.py --breakdown 4 --steps 3 [--profile DIR]   # where a B=4 step's time goes
+    python scripts/bench_train.py --breakdown 4 --steps 3 --train-attention xla,pallas_gpu   # both, side by side
     JAX_PLATFORMS=cpu python scripts/bench_train.py --tpu-aot [--presets qwen3-4b,qwen3-8b]
 
 MFU = model FLOPs (target forward + draft forward and backward, the LM head over the block slots
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import sys
@@ -49,7 +51,7 @@ from dflash_jax.modeling.draft import DFlashDraft  # noqa: E402
 from dflash_jax.modeling.qwen3 import Qwen3  # noqa: E402
 from dflash_jax.train.anchors import anchor_key, sample_anchors  # noqa: E402
 from dflash_jax.train.loss import block_labels, block_loss_sums  # noqa: E402
-from dflash_jax.train.packed import block_tokens, draft_forward  # noqa: E402
+from dflash_jax.train.packed import TRAIN_ATTENTION, block_tokens, draft_forward  # noqa: E402
 from dflash_jax.train.step import (StepConfig, Trainer, build_step, init_state, loss_and_metrics,  # noqa: E402
                                    lr_schedule, make_mesh, make_optimizer, split_draft, step_shardings,
                                    target_features)
@@ -145,10 +147,11 @@ def _shapes(args):
     return tc, dc, args.seq, args.anchors
 
 
-def _step_cfg(args, dc, N):
+def _step_cfg(args, dc, N, train_attention="xla"):
     return StepConfig(block_size=dc.block_size, mask_token_id=dc.mask_token_id,
                       target_layer_ids=dc.target_layer_ids, num_anchors=N, total_steps=1000,
-                      attention_impl=args.attention, chunk_blocks=args.chunk_blocks, head_chunk=args.head_chunk)
+                      attention_impl=args.attention, train_attention=train_attention,
+                      chunk_blocks=args.chunk_blocks, head_chunk=args.head_chunk)
 
 
 def _peak():
@@ -156,7 +159,7 @@ def _peak():
     return kind, next((v for k, v in PEAK_BF16.items() if k.lower() in kind.lower()), None)
 
 
-def gpu_table(args):
+def gpu_table(args, train_attention="xla"):
     tc, dc, T, N = _shapes(args)
     if args.quick:
         batches, steps = [1, 2], 2
@@ -165,12 +168,12 @@ def gpu_table(args):
         batches = [int(b) for b in args.batches.split(",")]
     kind, peak = _peak()
     print(f"# device {kind}; target {args.preset if not args.quick else 'tiny'}, draft {dc.num_layers} layers, "
-          f"S {dc.block_size}, T {T}, N {N}; jax {jax.__version__}", flush=True)
+          f"S {dc.block_size}, T {T}, N {N}; draft attention {train_attention}; jax {jax.__version__}", flush=True)
     print("| batch | step (ms) | tokens/s | block tokens/s | peak mem (GiB) | model TFLOP/step | MFU | compile (s) |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for B in batches:
-        cfg = _step_cfg(args, dc, N)
+        cfg = _step_cfg(args, dc, N, train_attention)
         try:
             r = measure(tc, dc, cfg, B, T, steps, profile_dir=args.profile if B == batches[0] else None)
         except Exception as e:  # the first batch that does not fit ends the sweep
@@ -182,7 +185,7 @@ def gpu_table(args):
         pk = r["peak_bytes"] / 2**30 if r["peak_bytes"] else float("nan")
         print(f"| {B} | {r['step_s'] * 1e3:.1f} | {B * T / r['step_s']:.0f} | {B * N * dc.block_size / r['step_s']:.0f} "
               f"| {pk:.1f} | {fl['total'] / 1e12:.1f} | {mfu:.1%} | {r['compile_s']:.1f} |", flush=True)
-        rows.append(dict(batch=B, **r, **fl, mfu=mfu))
+        rows.append(dict(batch=B, train_attention=train_attention, **r, **fl, mfu=mfu))
     return rows
 
 
@@ -200,12 +203,12 @@ def _median_time(call, steps):
     return first, float(np.median(ts))
 
 
-def breakdown(args):
+def breakdown(args, train_attention="xla"):
     """The full step and its parts (a), (b), (b1), (b2) for one batch, each jitted alone, on one device."""
     tc, dc, T, N = _shapes(args)
     B = args.breakdown
     steps = 2 if args.quick else args.steps
-    cfg = _step_cfg(args, dc, N)
+    cfg = _step_cfg(args, dc, N, train_attention)
     kind, peak = _peak()
     dt = jnp.dtype(cfg.compute_dtype)
     target = Qwen3(tc, jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -248,7 +251,8 @@ def breakdown(args):
     def part_b1(params, embeds, feats, anchors, cot):
         def f(p):
             d = nnx.merge(gd, jax.tree.map(lambda x: x.astype(dt), p))
-            h = draft_forward(d, embeds, feats, anchors, chunk_blocks=cfg.chunk_blocks)
+            h = draft_forward(d, embeds, feats, anchors, chunk_blocks=cfg.chunk_blocks,
+                              attention=cfg.train_attention)
             return jnp.sum(h.astype(jnp.float32) * cot)
         return jax.grad(f)(params)
 
@@ -284,7 +288,8 @@ def breakdown(args):
              ("(b2) LM head + CE over block slots, fwd + bwd", lambda: part_b2(tstate, hidden, labels, weights, valid),
               fl["lm_head_fwd_bwd"])]
     print(f"# device {kind}; target {args.preset if not args.quick else 'tiny'}, draft {dc.num_layers} layers, "
-          f"S {dc.block_size}, T {T}, N {N}, batch {B}; median of {steps} synced runs per part; jax {jax.__version__}",
+          f"S {dc.block_size}, T {T}, N {N}, batch {B}; draft attention {train_attention}; median of {steps} "
+          f"synced runs per part; jax {jax.__version__}",
           flush=True)
     print("| part | ms | share of step | model TFLOP | MFU | compile + first run (s) |")
     print("|---|---|---|---|---|---|", flush=True)
@@ -295,7 +300,8 @@ def breakdown(args):
         mfu = flops / t / peak if peak else float("nan")
         print(f"| {name} | {t * 1e3:.1f} | {t / step_s:.1%} | {flops / 1e12:.3g} | {mfu:.1%} | {first:.1f} |",
               flush=True)
-        rows.append(dict(part=name, ms=t * 1e3, share=t / step_s, model_flops=flops, mfu=mfu, first_s=first))
+        rows.append(dict(part=name, train_attention=train_attention, ms=t * 1e3, share=t / step_s,
+                         model_flops=flops, mfu=mfu, first_s=first))
     a, b = times[parts[1][0]][1], times[parts[2][0]][1]
     b1, b2 = times[parts[3][0]][1], times[parts[4][0]][1]
     rest = b - b1 - b2
@@ -304,8 +310,23 @@ def breakdown(args):
           f"{(step_s - a - b) / step_s:.1%} | | | |", flush=True)
     print(f"# peak memory {(_peak_bytes() or float('nan')) / 2**30:.1f} GiB", flush=True)
     if args.profile:
-        _profile(full, os.path.join(args.profile, f"b{B}"))
+        _profile(full, os.path.join(args.profile, f"b{B}-{train_attention}"))
     return rows
+
+
+def side_by_side(rows, key, impls):
+    """One table of ms and MFU per row `key` (a part, or a batch) for each draft attention."""
+    print(f"# side by side: draft attention {' vs '.join(impls)}")
+    print("| " + key + " | " + " | ".join(f"{i} ms | {i} MFU" for i in impls) + " |")
+    print("|---|" + "---|---|" * len(impls))
+    names = list(dict.fromkeys(r[key] for r in rows))
+    for name in names:
+        cells = []
+        for i in impls:
+            r = next((r for r in rows if r[key] == name and r["train_attention"] == i), None)
+            ms = r["ms"] if r and "ms" in r else r["step_s"] * 1e3 if r else float("nan")
+            cells.append(f"{ms:.1f} | {r['mfu']:.1%}" if r else "- | -")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def tpu_aot(args):
@@ -364,6 +385,9 @@ def main():
     p.add_argument("--batches", default="1,2,4,8,16", help="tried in order until one does not fit")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--attention", default="auto", help="the target's attention (auto: Pallas/cuDNN)")
+    p.add_argument("--train-attention", default="xla",
+                   help="the draft's context attention in training, comma-separated to compare in one run: "
+                        "xla, pallas_gpu (StepConfig.train_attention)")
     p.add_argument("--chunk-blocks", type=int, default=32)
     p.add_argument("--head-chunk", type=int, default=2048)
     p.add_argument("--tpu-aot", action="store_true")
@@ -377,7 +401,20 @@ def main():
     args = p.parse_args()
     if args.breakdown is not None and args.breakdown < 1:
         p.error(f"--breakdown needs a batch of at least 1, got {args.breakdown}")
-    rows = tpu_aot(args) if args.tpu_aot else breakdown(args) if args.breakdown is not None else gpu_table(args)
+    impls = list(dict.fromkeys(a.strip() for a in args.train_attention.split(",") if a.strip()))
+    bad = [a for a in impls if a not in TRAIN_ATTENTION]
+    if bad or not impls:
+        p.error(f"--train-attention takes {', '.join(TRAIN_ATTENTION)} (comma-separated); got {args.train_attention!r}")
+    if args.tpu_aot:
+        rows = tpu_aot(args)
+    else:
+        rows = []
+        for impl in impls:
+            rows += breakdown(args, impl) if args.breakdown is not None else gpu_table(args, impl)
+            gc.collect()
+            jax.clear_caches()                       # the next program gets the memory back
+        if len(impls) > 1:
+            side_by_side(rows, "part" if args.breakdown is not None else "batch", impls)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=float)

@@ -135,7 +135,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, kend_ref, do_ref, lse_ref, delta_ref, first
                 dk_ref, dv_ref, *, scale: float, block_k: int, bt: int, G: int):
     """dk, dv of one (batch, kv head, key tile). q_ref / do_ref [Lp, G, D], lse_ref / delta_ref
     [Lp, G], kend_ref [Lp]: the whole head; first_ref / last_ref [n_kt]: the query tiles
-    [first, last) whose end lies past this key tile (all others see none of it)."""
+    [first, last) whose end lies past this key tile (all others see none of it), indexed by the tile."""
     kt = pl.program_id(2)
     D = k_ref.shape[-1]
     R = bt * G
@@ -248,11 +248,13 @@ def _backward(q, kc, vc, k_end, o, lse2, do, dlse, scale, tiles, interpret):
     any_ = jnp.any(sees, axis=-1)
     first = jnp.where(any_, jnp.argmax(sees, axis=-1), 0).astype(jnp.int32)   # [B, n_kt]
     last = jnp.where(any_, n_qt - jnp.argmax(sees[..., ::-1], axis=-1), 0).astype(jnp.int32)
+    nr = next_pow2(n_kt)                       # a power-of-two block: read by scalar index only
+    first, last = _pad_to(first, nr, 1), _pad_to(last, nr, 1)                 # [B, nr]
     qw_spec = pl.BlockSpec((None, Lp, None, G, D), lambda b, h, k: (b, 0, h, 0, 0))
     lw_spec = pl.BlockSpec((None, Lp, None, G), lambda b, h, k: (b, 0, h, 0))
     ew_spec = pl.BlockSpec((None, Lp), lambda b, h, k: (b, 0))
     kv_tile = pl.BlockSpec((None, bk, None, D), lambda b, h, k: (b, k, h, 0))
-    r_spec = pl.BlockSpec((None, n_kt), lambda b, h, k: (b, 0))
+    r_spec = pl.BlockSpec((None, nr), lambda b, h, k: (b, 0))
     dk, dv = _call(functools.partial(_dkv_kernel, scale=scale, block_k=bk, bt=bt, G=G),
                    "dflash_train_context_dkv", (B, Hkv, n_kt),
                    [qw_spec, kv_tile, kv_tile, ew_spec, qw_spec, lw_spec, lw_spec, r_spec, r_spec],
