@@ -314,6 +314,33 @@ def breakdown(args, train_attention="xla"):
     return rows
 
 
+def check_attention(impl, B=2, T=3072, N=128, S=16, Hq=32, Hkv=8, D=128, seed=0):
+    """`impl`'s split attention against the XLA one on this device at Qwen3-8B heads (bf16, sorted
+    anchors, a padded tail in row 1): the largest error of o and of dq, dkc, dvc, dkb, dvb relative to
+    the largest XLA value. A kernel that compiles but computes garbage shows here before any timing."""
+    from dflash_jax.train.packed import split_attention
+    ks = jax.random.split(jax.random.key(seed), 7)
+    q = jax.random.normal(ks[0], (B, N * S, Hq, D), jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (B, T, Hkv, D), jnp.bfloat16) for k in ks[1:3])
+    kb, vb = (jax.random.normal(k, (B, N * S, Hkv, D), jnp.bfloat16) for k in ks[3:5])
+    anchors = jnp.sort(jax.random.randint(ks[5], (B, N), 0, T - 1), axis=1).at[1, N // 2:].set(0)
+    anchors = anchors.at[0, 0].set(0)                                         # an empty context
+    ct = jax.random.normal(ks[6], q.shape, jnp.bfloat16)
+
+    def run(attention):
+        f = lambda *x: split_attention(*x, anchors, S, attention=attention)
+        g = jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * ct), argnums=range(5))
+        return jax.jit(lambda *x: (f(*x), *g(*x)))(q, kc, vc, kb, vb)
+
+    got, ref = run(impl), run("xla")
+    errs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                  max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))), 1e-30)) for a, b in zip(got, ref)]
+    finite = all(bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))) for a in got)
+    print(f"# check {impl} vs xla (B {B}, T {T}, N {N}, bf16): max |err| / max |xla| of o, dq, dkc, dvc, dkb, dvb = "
+          + ", ".join(f"{e:.2e}" for e in errs) + f"; all finite: {finite}"
+          + ("" if finite and max(errs) < 5e-2 else "  <-- MISMATCH"), flush=True)
+
+
 def side_by_side(rows, key, impls):
     """One table of ms and MFU per row `key` (a part, or a batch) for each draft attention."""
     print(f"# side by side: draft attention {' vs '.join(impls)}")
@@ -410,6 +437,8 @@ def main():
     else:
         rows = []
         for impl in impls:
+            if impl != "xla" and not args.quick:
+                check_attention(impl)
             rows += breakdown(args, impl) if args.breakdown is not None else gpu_table(args, impl)
             gc.collect()
             jax.clear_caches()                       # the next program gets the memory back
