@@ -51,7 +51,7 @@ from dflash_jax.modeling.draft import DFlashDraft  # noqa: E402
 from dflash_jax.modeling.qwen3 import Qwen3  # noqa: E402
 from dflash_jax.train.anchors import anchor_key, sample_anchors  # noqa: E402
 from dflash_jax.train.loss import block_labels, block_loss_sums  # noqa: E402
-from dflash_jax.train.packed import TRAIN_ATTENTION, block_tokens, draft_forward  # noqa: E402
+from dflash_jax.train.packed import TRAIN_ATTENTION, block_tokens, draft_forward, resolve_train_attention  # noqa: E402
 from dflash_jax.train.step import (StepConfig, Trainer, build_step, init_state, loss_and_metrics,  # noqa: E402
                                    lr_schedule, make_mesh, make_optimizer, split_draft, step_shardings,
                                    target_features)
@@ -412,7 +412,7 @@ def main():
     p.add_argument("--batches", default="1,2,4,8,16", help="tried in order until one does not fit")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--attention", default="auto", help="the target's attention (auto: Pallas/cuDNN)")
-    p.add_argument("--train-attention", default="xla",
+    p.add_argument("--train-attention", default="auto",
                    help="the draft's context attention in training, comma-separated to compare in one run: "
                         "xla, pallas_gpu (StepConfig.train_attention)")
     p.add_argument("--chunk-blocks", type=int, default=32)
@@ -432,6 +432,7 @@ def main():
     bad = [a for a in impls if a not in TRAIN_ATTENTION]
     if bad or not impls:
         p.error(f"--train-attention takes {', '.join(TRAIN_ATTENTION)} (comma-separated); got {args.train_attention!r}")
+    impls = list(dict.fromkeys(resolve_train_attention(a) for a in impls))
     if args.tpu_aot:
         rows = tpu_aot(args)
     else:

@@ -211,6 +211,7 @@ def test_split_attention_pallas_equals_dense_and_xla(S, N, T):
 
 def test_train_attention_choice_is_checked():
     from dflash_jax.train.step import StepConfig
+    assert packed.resolve_train_attention("auto") == ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
     with pytest.raises(ValueError, match="train_attention 'cudnn' is not one of"):
         StepConfig(block_size=4, mask_token_id=1, target_layer_ids=(1,), train_attention="cudnn")
     with pytest.raises(ValueError, match="training attention 'flash' is not one of"):

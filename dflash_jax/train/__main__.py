@@ -114,7 +114,8 @@ def cmd_train(args) -> int:
                     eval_every=args.eval_every, eval_prompts=eval_prompts,
                     eval_max_new_tokens=args.eval_max_new_tokens, eval_attention_impl=args.attention)
     kw = dict(num_anchors=args.num_anchors, lr=args.lr, compute_dtype=args.compute_dtype,
-              attention_impl=args.attention, warmup_frac=args.warmup)
+              attention_impl=args.attention, warmup_frac=args.warmup,
+              train_attention=args.train_attention)
     if args.gamma is not None:
         kw["gamma"] = args.gamma
     res = train(target, draft, data, run=run, **kw)
@@ -174,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=float, default=0.04)
     t.add_argument("--num-anchors", type=int, default=512)
     t.add_argument("--gamma", type=float)
+    t.add_argument("--train-attention", default="auto", choices=("auto", "xla", "pallas_gpu"),
+                   help="the draft's context attention (auto: the Pallas kernel pair on a GPU, XLA elsewhere)")
     t.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     t.add_argument("--save-every", type=int, default=500)
     t.add_argument("--log-every", type=int, default=10)

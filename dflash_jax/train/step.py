@@ -46,7 +46,7 @@ class StepConfig:
     b2: float = 0.999
     compute_dtype: str = "bfloat16"
     attention_impl: str = "xla"          # the target's forward (auto: Pallas / cuDNN on accelerators)
-    train_attention: str = "xla"         # the draft's context attention: "xla" | "pallas_gpu" (packed.py)
+    train_attention: str = "auto"        # the draft's context attention: "auto" | "xla" | "pallas_gpu" (packed.py)
     chunk_blocks: int = 32               # blocks per attention chunk
     head_chunk: int = 2048               # block slots per LM-head chunk
     anchor_seed: int = 0                 # contract
