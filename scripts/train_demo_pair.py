@@ -97,13 +97,13 @@ SIZES = {
         # 3.69), so its continuations of training prompts taught the draft recitation, not the target
         seq_len=512, batch=64, epochs=3.0, max_steps=4000, lr=2e-3, warmup=100, train_budget_s=90,
         dtype="bfloat16", eval_dtype="bfloat16",
-        # 32k prompts, most of them novel to the target (its own T = 1 samples): the regenerated
+        # 48k prompts, most of them novel to the target (its own T = 1 samples): the regenerated
         # responses are cheap (the loop is launch-bound at this size; compiles dominate)
-        regen_prompts=32768, regen_new_tokens=256, regen_batch=1024, regen_prompt_tokens=256,
-        regen_budget_s=130, regen_mix=REGEN_MIX, self_new_tokens=160, heldout_rows=256,
+        regen_prompts=49152, regen_new_tokens=256, regen_batch=1024, regen_prompt_tokens=256,
+        regen_budget_s=130, regen_mix=REGEN_MIX, self_new_tokens=160, heldout_rows=128,
         draft=dict(num_layers=2, block_size=16, steps=20000, batch=64, num_anchors=128, lr=6e-4, budget_s=290),
         eval_prompts=64, eval_new_tokens=256, timing_prompts=3, timing_sets=("humaneval",),
-        heldout_prompt_tokens=192, eval_reserve_s=100, ship_dtype="bfloat16", deadline_s=540),
+        heldout_prompt_tokens=192, eval_reserve_s=115, ship_dtype="bfloat16", deadline_s=540),
 }
 SHIP_LIMIT_MB = 40.0
 EVAL_RESERVE_S = 25  # kept for the ship stage when a deadline is set
@@ -580,10 +580,13 @@ def _generate_batched(run: Run, target, prompts: list[list[int]], *, temperature
             log(f"{what}: time budget {budget_s} s reached after {b}/{len(prompts)} prompts")
             outs += [None] * (len(prompts) - b)
             break
-        res = dj.generate(target, None, prompts[b:b + bs], max_new_tokens=max_new_tokens, temperature=temperature,
-                          stop_token_ids=stops, seed=run.seed + b)
-        outs += [list(r) for r in res.tokens]
-        n_new += sum(len(r) for r in res.tokens)
+        chunk = prompts[b:b + bs]
+        fill = chunk + [chunk[-1]] * (bs - len(chunk))  # a short last batch reuses the full batch's program
+        res = dj.generate(target, None, fill if len(prompts) > bs else chunk, max_new_tokens=max_new_tokens,
+                          temperature=temperature, stop_token_ids=stops, seed=run.seed + b)
+        got = [list(r) for r in res.tokens[:len(chunk)]]
+        outs += got
+        n_new += sum(len(r) for r in got)
         log(f"{what} {min(b + bs, len(prompts))}/{len(prompts)} prompts, {n_new} tokens "
             f"({time.perf_counter() - t0:.1f} s)")
     return outs
@@ -619,7 +622,13 @@ def stage_regen(run: Run) -> dict:
         done = [(sd, x) for sd, x in zip(seeds, samples) if x is not None]
         prompts += self_prompts(run, tok, [d for d, _ in done], [x for _, x in done])
     t_self = time.perf_counter() - t_self
-    prompts.sort(key=lambda p: len(p["ids"]))  # similar lengths per batch: fewer prompt buckets
+    # similar lengths per batch (fewer prompt buckets), the batches in a seeded random order: a
+    # budget cut drops a random share of every kind, not the longest prompts
+    prompts.sort(key=lambda p: len(p["ids"]))
+    bs = s["regen_batch"]
+    blocks = [prompts[b:b + bs] for b in range(0, len(prompts), bs)]
+    random.Random(run.seed + 5).shuffle(blocks)
+    prompts = [p for blk in blocks for p in blk]
     outs = _generate_batched(run, target, [p["ids"] for p in prompts], temperature=0.0,
                              max_new_tokens=s["regen_new_tokens"], stops=stops, t0=t, what="regen",
                              budget_s=budget)
