@@ -507,16 +507,23 @@ def mix_counts(mix: dict, n: int) -> dict:
     return counts
 
 
-def code_cut(rng: random.Random, tok, files, lo: int, hi: int) -> list[int]:
-    """lo..hi tokens of a training stdlib file from a random cut point (mid-line cuts included)."""
-    while True:
-        rel, text = files[rng.randrange(len(files))]
-        a = rng.randrange(0, max(1, len(text) - 4000))
-        ids = tok.encode(text[a:a + 4000], add_special_tokens=False)
-        if len(ids) < lo + 8:
-            continue
-        a = rng.randrange(0, max(1, len(ids) - hi))
-        return ids[a:a + rng.randint(lo, hi)]
+def code_cuts(rng: random.Random, tok, files, n: int, lo: int, hi: int) -> list[list[int]]:
+    """n cuts of lo..hi tokens from random points of training stdlib files (mid-line cuts
+    included); the windows are encoded in batches (one encode per cut costs minutes at 48k)."""
+    out = []
+    while len(out) < n:
+        wins = []
+        for _ in range(max(16, n - len(out)) + 8):
+            rel, text = files[rng.randrange(len(files))]
+            a = rng.randrange(0, max(1, len(text) - 1500))
+            wins.append(text[a:a + 1500])
+        for e in tok.backend_tokenizer.encode_batch(wins, add_special_tokens=False):
+            ids = e.ids
+            if len(ids) < lo + 8 or len(out) >= n:
+                continue
+            a = rng.randrange(0, max(1, len(ids) - hi))
+            out.append(list(ids[a:a + rng.randint(lo, hi)]))
+    return out
 
 
 def regen_prompts(run: Run, tok, n: int) -> tuple[list[dict], list[dict]]:
@@ -533,19 +540,17 @@ def regen_prompts(run: Run, tok, n: int) -> tuple[list[dict], list[dict]]:
     for v in (0, 1):
         fns = [c["functions"][rng.randrange(len(c["functions"]))] for _ in range(counts[f"function{v}"])]
         out += [dict(kind=f"function{v}", text=chat(function_turns(f, v)[0])) for f in fns]
-    out += [dict(kind="code", ids=code_cut(rng, tok, c["sources"], 32, 160)) for _ in range(counts["code"])]
-    for p in out:
-        if "ids" not in p:
-            p["ids"] = tok.encode(p.pop("text"), add_special_tokens=False)
-        p["ids"] = p["ids"][-limit:]  # a long function head keeps its end (the docstring, the turn's close)
+    enc = tok.backend_tokenizer.encode_batch([p.pop("text") for p in out], add_special_tokens=False)
+    for p, e in zip(out, enc):
+        p["ids"] = list(e.ids)[-limit:]  # a long function head keeps its end (the docstring, the turn's close)
+    out += [dict(kind="code", ids=x) for x in code_cuts(rng, tok, c["sources"], counts["code"], 32, 160)]
     user = f"{IM_START}user\n"
     seeds = [dict(kind="self-humaneval", ids=tok.encode(f"{user}{HUMANEVAL_WORDING}```python\n",
                                                          add_special_tokens=False))
              for _ in range(counts["self-humaneval"])]
     seeds += [dict(kind="self-gsm8k", ids=tok.encode(user, add_special_tokens=False))
               for _ in range(counts["self-gsm8k"])]
-    seeds += [dict(kind="self-code", ids=code_cut(rng, tok, c["sources"], 8, 48))
-              for _ in range(counts["self-code"])]
+    seeds += [dict(kind="self-code", ids=x) for x in code_cuts(rng, tok, c["sources"], counts["self-code"], 8, 48)]
     return out, seeds
 
 
