@@ -68,6 +68,13 @@ HELDOUT_MODULES = ("bisect.py", "calendar.py", "colorsys.py", "difflib.py", "fra
                    "shlex.py", "statistics.py", "textwrap.py")
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
+# The draft's regeneration prompts by kind (shares of regen_prompts). "self-*" prompts are the
+# target's own T = 1 samples (a HumanEval-worded problem it invents, a GSM8K-style question, code
+# after a stdlib cut point), cut or closed into a chat turn: novel to the target, as the evaluation
+# prompts are, where prompts it trained on make it recite its training text.
+REGEN_MIX = {"self-humaneval": 0.30, "self-gsm8k": 0.12, "self-code": 0.20, "function0": 0.07,
+             "function1": 0.05, "gsm8k": 0.08, "code": 0.18}
+
 SIZES = {
     # ~1 M parameters, a ~1 MB corpus: the whole pipeline in a few minutes on 2 CPU cores.
     "cpu": dict(
@@ -76,21 +83,27 @@ SIZES = {
                     head_dim=24),
         seq_len=128, batch=8, epochs=1.0, max_steps=150, lr=3e-3, warmup=20, train_budget_s=150,
         dtype="float32", eval_dtype="float32",
-        regen_prompts=32, regen_new_tokens=48, regen_batch=16,
+        regen_prompts=32, regen_new_tokens=48, regen_batch=16, regen_prompt_tokens=96, regen_budget_s=None,
+        regen_mix=REGEN_MIX, self_new_tokens=24, heldout_rows=8,
         draft=dict(num_layers=1, block_size=16, steps=120, batch=8, num_anchors=32, lr=6e-4, budget_s=240),
-        eval_prompts=4, eval_new_tokens=48, timing_prompts=1, heldout_prompt_tokens=96,
-        ship_dtype="bfloat16", deadline_s=None),
+        eval_prompts=4, eval_new_tokens=48, timing_prompts=1, timing_sets=("humaneval", "gsm8k", "stdlib-heldout"),
+        heldout_prompt_tokens=96, eval_reserve_s=110, ship_dtype="bfloat16", deadline_s=None),
     # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
     "gpu": dict(
         vocab_size=6144, stdlib_bytes=None, gsm8k_rows=None, max_functions=12000,
         target=dict(hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6, num_kv_heads=2,
                     head_dim=64),
-        seq_len=512, batch=64, epochs=6.0, max_steps=4000, lr=2e-3, warmup=100, train_budget_s=210,
+        # 3 epochs, not 6: at 6 the target recited its training functions (train loss 1.28, held-out
+        # 3.69), so its continuations of training prompts taught the draft recitation, not the target
+        seq_len=512, batch=64, epochs=3.0, max_steps=4000, lr=2e-3, warmup=100, train_budget_s=90,
         dtype="bfloat16", eval_dtype="bfloat16",
-        regen_prompts=4096, regen_new_tokens=256, regen_batch=256,
-        draft=dict(num_layers=2, block_size=16, steps=6000, batch=64, num_anchors=128, lr=6e-4, budget_s=170),
-        eval_prompts=64, eval_new_tokens=256, timing_prompts=8, heldout_prompt_tokens=192,
-        ship_dtype="bfloat16", deadline_s=540),
+        # 48k prompts, most of them novel to the target (its own T = 1 samples): the regenerated
+        # responses are cheap (the loop is launch-bound at this size; compiles dominate)
+        regen_prompts=49152, regen_new_tokens=256, regen_batch=1024, regen_prompt_tokens=256,
+        regen_budget_s=130, regen_mix=REGEN_MIX, self_new_tokens=160, heldout_rows=128,
+        draft=dict(num_layers=2, block_size=16, steps=20000, batch=64, num_anchors=128, lr=6e-4, budget_s=290),
+        eval_prompts=64, eval_new_tokens=256, timing_prompts=3, timing_sets=("humaneval",),
+        heldout_prompt_tokens=192, eval_reserve_s=115, ship_dtype="bfloat16", deadline_s=540),
 }
 SHIP_LIMIT_MB = 40.0
 EVAL_RESERVE_S = 25  # kept for the ship stage when a deadline is set
@@ -419,7 +432,11 @@ def train_target_model(run: Run, tok, stream: np.ndarray, heldout: np.ndarray):
         idx = starts[i * B:(i + 1) * B, None] + np.arange(T + 1)[None]
         return jnp.asarray(chunks[idx])
 
-    t0, losses, every = time.perf_counter(), [], max(1, steps // 20)
+    hb = None
+    if heldout.size > T + 1:
+        n = min(8, (heldout.size - 1) // T)
+        hb = jnp.asarray(np.stack([heldout[j * T:j * T + T + 1] for j in range(n)]))   # [n, T + 1]
+    t0, losses, held_curve, every = time.perf_counter(), [], [], max(1, steps // 20)
     t_compile = None
     for i in range(steps):
         params, opt_state, loss, gnorm = step(params, opt_state, batch_at(i))
@@ -431,23 +448,24 @@ def train_target_model(run: Run, tok, stream: np.ndarray, heldout: np.ndarray):
             if not math.isfinite(loss):
                 raise SystemExit(f"target training diverged: loss {loss} at step {i + 1}")
             losses.append((i + 1, round(loss, 4)))
+            held = ""
+            if hb is not None and ((i + 1) % (4 * every) == 0 or i + 1 == steps):  # the overfitting watch
+                held_curve.append((i + 1, round(float(eval_loss(params, hb)), 4)))
+                held = f" held-out {held_curve[-1][1]:.3f}"
             el = time.perf_counter() - t0
-            log(f"target step {i + 1}/{steps} loss {loss:.3f} |g| {float(gnorm):.2f} lr {float(sched(i)):.2e} "
+            log(f"target step {i + 1}/{steps} loss {loss:.3f}{held} |g| {float(gnorm):.2f} lr {float(sched(i)):.2e} "
                 f"{(i + 1) * B * T / max(el - t_compile, 1e-9) / 1e3:.0f} k tok/s")
             if el > s["train_budget_s"] and i + 1 < steps:
                 log(f"target: time budget {s['train_budget_s']} s reached, stopping at step {i + 1}")
                 steps = i + 1
                 break
     train_time = time.perf_counter() - t0
-    hl = []
-    if heldout.size > T + 1:
-        n = min(8, (heldout.size - 1) // T)
-        hb = jnp.asarray(np.stack([heldout[j * T:j * T + T + 1] for j in range(n)]))
-        hl = [round(float(eval_loss(params, hb)), 4)]
+    hl = [round(float(eval_loss(params, hb)), 4)] if hb is not None else []
     nnx.update(master, params)
     return master, dict(config=dataclasses.asdict(cfg), params=n_params, steps=steps, batch=B, seq_len=T,
                         tokens_seen=steps * B * T, epochs=round(steps * B / n_chunks, 2),
-                        corpus_tokens=int(stream.size), loss_curve=losses, final_loss=losses[-1][1],
+                        corpus_tokens=int(stream.size), loss_curve=losses, heldout_curve=held_curve,
+                        final_loss=losses[-1][1],
                         heldout_loss=hl[0] if hl else None, compile_s=round(t_compile, 1),
                         train_s=round(train_time, 1), lr=s["lr"], warmup=s["warmup"], dtype=compute.name)
 
@@ -482,29 +500,101 @@ def stage_target(run: Run) -> dict:
     return res
 
 
-def regen_prompts(run: Run, tok, n: int) -> list[dict]:
-    """Training prompts for the draft's data (never evaluation prompts): GSM8K train questions,
-    function prompts of both chat forms, raw prefixes of training stdlib files."""
+def mix_counts(mix: dict, n: int) -> dict:
+    """Prompts per kind: the shares of `mix` over n, the rounding remainder to the largest kind."""
+    counts = {k: int(n * f) for k, f in mix.items()}
+    counts[max(mix, key=mix.get)] += n - sum(counts.values())
+    return counts
+
+
+def code_cuts(rng: random.Random, tok, files, n: int, lo: int, hi: int) -> list[list[int]]:
+    """n cuts of lo..hi tokens from random points of training stdlib files (mid-line cuts
+    included); the windows are encoded in batches (one encode per cut costs minutes at 48k)."""
+    out = []
+    while len(out) < n:
+        wins = []
+        for _ in range(max(16, n - len(out)) + 8):
+            rel, text = files[rng.randrange(len(files))]
+            a = rng.randrange(0, max(1, len(text) - 1500))
+            wins.append(text[a:a + 1500])
+        for e in tok.backend_tokenizer.encode_batch(wins, add_special_tokens=False):
+            ids = e.ids
+            if len(ids) < lo + 8 or len(out) >= n:
+                continue
+            a = rng.randrange(0, max(1, len(ids) - hi))
+            out.append(list(ids[a:a + rng.randint(lo, hi)]))
+    return out
+
+
+def regen_prompts(run: Run, tok, n: int) -> tuple[list[dict], list[dict]]:
+    """(prompts, seeds) for the draft's data (never evaluation prompts). Prompts: GSM8K train
+    questions, function prompts of both chat forms, raw cuts of training stdlib files. Seeds: the
+    starts the target samples from at T = 1 (`self_prompts` turns the samples into prompts)."""
     c = run.corpus()
     rng = random.Random(run.seed + 1)
+    counts = mix_counts(run.size["regen_mix"], n)
+    limit = run.size["regen_prompt_tokens"]
     out = []
-    gsm = rng.sample(c["gsm8k"], min(n // 4, len(c["gsm8k"])))
+    gsm = [c["gsm8k"][rng.randrange(len(c["gsm8k"]))] for _ in range(counts["gsm8k"])]
     out += [dict(kind="gsm8k", text=chat(r["question"] + BOXED)) for r in gsm]
-    fns = rng.sample(c["functions"], min(n // 2, len(c["functions"])))
-    out += [dict(kind=f"function{i % 2}", text=chat(function_turns(f, i % 2)[0])) for i, f in enumerate(fns)]
-    files = c["sources"]
-    while len(out) < n:
-        rel, text = files[rng.randrange(len(files))]
-        a = rng.randrange(0, max(1, len(text) - 4000))
-        ids = tok.encode(text[a:a + 4000], add_special_tokens=False)
-        if len(ids) < 64:
-            continue
-        a = rng.randrange(0, max(1, len(ids) - 128))
-        out.append(dict(kind="code", ids=ids[a:a + rng.randint(32, 128)]))
-    for p in out:
-        if "ids" not in p:
-            p["ids"] = tok.encode(p.pop("text"), add_special_tokens=False)
-    return out[:n]
+    for v in (0, 1):
+        fns = [c["functions"][rng.randrange(len(c["functions"]))] for _ in range(counts[f"function{v}"])]
+        out += [dict(kind=f"function{v}", text=chat(function_turns(f, v)[0])) for f in fns]
+    enc = tok.backend_tokenizer.encode_batch([p.pop("text") for p in out], add_special_tokens=False)
+    for p, e in zip(out, enc):
+        p["ids"] = list(e.ids)[-limit:]  # a long function head keeps its end (the docstring, the turn's close)
+    out += [dict(kind="code", ids=x) for x in code_cuts(rng, tok, c["sources"], counts["code"], 32, 160)]
+    user = f"{IM_START}user\n"
+    seeds = [dict(kind="self-humaneval", ids=tok.encode(f"{user}{HUMANEVAL_WORDING}```python\n",
+                                                         add_special_tokens=False))
+             for _ in range(counts["self-humaneval"])]
+    seeds += [dict(kind="self-gsm8k", ids=tok.encode(user, add_special_tokens=False))
+              for _ in range(counts["self-gsm8k"])]
+    seeds += [dict(kind="self-code", ids=x) for x in code_cuts(rng, tok, c["sources"], counts["self-code"], 8, 48)]
+    return out, seeds
+
+
+def self_prompts(run: Run, tok, seeds: list[dict], samples: list[list[int]]) -> list[dict]:
+    """The target's T = 1 samples as prompts: a user turn the target closed becomes a chat turn
+    awaiting the assistant (the evaluation's form); code, or a turn left open, is cut at a random
+    point (the greedy continuation then starts mid-text)."""
+    rng = random.Random(run.seed + 3)
+    ids = special_ids(tok)
+    assistant = tok.encode(f"\n{IM_START}assistant\n", add_special_tokens=False)
+    limit, out = run.size["regen_prompt_tokens"], []
+    for sd, smp in zip(seeds, samples):
+        smp = list(smp)
+        if sd["kind"] != "self-code" and smp and smp[-1] == ids["im_end"]:
+            p = list(sd["ids"]) + smp + assistant
+        else:
+            smp = [t for t in smp if t not in (ids["im_end"], ids["pad"])]
+            p = list(sd["ids"]) + smp[:rng.randint(min(8, len(smp)), len(smp))] if smp else list(sd["ids"])
+        out.append(dict(kind=sd["kind"], ids=p[-limit:]))
+    return out
+
+
+def _generate_batched(run: Run, target, prompts: list[list[int]], *, temperature: float, max_new_tokens: int,
+                      stops: list[int], t0: float, what: str, budget_s: float | None) -> list[list[int]]:
+    """`generate` over prompts in batches of regen_batch (one batch size: one program per prompt
+    bucket); past budget_s (from t0) the remaining prompts get no continuation (None)."""
+    import dflash_jax as dj
+
+    bs, outs, n_new = run.size["regen_batch"], [], 0
+    for b in range(0, len(prompts), bs):
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            log(f"{what}: time budget {budget_s} s reached after {b}/{len(prompts)} prompts")
+            outs += [None] * (len(prompts) - b)
+            break
+        chunk = prompts[b:b + bs]
+        fill = chunk + [chunk[-1]] * (bs - len(chunk))  # a short last batch reuses the full batch's program
+        res = dj.generate(target, None, fill if len(prompts) > bs else chunk, max_new_tokens=max_new_tokens,
+                          temperature=temperature, stop_token_ids=stops, seed=run.seed + b)
+        got = [list(r) for r in res.tokens[:len(chunk)]]
+        outs += got
+        n_new += sum(len(r) for r in got)
+        log(f"{what} {min(b + bs, len(prompts))}/{len(prompts)} prompts, {n_new} tokens "
+            f"({time.perf_counter() - t0:.1f} s)")
+    return outs
 
 
 def load_pair(run: Run, dtype: str, with_draft: bool):
@@ -517,29 +607,44 @@ def load_pair(run: Run, dtype: str, with_draft: bool):
 
 
 def stage_regen(run: Run) -> dict:
-    """The target's own greedy continuations of training prompts (our `generate`): the draft's data."""
-    import dflash_jax as dj
-
+    """The target's own greedy continuations of training prompts (our `generate`): the draft's data.
+    First the target samples the "self-*" prompts at T = 1 from their seeds, then it continues every
+    prompt greedily. With regen_budget_s, each pass stops taking new batches past its share."""
     s = run.size
     tok = load_tokenizer(run.path("target"))
     ids = special_ids(tok)
     target, _ = load_pair(run, s["eval_dtype"], with_draft=False)
-    prompts = regen_prompts(run, tok, s["regen_prompts"])
-    prompts.sort(key=lambda p: len(p["ids"]))  # similar lengths per batch: fewer prompt buckets
+    t = time.perf_counter()
+    prompts, seeds = regen_prompts(run, tok, s["regen_prompts"])
+    log(f"regen: {len(prompts)} prompts and {len(seeds)} T = 1 seeds built ({time.perf_counter() - t:.1f} s)")
+    budget = s["regen_budget_s"]
     stops = [ids["im_end"], ids["pad"]]
-    seqs, masks, kinds, t = [], [], [], time.perf_counter()
-    n_new = 0
-    for b in range(0, len(prompts), s["regen_batch"]):
-        chunk = prompts[b:b + s["regen_batch"]]
-        res = dj.generate(target, None, [p["ids"] for p in chunk], max_new_tokens=s["regen_new_tokens"],
-                          temperature=0.0, stop_token_ids=stops)
-        for p, r in zip(chunk, res.tokens):
-            seqs.append(list(p["ids"]) + list(r))
-            masks.append([0] * len(p["ids"]) + [1] * len(r))
-            kinds.append(p["kind"])
-            n_new += len(r)
-        log(f"regen {min(b + s['regen_batch'], len(prompts))}/{len(prompts)} prompts, {n_new} tokens "
-            f"({time.perf_counter() - t:.1f} s)")
+    t_self = time.perf_counter()
+    if seeds:
+        samples = _generate_batched(run, target, [p["ids"] for p in seeds], temperature=1.0,
+                                    max_new_tokens=s["self_new_tokens"], stops=stops, t0=t,
+                                    what="regen T=1 seeds", budget_s=None if budget is None else budget * 0.25)
+        done = [(sd, x) for sd, x in zip(seeds, samples) if x is not None]
+        prompts += self_prompts(run, tok, [d for d, _ in done], [x for _, x in done])
+    t_self = time.perf_counter() - t_self
+    # similar lengths per batch (fewer prompt buckets), the batches in a seeded random order: a
+    # budget cut drops a random share of every kind, not the longest prompts
+    prompts.sort(key=lambda p: len(p["ids"]))
+    bs = s["regen_batch"]
+    blocks = [prompts[b:b + bs] for b in range(0, len(prompts), bs)]
+    random.Random(run.seed + 5).shuffle(blocks)
+    prompts = [p for blk in blocks for p in blk]
+    outs = _generate_batched(run, target, [p["ids"] for p in prompts], temperature=0.0,
+                             max_new_tokens=s["regen_new_tokens"], stops=stops, t0=t, what="regen",
+                             budget_s=budget)
+    seqs, masks, kinds = [], [], []
+    for p, r in zip(prompts, outs):
+        if r is None or len(r) < 2:  # past the budget, or nothing to learn from
+            continue
+        seqs.append(list(p["ids"]) + r)
+        masks.append([0] * len(p["ids"]) + [1] * len(r))
+        kinds.append(p["kind"])
+    n_new = sum(sum(m) for m in masks)
     L = max(len(x) for x in seqs)
     input_ids = np.full((len(seqs), L), ids["pad"], np.int32)                 # [N, L]
     loss_mask = np.zeros((len(seqs), L), np.uint8)                            # [N, L]: 1 on responses
@@ -549,12 +654,15 @@ def stage_regen(run: Run) -> dict:
     np.savez(run.path("regen", "data.npz"), input_ids=input_ids, loss_mask=loss_mask,
              lengths=np.asarray([len(x) for x in seqs], np.int32))
     counts = {k: kinds.count(k) for k in sorted(set(kinds))}
-    return dict(sequences=len(seqs), response_tokens=n_new, max_len=int(L), kinds=counts, temperature=0.0,
-                max_new_tokens=s["regen_new_tokens"], time_s=round(time.perf_counter() - t, 1))
+    log(f"regen: {len(seqs)} sequences of at most {L}, {n_new} response tokens; kinds {counts}")
+    return dict(sequences=len(seqs), response_tokens=int(n_new), max_len=int(L), kinds=counts, temperature=0.0,
+                max_new_tokens=s["regen_new_tokens"], self_new_tokens=s["self_new_tokens"],
+                self_temperature=1.0, mix=s["regen_mix"], self_s=round(t_self, 1),
+                time_s=round(time.perf_counter() - t, 1))
 
 
 # ===================================================================================== DRAFT
-DRAFT_EVAL_RESERVE_S = 110  # kept (with a deadline) for the evaluation and ship stages after the draft
+TF_BATCH = 32               # rows per teacher-forced evaluation batch (one compiled program)
 CALIB_STEPS = 12            # timed steps of the calibration run that sizes the draft's schedule
 
 
@@ -602,13 +710,19 @@ def train_draft_stage(run: Run) -> dict:
     cfg = dj.DraftConfig.for_target(target.config, num_layers=s["num_layers"], block_size=s["block_size"],
                                     mask_token_id=special_ids(tok)["mask"])
     npz = np.load(run.path("regen", "data.npz"))
-    data = TokenData(npz["input_ids"].astype(np.int32), npz["loss_mask"].astype(np.uint8))
+    # a few sequences never trained on: the teacher-forced τ on them measures generalisation (on the
+    # training rows it measures memorisation)
+    perm = np.random.default_rng(run.seed + 4).permutation(len(npz["input_ids"]))
+    n_held = min(run.size["heldout_rows"], len(perm) // 4)
+    held_idx, train_idx = np.sort(perm[:n_held]), np.sort(perm[n_held:])
+    tokens_all, mask_all = npz["input_ids"].astype(np.int32), npz["loss_mask"].astype(np.uint8)
+    data = TokenData(tokens_all[train_idx], mask_all[train_idx])
     work = run.path("draft_run")
     if os.path.isdir(work):  # a stage that did not finish: start over (its contract may differ)
         shutil.rmtree(work)
     t = time.perf_counter()
     steps, calib = s["steps"], None
-    budget = run.remaining() - DRAFT_EVAL_RESERVE_S
+    budget = run.remaining() - run.size["eval_reserve_s"]
     if not math.isinf(budget):
         budget = min(budget, s["budget_s"])
         if budget < 30:
@@ -649,13 +763,54 @@ def train_draft_stage(run: Run) -> dict:
     curve = [(r["step"], round(r["loss"], 4), round(r["tau_est"], 3)) for r in last]
     log(f"draft: {res.step} steps in {train_s:.1f} s, loss {curve[0][1] if curve else '?'} -> "
         f"{curve[-1][1] if curve else '?'}, teacher-forced τ {curve[-1][2] if curve else '?'}")
+    tf = teacher_forced(run, target, res, TokenData(tokens_all[held_idx], mask_all[held_idx]),
+                        TokenData(tokens_all[train_idx[:n_held]], mask_all[train_idx[:n_held]]))
+    log(f"draft: teacher-forced τ (every anchor) on {n_held} held-out sequences {tf['heldout']['tau']}, "
+        f"on {n_held} training sequences {tf['train']['tau']}")
     return dict(num_layers=s["num_layers"], block_size=s["block_size"], taps=list(cfg.target_layer_ids),
                 mask_token_id=cfg.mask_token_id, steps=res.step, planned_steps=steps, status=res.status,
                 batch=s["batch"], num_anchors=s["num_anchors"], lr=s["lr"], compute_dtype=run.size["dtype"],
                 sequences=len(data), max_len=data.max_len, epochs=round(res.step * s["batch"] / len(data), 2),
                 loss_curve=curve, final_loss=curve[-1][1] if curve else None,
                 teacher_forced_tau=curve[-1][2] if curve else None, calibration=calib,
+                heldout_sequences=int(n_held), teacher_forced=tf,
+                heldout_teacher_forced_tau=tf["heldout"]["tau"],
                 train_s=round(train_s, 1), time_s=round(time.perf_counter() - t, 1))
+
+
+def teacher_forced(run: Run, target, res, heldout, train_rows) -> dict:
+    """Teacher-forced loss and τ (dflash_jax.train's metrics, every response position an anchor) of
+    the trained draft on held-out and on training sequences."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.train.step import StepConfig, loss_and_metrics
+
+    d = res.draft()
+    cfg = d.config
+    L = heldout.max_len
+    sc = StepConfig(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                    target_layer_ids=tuple(cfg.target_layer_ids), num_anchors=L,
+                    compute_dtype=run.size["dtype"], attention_impl="auto")
+    from flax import nnx
+
+    tdef, tstate = nnx.split(target)
+    jitted = jax.jit(lambda ts, p, t, m, i: loss_and_metrics(p, res.draft_def, nnx.merge(tdef, ts), t, m, i, 0, sc))
+    fn = lambda p, t, m, i: jitted(tstate, p, t, m, i)  # noqa: E731 (the target's weights as arguments)
+    out = {}
+    for name, data in (("heldout", heldout), ("train", train_rows)):
+        tot = dict(loss_sum=0.0, weight_sum=0.0, tau_sum=0.0, blocks=0.0)
+        for b in range(0, len(data), TF_BATCH):
+            idx = np.arange(b, min(b + TF_BATCH, len(data)))
+            pad = TF_BATCH - len(idx)           # one batch shape: pad rows carry no loss mask
+            t_ = np.pad(data.tokens[idx], ((0, pad), (0, 0)))
+            m_ = np.pad(data.loss_mask[idx], ((0, pad), (0, 0)))
+            _, sums = fn(res.state.params, jnp.asarray(t_), jnp.asarray(m_), jnp.arange(TF_BATCH))
+            for k in tot:
+                tot[k] += float(sums[k])
+        out[name] = dict(rows=len(data), tau=round(tot["tau_sum"] / max(tot["blocks"], 1.0), 3),
+                         loss=round(tot["loss_sum"] / max(tot["weight_sum"], 1e-9), 4))
+    return out
 # ================================================================================================
 
 
@@ -752,6 +907,8 @@ def stage_eval(run: Run) -> dict:
             if draft is not None:
                 res = dj.generate(target, draft, prompts, **kw)
                 row[f"tau_{key}"] = round(res.mean_tau, 3)
+            if name not in s["timing_sets"]:
+                continue
             # batch-1 wall clock: plain vs DFlash on the same prompts (compiles excluded)
             timing = {}
             for mode, d in (("plain", None), ("dflash", draft)):
@@ -814,6 +971,28 @@ def reference_section(r: dict | None) -> str:
             f"(τ ours / reference: {taus}).")
 
 
+REGEN_KINDS = {
+    "self-humaneval": "a problem in HumanEval's wording the target itself wrote at T = 1",
+    "self-gsm8k": "a GSM8K-style question the target itself wrote at T = 1",
+    "self-code": "code the target itself wrote at T = 1 after a cut into a training stdlib file, cut again",
+    "function0": "HumanEval's wording over a training stdlib function's signature and docstring",
+    "function1": "a training stdlib function's signature alone", "gsm8k": "a GSM8K train question",
+    "code": "a random cut into a training stdlib file"}
+
+
+def regen_note(regen: dict, draft: dict) -> str:
+    """The regeneration prompts by kind and the held-out teacher-forced τ, for the model card."""
+    kinds = regen.get("kinds") or {}
+    parts = "; ".join(f"{n} × {REGEN_KINDS.get(k, k)}" for k, n in sorted(kinds.items(), key=lambda x: -x[1]))
+    note = f" Prompts of the continuations: {parts}." if parts else ""
+    tf = draft.get("teacher_forced")
+    if tf:
+        note += (f" Teacher-forced τ with every response position an anchor: {tf['heldout']['tau']} on "
+                 f"{tf['heldout']['rows']} regenerated sequences held out of the draft's training, "
+                 f"{tf['train']['tau']} on as many training sequences.")
+    return note
+
+
 def model_card(run: Run) -> str:
     m = run.manifest
     st, data = m["stages"], m["data"]
@@ -828,13 +1007,15 @@ def model_card(run: Run) -> str:
                          f"with dflash_jax.train (the paper's recipe: AdamW lr {draft['lr']}, cosine after a 4% "
                          f"warm-up, clip 1, loss decay γ = 7; {draft['compute_dtype']} compute) for "
                          f"{draft['steps']} steps{stopped} of batch {draft['batch']} with {draft['num_anchors']} "
-                         f"anchor blocks per sequence ({draft['epochs']} epochs) on {st['regen']['sequences']} "
-                         f"greedy continuations ({st['regen']['response_tokens']} response tokens) regenerated "
-                         f"by the target with our `generate`, in {draft['train_s']} s. Final loss "
-                         f"{draft['final_loss']}, teacher-forced τ {draft['teacher_forced_tau']}.")
+                         f"anchor blocks per sequence ({draft['epochs']} epochs) on {draft['sequences']} "
+                         f"greedy continuations ({st['regen']['response_tokens']} response tokens, at most "
+                         f"{st['regen']['max_new_tokens']} per prompt) regenerated by the target with our "
+                         f"`generate`, in {draft['train_s']} s. Final loss {draft['final_loss']}, "
+                         f"teacher-forced τ {draft['teacher_forced_tau']}.{regen_note(st['regen'], draft)}")
     note = (f"Measured on {ev.get('device', '?')} ({ev.get('backend', '?')}, {ev.get('dtype', '?')}), "
             f"{ev.get('max_new_tokens', '?')} new tokens; τ over all prompts of a set (batched), tokens/s at "
-            f"batch 1 on the first {run.size['timing_prompts']} prompt(s) (compile excluded). Held-out stdlib "
+            f"batch 1 on the first {run.size['timing_prompts']} prompt(s) of {', '.join(run.size['timing_sets'])} "
+            "(compile excluded). Held-out stdlib "
             "prompts are raw code prefixes ending at a function's docstring." if ev else "Not evaluated.")
     values = dict(
         size=run.size_name, seed=run.seed, target_params_m=f"{tgt['params'] / 1e6:.1f}",

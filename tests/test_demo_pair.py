@@ -94,6 +94,34 @@ def test_corpus_excludes_tests_and_holds_out_modules(tdp):
     assert fns[0]["head"] == 'def g(a, b):\n    """Add."""' and fns[0]["signature"] == "def g(a, b):"
 
 
+def test_regen_mix_and_self_prompts(tdp, tokenizer_dir):
+    """The regeneration prompts: the mix's counts add up; a user turn the target closed at T = 1
+    becomes a chat turn awaiting the assistant (the evaluation's form), anything else a cut of the
+    sample; every prompt fits regen_prompt_tokens."""
+    from transformers import AutoTokenizer
+
+    for n in (32, 1000, 32768):
+        counts = tdp.mix_counts(tdp.REGEN_MIX, n)
+        assert sum(counts.values()) == n and min(counts.values()) >= 0
+    assert abs(sum(tdp.REGEN_MIX.values()) - 1.0) < 1e-9 and set(tdp.REGEN_MIX) == set(tdp.REGEN_KINDS)
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    class FakeRun:
+        seed, size = 0, dict(regen_prompt_tokens=40)
+
+    seed = tok.encode(f"<|im_start|>user\n{tdp.HUMANEVAL_WORDING}", add_special_tokens=False)
+    body = tok.encode("def add(a, b):\n    return a + b", add_special_tokens=False)
+    closed, open_ = body + [2], body + [7, 8]
+    out = tdp.self_prompts(FakeRun, tok, [dict(kind="self-humaneval", ids=seed)] * 2 + [dict(kind="self-code", ids=[5])],
+                           [closed, open_, closed])
+    assert tok.decode(out[0]["ids"]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    full = seed + closed + tok.encode("\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert out[0]["ids"] == full[-40:] and len(out[0]["ids"]) <= 40
+    assert 2 not in out[1]["ids"] and 2 not in out[2]["ids"]           # an open turn / code: a cut, no eos
+    assert out[2]["ids"][0] == 5 or len(seed) + len(closed) > 40
+
+
 def _random_target(seed=0):
     from flax import nnx
 
