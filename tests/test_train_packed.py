@@ -237,3 +237,14 @@ def test_pallas_context_attention_lowers_for_cuda():
         SD((B, L, Hq, D), jnp.bfloat16), SD((B, T, Hkv, D), jnp.bfloat16), SD((B, T, Hkv, D), jnp.bfloat16),
         SD((B, L), jnp.int32), SD((B, L, Hq, D), jnp.float32), SD((B, L, Hq), jnp.float32))
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 3
+
+
+def test_auto_attention_falls_back_where_the_kernel_cannot_tile(monkeypatch):
+    """auto on a GPU picks the Pallas pair, but a GQA group of 3 (the demo pair's) cannot be tiled:
+    auto must run the XLA chunks (equal to the dense reference), not raise."""
+    monkeypatch.setattr(packed, "resolve_train_attention", lambda a: "pallas_gpu")
+    q, kc, vc, kb, vb = _qkv(1, 16, 2, 4, Hq=6, Hkv=2, D=8)
+    anchors = jnp.array([[0, 5]], jnp.int32)
+    got = packed.split_attention(q, kc, vc, kb, vb, anchors, 4, attention="auto")
+    want = packed.dense_attention(q, kc, vc, kb, vb, anchors, 4)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

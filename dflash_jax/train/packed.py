@@ -14,10 +14,15 @@ The layers are the draft's own (`DFlashDraft.context`, `DecoderLayer.context_kv`
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.train_gpu import context_attention
+from pallas_kernels._common import Unsupported
+from pallas_kernels.attention.train_gpu import check_context_attention, context_attention
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TRAIN_ATTENTION", "block_tokens", "block_positions", "split_attention", "dense_attention", "draft_forward"]
 
@@ -96,7 +101,7 @@ def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks
     sequence (pallas_kernels.attention.train_gpu: no scores in HBM, key tiles past a block's anchor
     skipped; `interpret` runs it in Pallas interpret mode, for tests on CPU). The block-diagonal
     part and the merge are the same jnp code for both."""
-    attention = resolve_train_attention(attention)
+    requested, attention = attention, resolve_train_attention(attention)
     B, NS, Hq, D = q.shape
     S, Hkv = block_size, kb.shape[2]
     N = NS // S
@@ -107,6 +112,12 @@ def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks
     pad = n * c - N
     qb = _gqa(q.reshape(B, N, S, Hq, D), Hkv)                                  # [B, N, S, Hkv, G, D]
     kbb, vbb = kb.reshape(B, N, S, Hkv, D), vb.reshape(B, N, S, Hkv, D)
+    if attention == "pallas_gpu" and requested == "auto":
+        try:
+            check_context_attention(q, kc)
+        except Unsupported as e:                      # auto picks what runs: the XLA chunks
+            log.info("training context attention: %s; using the XLA path", e)
+            attention = "xla"
     if attention == "pallas_gpu":
         ends = jnp.repeat(anchors, S, axis=1)                                  # [B, N·S]
         o1, l1 = context_attention(q, kc, vc, ends, scale=scale, interpret=interpret)

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import (MASK, Unsupported, next_pow2, online_softmax_step, pltriton,
                                     precision, quiet_triton, round_up)
 
-__all__ = ["context_attention", "context_attention_reference", "DEFAULT_TILES"]
+__all__ = ["context_attention", "check_context_attention", "context_attention_reference", "DEFAULT_TILES"]
 
 _LOG2E = math.log2(math.e)
 # Query rows (positions × GQA group) per program and keys per tile; Triton launch settings. The
@@ -312,6 +312,12 @@ def context_attention(q, kc, vc, k_end, *, scale: float | None = None, interpret
     scale = D ** -0.5 if scale is None else float(scale)
     kc, vc = kc.astype(q.dtype), vc.astype(q.dtype)
     return _context_attention(q, kc, vc, k_end, scale, cfg, interpret)
+
+
+def check_context_attention(q, kc, **tiles) -> None:
+    """Raises Unsupported when the kernels cannot tile these shapes (e.g. a GQA group of 3)."""
+    B, L, Hq, D = q.shape
+    _tiles(L, kc.shape[1], Hq // kc.shape[2], D, q.dtype.itemsize, {**DEFAULT_TILES, **tiles})
 
 
 def context_attention_reference(q, kc, vc, k_end, *, scale: float | None = None):
