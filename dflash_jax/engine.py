@@ -466,20 +466,22 @@ def union_mode(modes) -> str:
 class Slots:
     """The device side of continuous batching: `slots` rows of loop state, each a request or free.
 
-    insert(items) prefills requests into free slots (grouped by prompt bucket, `insert_width` rows
-    per prefill program), step() runs up to `steps` iterations over all slots, release(slot) frees
+    insert(items) prefills requests into free slots (grouped by prompt bucket, up to `insert_width`
+    rows per prefill program, default min(slots, 8)), step() runs up to `steps` iterations over all slots, release(slot) frees
     a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
     mode, prompt bucket / insert width) and cached with generate's programs (compile_count counts
     them). capacity: KV entries per slot; a request needs prompt + max_new <= capacity - block.
     """
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
-                 steps: int = 4, insert_width: int = 1, kernels=None, attention_impl=None):
+                 steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None):
         from flax import nnx
 
         from dflash_jax import decode
         from dflash_jax.kernel_config import kernels_from
 
+        if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
+            insert_width = min(slots, 8) if decode._is_int(slots) else 1
         for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
                             ("insert_width", insert_width, 1)):
             if not decode._is_int(v) or v < lo:
@@ -518,11 +520,16 @@ class Slots:
                              f"length {self.max_model_len} (capacity {self.capacity} - block {self.block_size})")
 
     # programs ----------------------------------------------------------------------------------
-    def _insert_program(self, bucket: int, mode: str):
+    def insert_widths(self) -> list[int]:
+        """The prefill widths insert uses: powers of two up to insert_width (a bucket of n arrivals
+        runs as few prefills as their binary digits, none padded beyond the next power of two)."""
+        return [w for w in (1 << i for i in range(self.insert_width.bit_length())) if w <= self.insert_width]
+
+    def _insert_program(self, bucket: int, mode: str, width: int):
         d = self._decode
-        st = self._static(prompt_bucket=bucket, batch=self.insert_width, mode=mode)
-        p = d._idle_params(self.insert_width, bucket)
-        rows = _full_rows(self.insert_width, self.slots)
+        st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
+        p = d._idle_params(width, bucket)
+        rows = _full_rows(width, self.slots)
         return d._engine_program(("engine_insert", st, self.slots), d._slots_insert, (st,),
                                  (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
 
@@ -533,17 +540,20 @@ class Slots:
                                  (self._tstate, self._dstate, self.state, self._release), donate=(2,))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
-        """Compile the insert programs of these prompt lengths' buckets and the step programs of
-        these modes now, so no request waits for a compile."""
+        """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
+        step programs of these modes now, so no request waits for a compile."""
         for m in modes:
             self._step_program(m)
             for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
-                self._insert_program(n, m)
+                for w in self.insert_widths():
+                    self._insert_program(n, m, w)
 
     # operations ----------------------------------------------------------------------------------
-    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
-        """Prefill each (slot, request) into its slot (the slots must be free). Returns
-        {slot: (first token, done)}."""
+    def insert_async(self, items: Sequence[tuple[int, RowRequest]]) -> list[tuple[list[int], Any, Any]]:
+        """Dispatch the prefills of each (slot, request) into its slot (the slots must be free)
+        without waiting for them: requests of one prompt bucket share a prefill of a power-of-two
+        width. Returns [(slots, first [W] device array, done [W] device array)], one per prefill;
+        entry i of first/done belongs to slots[i]."""
         import jax.numpy as jnp
 
         d = self._decode
@@ -551,30 +561,41 @@ class Slots:
         for slot, r in items:
             self.check(r)
             groups.setdefault(self.prompt_bucket(len(r.prompt)), []).append((slot, r))
-        out = {}
+        widths = self.insert_widths()
+        out = []
         for bucket, group in sorted(groups.items()):
-            for at in range(0, len(group), self.insert_width):
-                chunk = group[at:at + self.insert_width]
+            at = 0
+            while at < len(group):
+                W = max(w for w in widths if w <= len(group) - at)
+                chunk = group[at:at + W]
+                at += W
                 mode = union_mode(r.mode for _, r in chunk)
-                W = self.insert_width
                 prompt = np.zeros((W, bucket), np.int32)
                 lens = np.ones((W,), np.int32)
                 rows = np.full((W,), self.slots, np.int32)
-                settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
+                settings = []
                 for i, (slot, r) in enumerate(chunk):
                     prompt[i, :len(r.prompt)] = r.prompt
                     lens[i], rows[i] = len(r.prompt), slot
-                    settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                       stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
+                    settings.append(dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k,
+                                         top_p=r.top_p, stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row))
                     self.modes[slot] = r.mode
                     self._release[slot] = False
                 p = d._Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
-                              active=jnp.asarray(np.arange(W) < len(chunk)), **d._row_settings(settings))
-                prog = self._insert_program(bucket, mode)
+                              active=jnp.asarray(np.ones((W,), bool)), **d._row_settings(settings))
+                prog = self._insert_program(bucket, mode, W)
                 self.state, first, done = prog(self._tstate, self._dstate, self.state, p, jnp.asarray(rows))
-                first, done = np.asarray(first), np.asarray(done)
-                for i, (slot, _) in enumerate(chunk):
-                    out[slot] = (int(first[i]), bool(done[i]))
+                out.append(([slot for slot, _ in chunk], first, done))
+        return out
+
+    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
+        """Prefill each (slot, request) into its slot (the slots must be free). Returns
+        {slot: (first token, done)}."""
+        out = {}
+        for slots, first, done in self.insert_async(items):
+            first, done = np.asarray(first), np.asarray(done)
+            for i, slot in enumerate(slots):
+                out[slot] = (int(first[i]), bool(done[i]))
         return out
 
     def release(self, slot: int) -> None:
@@ -582,31 +603,46 @@ class Slots:
         self._release[slot] = True
         self.modes[slot] = "greedy"
 
-    def step(self, busy: Sequence[int] | None = None):
-        """Up to `steps` iterations over every slot, in the program of the union of the busy slots'
-        modes. Returns numpy (commits [K, B, S], produced [K, B], done [B])."""
-        import jax
+    def step_async(self, busy: Sequence[int] | None = None):
+        """Dispatch up to `steps` iterations over every slot, in the program of the union of the
+        busy slots' modes, without waiting: returns device arrays (commits [K, B, S], produced [K, B],
+        done [B]). The host may dispatch the next insert or step before reading them (JAX runs
+        them in order), so its bookkeeping overlaps the device's work."""
         import jax.numpy as jnp
 
         busy = range(self.slots) if busy is None else busy
         prog = self._step_program(union_mode(self.modes[b] for b in busy))
         self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, jnp.asarray(self._release))
         self._release[:] = False
-        return tuple(np.asarray(x) for x in jax.device_get((commits, produced, done)))
+        return commits, produced, done
+
+    def step(self, busy: Sequence[int] | None = None):
+        """step_async, waited for: numpy (commits [K, B, S], produced [K, B], done [B])."""
+        import jax
+        return tuple(np.asarray(x) for x in jax.device_get(self.step_async(busy)))
 
     # offline -------------------------------------------------------------------------------------
-    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None
-            ) -> list[RowResult]:
-        """Run every request to its end, refilling slots as rows finish (arrival order)."""
+    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None,
+            *, pipeline: int = 1) -> list[RowResult]:
+        """Run every request to its end, refilling slots as rows finish (arrival order).
+
+        pipeline: steps dispatched ahead of the one whose results the host reads (0: wait for
+        each step). With 1 the device runs step n+1 while the host reads step n and prepares the
+        next inserts; a slot that finished in step n is refilled after step n+1 (it idles one
+        step), so the host's work no longer stalls the device."""
+        import jax
+
         for r in requests:
             self.check(r)
+        if not self._decode._is_int(pipeline) or pipeline < 0:
+            raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         waiting = collections.deque(range(len(requests)))
         free = list(range(self.slots))
-        owner: dict[int, int] = {}
+        owner: dict[int, int] = {}           # slot -> request, as the host last dispatched it
         toks: dict[int, list] = {}
         accs: dict[int, list] = {}
         results: list[RowResult | None] = [None] * len(requests)
-
+        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
         self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
 
         def finish(slot):
@@ -620,24 +656,20 @@ class Slots:
             if on_finish is not None:
                 on_finish(i, results[i])
 
-        while waiting or owner:
-            if waiting and free:
-                items = []
-                free.sort()
-                while waiting and free:
-                    i, slot = waiting.popleft(), free.pop(0)
-                    owner[slot], toks[i], accs[i] = i, [], []
-                    items.append((slot, requests[i]))
-                for slot, (first, done) in self.insert(items).items():
-                    toks[owner[slot]].append(first)
-                    self.last_run_times[owner[slot]] = [time.perf_counter()]
-                    if done:
+        def read(entry):
+            kind, arrays, who = entry
+            if kind == "insert":
+                first, done = (np.asarray(x) for x in jax.device_get(arrays))
+                for k, (slot, i) in enumerate(who):
+                    toks[i].append(int(first[k]))
+                    self.last_run_times[i] = [time.perf_counter()]
+                    if done[k]:
                         finish(slot)
-            if not owner:
-                continue
-            commits, produced, done = self.step(list(owner))
-            for slot in list(owner):
-                i = owner[slot]
+                return
+            commits, produced, done = (np.asarray(x) for x in jax.device_get(arrays))
+            for slot, i in who.items():
+                if owner.get(slot) != i:         # finished at its insert, or earlier
+                    continue
                 for k in range(produced.shape[0]):
                     n = int(produced[k, slot])
                     if n:
@@ -645,6 +677,28 @@ class Slots:
                         accs[i].append(n)
                 if done[slot]:
                     finish(slot)
+
+        while waiting or owner or inflight:
+            if waiting and free:
+                items = []
+                free.sort()
+                while waiting and free:
+                    i, slot = waiting.popleft(), free.pop(0)
+                    owner[slot], toks[i], accs[i] = i, [], []
+                    items.append((slot, requests[i]))
+                for slots, first, done in self.insert_async(items):
+                    inflight.append(("insert", (first, done), [(s, owner[s]) for s in slots]))
+            stepped = False
+            if owner:
+                inflight.append(("step", self.step_async(list(owner)), dict(owner)))
+                stepped = True
+            n_steps = sum(e[0] == "step" for e in inflight)
+            while inflight and (n_steps > pipeline or not stepped):
+                e = inflight.popleft()
+                n_steps -= e[0] == "step"
+                read(e)
+                if not stepped:
+                    break
         return results
 
 
@@ -666,7 +720,7 @@ class SlotEngine(_RequestChecks):
 
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
-                 steps: int = 4, insert_width: int = 1, kernels=None, warmup_prompt_len: int = 0):
+                 steps: int = 4, insert_width: int | None = None, kernels=None, warmup_prompt_len: int = 0):
         from dflash_jax import decode
 
         if not isinstance(max_queue, int) or max_queue < 0:
