@@ -720,23 +720,26 @@ class SlotEngine(_RequestChecks):
 
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
-                 steps: int = 4, insert_width: int | None = None, kernels=None, warmup_prompt_len: int = 0):
+                 steps: int = 4, insert_width: int | None = None, kernels=None,
+                 warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1):
         from dflash_jax import decode
 
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl)
+        if not decode._is_int(pipeline) or pipeline < 0:
+            raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
+        self.pipeline = int(pipeline)
         self.block_size, self.capacity = self.slots.block_size, capacity
         self.max_model_len, self.max_queue = self.slots.max_model_len, max_queue
         self.vocab_size = target.config.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._compile_count = decode.compile_count
         if warmup_prompt_len:
-            lengths, n = [], 16
-            while n // 2 < min(warmup_prompt_len, self.max_model_len - 1):
-                lengths.append(min(n, self.max_model_len - 1))
-                n *= 2
+            lo, hi = warmup_prompt_len if isinstance(warmup_prompt_len, tuple) else (1, warmup_prompt_len)
+            hi = min(hi, self.max_model_len - 1)
+            lengths = sorted({min(self.slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
             self.slots.warmup(lengths, ("greedy",))
         self._queue: collections.deque[Handle] = collections.deque()
         self._cv = threading.Condition()
@@ -819,10 +822,56 @@ class SlotEngine(_RequestChecks):
         stops = set(self.stop_ids(h.request))
         h._finish("stop" if toks and toks[-1] in stops else "length", h._stats)
 
+    def _fail_running(self, free: list, e: BaseException) -> None:
+        """A failed program fails every running request; their slots are freed, the engine stays up."""
+        with self._cv:
+            failed = list(self._running.items())
+            for slot, _ in failed:
+                self.slots.release(slot)
+                free.append(slot)
+            self._running.clear()
+        for _, h in failed:
+            h._finish("error", self._stats_of(h), _one_line(e))
+
+    def _read(self, entry, free: list) -> None:
+        """Push one dispatched insert's first tokens or one step's commits to their handles (those
+        still in the slot they were dispatched for)."""
+        import jax
+
+        kind, arrays, who = entry
+        host = [np.asarray(x) for x in jax.device_get(arrays)]
+        with self._cv:
+            if kind == "insert":
+                first, done = host
+                for k, (slot, h) in enumerate(who):
+                    if self._running.get(slot) is not h:
+                        continue
+                    self._deliver(h, [int(first[k])])
+                    if done[k]:
+                        self._end(slot, h)
+                        free.append(slot)
+                return
+            commits, produced, done = host
+            for slot, h in who:
+                if self._running.get(slot) is not h:
+                    continue
+                for k in range(produced.shape[0]):
+                    n = int(produced[k, slot])
+                    if n and not h.done:
+                        self._deliver(h, commits[k, slot, :n].tolist(), n)
+                if done[slot]:
+                    self._end(slot, h)
+                    free.append(slot)
+
     def _work(self) -> None:
+        """The engine thread: admit, dispatch a step, read back the step dispatched `pipeline`
+        steps ago (so the device is never idle while the host pushes tokens and prefills)."""
         free = list(range(self.slots.slots))
+        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
         while True:
             with self._cv:
+                if not self._running:
+                    inflight.clear()                          # nobody waits for these results
                 while not self._queue and not self._running and not self._closed:
                     self._cv.wait()
                 if self._abort or (self._closed and not self._queue and not self._running):
@@ -844,7 +893,9 @@ class SlotEngine(_RequestChecks):
                     h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
                                             queued_s=time.perf_counter() - h.submitted_at)
                 try:
-                    firsts = self.slots.insert([(slot, self._row(h)) for slot, h in admit])
+                    handles = dict(admit)
+                    for slots, first, done in self.slots.insert_async([(slot, self._row(h)) for slot, h in admit]):
+                        inflight.append(("insert", (first, done), [(s, handles[s]) for s in slots]))
                 except Exception as e:  # the inserted requests fail; the others keep running
                     with self._cv:
                         for slot, h in admit:
@@ -854,38 +905,19 @@ class SlotEngine(_RequestChecks):
                     for _, h in admit:
                         h._finish("error", h._stats, _one_line(e))
                     continue
-                with self._cv:
-                    for slot, h in admit:
-                        first, done = firsts[slot]
-                        self._deliver(h, [first])
-                        if done:
-                            self._end(slot, h)
-                            free.append(slot)
             with self._cv:
-                busy = list(self._running)
-            if not busy:
-                continue
+                busy = list(self._running.items())
+            stepped = bool(busy)
             try:
-                commits, produced, done = self.slots.step(busy)
-            except Exception as e:  # a failed step fails every running request; the engine stays up
-                with self._cv:
-                    failed = list(self._running.items())
-                    for slot, _ in failed:
-                        self.slots.release(slot)
-                        free.append(slot)
-                    self._running.clear()
-                for _, h in failed:
-                    h._finish("error", self._stats_of(h), _one_line(e))
-                continue
-            with self._cv:
-                for slot in busy:
-                    h = self._running.get(slot)
-                    if h is None:
-                        continue
-                    for k in range(produced.shape[0]):
-                        n = int(produced[k, slot])
-                        if n and not h.done:
-                            self._deliver(h, commits[k, slot, :n].tolist(), n)
-                    if done[slot]:
-                        self._end(slot, h)
-                        free.append(slot)
+                if stepped:
+                    inflight.append(("step", self.slots.step_async([s for s, _ in busy]), busy))
+                n_steps = sum(e[0] == "step" for e in inflight)
+                while inflight and (n_steps > self.pipeline or not stepped):
+                    e = inflight.popleft()
+                    n_steps -= e[0] == "step"
+                    self._read(e, free)
+                    if not stepped:
+                        break
+            except Exception as e:  # noqa: BLE001  (a failed step: see _fail_running)
+                inflight.clear()
+                self._fail_running(free, e)
