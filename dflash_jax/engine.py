@@ -475,9 +475,11 @@ class Slots:
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
                  steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None):
+        import jax
         from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from dflash_jax import decode
+        from dflash_jax import decode, sharding
         from dflash_jax.kernel_config import kernels_from
 
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
@@ -499,17 +501,27 @@ class Slots:
         self.steps, self.insert_width = int(steps), int(insert_width)
         self.max_model_len = self.capacity - S
         self.kernels = kernels_from(kernels, attention_impl).resolve()
+        # the models' mesh (both must be on the same one): slots on 'data', the model on 'model'
+        self.mesh = decode._resolve_mesh(None, target, draft)
+        self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
+        if self.slots % self._data:
+            raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
         st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
-        self.state = decode._slots_empty(st, self._tstate, self._dstate)
+        with sharding.active(self.mesh):
+            self.state = decode._slots_empty(st, self._tstate, self._dstate)
+        if self.mesh is not None:
+            self.state = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(self.mesh, spec)),
+                                      decode._slots_specs(st, self.state), self.state,
+                                      is_leaf=lambda x: isinstance(x, P))
         self._release = np.zeros((self.slots,), bool)
         self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
         return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                                     block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
-                                    capacity=self.capacity, mode=mode, kernels=self.kernels)
+                                    capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh)
 
     def prompt_bucket(self, n: int) -> int:
         return min(self._decode._pow2(n, 16), self.capacity)
@@ -523,13 +535,24 @@ class Slots:
     def insert_widths(self) -> list[int]:
         """The prefill widths insert uses: powers of two up to insert_width (a bucket of n arrivals
         runs as few prefills as their binary digits, none padded beyond the next power of two)."""
-        return [w for w in (1 << i for i in range(self.insert_width.bit_length())) if w <= self.insert_width]
+        d = self._data       # on a mesh a prefill's rows are split over 'data': whole rows per shard
+        return [d << i for i in range(max(self.insert_width, d).bit_length()) if d << i <= max(self.insert_width, d)]
+
+    def _put(self, x, spec=None):
+        """x on the slots' mesh (rows on 'data' by default; spec () replicates); as is without one."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(np.asarray(x), NamedSharding(self.mesh, P() if spec is None else spec))
 
     def _insert_program(self, bucket: int, mode: str, width: int):
         d = self._decode
         st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
-        p = d._idle_params(width, bucket)
-        rows = _full_rows(width, self.slots)
+        p = d._params_on_mesh(d._idle_params(width, bucket), self.mesh)
+        rows = self._put(np.full((width,), self.slots, np.int32))
         return d._engine_program(("engine_insert", st, self.slots), d._slots_insert, (st,),
                                  (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
 
@@ -537,7 +560,7 @@ class Slots:
         d = self._decode
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
         return d._engine_program(("engine_step", st, self.steps), d._slots_step, (st, self.steps),
-                                 (self._tstate, self._dstate, self.state, self._release), donate=(2,))
+                                 (self._tstate, self._dstate, self.state, self._put(self._release)), donate=(2,))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
         """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
@@ -566,25 +589,26 @@ class Slots:
         for bucket, group in sorted(groups.items()):
             at = 0
             while at < len(group):
-                W = max(w for w in widths if w <= len(group) - at)
+                W = max([w for w in widths if w <= len(group) - at] or widths[:1])
                 chunk = group[at:at + W]
-                at += W
+                at += len(chunk)
                 mode = union_mode(r.mode for _, r in chunk)
                 prompt = np.zeros((W, bucket), np.int32)
                 lens = np.ones((W,), np.int32)
                 rows = np.full((W,), self.slots, np.int32)
-                settings = []
+                settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
                 for i, (slot, r) in enumerate(chunk):
                     prompt[i, :len(r.prompt)] = r.prompt
                     lens[i], rows[i] = len(r.prompt), slot
-                    settings.append(dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k,
-                                         top_p=r.top_p, stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row))
+                    settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                       stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
                     self.modes[slot] = r.mode
                     self._release[slot] = False
                 p = d._Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
-                              active=jnp.asarray(np.ones((W,), bool)), **d._row_settings(settings))
+                              active=jnp.asarray(np.arange(W) < len(chunk)), **d._row_settings(settings))
+                p = d._params_on_mesh(p, self.mesh)
                 prog = self._insert_program(bucket, mode, W)
-                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, jnp.asarray(rows))
+                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
                 out.append(([slot for slot, _ in chunk], first, done))
         return out
 
@@ -608,11 +632,9 @@ class Slots:
         busy slots' modes, without waiting: returns device arrays (commits [K, B, S], produced [K, B],
         done [B]). The host may dispatch the next insert or step before reading them (JAX runs
         them in order), so its bookkeeping overlaps the device's work."""
-        import jax.numpy as jnp
-
         busy = range(self.slots) if busy is None else busy
         prog = self._step_program(union_mode(self.modes[b] for b in busy))
-        self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, jnp.asarray(self._release))
+        self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release))
         self._release[:] = False
         return commits, produced, done
 
@@ -700,11 +722,6 @@ class Slots:
                 if not stepped:
                     break
         return results
-
-
-def _full_rows(n: int, value: int):
-    import jax.numpy as jnp
-    return jnp.full((n,), value, jnp.int32)
 
 
 class SlotEngine(_RequestChecks):
