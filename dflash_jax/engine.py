@@ -18,10 +18,14 @@ are the engine's contract: for the same prompt and settings they equal one-shot
 
 `Slots` is continuous batching: a fixed number of slots whose state (target and draft caches,
 length, pending context, done flag, limits, sampling settings, seeds) lives on the device in one
-pytree (decode._Slots). `insert` prefills a bucket of requests and writes their rows into free slots,
+pytree (decode._Slots). `insert` prefills a bucket of requests (up to `insert_width` arrivals of one
+prompt bucket in one prefill of a power-of-two width) and writes their rows into free slots,
 `step` runs up to K draft-verify-accept iterations of the one-shot loop's own iteration
 (decode._iterate) over all slots and returns each slot's commits, `release` frees a slot at the next
-step. Each program compiles once per (slots, capacity, block, sampling mode, and for insert the
+step. Both have `_async` forms returning device arrays: the drivers (`run`, `SlotEngine`) dispatch
+step n+1 before reading step n (`pipeline` = 1), so the host's bookkeeping, token pushing and
+prefill dispatch overlap the device's work instead of stalling it. On a mesh (the models' own,
+sharding.shard_model / load_*(mesh=)) slots are split over 'data' and the model over 'model'. Each program compiles once per (slots, capacity, block, sampling mode, and for insert the
 prompt bucket and insert width), never on a request's arrival; the slot state is donated. `run`
 drives it offline (generate(..., slots=N) with more prompts than slots), `SlotEngine` drives it
 from a thread for the server. A request's tokens do not depend on its slot or its batch-mates: rows
@@ -728,9 +732,11 @@ class SlotEngine(_RequestChecks):
     """The Engine interface over `Slots`: continuous batching for the server.
 
     One thread owns the device: each turn it frees the slots of cancelled requests (released at
-    that step), inserts waiting requests into free slots (their first token is pushed at once),
-    runs one `step` and pushes every slot's committed tokens into its Handle, finishing the
-    requests whose rows are done. Compiles happen in `warmup` (the constructor compiles the greedy
+    that step), dispatches the prefills of waiting requests into free slots and one `step`, then
+    reads back the step dispatched `pipeline` steps before (and the inserts before it), pushing
+    first tokens and committed tokens into their Handles and finishing the requests whose rows
+    are done. With pipeline 1 a finished slot is refilled one step later, but the device never
+    waits for the host. Compiles happen in `warmup` (the constructor compiles the greedy
     programs for the prompt buckets up to `warmup_prompt_len`) or on a request of a mode or bucket
     not seen yet, never again after.
     """

@@ -16,7 +16,7 @@ the server has stopped) and fails on any difference or error: nothing lost.
 --preset NAME --random serves random weights of that shape (and a random draft of the z-lab
 shape; --compare-plain runs the same sweep again with --draft none) with the preset's workload:
 `--preset qwen3-8b` = 96 requests a run (24 at concurrency 1), concurrency 1,8,32, Poisson rates
-4,16 requests/s, prompts of 65..128 tokens, max_tokens 64..128, 32 slots, capacity 1024.
+8,24 requests/s, prompts of 65..128 tokens, max_tokens 64..128, 32 slots, capacity 1024.
 Prints one table per server; --json PATH writes every run's numbers.
 """
 
@@ -41,7 +41,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRESETS = {
-    "qwen3-8b": dict(requests=96, requests_at_1=24, concurrency="1,8,32", rates="4,16", prompt_len="65,128",
+    "qwen3-8b": dict(requests=96, requests_at_1=24, concurrency="1,8,32", rates="8,24", prompt_len="65,128",
                      max_tokens="64,128", slots=32, capacity=1024, engine_steps=4),
 }
 
