@@ -209,6 +209,11 @@ def test_slots_mesh_child_greedy_equals_one_device(spec):
     assert [o.acceptance_lengths for o in out] == [w.acceptance_lengths[0] for w in one]
     via = generate(*models(mesh), ps, max_new_tokens=8, slots=2 * d, **kw)
     assert via.tokens == generate(*models(None), ps, max_new_tokens=8, **kw).tokens
+    # the server's engine on the mesh (serve --mesh): the handles get the same tokens
+    eng = SlotEngine(*models(mesh), slots=2 * d, capacity=CAP, attention_impl="xla", max_queue=8)
+    hs = [eng.submit(Request(prompt=tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(ps[:3], ns[:3])]
+    assert [list(h.events())[-1].tokens for h in hs] == [w.tokens[0] for w in one[:3]]
+    eng.shutdown(timeout=5)
     if d > 1:
         with pytest.raises(ValueError, match="multiple of the mesh's data axis"):
             Slots(*models(mesh), slots=3, **kw)

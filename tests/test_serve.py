@@ -513,7 +513,10 @@ def test_cli_refuses_bad_flags(capsys, monkeypatch):
 
     monkeypatch.setattr(serve, "_default_pair", lambda: None)  # as a package that ships no pair
     for argv, msg in ((["--port", "8001"], "give --model"), (["--random-init", "qwen3-0.6b", "--slots", "0"], "--slots"),
-                      (["--random-init", "qwen3-0.6b", "--port", "0"], "--port")):
+                      (["--random-init", "qwen3-0.6b", "--port", "0"], "--port"),
+                      (["--random-init", "qwen3-0.6b", "--warmup-prompt-len", "a:b"], "--warmup-prompt-len"),
+                      (["--random-init", "qwen3-0.6b", "--engine-pipeline", "-1"], "--engine-pipeline"),
+                      (["--random-init", "qwen3-0.6b", "--insert-width", "0"], "--insert-width")):
         with pytest.raises(SystemExit) as e:
             serve.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
