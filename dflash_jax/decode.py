@@ -542,15 +542,14 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     `slots`: with more prompts than this, the prompts run through the slot engine
     (dflash_jax.engine.Slots: continuous batching, `slots` rows at once, each refilled as its row
     finishes) instead of one batch that runs until its longest row ends; the tokens are the same
-    (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit.
+    (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit. On a
+    mesh, `slots` must be a multiple of the data axis.
     """
     if slots is not None and len(prompts) > slots:
-        if mesh is not None or sharding.mesh_of(target) is not None:
-            raise ValueError("slots= (the slot engine) does not run on a mesh yet; give mesh=None with one-device models")
         return _generate_slots(target, draft, prompts, slots=slots, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                                block_size=block_size, seed=seed, attention_impl=attention_impl, capacity=capacity,
-                               on_commit=on_commit, kernels=kernels)
+                               on_commit=on_commit, kernels=kernels, mesh=mesh)
     return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
                      seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
@@ -643,18 +642,38 @@ def _slots_insert(st: _Static, tstate, dstate, slots: _Slots, p: _Params, rows):
     """Prefill the requests of p ([Bp] rows, prompt bucket st.prompt_bucket) and write each into
     slot rows[i] (rows [Bp] int32; a row >= the slot count drops that request: bucket padding).
     Other slots are untouched. Returns (slots, first token [Bp], done [Bp])."""
-    new = _prefill(st, *_models(st, tstate, dstate), p)
-    put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
-    loop = jax.tree.map(put, slots.loop.replace(step=None), new.replace(step=None)).replace(step=slots.loop.step)
-    params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
-    first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
-    return _Slots(loop=loop, params=params), first, new.done
+    with sharding.active(st.mesh):
+        new = _prefill(st, *_models(st, tstate, dstate), p)
+        put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
+        loop = jax.tree.map(put, slots.loop.replace(step=None), new.replace(step=None)).replace(step=slots.loop.step)
+        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
+        first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
+        return _slots_placed(st, _Slots(loop=loop, params=params)), first, new.done
+
+
+def _slots_specs(st: _Static, slots: _Slots) -> _Slots:
+    """The slot state's PartitionSpecs on st.mesh: slots on 'data' (as the loop's rows)."""
+    return _Slots(loop=_loop_specs(st, slots.loop), params=_param_specs(slots.params))
+
+
+def _slots_placed(st: _Static, slots: _Slots) -> _Slots:
+    """The slot state constrained to _slots_specs, so insert and step keep one layout (a compiled
+    step refuses state laid out otherwise)."""
+    if st.mesh is None:
+        return slots
+    return jax.tree.map(lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(st.mesh, spec)),
+                        _slots_specs(st, slots), slots, is_leaf=lambda x: isinstance(x, P))
 
 
 def _slots_step(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, release):
     """Up to n_iters iterations of _iterate over every slot (stops early once all are done); slots
     with release [B] set are marked done first. Returns (slots, commits [n, B, S], produced [n, B],
     done [B]): slot b committed commits[k, b, :produced[k, b]] at iteration k."""
+    with sharding.active(st.mesh):
+        return _slots_step_body(st, n_iters, tstate, dstate, slots, release)
+
+
+def _slots_step_body(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, release):
     target, draft = _models(st, tstate, dstate)
     B, S = st.batch, st.block_size
     loop = slots.loop.replace(done=slots.loop.done | release)

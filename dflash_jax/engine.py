@@ -18,10 +18,14 @@ are the engine's contract: for the same prompt and settings they equal one-shot
 
 `Slots` is continuous batching: a fixed number of slots whose state (target and draft caches,
 length, pending context, done flag, limits, sampling settings, seeds) lives on the device in one
-pytree (decode._Slots). `insert` prefills a bucket of requests and writes their rows into free slots,
+pytree (decode._Slots). `insert` prefills a bucket of requests (up to `insert_width` arrivals of one
+prompt bucket in one prefill of a power-of-two width) and writes their rows into free slots,
 `step` runs up to K draft-verify-accept iterations of the one-shot loop's own iteration
 (decode._iterate) over all slots and returns each slot's commits, `release` frees a slot at the next
-step. Each program compiles once per (slots, capacity, block, sampling mode, and for insert the
+step. Both have `_async` forms returning device arrays: the drivers (`run`, `SlotEngine`) dispatch
+step n+1 before reading step n (`pipeline` = 1), so the host's bookkeeping, token pushing and
+prefill dispatch overlap the device's work instead of stalling it. On a mesh (the models' own,
+sharding.shard_model / load_*(mesh=)) slots are split over 'data' and the model over 'model'. Each program compiles once per (slots, capacity, block, sampling mode, and for insert the
 prompt bucket and insert width), never on a request's arrival; the slot state is donated. `run`
 drives it offline (generate(..., slots=N) with more prompts than slots), `SlotEngine` drives it
 from a thread for the server. A request's tokens do not depend on its slot or its batch-mates: rows
@@ -466,20 +470,24 @@ def union_mode(modes) -> str:
 class Slots:
     """The device side of continuous batching: `slots` rows of loop state, each a request or free.
 
-    insert(items) prefills requests into free slots (grouped by prompt bucket, `insert_width` rows
-    per prefill program), step() runs up to `steps` iterations over all slots, release(slot) frees
+    insert(items) prefills requests into free slots (grouped by prompt bucket, up to `insert_width`
+    rows per prefill program, default min(slots, 8)), step() runs up to `steps` iterations over all slots, release(slot) frees
     a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
     mode, prompt bucket / insert width) and cached with generate's programs (compile_count counts
     them). capacity: KV entries per slot; a request needs prompt + max_new <= capacity - block.
     """
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
-                 steps: int = 4, insert_width: int = 1, kernels=None, attention_impl=None):
+                 steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None):
+        import jax
         from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from dflash_jax import decode
+        from dflash_jax import decode, sharding
         from dflash_jax.kernel_config import kernels_from
 
+        if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
+            insert_width = min(slots, 8) if decode._is_int(slots) else 1
         for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
                             ("insert_width", insert_width, 1)):
             if not decode._is_int(v) or v < lo:
@@ -497,17 +505,27 @@ class Slots:
         self.steps, self.insert_width = int(steps), int(insert_width)
         self.max_model_len = self.capacity - S
         self.kernels = kernels_from(kernels, attention_impl).resolve()
+        # the models' mesh (both must be on the same one): slots on 'data', the model on 'model'
+        self.mesh = decode._resolve_mesh(None, target, draft)
+        self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
+        if self.slots % self._data:
+            raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
         st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
-        self.state = decode._slots_empty(st, self._tstate, self._dstate)
+        with sharding.active(self.mesh):
+            self.state = decode._slots_empty(st, self._tstate, self._dstate)
+        if self.mesh is not None:
+            self.state = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(self.mesh, spec)),
+                                      decode._slots_specs(st, self.state), self.state,
+                                      is_leaf=lambda x: isinstance(x, P))
         self._release = np.zeros((self.slots,), bool)
         self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
         return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                                     block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
-                                    capacity=self.capacity, mode=mode, kernels=self.kernels)
+                                    capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh)
 
     def prompt_bucket(self, n: int) -> int:
         return min(self._decode._pow2(n, 16), self.capacity)
@@ -518,11 +536,27 @@ class Slots:
                              f"length {self.max_model_len} (capacity {self.capacity} - block {self.block_size})")
 
     # programs ----------------------------------------------------------------------------------
-    def _insert_program(self, bucket: int, mode: str):
+    def insert_widths(self) -> list[int]:
+        """The prefill widths insert uses: powers of two up to insert_width (a bucket of n arrivals
+        runs as few prefills as their binary digits, none padded beyond the next power of two)."""
+        d = self._data       # on a mesh a prefill's rows are split over 'data': whole rows per shard
+        return [d << i for i in range(max(self.insert_width, d).bit_length()) if d << i <= max(self.insert_width, d)]
+
+    def _put(self, x, spec=None):
+        """x on the slots' mesh (rows on 'data' by default; spec () replicates); as is without one."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(np.asarray(x), NamedSharding(self.mesh, P() if spec is None else spec))
+
+    def _insert_program(self, bucket: int, mode: str, width: int):
         d = self._decode
-        st = self._static(prompt_bucket=bucket, batch=self.insert_width, mode=mode)
-        p = d._idle_params(self.insert_width, bucket)
-        rows = _full_rows(self.insert_width, self.slots)
+        st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
+        p = d._params_on_mesh(d._idle_params(width, bucket), self.mesh)
+        rows = self._put(np.full((width,), self.slots, np.int32))
         return d._engine_program(("engine_insert", st, self.slots), d._slots_insert, (st,),
                                  (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
 
@@ -530,20 +564,23 @@ class Slots:
         d = self._decode
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
         return d._engine_program(("engine_step", st, self.steps), d._slots_step, (st, self.steps),
-                                 (self._tstate, self._dstate, self.state, self._release), donate=(2,))
+                                 (self._tstate, self._dstate, self.state, self._put(self._release)), donate=(2,))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
-        """Compile the insert programs of these prompt lengths' buckets and the step programs of
-        these modes now, so no request waits for a compile."""
+        """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
+        step programs of these modes now, so no request waits for a compile."""
         for m in modes:
             self._step_program(m)
             for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
-                self._insert_program(n, m)
+                for w in self.insert_widths():
+                    self._insert_program(n, m, w)
 
     # operations ----------------------------------------------------------------------------------
-    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
-        """Prefill each (slot, request) into its slot (the slots must be free). Returns
-        {slot: (first token, done)}."""
+    def insert_async(self, items: Sequence[tuple[int, RowRequest]]) -> list[tuple[list[int], Any, Any]]:
+        """Dispatch the prefills of each (slot, request) into its slot (the slots must be free)
+        without waiting for them: requests of one prompt bucket share a prefill of a power-of-two
+        width. Returns [(slots, first [W] device array, done [W] device array)], one per prefill;
+        entry i of first/done belongs to slots[i]."""
         import jax.numpy as jnp
 
         d = self._decode
@@ -551,12 +588,15 @@ class Slots:
         for slot, r in items:
             self.check(r)
             groups.setdefault(self.prompt_bucket(len(r.prompt)), []).append((slot, r))
-        out = {}
+        widths = self.insert_widths()
+        out = []
         for bucket, group in sorted(groups.items()):
-            for at in range(0, len(group), self.insert_width):
-                chunk = group[at:at + self.insert_width]
+            at = 0
+            while at < len(group):
+                W = max([w for w in widths if w <= len(group) - at] or widths[:1])
+                chunk = group[at:at + W]
+                at += len(chunk)
                 mode = union_mode(r.mode for _, r in chunk)
-                W = self.insert_width
                 prompt = np.zeros((W, bucket), np.int32)
                 lens = np.ones((W,), np.int32)
                 rows = np.full((W,), self.slots, np.int32)
@@ -570,11 +610,20 @@ class Slots:
                     self._release[slot] = False
                 p = d._Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
                               active=jnp.asarray(np.arange(W) < len(chunk)), **d._row_settings(settings))
-                prog = self._insert_program(bucket, mode)
-                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, jnp.asarray(rows))
-                first, done = np.asarray(first), np.asarray(done)
-                for i, (slot, _) in enumerate(chunk):
-                    out[slot] = (int(first[i]), bool(done[i]))
+                p = d._params_on_mesh(p, self.mesh)
+                prog = self._insert_program(bucket, mode, W)
+                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
+                out.append(([slot for slot, _ in chunk], first, done))
+        return out
+
+    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
+        """Prefill each (slot, request) into its slot (the slots must be free). Returns
+        {slot: (first token, done)}."""
+        out = {}
+        for slots, first, done in self.insert_async(items):
+            first, done = np.asarray(first), np.asarray(done)
+            for i, slot in enumerate(slots):
+                out[slot] = (int(first[i]), bool(done[i]))
         return out
 
     def release(self, slot: int) -> None:
@@ -582,31 +631,44 @@ class Slots:
         self._release[slot] = True
         self.modes[slot] = "greedy"
 
-    def step(self, busy: Sequence[int] | None = None):
-        """Up to `steps` iterations over every slot, in the program of the union of the busy slots'
-        modes. Returns numpy (commits [K, B, S], produced [K, B], done [B])."""
-        import jax
-        import jax.numpy as jnp
-
+    def step_async(self, busy: Sequence[int] | None = None):
+        """Dispatch up to `steps` iterations over every slot, in the program of the union of the
+        busy slots' modes, without waiting: returns device arrays (commits [K, B, S], produced [K, B],
+        done [B]). The host may dispatch the next insert or step before reading them (JAX runs
+        them in order), so its bookkeeping overlaps the device's work."""
         busy = range(self.slots) if busy is None else busy
         prog = self._step_program(union_mode(self.modes[b] for b in busy))
-        self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, jnp.asarray(self._release))
+        self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release))
         self._release[:] = False
-        return tuple(np.asarray(x) for x in jax.device_get((commits, produced, done)))
+        return commits, produced, done
+
+    def step(self, busy: Sequence[int] | None = None):
+        """step_async, waited for: numpy (commits [K, B, S], produced [K, B], done [B])."""
+        import jax
+        return tuple(np.asarray(x) for x in jax.device_get(self.step_async(busy)))
 
     # offline -------------------------------------------------------------------------------------
-    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None
-            ) -> list[RowResult]:
-        """Run every request to its end, refilling slots as rows finish (arrival order)."""
+    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None,
+            *, pipeline: int = 1) -> list[RowResult]:
+        """Run every request to its end, refilling slots as rows finish (arrival order).
+
+        pipeline: steps dispatched ahead of the one whose results the host reads (0: wait for
+        each step). With 1 the device runs step n+1 while the host reads step n and prepares the
+        next inserts; a slot that finished in step n is refilled after step n+1 (it idles one
+        step), so the host's work no longer stalls the device."""
+        import jax
+
         for r in requests:
             self.check(r)
+        if not self._decode._is_int(pipeline) or pipeline < 0:
+            raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         waiting = collections.deque(range(len(requests)))
         free = list(range(self.slots))
-        owner: dict[int, int] = {}
+        owner: dict[int, int] = {}           # slot -> request, as the host last dispatched it
         toks: dict[int, list] = {}
         accs: dict[int, list] = {}
         results: list[RowResult | None] = [None] * len(requests)
-
+        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
         self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
 
         def finish(slot):
@@ -620,24 +682,20 @@ class Slots:
             if on_finish is not None:
                 on_finish(i, results[i])
 
-        while waiting or owner:
-            if waiting and free:
-                items = []
-                free.sort()
-                while waiting and free:
-                    i, slot = waiting.popleft(), free.pop(0)
-                    owner[slot], toks[i], accs[i] = i, [], []
-                    items.append((slot, requests[i]))
-                for slot, (first, done) in self.insert(items).items():
-                    toks[owner[slot]].append(first)
-                    self.last_run_times[owner[slot]] = [time.perf_counter()]
-                    if done:
+        def read(entry):
+            kind, arrays, who = entry
+            if kind == "insert":
+                first, done = (np.asarray(x) for x in jax.device_get(arrays))
+                for k, (slot, i) in enumerate(who):
+                    toks[i].append(int(first[k]))
+                    self.last_run_times[i] = [time.perf_counter()]
+                    if done[k]:
                         finish(slot)
-            if not owner:
-                continue
-            commits, produced, done = self.step(list(owner))
-            for slot in list(owner):
-                i = owner[slot]
+                return
+            commits, produced, done = (np.asarray(x) for x in jax.device_get(arrays))
+            for slot, i in who.items():
+                if owner.get(slot) != i:         # finished at its insert, or earlier
+                    continue
                 for k in range(produced.shape[0]):
                     n = int(produced[k, slot])
                     if n:
@@ -645,44 +703,66 @@ class Slots:
                         accs[i].append(n)
                 if done[slot]:
                     finish(slot)
+
+        while waiting or owner or inflight:
+            if waiting and free:
+                items = []
+                free.sort()
+                while waiting and free:
+                    i, slot = waiting.popleft(), free.pop(0)
+                    owner[slot], toks[i], accs[i] = i, [], []
+                    items.append((slot, requests[i]))
+                for slots, first, done in self.insert_async(items):
+                    inflight.append(("insert", (first, done), [(s, owner[s]) for s in slots]))
+            stepped = False
+            if owner:
+                inflight.append(("step", self.step_async(list(owner)), dict(owner)))
+                stepped = True
+            n_steps = sum(e[0] == "step" for e in inflight)
+            while inflight and (n_steps > pipeline or not stepped):
+                e = inflight.popleft()
+                n_steps -= e[0] == "step"
+                read(e)
+                if not stepped:
+                    break
         return results
-
-
-def _full_rows(n: int, value: int):
-    import jax.numpy as jnp
-    return jnp.full((n,), value, jnp.int32)
 
 
 class SlotEngine(_RequestChecks):
     """The Engine interface over `Slots`: continuous batching for the server.
 
     One thread owns the device: each turn it frees the slots of cancelled requests (released at
-    that step), inserts waiting requests into free slots (their first token is pushed at once),
-    runs one `step` and pushes every slot's committed tokens into its Handle, finishing the
-    requests whose rows are done. Compiles happen in `warmup` (the constructor compiles the greedy
+    that step), dispatches the prefills of waiting requests into free slots and one `step`, then
+    reads back the step dispatched `pipeline` steps before (and the inserts before it), pushing
+    first tokens and committed tokens into their Handles and finishing the requests whose rows
+    are done. With pipeline 1 a finished slot is refilled one step later, but the device never
+    waits for the host. Compiles happen in `warmup` (the constructor compiles the greedy
     programs for the prompt buckets up to `warmup_prompt_len`) or on a request of a mode or bucket
     not seen yet, never again after.
     """
 
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
-                 steps: int = 4, insert_width: int = 1, kernels=None, warmup_prompt_len: int = 0):
+                 steps: int = 4, insert_width: int | None = None, kernels=None,
+                 warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1):
         from dflash_jax import decode
 
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl)
+        if not decode._is_int(pipeline) or pipeline < 0:
+            raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
+        self.pipeline = int(pipeline)
         self.block_size, self.capacity = self.slots.block_size, capacity
         self.max_model_len, self.max_queue = self.slots.max_model_len, max_queue
         self.vocab_size = target.config.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._compile_count = decode.compile_count
         if warmup_prompt_len:
-            lengths, n = [], 16
-            while n // 2 < min(warmup_prompt_len, self.max_model_len - 1):
-                lengths.append(min(n, self.max_model_len - 1))
-                n *= 2
+            lo, hi = warmup_prompt_len if isinstance(warmup_prompt_len, tuple) else (1, warmup_prompt_len)
+            hi = min(hi, self.max_model_len - 1)
+            lengths = sorted({min(self.slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
             self.slots.warmup(lengths, ("greedy",))
         self._queue: collections.deque[Handle] = collections.deque()
         self._cv = threading.Condition()
@@ -765,10 +845,56 @@ class SlotEngine(_RequestChecks):
         stops = set(self.stop_ids(h.request))
         h._finish("stop" if toks and toks[-1] in stops else "length", h._stats)
 
+    def _fail_running(self, free: list, e: BaseException) -> None:
+        """A failed program fails every running request; their slots are freed, the engine stays up."""
+        with self._cv:
+            failed = list(self._running.items())
+            for slot, _ in failed:
+                self.slots.release(slot)
+                free.append(slot)
+            self._running.clear()
+        for _, h in failed:
+            h._finish("error", self._stats_of(h), _one_line(e))
+
+    def _read(self, entry, free: list) -> None:
+        """Push one dispatched insert's first tokens or one step's commits to their handles (those
+        still in the slot they were dispatched for)."""
+        import jax
+
+        kind, arrays, who = entry
+        host = [np.asarray(x) for x in jax.device_get(arrays)]
+        with self._cv:
+            if kind == "insert":
+                first, done = host
+                for k, (slot, h) in enumerate(who):
+                    if self._running.get(slot) is not h:
+                        continue
+                    self._deliver(h, [int(first[k])])
+                    if done[k]:
+                        self._end(slot, h)
+                        free.append(slot)
+                return
+            commits, produced, done = host
+            for slot, h in who:
+                if self._running.get(slot) is not h:
+                    continue
+                for k in range(produced.shape[0]):
+                    n = int(produced[k, slot])
+                    if n and not h.done:
+                        self._deliver(h, commits[k, slot, :n].tolist(), n)
+                if done[slot]:
+                    self._end(slot, h)
+                    free.append(slot)
+
     def _work(self) -> None:
+        """The engine thread: admit, dispatch a step, read back the step dispatched `pipeline`
+        steps ago (so the device is never idle while the host pushes tokens and prefills)."""
         free = list(range(self.slots.slots))
+        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
         while True:
             with self._cv:
+                if not self._running:
+                    inflight.clear()                          # nobody waits for these results
                 while not self._queue and not self._running and not self._closed:
                     self._cv.wait()
                 if self._abort or (self._closed and not self._queue and not self._running):
@@ -790,7 +916,9 @@ class SlotEngine(_RequestChecks):
                     h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
                                             queued_s=time.perf_counter() - h.submitted_at)
                 try:
-                    firsts = self.slots.insert([(slot, self._row(h)) for slot, h in admit])
+                    handles = dict(admit)
+                    for slots, first, done in self.slots.insert_async([(slot, self._row(h)) for slot, h in admit]):
+                        inflight.append(("insert", (first, done), [(s, handles[s]) for s in slots]))
                 except Exception as e:  # the inserted requests fail; the others keep running
                     with self._cv:
                         for slot, h in admit:
@@ -800,38 +928,19 @@ class SlotEngine(_RequestChecks):
                     for _, h in admit:
                         h._finish("error", h._stats, _one_line(e))
                     continue
-                with self._cv:
-                    for slot, h in admit:
-                        first, done = firsts[slot]
-                        self._deliver(h, [first])
-                        if done:
-                            self._end(slot, h)
-                            free.append(slot)
             with self._cv:
-                busy = list(self._running)
-            if not busy:
-                continue
+                busy = list(self._running.items())
+            stepped = bool(busy)
             try:
-                commits, produced, done = self.slots.step(busy)
-            except Exception as e:  # a failed step fails every running request; the engine stays up
-                with self._cv:
-                    failed = list(self._running.items())
-                    for slot, _ in failed:
-                        self.slots.release(slot)
-                        free.append(slot)
-                    self._running.clear()
-                for _, h in failed:
-                    h._finish("error", self._stats_of(h), _one_line(e))
-                continue
-            with self._cv:
-                for slot in busy:
-                    h = self._running.get(slot)
-                    if h is None:
-                        continue
-                    for k in range(produced.shape[0]):
-                        n = int(produced[k, slot])
-                        if n and not h.done:
-                            self._deliver(h, commits[k, slot, :n].tolist(), n)
-                    if done[slot]:
-                        self._end(slot, h)
-                        free.append(slot)
+                if stepped:
+                    inflight.append(("step", self.slots.step_async([s for s, _ in busy]), busy))
+                n_steps = sum(e[0] == "step" for e in inflight)
+                while inflight and (n_steps > self.pipeline or not stepped):
+                    e = inflight.popleft()
+                    n_steps -= e[0] == "step"
+                    self._read(e, free)
+                    if not stepped:
+                        break
+            except Exception as e:  # noqa: BLE001  (a failed step: see _fail_running)
+                inflight.clear()
+                self._fail_running(free, e)

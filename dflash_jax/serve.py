@@ -490,6 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded at once (> 1: the continuous-batching slot engine; 1: one at a time)")
     g.add_argument("--engine-steps", type=int, default=4,
                    help="loop iterations per engine step between admissions (--slots > 1)")
+    g.add_argument("--insert-width", type=int, default=None,
+                   help="most arrivals prefilled in one call (--slots > 1; default min(slots, 8))")
+    g.add_argument("--engine-pipeline", type=int, default=1,
+                   help="engine steps dispatched ahead of the one whose tokens are read (0: wait for each)")
+    g.add_argument("--warmup-prompt-len", default="512", metavar="N|LO:HI",
+                   help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start; 0: none")
     g.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
     g.add_argument("--capacity", type=int, default=4096,
                    help="KV-cache entries per slot: prompt + max_tokens + one block must fit")
@@ -538,6 +544,17 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--engine-steps must be >= 1, got {args.engine_steps}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.insert_width is not None and args.insert_width < 1:
+        parser.error(f"--insert-width must be >= 1, got {args.insert_width}")
+    if args.engine_pipeline < 0:
+        parser.error(f"--engine-pipeline must be >= 0, got {args.engine_pipeline}")
+    try:
+        lo, _, hi = str(args.warmup_prompt_len).rpartition(":")
+        args.warmup_prompt_len = (int(lo), int(hi)) if lo else int(hi)
+        if min(args.warmup_prompt_len if lo else (args.warmup_prompt_len,)) < 0:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--warmup-prompt-len must be N or LO:HI (token counts >= 0), got {args.warmup_prompt_len!r}")
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.default_max_tokens < 1:
@@ -580,7 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.slots > 1:
             engine = SlotEngine(target, draft, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                                 eos_token_ids=eos, block_size=block, attention_impl=args.attention,
-                                steps=args.engine_steps, warmup_prompt_len=min(args.capacity, 512))
+                                steps=args.engine_steps, insert_width=args.insert_width,
+                                pipeline=args.engine_pipeline, warmup_prompt_len=args.warmup_prompt_len)
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)

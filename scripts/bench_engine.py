@@ -9,10 +9,14 @@ through Slots(slots=--slots), refilling slots as rows finish. Compiles are exclu
 first). Prints one table: tokens/s, wall time, speed-up; the engine's mean TTFT (from the run's
 start: queueing included) and TPOT (per request, after its first token).
 
-CPU, tiny random pair (seconds):
+--steps, --pipeline and --insert-width take comma lists: one engine row per combination, so one
+command picks K (iterations per step) by measurement.
+
+CPU, tiny random pair (seconds) or the embedded default pair:
   python scripts/bench_engine.py --tiny
+  python scripts/bench_engine.py --default --prompts 32 --slots 8 --steps 2,4,8 --pipeline 0,1
 H200, Qwen3-8B shapes, random weights (one command):
-  python scripts/bench_engine.py --preset qwen3-8b --random-init --prompts 128 --slots 32
+  python scripts/bench_engine.py --preset qwen3-8b --random-init --prompts 128 --slots 32 --steps 4,8,16 --pipeline 0,1
 Trained pair: --model DIR --draft DIR [--dtype bfloat16].
 """
 
@@ -36,6 +40,12 @@ def build(args):
         draft = dj.init_draft(dj.DraftConfig.for_target(cfg, num_layers=1, block_size=args.block or 8), seed=1,
                               dtype=args.dtype)
         return target, draft, None
+    if args.default:
+        from dflash_jax.assets import default_pair
+        pair = default_pair()
+        if pair is None:
+            sys.exit("this package ships no default pair")
+        args.model, args.draft = pair
     if args.random_init:
         target = dj.init_target(args.preset, seed=0, dtype=args.dtype)
         draft = dj.init_draft(dj.DraftConfig.for_target(target.config, num_layers=5, block_size=args.block or 16),
@@ -71,6 +81,7 @@ def prompts(args, vocab: int, tok):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny random pair (CPU smoke run)")
+    p.add_argument("--default", action="store_true", help="the embedded default pair (dflash_jax.assets)")
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--random-init", action="store_true", help="random weights of --preset's shapes")
     p.add_argument("--model"), p.add_argument("--draft", default="none")
@@ -78,15 +89,19 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=None)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--steps", type=int, default=4, help="iterations per engine step")
+    p.add_argument("--steps", default="4", help="iterations per engine step (comma list)")
+    p.add_argument("--pipeline", default="1", help="steps dispatched ahead of the one read (comma list)")
+    p.add_argument("--insert-width", default="8", help="most requests per prefill (comma list)")
     p.add_argument("--min-new", type=int, default=16)
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if not (args.tiny or args.random_init or args.model):
-        p.error("give --tiny, --random-init (with --preset) or --model/--draft")
-    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
+    if not (args.tiny or args.default or args.random_init or args.model):
+        p.error("give --tiny, --default, --random-init (with --preset) or --model/--draft")
+    args.dtype = args.dtype or ("float32" if args.tiny or args.default else "bfloat16")
+    ints = lambda s: [int(x) for x in str(s).split(",") if x]             # noqa: E731
+    steps, pipelines, widths = ints(args.steps), ints(args.pipeline), ints(args.insert_width)
 
     import jax
 
@@ -113,26 +128,34 @@ def main(argv=None) -> int:
         useful += sum(min(len(t), ns[i]) for t, i in zip(res.tokens, b))
     static_s = time.perf_counter() - t0
 
-    eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=args.steps)
+    print(f"| run | tokens | wall s | tokens/s | speed-up | mean TTFT ms | mean TPOT ms | tau | compiles |")
+    print(f"|---|---|---|---|---|---|---|---|---|")
+    base = useful / static_s
+    print(f"| static batches of {args.slots} | {useful} | {static_s:.2f} | {base:.1f} | 1.00x | | | | |", flush=True)
     reqs = [RowRequest(prompt=tuple(x), max_new=n, rng_row=i) for i, (x, n) in enumerate(zip(ps, ns))]
-    eng.warmup([len(x) for x in ps], ["greedy"])
-    n0 = decode.compile_count()
-    t0 = time.perf_counter()
-    out = eng.run(reqs)
-    engine_s = time.perf_counter() - t0
-    engine_tokens = sum(len(o.tokens) for o in out)
-    times = eng.last_run_times
-    ttft = np.mean([times[i][0] - t0 for i in range(len(out))])
-    tpot = np.mean([(times[i][1] - times[i][0]) / max(1, len(out[i].tokens) - 1) for i in range(len(out))])
-    tau = np.mean([a for o in out for a in o.acceptance_lengths]) if draft is not None else 1.0
-
-    print(f"| run | tokens | wall s | tokens/s | speed-up |")
-    print(f"|---|---|---|---|---|")
-    print(f"| static batches of {args.slots} | {useful} | {static_s:.2f} | {useful / static_s:.1f} | 1.00x |")
-    print(f"| engine, {args.slots} slots, {args.steps} it/step | {engine_tokens} | {engine_s:.2f} | "
-          f"{engine_tokens / engine_s:.1f} | {(engine_tokens / engine_s) / (useful / static_s):.2f}x |")
-    print(f"engine: mean TTFT {ttft * 1e3:.1f} ms (all {len(ps)} requests arrive at t=0), mean TPOT "
-          f"{tpot * 1e3:.2f} ms, tau {tau:.2f}, compiles during the run {decode.compile_count() - n0}")
+    for K in steps:
+        for W in widths:
+            eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=K,
+                        insert_width=min(W, args.slots))
+            eng.warmup([len(x) for x in ps], ["greedy"])
+            for pipe in pipelines:
+                eng.run(reqs[:args.slots], pipeline=pipe)       # warm the host path
+                n0 = decode.compile_count()
+                t0 = time.perf_counter()
+                out = eng.run(reqs, pipeline=pipe)
+                engine_s = time.perf_counter() - t0
+                tokens = sum(len(o.tokens) for o in out)
+                times = eng.last_run_times
+                ttft = np.mean([times[i][0] - t0 for i in range(len(out))])
+                tpot = np.mean([(times[i][1] - times[i][0]) / max(1, len(out[i].tokens) - 1)
+                                for i in range(len(out))])
+                tau = np.mean([a for o in out for a in o.acceptance_lengths]) if draft is not None else 1.0
+                print(f"| engine, K={K}, pipeline {pipe}, insert width {eng.insert_width} | {tokens} | "
+                      f"{engine_s:.2f} | {tokens / engine_s:.1f} | {(tokens / engine_s) / base:.2f}x | "
+                      f"{ttft * 1e3:.1f} | {tpot * 1e3:.2f} | {tau:.2f} | {decode.compile_count() - n0} |",
+                      flush=True)
+    print(f"(TTFT from the run's start: all {len(ps)} requests arrive at t=0; TPOT per request after its "
+          f"first token; compiles: during the timed run, must be 0)")
     return 0
 
 

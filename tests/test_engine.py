@@ -6,6 +6,10 @@ a fresh one; a stream of requests compiles nothing after warm-up."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -141,3 +145,75 @@ def test_union_mode():
     assert union_mode(["greedy", "sample"]) == "sample"
     assert union_mode(["topk", "topp"]) == "filtered"
     assert union_mode(["topk", "sample", "greedy"]) == "topk"
+
+
+def test_insert_widths_and_pipeline_give_the_same_tokens(pair):
+    """Arrivals prefilled together (widths 1, 2 of one bucket) and steps read one behind (pipeline
+    1) or at once (0): every request's tokens and acceptance lengths are the same."""
+    ps, ns = prompts(7, seed=6), [3, 11, 1, 8, 15, 2, 6]
+    a = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, insert_width=1).run(rows(ps, ns), pipeline=0)
+    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, insert_width=2)
+    assert eng.insert_widths() == [1, 2]
+    b = eng.run(rows(ps, ns), pipeline=1)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.acceptance_lengths for r in a] == [r.acceptance_lengths for r in b]
+    assert [len(r.tokens) for r in b] == ns
+
+
+# ------------------------------------------------------------------------------- on a mesh
+# The virtual devices need XLA_FLAGS before JAX starts, so the mesh case runs in a child pytest.
+CHILD = os.environ.get("DFLASH_ENGINE_CHILD") == "1"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHILD, reason="the parent's runner")
+def test_slots_on_a_mesh_in_a_child():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DFLASH_ENGINE_CHILD="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "slow",
+                        "-k", "mesh_child", os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (test_slots_on_a_mesh_in_a_child)")
+@pytest.mark.parametrize("spec", ["2x2", "1x4"])
+def test_slots_mesh_child_greedy_equals_one_device(spec):
+    """Slots on a mesh (slots on 'data', model on 'model'): each request's tokens and acceptance
+    lengths equal one-device one-shot generate; generate(slots=) on the mesh equals one batch."""
+    from dflash_jax import sharding as sh
+    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax.weights import init_draft, init_target
+
+    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                       num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=4)
+
+    def models(mesh):
+        t, d = init_target(cfg, dtype="float32"), init_draft(dcfg, dtype="float32")
+        if mesh is not None:
+            sh.shard_model(t, mesh)
+            sh.shard_model(d, mesh)
+        return t, d
+
+    d, m = sh.parse_mesh(spec)
+    mesh = sh.make_mesh(spec, devices=jax.devices()[:d * m])
+    ps, ns = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [9, 10, 11, 12], [5], [6, 7]], [5, 12, 3, 9, 7, 10]
+    kw = dict(capacity=CAP, attention_impl="xla")
+    one = [generate(*models(None), [p], max_new_tokens=n, **kw) for p, n in zip(ps, ns)]
+    out = Slots(*models(mesh), slots=4, steps=2, **kw).run(rows(ps, ns))
+    assert [o.tokens for o in out] == [w.tokens[0] for w in one]
+    assert [o.acceptance_lengths for o in out] == [w.acceptance_lengths[0] for w in one]
+    via = generate(*models(mesh), ps, max_new_tokens=8, slots=2 * d, **kw)
+    assert via.tokens == generate(*models(None), ps, max_new_tokens=8, **kw).tokens
+    # the server's engine on the mesh (serve --mesh): the handles get the same tokens
+    eng = SlotEngine(*models(mesh), slots=2 * d, capacity=CAP, attention_impl="xla", max_queue=8)
+    hs = [eng.submit(Request(prompt=tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(ps[:3], ns[:3])]
+    assert [list(h.events())[-1].tokens for h in hs] == [w.tokens[0] for w in one[:3]]
+    eng.shutdown(timeout=5)
+    if d > 1:
+        with pytest.raises(ValueError, match="multiple of the mesh's data axis"):
+            Slots(*models(mesh), slots=3, **kw)
