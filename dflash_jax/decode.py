@@ -447,6 +447,8 @@ def _params_on_mesh(p: _Params, mesh) -> _Params:
         return p
 
     def put(spec, x):
+        if isinstance(x, jax.Array) and x.sharding == NamedSharding(mesh, spec):
+            return x                     # placed already (it may span other processes' devices)
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
     return jax.tree.map(put, _param_specs(p), p, is_leaf=lambda x: isinstance(x, P))

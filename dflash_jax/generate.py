@@ -307,7 +307,11 @@ def init_distributed() -> None:
     if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or "," in hosts or os.environ.get("DFLASH_DISTRIBUTED") == "1"):
         return
     if not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+        # JAX reads JAX_COORDINATOR_ADDRESS itself but not the process count and id (auto-detected
+        # on TPU slices and clusters only), so a run named by the environment passes them on
+        kw = {name: int(os.environ[var]) for name, var in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                           ("process_id", "JAX_PROCESS_ID")) if os.environ.get(var)}
+        jax.distributed.initialize(**kw)
     if jax.process_index() != 0 and os.environ.get("DFLASH_ALL_PROCESSES_PRINT") != "1":
         sys.stdout = sys.stderr = open(os.devnull, "w")
 

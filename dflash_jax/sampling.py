@@ -31,18 +31,58 @@ as plain sampling from p (Leviathan et al. 2023, with q = δ(d)).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 
 MODES = ("greedy", "sample", "topk", "topp", "filtered")
 FILTER_MODES = ("topk", "topp", "filtered")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vocab:
+    """The vocabulary axis of the scores a function sees: the whole row (axis None, one device), or
+    inside a shard_map one shard's contiguous slice of `size` tokens over mesh axis `axis` (a
+    vocab-sharded LM head). Every reduction over V goes through it, so the sharded program is the
+    one-device program with a psum / pmax after each local reduction."""
+    size: int | None = None          # the whole vocabulary (None: the local row is the whole row)
+    axis: str | None = None
+
+    def sum(self, x, axis):
+        s = jnp.sum(x, axis=axis)
+        return s if self.axis is None else jax.lax.psum(s, self.axis)
+
+    def max(self, x, axis, keepdims=False):
+        m = jnp.max(x, axis=axis, keepdims=keepdims)
+        return m if self.axis is None else jax.lax.pmax(m, self.axis)
+
+    def ids(self, n: int):
+        """The global token ids of a local row of n: [n] int32."""
+        i = jnp.arange(n)
+        return i if self.axis is None else i + jax.lax.axis_index(self.axis) * n
+
+    def softmax(self, x):
+        if self.axis is None:
+            return jax.nn.softmax(x, axis=-1)
+        e = jnp.exp(x - jax.lax.stop_gradient(self.max(x, -1, keepdims=True)))
+        return e / self.sum(e, -1)[..., None]
+
+    def log_softmax(self, x):
+        if self.axis is None:
+            return jax.nn.log_softmax(x, axis=-1)
+        shifted = x - jax.lax.stop_gradient(self.max(x, -1, keepdims=True))
+        return shifted - jnp.log(self.sum(jnp.exp(shifted), -1))[..., None]
+
+
+WHOLE = _Vocab()
 
 
 def _real(x) -> bool:
@@ -105,14 +145,14 @@ def _min_passing(pred, n_rows: int, bits: int):
     return x
 
 
-def _masked_sums(keys, cand, weight):
+def _masked_sums(keys, cand, weight, vocab: _Vocab = WHOLE):
     """sum over V of weight where keys > cand: keys [N or 1, V], cand [N, K], weight [N, V] or None
     (a count) -> [N, K].
 
     One [N, V, K] reduction over V: faster than the same sums laid out [N, K, V] or as K sibling
     [N, V] reductions (docs/perf-log.md)."""
     w = 1.0 if weight is None else weight[:, :, None]
-    return jnp.sum(jnp.where(keys[:, :, None] > cand[:, None, :], w, 0.0), axis=1)
+    return vocab.sum(jnp.where(keys[:, :, None] > cand[:, None, :], w, 0.0), axis=1)
 
 
 def search_kernel(kernels: KernelConfig | None) -> bool:
@@ -153,17 +193,18 @@ def _kernel_min_passing(keys, weight, offset, budget, bits: int, kernels: Kernel
     return jax.lax.bitcast_convert_type(x[:, 0, 0], jnp.uint32) | (last.astype(jnp.uint32) << prev_shift)
 
 
-def _search(keys, weight, offset, budget, bits: int, kernels: KernelConfig | None):
+def _search(keys, weight, offset, budget, bits: int, kernels: KernelConfig | None, vocab: _Vocab = WHOLE):
     """Smallest x in [0, 2**bits) with offset + (weight above x) < budget, per row: keys [N or 1, V]
     uint32, weight [N, V] or None (1 each), offset and budget [N]. The GPU paths run each pass as
     one count kernel (`search_kernel`), the others as XLA reductions."""
-    if search_kernel(kernels):
+    if search_kernel(kernels) and vocab.axis is None:
         return _kernel_min_passing(keys, weight, offset, budget, bits, kernels)
-    return _min_passing(lambda c: offset[:, None] + _masked_sums(keys, c, weight) < budget[:, None],
+    return _min_passing(lambda c: offset[:, None] + _masked_sums(keys, c, weight, vocab) < budget[:, None],
                         budget.shape[0], bits)
 
 
-def _rank_threshold(hi, lo, weight, budget, kernels: KernelConfig | None = None, h=None):
+def _rank_threshold(hi, lo, weight, budget, kernels: KernelConfig | None = None, h=None,
+                    vocab: _Vocab = WHOLE):
     """Keep mask [N, V] of the tokens whose higher-ranked weight (weight [N, V], None: 1 each) is
     below budget [N] (> 0).
 
@@ -173,10 +214,10 @@ def _rank_threshold(hi, lo, weight, budget, kernels: KernelConfig | None = None,
     tied at that score (bf16 logits tie often, so the index search always runs)."""
     w = 1.0 if weight is None else weight
     if h is None:
-        h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, kernels)
-    base = jnp.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1)                           # [N]
+        h = _search(hi, weight, jnp.zeros(budget.shape, jnp.float32), budget, 32, kernels, vocab)
+    base = vocab.sum(jnp.where(hi > h[:, None], w, 0.0), axis=1)                         # [N]
     tie = hi == h[:, None]
-    low = _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, kernels)
+    low = _search(lo[None, :], jnp.where(tie, w, 0.0), base, budget, _INDEX_BITS, kernels, vocab)
     return (hi > h[:, None]) | (tie & (lo[None, :] >= low[:, None]))
 
 
@@ -212,22 +253,25 @@ def _gathered_cut(gk, gi, n, top_k, top_p, mode: str):
     return jnp.take_along_axis(sk, last, axis=1)[:, 0], jnp.take_along_axis(si, last, axis=1)[:, 0]
 
 
-def _keep_mask(scores, top_k, top_p, mode: str = "filtered", kernels: KernelConfig | None = None, fast: bool = True):
+def _keep_mask(scores, top_k, top_p, mode: str = "filtered", kernels: KernelConfig | None = None, fast: bool = True,
+               vocab: _Vocab = WHOLE):
     """Which tokens survive top-k then top-p (over the top-k renormalised distribution), cut by
     rank as the reference does. scores [N, V] float32. Returns [N, V] bool. mode "topk" skips the
     top-p search (top_p must be 1), "topp" the top-k search (top_k must be 0). kernels: the attention
     path (resolved); the GPU paths run the search's passes as a Pallas kernel (`search_kernel`) and,
-    with `fast` (tests turn it off to compare), gather top-k's candidates for the tie and top-p cuts."""
-    N, V = scores.shape
+    with `fast` (tests turn it off to compare), gather top-k's candidates for the tie and top-p cuts.
+    vocab: a vocab shard inside shard_map (XLA passes, each reduction psum'd), or the whole row."""
+    N, Vl = scores.shape
+    V = Vl if vocab.size is None else vocab.size
     if V >= 1 << _INDEX_BITS:
         raise ValueError(f"vocabulary of {V} tokens: top-k/top-p support up to {(1 << _INDEX_BITS) - 1}")
     hi = _score_key(scores)
-    lo = (V - 1 - jnp.arange(V)).astype(jnp.uint32)
+    lo = (V - 1 - vocab.ids(Vl)).astype(jnp.uint32)
     k = None
     if mode != "topp":
         k = _per_row(top_k, (N,)).astype(jnp.float32)
         k = jnp.where(k > 0, k, float(V))                                  # top_k <= 0: off
-        if search_kernel(kernels) and fast:
+        if search_kernel(kernels) and fast and vocab.axis is None:
             # Fast path: the top-k score threshold (8 passes), then its candidates gathered; the
             # tie cut and the top-p cut on those. A row with more than GATHER_MAX candidates
             # (top_k > GATHER_MAX, or a wide tie) sends the whole batch down the full searches.
@@ -242,25 +286,27 @@ def _keep_mask(scores, top_k, top_p, mode: str = "filtered", kernels: KernelConf
                 return (hi > tk[:, None]) | ((hi == tk[:, None]) & (idx <= ti[:, None]))
             return jax.lax.cond(jnp.all(n <= kernels_.GATHER_MAX), gathered,
                                 lambda: _full_cut(hi, lo, scores, k, top_k, top_p, mode, kernels, h))
-    return _full_cut(hi, lo, scores, k, top_k, top_p, mode, kernels)
+    return _full_cut(hi, lo, scores, k, top_k, top_p, mode, kernels, vocab=vocab)
 
 
-def _full_cut(hi, lo, scores, k, top_k, top_p, mode: str, kernels: KernelConfig | None, h=None):
+def _full_cut(hi, lo, scores, k, top_k, top_p, mode: str, kernels: KernelConfig | None, h=None,
+              vocab: _Vocab = WHOLE):
     """The keep mask by the threshold searches over the whole vocabulary (h: top-k's score
     threshold when already found)."""
     N = scores.shape[0]
     top_k, top_p = _per_row(top_k, (N,)), _per_row(top_p, (N,)).astype(jnp.float32)
     keep = jnp.ones(scores.shape, bool)
     if mode != "topp":
-        keep = _rank_threshold(hi, lo, None, k, kernels, h=h) | (top_k <= 0)[:, None]
+        keep = _rank_threshold(hi, lo, None, k, kernels, h=h, vocab=vocab) | (top_k <= 0)[:, None]
     if mode != "topk":
-        p = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
-        keep_p = _rank_threshold(hi, lo, p, top_p, kernels)
+        p = vocab.softmax(jnp.where(keep, scores, -jnp.inf))
+        keep_p = _rank_threshold(hi, lo, p, top_p, kernels, vocab=vocab)
         keep = keep & (keep_p | (top_p >= 1.0)[:, None])
     return keep
 
 
-def log_probs(logits, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
+def log_probs(logits, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None,
+              vocab: _Vocab = WHOLE):
     """The processed target distribution as log-probabilities. logits [B, V] or [B, S, V] float32;
     temperature, top_k, top_p scalars or [B]. kernels: the resolved attention path (picks the
     search's kernels; the result does not depend on it)."""
@@ -270,17 +316,21 @@ def log_probs(logits, temperature, top_k, top_p, mode: str, kernels: KernelConfi
     if mode in FILTER_MODES:
         V = logits.shape[-1]
         flat = lambda x: _per_row(x, lead).reshape(-1)                                  # noqa: E731
-        keep = _keep_mask(scores.reshape(-1, V), flat(top_k), flat(top_p), mode, kernels)
+        keep = _keep_mask(scores.reshape(-1, V), flat(top_k), flat(top_p), mode, kernels, vocab=vocab)
         scores = jnp.where(keep.reshape(scores.shape), scores, -jnp.inf)
-    return jax.nn.log_softmax(scores, axis=-1)
+    return vocab.log_softmax(scores)
 
 
 def select(logits, key, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
     """One token per row. logits [B, V], key [B] (per-row keys) → [B] int32."""
     if mode == "greedy":   # sharding.argmax: vocab-sharded under a mesh, never gathering the logits
         return sharding.argmax(logits)
-    lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)
-    sampled = jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
+    mesh = sharding.vocab_mesh(logits)
+    if mesh is not None:
+        sampled = _select_sharded(logits, key, temperature, top_k, top_p, mode, mesh)
+    else:
+        lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)
+        sampled = jax.vmap(jax.random.categorical)(key, lp).astype(jnp.int32)
     greedy = sharding.argmax(logits)
     return jnp.where(_greedy_rows(temperature, top_k, logits.shape[:1]), greedy, sampled)
 
@@ -296,6 +346,11 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     next_greedy = jnp.take_along_axis(post, a_greedy[:, None], axis=1)[:, 0]
     if mode == "greedy":
         return a_greedy, next_greedy
+    mesh = sharding.vocab_mesh(logits)
+    if mesh is not None:
+        a, nxt = _accept_sharded(drafts, logits, key, temperature, top_k, top_p, mode, mesh)
+        greedy = _greedy_rows(temperature, top_k, (B,))
+        return jnp.where(greedy, a_greedy, a), jnp.where(greedy, next_greedy, nxt)
     lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)                # [B, S, V]
     k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
     p_draft = jnp.exp(jnp.take_along_axis(lp[:, :-1], drafts[..., None], axis=-1)[..., 0])  # [B, S-1]
@@ -310,3 +365,66 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     nxt = jax.vmap(jax.random.categorical)(k_next, residual).astype(jnp.int32)
     greedy = _greedy_rows(temperature, top_k, (B,))
     return jnp.where(greedy, a_greedy, a), jnp.where(greedy, next_greedy, nxt)
+
+
+# ------------------------------------------------------------- over a vocab-sharded LM head
+#
+# Under a mesh whose 'model' axis shards the vocabulary, select and accept run the same steps per
+# shard inside one shard_map: the threshold searches' sums, the normalisers and the one-hot picks
+# are psum'd (pmax'd) per pass, the draws are Gumbel-max with the very noise jax.random.categorical
+# adds on one device (threefry is partitionable: each shard generates its own slice of the [B, V]
+# noise), and the argmax of the perturbed scores goes through sharding.argmax_over_shards. The
+# logits are never gathered; the tokens equal one device's for the same keys (docs/sharding.md:
+# a float32 sum in another order can move a top-p boundary or a near-tie by one ulp).
+
+def _noise(key, V: int, dtype, spec, mesh):
+    """[B, V] Gumbel noise of per-row keys [B], as categorical draws it, placed vocab-sharded."""
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (V,), dtype))(key)
+    return jax.lax.with_sharding_constraint(g, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _rows(*xs, B: int):
+    return tuple(_per_row(x, (B,)) for x in xs)
+
+
+def _select_sharded(logits, key, temperature, top_k, top_p, mode: str, mesh):
+    B, V = logits.shape
+    spec = sharding.logit_spec(2, B, mesh)                                       # [B, V]
+    row = P(spec[0])
+    g = _noise(key, V, logits.dtype, spec, mesh)
+
+    def local(x, g, t, k, p):                                                    # [b, V/TP]
+        lp = log_probs(x, t, k, p, mode, vocab=_Vocab(V, "model"))
+        return sharding.argmax_over_shards(g + lp)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, row, row, row), out_specs=row,
+                         check_vma=False)(logits, g, *_rows(temperature, top_k, top_p, B=B))
+
+
+def _accept_sharded(drafts, logits, key, temperature, top_k, top_p, mode: str, mesh):
+    """accept's sampling branch per vocab shard: (a [B], next token [B])."""
+    B, S, V = logits.shape
+    spec = sharding.logit_spec(3, B, mesh)                                       # [B, S, V]
+    row = P(spec[0])
+    k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (S - 1,)))(k_accept)           # [B, S-1]
+    g = _noise(k_next, V, logits.dtype, P(spec[0], "model"), mesh)               # [B, V]
+
+    def local(x, drafts, u, g, t, k, p):                                         # x [b, S, V/TP]
+        vocab = _Vocab(V, "model")
+        lp = log_probs(x, t, k, p, mode, vocab=vocab)
+        ids = vocab.ids(x.shape[-1])                                             # [V/TP] global ids
+        # p(d_i): a one-hot pick, exact (one shard holds d_i, the others add zeros)
+        pick = vocab.sum(jnp.where(ids == drafts[..., None], lp[:, :-1], 0.0), axis=-1)     # [b, S-1]
+        a = jnp.sum(jnp.cumprod(u < jnp.exp(pick), axis=1), axis=1).astype(jnp.int32)
+        row_lp = jnp.take_along_axis(lp, a[:, None, None], axis=1)[:, 0]         # [b, V/TP]
+        rejected = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), a[:, None], axis=1)
+        residual = jnp.where((a < S - 1)[:, None] & (ids[None] == rejected), -jnp.inf, row_lp)
+        alive = vocab.sum(jnp.isfinite(residual).astype(jnp.int32), axis=-1) > 0      # [b]
+        residual = jnp.where(alive[:, None], residual, row_lp)
+        return a, sharding.argmax_over_shards(g + residual)
+
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(spec, P(spec[0], None), P(spec[0], None), P(spec[0], "model"), row, row, row),
+                         out_specs=(row, row), check_vma=False)(
+        logits, drafts, u, g, *_rows(temperature, top_k, top_p, B=B))

@@ -150,8 +150,8 @@ def constrain(x, spec: P):
 def argmax(logits):
     """jnp.argmax(logits, axis=-1) as int32; under an active mesh with a model axis > 1 the
     vocab-sharded `sharded_argmax` (same result, the logits never gathered)."""
-    mesh = current_mesh()
-    if mesh is None or model_axis_size(mesh) == 1 or logits.shape[-1] % model_axis_size(mesh):
+    mesh = vocab_mesh(logits)
+    if mesh is None:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return sharded_argmax(logits, mesh)
 
@@ -467,7 +467,8 @@ def check_sharded(model, mesh: Mesh, rules=RULES) -> dict[str, tuple[int, int]]:
 
 # --------------------------------------------------------------- greedy and sampling, vocab-sharded
 
-def _logit_spec(ndim: int, batch: int, mesh: Mesh) -> P:
+def logit_spec(ndim: int, batch: int, mesh: Mesh) -> P:
+    """[B, ..., V] on `mesh`: batch on 'data' when it divides, vocabulary on 'model'."""
     lead = "data" if batch % data_axis_size(mesh) == 0 else None
     return P(lead, *([None] * (ndim - 2)), "model")
 
@@ -480,19 +481,33 @@ def sharded_argmax(logits, mesh: Mesh):
     V, tp = logits.shape[-1], model_axis_size(mesh)
     if V % tp:
         raise ValueError(f"vocabulary of {V} is not divisible by the model axis size {tp}")
-    spec = _logit_spec(logits.ndim, logits.shape[0], mesh)
-
-    def local(x):                                                            # [B, ..., V/TP]
-        i = jnp.argmax(x, axis=-1)
-        m = jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0]
-        gi = (i + jax.lax.axis_index("model") * x.shape[-1]).astype(jnp.int32)
-        ms = jax.lax.all_gather(m, "model", axis=m.ndim)                    # [B, ..., TP]
-        gis = jax.lax.all_gather(gi, "model", axis=gi.ndim)
-        j = jnp.argmax(ms, axis=-1)                                          # first shard: lowest id
-        return jnp.take_along_axis(gis, j[..., None], axis=-1)[..., 0]
-
+    spec = logit_spec(logits.ndim, logits.shape[0], mesh)
     out_spec = P(*tuple(spec)[:-1])
-    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=False)(logits)
+    return jax.shard_map(argmax_over_shards, mesh=mesh, in_specs=spec, out_specs=out_spec,
+                         check_vma=False)(logits)
+
+
+def argmax_over_shards(x, axis: str = "model"):
+    """Inside shard_map: the global argmax over the last axis of x [B, ..., V/TP], a contiguous
+    vocab slice per shard of mesh axis `axis`. Each shard's (max, lowest index of it) are
+    all-gathered ([B, ..., TP] each) and the first shard holding the maximum wins, so ties and NaNs
+    go as jnp.argmax over the whole row. int32, the same on every shard."""
+    i = jnp.argmax(x, axis=-1)
+    m = jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0]
+    gi = (i + jax.lax.axis_index(axis) * x.shape[-1]).astype(jnp.int32)
+    ms = jax.lax.all_gather(m, axis, axis=m.ndim)                            # [B, ..., TP]
+    gis = jax.lax.all_gather(gi, axis, axis=gi.ndim)
+    j = jnp.argmax(ms, axis=-1)                                              # first shard: lowest id
+    return jnp.take_along_axis(gis, j[..., None], axis=-1)[..., 0]
+
+
+def vocab_mesh(logits) -> Mesh | None:
+    """The active mesh when it shards the vocabulary (last axis) of `logits` over a model axis > 1,
+    else None (one device, TP = 1, or a vocabulary the axis does not divide: jnp paths)."""
+    mesh = current_mesh()
+    if mesh is None or model_axis_size(mesh) == 1 or logits.shape[-1] % model_axis_size(mesh):
+        return None
+    return mesh
 
 
 def sharded_topk(scores, k: int, mesh: Mesh):
@@ -503,7 +518,7 @@ def sharded_topk(scores, k: int, mesh: Mesh):
     if V % tp or k > V // tp:
         raise ValueError(f"top-{k} candidates over a vocabulary of {V} on {tp} shards: need V % TP == 0 "
                          f"and k <= V / TP")
-    spec = _logit_spec(scores.ndim, scores.shape[0], mesh)
+    spec = logit_spec(scores.ndim, scores.shape[0], mesh)
 
     def local(x):
         vals, idx = jax.lax.top_k(x, k)                                      # [N, k]

@@ -237,6 +237,62 @@ def test_sharded_topk_sampling_matches_one_device(spec):
     assert same_as_select == 5 * N
 
 
+SAMPLING = [(0.8, 5, 1.0), (1.0, 0, 1.0), (0.9, 0, 0.8), (1.2, 7, 0.6), (0.5, 1, 1.0)]
+
+
+def _sampling_on_shards(spec, settings):
+    """sampling.select and sampling.accept under the mesh (vocab-sharded logits) against one device,
+    same keys: identical tokens and acceptance. Returns the compiled HLO of each sharded accept."""
+    from dflash_jax import sampling
+    mesh = _mesh(spec)
+    V, B, S = 256, 8, 4
+    logits = jax.random.normal(jax.random.key(0), (B, S, V)) * 3.0                 # [B, S, V]
+    logits = logits.at[1].set(jnp.round(logits[1]))                                # ties
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(B))
+    block = jax.random.randint(jax.random.key(2), (B, S), 0, V)
+    block = block.at[:, 1].set(jnp.argmax(logits[:, 0], -1))                       # some accepted
+    on = jax.device_put(logits, NamedSharding(mesh, P("data", None, "model")))
+    hlos = []
+    for t, k, p in settings:
+        mode, args = sampling.mode_for(t, p, k), (jnp.float32(t), jnp.int32(k), jnp.float32(p))
+
+        def sel(l, kk, mesh=None):
+            with sh.active(mesh):
+                return sampling.select(l, kk, *args, mode)
+
+        def acc(b, l, kk, mesh=None):
+            with sh.active(mesh):
+                return sampling.accept(b, l, kk, *args, mode)
+        np.testing.assert_array_equal(jax.jit(lambda l, kk: sel(l, kk, mesh))(on[:, 0], keys),
+                                      jax.jit(sel)(logits[:, 0], keys), err_msg=f"{spec} {mode}")
+        f = jax.jit(lambda b, l, kk: acc(b, l, kk, mesh))
+        for got, want in zip(f(block, on, keys), jax.jit(acc)(block, logits, keys)):
+            np.testing.assert_array_equal(got, want, err_msg=f"{spec} {mode}")
+        hlos.append(f.lower(block, on, keys).compile().as_text())
+    # the logits never travel: all-gathers only of the argmaxes' [B, S, TP] (value, index) pairs,
+    # all-reduces only of the searches' [B·S, 16] per-pass sums and smaller
+    dp, tp = sh.parse_mesh(spec)
+    for hlo in hlos:
+        ops = _collective_ops(hlo, largest=True)      # XLA combines collectives: each operand alone
+        assert {op for op, _, _ in ops} <= {"all-reduce", "all-gather"}, ops
+        assert all(n <= B // dp * S * tp for op, n, _ in ops if op == "all-gather"), sorted(set(ops))
+        assert all(n <= B // dp * S * 16 for op, n, _ in ops if op == "all-reduce"), sorted(set(ops))
+        assert V // tp * B // dp * S > B // dp * S * 16                 # a per-shard logits slab is larger
+
+
+@child
+@pytest.mark.parametrize("spec", ["1x2", "1x8", "2x4"])
+def test_sampling_on_vocab_shards_matches_one_device(spec):
+    _sampling_on_shards(spec, [SAMPLING[3]])                             # top-k then top-p
+
+
+@child
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["1x2", "1x8", "2x4"])
+def test_sampling_on_vocab_shards_matches_one_device_all_modes(spec):
+    _sampling_on_shards(spec, SAMPLING)
+
+
 @child
 @pytest.mark.parametrize("fused", [False, True])
 def test_load_reads_only_local_slices(tmp_path, monkeypatch, fused):
@@ -380,8 +436,9 @@ def test_mesh_errors_are_one_line():
         decode.generate(target, draft, PROMPTS, mesh="data=4,model=4", **KW)
 
 
-def _collective_ops(hlo: str):
-    """[(op, result element count, result bytes)] of every collective in compiled HLO text."""
+def _collective_ops(hlo: str, largest: bool = False):
+    """[(op, result element count, result bytes)] of every collective in compiled HLO text (largest:
+    of its largest operand alone, where XLA combined several into one tuple)."""
     import re
     sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f16": 2}
     out = []
@@ -392,7 +449,7 @@ def _collective_ops(hlo: str):
         n = b = 0
         for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
             k = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
-            n, b = n + k, b + k * sizes.get(dt, 4)
+            n, b = (max(n, k), max(b, k * sizes.get(dt, 4))) if largest else (n + k, b + k * sizes.get(dt, 4))
         out.append((m.group(2), n, b))
     return out
 

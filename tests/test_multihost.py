@@ -1,0 +1,111 @@
+"""The generate CLI on many CPU devices, in subprocesses: `--mesh data=2,model=4` on 8 virtual
+devices of one process, bad --mesh values, and a real two-process run (jax.distributed over
+localhost, 4 virtual devices each, JAX's gloo CPU collectives) with one mesh over all 8 devices.
+Each run gives the same greedy tokens as one device; only process 0 prints. All slow (each child
+compiles the loop)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def _env(devices: int, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "JAX_", "XLA_", "DFLASH_"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target (8 q / 2 kv heads: the fused layout splits over model=4) and its draft."""
+    from tests.checkpoints import write_draft, write_target
+    root = tmp_path_factory.mktemp("multihost")
+    t = write_target(str(root / "t"), num_heads=8, num_kv_heads=2, head_dim=8)
+    return t, write_draft(str(root / "d"), t, num_layers=2, block_size=4)
+
+
+def _cmd(pair, *extra):
+    return [sys.executable, "-m", "dflash_jax.generate", "--model", pair[0], "--draft", pair[1],
+            "--dtype", "float32", "--attention", "xla", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12",
+            "--json", *extra]
+
+
+def _result(stdout: str) -> dict | None:
+    """The --json line (native libraries may print other lines on stdout), or None."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) <= 1, stdout
+    return json.loads(lines[0]) if lines else None
+
+
+def _run(cmd, env, timeout=600):
+    r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return _result(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def one_device(pair):
+    return _run(_cmd(pair), _env(1))
+
+
+def test_mesh_flag_gives_the_tokens_of_one_device(pair, one_device):
+    many = _run(_cmd(pair, "--mesh", "data=2,model=4"), _env(8))
+    assert many["tokens"] == one_device["tokens"] and len(many["tokens"]) == 12
+    assert many["acceptance_lengths"] == one_device["acceptance_lengths"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("data=3,model=4", "--mesh data=3,model=4: mesh data=3,model=4 needs 12 devices, there are 8"),
+    ("data=2,model=2", "--mesh data=2,model=2: mesh data=2,model=2 needs 4 devices, there are 8"),
+    ("rows=2,model=4", "--mesh rows=2,model=4: mesh 'rows=2,model=4': expected 'data=N,model=M'"),
+    ("data=0,model=8", "axis 'data' must be a positive integer"),
+])
+def test_bad_mesh_is_a_one_line_cli_error(pair, spec, message):
+    r = subprocess.run(_cmd(pair, "--mesh", spec), env=_env(8), cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = r.stderr.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_one_mesh_over_eight_devices(pair, one_device):
+    """jax.distributed.initialize from the environment (the CLI's init_distributed), 2 processes x
+    4 CPU devices, mesh data=2,model=4 over all 8: the batch rows and the vocab/heads both span the
+    two processes. Process 0 prints the result, process 1 nothing."""
+    port = _free_port()
+    procs = [subprocess.Popen(_cmd(pair, "--mesh", "data=2,model=4"), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-4000:]
+            outs.append((out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    first, second = (_result(o) for o, _ in outs)
+    assert first is not None and second is None, outs[1][0][-2000:]
+    assert "[dflash]" not in outs[1][1]                       # process 1's Python output goes nowhere
+    assert first["tokens"] == one_device["tokens"]
+    assert first["acceptance_lengths"] == one_device["acceptance_lengths"]
