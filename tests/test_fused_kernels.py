@@ -40,10 +40,11 @@ def _xla(layer, qkv, positions, k_cache, v_cache, start):
     return q, write_rows(k_cache, k, start), write_rows(v_cache, v, start)
 
 
+# The interpreter takes seconds a case: a plain `pytest` runs the verify block, `.ci/run` all three.
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,C,dtype", [
-    (1, 1, 8, 2, 128, 64, jnp.float32),      # plain decode, GQA 4
-    (2, 16, 4, 4, 64, 96, jnp.float32),      # verify block, MHA
-    (2, 16, 8, 1, 256, 48, jnp.bfloat16),    # GQA 8, head_dim 256, bf16
+    pytest.param(1, 1, 8, 2, 128, 64, jnp.float32, marks=pytest.mark.slow),     # plain decode, GQA 4
+    (2, 16, 4, 4, 64, 96, jnp.float32),                                        # verify block, MHA
+    pytest.param(2, 16, 8, 1, 256, 48, jnp.bfloat16, marks=pytest.mark.slow),  # GQA 8, head_dim 256, bf16
 ])
 def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
     layer = _layer(D, Hq, Hkv, dtype)
@@ -66,7 +67,7 @@ def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
     np.testing.assert_array_equal(np.asarray(got[2][0, :, :5], np.float32), np.asarray(v_cache[0, :, :5], np.float32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_prologue_with_context_rows_matches_the_draft_layer(dtype):
     """The draft's form (ctx_rows): Tc context rows' K/V written at ctx_start, then the block's at
     start, which wins where they overlap (row 0: context rows past the pending count run into the
@@ -116,7 +117,8 @@ def test_prologue_lowers_for_cuda():
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("shape,dtype", [((1, 1, 256), jnp.float32), ((2, 16, 512), jnp.bfloat16)])
+@pytest.mark.parametrize("shape,dtype", [pytest.param((1, 1, 256), jnp.float32, marks=pytest.mark.slow),
+                                         ((2, 16, 512), jnp.bfloat16)])
 def test_add_rmsnorm_matches_the_layer(shape, dtype):
     from dflash_jax.modeling.layers import RMSNorm
     norm = RMSNorm(shape[-1], 1e-6, dtype)
@@ -264,7 +266,7 @@ def test_sampling_search_kernel_matches_the_reference():
         np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
 
 
-@pytest.mark.parametrize("N,V,ranks", [(3, 5000, (10, 300, 0)), (2, 700, (699, 255))])
+@pytest.mark.parametrize("N,V,ranks", [(3, 5000, (10, 300, 0)), pytest.param(2, 700, (699, 255), marks=pytest.mark.slow)])
 def test_sampling_gather_kernel_collects_the_keys_above(N, V, ranks):
     """gather_above (interpreter) against numpy: the count of keys >= h, and up to GATHER_MAX of
     them with their indices, exact; ties at h, a row past the buffer (count > GATHER_MAX), a row

@@ -25,6 +25,18 @@ from tests.tpu_aot import abstract, bytes_accessed, compile_for_tpu, memory_repo
 
 F32_ATOL = 1e-5
 BF16_RTOL = 2e-2
+SLOW = pytest.mark.slow
+
+
+def _default_only(params, keep):
+    """The parametrization with every case but the ids in `keep` marked slow: the interpreters take
+    seconds a case, so a plain `pytest` runs a representative few and `.ci/run` all of them."""
+    out = []
+    for p in params:
+        if not hasattr(p, "values"):
+            p = pytest.param(*p, id="-".join(map(str, p)))
+        out.append(p if p.id in keep else pytest.param(*p.values, id=p.id, marks=[*p.marks, SLOW]))
+    return out
 
 
 def _inputs(B, T, Hq, Hkv, C, D, dtype, seed=0):
@@ -104,7 +116,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning", CASES)
+@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning",
+                         _default_only(CASES, {"verify-g4-f32", "ragged-g4-bf16"}))
 def test_tpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
     k_end = _k_end(pattern, B, T, C)
@@ -123,7 +136,8 @@ def _gpu_tuning(tuning, T, Hq, Hkv):
     return t
 
 
-@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning", CASES)
+@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning",
+                         _default_only(CASES, {"verify-g4-bf16", "prefill-g4-f32"}))
 def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
     k_end = _k_end(pattern, B, T, C)
@@ -131,8 +145,9 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     _check(out, _oracle(q, k, v, k_end), dtype)
 
 
-@pytest.mark.parametrize("kv_splits,merge_kernel", [(2, False), (5, False), (3, False), (5, True), (1, False)])
-@pytest.mark.parametrize("pattern", ["verify", "ragged"])
+@pytest.mark.parametrize("kv_splits,merge_kernel,pattern", _default_only(
+    [(s, m, p) for p in ("verify", "ragged") for s, m in [(2, False), (5, False), (3, False), (5, True), (1, False)]],
+    {"5-True-ragged"}))
 def test_gpu_kernel_kv_splits(kv_splits, merge_kernel, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
     the merge as XLA's fusion and as a Pallas kernel on the same rows."""
@@ -144,8 +159,9 @@ def test_gpu_kernel_kv_splits(kv_splits, merge_kernel, pattern):
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
-@pytest.mark.parametrize("S,N,D,dtype", [(4, 512, 128, jnp.bfloat16), (3, 24, 64, jnp.float32),
-                                         (32, 40, 256, jnp.bfloat16)])
+@pytest.mark.parametrize("S,N,D,dtype", _default_only([
+    pytest.param(4, 512, 128, jnp.bfloat16, id="4-512-bf16"), pytest.param(3, 24, 64, jnp.float32, id="3-24-f32"),
+    pytest.param(32, 40, 256, jnp.bfloat16, id="32-40-bf16")], {"3-24-f32"}))
 def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
     """merge_splits (Pallas) against _merge (XLA ops) on partials with empty splits (lse -inf, o NaN:
     never written by the kernel) and fully empty rows, N not a multiple of its 16-row tiles."""
@@ -207,8 +223,8 @@ def test_gpu_default_config_merge_kernel():
     assert not gpu.default_config(T=16, G=4, C=8192, D=128, B=32, Hkv=8, n_sms=132)["merge_kernel"]  # no splits
 
 
-@pytest.mark.parametrize("kv_splits,merge_kernel", [(1, False), (3, False), (3, True)])
-@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("kv_splits,merge_kernel,G", _default_only(
+    [(s, m, g) for g in (1, 4, 8) for s, m in [(1, False), (3, False), (3, True)]], {"3-True-4"}))
 def test_gpu_kernel_decode_rows(kv_splits, merge_kernel, G):
     """Plain decode (T == 1): the G rows of each kv head are a masked 16-row tile of the flat
     [B*Hq, D] view, the last program's tile reaching past the array's end."""
@@ -314,6 +330,7 @@ AOT_SHAPES = [
 ]
 
 
+@SLOW
 @requires_libtpu
 @pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
 def test_tpu_kernel_compiles_for_tpu(topology, capsys):
@@ -335,6 +352,7 @@ def test_tpu_kernel_compiles_for_tpu(topology, capsys):
             print(f"\n[{topology}] {name}: {mem} bytes_accessed={ba}", end="")
 
 
+@SLOW
 @requires_libtpu
 def test_attend_pallas_tpu_compiles_for_tpu():
     """The dispatch the models call, forced to the TPU kernel from this CPU host."""
@@ -354,7 +372,8 @@ def _export_cuda(f, *shapes):
     )(*shapes)
 
 
-@pytest.mark.parametrize("name,B,T,C,dtype,D", AOT_SHAPES)
+@pytest.mark.parametrize("name,B,T,C,dtype,D", _default_only([pytest.param(*c, id=c[0]) for c in AOT_SHAPES],
+                                                          {"verify", "prefill"}))
 def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
     Hq, Hkv = QWEN3_8B["Hq"], QWEN3_8B["Hkv"]
     S = jax.ShapeDtypeStruct
@@ -364,7 +383,7 @@ def test_gpu_kernel_lowers_for_cuda(name, B, T, C, dtype, D):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
-@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("T", _default_only([pytest.param(1, id="1"), pytest.param(16, id="16")], {"16"}))
 def test_gpu_merge_kernel_lowers_for_cuda(T):
     """B=1 over a 32k cache (32 splits): the attention and its merge as two Triton kernels."""
     Hq, Hkv, D = QWEN3_8B["Hq"], QWEN3_8B["Hkv"], 128
@@ -398,7 +417,8 @@ XLA_CHUNK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,kv_chunk", XLA_CHUNK_CASES)
+@pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,kv_chunk",
+                         _default_only(XLA_CHUNK_CASES, {"verify-g4-tail-f32", "ragged-g4-tail-bf16"}))
 def test_xla_kv_chunks_match_the_reference(B, T, Hq, Hkv, C, D, dtype, pattern, kv_chunk):
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
     k_end = _k_end(pattern, B, T, C)

@@ -99,7 +99,10 @@ def _expected(pair, name):
     return _EXACT[name]
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+# A plain `pytest` checks Qwen3's recommended setting (temperature, top-p and top-k at once);
+# `.ci/run` every setting.
+@pytest.mark.parametrize("name", [n if n == "T0.6-topp0.95-topk20" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in SETTINGS])
 def test_speculative_sampling_matches_the_exact_distribution(pair, name):
     temperature, top_p, top_k = SETTINGS[name]
     prompt = pair["eval_prompts"][0]

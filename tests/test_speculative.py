@@ -74,7 +74,7 @@ def _reference_run(pair, prompts, n, S, stop=None):
     return out
 
 
-@pytest.mark.parametrize("S", [4, 8, 16])
+@pytest.mark.parametrize("S", [pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow), 16])
 def test_random_pair_is_lossless_and_identical_to_reference(random_pair, S):
     prompts = random_prompts(3, 127, min_len=3, max_len=21, seed=S)
     res = generate(random_pair["target"], random_pair["draft"], prompts, max_new_tokens=23, block_size=S)
@@ -85,7 +85,7 @@ def test_random_pair_is_lossless_and_identical_to_reference(random_pair, S):
     assert res.acceptance_lengths == [a for _, a in ref]
 
 
-@pytest.mark.parametrize("S", [4, 8])
+@pytest.mark.parametrize("S", [pytest.param(4, marks=pytest.mark.slow), 8])
 def test_trained_pair_is_lossless_identical_to_reference_and_accepts(trained, S):
     prompts = trained["eval_prompts"]  # all 8: a partial block somewhere must not hinge on one seed
     stop = None

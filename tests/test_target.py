@@ -78,7 +78,7 @@ def _hf_greedy(hf, prompt, n, eos=None):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("with_stop", [False, True])
+@pytest.mark.parametrize("with_stop", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_greedy_generate_matches_transformers(variant, with_stop):
     path, hf, target = variant
     prompts = random_prompts(3, 128, min_len=3, max_len=20, seed=7)
