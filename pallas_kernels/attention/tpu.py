@@ -4,9 +4,19 @@ Same contract as `pallas_kernels.attention.reference.block_attention`: q [B,T,Hq
 attends keys [0, k_end[b,t]).
 
 Layout. The GQA group is folded into the query rows: for each (b, kv head) the kernel sees
-R = T*G rows ordered (t, g), so all T block tokens and all G query heads of that kv head share one
-K/V tile (the tile is read from HBM once per row tile, not once per query head). Rows are cut into
-tiles of `block_q`; for decode/verify/draft R <= 512 is one tile, prefill (T up to 32k) uses many.
+R = T*G rows, so all T block tokens and all G query heads of that kv head share one K/V tile (the
+tile is read from HBM once per row tile, not once per query head). Rows are cut into tiles of
+`block_q`; for decode/verify/draft R <= 512 is one tile, prefill (T up to 32k) uses many.
+
+Two ways to get those rows:
+  * token-major (the verify, the draft block, prefill): the kernel reads q as it is born, [B, T,
+    Hq*D] (a free view of [B, T, Hq, D]), one block [bt, G*D] per (b, kv head, token tile) — the G
+    heads of a kv head are contiguous columns — and stacks the G column slices into rows (g, t) in
+    VMEM; it writes o the same way, in the [B, T, Hq*D] layout the o-projection reads. No XLA
+    transpose of q or o (at 512 rows those were HBM copies on v5p). Needs G*D % 128 == 0 and a
+    token tile that is a multiple of the sublane packing (or all of T).
+  * folded (decode T=1, small heads): XLA reshapes q to [B, Hkv, T*G, D] rows (t, g) (for T=1 a
+    bitcast) and back after.
 
 Grid (B, Hkv, row tiles, kv tiles); the kv axis is last and "arbitrary" (sequential on a core), with
 the online-softmax state (m, l, acc) in VMEM scratch. The per-row-tile max k_end travels by scalar
@@ -59,10 +69,11 @@ def choose_blocks(R: int, C: int, D: int, dtype, *, block_q: int | None = None,
     return block_q, block_k
 
 
-def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc, acc_sc, *,
-            scale: float, block_k: int, n_q_tiles: int):
-    # q_ref [bq, D], k_ref/v_ref [bk, D], kend_ref [bq, 1] int32, o_ref [bq, D]
-    # m_sc/l_sc [bq, 1] f32, acc_sc [bq, D] f32
+def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc, acc_sc, *q_sc,
+            scale: float, block_k: int, n_q_tiles: int, groups: int = 0):
+    # folded (groups == 0): q_ref [bq, D], o_ref [bq, D]
+    # token-major (groups == G): q_ref [bt, G*D], o_ref [bt, G*D], q_sc [G*bt, D] (rows (g, t)); bq = G*bt
+    # k_ref/v_ref [bk, D], kend_ref [bq, 1] int32, m_sc/l_sc [bq, 1] f32, acc_sc [bq, D] f32
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     n_k = pl.num_programs(3)
     tile = b * n_q_tiles + i
@@ -75,9 +86,14 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
         m_sc[...] = jnp.full(m_sc.shape, _MASK, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        if groups:
+            # the G heads' column slices stacked into rows (g, t), once per row tile
+            bt, D = q_ref.shape[0], acc_sc.shape[1]
+            for g in range(groups):
+                q_sc[0][g * bt:(g + 1) * bt, :] = q_ref[:, g * D:(g + 1) * D]
 
     def _step(masked: bool):
-        q = q_ref[...]
+        q = q_sc[0][...] if groups else q_ref[...]
         k = k_ref[...]
 
         def visible():
@@ -103,7 +119,12 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
         l = l_sc[...]
         live = kend_ref[...] > 0                                             # [bq, 1]
         o = jnp.where(live, acc_sc[...], 0.0) / jnp.where(l > 0, l, 1.0)
-        o_ref[...] = o.astype(o_ref.dtype)
+        if not groups:
+            o_ref[...] = o.astype(o_ref.dtype)
+            return
+        bt, D = o_ref.shape[0], acc_sc.shape[1]
+        for g in range(groups):
+            o_ref[:, g * D:(g + 1) * D] = o[g * bt:(g + 1) * bt].astype(o_ref.dtype)
 
 
 def fold_queries(q, k_end, G: int, R_pad: int):
@@ -125,6 +146,25 @@ def unfold_output(of, B: int, T: int, Hq: int, G: int):
     return of.reshape(B, T, Hq, D)
 
 
+def token_tile(T: int, G: int, D: int, dtype, *, block_q: int | None = None) -> int | None:
+    """Tokens per row tile of the token-major layout (rows = G * tile), or None where it cannot tile
+    (then the folded layout): the G heads' columns must be whole lanes and the tile whole sublanes."""
+    sub = _SUBLANE.get(jnp.dtype(dtype).itemsize)
+    if sub is None or (G * D) % 128:
+        return None
+    if block_q is not None:
+        if block_q % G:
+            return None
+        bt = block_q // G
+    elif T * G <= 512:
+        bt = T
+    else:
+        bt = max(sub, (256 // G) // sub * sub)
+    if bt % sub or T % bt:
+        return None
+    return bt
+
+
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
                     interpret=False, block_q: int | None = None, block_k: int | None = None):
     """Pallas TPU block attention. interpret: False, or pltpu.InterpretParams() to run on CPU."""
@@ -134,43 +174,62 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
     G = Hq // Hkv
     R = T * G
     scale = D ** -0.5 if scale is None else float(scale)
-    bq, bk = choose_blocks(R, C, D, q.dtype, block_q=block_q, block_k=block_k)
+    bt = token_tile(T, G, D, q.dtype, block_q=block_q) if D in _HEAD_DIMS else None
+    bq, bk = choose_blocks(R, C, D, q.dtype, block_q=G * bt if bt else block_q, block_k=block_k)
     R_pad = _round_up(R, bq)
     n_q, n_k = R_pad // bq, C // bk
 
-    qf, kr = fold_queries(q, k_end, G, R_pad)                               # [B,Hkv,R_pad,D], [B,R_pad]
-    kr = jnp.clip(kr, 0, C)
-    tiles = kr.reshape(B * n_q, bq)
+    if bt:
+        # per-row k_end of each token tile, rows (g, t): [B, n_q, G*bt, 1]
+        ke = jnp.clip(k_end.astype(jnp.int32), 0, C).reshape(B, n_q, 1, bt)
+        tiles = ke.reshape(B * n_q, bt)
+        kr = jnp.broadcast_to(ke, (B, n_q, G, bt)).reshape(B, n_q, G * bt, 1)
+        q_in = q.reshape(B, T, Hq * D)                                        # a view, no copy
+    else:
+        q_in, kr = fold_queries(q, k_end, G, R_pad)                           # [B,Hkv,R_pad,D], [B,R_pad]
+        kr = jnp.clip(kr, 0, C)
+        tiles = kr.reshape(B * n_q, bq)
+        kr = kr[:, :, None]                                                   # [B, R_pad, 1]
     tmax = jnp.max(tiles, axis=1)                                            # [B*n_q] (SMEM: keep 1-D)
     # min over live rows only: padding rows and rows with k_end == 0 (zeroed at the end) must not
     # force every tile onto the masked path.
     tmin = jnp.min(jnp.where(tiles > 0, tiles, C), axis=1)                   # [B*n_q]
-    kr = kr[:, :, None]                                                      # [B, R_pad, 1]
 
     def kv_map(b, h, i, j, tmax_ref, tmin_ref):
         # Past the tile's last needed KV block, keep pointing at it: no new DMA is issued.
         last = jnp.maximum(pl.cdiv(tmax_ref[b * n_q + i], bk) - 1, 0)
         return (b, h, jnp.minimum(j, last), 0)
 
-    kernel = functools.partial(_kernel, scale=scale, block_k=bk, n_q_tiles=n_q)
+    if bt:
+        q_spec = pl.BlockSpec((None, bt, G * D), lambda b, h, i, j, *_: (b, i, h))
+        kend_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, i, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((B, T, Hq * D), q.dtype)
+        extra_scratch = [pltpu.VMEM((bq, D), q.dtype)]
+    else:
+        q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0))
+        kend_spec = pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0))
+        out_shape = jax.ShapeDtypeStruct((B, Hkv, R_pad, D), q.dtype)
+        extra_scratch = []
+    kernel = functools.partial(_kernel, scale=scale, block_k=bk, n_q_tiles=n_q, groups=G if bt else 0)
     itemsize = jnp.dtype(q.dtype).itemsize
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((B, Hkv, R_pad, D), q.dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, Hkv, n_q, n_k),
             in_specs=[
-                pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0)),
+                q_spec,
                 pl.BlockSpec((None, None, bk, D), kv_map),
                 pl.BlockSpec((None, None, bk, D), kv_map),
-                pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)),
+                kend_spec,
             ],
-            out_specs=pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0)),
+            out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM((bq, 1), jnp.float32),
                 pltpu.VMEM((bq, 1), jnp.float32),
                 pltpu.VMEM((bq, D), jnp.float32),
+                *extra_scratch,
             ],
         ),
         compiler_params=pltpu.CompilerParams(
@@ -181,5 +240,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
             bytes_accessed=itemsize * (2 * B * Hkv * C * D + 2 * B * Hkv * R_pad * D)),
         interpret=interpret,
         name="dflash_block_attention_tpu",
-    )(tmax, tmin, qf, k_cache, v_cache, kr)
+    )(tmax, tmin, q_in, k_cache, v_cache, kr)
+    if bt:
+        return out.reshape(B, T, Hq, D)                                       # a view, no copy
     return unfold_output(out, B, T, Hq, G)
