@@ -119,12 +119,26 @@ class DecoderLayer(nnx.Module):
         q = rope(self.q_norm(q[:, -positions.shape[1]:]), positions, self.rope_theta)   # [B, T, Hq, D]
         return q, rope(self.k_norm(k), k_positions, self.rope_theta), v                 # [B, Tk, Hkv, D]
 
-    def attn_mlp(self, x, o):
+    def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
         x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
-        y = gated_silu(self.post_attention_layernorm(x) @ self.mlp.gate_up[...], self.qkv_groups)
-        return x + y @ self.mlp.down[...]
+        return x + self._mlp(self.post_attention_layernorm(x), kernels)
+
+    def _mlp(self, h, kernels: KernelConfig | None):
+        """down(gated_silu(h @ gate_up)) of normed rows h [B, T, H]: on the TPU path with
+        kernels.tpu_mlp one Pallas kernel (the [rows, I] intermediate stays in VMEM), else XLA ops."""
+        gu, down = self.mlp.gate_up[...], self.mlp.down[...]
+        if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1:
+            from pallas_kernels.fused_layer import tpu_mlp
+            if tpu_mlp.supported(h.shape[0] * h.shape[1], h.shape[-1], down.shape[0], h.dtype) and \
+                    gu.dtype == h.dtype == down.dtype:
+                interpret = False
+                if kernels.interpret:
+                    from jax.experimental.pallas import tpu as pltpu
+                    interpret = pltpu.InterpretParams()
+                return tpu_mlp.mlp(h, gu, down, interpret=interpret)                # [B, T, H]
+        return gated_silu(h @ gu, self.qkv_groups) @ down
 
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
@@ -187,7 +201,7 @@ class DecoderLayer(nnx.Module):
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
         if not fused_add_norm(kernels, T, x.shape[-1]):
-            return self.attn_mlp(x, o), None, k_cache, v_cache
+            return self.attn_mlp(x, o, kernels), None, k_cache, v_cache
         x, h = add_norm(x, o.reshape(o.shape[0], T, -1) @ self.o[...], self.post_attention_layernorm,
                         kernels)
         mlp_out = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
