@@ -56,10 +56,11 @@ def test_tpu_mlp_refuses_what_it_cannot_tile():
 
 @pytest.mark.slow
 def test_loop_with_the_tpu_mlp_gives_the_xla_tokens(tmp_path):
+    """head_dim 128: the attention also takes the fused-q path (block_attention_qkv) in the loop."""
     from tests.checkpoints import random_prompts, write_draft, write_target
     from dflash_jax import generate, load_draft, load_target
     tp = write_target(str(tmp_path / "t"), hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=64, seed=9)
+                      num_kv_heads=1, head_dim=128, seed=9)
     dp = write_draft(str(tmp_path / "d"), tp, num_layers=1, block_size=8, target_layer_ids=[0, 1], seed=10)
     target = load_target(tp, dtype="float32")
     draft = load_draft(dp, target=target, dtype="float32")

@@ -21,7 +21,7 @@ from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_p
 from typing import NamedTuple
 
 from dflash_jax.cache import KVCache, write_kv_rows
-from dflash_jax.kernel_config import KernelConfig
+from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.sharding import split_gate_up, split_qkv
 
 
@@ -55,6 +55,14 @@ def rope(x, positions, theta: float):
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def _interpret(kernels: KernelConfig):
+    """The `interpret` argument of a Pallas TPU kernel on this path (the interpreter in CPU tests)."""
+    if not kernels.interpret:
+        return False
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.InterpretParams()
 
 
 def add_norm(x, y, norm: RMSNorm, kernels: KernelConfig):
@@ -119,6 +127,14 @@ class DecoderLayer(nnx.Module):
         q = rope(self.q_norm(q[:, -positions.shape[1]:]), positions, self.rope_theta)   # [B, T, Hq, D]
         return q, rope(self.k_norm(k), k_positions, self.rope_theta), v                 # [B, Tk, Hkv, D]
 
+    def _tpu_fused_q(self, kernels: KernelConfig, T: int, Tc: int, k_cache, dtype, prefill: bool) -> bool:
+        """The loop's blocks on the TPU attention path, plain qkv layout, a shape the kernel tiles."""
+        if prefill or self.qkv_groups != 1 or kernels.attention not in TPU_PATHS:
+            return False
+        from pallas_kernels.attention import tpu as tpu_attention
+        return tpu_attention.fused_q_supported(T, Tc, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               k_cache.shape[2], dtype)
+
     def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
@@ -133,11 +149,7 @@ class DecoderLayer(nnx.Module):
             from pallas_kernels.fused_layer import tpu_mlp
             if tpu_mlp.supported(h.shape[0] * h.shape[1], h.shape[-1], down.shape[0], h.dtype) and \
                     gu.dtype == h.dtype == down.dtype:
-                interpret = False
-                if kernels.interpret:
-                    from jax.experimental.pallas import tpu as pltpu
-                    interpret = pltpu.InterpretParams()
-                return tpu_mlp.mlp(h, gu, down, interpret=interpret)                # [B, T, H]
+                return tpu_mlp.mlp(h, gu, down, interpret=_interpret(kernels))      # [B, T, H]
         return gated_silu(h @ gu, self.qkv_groups) @ down
 
     def context_kv(self, ctx, positions):
@@ -198,6 +210,14 @@ class DecoderLayer(nnx.Module):
             k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, write_start, kernels)
             if prefill and not Tc:
                 o = attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels)      # [B, T, Hq, D]
+        if o is None and not fused and self._tpu_fused_q(kernels, T, Tc, k_cache, qkv.dtype, prefill):
+            # the TPU kernel reads q out of qkv and norms/rotates it itself: q in [B, T, Hq, D] would
+            # be a relayout copy of the matmul's output on TPU (the XLA q above is then unused)
+            from pallas_kernels.attention import tpu as tpu_attention
+            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)       # [B, T, D/2]
+            o = tpu_attention.block_attention_qkv(
+                qkv, cos, sin, self.q_norm.weight[...], self.q_norm.eps, k_cache, v_cache, k_end,
+                num_heads=self.num_heads, t0=Tc, interpret=_interpret(kernels))    # [B, T, Hq*D]
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
         if not fused_add_norm(kernels, T, x.shape[-1]):
