@@ -44,6 +44,28 @@ def test_tpu_mlp_matches_the_xla_layer(dtype, lead, H, I, block_i):
     assert err <= tol, err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tpu_mlp_block_with_norm_and_residual_matches_the_xla_layer(dtype):
+    """norm_weight: the layer's MLP block x + mlp(RMSNorm(x)), as DecoderLayer.attn_mlp in XLA ops."""
+    from jax.experimental.pallas import tpu as pltpu
+    from dflash_jax.modeling.layers import RMSNorm, gated_silu
+    from pallas_kernels.fused_layer import tpu_mlp
+    H, I = 256, 384
+    k = jax.random.split(jax.random.key(3), 4)
+    x = (3.0 * jax.random.normal(k[0], (2, 8, H))).astype(dtype)
+    gu = (jax.random.normal(k[1], (H, 2 * I)) * H ** -0.5).astype(dtype)
+    down = (jax.random.normal(k[2], (I, H)) * I ** -0.5).astype(dtype)
+    norm = RMSNorm(H, 1e-6, dtype)
+    norm.weight[...] = (1.0 + 0.1 * jax.random.normal(k[3], (H,))).astype(dtype)
+    ref = np.asarray((x + gated_silu(norm(x) @ gu) @ down).astype(jnp.float32))
+    out = tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps, block_i=128,
+                      interpret=pltpu.InterpretParams())
+    err = np.abs(np.asarray(out.astype(jnp.float32)) - ref).max()
+    tol = 1e-4 if dtype == jnp.float32 else 2 ** -7 * np.abs(ref).max()
+    assert err <= tol, err
+
+
 def test_tpu_mlp_refuses_what_it_cannot_tile():
     from pallas_kernels._common import Unsupported
     from pallas_kernels.fused_layer import tpu_mlp

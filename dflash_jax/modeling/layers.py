@@ -139,18 +139,17 @@ class DecoderLayer(nnx.Module):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
         x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
-        return x + self._mlp(self.post_attention_layernorm(x), kernels)
-
-    def _mlp(self, h, kernels: KernelConfig | None):
-        """down(gated_silu(h @ gate_up)) of normed rows h [B, T, H]: on the TPU path with
-        kernels.tpu_mlp one Pallas kernel (the [rows, I] intermediate stays in VMEM), else XLA ops."""
         gu, down = self.mlp.gate_up[...], self.mlp.down[...]
+        norm = self.post_attention_layernorm
         if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1:
+            # on the TPU path: norm, MLP and residual as one Pallas kernel (the normed rows and
+            # the [rows, I] intermediate stay in VMEM)
             from pallas_kernels.fused_layer import tpu_mlp
-            if tpu_mlp.supported(h.shape[0] * h.shape[1], h.shape[-1], down.shape[0], h.dtype) and \
-                    gu.dtype == h.dtype == down.dtype:
-                return tpu_mlp.mlp(h, gu, down, interpret=_interpret(kernels))      # [B, T, H]
-        return gated_silu(h @ gu, self.qkv_groups) @ down
+            if tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
+                    gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
+                return tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
+                                   interpret=_interpret(kernels))                  # [B, T, H]
+        return x + gated_silu(norm(x) @ gu, self.qkv_groups) @ down
 
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
