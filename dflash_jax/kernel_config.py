@@ -29,6 +29,11 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
                     whole capacity (benchmarks compare against it)
   attention_tuning  overrides of pallas_kernels.attention.gpu.default_config, as (name, value)
                     pairs (benchmarks' on-device A/B of launch settings)
+
+The TPU path's (ignored, and reset by resolve(), elsewhere):
+  tpu_mlp           the SwiGLU MLP of blocks up to 1024 rows as one Pallas kernel
+                    (pallas_kernels/fused_layer/tpu_mlp.py) that keeps the [rows, I] intermediate in
+                    VMEM instead of XLA's two matmul fusions (docs/tpu-bytes.md)
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 # What resolve() leaves in `attention`: the concrete path.
 RESOLVED_ATTENTION = ("xla", "pallas_tpu", "pallas_gpu", "pallas_interpret", "pallas_gpu_interpret")
 GPU_PATHS = ("pallas_gpu", "pallas_gpu_interpret")
+TPU_PATHS = ("pallas_tpu", "pallas_interpret")
 
 # Tuning by GPU device kind (a substring of jax's device_kind), for a program built where no GPU
 # can be asked (a CUDA export from a CPU host, the interpreter). "default" is a Hopper-class part.
@@ -72,6 +78,7 @@ class KernelConfig:
     n_sms: int | None = None
     attention_tuning: tuple = ()     # ((name, int), ...), sorted by resolve()
     xla_kv_chunk: int = 512
+    tpu_mlp: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
@@ -108,7 +115,8 @@ class KernelConfig:
             attention = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "pallas_interpret"
         if attention not in GPU_PATHS:
             return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False,
-                                xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512)
+                                xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512,
+                                tpu_mlp=bool(self.tpu_mlp) and attention in TPU_PATHS)
         n_sms = self.n_sms
         if n_sms is None:
             if device is None and on_gpu:

@@ -457,6 +457,10 @@ def charges(prog: Program) -> list:
             hb = reads[k] if hbm_bytes(shape) == full and full else 0
             if k == dus and i.op == "dynamic-update-slice":
                 hb = m = 0   # in place: the buffer is neither read nor copied
+            elif target == "tpu_custom_call" and o in i.operands[:k]:
+                # one buffer given to a kernel twice (the fused MLP's gate and up columns of one
+                # [H, 2I] weight): its BlockSpecs read disjoint blocks, so each byte once
+                hb = m = 0
             else:
                 m = reads[k]
             kind = "copies" if is_copy else _operand_kind(src, lm_scope)
@@ -608,9 +612,50 @@ def _compile(args):
         taps = (1, 9, 17, 25, 33)
     dc = DraftConfig.for_target(tc, num_layers=n, block_size=16, mask_token_id=tc.vocab_size - 1,
                                 target_layer_ids=taps)
+    from dflash_jax.kernel_config import KernelConfig
+    kernels = KernelConfig(attention="pallas_tpu", tpu_mlp=bool(getattr(args, "tpu_mlp", False)))
+    place = dict(device=dev)
+    if getattr(args, "mesh", None):
+        from dflash_jax import sharding
+        place = dict(mesh=sharding.make_mesh(args.mesh, devices=topologies.get_topology_desc(
+            platform="tpu", topology_name=topo).devices))
     low = decode.lower_iteration(tc, None if args.plain else dc, batch=args.batch, prompt_len=512,
-                                 capacity=args.capacity, attention_impl="pallas_tpu", device=dev)
+                                 capacity=args.capacity, kernels=kernels, **place)
     return low.compile(), tc, dc
+
+
+def collective_bytes(hlo: str) -> int:
+    """Bytes the collectives of a compiled program (one chip's) read and write: operand + result
+    of each all-reduce / all-gather / reduce-scatter / collective-permute (its start op)."""
+    n = 0
+    for line in hlo.splitlines():
+        m = re.search(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                      r"(-start)?\(", line)
+        if m:
+            n += 2 * shape_bytes(m.group(1))
+    return n
+
+
+def ideal_per_chip(tc, dc, *, draft: bool, batch: int, capacity: int, dp: int, tp: int,
+                   collectives: int = 0) -> dict:
+    """The ideal of one chip of a (data, model) mesh: its 1/tp of every weight (the fused TP layout
+    shards every matrix and the LM head over 'model'; the norms, a few KB, counted whole), the KV of
+    its B/dp rows and max(Hkv, tp)/tp kv heads, and the collectives' buffers (read and written)."""
+    full = ideal_bytes(tc, dc, draft=draft, batch=batch, capacity=capacity)
+    rows = batch // dp
+    kv = lambda c: max(c.num_kv_heads, tp) // tp / c.num_kv_heads   # noqa: E731  (kv heads per chip, as a fraction)
+    out = {k: v / tp for k, v in full.items() if k in ("target_layers", "lm_head", "draft")}
+    per = ideal_bytes(tc, dc, draft=draft, batch=rows, capacity=capacity)
+    if draft:
+        t_only = ideal_bytes(tc, None, draft=False, batch=rows, capacity=capacity)["kv_read"]
+        out["kv_read"] = t_only * kv(tc) + (per["kv_read"] - t_only) * kv(dc)
+        t_w = rows * 16 * 2 * tc.num_layers * tc.num_kv_heads * tc.head_dim * 2
+        out["kv_write"] = t_w * kv(tc) + (per["kv_write"] - t_w) * kv(dc)
+    else:
+        out["kv_read"], out["kv_write"] = per["kv_read"] * kv(tc), per["kv_write"] * kv(tc)
+    out["collectives"] = collectives
+    out["total"] = sum(out.values())
+    return out
 
 
 def ideal_bytes(tc, dc, *, draft: bool, batch: int, capacity: int) -> dict:
@@ -644,6 +689,9 @@ def main():
     ap.add_argument("--plain", action="store_true", help="the plain step (no draft)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--capacity", type=int, default=1024)
+    ap.add_argument("--mesh", default=None, help='a (data, model) mesh over the topology\'s 4 chips, e.g. '
+                    '"data=1,model=4": the sharded program, one chip\'s bytes vs the per-chip ideal')
+    ap.add_argument("--tpu-mlp", action="store_true", help="KernelConfig(tpu_mlp=True): the fused MLP kernel")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--hlo", default=None, help="analyse this saved as_text() instead of compiling")
     ap.add_argument("--save-hlo", default=None)
@@ -663,7 +711,13 @@ def main():
             with open(args.save_hlo, "w") as f:
                 f.write(comp.as_text())
         s = breakdown(comp)
-        ideal = ideal_bytes(tc, dc, draft=not args.plain, batch=args.batch, capacity=args.capacity)
+        if args.mesh:
+            from dflash_jax import sharding
+            dp, tp = sharding.parse_mesh(args.mesh)
+            ideal = ideal_per_chip(tc, dc, draft=not args.plain, batch=args.batch, capacity=args.capacity,
+                                   dp=dp, tp=tp, collectives=collective_bytes(comp.as_text()))
+        else:
+            ideal = ideal_bytes(tc, dc, draft=not args.plain, batch=args.batch, capacity=args.capacity)
         s["ideal"] = ideal
         ideal = ideal["total"]
     print_report(s, args.top, ideal)

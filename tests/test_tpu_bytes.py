@@ -94,3 +94,42 @@ def test_small_dflash_iteration_on_v6e_matches_the_compiler_and_the_ideal():
     assert abs(s["kinds_hbm"]["lm_head"] - ideal["lm_head"]) < 0.01 * ideal["lm_head"]
     groups = {r["group"] for r in s["records"]}
     assert {"target_layer0", "target_layer1", "draft_layer0", "draft_lm_head"} <= groups
+
+
+def test_ideal_per_chip_is_a_quarter_of_the_weights_and_kv_plus_the_collectives():
+    from dflash_jax import DraftConfig, TargetConfig
+    tc = TargetConfig.preset("qwen3-8b")
+    dc = DraftConfig.for_target(tc, num_layers=5, block_size=16, mask_token_id=tc.vocab_size - 1,
+                                target_layer_ids=(1, 9, 17, 25, 33))
+    full = tpu_bytes.ideal_bytes(tc, dc, draft=True, batch=4, capacity=1024)
+    chip = tpu_bytes.ideal_per_chip(tc, dc, draft=True, batch=4, capacity=1024, dp=1, tp=4, collectives=123)
+    for k in ("target_layers", "lm_head", "draft", "kv_read", "kv_write"):
+        assert chip[k] == pytest.approx(full[k] / 4), k          # 8 kv heads: 2 per chip
+    assert chip["collectives"] == 123
+    assert chip["total"] == pytest.approx(full["total"] / 4 + 123)
+    hlo = "%ar = bf16[1,16,4096]{2,1,0} all-reduce-start(%x), replica_groups={}\n"
+    assert tpu_bytes.collective_bytes(hlo) == 2 * 16 * 4096 * 2
+
+
+@pytest.mark.slow
+@tpu_aot.requires_libtpu
+def test_v5p_batched_iteration_fused_mlp_keeps_its_intermediates_off_hbm():
+    """v5p, B=32 (512 rows a pass): KernelConfig(tpu_mlp=True) takes the MLP blocks' bytes off HBM,
+    the fused weight given to the kernel twice is charged once, and no q relayout copy is left."""
+    from dflash_jax import DraftConfig, KernelConfig, TargetConfig, decode
+    tc = dataclasses.replace(TargetConfig.preset("qwen3-8b"), num_layers=2)
+    dc = DraftConfig.for_target(tc, num_layers=1, block_size=16, mask_token_id=tc.vocab_size - 1,
+                                target_layer_ids=(0, 1))
+    out = {}
+    for mlp in (False, True):
+        comp = decode.lower_iteration(tc, dc, batch=32, prompt_len=512, capacity=1024,
+                                      kernels=KernelConfig(attention="pallas_tpu", tpu_mlp=mlp),
+                                      device=tpu_aot.tpu_device("v5p:2x2x1")).compile()
+        out[mlp] = tpu_bytes.breakdown(comp)
+    ideal = tpu_bytes.ideal_bytes(tc, dc, draft=True, batch=32, capacity=1024)
+    s = out[True]
+    assert abs(s["model_total"] / s["compiler_bytes_accessed"] - 1) < 0.05
+    assert s["kinds_hbm"]["weights"] <= 1.02 * (ideal["target_layers"] + ideal["draft"])
+    # three layers' MLP blocks: >= 3 x 40 MB of [512, 2I] intermediates and normed rows fewer
+    assert s["kinds_hbm"]["activations"] < out[False]["kinds_hbm"]["activations"] - 0.12e9
+    assert s["kinds_hbm"]["copies"] < 0.02e9

@@ -21,7 +21,7 @@ from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_p
 from typing import NamedTuple
 
 from dflash_jax.cache import KVCache, write_kv_rows
-from dflash_jax.kernel_config import KernelConfig
+from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.sharding import split_gate_up, split_qkv
 
 
@@ -55,6 +55,14 @@ def rope(x, positions, theta: float):
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def _interpret(kernels: KernelConfig):
+    """The `interpret` argument of a Pallas TPU kernel on this path (the interpreter in CPU tests)."""
+    if not kernels.interpret:
+        return False
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.InterpretParams()
 
 
 def add_norm(x, y, norm: RMSNorm, kernels: KernelConfig):
@@ -119,12 +127,29 @@ class DecoderLayer(nnx.Module):
         q = rope(self.q_norm(q[:, -positions.shape[1]:]), positions, self.rope_theta)   # [B, T, Hq, D]
         return q, rope(self.k_norm(k), k_positions, self.rope_theta), v                 # [B, Tk, Hkv, D]
 
-    def attn_mlp(self, x, o):
+    def _tpu_fused_q(self, kernels: KernelConfig, T: int, Tc: int, k_cache, dtype, prefill: bool) -> bool:
+        """The loop's blocks on the TPU attention path, plain qkv layout, a shape the kernel tiles."""
+        if prefill or self.qkv_groups != 1 or kernels.attention not in TPU_PATHS:
+            return False
+        from pallas_kernels.attention import tpu as tpu_attention
+        return tpu_attention.fused_q_supported(T, Tc, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               k_cache.shape[2], dtype)
+
+    def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
         x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
-        y = gated_silu(self.post_attention_layernorm(x) @ self.mlp.gate_up[...], self.qkv_groups)
-        return x + y @ self.mlp.down[...]
+        gu, down = self.mlp.gate_up[...], self.mlp.down[...]
+        norm = self.post_attention_layernorm
+        if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1:
+            # on the TPU path: norm, MLP and residual as one Pallas kernel (the normed rows and
+            # the [rows, I] intermediate stay in VMEM)
+            from pallas_kernels.fused_layer import tpu_mlp
+            if tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
+                    gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
+                return tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
+                                   interpret=_interpret(kernels))                  # [B, T, H]
+        return x + gated_silu(norm(x) @ gu, self.qkv_groups) @ down
 
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
@@ -184,10 +209,18 @@ class DecoderLayer(nnx.Module):
             k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, write_start, kernels)
             if prefill and not Tc:
                 o = attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels)      # [B, T, Hq, D]
+        if o is None and not fused and self._tpu_fused_q(kernels, T, Tc, k_cache, qkv.dtype, prefill):
+            # the TPU kernel reads q out of qkv and norms/rotates it itself: q in [B, T, Hq, D] would
+            # be a relayout copy of the matmul's output on TPU (the XLA q above is then unused)
+            from pallas_kernels.attention import tpu as tpu_attention
+            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)       # [B, T, D/2]
+            o = tpu_attention.block_attention_qkv(
+                qkv, cos, sin, self.q_norm.weight[...], self.q_norm.eps, k_cache, v_cache, k_end,
+                num_heads=self.num_heads, t0=Tc, interpret=_interpret(kernels))    # [B, T, Hq*D]
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
         if not fused_add_norm(kernels, T, x.shape[-1]):
-            return self.attn_mlp(x, o), None, k_cache, v_cache
+            return self.attn_mlp(x, o, kernels), None, k_cache, v_cache
         x, h = add_norm(x, o.reshape(o.shape[0], T, -1) @ self.o[...], self.post_attention_layernorm,
                         kernels)
         mlp_out = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]

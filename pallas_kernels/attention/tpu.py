@@ -4,9 +4,19 @@ Same contract as `pallas_kernels.attention.reference.block_attention`: q [B,T,Hq
 attends keys [0, k_end[b,t]).
 
 Layout. The GQA group is folded into the query rows: for each (b, kv head) the kernel sees
-R = T*G rows ordered (t, g), so all T block tokens and all G query heads of that kv head share one
-K/V tile (the tile is read from HBM once per row tile, not once per query head). Rows are cut into
-tiles of `block_q`; for decode/verify/draft R <= 512 is one tile, prefill (T up to 32k) uses many.
+R = T*G rows, so all T block tokens and all G query heads of that kv head share one K/V tile (the
+tile is read from HBM once per row tile, not once per query head). Rows are cut into tiles of
+`block_q`; for decode/verify/draft R <= 512 is one tile, prefill (T up to 32k) uses many.
+
+Two ways to get those rows:
+  * token-major (the verify, the draft block, prefill): the kernel reads q as it is born, [B, T,
+    Hq*D] (a free view of [B, T, Hq, D]), one block [bt, G*D] per (b, kv head, token tile) — the G
+    heads of a kv head are contiguous columns — and stacks the G column slices into rows (g, t) in
+    VMEM; it writes o the same way, in the [B, T, Hq*D] layout the o-projection reads. No XLA
+    transpose of q or o (at 512 rows those were HBM copies on v5p). Needs G*D % 128 == 0 and a
+    token tile that is a multiple of the sublane packing (or all of T).
+  * folded (decode T=1, small heads): XLA reshapes q to [B, Hkv, T*G, D] rows (t, g) (for T=1 a
+    bitcast) and back after.
 
 Grid (B, Hkv, row tiles, kv tiles); the kv axis is last and "arbitrary" (sequential on a core), with
 the online-softmax state (m, l, acc) in VMEM scratch. The per-row-tile max k_end travels by scalar
@@ -59,10 +69,16 @@ def choose_blocks(R: int, C: int, D: int, dtype, *, block_q: int | None = None,
     return block_q, block_k
 
 
-def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc, acc_sc, *,
-            scale: float, block_k: int, n_q_tiles: int):
-    # q_ref [bq, D], k_ref/v_ref [bk, D], kend_ref [bq, 1] int32, o_ref [bq, D]
-    # m_sc/l_sc [bq, 1] f32, acc_sc [bq, D] f32
+def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int,
+            n_q_tiles: int, groups: int = 0, prologue: bool = False, eps: float = 0.0):
+    # folded (groups == 0): q_ref [bq, D], o_ref [bq, D]
+    # token-major (groups == G): q_ref [bt, G*D], o_ref [bt, G*D], q_sc [G*bt, D] (rows (g, t)); bq = G*bt
+    # prologue (token-major only): cos_ref, sin_ref [bt, D] f32 (sin signed: [-sin | sin]), w_ref
+    #   [1, D] the q_norm weight; q_ref holds the projection's raw q, normed and rotated here
+    # k_ref/v_ref [bk, D], kend_ref [bq, 1] int32, m_sc/l_sc [bq, 1] f32, acc_sc [bq, D] f32
+    if prologue:
+        cos_ref, sin_ref, w_ref, *refs = refs
+    o_ref, m_sc, l_sc, acc_sc, *q_sc = refs
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     n_k = pl.num_programs(3)
     tile = b * n_q_tiles + i
@@ -75,9 +91,17 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
         m_sc[...] = jnp.full(m_sc.shape, _MASK, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        if groups:
+            # the G heads' column slices stacked into rows (g, t), once per row tile
+            bt, D = q_ref.shape[0], acc_sc.shape[1]
+            for g in range(groups):
+                x = q_ref[:, g * D:(g + 1) * D]                                  # [bt, D]
+                if prologue:
+                    x = _norm_rope(x, cos_ref[...], sin_ref[...], w_ref[...], eps)
+                q_sc[0][g * bt:(g + 1) * bt, :] = x
 
     def _step(masked: bool):
-        q = q_ref[...]
+        q = q_sc[0][...] if groups else q_ref[...]
         k = k_ref[...]
 
         def visible():
@@ -103,7 +127,24 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, o_ref, m_sc, l_sc
         l = l_sc[...]
         live = kend_ref[...] > 0                                             # [bq, 1]
         o = jnp.where(live, acc_sc[...], 0.0) / jnp.where(l > 0, l, 1.0)
-        o_ref[...] = o.astype(o_ref.dtype)
+        if not groups:
+            o_ref[...] = o.astype(o_ref.dtype)
+            return
+        bt, D = o_ref.shape[0], acc_sc.shape[1]
+        for g in range(groups):
+            o_ref[:, g * D:(g + 1) * D] = o[g * bt:(g + 1) * bt].astype(o_ref.dtype)
+
+
+def _norm_rope(x, cos, sin, w, eps: float):
+    """modeling.layers' q_norm then RoPE of one head's rows x [bt, D], with its roundings: the norm
+    in float32 cast to x's dtype and scaled by the weight in that dtype, the rotation in float32.
+    rotate_half as a lane roll by D/2 ([x1 | x2] -> [x2 | x1]) times the signed sin [-sin | sin]."""
+    dt = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xn = (w.astype(jnp.float32) * xf.astype(dt).astype(jnp.float32)).astype(dt).astype(jnp.float32)
+    rot = pltpu.roll(xn, xn.shape[-1] // 2, 1)
+    return (xn * cos + rot * sin).astype(dt)
 
 
 def fold_queries(q, k_end, G: int, R_pad: int):
@@ -125,52 +166,153 @@ def unfold_output(of, B: int, T: int, Hq: int, G: int):
     return of.reshape(B, T, Hq, D)
 
 
+def token_tile(T: int, G: int, D: int, dtype, *, block_q: int | None = None) -> int | None:
+    """Tokens per row tile of the token-major layout (rows = G * tile), or None where it cannot tile
+    (then the folded layout): the G heads' columns must be whole lanes and the tile whole sublanes."""
+    sub = _SUBLANE.get(jnp.dtype(dtype).itemsize)
+    if sub is None or (G * D) % 128:
+        return None
+    if block_q is not None:
+        if block_q % G:
+            return None
+        bt = block_q // G
+    elif T * G <= 512:
+        bt = T
+    else:
+        bt = max(sub, (256 // G) // sub * sub)
+    if bt % sub or T % bt:
+        return None
+    return bt
+
+
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
                     interpret=False, block_q: int | None = None, block_k: int | None = None):
     """Pallas TPU block attention. interpret: False, or pltpu.InterpretParams() to run on CPU."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
+    return _attention(q, None, k_cache, v_cache, k_end, B=B, T=T, Hq=Hq, D=D, t0=0, scale=scale,
+                      interpret=interpret, block_q=block_q, block_k=block_k)
+
+
+def fused_q_supported(T: int, t0: int, Hq: int, Hkv: int, D: int, C: int, dtype) -> bool:
+    """Whether `block_attention_qkv` takes this shape: token-major tiles (head_dim a whole number
+    of lanes, so each head's roll stays in its own vregs) that also tile the row offset t0."""
+    if D % 128 or D not in _HEAD_DIMS or Hq % Hkv:
+        return False
+    bt = token_tile(T, Hq // Hkv, D, dtype)
+    if not bt or t0 % bt:
+        return False
+    try:
+        choose_blocks(T * Hq // Hkv, C, D, dtype, block_q=Hq // Hkv * bt)
+    except Unsupported:
+        return False
+    return True
+
+
+def block_attention_qkv(qkv, cos, sin, q_norm_weight, eps: float, k_cache, v_cache, k_end, *,
+                        num_heads: int, t0: int = 0, scale: float | None = None, interpret=False):
+    """Block attention that reads its queries straight out of the fused projection's output and
+    applies q_norm and RoPE itself (modeling.layers' roundings), so q never exists in HBM in
+    [B, T, Hq, D] form (on TPU that view is a relayout of the matmul's [rows, Hq*D] tiles).
+
+    qkv [B, t0 + T, N] with the q heads in columns [0, num_heads*D) (the plain [q | k | v] layout);
+    the queries are rows [t0, t0 + T) (the draft's block after its context rows). cos, sin [B, T, D/2]
+    float32 (modeling.layers.rope_tables at the queries' positions); q_norm_weight [D].
+    Returns o [B, T, num_heads*D], the layout the o-projection reads. Raises Unsupported where
+    fused_q_supported is false."""
+    B, Tall, N = qkv.shape
+    _, Hkv, C, D = k_cache.shape
+    T = Tall - t0
+    Hq = num_heads
+    if k_end.shape != (B, T) or cos.shape != (B, T, D // 2) or N < Hq * D:
+        raise ValueError(f"block_attention_qkv: qkv {qkv.shape}, cos {cos.shape}, k_end {k_end.shape} "
+                         f"do not fit {num_heads} heads of cache {k_cache.shape} at row {t0}")
+    if not fused_q_supported(T, t0, Hq, Hkv, D, C, qkv.dtype):
+        raise Unsupported(f"block_attention_qkv: T={T} t0={t0} Hq={Hq} Hkv={Hkv} D={D} C={C}")
+    cos_full = jnp.concatenate([cos, cos], axis=-1).astype(jnp.float32)           # [B, T, D]
+    sin_signed = jnp.concatenate([-sin, sin], axis=-1).astype(jnp.float32)        # [B, T, D]
+    pro = (cos_full, sin_signed, q_norm_weight.reshape(1, D), float(eps))
+    out = _attention(qkv, pro, k_cache, v_cache, k_end, B=B, T=T, Hq=Hq, D=D, t0=t0, scale=scale,
+                     interpret=interpret)
+    return out.reshape(B, T, Hq * D)
+
+
+def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, interpret,
+               block_q=None, block_k=None):
+    """q: [B, T, Hq, D] (prologue None), or the [B, t0 + T, N] projection output (prologue: cos,
+    sin, weight, eps; token-major tiles only)."""
     _, Hkv, C, _ = k_cache.shape
     G = Hq // Hkv
     R = T * G
     scale = D ** -0.5 if scale is None else float(scale)
-    bq, bk = choose_blocks(R, C, D, q.dtype, block_q=block_q, block_k=block_k)
+    bt = token_tile(T, G, D, q.dtype, block_q=block_q) if D in _HEAD_DIMS else None
+    bq, bk = choose_blocks(R, C, D, q.dtype, block_q=G * bt if bt else block_q, block_k=block_k)
     R_pad = _round_up(R, bq)
     n_q, n_k = R_pad // bq, C // bk
 
-    qf, kr = fold_queries(q, k_end, G, R_pad)                               # [B,Hkv,R_pad,D], [B,R_pad]
-    kr = jnp.clip(kr, 0, C)
-    tiles = kr.reshape(B * n_q, bq)
+    if bt:
+        # per-row k_end of each token tile, rows (g, t): [B, n_q, G*bt, 1]
+        ke = jnp.clip(k_end.astype(jnp.int32), 0, C).reshape(B, n_q, 1, bt)
+        tiles = ke.reshape(B * n_q, bt)
+        kr = jnp.broadcast_to(ke, (B, n_q, G, bt)).reshape(B, n_q, G * bt, 1)
+        q_in = q if prologue is not None else q.reshape(B, T, Hq * D)            # a view, no copy
+    else:
+        q_in, kr = fold_queries(q, k_end, G, R_pad)                           # [B,Hkv,R_pad,D], [B,R_pad]
+        kr = jnp.clip(kr, 0, C)
+        tiles = kr.reshape(B * n_q, bq)
+        kr = kr[:, :, None]                                                   # [B, R_pad, 1]
     tmax = jnp.max(tiles, axis=1)                                            # [B*n_q] (SMEM: keep 1-D)
     # min over live rows only: padding rows and rows with k_end == 0 (zeroed at the end) must not
     # force every tile onto the masked path.
     tmin = jnp.min(jnp.where(tiles > 0, tiles, C), axis=1)                   # [B*n_q]
-    kr = kr[:, :, None]                                                      # [B, R_pad, 1]
 
     def kv_map(b, h, i, j, tmax_ref, tmin_ref):
         # Past the tile's last needed KV block, keep pointing at it: no new DMA is issued.
         last = jnp.maximum(pl.cdiv(tmax_ref[b * n_q + i], bk) - 1, 0)
         return (b, h, jnp.minimum(j, last), 0)
 
-    kernel = functools.partial(_kernel, scale=scale, block_k=bk, n_q_tiles=n_q)
+    extra_in, extra_args = [], []
+    if bt:
+        tb0 = t0 // bt
+        q_spec = pl.BlockSpec((None, bt, G * D), lambda b, h, i, j, *_: (b, tb0 + i, h))
+        o_spec = pl.BlockSpec((None, bt, G * D), lambda b, h, i, j, *_: (b, i, h))
+        kend_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, i, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((B, T, Hq * D), q.dtype)
+        extra_scratch = [pltpu.VMEM((bq, D), q.dtype)]
+        if prologue is not None:
+            rope_spec = pl.BlockSpec((None, bt, D), lambda b, h, i, j, *_: (b, i, 0))
+            extra_in = [rope_spec, rope_spec, pl.BlockSpec((1, D), lambda b, h, i, j, *_: (0, 0))]
+            extra_args = list(prologue[:3])
+    else:
+        if prologue is not None:
+            raise Unsupported("the q prologue needs token-major tiles")
+        q_spec = o_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0))
+        kend_spec = pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0))
+        out_shape = jax.ShapeDtypeStruct((B, Hkv, R_pad, D), q.dtype)
+        extra_scratch = []
+    kernel = functools.partial(_kernel, scale=scale, block_k=bk, n_q_tiles=n_q, groups=G if bt else 0,
+                               prologue=prologue is not None,
+                               eps=prologue[3] if prologue is not None else 0.0)
     itemsize = jnp.dtype(q.dtype).itemsize
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((B, Hkv, R_pad, D), q.dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, Hkv, n_q, n_k),
             in_specs=[
-                pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0)),
+                q_spec,
                 pl.BlockSpec((None, None, bk, D), kv_map),
                 pl.BlockSpec((None, None, bk, D), kv_map),
-                pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)),
+                kend_spec,
+                *extra_in,
             ],
-            out_specs=pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0)),
+            out_specs=o_spec,
             scratch_shapes=[
                 pltpu.VMEM((bq, 1), jnp.float32),
                 pltpu.VMEM((bq, 1), jnp.float32),
                 pltpu.VMEM((bq, D), jnp.float32),
+                *extra_scratch,
             ],
         ),
         compiler_params=pltpu.CompilerParams(
@@ -181,5 +323,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
             bytes_accessed=itemsize * (2 * B * Hkv * C * D + 2 * B * Hkv * R_pad * D)),
         interpret=interpret,
         name="dflash_block_attention_tpu",
-    )(tmax, tmin, qf, k_cache, v_cache, kr)
+    )(tmax, tmin, q_in, k_cache, v_cache, kr, *extra_args)
+    if bt:
+        return out.reshape(B, T, Hq, D)                                       # a view, no copy
     return unfold_output(out, B, T, Hq, G)

@@ -1,0 +1,138 @@
+"""The SwiGLU MLP as one Pallas Mosaic TPU kernel: down(silu(x @ gate) * (x @ up)) with the [M, I]
+intermediate kept in VMEM.
+
+XLA:TPU writes the gate/up matmul's output ([M, 2I], 50 MB at M = 512 rows of Qwen3-8B) to HBM and
+reads it back for the down projection wherever it does not fit VMEM (v5p at the DFlash B=32 verify).
+This kernel tiles the intermediate dim: step j reads the gate and up columns [j*bi, (j+1)*bi) of the
+fused [H, 2I] weight and rows [j*bi, (j+1)*bi) of the down weight, computes the [M, bi] gated tile
+and accumulates its down projection into an [M, H] float32 VMEM accumulator. Every weight byte is
+read once and the intermediate never leaves the chip. Rows: one tile of all M rows (M <= MAX_ROWS,
+the shapes inside the generation loop), so the weights are not re-read per row tile.
+
+With norm_weight, the post-attention RMSNorm (at the first step, into VMEM) and the residual add
+(at the last) run in the kernel as well: the layer's MLP block reads x and writes x + mlp(norm(x)).
+
+Numerics as modeling.layers: the matmuls accumulate in float32 and round to the input dtype, silu·up
+in the input dtype, the down projection accumulated in float32 over all of I and rounded once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import Unsupported, precision, round_up
+
+# The rows of one call (x, the accumulator and the output live in VMEM whole).
+MAX_ROWS = 1024
+_SUBLANE = {4: 8, 2: 16}
+
+
+def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float):
+    # x_ref [M, H], g_ref/u_ref [H, bi], d_ref [bi, H]; norm: nw_ref [1, H] and h_sc [M, H] (the
+    # normed rows, once); o_ref [M, H], acc_ref [M, H] f32
+    if norm:
+        nw_ref, o_ref, acc_ref, h_sc = refs
+    else:
+        o_ref, acc_ref = refs
+    j = pl.program_id(0)
+    dt = x_ref.dtype
+    prec = precision(dt)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if norm:   # modeling.layers.RMSNorm: float32, cast back, times the weight in x's dtype
+            xf = x_ref[...].astype(jnp.float32)
+            xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+            h_sc[...] = (nw_ref[...].astype(jnp.float32) * xf.astype(dt).astype(jnp.float32)).astype(dt)
+
+    x = h_sc[...] if norm else x_ref[...]
+    g = jnp.dot(x, g_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
+    u = jnp.dot(x, u_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
+    gf = g.astype(jnp.float32)
+    h = ((gf * jax.nn.sigmoid(gf)).astype(dt) * u).astype(dt)                                     # [M, bi]
+    acc_ref[...] += jnp.dot(h, d_ref[...], preferred_element_type=jnp.float32, precision=prec)
+
+    @pl.when(j == pl.num_programs(0) - 1)
+    def _finish():
+        y = acc_ref[...].astype(o_ref.dtype)
+        if norm:   # the residual: x + mlp(norm(x)), the sum rounded to x's dtype
+            y = (x_ref[...].astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
+        o_ref[...] = y
+
+
+def choose_block(I: int, H: int, M: int, itemsize: int, block_i: int | None = None) -> int:
+    if block_i is None:
+        # 3 weight tiles of H x bi, double-buffered, next to x, out and the f32 accumulator.
+        block_i = next((b for b in (512, 256, 128) if I % b == 0 and 6 * H * b * itemsize <= 24 << 20), None)
+        if block_i is None:
+            raise Unsupported(f"tpu_mlp: intermediate {I} has no tile (a multiple of 128 dividing it)")
+    if I % block_i or block_i % 128:
+        raise Unsupported(f"tpu_mlp: block_i={block_i} must divide I={I} and be a multiple of 128")
+    return block_i
+
+
+def supported(M: int, H: int, I: int, dtype) -> bool:
+    return (M <= MAX_ROWS and H % 128 == 0 and I % 128 == 0 and jnp.dtype(dtype).itemsize in _SUBLANE)
+
+
+def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | None = None,
+        interpret=False):
+    """down(silu(x @ gate) * (x @ up)) for x [..., H], gate_up [H, 2I] ([gate | up] columns), down
+    [I, H] → [..., H] in x's dtype. With norm_weight [H]: the layer's whole MLP block,
+    x + mlp(RMSNorm(x)) (the post-attention norm and the residual in the kernel too, so neither
+    the normed rows nor the MLP output exist in HBM apart from the result).
+    interpret: False, or pltpu.InterpretParams() to run on CPU. Raises Unsupported for a shape it
+    does not tile (callers use the XLA ops)."""
+    H = x.shape[-1]
+    I = down.shape[0]
+    lead = x.shape[:-1]
+    M = 1
+    for d in lead:
+        M *= d
+    if gate_up.shape != (H, 2 * I) or down.shape != (I, H):
+        raise ValueError(f"tpu_mlp: gate_up {gate_up.shape} / down {down.shape} do not fit x {x.shape}")
+    if not supported(M, H, I, x.dtype) or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise Unsupported(f"tpu_mlp: x {x.shape} {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
+    itemsize = jnp.dtype(x.dtype).itemsize
+    bi = choose_block(I, H, M, itemsize, block_i)
+    n_i = I // bi
+    M_pad = round_up(M, _SUBLANE[itemsize])
+    x2 = x.reshape(M, H)
+    if M_pad != M:
+        x2 = jnp.pad(x2, ((0, M_pad - M), (0, 0)))                                # [M_pad, H]
+    vmem = 2 * (3 * H * bi * itemsize + 2 * M_pad * H * itemsize) + 4 * M_pad * H + 2 * M_pad * bi * 4
+    norm = norm_weight is not None
+    extra_in, extra_args, extra_scratch = [], [], []
+    if norm:
+        extra_in = [pl.BlockSpec((1, H), lambda j: (0, 0))]
+        extra_args = [norm_weight.reshape(1, H)]
+        extra_scratch = [pltpu.VMEM((M_pad, H), x.dtype)]
+        vmem += M_pad * H * itemsize
+    out = pl.pallas_call(
+        functools.partial(_kernel, norm=norm, eps=float(eps)),
+        out_shape=jax.ShapeDtypeStruct((M_pad, H), x.dtype),
+        grid=(n_i,),
+        in_specs=[
+            pl.BlockSpec((M_pad, H), lambda j: (0, 0)),
+            pl.BlockSpec((H, bi), lambda j: (0, j)),                 # gate columns
+            pl.BlockSpec((H, bi), lambda j: (0, n_i + j)),           # up columns
+            pl.BlockSpec((bi, H), lambda j: (j, 0)),
+            *extra_in,
+        ],
+        out_specs=pl.BlockSpec((M_pad, H), lambda j: (0, 0)),
+        scratch_shapes=[pltpu.VMEM((M_pad, H), jnp.float32), *extra_scratch],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=max(32 << 20, vmem + (8 << 20))),
+        cost_estimate=pl.CostEstimate(
+            flops=6 * M_pad * H * I, transcendentals=M_pad * I,
+            bytes_accessed=itemsize * (3 * H * I + 2 * M_pad * H)),
+        interpret=interpret,
+        name="dflash_mlp_tpu",
+    )(x2, gate_up, gate_up, down, *extra_args)
+    return out[:M].reshape(*lead, H)
