@@ -85,11 +85,12 @@ def main() -> int:
         shape, scope = defs[n]
         if n in inner:
             return None                      # counted in its enclosing loop op
-        if "lm_head" in scope or re.search(r"verify/bth,h?v", scope):
+        vocab = f",{target.config.vocab_size}]"
+        if "lm_head" in scope or re.search(r"verify/bth,h?v", scope) or (n.startswith("dot.") and vocab in shape):
             return "LM heads"
         if scope.endswith("/while") and "layer" in scope:
             return "attention KV-chunk loops"
-        if "dot_general" in scope:
+        if "dot_general" in scope or n.startswith("dot."):   # M = 1 dots (plain decode) carry no scope
             return "layer matmuls (draft + target)"
         return "other ops"
 
