@@ -146,6 +146,7 @@ def _our_logits(model, ids):
     return np.asarray(model.logits(h))[0]
 
 
+@pytest.mark.slow
 def test_save_target_loads_in_ours_and_transformers(tmp_path):
     import torch
     from transformers import Qwen3ForCausalLM

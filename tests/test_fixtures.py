@@ -156,6 +156,7 @@ def _check_trained_files(pair):
     assert pair["target_training"]["greedy_follows_grammar"] > 0.95
 
 
+@pytest.mark.slow
 def test_trained_pair_accepts_full_partial_and_single(trained_pair):
     _report("trained pair", trained_pair)
     _check_trained_files(trained_pair)

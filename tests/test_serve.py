@@ -82,16 +82,11 @@ def sse(url: str, path: str, body: dict) -> list:
 
 # ----------------------------------------------------------------------------------------- real models
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(cli_models):
     import dflash_jax as dj
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
-    root = tmp_path_factory.mktemp("serve")
-    tp, dp = str(root / "target"), str(root / "draft")
-    _write_target(tp)
-    write_tokenizer(tp)
-    GenerationConfig(eos_token_id=[IM_END, ENDOFTEXT]).save_pretrained(tp)
-    _write_draft(dp, tp)
+    tp, dp = cli_models  # test_cli.py's pair, built once in conftest.py
     target = dj.load_target(tp, dtype="float32")
     draft = dj.load_draft(dp, target=target, dtype="float32")
     tok = AutoTokenizer.from_pretrained(tp)

@@ -48,6 +48,7 @@ def test_split_attention_equals_dense_mask(chunk):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_dense_reference_mask_semantics():
     """Brute force: output of block j's row = softmax attention over exactly context keys t < a_j and
     its own S block keys."""
