@@ -169,6 +169,7 @@ def test_save_target_loads_in_ours_and_transformers(tmp_path):
     np.testing.assert_allclose(theirs, ref, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow
 def test_save_target_bfloat16_is_half_the_size(tmp_path):
     from dflash_jax import load_target
     from dflash_jax.assets import save_target

@@ -86,6 +86,7 @@ def test_seeded_samples_independent_of_slot_and_mates(pair):
     assert via.tokens == full.tokens
 
 
+@pytest.mark.slow
 def test_insert_leaves_other_slots_bitwise_unchanged_and_reuse_is_fresh(pair):
     eng = Slots(*pair, slots=SLOTS, capacity=CAP)
     ps = prompts(3, seed=3)
@@ -115,6 +116,7 @@ def test_insert_leaves_other_slots_bitwise_unchanged_and_reuse_is_fresh(pair):
     assert toks0[:m] == toks1[:m] and m >= 10
 
 
+@pytest.mark.slow
 def test_no_compile_after_warmup_across_a_stream(pair):
     eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2)
     ps = prompts(12, seed=4)

@@ -93,7 +93,8 @@ def tiny(cli_models):
     return types.SimpleNamespace(target=target, draft=draft, tok=tok, eos=[IM_END, ENDOFTEXT])
 
 
-@pytest.fixture(scope="module", params=["simple", "slots4"])
+# The default run serves through the simple engine; the slot engine's tokens are test_engine.py's.
+@pytest.fixture(scope="module", params=["simple", pytest.param("slots4", marks=pytest.mark.slow)])
 def real(tiny, request):
     if request.param == "slots4":   # the continuous-batching engine, as `serve --slots 4`
         engine = SlotEngine(tiny.target, tiny.draft, slots=4, capacity=CAPACITY, max_queue=64,
@@ -261,6 +262,7 @@ def test_bad_requests_are_400_naming_the_field(real):
     assert httpx.get(real.url + "/health").status_code == 200    # still up
 
 
+@pytest.mark.slow
 def test_load_50_requests_concurrency_8(real):
     """Every response complete and equal to its one-shot output; nothing lost."""
     from concurrent.futures import ThreadPoolExecutor
@@ -354,6 +356,7 @@ def test_engine_interface_events_and_stop_ids():
 
 
 @pytest.mark.parametrize("honour", [True, False], ids=["generate-stops", "generate-runs-out"])
+@pytest.mark.slow
 def test_disconnect_mid_stream_frees_the_slot(tokenizer, honour):
     gen = FakeGenerate(delay=0.02, honour=honour)
     eng = fake_engine(gen)
@@ -375,6 +378,7 @@ def test_disconnect_mid_stream_frees_the_slot(tokenizer, honour):
     eng.shutdown()
 
 
+@pytest.mark.slow
 def test_cancel_ends_the_response_and_frees_the_slot():
     for honour in (True, False):
         eng = fake_engine(FakeGenerate(delay=0.01, honour=honour))

@@ -40,6 +40,7 @@ def trained(trained_pair):
     return dict(trained_pair, hf=hf, ref_draft=ref_draft, target=target, draft=draft)
 
 
+@pytest.mark.slow
 def test_draft_hidden_states_match_the_reference(random_pair):
     """Our draft (context written at prefill, or arriving as pending context in the loop) gives the
     reference DFlashDraftModel's hidden states for the block, in float32."""
@@ -115,6 +116,7 @@ def test_trained_pair_with_stop_tokens_matches_reference(trained):
 
 
 @pytest.mark.parametrize("corrupt", [pytest.param(None, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
 def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrupt):
     target, draft = random_pair["target"], random_pair["draft"]
     S, n = 8, 40
@@ -267,6 +269,7 @@ def test_on_commit_true_stops_the_loop_with_partial_tokens(random_pair):
         assert 3 <= len(got) < len(want) and got == want[:len(got)]
 
 
+@pytest.mark.slow
 def test_on_commit_exception_reaches_the_caller(random_pair):
     target, draft = random_pair["target"], random_pair["draft"]
 
@@ -283,6 +286,7 @@ def test_on_commit_exception_reaches_the_caller(random_pair):
     assert len(calls) == 2                 # the loop stopped at the iteration that raised
 
 
+@pytest.mark.slow
 def test_streaming_calls_run_in_threads_with_one_program(random_pair):
     """Two streaming generations at once, each with its own on_commit: each callback sees exactly its
     own call's tokens, and the streaming program is compiled once."""

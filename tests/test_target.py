@@ -214,6 +214,7 @@ def test_plain_loop_compiles_for_tpu(topology):
     assert mem["argument_size_in_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_run_time_argument_types_are_clear_errors_and_stop_ids_never_recompile():
     target = init_target(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                                       num_heads=2, num_kv_heads=2, head_dim=16), seed=2, dtype="float32")

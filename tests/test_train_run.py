@@ -90,6 +90,7 @@ def _random_data(rows=16, T=32, seed=0):
     return TokenData(tok, lm)
 
 
+@pytest.mark.slow
 def test_bad_input_clear_errors(tmp_path):
     with pytest.raises(DataError, match="no row with two consecutive response tokens"):
         TokenData(np.zeros((4, 16), np.int32), np.zeros((4, 16), np.uint8))
