@@ -78,6 +78,25 @@ def tiny_pair(tmp_path_factory) -> dict:
                 target_layer_ids=ck.default_target_layer_ids(6, 2))
 
 
+@pytest.fixture(scope="session")
+def cli_models(tmp_path_factory) -> tuple[str, str]:
+    """(target_path, draft_path): test_cli.py's float32 target at vocab 320 with its byte-level BPE
+    tokenizer, chat template and generation_config eos ids, and a reference-written draft (S = 8).
+    Built once for test_cli.py, test_user_errors.py and test_serve.py, which only read it."""
+    from transformers import GenerationConfig
+
+    from tests import test_cli as tc
+
+    _quiet_transformers()
+    root = tmp_path_factory.mktemp("cli")
+    target, draft = str(root / "target"), str(root / "draft")
+    tc._write_target(target)
+    tc.write_tokenizer(target)
+    GenerationConfig(eos_token_id=[tc.IM_END, tc.ENDOFTEXT]).save_pretrained(target)
+    tc._write_draft(draft, target)
+    return target, draft
+
+
 def _build_pair(tmp_path_factory, name: str, spec: dict) -> dict:
     _quiet_transformers()
     root = str(tmp_path_factory.mktemp(name))

@@ -94,16 +94,8 @@ def _write_draft(path: str, target_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from transformers import GenerationConfig
-
-    root = tmp_path_factory.mktemp("cli")
-    target, draft = str(root / "target"), str(root / "draft")
-    _write_target(target)
-    write_tokenizer(target)
-    GenerationConfig(eos_token_id=[IM_END, ENDOFTEXT]).save_pretrained(target)
-    _write_draft(draft, target)
-    return target, draft
+def models(cli_models):
+    return cli_models  # conftest.py builds it once for this file, test_user_errors.py and test_serve.py
 
 
 def _run(cli, argv, capsys):
@@ -206,6 +198,7 @@ def test_stop_tokens_from_generation_config_and_tokenizer(models):
 
 
 # ----------------------------------------------------------------------------------------- generate
+@pytest.mark.slow
 def test_on_commit_delivers_every_token(models):
     """The library contract streaming relies on: the callbacks together carry exactly `res.tokens`,
     the prefill's first token included."""
@@ -219,6 +212,7 @@ def test_on_commit_delivers_every_token(models):
     assert seen == res.tokens[0], "on_commit must deliver every generated token (the prefill's first too)"
 
 
+@pytest.mark.slow
 def test_generate_streams_what_no_stream_prints(models, capsys):
     target, draft = models
     argv = ["--model", target, "--draft", draft, "--dtype", "float32", "--max-new-tokens", "24", "héllo 世界"]
@@ -232,6 +226,7 @@ def test_generate_streams_what_no_stream_prints(models, capsys):
     assert "warning" not in err
 
 
+@pytest.mark.slow
 def test_generate_json_and_lossless_greedy(models, capsys):
     target, draft = models
     base = ["--model", target, "--dtype", "float32", "--max-new-tokens", "24", "--json", "Tell me a story."]
@@ -252,6 +247,7 @@ def test_generate_json_and_lossless_greedy(models, capsys):
     assert json.loads(out)["prompt_tokens"] < plain["prompt_tokens"]
 
 
+@pytest.mark.slow
 def test_generate_reads_stdin(models, capsys, monkeypatch):
     target, _ = models
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello from stdin"))
@@ -260,6 +256,7 @@ def test_generate_reads_stdin(models, capsys, monkeypatch):
     assert code == 0 and json.loads(out)["prompt_tokens"] > 4
 
 
+@pytest.mark.slow
 def test_generate_random_init(capsys, monkeypatch):
     # A tiny preset stands in for qwen3-8b: the path (random target + random z-lab-shaped draft, random
     # prompt ids, no tokenizer) is the same.
@@ -336,6 +333,7 @@ def gsm8k_file(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_benchmark_report(models, gsm8k_file, tmp_path, capsys):
     target, draft = models
     report_path, plot_path = tmp_path / "report.json", tmp_path / "report.png"
@@ -368,6 +366,7 @@ def test_benchmark_report(models, gsm8k_file, tmp_path, capsys):
         assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_benchmark_acceptance_check(models, gsm8k_file, capsys):
     target, draft = models
     argv = ["--model", target, "--draft", draft, "--data-file", gsm8k_file, "--max-samples", "2",
@@ -395,6 +394,7 @@ def test_benchmark_argument_errors(models, capsys, argv, needle):
     assert needle in _usage_error(bench_cli, argv, capsys)
 
 
+@pytest.mark.slow
 def test_benchmark_random_init(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(PRESETS, "tiny-test", TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                                            num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16))

@@ -146,6 +146,7 @@ def _our_logits(model, ids):
     return np.asarray(model.logits(h))[0]
 
 
+@pytest.mark.slow
 def test_save_target_loads_in_ours_and_transformers(tmp_path):
     import torch
     from transformers import Qwen3ForCausalLM
@@ -168,6 +169,7 @@ def test_save_target_loads_in_ours_and_transformers(tmp_path):
     np.testing.assert_allclose(theirs, ref, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow
 def test_save_target_bfloat16_is_half_the_size(tmp_path):
     from dflash_jax import load_target
     from dflash_jax.assets import save_target

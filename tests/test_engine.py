@@ -45,6 +45,7 @@ def one_shot(pair, p, n, **kw):
     return generate(*pair, [p], max_new_tokens=n, capacity=CAP, **kw)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_independent_of_slot_mates_and_arrival(pair):
     """Six requests of mixed lengths through 3 slots in two orders: each equals its one-shot
     generate (tokens and acceptance lengths) and plain decoding, wherever and whenever it ran."""
@@ -68,6 +69,7 @@ def test_generate_with_slots_equals_one_shot_and_stops(pair):
     assert via.acceptance_lengths == full.acceptance_lengths
 
 
+@pytest.mark.slow
 def test_seeded_samples_independent_of_slot_and_mates(pair):
     """A request's samples are keyed by (seed, rng_row, position): the same in any slot, next to
     any batch-mates; generate(slots=) keeps row i's stream i, so it equals one-shot sampling."""
@@ -84,6 +86,7 @@ def test_seeded_samples_independent_of_slot_and_mates(pair):
     assert via.tokens == full.tokens
 
 
+@pytest.mark.slow
 def test_insert_leaves_other_slots_bitwise_unchanged_and_reuse_is_fresh(pair):
     eng = Slots(*pair, slots=SLOTS, capacity=CAP)
     ps = prompts(3, seed=3)
@@ -113,6 +116,7 @@ def test_insert_leaves_other_slots_bitwise_unchanged_and_reuse_is_fresh(pair):
     assert toks0[:m] == toks1[:m] and m >= 10
 
 
+@pytest.mark.slow
 def test_no_compile_after_warmup_across_a_stream(pair):
     eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2)
     ps = prompts(12, seed=4)

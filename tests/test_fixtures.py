@@ -106,6 +106,7 @@ def test_write_draft_explicit_fields(tmp_path, tiny_target):
     assert _tensors(path)["fc.weight"].shape == (64, 3 * 64)
 
 
+@pytest.mark.slow
 def test_random_pair_accepts_almost_nothing(tiny_pair):
     target, draft = ck.load_torch_pair(tiny_pair["target_path"], tiny_pair["draft_path"])
     prompts = ck.random_prompts(2, 127, seed=5)
@@ -114,6 +115,7 @@ def test_random_pair_accepts_almost_nothing(tiny_pair):
     assert sum(lengths) / len(lengths) < 1.5
 
 
+@pytest.mark.slow
 def test_packed_training_blocks_match_inference_blocks(tiny_pair):
     """One packed training forward (K blocks after the full context) gives, for every block, the draft
     output of dflash_generate's own call: context [0, anchor), positions [0, anchor + S)."""
@@ -156,6 +158,7 @@ def _check_trained_files(pair):
     assert pair["target_training"]["greedy_follows_grammar"] > 0.95
 
 
+@pytest.mark.slow
 def test_trained_pair_accepts_full_partial_and_single(trained_pair):
     _report("trained pair", trained_pair)
     _check_trained_files(trained_pair)

@@ -46,6 +46,7 @@ def _xla(layer, qkv, positions, k_cache, v_cache, start):
     (2, 16, 4, 4, 64, 96, jnp.float32),                                        # verify block, MHA
     pytest.param(2, 16, 8, 1, 256, 48, jnp.bfloat16, marks=pytest.mark.slow),  # GQA 8, head_dim 256, bf16
 ])
+@pytest.mark.slow
 def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
     layer = _layer(D, Hq, Hkv, dtype)
     ks = jax.random.split(jax.random.key(1), 3)
@@ -68,6 +69,7 @@ def test_prologue_matches_the_layer(B, T, Hq, Hkv, D, C, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_prologue_with_context_rows_matches_the_draft_layer(dtype):
     """The draft's form (ctx_rows): Tc context rows' K/V written at ctx_start, then the block's at
     start, which wins where they overlap (row 0: context rows past the pending count run into the
@@ -119,6 +121,7 @@ def test_prologue_lowers_for_cuda():
 
 @pytest.mark.parametrize("shape,dtype", [pytest.param((1, 1, 256), jnp.float32, marks=pytest.mark.slow),
                                          ((2, 16, 512), jnp.bfloat16)])
+@pytest.mark.slow
 def test_add_rmsnorm_matches_the_layer(shape, dtype):
     from dflash_jax.modeling.layers import RMSNorm
     norm = RMSNorm(shape[-1], 1e-6, dtype)

@@ -117,7 +117,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning",
-                         _default_only(CASES, {"verify-g4-f32", "ragged-g4-bf16"}))
+                         _default_only(CASES, {"verify-g4-f32"}))
 def test_tpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
     k_end = _k_end(pattern, B, T, C)
@@ -138,6 +138,7 @@ def _gpu_tuning(tuning, T, Hq, Hkv):
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,tuning",
                          _default_only(CASES, {"verify-g4-bf16", "prefill-g4-f32"}))
+@pytest.mark.slow
 def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
     k_end = _k_end(pattern, B, T, C)
@@ -148,6 +149,7 @@ def test_gpu_kernel_interpret(B, T, Hq, Hkv, C, D, dtype, pattern, tuning):
 @pytest.mark.parametrize("kv_splits,merge_kernel,pattern", _default_only(
     [(s, m, p) for p in ("verify", "ragged") for s, m in [(2, False), (5, False), (3, False), (5, True), (1, False)]],
     {"5-True-ragged"}))
+@pytest.mark.slow
 def test_gpu_kernel_kv_splits(kv_splits, merge_kernel, pattern):
     """Split-KV with the log-sum-exp merge: rows with 0 keys, splits with no keys, mid-tile ends;
     the merge as XLA's fusion and as a Pallas kernel on the same rows."""
@@ -162,6 +164,7 @@ def test_gpu_kernel_kv_splits(kv_splits, merge_kernel, pattern):
 @pytest.mark.parametrize("S,N,D,dtype", _default_only([
     pytest.param(4, 512, 128, jnp.bfloat16, id="4-512-bf16"), pytest.param(3, 24, 64, jnp.float32, id="3-24-f32"),
     pytest.param(32, 40, 256, jnp.bfloat16, id="32-40-bf16")], {"3-24-f32"}))
+@pytest.mark.slow
 def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
     """merge_splits (Pallas) against _merge (XLA ops) on partials with empty splits (lse -inf, o NaN:
     never written by the kernel) and fully empty rows, N not a multiple of its 16-row tiles."""
@@ -225,6 +228,7 @@ def test_gpu_default_config_merge_kernel():
 
 @pytest.mark.parametrize("kv_splits,merge_kernel,G", _default_only(
     [(s, m, g) for g in (1, 4, 8) for s, m in [(1, False), (3, False), (3, True)]], {"3-True-4"}))
+@pytest.mark.slow
 def test_gpu_kernel_decode_rows(kv_splits, merge_kernel, G):
     """Plain decode (T == 1): the G rows of each kv head are a masked 16-row tile of the flat
     [B*Hq, D] view, the last program's tile reaching past the array's end."""
@@ -236,6 +240,7 @@ def test_gpu_kernel_decode_rows(kv_splits, merge_kernel, G):
     _check(out, _oracle(q, k, v, k_end), jnp.float32)
 
 
+@pytest.mark.slow
 def test_xla_path_chunks_queries():
     B, T, Hq, Hkv, C, D = 1, 100, 4, 2, 128, 64
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32)
@@ -287,6 +292,7 @@ def test_kernel_config_resolves_on_cpu():
         KernelConfig(attention_tuning=(("warps", 8),))
 
 
+@pytest.mark.slow
 def test_unsupported_shapes_fall_back():
     # head_dim 96 tiles on neither kernel; capacity 1100 is not a multiple of 128 and too big
     # for a single block: both go to the XLA path and still match the oracle.
@@ -301,6 +307,7 @@ def test_unsupported_shapes_fall_back():
             tpu.block_attention(q, k, v, k_end, interpret=True)
 
 
+@pytest.mark.slow
 def test_bad_shapes_raise():
     q, k, v = _inputs(1, 4, 6, 4, 128, 64, jnp.float32)       # 6 q heads over 4 kv heads
     with pytest.raises(ValueError, match="multiple of Hkv"):
@@ -395,6 +402,7 @@ def test_gpu_merge_kernel_lowers_for_cuda(T):
     assert "dflash_attention_merge" in mlir and "dflash_block_attention_gpu" in mlir
 
 
+@pytest.mark.slow
 def test_xla_path_bf16_batched():
     """The XLA path runs bf16 with B > 1 on CPU (see pallas_kernels._xla_dense) and matches."""
     q, k, v = _inputs(2, 16, 8, 2, 256, 64, jnp.bfloat16)
@@ -418,7 +426,7 @@ XLA_CHUNK_CASES = [
 
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,C,D,dtype,pattern,kv_chunk",
-                         _default_only(XLA_CHUNK_CASES, {"verify-g4-tail-f32", "ragged-g4-tail-bf16"}))
+                         _default_only(XLA_CHUNK_CASES, {"verify-g4-tail-f32"}))
 def test_xla_kv_chunks_match_the_reference(B, T, Hq, Hkv, C, D, dtype, pattern, kv_chunk):
     q, k, v = _inputs(B, T, Hq, Hkv, C, D, dtype)
     k_end = _k_end(pattern, B, T, C)
@@ -434,6 +442,7 @@ def test_xla_kv_chunks_match_the_reference(B, T, Hq, Hkv, C, D, dtype, pattern, 
         np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=2e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_xla_kv_chunk_trip_count_follows_the_longest_row():
     """One compiled program; each call visits ceil(max(k_end) / chunk) chunks: keys past every row's
     end are never read (NaN there must not leak), all-zero k_end gives zeros without a chunk."""
@@ -477,6 +486,7 @@ def test_xla_kv_chunks_only_for_short_query_blocks():
                                            jnp.ones((1, 1), jnp.int32), kv_chunk=-1)
 
 
+@pytest.mark.slow
 def test_xla_kv_chunks_differentiate_like_the_reference():
     """Gradients through the chunk loop (a while loop, not transposable) come from the dense oracle."""
     B, T, Hq, Hkv, C, D = 2, 8, 4, 2, 300, 16

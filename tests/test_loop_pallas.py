@@ -78,6 +78,7 @@ def test_pallas_gpu_loop_exports_for_cuda():
     assert "mosaic_gpu" not in mlir
 
 
+@pytest.mark.slow
 def test_kernel_config_reaches_the_exported_cuda_program():
     """export_generate takes a KernelConfig: the fused layer kernels off leave the attention kernel
     alone in the loop; sampling_kernels off keeps top-k's search in XLA reductions."""

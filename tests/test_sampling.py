@@ -124,6 +124,7 @@ def test_plain_sampling_matches_the_exact_distribution(pair, name):
     assert _chi_square_p(counts, _expected(pair, name), n) > 1e-4
 
 
+@pytest.mark.slow
 def test_a_biased_rule_would_be_caught(pair):
     """Power check: the same test rejects the draft-biased distribution (accept with probability 1)."""
     prompt = pair["eval_prompts"][0]
@@ -133,6 +134,7 @@ def test_a_biased_rule_would_be_caught(pair):
     assert _chi_square_p(counts, expected, n) < 1e-4
 
 
+@pytest.mark.slow
 def test_top_k_one_and_tiny_temperature_equal_greedy(pair):
     prompts = pair["eval_prompts"][:3]
     greedy = generate(pair["target"], pair["draft"], prompts, max_new_tokens=24).tokens
@@ -140,6 +142,7 @@ def test_top_k_one_and_tiny_temperature_equal_greedy(pair):
     assert generate(pair["target"], pair["draft"], prompts, max_new_tokens=24, temperature=1e-4, seed=5).tokens == greedy
 
 
+@pytest.mark.slow
 def test_seeds_reproduce_and_differ(pair):
     prompts = pair["eval_prompts"][:4]
     kw = dict(max_new_tokens=32, temperature=1.0)
@@ -153,6 +156,7 @@ def test_seeds_reproduce_and_differ(pair):
     assert d.tokens[0] == a.tokens[0]
 
 
+@pytest.mark.slow
 def test_no_nan_with_minus_inf_logits():
     V, S = 16, 4
     logits = jnp.where(jnp.arange(V) % 3 == 0, -jnp.inf, jnp.linspace(-2.0, 2.0, V))
@@ -177,6 +181,7 @@ def test_invalid_sampling_values_are_clear_errors(pair):
             generate(pair["target"], pair["draft"], [[1, 2]], **kw)
 
 
+@pytest.mark.slow
 def test_processing_matches_the_reference_on_both_paths():
     """The sort-free rank thresholds equal the reference's `_sampling_probs` (torch, a sort) for
     top-k alone, top-p alone and both; ties at the cut are cut by rank, as a sort cuts them."""

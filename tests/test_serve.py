@@ -82,23 +82,19 @@ def sse(url: str, path: str, body: dict) -> list:
 
 # ----------------------------------------------------------------------------------------- real models
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(cli_models):
     import dflash_jax as dj
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
-    root = tmp_path_factory.mktemp("serve")
-    tp, dp = str(root / "target"), str(root / "draft")
-    _write_target(tp)
-    write_tokenizer(tp)
-    GenerationConfig(eos_token_id=[IM_END, ENDOFTEXT]).save_pretrained(tp)
-    _write_draft(dp, tp)
+    tp, dp = cli_models  # test_cli.py's pair, built once in conftest.py
     target = dj.load_target(tp, dtype="float32")
     draft = dj.load_draft(dp, target=target, dtype="float32")
     tok = AutoTokenizer.from_pretrained(tp)
     return types.SimpleNamespace(target=target, draft=draft, tok=tok, eos=[IM_END, ENDOFTEXT])
 
 
-@pytest.fixture(scope="module", params=["simple", "slots4"])
+# The default run serves through the simple engine; the slot engine's tokens are test_engine.py's.
+@pytest.fixture(scope="module", params=["simple", pytest.param("slots4", marks=pytest.mark.slow)])
 def real(tiny, request):
     if request.param == "slots4":   # the continuous-batching engine, as `serve --slots 4`
         engine = SlotEngine(tiny.target, tiny.draft, slots=4, capacity=CAPACITY, max_queue=64,
@@ -266,6 +262,7 @@ def test_bad_requests_are_400_naming_the_field(real):
     assert httpx.get(real.url + "/health").status_code == 200    # still up
 
 
+@pytest.mark.slow
 def test_load_50_requests_concurrency_8(real):
     """Every response complete and equal to its one-shot output; nothing lost."""
     from concurrent.futures import ThreadPoolExecutor
@@ -359,6 +356,7 @@ def test_engine_interface_events_and_stop_ids():
 
 
 @pytest.mark.parametrize("honour", [True, False], ids=["generate-stops", "generate-runs-out"])
+@pytest.mark.slow
 def test_disconnect_mid_stream_frees_the_slot(tokenizer, honour):
     gen = FakeGenerate(delay=0.02, honour=honour)
     eng = fake_engine(gen)
@@ -380,6 +378,7 @@ def test_disconnect_mid_stream_frees_the_slot(tokenizer, honour):
     eng.shutdown()
 
 
+@pytest.mark.slow
 def test_cancel_ends_the_response_and_frees_the_slot():
     for honour in (True, False):
         eng = fake_engine(FakeGenerate(delay=0.01, honour=honour))

@@ -40,6 +40,7 @@ def trained(trained_pair):
     return dict(trained_pair, hf=hf, ref_draft=ref_draft, target=target, draft=draft)
 
 
+@pytest.mark.slow
 def test_draft_hidden_states_match_the_reference(random_pair):
     """Our draft (context written at prefill, or arriving as pending context in the loop) gives the
     reference DFlashDraftModel's hidden states for the block, in float32."""
@@ -86,6 +87,7 @@ def test_random_pair_is_lossless_and_identical_to_reference(random_pair, S):
 
 
 @pytest.mark.parametrize("S", [pytest.param(4, marks=pytest.mark.slow), 8])
+@pytest.mark.slow
 def test_trained_pair_is_lossless_identical_to_reference_and_accepts(trained, S):
     prompts = trained["eval_prompts"]  # all 8: a partial block somewhere must not hinge on one seed
     stop = None
@@ -101,6 +103,7 @@ def test_trained_pair_is_lossless_identical_to_reference_and_accepts(trained, S)
     print(f"\ntrained pair S={S}: tau={res.mean_tau:.2f} histogram(1..S)={res.tau_histogram}")
 
 
+@pytest.mark.slow
 def test_trained_pair_with_stop_tokens_matches_reference(trained):
     prompts = trained["eval_prompts"][4:7]
     first = generate(trained["target"], None, prompts[:1], max_new_tokens=30).tokens[0]
@@ -112,7 +115,8 @@ def test_trained_pair_with_stop_tokens_matches_reference(trained):
     assert res.tokens[0][-1] == stop[0] and len(res.tokens[0]) <= 10
 
 
-@pytest.mark.parametrize("corrupt", [None, 0, 3])
+@pytest.mark.parametrize("corrupt", [pytest.param(None, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
 def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrupt):
     target, draft = random_pair["target"], random_pair["draft"]
     S, n = 8, 40
@@ -147,6 +151,7 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
 
 
 @pytest.mark.parametrize("kv_chunk,capacity", [(16, 1000), (512, 8192)], ids=["chunk16-cap1000", "cap8192"])
+@pytest.mark.slow
 def test_kv_chunks_and_a_generous_capacity_keep_the_tokens(trained, kv_chunk, capacity):
     """The XLA path's KV-chunk attention inside the loop: tiny chunks (rows cross many chunk
     boundaries, a capacity that is no multiple of the chunk) and a capacity far above what the rows
@@ -243,6 +248,7 @@ def test_speculative_loop_exports_for_cuda():
     assert "while" in exported.mlir_module()
 
 
+@pytest.mark.slow
 def test_on_commit_true_stops_the_loop_with_partial_tokens(random_pair):
     """on_commit returning True stops every running row at that iteration (device side): generate
     returns what was committed (a prefix of the full run), finish reason "stopped"."""
@@ -263,6 +269,7 @@ def test_on_commit_true_stops_the_loop_with_partial_tokens(random_pair):
         assert 3 <= len(got) < len(want) and got == want[:len(got)]
 
 
+@pytest.mark.slow
 def test_on_commit_exception_reaches_the_caller(random_pair):
     target, draft = random_pair["target"], random_pair["draft"]
 
@@ -279,6 +286,7 @@ def test_on_commit_exception_reaches_the_caller(random_pair):
     assert len(calls) == 2                 # the loop stopped at the iteration that raised
 
 
+@pytest.mark.slow
 def test_streaming_calls_run_in_threads_with_one_program(random_pair):
     """Two streaming generations at once, each with its own on_commit: each callback sees exactly its
     own call's tokens, and the streaming program is compiled once."""

@@ -45,6 +45,7 @@ def test_window_covers_any_start():
         assert all(s % 8 + T <= W for s in range(8))
 
 
+@pytest.mark.slow
 def test_untileable_shapes_raise_unsupported_and_the_dispatch_falls_back():
     kc, vc, k, v = _inputs(2, 1, 12, 64, 8, jnp.float32)        # C=12: not whole row tiles
     start = jnp.array([0, 4], jnp.int32)

@@ -27,7 +27,7 @@ def _qkv(B, T, N, S, Hq=4, Hkv=2, D=8, seed=0):
 ANCHORS = np.array([[0, 3, 7, 20, 22], [1, 2, 9, 0, 0]], np.int32)
 
 
-@pytest.mark.parametrize("chunk", [2, 8])
+@pytest.mark.parametrize("chunk", [pytest.param(2, marks=pytest.mark.slow), 8])
 def test_split_attention_equals_dense_mask(chunk):
     B, T, N, S = 2, 24, 5, 4
     args = _qkv(B, T, N, S)
@@ -48,6 +48,7 @@ def test_split_attention_equals_dense_mask(chunk):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_dense_reference_mask_semantics():
     """Brute force: output of block j's row = softmax attention over exactly context keys t < a_j and
     its own S block keys."""
@@ -209,6 +210,7 @@ def test_split_attention_pallas_equals_dense_and_xla(S, N, T):
             np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_train_attention_choice_is_checked():
     from dflash_jax.train.step import StepConfig
     assert packed.resolve_train_attention("auto") == ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
@@ -239,6 +241,7 @@ def test_pallas_context_attention_lowers_for_cuda():
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 3
 
 
+@pytest.mark.slow
 def test_auto_attention_falls_back_where_the_kernel_cannot_tile(monkeypatch):
     """auto on a GPU picks the Pallas pair, but a GQA group of 3 (the demo pair's) cannot be tiled:
     auto must run the XLA chunks (equal to the dense reference), not raise."""

@@ -32,6 +32,7 @@ def _perturbed(draft, seed=0, scale=0.05):
     return nnx.merge(gd, jax.tree.unflatten(tdef, leaves))
 
 
+@pytest.mark.slow
 def test_export_round_trip_reference_and_ours(tiny_pair, tmp_path):
     target = load_target(tiny_pair["target_path"], dtype="float32")
     draft = _perturbed(load_draft(tiny_pair["draft_path"], dtype="float32"))
@@ -89,6 +90,7 @@ def _random_data(rows=16, T=32, seed=0):
     return TokenData(tok, lm)
 
 
+@pytest.mark.slow
 def test_bad_input_clear_errors(tmp_path):
     with pytest.raises(DataError, match="no row with two consecutive response tokens"):
         TokenData(np.zeros((4, 16), np.int32), np.zeros((4, 16), np.uint8))

@@ -30,16 +30,8 @@ _usage_error, _run = tc._usage_error, tc._run
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from transformers import GenerationConfig
-
-    root = tmp_path_factory.mktemp("user")
-    target, draft = str(root / "target"), str(root / "draft")
-    tc._write_target(target)
-    tc.write_tokenizer(target)
-    GenerationConfig(eos_token_id=[tc.IM_END, tc.ENDOFTEXT]).save_pretrained(target)
-    tc._write_draft(draft, target)
-    return target, draft
+def models(cli_models):
+    return cli_models  # test_cli.py's pair, built once in conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +89,7 @@ def test_limits_that_cannot_be_met_are_refused(models, capsys, argv, needle):
     assert needle in _usage_error(gen_cli, _base(models, *argv), capsys)
 
 
+@pytest.mark.slow
 def test_length_limit_uses_true_lengths_not_the_bucket(loaded, recwarn):
     target, draft, _ = loaded
     small = dj.init_target(TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -125,6 +118,7 @@ def test_benchmark_refuses_an_output_path_it_cannot_write_before_running(models,
 
 
 # ----------------------------------------------------------------------------------------- item 5
+@pytest.mark.slow
 def test_a_model_dir_without_tokenizer_files_is_an_error_and_prompt_ids_need_none(models, tmp_path, capsys):
     import shutil
     bare = tmp_path / "bare"
@@ -258,6 +252,7 @@ def test_ignored_flags_are_refused(models, capsys, argv, needle):
 
 
 # ----------------------------------------------------------------------------------------- item 10
+@pytest.mark.slow
 def test_prompt_file_batch_json_with_finish_reasons(models, tmp_path, capsys):
     pf = tmp_path / "p.jsonl"
     pf.write_text('"Tell me a story."\n{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "a"}, '
@@ -305,6 +300,7 @@ def test_stop_strings_and_stop_ids_cut_the_output(models, capsys):
     assert r["finish_reason"] == "stop" and r["tokens"] == full["tokens"][:full["tokens"].index(sid) + 1]
 
 
+@pytest.mark.slow
 def test_generate_text_helper(loaded):
     target, draft, tok = loaded
     out = dj.generate_text(target, draft, tok, ["Tell me a story.", [{"role": "user", "content": "hi"}]],
