@@ -8,7 +8,9 @@ the prompt's own K/V: faster than our Triton kernel from a few thousand tokens o
 hundred (see docs/perf-log.md).
 
 The fused GPU layer kernels (`fused_prologue`, `fused_add_norm`) apply on the GPU path with
-`KernelConfig.fused_layer`, to blocks of up to 64 tokens (decode, verify, the draft block).
+`KernelConfig.fused_layer`, to blocks of up to 64 tokens (decode, verify, the draft block). Under a
+mesh they run per shard like the attention (`qk_norm_rope_write`, `add_rmsnorm` below): the
+prologue on each shard's own heads, which needs qkv in the fused layout of the model axis.
 """
 
 from __future__ import annotations
@@ -32,10 +34,15 @@ def _fused_ok(kernels: KernelConfig, T: int) -> bool:
     return kernels.fused and 1 <= T <= 64
 
 
-def fused_prologue(kernels: KernelConfig, T: int, head_dim: int) -> bool:
+def fused_prologue(kernels: KernelConfig, T: int, head_dim: int, groups: int = 1) -> bool:
     """Whether a layer's q/k norm, RoPE and cache writes run as one Pallas GPU kernel
-    (pallas_kernels.fused_layer.qk_norm_rope_write) instead of ~6 XLA kernels."""
+    (pallas_kernels.fused_layer.qk_norm_rope_write) instead of ~6 XLA kernels. groups: the layer's
+    qkv layout (DecoderLayer.qkv_groups); the kernel reads a plain [q | k | v] per shard, which
+    the layout gives only when it has one group per shard of the active mesh's model axis."""
     from pallas_kernels import fused_layer
+    mesh = sharding.current_mesh()
+    if groups != (1 if mesh is None else sharding.model_axis_size(mesh)):
+        return False
     return _fused_ok(kernels, T) and fused_layer.prologue_supported(T, head_dim)
 
 
@@ -44,6 +51,32 @@ def fused_add_norm(kernels: KernelConfig, T: int, hidden: int) -> bool:
     (pallas_kernels.fused_layer.add_rmsnorm); same conditions as fused_prologue."""
     from pallas_kernels import fused_layer
     return _fused_ok(kernels, T) and fused_layer.add_rmsnorm_supported(hidden)
+
+
+def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v_cache, start,
+                       kernels: KernelConfig, *, num_heads: int, ctx_rows: int = 0, ctx_start=None):
+    """pallas_kernels.fused_layer.qk_norm_rope_write (same arguments; num_heads the layer's q
+    heads), per shard under a mesh (sharding.per_shard_prologue): each shard's q heads are its
+    share of num_heads, as its cache holds its share of the kv heads."""
+    from pallas_kernels import fused_layer
+    Hkv = k_cache.shape[1]
+
+    def fn(qkv, cos, sin, q_weight, k_weight, k_cache, v_cache, start, ctx_start):
+        return fused_layer.qk_norm_rope_write(
+            qkv, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, start,
+            num_heads=num_heads * k_cache.shape[1] // Hkv, ctx_rows=ctx_rows,
+            ctx_start=ctx_start if ctx_rows else None, interpret=kernels.interpret)
+    # without context rows the kernel ignores ctx_start: start stands in for it (one signature)
+    return sharding.per_shard_prologue(fn, qkv, cos, sin, q_weight, k_weight, k_cache, v_cache, start,
+                                       start if ctx_start is None else ctx_start)
+
+
+def add_rmsnorm(x, y, weight, eps: float, kernels: KernelConfig):
+    """pallas_kernels.fused_layer.add_rmsnorm(x, y, weight, eps), per data shard under a mesh
+    (sharding.per_data_shard): the rows are whole, replicated over 'model'."""
+    from pallas_kernels import fused_layer
+    fn = lambda x, y, w: fused_layer.add_rmsnorm(x, y, w, eps, interpret=kernels.interpret)
+    return sharding.per_data_shard(fn, x, y, weight)
 
 
 def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | None = None):

@@ -190,6 +190,36 @@ def per_shard_rows(fn, k_cache, v_cache, k, v, start):
                          check_vma=False)(k_cache, v_cache, k, v, start)
 
 
+def per_shard_prologue(fn, qkv, cos, sin, q_weight, k_weight, k_cache, v_cache, start, ctx_start):
+    """fn(qkv, cos, sin, q_weight, k_weight, k_cache, v_cache, start, ctx_start) -> (q, k_cache,
+    v_cache) (the fused GPU prologue) on each shard's batch rows and kv heads via shard_map under
+    the active mesh; fn itself without one. qkv [B, T, F] must be in the fused layout of the model
+    axis (each shard's contiguous columns are the plain [q | k | v] of its own heads), so every
+    shard runs the one-device kernel on its heads, with no collective."""
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(qkv, cos, sin, q_weight, k_weight, k_cache, v_cache, start, ctx_start)
+    d = "data" if qkv.shape[0] % data_axis_size(mesh) == 0 else None
+    cs, rows = P(d, "model", None, None), P(d, None, None)
+    in_specs = (P(d, None, "model"), rows, rows, P(), P(), cs, cs, P(d), P(d))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(d, None, "model", None), cs, cs),
+                         check_vma=False)(qkv, cos, sin, q_weight, k_weight, k_cache, v_cache, start, ctx_start)
+
+
+def per_data_shard(fn, x, y, weight):
+    """fn(x, y, weight) -> (a, b) (the fused add + RMSNorm, rows [B, T, H] of whole hidden) on each
+    shard's batch rows via shard_map under the active mesh; fn itself without one. x and y are
+    replicated over 'model' (y, a row-sharded matmul's output, is all-reduced on the way in, as
+    XLA's plain add would); every model shard repeats the same small kernel."""
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(x, y, weight)
+    d = "data" if x.shape[0] % data_axis_size(mesh) == 0 else None
+    rows = P(d, *([None] * (x.ndim - 1)))
+    return jax.shard_map(fn, mesh=mesh, in_specs=(rows, rows, P()), out_specs=(rows, rows),
+                         check_vma=False)(x, y, weight)
+
+
 def model_axis_size(mesh: Mesh) -> int:
     return int(mesh.shape["model"])
 

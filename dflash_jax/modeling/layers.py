@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue
+from dflash_jax.attention import (add_rmsnorm, attend, attend_prefill, fused_add_norm, fused_prologue,
+                                  qk_norm_rope_write)
 from typing import NamedTuple
 
 from dflash_jax.cache import KVCache, write_kv_rows
@@ -69,8 +70,7 @@ def add_norm(x, y, norm: RMSNorm, kernels: KernelConfig):
     """(x + y, norm(x + y)): one Pallas kernel on the fused GPU path (attention.fused_add_norm),
     else the XLA ops; the same numbers either way."""
     if fused_add_norm(kernels, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
-        from pallas_kernels import fused_layer
-        return fused_layer.add_rmsnorm(x, y, norm.weight[...], norm.eps, interpret=kernels.interpret)
+        return add_rmsnorm(x, y, norm.weight[...], norm.eps, kernels)
     x = x + y
     return x, norm(x)
 
@@ -178,10 +178,11 @@ class DecoderLayer(nnx.Module):
         kernel adds it (the fused GPU path, attention.fused_add_norm)."""
         T = x.shape[1]
         Tc = 0 if context is None else context.feats.shape[1]
-        # the fused GPU prologue reads the plain [q | k | v] layout (per shard it would be that too,
-        # but the layer does not run inside shard_map yet)
-        fused = not prefill and self.qkv_groups == 1 and fused_prologue(kernels, T, self.head_dim) and (
-            not Tc or fused_prologue(kernels, Tc, self.head_dim))
+        # the fused GPU prologue reads the plain [q | k | v] layout: one device's, or each shard's
+        # under a mesh in the fused layout (attention.fused_prologue checks the layout)
+        G = self.qkv_groups
+        fused = not prefill and fused_prologue(kernels, T, self.head_dim, G) and (
+            not Tc or fused_prologue(kernels, Tc, self.head_dim, G))
         x, h = (add_norm(x, residual, self.input_layernorm, kernels) if residual is not None
                 else (x, self.input_layernorm(x)))
         write_start = positions[:, 0]
@@ -193,13 +194,11 @@ class DecoderLayer(nnx.Module):
         o = None
         if fused:
             # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
-            from pallas_kernels import fused_layer
             cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)
-            q, k_cache, v_cache = fused_layer.qk_norm_rope_write(
+            q, k_cache, v_cache = qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
-                self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
-                ctx_rows=Tc, ctx_start=context.positions[:, 0] if Tc else None,
-                interpret=kernels.interpret)
+                self.q_norm.eps, k_cache, v_cache, write_start, kernels, num_heads=self.num_heads,
+                ctx_rows=Tc, ctx_start=context.positions[:, 0] if Tc else None)
         else:
             q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
             if Tc:
