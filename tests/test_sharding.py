@@ -489,3 +489,71 @@ def test_streaming_on_mesh():
     res = decode.generate(target, draft, PROMPTS[:2], on_commit=lambda rows: seen.append(rows), **KW)
     assert [sum((r[i] for r in seen), []) for i in range(2)] == res.tokens
     assert res.tokens == decode.generate(*_models(None), PROMPTS[:2], **KW).tokens
+
+
+if CHILD:
+    # head_dim 64 and hidden 64: shapes the fused GPU kernels take (prologue, add + RMSNorm)
+    TINY64 = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=64, rope_theta=10000.0)
+    DRAFT64 = DraftConfig.for_target(TINY64, num_layers=1, block_size=4)
+
+
+@child
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["1x2", "2x2"])
+def test_fused_gpu_kernels_on_mesh_match_one_device(spec, monkeypatch):
+    """The GPU path in the interpreter with the fused layer kernels on: on a mesh the prologue and
+    the add + RMSNorm run per shard (shard_map), not the XLA fallback, and greedy tokens and
+    acceptance lengths equal one device's (and the XLA path's)."""
+    from dflash_jax import KernelConfig, attention, decode
+    from pallas_kernels import fused_layer
+    from tests.doubles import truth_proposer
+    kernels = KernelConfig(attention="pallas_gpu_interpret")
+    prompts, kw = PROMPTS[:2], dict(max_new_tokens=8, capacity=64)
+    mesh = _mesh(spec)
+
+    def models(m):
+        target, draft = init_target(TINY64, seed=1, dtype="float32"), init_draft(DRAFT64, seed=2, dtype="float32")
+        if m is not None:
+            sh.shard_model(target, m)
+            sh.shard_model(draft, m)
+        return target, draft
+
+    plain = decode.generate(models(None)[0], None, prompts, kernels=KernelConfig(attention="xla"), **kw)
+    truth = np.zeros((len(prompts), 64), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
+        truth[i, :len(p) + len(t)] = p + t
+    calls = []
+    for name in ("qk_norm_rope_write", "add_rmsnorm"):
+        real = getattr(fused_layer, name)
+        monkeypatch.setattr(fused_layer, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    out = []
+    for m in (None, mesh):
+        calls.clear()
+        target, draft = models(m)
+        res = [decode.generate(target, prop, prompts, kernels=kernels, mesh=m, **kw)
+               for prop in (None, truth_proposer(draft, truth, 1, 128))]
+        assert {"qk_norm_rope_write", "add_rmsnorm"} <= set(calls), (spec if m else "one device", calls)
+        out.append(res)
+    (one_plain, one_spec), (many_plain, many_spec) = out
+    assert one_plain.tokens == plain.tokens and one_spec.tokens == plain.tokens
+    assert many_plain.tokens == one_plain.tokens and many_spec.tokens == one_spec.tokens, spec
+    assert many_spec.acceptance_lengths == one_spec.acceptance_lengths, spec
+    assert max(max(a) for a in many_spec.acceptance_lengths) > 1          # acceptance really varies
+    with sh.active(mesh):                                                 # the dispatch on a mesh
+        assert attention.fused_prologue(kernels.resolve(), 4, 64, groups=2)
+        assert not attention.fused_prologue(kernels.resolve(), 4, 64, groups=1)   # plain layout split
+
+
+@child
+@pytest.mark.slow
+def test_sharded_gpu_loop_exports_for_cuda():
+    """The speculative loop on a 1x2 mesh exports for CUDA with the fused kernels inside shard_map."""
+    from dflash_jax import KernelConfig, decode
+    exp = decode.export_generate(TINY64, DRAFT64, batch=2, prompt_len=16, max_new_tokens=16,
+                                 dtype="bfloat16", platforms=("cuda",), mesh=_mesh("1x2"),
+                                 kernels=KernelConfig(attention="pallas_gpu"))
+    assert exp.platforms == ("cuda",) and exp.nr_devices == 2
+    mlir = exp.mlir_module()
+    for name in ("dflash_qk_norm_rope_write", "dflash_add_rmsnorm", "dflash_block_attention_gpu"):
+        assert name in mlir, name
