@@ -288,9 +288,9 @@ def test_sampling_on_vocab_shards_matches_one_device(spec):
 
 @child
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["1x2", "1x8", "2x4"])
-def test_sampling_on_vocab_shards_matches_one_device_all_modes(spec):
-    _sampling_on_shards(spec, SAMPLING)
+def test_sampling_on_vocab_shards_matches_one_device_all_modes():
+    """The other four modes on the 2x4 mesh (the top-k-then-top-p one runs on every mesh below)."""
+    _sampling_on_shards("2x4", SAMPLING[:3] + SAMPLING[4:])
 
 
 @child
