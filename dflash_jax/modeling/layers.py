@@ -20,7 +20,7 @@ from flax import nnx
 from dflash_jax.attention import attend, attend_prefill, fused_add_norm, fused_prologue
 from typing import NamedTuple
 
-from dflash_jax.cache import KVCache, write_kv_rows
+from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.sharding import split_gate_up, split_qkv
 
@@ -135,6 +135,18 @@ class DecoderLayer(nnx.Module):
         return tpu_attention.fused_q_supported(T, Tc, self.num_heads, self.num_kv_heads, self.head_dim,
                                                k_cache.shape[2], dtype)
 
+    def _tpu_qkv_write(self, kernels: KernelConfig, T: int, Tc: int, k_cache, qkv, prefill: bool) -> bool:
+        """Where the q side is read out of qkv (_tpu_fused_q), the k/v side too: the TPU row writer
+        takes them from qkv (not under a mesh: the writer then runs per shard on split k/v)."""
+        from dflash_jax import sharding
+        if kernels.attention not in TPU_WRITE_PATHS or sharding.current_mesh() is not None or \
+                not self._tpu_fused_q(kernels, T, Tc, k_cache, qkv.dtype, prefill):
+            return False
+        from pallas_kernels.attention import tpu_cache_write
+        B, Hkv, C, D = k_cache.shape
+        return all(tpu_cache_write.qkv_supported(Tc + T, t0, n, self.num_heads, Hkv, D, C, k_cache.dtype,
+                                                 qkv.shape[-1]) for t0, n in ((0, Tc), (Tc, T)) if n)
+
     def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
@@ -200,6 +212,17 @@ class DecoderLayer(nnx.Module):
                 self.q_norm.eps, k_cache, v_cache, write_start, num_heads=self.num_heads,
                 ctx_rows=Tc, ctx_start=context.positions[:, 0] if Tc else None,
                 interpret=kernels.interpret)
+        elif self._tpu_qkv_write(kernels, T, Tc, k_cache, qkv, prefill):
+            # the TPU row writer takes k/v out of qkv and norms/rotates k itself: k in [B, T, Hkv, D]
+            # would be a relayout copy of the matmul's output (q is read the same way below)
+            from pallas_kernels.attention import tpu_cache_write
+            cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)           # [B, Tc+T, D/2]
+            segments = ((0, Tc, context.positions[:, 0]),) if Tc else ()
+            for t0, n, start in (*segments, (Tc, T, write_start)):
+                k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
+                    k_cache, v_cache, qkv, cos[:, t0:t0 + n], sin[:, t0:t0 + n], self.k_norm.weight[...],
+                    self.k_norm.eps, start, num_heads=self.num_heads, t0=t0, T=n,
+                    interpret=_interpret(kernels))
         else:
             q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
             if Tc:
