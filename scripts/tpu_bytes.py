@@ -508,12 +508,13 @@ def _aliased_kernel_charge(prog: Program, i: Instr, src0):
     if not m:
         return None
     aliased = {int(x) for x in re.findall(r":\s*\((\d+),", i.attr_block("output_to_operand_aliasing"))}
-    parts, srcs, rest = [], [], int(m.group(1))
+    parts, srcs, rest, seen = [], [], int(m.group(1)), set()
     for k, o in enumerate(i.operands):
         src = prog.source(o)
         srcs.append(src)
-        if k in aliased:
+        if k in aliased or o in seen:   # an operand given twice (disjoint BlockSpecs) is charged once
             continue
+        seen.add(o)
         shape = prog.by[o].shape if o in prog.by else ""
         n = shape_bytes(shape)
         rest -= n
