@@ -92,30 +92,3 @@ def test_loop_with_the_tpu_mlp_gives_the_xla_tokens(tmp_path):
                      kernels=KernelConfig(attention="pallas", tpu_mlp=True))
     assert fused.tokens == xla.tokens
     assert fused.acceptance_lengths == xla.acceptance_lengths
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_tpu_mlp_with_the_o_projection_matches_the_xla_layer(dtype):
-    """o_proj: the layer's whole post-attention part, as DecoderLayer.attn_mlp's XLA ops
-    (x' = x + a @ wo, then x' + mlp(RMSNorm(x')))."""
-    from jax.experimental.pallas import tpu as pltpu
-    from dflash_jax.modeling.layers import RMSNorm, gated_silu
-    from pallas_kernels.fused_layer import tpu_mlp
-    H, I, K = 256, 384, 256
-    k = jax.random.split(jax.random.key(4), 6)
-    x = (3.0 * jax.random.normal(k[0], (2, 5, H))).astype(dtype)
-    a = jax.random.normal(k[4], (2, 5, K)).astype(dtype)
-    wo = (jax.random.normal(k[5], (K, H)) * K ** -0.5).astype(dtype)
-    gu = (jax.random.normal(k[1], (H, 2 * I)) * H ** -0.5).astype(dtype)
-    down = (jax.random.normal(k[2], (I, H)) * I ** -0.5).astype(dtype)
-    norm = RMSNorm(H, 1e-6, dtype)
-    norm.weight[...] = (1.0 + 0.1 * jax.random.normal(k[3], (H,))).astype(dtype)
-    x1 = x + a @ wo
-    ref = np.asarray((x1 + gated_silu(norm(x1) @ gu) @ down).astype(jnp.float32))
-    out = tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps, block_i=128,
-                      o_proj=(a, wo), interpret=pltpu.InterpretParams())
-    assert out.shape == x.shape and out.dtype == dtype
-    err = np.abs(np.asarray(out.astype(jnp.float32)) - ref).max()
-    tol = 1e-4 if dtype == jnp.float32 else 2 ** -7 * np.abs(ref).max()
-    assert err <= tol, err

@@ -150,19 +150,17 @@ class DecoderLayer(nnx.Module):
     def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
-        a = o.reshape(o.shape[0], o.shape[1], -1)                                   # [B, T, Hq*D]
-        gu, down, wo = self.mlp.gate_up[...], self.mlp.down[...], self.o[...]
+        x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
+        gu, down = self.mlp.gate_up[...], self.mlp.down[...]
         norm = self.post_attention_layernorm
         if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1:
-            # on the TPU path: o-projection + residual, norm, MLP and residual as one Pallas kernel
-            # (x + o_proj, the normed rows and the [rows, I] intermediate stay in VMEM)
+            # on the TPU path: norm, MLP and residual as one Pallas kernel (the normed rows and
+            # the [rows, I] intermediate stay in VMEM)
             from pallas_kernels.fused_layer import tpu_mlp
             if tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
-                    gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype == wo.dtype == a.dtype \
-                    and wo.shape[0] % 128 == 0:
-                return tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps, o_proj=(a, wo),
+                    gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
+                return tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
                                    interpret=_interpret(kernels))                  # [B, T, H]
-        x = x + a @ wo
         return x + gated_silu(norm(x) @ gu, self.qkv_groups) @ down
 
     def context_kv(self, ctx, positions):

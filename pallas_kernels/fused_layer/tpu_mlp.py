@@ -32,14 +32,10 @@ MAX_ROWS = 1024
 _SUBLANE = {4: 8, 2: 16}
 
 
-def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, n_o: int = 0):
+def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float):
     # x_ref [M, H], g_ref/u_ref [H, bi], d_ref [bi, H]; norm: nw_ref [1, H] and h_sc [M, H] (the
-    # normed rows, once); n_o > 0 (the o-projection first): a_ref [M, bo] a column tile of the
-    # attention output, wo_ref [bo, H] the o weight's rows, xs_sc [M, H] x + o_proj(a);
-    # o_ref [M, H], acc_ref [M, H] f32
-    if n_o:
-        nw_ref, a_ref, wo_ref, o_ref, acc_ref, h_sc, xs_sc = refs
-    elif norm:
+    # normed rows, once); o_ref [M, H], acc_ref [M, H] f32
+    if norm:
         nw_ref, o_ref, acc_ref, h_sc = refs
     else:
         o_ref, acc_ref = refs
@@ -47,45 +43,26 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, n_o: int 
     dt = x_ref.dtype
     prec = precision(dt)
 
-    def normed(x):   # modeling.layers.RMSNorm: float32, cast back, times the weight in x's dtype
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-        return (nw_ref[...].astype(jnp.float32) * xf.astype(dt).astype(jnp.float32)).astype(dt)
-
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        if norm and not n_o:
-            h_sc[...] = normed(x_ref[...])
+        if norm:   # modeling.layers.RMSNorm: float32, cast back, times the weight in x's dtype
+            xf = x_ref[...].astype(jnp.float32)
+            xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+            h_sc[...] = (nw_ref[...].astype(jnp.float32) * xf.astype(dt).astype(jnp.float32)).astype(dt)
 
-    if n_o:
-        @pl.when(j < n_o)
-        def _o_proj():   # x + a @ wo, the product rounded to x's dtype before the add (as XLA)
-            acc_ref[...] += jnp.dot(a_ref[...], wo_ref[...], preferred_element_type=jnp.float32,
-                                    precision=prec)
-
-        @pl.when(j == n_o - 1)
-        def _residual():
-            xs = (x_ref[...].astype(jnp.float32) + acc_ref[...].astype(dt).astype(jnp.float32)).astype(dt)
-            xs_sc[...] = xs
-            h_sc[...] = normed(xs)
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(j >= n_o)
-    def _mlp():
-        x = h_sc[...] if norm else x_ref[...]
-        g = jnp.dot(x, g_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
-        u = jnp.dot(x, u_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
-        gf = g.astype(jnp.float32)
-        h = ((gf * jax.nn.sigmoid(gf)).astype(dt) * u).astype(dt)                                     # [M, bi]
-        acc_ref[...] += jnp.dot(h, d_ref[...], preferred_element_type=jnp.float32, precision=prec)
+    x = h_sc[...] if norm else x_ref[...]
+    g = jnp.dot(x, g_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
+    u = jnp.dot(x, u_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
+    gf = g.astype(jnp.float32)
+    h = ((gf * jax.nn.sigmoid(gf)).astype(dt) * u).astype(dt)                                     # [M, bi]
+    acc_ref[...] += jnp.dot(h, d_ref[...], preferred_element_type=jnp.float32, precision=prec)
 
     @pl.when(j == pl.num_programs(0) - 1)
     def _finish():
         y = acc_ref[...].astype(o_ref.dtype)
         if norm:   # the residual: x + mlp(norm(x)), the sum rounded to x's dtype
-            res = xs_sc[...] if n_o else x_ref[...]
-            y = (res.astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
+            y = (x_ref[...].astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
         o_ref[...] = y
 
 
@@ -105,14 +82,11 @@ def supported(M: int, H: int, I: int, dtype) -> bool:
 
 
 def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | None = None,
-        o_proj=None, interpret=False):
+        interpret=False):
     """down(silu(x @ gate) * (x @ up)) for x [..., H], gate_up [H, 2I] ([gate | up] columns), down
     [I, H] → [..., H] in x's dtype. With norm_weight [H]: the layer's whole MLP block,
     x + mlp(RMSNorm(x)) (the post-attention norm and the residual in the kernel too, so neither
     the normed rows nor the MLP output exist in HBM apart from the result).
-    o_proj (with norm_weight): (a [..., K], wo [K, H]), the attention output and the o weight; the
-    kernel first forms x + a @ wo (the layer's attention residual, over row tiles of wo), so the
-    block reads x and a and writes the layer's output: x' + mlp(RMSNorm(x')), x' = x + a @ wo.
     interpret: False, or pltpu.InterpretParams() to run on CPU. Raises Unsupported for a shape it
     does not tile (callers use the XLA ops)."""
     H = x.shape[-1]
@@ -126,10 +100,6 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | 
     if not supported(M, H, I, x.dtype) or gate_up.dtype != x.dtype or down.dtype != x.dtype:
         raise Unsupported(f"tpu_mlp: x {x.shape} {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
     itemsize = jnp.dtype(x.dtype).itemsize
-    if o_proj is not None and block_i is None:
-        # the o weight's tiles and x + o_proj share VMEM with the MLP's: half-size tiles (v5p has
-        # 64 MiB of VMEM, which 512-wide tiles of both would pass at M = 512, H = 4096)
-        block_i = next((b for b in (256, 128) if I % b == 0), None)
     bi = choose_block(I, H, M, itemsize, block_i)
     n_i = I // bi
     M_pad = round_up(M, _SUBLANE[itemsize])
@@ -144,40 +114,15 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | 
         extra_args = [norm_weight.reshape(1, H)]
         extra_scratch = [pltpu.VMEM((M_pad, H), x.dtype)]
         vmem += M_pad * H * itemsize
-    n_o, o_bytes = 0, 0
-    if o_proj is not None:
-        a, wo = o_proj
-        K = wo.shape[0]
-        if not norm or wo.shape != (K, H) or a.shape != (*lead, K):
-            raise ValueError(f"tpu_mlp: o_proj a {a.shape} / wo {wo.shape} must be [..., K] / [K, H] "
-                             f"of x {x.shape}, with norm_weight")
-        if a.dtype != x.dtype or wo.dtype != x.dtype or K % 128:
-            raise Unsupported(f"tpu_mlp: o_proj a {a.shape} {a.dtype}, wo {wo.shape} {wo.dtype}")
-        bo = choose_block(K, H, M, itemsize, next((b for b in (256, 128) if K % b == 0), None))
-        n_o = K // bo
-        a2 = a.reshape(M, K)
-        if M_pad != M:
-            a2 = jnp.pad(a2, ((0, M_pad - M), (0, 0)))                            # [M_pad, K]
-        last = n_o - 1
-        extra_in += [pl.BlockSpec((M_pad, bo), lambda j: (0, jnp.minimum(j, last))),
-                     pl.BlockSpec((bo, H), lambda j: (jnp.minimum(j, last), 0))]
-        extra_args += [a2, wo]
-        extra_scratch += [pltpu.VMEM((M_pad, H), x.dtype)]
-        vmem += 2 * (M_pad * bo + bo * H) * itemsize + M_pad * H * itemsize
-        o_bytes = itemsize * (K * H + M_pad * K)
-
-    def mi(j):   # the MLP's intermediate tile at step j (the o-projection's steps come first)
-        return jnp.maximum(j - n_o, 0)
-
     out = pl.pallas_call(
-        functools.partial(_kernel, norm=norm, eps=float(eps), n_o=n_o),
+        functools.partial(_kernel, norm=norm, eps=float(eps)),
         out_shape=jax.ShapeDtypeStruct((M_pad, H), x.dtype),
-        grid=(n_o + n_i,),
+        grid=(n_i,),
         in_specs=[
             pl.BlockSpec((M_pad, H), lambda j: (0, 0)),
-            pl.BlockSpec((H, bi), lambda j: (0, mi(j))),             # gate columns
-            pl.BlockSpec((H, bi), lambda j: (0, n_i + mi(j))),       # up columns
-            pl.BlockSpec((bi, H), lambda j: (mi(j), 0)),
+            pl.BlockSpec((H, bi), lambda j: (0, j)),                 # gate columns
+            pl.BlockSpec((H, bi), lambda j: (0, n_i + j)),           # up columns
+            pl.BlockSpec((bi, H), lambda j: (j, 0)),
             *extra_in,
         ],
         out_specs=pl.BlockSpec((M_pad, H), lambda j: (0, 0)),
@@ -185,8 +130,8 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=max(32 << 20, vmem + (8 << 20))),
         cost_estimate=pl.CostEstimate(
-            flops=6 * M_pad * H * I + 2 * M_pad * H * (o_bytes and wo.shape[0]), transcendentals=M_pad * I,
-            bytes_accessed=itemsize * (3 * H * I + 2 * M_pad * H) + o_bytes),
+            flops=6 * M_pad * H * I, transcendentals=M_pad * I,
+            bytes_accessed=itemsize * (3 * H * I + 2 * M_pad * H)),
         interpret=interpret,
         name="dflash_mlp_tpu",
     )(x2, gate_up, gate_up, down, *extra_args)
