@@ -33,7 +33,8 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
 The TPU path's (ignored, and reset by resolve(), elsewhere):
   tpu_mlp           the SwiGLU MLP of blocks up to 1024 rows as one Pallas kernel
                     (pallas_kernels/fused_layer/tpu_mlp.py) that keeps the [rows, I] intermediate in
-                    VMEM instead of XLA's two matmul fusions (docs/tpu-bytes.md)
+                    VMEM instead of XLA's two matmul fusions (docs/tpu-bytes.md). None (default):
+                    on for pallas_tpu, off for pallas_interpret; True/False force it
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class KernelConfig:
     n_sms: int | None = None
     attention_tuning: tuple = ()     # ((name, int), ...), sorted by resolve()
     xla_kv_chunk: int = 512
-    tpu_mlp: bool = False
+    tpu_mlp: bool | None = None      # None: on for pallas_tpu (off in the interpreter, where it is slow)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
@@ -116,7 +117,8 @@ class KernelConfig:
         if attention not in GPU_PATHS:
             return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512,
-                                tpu_mlp=bool(self.tpu_mlp) and attention in TPU_PATHS)
+                                tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
+                                         else bool(self.tpu_mlp) and attention in TPU_PATHS))
         n_sms = self.n_sms
         if n_sms is None:
             if device is None and on_gpu:

@@ -508,12 +508,13 @@ def _aliased_kernel_charge(prog: Program, i: Instr, src0):
     if not m:
         return None
     aliased = {int(x) for x in re.findall(r":\s*\((\d+),", i.attr_block("output_to_operand_aliasing"))}
-    parts, srcs, rest = [], [], int(m.group(1))
+    parts, srcs, rest, seen = [], [], int(m.group(1)), set()
     for k, o in enumerate(i.operands):
         src = prog.source(o)
         srcs.append(src)
-        if k in aliased:
+        if k in aliased or o in seen:   # an operand given twice (disjoint BlockSpecs) is charged once
             continue
+        seen.add(o)
         shape = prog.by[o].shape if o in prog.by else ""
         n = shape_bytes(shape)
         rest -= n
@@ -613,7 +614,7 @@ def _compile(args):
     dc = DraftConfig.for_target(tc, num_layers=n, block_size=16, mask_token_id=tc.vocab_size - 1,
                                 target_layer_ids=taps)
     from dflash_jax.kernel_config import KernelConfig
-    kernels = KernelConfig(attention="pallas_tpu", tpu_mlp=bool(getattr(args, "tpu_mlp", False)))
+    kernels = KernelConfig(attention="pallas_tpu", tpu_mlp=getattr(args, "tpu_mlp", None))
     place = dict(device=dev)
     if getattr(args, "mesh", None):
         from dflash_jax import sharding
@@ -691,7 +692,8 @@ def main():
     ap.add_argument("--capacity", type=int, default=1024)
     ap.add_argument("--mesh", default=None, help='a (data, model) mesh over the topology\'s 4 chips, e.g. '
                     '"data=1,model=4": the sharded program, one chip\'s bytes vs the per-chip ideal')
-    ap.add_argument("--tpu-mlp", action="store_true", help="KernelConfig(tpu_mlp=True): the fused MLP kernel")
+    ap.add_argument("--tpu-mlp", action=argparse.BooleanOptionalAction, default=None,
+                    help="KernelConfig(tpu_mlp=...): force the fused MLP kernel on/off (default: the library's, on)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--hlo", default=None, help="analyse this saved as_text() instead of compiling")
     ap.add_argument("--save-hlo", default=None)

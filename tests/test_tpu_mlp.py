@@ -16,10 +16,12 @@ def test_tpu_mlp_is_a_tpu_path_setting():
     assert KernelConfig(attention="pallas", tpu_mlp=True).resolve("cpu").tpu_mlp       # interpreted
     assert not KernelConfig(attention="xla", tpu_mlp=True).resolve("cpu").tpu_mlp
     assert not KernelConfig(attention="pallas_gpu", tpu_mlp=True).resolve("cpu").tpu_mlp
-    assert not KernelConfig(attention="pallas_tpu").resolve("cpu").tpu_mlp            # off by default
+    assert KernelConfig(attention="pallas_tpu").resolve("cpu").tpu_mlp                # on by default on TPU
+    assert not KernelConfig(attention="pallas").resolve("cpu").tpu_mlp                # not in the interpreter
+    assert not KernelConfig(attention="pallas_tpu", tpu_mlp=False).resolve("cpu").tpu_mlp
     # part of the compile key
     assert KernelConfig(attention="pallas_tpu", tpu_mlp=True).resolve("cpu") != \
-        KernelConfig(attention="pallas_tpu").resolve("cpu")
+        KernelConfig(attention="pallas_tpu", tpu_mlp=False).resolve("cpu")
 
 
 @pytest.mark.slow

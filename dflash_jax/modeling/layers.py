@@ -21,7 +21,7 @@ from dflash_jax.attention import (add_rmsnorm, attend, attend_prefill, fused_add
                                   qk_norm_rope_write)
 from typing import NamedTuple
 
-from dflash_jax.cache import KVCache, write_kv_rows
+from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.sharding import split_gate_up, split_qkv
 
@@ -128,12 +128,27 @@ class DecoderLayer(nnx.Module):
         return q, rope(self.k_norm(k), k_positions, self.rope_theta), v                 # [B, Tk, Hkv, D]
 
     def _tpu_fused_q(self, kernels: KernelConfig, T: int, Tc: int, k_cache, dtype, prefill: bool) -> bool:
-        """The loop's blocks on the TPU attention path, plain qkv layout, a shape the kernel tiles."""
-        if prefill or self.qkv_groups != 1 or kernels.attention not in TPU_PATHS:
+        """The loop's blocks on the TPU attention path, plain qkv layout, one device (a mesh runs the
+        attention per shard on split heads), a shape the kernel tiles."""
+        from dflash_jax import sharding
+        if prefill or self.qkv_groups != 1 or kernels.attention not in TPU_PATHS or \
+                sharding.current_mesh() is not None:
             return False
         from pallas_kernels.attention import tpu as tpu_attention
         return tpu_attention.fused_q_supported(T, Tc, self.num_heads, self.num_kv_heads, self.head_dim,
                                                k_cache.shape[2], dtype)
+
+    def _tpu_qkv_write(self, kernels: KernelConfig, T: int, Tc: int, k_cache, qkv, prefill: bool) -> bool:
+        """Where the q side is read out of qkv (_tpu_fused_q), the k/v side too: the TPU row writer
+        takes them from qkv (not under a mesh: the writer then runs per shard on split k/v)."""
+        from dflash_jax import sharding
+        if kernels.attention not in TPU_WRITE_PATHS or sharding.current_mesh() is not None or \
+                not self._tpu_fused_q(kernels, T, Tc, k_cache, qkv.dtype, prefill):
+            return False
+        from pallas_kernels.attention import tpu_cache_write
+        B, Hkv, C, D = k_cache.shape
+        return all(tpu_cache_write.qkv_supported(Tc + T, t0, n, self.num_heads, Hkv, D, C, k_cache.dtype,
+                                                 qkv.shape[-1]) for t0, n in ((0, Tc), (Tc, T)) if n)
 
     def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
@@ -141,9 +156,10 @@ class DecoderLayer(nnx.Module):
         x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
         gu, down = self.mlp.gate_up[...], self.mlp.down[...]
         norm = self.post_attention_layernorm
-        if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1:
-            # on the TPU path: norm, MLP and residual as one Pallas kernel (the normed rows and
-            # the [rows, I] intermediate stay in VMEM)
+        from dflash_jax import sharding
+        if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 and sharding.current_mesh() is None:
+            # on the TPU path, one device: norm, MLP and residual as one Pallas kernel (the normed
+            # rows and the [rows, I] intermediate stay in VMEM); a mesh keeps XLA's partitioned ops
             from pallas_kernels.fused_layer import tpu_mlp
             if tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
                     gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
@@ -199,6 +215,17 @@ class DecoderLayer(nnx.Module):
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
                 self.q_norm.eps, k_cache, v_cache, write_start, kernels, num_heads=self.num_heads,
                 ctx_rows=Tc, ctx_start=context.positions[:, 0] if Tc else None)
+        elif self._tpu_qkv_write(kernels, T, Tc, k_cache, qkv, prefill):
+            # the TPU row writer takes k/v out of qkv and norms/rotates k itself: k in [B, T, Hkv, D]
+            # would be a relayout copy of the matmul's output (q is read the same way below)
+            from pallas_kernels.attention import tpu_cache_write
+            cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)           # [B, Tc+T, D/2]
+            segments = ((0, Tc, context.positions[:, 0]),) if Tc else ()
+            for t0, n, start in (*segments, (Tc, T, write_start)):
+                k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
+                    k_cache, v_cache, qkv, cos[:, t0:t0 + n], sin[:, t0:t0 + n], self.k_norm.weight[...],
+                    self.k_norm.eps, start, num_heads=self.num_heads, t0=t0, T=n,
+                    interpret=_interpret(kernels))
         else:
             q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
             if Tc:

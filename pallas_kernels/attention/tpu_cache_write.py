@@ -47,7 +47,7 @@ ROW_TILE = 8
 _CHUNK_BUDGET = 4 << 20
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
-__all__ = ["write_kv_rows", "window_rows", "ROW_TILE"]
+__all__ = ["write_kv_rows", "write_kv_rows_qkv", "qkv_supported", "window_rows", "ROW_TILE"]
 
 
 def window_rows(T: int) -> int:
@@ -168,3 +168,150 @@ def _call(k_cache, v_cache, k, v, start, *, T: int, W: int, rows: int, interpret
         interpret=interpret,
         name="dflash_kv_write_tpu",
     )(start, pad(k), pad(v), k_cache, v_cache)
+
+
+# ------------------------------------------------------------------ k/v straight out of the qkv output
+
+def _qkv_kernel(start_ref, k_ref, v_ref, cos_ref, sin_ref, w_ref, kc_in, vc_in, kc_ref, vc_ref,
+                kbuf, vbuf, nbuf, sems, *, T: int, W: int, C: int, rows: int, r0: int, Hkv: int,
+                D: int, eps: float):
+    # start_ref [B] int32 (SMEM); k_ref/v_ref [rows, Tb, Hkv*D] (VMEM): the k / v column block of
+    # the qkv output, the written rows at [r0, r0 + T); cos_ref/sin_ref [rows, T, D] f32 (sin signed);
+    # w_ref [1, D] the k_norm weight; kc_ref/vc_ref [B, Hkv, C, D] (HBM, aliased to kc_in/vc_in);
+    # kbuf/vbuf [rows, Hkv, W, D] VMEM windows; nbuf [W, D] f32 (one head's new rows, at the top)
+    from pallas_kernels.attention.tpu import _norm_rope
+    del kc_in, vc_in
+    b0 = pl.program_id(0) * rows
+
+    def window(j):
+        s = start_ref[b0 + j]
+        w0 = pl.multiple_of(jnp.minimum(jnp.bitwise_and(s, -ROW_TILE), C - W), ROW_TILE)
+        return s, w0
+
+    def dma(j, read: bool):
+        _, w0 = window(j)
+        b = b0 + j
+        pairs = ((kc_ref, kbuf, 0), (vc_ref, vbuf, 1))
+        return [pltpu.make_async_copy(c.at[b, :, pl.ds(w0, W), :], buf.at[j], sems.at[i, j]) if read
+                else pltpu.make_async_copy(buf.at[j], c.at[b, :, pl.ds(w0, W), :], sems.at[i, j])
+                for c, buf, i in pairs]
+
+    def each(fn):
+        lax.fori_loop(0, rows, lambda j, c: (fn(j), c)[1], 0)
+
+    each(lambda j: [d.start() for d in dma(j, True)])
+
+    def merge(j):
+        s, w0 = window(j)
+        r = s - w0                                   # the new rows go to window rows [r, r + T)
+        row = lax.broadcasted_iota(jnp.int32, (W, D), 0)
+        put = jnp.logical_and(row >= r, row < r + T)
+        for h in range(Hkv):
+            for new_ref, buf, is_k in ((k_ref, kbuf, True), (v_ref, vbuf, False)):
+                x = new_ref[j, r0:r0 + T, h * D:(h + 1) * D]                     # [T, D]
+                if is_k:
+                    x = _norm_rope(x, cos_ref[j], sin_ref[j], w_ref[...], eps)
+                # f32 for the rotate (exact for bf16); rows [T, W) of nbuf are never selected
+                nbuf[0:T, :] = x.astype(buf.dtype).astype(jnp.float32)
+                buf[j, h] = jnp.where(put, pltpu.roll(nbuf[...], r, 0),
+                                      buf[j, h].astype(jnp.float32)).astype(buf.dtype)
+
+    def wait_merge(j):
+        for d in dma(j, True):
+            d.wait()
+        merge(j)
+
+    each(wait_merge)
+    each(lambda j: [d.start() for d in dma(j, False)])
+    each(lambda j: [d.wait() for d in dma(j, False)])
+
+
+def qkv_supported(Tall: int, t0: int, T: int, Hq: int, Hkv: int, D: int, C: int, dtype, N: int) -> bool:
+    """Whether `write_kv_rows_qkv` takes this shape: plain [q | k | v] columns whose k and v blocks
+    are whole lanes and start on a block boundary, a cache dtype it writes, a window that fits C."""
+    if jnp.dtype(dtype) not in map(jnp.dtype, _DTYPES) or D % 128 or Hq % Hkv or N != (Hq + 2 * Hkv) * D:
+        return False
+    if T <= 0 or t0 + T > Tall:
+        return False
+    return C % ROW_TILE == 0 and window_rows(T) <= C
+
+
+def write_kv_rows_qkv(k_cache, v_cache, qkv, cos, sin, k_norm_weight, eps: float, start, *,
+                      num_heads: int, t0: int = 0, T: int | None = None, interpret=False):
+    """write_kv_rows for K/V taken straight out of the fused projection's output: rows [t0, t0 + T)
+    of qkv [B, Tall, (Hq + 2 Hkv) D] (the plain [q | k | v] layout), k normed (k_norm_weight [D],
+    eps) and rotated (cos, sin [B, T, D/2] float32 at those rows' positions) with modeling.layers'
+    roundings, written at cache rows [start[b], start[b] + T). The kernel reads the k and v column
+    blocks itself, so k never exists in HBM as [B, T, Hkv, D] (a relayout copy of the matmul's tiles
+    on TPU) and nothing is padded. Raises Unsupported where qkv_supported is false."""
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} "
+                         f"{v_cache.dtype} must be equal [B, Hkv, C, D] buffers")
+    B, Hkv, C, D = k_cache.shape
+    if qkv.ndim != 3 or qkv.shape[0] != B:
+        raise ValueError(f"qkv {qkv.shape} must be [B={B}, T, N]")
+    Tall, N = qkv.shape[1:]
+    T = Tall - t0 if T is None else T
+    if start.shape != (B,) or cos.shape != (B, T, D // 2) or sin.shape != cos.shape:
+        raise ValueError(f"start {start.shape}, cos {cos.shape}, sin {sin.shape} must be [B], [B, T, D/2] "
+                         f"for B={B}, T={T}, D={D}")
+    if not qkv_supported(Tall, t0, T, num_heads, Hkv, D, C, k_cache.dtype, N):
+        raise Unsupported(f"write_kv_rows_qkv: qkv {qkv.shape} t0={t0} T={T} Hq={num_heads} cache {k_cache.shape}")
+    W = window_rows(T)
+    dtype = jnp.dtype(k_cache.dtype)
+    # the window buffers, the k/v blocks (double-buffered) and the rope tables, per batch row
+    row_bytes = 2 * Hkv * W * D * dtype.itemsize + 4 * Tall * Hkv * D * qkv.dtype.itemsize + 16 * T * D
+    rows = _chunk_rows(B, row_bytes)
+    cos_full = jnp.concatenate([cos, cos], axis=-1).astype(jnp.float32)           # [B, T, D]
+    sin_signed = jnp.concatenate([-sin, sin], axis=-1).astype(jnp.float32)        # [B, T, D]
+    return _call_qkv(k_cache, v_cache, qkv, cos_full, sin_signed, k_norm_weight.reshape(1, D),
+                     start.astype(jnp.int32), T=T, W=W, rows=rows, t0=t0, G=num_heads // Hkv,
+                     eps=float(eps), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "W", "rows", "t0", "G", "eps", "interpret"))
+def _call_qkv(k_cache, v_cache, qkv, cos, sin, w, start, *, T: int, W: int, rows: int, t0: int,
+              G: int, eps: float, interpret):
+    B, Hkv, C, D = k_cache.shape
+    Tall = qkv.shape[1]
+    dtype = jnp.dtype(k_cache.dtype)
+    if not interpret:
+        k_cache = pltpu.with_memory_space_constraint(k_cache, pltpu.HBM)
+        v_cache = pltpu.with_memory_space_constraint(v_cache, pltpu.HBM)
+    # Only the written rows' block where t0 is a multiple of T (the draft's context then block),
+    # else all Tall rows. Column blocks of Hkv*D: q is blocks [0, G), k block G, v block G + 1.
+    sub = {4: 8, 2: 16, 1: 32}[qkv.dtype.itemsize]
+    if t0 % T == 0 and (T % sub == 0 or T == Tall):
+        Tb, tb, r0 = T, t0 // T, 0
+    else:
+        Tb, tb, r0 = Tall, 0, t0
+    k_spec = pl.BlockSpec((rows, Tb, Hkv * D), lambda i, *_: (i, tb, G))
+    v_spec = pl.BlockSpec((rows, Tb, Hkv * D), lambda i, *_: (i, tb, G + 1))
+    rope_spec = pl.BlockSpec((rows, T, D), lambda i, *_: (i, 0, 0))
+    w_spec = pl.BlockSpec((1, D), lambda i, *_: (0, 0))
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+    kernel = functools.partial(_qkv_kernel, T=T, W=W, C=C, rows=rows, r0=r0, Hkv=Hkv, D=D, eps=eps)
+    window_bytes = B * Hkv * W * D * dtype.itemsize
+    # qkv counted whole (once: k and v are its two disjoint column blocks), an upper bound on the
+    # k/v blocks read, so that a tool charging the operand whole finds the windows in the remainder
+    new_bytes = qkv.size * qkv.dtype.itemsize
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(k_cache.shape, dtype), jax.ShapeDtypeStruct(v_cache.shape, dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B // rows,),
+            in_specs=[k_spec, v_spec, rope_spec, rope_spec, w_spec, hbm, hbm],
+            out_specs=(hbm, hbm),
+            scratch_shapes=[pltpu.VMEM((rows, Hkv, W, D), dtype), pltpu.VMEM((rows, Hkv, W, D), dtype),
+                            pltpu.VMEM((W, D), jnp.float32), pltpu.SemaphoreType.DMA((2, rows))],
+        ),
+        # operands count the scalar-prefetch start: (start, k, v, cos, sin, w, k cache, v cache)
+        input_output_aliases={6: 0, 7: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # what moves: each cache's windows read and written, qkv (bound) and the rope tables read
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                      bytes_accessed=4 * window_bytes + new_bytes + 8 * B * T * D),
+        interpret=interpret,
+        name="dflash_kv_write_qkv_tpu",
+    )(start, qkv, qkv, cos, sin, w, k_cache, v_cache)
