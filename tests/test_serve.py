@@ -528,8 +528,7 @@ def test_load_test_script_40_requests_all_identical_to_one_shot(tmp_path):
     one-shot generate output, a table printed and the JSON written, no compile during the run."""
     from dflash_jax.assets import default_pair
 
-    if default_pair() is None:
-        pytest.skip("this package ships no default pair")
+    assert default_pair() is not None, "the package must ship its default pair (dflash_jax/assets/pair)"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "load.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))

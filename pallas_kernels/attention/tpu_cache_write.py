@@ -55,13 +55,10 @@ def window_rows(T: int) -> int:
     return round_up(T + ROW_TILE - 1, ROW_TILE)
 
 
-def _kernel(start_ref, nk_ref, nv_ref, kc_in, vc_in, kc_ref, vc_ref, kbuf, vbuf, sems, *,
-            T: int, W: int, C: int, rows: int):
-    # start_ref [B] int32 (SMEM); nk_ref/nv_ref [rows, Hkv, W, D] (VMEM, new rows at the top);
-    # kc_ref/vc_ref [B, Hkv, C, D] (HBM, aliased to kc_in/vc_in); kbuf/vbuf [rows, Hkv, W, D] VMEM
-    del kc_in, vc_in
-    b0 = pl.program_id(0) * rows
-
+def _window_ops(start_ref, kc_ref, vc_ref, kbuf, vbuf, sems, b0, *, W: int, C: int, rows: int):
+    """The two row writers' shared pieces: window(j) → (start, tile-aligned window start w0) of batch
+    row b0 + j; dma(j, read) → its K and V window copies (HBM → VMEM if read, else back); each(fn)
+    runs fn(j) for the block's rows."""
     def window(j):
         s = start_ref[b0 + j]
         w0 = pl.multiple_of(jnp.minimum(jnp.bitwise_and(s, -ROW_TILE), C - W), ROW_TILE)
@@ -77,6 +74,18 @@ def _kernel(start_ref, nk_ref, nv_ref, kc_in, vc_in, kc_ref, vc_ref, kbuf, vbuf,
 
     def each(fn):
         lax.fori_loop(0, rows, lambda j, c: (fn(j), c)[1], 0)
+
+    return window, dma, each
+
+
+def _kernel(start_ref, nk_ref, nv_ref, kc_in, vc_in, kc_ref, vc_ref, kbuf, vbuf, sems, *,
+            T: int, W: int, C: int, rows: int):
+    # start_ref [B] int32 (SMEM); nk_ref/nv_ref [rows, Hkv, W, D] (VMEM, new rows at the top);
+    # kc_ref/vc_ref [B, Hkv, C, D] (HBM, aliased to kc_in/vc_in); kbuf/vbuf [rows, Hkv, W, D] VMEM
+    del kc_in, vc_in
+    b0 = pl.program_id(0) * rows
+
+    window, dma, each = _window_ops(start_ref, kc_ref, vc_ref, kbuf, vbuf, sems, b0, W=W, C=C, rows=rows)
 
     each(lambda j: [d.start() for d in dma(j, True)])
     each(lambda j: [d.wait() for d in dma(j, True)])
@@ -183,21 +192,7 @@ def _qkv_kernel(start_ref, k_ref, v_ref, cos_ref, sin_ref, w_ref, kc_in, vc_in, 
     del kc_in, vc_in
     b0 = pl.program_id(0) * rows
 
-    def window(j):
-        s = start_ref[b0 + j]
-        w0 = pl.multiple_of(jnp.minimum(jnp.bitwise_and(s, -ROW_TILE), C - W), ROW_TILE)
-        return s, w0
-
-    def dma(j, read: bool):
-        _, w0 = window(j)
-        b = b0 + j
-        pairs = ((kc_ref, kbuf, 0), (vc_ref, vbuf, 1))
-        return [pltpu.make_async_copy(c.at[b, :, pl.ds(w0, W), :], buf.at[j], sems.at[i, j]) if read
-                else pltpu.make_async_copy(buf.at[j], c.at[b, :, pl.ds(w0, W), :], sems.at[i, j])
-                for c, buf, i in pairs]
-
-    def each(fn):
-        lax.fori_loop(0, rows, lambda j, c: (fn(j), c)[1], 0)
+    window, dma, each = _window_ops(start_ref, kc_ref, vc_ref, kbuf, vbuf, sems, b0, W=W, C=C, rows=rows)
 
     each(lambda j: [d.start() for d in dma(j, True)])
 
