@@ -618,9 +618,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.run()
     finally:
-        engine.shutdown(timeout=0)
+        # uvicorn has drained (up to --shutdown-timeout): wait for the engine's thread to leave the
+        # device, then free the device state and the compiled programs while the runtime is still
+        # up, so nothing on the device is torn down by interpreter exit.
+        engine.shutdown(timeout=args.shutdown_timeout)
+        del engine, app, server, target, draft
+        _release_device()
     print("[dflash] server stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _release_device() -> None:
+    import gc
+
+    import jax
+
+    from dflash_jax import decode
+
+    decode.clear_compiled()
+    jax.clear_caches()
+    gc.collect()
 
 
 if __name__ == "__main__":
