@@ -114,6 +114,8 @@ class Server:
                 self.proc.wait()
         if self.log is not subprocess.DEVNULL:
             self.log.close()
+        self.returncode = self.proc.returncode
+        print(f"[load_test] server exited with {self.returncode}", file=sys.stderr, flush=True)
 
 
 def _get(url: str, path: str) -> str:
@@ -316,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-steps", type=int, default=None, help="default 4")
     g.add_argument("--insert-width", type=int, default=None, help="most arrivals per prefill (server default)")
     g.add_argument("--server-arg", action="append", help="one more flag for the server (repeatable)")
-    g.add_argument("--server-log", help="write the server's output here")
+    g.add_argument("--server-log", help="write the server's output here (the plain server's: PATH.plain)")
     g.add_argument("--startup-timeout", type=float, default=900.0)
     w = p.add_argument_group("workload")
     w.add_argument("--requests", type=int, default=None, help="requests per run (default 200)")
@@ -368,7 +370,8 @@ def main(argv=None) -> int:
     failed = False
     for plain in ([False, True] if args.compare_plain else [False]):
         argv_s = server_argv(args, draft_none=plain)
-        server = None if args.url else Server(argv_s, args.startup_timeout, args.server_log)
+        log = args.server_log and args.server_log + (".plain" if plain else "")
+        server = None if args.url else Server(argv_s, args.startup_timeout, log)
         url = args.url or server.url
         title = ("plain decoding" if plain else "DFlash") + f": {args.requests} requests a run, prompts " \
                 f"{args.prompt_lo}..{args.prompt_hi} tokens, max_tokens {lo}..{hi}, " \
@@ -396,7 +399,9 @@ def main(argv=None) -> int:
             if server is not None:
                 server.stop()
         print_table(title + (f" (server ready in {server.startup_s:.0f} s)" if server else ""), runs)
-        entry = dict(plain=plain, server_argv=argv_s, runs=runs)
+        entry = dict(plain=plain, server_argv=argv_s, runs=runs,
+                     server_exit=None if server is None else server.returncode)
+        failed |= server is not None and server.returncode != 0
         if args.check:
             problems = check(args, argv_s, jobs, all_recs)
             entry["check"] = dict(responses=sum(len(r) for r in all_recs), problems=problems)
