@@ -5,9 +5,9 @@ the compiles the server did during each run (must be 0). Standard library only o
 
 The server: started here on 127.0.0.1 (a free port) from the model flags below, or an existing one
 with --url. Every request is greedy (temperature 0) with ignore_eos, so it runs to its max_tokens;
-prompts are token ids (GSM8K questions through the model's tokenizer when it has one, else random
-ids). --check compares every response with its one-shot `dflash_jax.generate` output (batch of one,
-the server's capacity and block size; the models built from the same flags in this process, after
+prompts are token ids (GSM8K questions through the model's tokenizer when it has one, the embedded
+pair's when it serves, else random ids). --check compares every response with its one-shot
+`dflash_jax.generate` output (batch of one, the server's capacity and block size; the models built from the same flags in this process, after
 the server has stopped) and fails on any difference or error: nothing lost.
 
   python scripts/load_test.py --requests 40 --concurrency 8 --check          # the embedded pair, CPU
@@ -136,25 +136,30 @@ def _compiles(url: str) -> float | None:
 
 # ----------------------------------------------------------------------------------------- requests
 def make_prompts(args, n: int) -> list[list[int]]:
-    """n prompts of prompt_lo..prompt_hi token ids: GSM8K questions through the tokenizer of
-    --model / the embedded pair when there is one, else random ids below 1000 (valid for any
-    vocabulary of the presets)."""
+    """n prompts of prompt_lo..prompt_hi token ids: GSM8K questions (each prompt starts at a
+    question; a short one runs on into the next) through the tokenizer of --model, or of the
+    embedded pair when it serves, else random ids below 1000 (valid for any vocabulary of the
+    presets)."""
     rng = np.random.RandomState(args.seed)
     lengths = rng.randint(args.prompt_lo, args.prompt_hi + 1, size=n)
-    tok = None
-    if args.model and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.model)
-    if tok is None:
+    model_dir = args.model
+    if model_dir is None and args.random is None:
+        from dflash_jax.assets import default_pair
+        model_dir = (default_pair() or (None,))[0]
+    if not (model_dir and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
         return [rng.randint(0, 1000, size=int(m)).tolist() for m in lengths]
+    from transformers import AutoTokenizer
+
     from dflash_jax.data import load_prompts
-    stream = [t for r in load_prompts("gsm8k") for t in tok.encode(r["turns"][0] + "\n")]
-    out, at = [], 0
-    for m in lengths:
-        if at + m > len(stream):
-            at = 0
-        out.append(stream[at:at + int(m)])
-        at += int(m)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = [tok.encode(r["turns"][0] + "\n") for r in load_prompts("gsm8k")]
+    out = []
+    for i, m in enumerate(lengths):
+        ids, q = [], i
+        while len(ids) < m:
+            ids += questions[q % len(questions)]
+            q += 1
+        out.append(ids[:int(m)])
     return out
 
 
