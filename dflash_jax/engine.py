@@ -50,7 +50,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
-           "Slots", "SlotEngine", "RowResult",
+           "Slots", "SlotEngine", "RowResult", "parse_step_buckets",
            "RequestError", "QueueFull", "EngineClosed", "FINISH_REASONS"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -465,6 +465,20 @@ def union_mode(modes) -> str:
         return "greedy"
     u = frozenset().union(*filters)
     return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered")
+
+
+def parse_step_buckets(text: str):
+    """A command line's step-bucket setting as Slots' step_buckets: "auto", None ("none" / "off") or
+    a tuple of ints ("1,2,4,8")."""
+    t = str(text).strip().lower()
+    if t == "auto":
+        return "auto"
+    if t in ("none", "off", ""):
+        return None
+    try:
+        return tuple(int(x) for x in t.split(","))
+    except ValueError:
+        raise ValueError(f"expected auto, none or comma-separated row counts, got {text!r}") from None
 
 
 class Slots:
