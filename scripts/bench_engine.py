@@ -17,7 +17,8 @@ CPU, tiny random pair (seconds) or the embedded default pair:
   python scripts/bench_engine.py --tiny
   python scripts/bench_engine.py --default --prompts 32 --slots 8 --steps 2,4,8 --pipeline 0,1
 H200, Qwen3-8B shapes, random weights (one command):
-  python scripts/bench_engine.py --preset qwen3-8b --random-init --prompts 128 --slots 32 --steps 4 --step-buckets off,auto
+  python scripts/bench_engine.py --preset qwen3-8b --random-init --prompts 128 --slots 32 --steps 4 \
+      --step-buckets off,auto
 Trained pair: --model DIR --draft DIR [--dtype bfloat16].
 """
 
