@@ -518,7 +518,7 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
              block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
              kernels: KernelConfig | None = None, mesh=None,
-             slots: int | None = None) -> GenerateResult:
+             slots: int | None = None, step_buckets="auto") -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
     draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
@@ -545,13 +545,14 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     (dflash_jax.engine.Slots: continuous batching, `slots` rows at once, each refilled as its row
     finishes) instead of one batch that runs until its longest row ends; the tokens are the same
     (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit. On a
-    mesh, `slots` must be a multiple of the data axis.
+    mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
+    counts (engine.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
     """
     if slots is not None and len(prompts) > slots:
         return _generate_slots(target, draft, prompts, slots=slots, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                                block_size=block_size, seed=seed, attention_impl=attention_impl, capacity=capacity,
-                               on_commit=on_commit, kernels=kernels, mesh=mesh)
+                               on_commit=on_commit, kernels=kernels, mesh=mesh, step_buckets=step_buckets)
     return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
                      seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
@@ -608,7 +609,9 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
 # The engine (dflash_jax/engine.py) keeps one loop row per slot on the device and drives it with three
 # programs over the same _prefill and _iterate as the one-shot loop: `_slots_empty` (allocation),
 # `_slots_insert` (prefill a bucket of requests, write their rows into free slots) and `_slots_step`
-# (up to n iterations, the commits returned). Slot state is donated to insert and step.
+# (up to n iterations, the commits returned), or `_slots_step_rows` (the same over a power-of-two
+# bucket of the slots: their rows gathered, stepped by a program of that batch, written back).
+# Slot state is donated to insert and step.
 
 @struct.dataclass
 class _Slots:
@@ -692,6 +695,29 @@ def _slots_step_body(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, r
     return slots.replace(loop=loop), commits, produced, loop.done
 
 
+def _slots_step_rows(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, release, idx):
+    """_slots_step over the n slots `idx` [n] int32 alone (distinct slot indices: the busy ones,
+    padded with free ones), st being the full state's (batch = every slot). `release` is applied to
+    every slot's done first; the n rows of the state are gathered, run by _slots_step_body in a
+    program of batch n and written back in place (the other slots are untouched). Returns the
+    full-width (slots, commits [n_iters, B, S], produced [n_iters, B], done [B]), zeros for the slots
+    outside idx, so the host reads it as _slots_step's."""
+    with sharding.active(st.mesh):
+        n = idx.shape[0]
+        loop = slots.loop.replace(done=slots.loop.done | release)
+        take = lambda x: x[idx]                                                      # noqa: E731
+        sub = _Slots(loop=jax.tree.map(take, loop.replace(step=None)).replace(step=loop.step),
+                     params=jax.tree.map(take, slots.params))
+        sub, commits, produced, _ = _slots_step_body(dataclasses.replace(st, batch=n), n_iters, tstate, dstate,
+                                                     sub, jnp.zeros((n,), bool))
+        put = lambda old, x: old.at[idx].set(x, unique_indices=True)                # noqa: E731
+        loop = jax.tree.map(put, loop.replace(step=None), sub.loop.replace(step=None)).replace(step=sub.loop.step)
+        B = st.batch
+        commits = jnp.zeros((n_iters, B, st.block_size), jnp.int32).at[:, idx].set(commits, unique_indices=True)
+        produced = jnp.zeros((n_iters, B), jnp.int32).at[:, idx].set(produced, unique_indices=True)
+        return _slots_placed(st, slots.replace(loop=loop)), commits, produced, loop.done
+
+
 def _engine_program(key, fn, static: tuple, args, donate=()):
     """The cached executable of fn(*static, *args) (counted by compile_count); key: everything its
     program depends on beyond the argument values (static, and the slot state's shape)."""
@@ -703,7 +729,7 @@ def _engine_program(key, fn, static: tuple, args, donate=()):
     return prog
 
 
-def _generate_slots(target, draft, prompts, *, slots, on_commit, **kw):
+def _generate_slots(target, draft, prompts, *, slots, on_commit, step_buckets="auto", **kw):
     """generate through the slot engine (generate's `slots`)."""
     from dflash_jax.engine import RowRequest, Slots
     if on_commit is not None:
@@ -713,7 +739,7 @@ def _generate_slots(target, draft, prompts, *, slots, on_commit, **kw):
     st, _, _, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=False, **kw)
     stop = [int(t) for t in np.asarray(p.stop_ids[0]) if t >= 0]
     eng = Slots(target, draft if st.draft_def is not None else None, slots=int(slots), capacity=st.capacity,
-                block_size=st.block_size, kernels=st.kernels)
+                block_size=st.block_size, kernels=st.kernels, step_buckets=step_buckets)
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(kw["max_new_tokens"]),
                        temperature=float(kw["temperature"]), top_k=int(kw["top_k"]), top_p=float(kw["top_p"]),
                        stop_ids=tuple(stop), seed=int(kw["seed"]), rng_row=i) for i, r in enumerate(prompts)]

@@ -50,7 +50,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
-           "Slots", "SlotEngine", "RowResult",
+           "Slots", "SlotEngine", "RowResult", "parse_step_buckets",
            "RequestError", "QueueFull", "EngineClosed", "FINISH_REASONS"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -467,18 +467,42 @@ def union_mode(modes) -> str:
     return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered")
 
 
+def parse_step_buckets(text: str):
+    """A command line's step-bucket setting as Slots' step_buckets: "auto", None ("none" / "off") or
+    a tuple of ints ("1,2,4,8")."""
+    t = str(text).strip().lower()
+    if t == "auto":
+        return "auto"
+    if t in ("none", "off", ""):
+        return None
+    try:
+        return tuple(int(x) for x in t.split(","))
+    except ValueError:
+        raise ValueError(f"expected auto, none or comma-separated row counts, got {text!r}") from None
+
+
 class Slots:
     """The device side of continuous batching: `slots` rows of loop state, each a request or free.
 
     insert(items) prefills requests into free slots (grouped by prompt bucket, up to `insert_width`
     rows per prefill program, default min(slots, 8)), step() runs up to `steps` iterations over all slots, release(slot) frees
     a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
-    mode, prompt bucket / insert width) and cached with generate's programs (compile_count counts
-    them). capacity: KV entries per slot; a request needs prompt + max_new <= capacity - block.
+    mode, prompt bucket / insert width, step bucket) and cached with generate's programs
+    (compile_count counts them). capacity: KV entries per slot; a request needs prompt + max_new
+    <= capacity - block.
+
+    step_buckets: the row counts a step may run over (an iteration's cost grows with its rows, so
+    few busy slots should not pay for all of them). step(busy) runs the smallest bucket >=
+    len(busy): the busy slots' rows (padded with free ones) are gathered, stepped by that bucket's
+    program and written back; the full width (`slots`) is always one of them and needs no gather.
+    "auto" (default): every power of two below `slots`, and `slots`; None or (): off, every step
+    over all slots. On a mesh whose data axis is > 1 the rows of a bucket would cross data shards,
+    so "auto" is off there and explicit buckets are refused.
     """
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
-                 steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None):
+                 steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
+                 step_buckets="auto"):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -510,6 +534,8 @@ class Slots:
         self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
         if self.slots % self._data:
             raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
+        self.step_buckets = self._check_buckets(step_buckets)
+        self.bucket_steps: collections.Counter = collections.Counter()   # steps dispatched per row count
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
         st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
@@ -526,6 +552,34 @@ class Slots:
         return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                                     block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
                                     capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh)
+
+    def _check_buckets(self, buckets) -> tuple[int, ...]:
+        """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
+        if buckets is None or (isinstance(buckets, (tuple, list)) and not buckets):
+            return ()
+        if isinstance(buckets, str):
+            if buckets != "auto":
+                raise ValueError(f"step_buckets must be 'auto', None or a sequence of row counts, got {buckets!r}")
+            if self._data > 1:
+                return ()
+            return tuple(1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots) + (self.slots,)
+        try:
+            values = list(buckets)
+        except TypeError:
+            raise ValueError(f"step_buckets must be 'auto', None or a sequence of row counts, got {buckets!r}") from None
+        bad = [b for b in values if not self._decode._is_int(b) or not 1 <= b <= self.slots]
+        if bad:
+            raise ValueError(f"step_buckets entries must be integers in [1, slots={self.slots}], got {bad[0]!r}")
+        if len(set(values)) != len(values):
+            raise ValueError(f"step_buckets has repeated entries: {list(values)}")
+        if self._data > 1:
+            raise ValueError(f"step_buckets on a mesh with a data axis of {self._data}: a bucket's rows would be "
+                             f"gathered across data shards; pass step_buckets=None there")
+        return tuple(sorted({int(b) for b in values} | {self.slots}))
+
+    def step_bucket(self, n_busy: int) -> int:
+        """The row count a step over n_busy busy slots runs (the smallest bucket >= n_busy)."""
+        return next((b for b in self.step_buckets if b >= n_busy), self.slots)
 
     def prompt_bucket(self, n: int) -> int:
         return min(self._decode._pow2(n, 16), self.capacity)
@@ -560,17 +614,23 @@ class Slots:
         return d._engine_program(("engine_insert", st, self.slots), d._slots_insert, (st,),
                                  (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
 
-    def _step_program(self, mode: str):
+    def _step_program(self, mode: str, rows: int | None = None):
+        """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them)."""
         d = self._decode
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
-        return d._engine_program(("engine_step", st, self.steps), d._slots_step, (st, self.steps),
-                                 (self._tstate, self._dstate, self.state, self._put(self._release)), donate=(2,))
+        if rows is None or rows == self.slots:
+            return d._engine_program(("engine_step", st, self.steps), d._slots_step, (st, self.steps),
+                                     (self._tstate, self._dstate, self.state, self._put(self._release)), donate=(2,))
+        idx = self._put(np.arange(rows, dtype=np.int32))
+        return d._engine_program(("engine_step_rows", st, self.steps, rows), d._slots_step_rows, (st, self.steps),
+                                 (self._tstate, self._dstate, self.state, self._put(self._release), idx), donate=(2,))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
         """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
-        step programs of these modes now, so no request waits for a compile."""
+        step programs of these modes (every step bucket) now, so no request waits for a compile."""
         for m in modes:
-            self._step_program(m)
+            for n in self.step_buckets or (self.slots,):
+                self._step_program(m, n)
             for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
                 for w in self.insert_widths():
                     self._insert_program(n, m, w)
@@ -632,13 +692,25 @@ class Slots:
         self.modes[slot] = "greedy"
 
     def step_async(self, busy: Sequence[int] | None = None):
-        """Dispatch up to `steps` iterations over every slot, in the program of the union of the
-        busy slots' modes, without waiting: returns device arrays (commits [K, B, S], produced [K, B],
-        done [B]). The host may dispatch the next insert or step before reading them (JAX runs
+        """Dispatch up to `steps` iterations over the busy slots (None: every slot), in the program
+        of the union of their modes and of the smallest step bucket holding them, without waiting:
+        returns device arrays over every slot (commits [K, B, S], produced [K, B], done [B]; zeros
+        for slots outside the bucket). Slots outside `busy` may not advance: pass every slot whose
+        request runs. The host may dispatch the next insert or step before reading them (JAX runs
         them in order), so its bookkeeping overlaps the device's work."""
-        busy = range(self.slots) if busy is None else busy
-        prog = self._step_program(union_mode(self.modes[b] for b in busy))
-        self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release))
+        busy = list(range(self.slots)) if busy is None else sorted({int(b) for b in busy})
+        if busy and not 0 <= busy[0] <= busy[-1] < self.slots:
+            raise ValueError(f"busy slots must be in [0, {self.slots}), got {busy}")
+        n = self.step_bucket(len(busy))
+        prog = self._step_program(union_mode(self.modes[b] for b in busy), n)
+        self.bucket_steps[n] += 1
+        if n == self.slots:
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release))
+        else:
+            taken = set(busy)
+            idx = busy + [b for b in range(self.slots) if b not in taken][:n - len(busy)]
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release),
+                                                       self._put(np.asarray(idx, np.int32)))
         self._release[:] = False
         return commits, produced, done
 
@@ -744,13 +816,14 @@ class SlotEngine(_RequestChecks):
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
                  steps: int = 4, insert_width: int | None = None, kernels=None,
-                 warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1):
+                 warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto"):
         from dflash_jax import decode
 
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
-                           insert_width=insert_width, kernels=kernels, attention_impl=attention_impl)
+                           insert_width=insert_width, kernels=kernels, attention_impl=attention_impl,
+                           step_buckets=step_buckets)
         if not decode._is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         self.pipeline = int(pipeline)

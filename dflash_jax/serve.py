@@ -28,7 +28,7 @@ import uuid
 from typing import Any, Literal, Sequence, Union
 
 from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, SlotEngine,
-                               Tokens)
+                               Tokens, parse_step_buckets)
 
 __all__ = ["build_app", "build_parser", "main"]
 
@@ -494,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most arrivals prefilled in one call (--slots > 1; default min(slots, 8))")
     g.add_argument("--engine-pipeline", type=int, default=1,
                    help="engine steps dispatched ahead of the one whose tokens are read (0: wait for each)")
+    g.add_argument("--step-buckets", default="auto", metavar="auto|none|N,N,...",
+                   help="row counts an engine step may run over (the smallest holding the busy slots; --slots "
+                        "always one): auto = powers of two up to --slots, none = every step over all slots")
     g.add_argument("--warmup-prompt-len", default="512", metavar="N|LO:HI",
                    help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start; 0: none")
     g.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
@@ -555,6 +558,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise ValueError
     except ValueError:
         parser.error(f"--warmup-prompt-len must be N or LO:HI (token counts >= 0), got {args.warmup_prompt_len!r}")
+    try:
+        args.step_buckets = parse_step_buckets(args.step_buckets)
+    except ValueError as e:
+        parser.error(f"--step-buckets: {e}")
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.default_max_tokens < 1:
@@ -598,7 +605,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = SlotEngine(target, draft, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                                 eos_token_ids=eos, block_size=block, attention_impl=args.attention,
                                 steps=args.engine_steps, insert_width=args.insert_width,
-                                pipeline=args.engine_pipeline, warmup_prompt_len=args.warmup_prompt_len)
+                                pipeline=args.engine_pipeline, warmup_prompt_len=args.warmup_prompt_len,
+                                step_buckets=args.step_buckets)
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)

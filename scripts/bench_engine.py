@@ -9,14 +9,16 @@ through Slots(slots=--slots), refilling slots as rows finish. Compiles are exclu
 first). Prints one table: tokens/s, wall time, speed-up; the engine's mean TTFT (from the run's
 start: queueing included) and TPOT (per request, after its first token).
 
---steps, --pipeline and --insert-width take comma lists: one engine row per combination, so one
-command picks K (iterations per step) by measurement.
+--steps, --pipeline, --insert-width and --step-buckets take comma lists: one engine row per
+combination, so one command picks K (iterations per step) by measurement and compares step buckets
+off and on (a step-bucket setting is off, auto, or row counts joined by '/': 1/2/4/8/16).
 
 CPU, tiny random pair (seconds) or the embedded default pair:
   python scripts/bench_engine.py --tiny
   python scripts/bench_engine.py --default --prompts 32 --slots 8 --steps 2,4,8 --pipeline 0,1
 H200, Qwen3-8B shapes, random weights (one command):
-  python scripts/bench_engine.py --preset qwen3-8b --random-init --prompts 128 --slots 32 --steps 4,8,16 --pipeline 0,1
+  python scripts/bench_engine.py --preset qwen3-8b --random-init --prompts 128 --slots 32 --steps 4 \
+      --step-buckets off,auto
 Trained pair: --model DIR --draft DIR [--dtype bfloat16].
 """
 
@@ -92,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", default="4", help="iterations per engine step (comma list)")
     p.add_argument("--pipeline", default="1", help="steps dispatched ahead of the one read (comma list)")
     p.add_argument("--insert-width", default="8", help="most requests per prefill (comma list)")
+    p.add_argument("--step-buckets", default="auto",
+                   help="step row buckets, comma list of settings: off, auto, or counts joined by / (1/2/4/8)")
     p.add_argument("--min-new", type=int, default=16)
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--max-prompt", type=int, default=256)
@@ -102,6 +106,11 @@ def main(argv=None) -> int:
     args.dtype = args.dtype or ("float32" if args.tiny or args.default else "bfloat16")
     ints = lambda s: [int(x) for x in str(s).split(",") if x]             # noqa: E731
     steps, pipelines, widths = ints(args.steps), ints(args.pipeline), ints(args.insert_width)
+    from dflash_jax.engine import parse_step_buckets
+    try:
+        buckets = [parse_step_buckets(b.replace("/", ",")) for b in args.step_buckets.split(",")]
+    except ValueError as e:
+        p.error(f"--step-buckets: {e}")
 
     import jax
 
@@ -133,27 +142,38 @@ def main(argv=None) -> int:
     base = useful / static_s
     print(f"| static batches of {args.slots} | {useful} | {static_s:.2f} | {base:.1f} | 1.00x | | | | |", flush=True)
     reqs = [RowRequest(prompt=tuple(x), max_new=n, rng_row=i) for i, (x, n) in enumerate(zip(ps, ns))]
-    for K in steps:
-        for W in widths:
-            eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=K,
-                        insert_width=min(W, args.slots))
-            eng.warmup([len(x) for x in ps], ["greedy"])
-            for pipe in pipelines:
-                eng.run(reqs[:args.slots], pipeline=pipe)       # warm the host path
-                n0 = decode.compile_count()
-                t0 = time.perf_counter()
-                out = eng.run(reqs, pipeline=pipe)
-                engine_s = time.perf_counter() - t0
-                tokens = sum(len(o.tokens) for o in out)
-                times = eng.last_run_times
-                ttft = np.mean([times[i][0] - t0 for i in range(len(out))])
-                tpot = np.mean([(times[i][1] - times[i][0]) / max(1, len(out[i].tokens) - 1)
-                                for i in range(len(out))])
-                tau = np.mean([a for o in out for a in o.acceptance_lengths]) if draft is not None else 1.0
-                print(f"| engine, K={K}, pipeline {pipe}, insert width {eng.insert_width} | {tokens} | "
-                      f"{engine_s:.2f} | {tokens / engine_s:.1f} | {(tokens / engine_s) / base:.2f}x | "
-                      f"{ttft * 1e3:.1f} | {tpot * 1e3:.2f} | {tau:.2f} | {decode.compile_count() - n0} |",
-                      flush=True)
+    first = None
+    for K, W, sb in ((K, W, sb) for K in steps for W in widths for sb in buckets):
+        n0 = decode.compile_count()
+        t0 = time.perf_counter()
+        eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=K,
+                    insert_width=min(W, args.slots), step_buckets=sb)
+        eng.warmup([len(x) for x in ps], ["greedy"])
+        sb_name = "/".join(map(str, eng.step_buckets)) or "off"
+        print(f"[bench_engine] engine K={K}, insert width {eng.insert_width}, step buckets {sb_name}: "
+              f"{decode.compile_count() - n0} programs compiled in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+        for pipe in pipelines:
+            eng.run(reqs[:args.slots], pipeline=pipe)       # warm the host path
+            n0 = decode.compile_count()
+            eng.bucket_steps.clear()
+            t0 = time.perf_counter()
+            out = eng.run(reqs, pipeline=pipe)
+            engine_s = time.perf_counter() - t0
+            tokens = sum(len(o.tokens) for o in out)
+            times = eng.last_run_times
+            ttft = np.mean([times[i][0] - t0 for i in range(len(out))])
+            tpot = np.mean([(times[i][1] - times[i][0]) / max(1, len(out[i].tokens) - 1)
+                            for i in range(len(out))])
+            tau = np.mean([a for o in out for a in o.acceptance_lengths]) if draft is not None else 1.0
+            first = first or [o.tokens for o in out]
+            same = "" if [o.tokens for o in out] == first else " (tokens DIFFER from the first engine row)"
+            used = " ".join(f"{n}:{c}" for n, c in sorted(eng.bucket_steps.items()))
+            print(f"| engine, K={K}, pipeline {pipe}, insert width {eng.insert_width}, step buckets {sb_name} "
+                  f"(steps per rows {used}){same} | {tokens} | {engine_s:.2f} | {tokens / engine_s:.1f} | "
+                  f"{(tokens / engine_s) / base:.2f}x | {ttft * 1e3:.1f} | {tpot * 1e3:.2f} | {tau:.2f} | "
+                  f"{decode.compile_count() - n0} |", flush=True)
+        del eng                                 # its slot state before the next one's
     print(f"(TTFT from the run's start: all {len(ps)} requests arrive at t=0; TPOT per request after its "
           f"first token; compiles: during the timed run, must be 0)")
     return 0

@@ -70,6 +70,8 @@ def server_argv(args, draft_none: bool = False) -> list[str]:
         out += ["--block-size", str(args.block_size)]
     if args.insert_width:
         out += ["--insert-width", str(args.insert_width)]
+    if args.step_buckets:
+        out += ["--step-buckets", args.step_buckets]
     if args.mesh:
         out += ["--mesh", args.mesh]
     return out + list(args.server_arg or [])
@@ -322,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capacity", type=int, default=None, help="default 512 (preset: its own)")
     g.add_argument("--engine-steps", type=int, default=None, help="default 4")
     g.add_argument("--insert-width", type=int, default=None, help="most arrivals per prefill (server default)")
+    g.add_argument("--step-buckets", help="the server's --step-buckets (auto, none, 1,2,4,...; server default)")
     g.add_argument("--server-arg", action="append", help="one more flag for the server (repeatable)")
     g.add_argument("--server-log", help="write the server's output here (the plain server's: PATH.plain)")
     g.add_argument("--startup-timeout", type=float, default=900.0)

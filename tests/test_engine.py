@@ -2,7 +2,8 @@
 loop's own iteration. A request's tokens do not depend on its slot, its batch-mates or when it
 arrived, and equal one-shot generate and plain greedy decoding (float32); a per-request seed gives
 the same samples in any slot; inserting leaves the other slots bitwise unchanged; a reused slot is
-a fresh one; a stream of requests compiles nothing after warm-up."""
+a fresh one; a stream of requests compiles nothing after warm-up; step buckets (a step over the
+busy slots' rows alone) change no token."""
 
 from __future__ import annotations
 
@@ -164,6 +165,112 @@ def test_insert_widths_and_pipeline_give_the_same_tokens(pair):
     assert [len(r.tokens) for r in b] == ns
 
 
+# ------------------------------------------------------------------------------- step buckets
+def state_rows(eng, slot):
+    """Every leaf row of `slot` in the slot state (host copies), done apart."""
+    st = jax.tree.map(np.array, eng.state)
+    return [x[slot] for x in jax.tree.leaves(st.loop.replace(step=None, done=None)) + jax.tree.leaves(st.params)]
+
+
+def test_step_buckets_are_checked(pair):
+    assert Slots(*pair, slots=6, capacity=CAP).step_buckets == (1, 2, 4, 6)
+    assert Slots(*pair, slots=4, capacity=CAP, step_buckets=[2]).step_buckets == (2, 4)
+    assert Slots(*pair, slots=4, capacity=CAP, step_buckets=None).step_buckets == ()
+    assert Slots(*pair, slots=4, capacity=CAP, step_buckets=()).step_buckets == ()
+    for bad, msg in (("fast", "'auto', None or a sequence"), (3, "'auto', None or a sequence"),
+                     ((0, 2), r"integers in \[1, slots=4\], got 0"), ((2, 8), "got 8"), ((1.5,), "got 1.5"),
+                     ((2, 2), "repeated")):
+        with pytest.raises(ValueError, match=msg):
+            Slots(*pair, slots=4, capacity=CAP, step_buckets=bad)
+
+
+def test_step_buckets_same_tokens_as_full_width_and_one_shot(pair):
+    """Requests of mixed lengths through 4 slots, so the busy count rises and falls through the
+    buckets: every request's tokens and acceptance lengths equal the full-width engine's,
+    one-shot generate's and plain decoding's, whichever buckets it ran in; nothing compiles after
+    warm-up; a request alone runs in bucket 1 throughout and gets the same tokens."""
+    ps, ns = prompts(7, seed=7), [3, 21, 6, 2, 14, 9, 25]
+    on = Slots(*pair, slots=4, capacity=CAP, steps=2)
+    assert on.step_buckets == (1, 2, 4)
+    on.warmup([len(p) for p in ps], ["greedy"])
+    n0 = decode.compile_count()
+    a = on.run(rows(ps, ns))
+    assert decode.compile_count() == n0
+    assert set(on.bucket_steps) >= {1, 4}                     # full width while full, 1 at the end
+    b = Slots(*pair, slots=4, capacity=CAP, steps=2, step_buckets=None).run(rows(ps, ns))
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.acceptance_lengths for r in a] == [r.acceptance_lengths for r in b]
+    for p, n, r in zip(ps, ns, a):
+        want = one_shot(pair, p, n)
+        assert r.tokens == want.tokens[0] and r.acceptance_lengths == want.acceptance_lengths[0]
+        assert r.tokens == generate(pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
+    on.bucket_steps.clear()
+    n0 = decode.compile_count()
+    alone = on.run(rows(ps[6:], ns[6:]))[0]
+    assert set(on.bucket_steps) == {1} and alone.tokens == a[6].tokens
+    assert decode.compile_count() == n0
+
+
+def test_step_buckets_insert_and_release_across_buckets_keep_other_slots(pair):
+    """Inserts and a release while the step bucket moves 1 -> 4 -> 2: the rows of slots outside a
+    bucket are bitwise untouched by its step, and every request's tokens equal its one-shot ones."""
+    ps = prompts(3, seed=9)
+    want = [one_shot(pair, p, n).tokens[0] for p, n in zip(ps, (30, 4, 20))]
+    eng = Slots(*pair, slots=4, capacity=CAP, steps=2)
+    got = {2: [], 0: [], 3: []}
+
+    def step(busy):
+        c, n, done = eng.step(busy)
+        for slot in got:
+            for k in range(n.shape[0]):
+                got[slot] += c[k, slot, :n[k, slot]].tolist()
+        return done
+
+    got[2].append(eng.insert([(2, RowRequest(prompt=tuple(ps[0]), max_new=30))])[2][0])
+    free = [state_rows(eng, s) for s in (0, 1, 3)]
+    step([2])                                                   # bucket 1: slot 2 alone
+    for s, before in zip((0, 1, 3), free):
+        for x, y in zip(before, state_rows(eng, s)):
+            np.testing.assert_array_equal(x, y)
+    first = eng.insert([(0, RowRequest(prompt=tuple(ps[1]), max_new=4)),
+                        (3, RowRequest(prompt=tuple(ps[2]), max_new=20))])
+    got[0].append(first[0][0])
+    got[3].append(first[3][0])
+    step([0, 2, 3])                                             # bucket 4
+    eng.release(0)                                              # slot 0 leaves mid-flight
+    slot0, slot1 = state_rows(eng, 0), state_rows(eng, 1)
+    step([2, 3])                                                # bucket 2: 0 and 1 untouched
+    for before, s in ((slot0, 0), (slot1, 1)):
+        for x, y in zip(before, state_rows(eng, s)):
+            np.testing.assert_array_equal(x, y)
+    assert bool(np.asarray(eng.state.loop.done)[0])
+    for _ in range(30):
+        done = step([2, 3])
+        if done[2] and done[3]:
+            break
+    assert set(eng.bucket_steps) == {1, 2, 4}
+    assert got[2] == want[0] and got[3] == want[2]
+    assert got[0] == want[1][:len(got[0])] and got[0]
+
+
+@pytest.mark.slow
+def test_step_buckets_seeded_samples_same_in_any_bucket(pair):
+    """Sampled requests with their own seeds: the same tokens with buckets and without, and alone
+    (bucket 1 throughout) as next to the others."""
+    ps, ns = prompts(5, seed=10), [4, 15, 7, 11, 2]
+    reqs = [RowRequest(prompt=tuple(p), max_new=n, seed=3 + i, temperature=0.9, top_k=20)
+            for i, (p, n) in enumerate(zip(ps, ns))]
+    on = Slots(*pair, slots=4, capacity=CAP, steps=2)
+    a = on.run(reqs)
+    assert set(on.bucket_steps) >= {1, 4}
+    b = Slots(*pair, slots=4, capacity=CAP, steps=2, step_buckets=None).run(reqs)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [on.run([r])[0].tokens for r in reqs] == [r.tokens for r in a]
+    via = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2)
+    assert via.tokens == generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9,
+                                  top_k=20).tokens
+
+
 # ------------------------------------------------------------------------------- on a mesh
 # The virtual devices need XLA_FLAGS before JAX starts, so the mesh case runs in a child pytest.
 CHILD = os.environ.get("DFLASH_ENGINE_CHILD") == "1"
@@ -208,7 +315,10 @@ def test_slots_mesh_child_greedy_equals_one_device(spec):
     ps, ns = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [9, 10, 11, 12], [5], [6, 7]], [5, 12, 3, 9, 7, 10]
     kw = dict(capacity=CAP, attention_impl="xla")
     one = [generate(*models(None), [p], max_new_tokens=n, **kw) for p, n in zip(ps, ns)]
-    out = Slots(*models(mesh), slots=4, steps=2, **kw).run(rows(ps, ns))
+    eng = Slots(*models(mesh), slots=4, steps=2, **kw)
+    # step buckets: on with a data axis of 1 (the rows of a bucket stay on their shard), off beyond
+    assert eng.step_buckets == ((1, 2, 4) if d == 1 else ())
+    out = eng.run(rows(ps, ns))
     assert [o.tokens for o in out] == [w.tokens[0] for w in one]
     assert [o.acceptance_lengths for o in out] == [w.acceptance_lengths[0] for w in one]
     via = generate(*models(mesh), ps, max_new_tokens=8, slots=2 * d, **kw)
@@ -221,3 +331,5 @@ def test_slots_mesh_child_greedy_equals_one_device(spec):
     if d > 1:
         with pytest.raises(ValueError, match="multiple of the mesh's data axis"):
             Slots(*models(mesh), slots=3, **kw)
+        with pytest.raises(ValueError, match="data axis of 2"):
+            Slots(*models(mesh), slots=4, step_buckets=(2,), **kw)
