@@ -167,7 +167,9 @@ def main(argv=None) -> int:
                             for i in range(len(out))])
             tau = np.mean([a for o in out for a in o.acceptance_lengths]) if draft is not None else 1.0
             first = first or [o.tokens for o in out]
-            same = "" if [o.tokens for o in out] == first else " (tokens DIFFER from the first engine row)"
+            same = "" if [o.tokens for o in out] == first else (
+                " (tokens DIFFER from the first engine row" + (": in bfloat16 a row's numerics depend on the program's "
+                "batch; float32 must match)" if args.dtype == "bfloat16" else ")"))
             used = " ".join(f"{n}:{c}" for n, c in sorted(eng.bucket_steps.items()))
             print(f"| engine, K={K}, pipeline {pipe}, insert width {eng.insert_width}, step buckets {sb_name} "
                   f"(steps per rows {used}){same} | {tokens} | {engine_s:.2f} | {tokens / engine_s:.1f} | "
