@@ -162,8 +162,8 @@ class DecoderLayer(nnx.Module):
             return False
         from pallas_kernels.attention import tpu_cache_write
         B, Hkv, C, D = k_cache.shape
-        return all(tpu_cache_write.qkv_supported(Tc + T, t0, n, self.num_heads, Hkv, D, C, k_cache.dtype,
-                                                 qkv.shape[-1]) for t0, n in ((0, Tc), (Tc, T)) if n)
+        return tpu_cache_write.qkv_supported(Tc + T, 0, Tc + T, self.num_heads, Hkv, D, C, k_cache.dtype,
+                                             qkv.shape[-1])
 
     def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
@@ -245,13 +245,12 @@ class DecoderLayer(nnx.Module):
             # the TPU row writer takes k/v out of qkv and norms/rotates k itself: k in [B, T, Hkv, D]
             # would be a relayout copy of the matmul's output (q is read the same way below)
             from pallas_kernels.attention import tpu_cache_write
+            # one call for the draft's context rows and its block (the context ends at the block)
             cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)           # [B, Tc+T, D/2]
-            segments = ((0, Tc, context.positions[:, 0]),) if Tc else ()
-            for t0, n, start in (*segments, (Tc, T, write_start)):
-                k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
-                    k_cache, v_cache, qkv, cos[:, t0:t0 + n], sin[:, t0:t0 + n], self.k_norm.weight[...],
-                    self.k_norm.eps, start, num_heads=self.num_heads, t0=t0, T=n,
-                    interpret=_interpret(kernels))
+            k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
+                k_cache, v_cache, qkv, cos, sin, self.k_norm.weight[...], self.k_norm.eps, write_start,
+                num_heads=self.num_heads, t0=Tc, T=T, ctx_rows=Tc,
+                ctx_start=context.positions[:, 0] if Tc else None, interpret=_interpret(kernels))
         else:
             q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
             if Tc:
