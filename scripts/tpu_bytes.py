@@ -437,6 +437,12 @@ def charges(prog: Program) -> list:
         if target == "tpu_custom_call" and "output_to_operand_aliasing" in i.attrs:
             rec = _aliased_kernel_charge(prog, i, src0)
             if rec is not None:
+                bs = _blockspec_parts(prog, i, scope_kind)
+                if bs is not None:
+                    # the compiler charges the kernel its declared cost estimate, which is what the
+                    # BlockSpecs and the kernel's DMAs move
+                    rec["parts"] = [(k, m, w) for k, m, _, w in bs]
+                    rec["parts_hbm"] = [(k, h) for k, _, h, _ in bs]
                 out.append(rec)
                 continue
         if i.op == "fusion":
@@ -492,9 +498,16 @@ def charges(prog: Program) -> list:
             what += " of " + ", ".join(sorted(set(named)))[:120]
         out.append(dict(name=i.name, op=i.op if target is None else target, group=prog.group(i, src0 or (named[0] if named else None)),
                         parts=parts, what=what, op_name=i.op_name[-80:]))
+        bs = _blockspec_parts(prog, i, scope_kind) if target == "tpu_custom_call" else None
+        if bs is not None:
+            out[-1]["parts_hbm"] = [(k, h) for k, _, h, _ in bs]
+            out[-1]["parts_hbm_whole"] = [(k, w) for k, _, _, w in bs]
     for r in out:
         r["model"] = sum(p[1] for p in r["parts"])
-        r["hbm"] = sum(p[2] for p in r["parts"])
+        # hbm_whole: every operand of a Pallas kernel charged whole (the rule before its BlockSpecs
+        # were read); hbm: what its BlockSpecs move where they could be read
+        r["hbm_whole"] = sum(p[1] for p in r["parts_hbm_whole"]) if "parts_hbm_whole" in r else sum(p[2] for p in r["parts"])
+        r["hbm"] = sum(p[1] for p in r["parts_hbm"]) if "parts_hbm" in r else r["hbm_whole"]
     return out
 
 
@@ -529,6 +542,277 @@ def _aliased_kernel_charge(prog: Program, i: Instr, src0):
                 parts=parts, what=what, op_name=i.op_name[-80:])
 
 
+# ---------------------------------------------------------------------------------------------
+# Pallas kernels: what their BlockSpecs move
+# ---------------------------------------------------------------------------------------------
+#
+# A Mosaic kernel's custom call carries its module (backend_config custom_call_config.body, MLIR
+# bytecode): the grid (iteration_bounds), the number of scalar-prefetch operands, and per input and
+# output its window (window_bounds, the block shape) and index map (a transform_N function of the
+# grid indices and the scalar-prefetch refs). The pipeline DMAs an operand's block at the first step
+# and whenever its block index changes from one step to the next (row-major grid order, the last
+# axis fastest), so an operand moves (number of index changes + 1) x its block, clipped to the
+# array. An index that depends on a scalar-prefetch value is unknown at compile time: where it is
+# min(grid-derived value, x) or max(...) (a clamp, such as the attention's last needed KV tile) the
+# bound is the grid-derived value (every block, the capacity the ideal counts); any other unknown
+# index is charged a block on every step. Operands without a window (memory_space ANY/HBM, moved by
+# the kernel's own DMAs) are charged the kernel's declared cost estimate less its windowed traffic,
+# split evenly among them (the row writer's cache windows: read, then written back).
+
+_MOSAIC_CACHE: dict = {}
+_LOAD_VALUE = 1 << 30      # a scalar-prefetch value in an index map: as large as any k_end
+_CMPI = {0: "eq", 1: "ne", 2: "lt", 3: "le", 4: "gt", 5: "ge", 6: "lt", 7: "le", 8: "gt", 9: "ge"}
+
+
+def mosaic_module_text(body_b64: str) -> str | None:
+    """The generic-form text of a Mosaic kernel's serialized module, None where it does not parse."""
+    if body_b64 in _MOSAIC_CACHE:
+        return _MOSAIC_CACHE[body_b64]
+    text = None
+    try:
+        import base64
+        from jax._src.lib import tpu as _tpu
+        from jax._src.lib.mlir import ir
+        ctx = ir.Context()
+        ctx.allow_unregistered_dialects = True
+        _tpu.register_dialect(ctx)
+        with ctx:
+            text = str(ir.Module.parse(base64.b64decode(body_b64)))
+    except Exception:   # noqa: BLE001  (another jaxlib, a body of another format: charge whole)
+        text = None
+    _MOSAIC_CACHE[body_b64] = text
+    return text
+
+
+def parse_mosaic(text: str) -> dict | None:
+    """{grid, scalar_prefetch, windows: [None | (bounds, transform name)] per input then output,
+    transforms: {name: (arg names, [(result, op, operand names, attrs)], returned names)}}."""
+    main = next((ln for ln in text.splitlines() if "window_params = [" in ln), None)
+    if main is None:
+        return None
+    grid = re.search(r"iteration_bounds = array<i64(?::\s*([\d,\s]*))?>", main)
+    grid = tuple(int(x) for x in (grid.group(1) or "").split(",") if x.strip()) if grid else ()
+    sp = re.search(r"scalar_prefetch = (\d+)", main)
+    wp = main[main.find("window_params = [") + len("window_params = ["):]
+    windows = []
+    for m in re.finditer(r"\{([^{}]*)\}", wp[:wp.find("]}")] if "]}" in wp else wp):
+        e = m.group(1)
+        t = re.search(r"transform_indices = @([\w.]+)", e)
+        b = re.search(r"window_bounds = array<i64(?::\s*([\d,\s]*))?>", e)
+        windows.append(None if not t or not b else
+                       (tuple(int(x) for x in (b.group(1) or "").split(",") if x.strip()), t.group(1)))
+    transforms = {}
+    for m in re.finditer(r"\^bb0\(([^)]*)\):\n(.*?)\n\s*\}\) \{function_type = [^\n]*?sym_name = \"([\w.]+)\"",
+                         text, re.S):
+        args = re.findall(r"(%[\w#]+):", m.group(1))
+        ops, ret = [], None
+        for ln in m.group(2).splitlines():
+            r = re.match(r'\s*(?:(%[\w#]+) = )?"(?:[\w]+\.)*?((?:arith|memref|func)\.\w+)"\(([^)]*)\)\s*(\{[^}]*\})?', ln)
+            if not r:
+                ops.append((None, "unknown", [], ""))
+                continue
+            res, op, opnds, attrs = r.group(1), r.group(2), re.findall(r"%[\w#]+", r.group(3)), r.group(4) or ""
+            if op == "func.return":
+                ret = opnds
+            else:
+                ops.append((res, op, opnds, attrs))
+        transforms[m.group(3)] = (args, ops, ret or [])
+    return dict(grid=grid, scalar_prefetch=int(sp.group(1)) if sp else 0, windows=windows, transforms=transforms)
+
+
+def eval_transform(fn, grid: tuple) -> list:
+    """An index map over every grid step: per block-index component an int array [steps], or None
+    where it is unknown (charged every step). See the section comment for the clamp rule."""
+    import numpy as np
+    args, ops, ret = fn
+    steps = 1
+    for g in grid:
+        steps *= g
+    idx = np.indices(grid).reshape(len(grid), steps) if grid else np.zeros((0, 1), np.int64)
+    env = {a: (idx[k].astype(np.int64), False, None) for k, a in enumerate(args[:len(grid)])}
+    for a in args[len(grid):]:
+        env[a] = None                                   # a scalar-prefetch ref
+    bad = (np.zeros(steps, np.int64), True, None)
+    for res, op, opnds, attrs in ops:
+        if res is None:
+            continue
+        vals = [env.get(o) for o in opnds]
+        name = op.split(".", 1)[1]
+        if op == "memref.load":
+            env[res] = (np.full(steps, _LOAD_VALUE, np.int64), True, None)
+            continue
+        if op == "arith.constant":
+            c = re.search(r"value = (-?\d+|true|false)", attrs)
+            v = {"true": 1, "false": 0}.get(c.group(1), None) if c else None
+            v = int(c.group(1)) if c and v is None else v
+            env[res] = (np.full(steps, v, np.int64), False, None) if v is not None else bad
+            continue
+        if any(v is None for v in vals) or not vals:
+            env[res] = bad
+            continue
+        x = [v[0] for v in vals]
+        tainted = any(v[1] for v in vals)
+        bound = None
+        with np.errstate(all="ignore"):
+            if name in ("index_cast", "index_castui", "extsi", "extui", "trunci", "bitcast"):
+                out = x[0]
+            elif name == "addi":
+                out = x[0] + x[1]
+            elif name == "subi":
+                out = x[0] - x[1]
+            elif name == "muli":
+                out = x[0] * x[1]
+            elif name in ("divsi", "divui"):
+                out = np.where(x[1] != 0, np.trunc(x[0] / np.where(x[1] != 0, x[1], 1)), 0).astype(np.int64)
+            elif name == "floordivsi":
+                out = x[0] // np.where(x[1] != 0, x[1], 1)
+            elif name in ("ceildivsi", "ceildivui"):
+                out = -(-x[0] // np.where(x[1] != 0, x[1], 1))
+            elif name in ("remsi", "remui"):
+                out = np.fmod(x[0], np.where(x[1] != 0, x[1], 1))
+            elif name in ("minsi", "minui", "maxsi", "maxui"):
+                out = (np.minimum if name.startswith("min") else np.maximum)(x[0], x[1])
+                clean = [v for v in vals if not v[1]]
+                if tainted and len(clean) == 1 and np.array_equal(out, clean[0][0]):
+                    bound = clean[0][0]     # a clamp that does not bind at the largest prefetch value
+            elif name == "andi":
+                out = x[0] & x[1]
+            elif name == "ori":
+                out = x[0] | x[1]
+            elif name == "xori":
+                out = x[0] ^ x[1]
+            elif name == "shli":
+                out = x[0] << x[1]
+            elif name in ("shrsi", "shrui"):
+                out = x[0] >> x[1]
+            elif name == "select":
+                out = np.where(x[0] != 0, x[1], x[2])
+            elif name == "cmpi":
+                p = re.search(r"predicate = (\d+)", attrs)
+                f = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+                     "gt": np.greater, "ge": np.greater_equal}[_CMPI[int(p.group(1))]] if p else None
+                if f is None:
+                    env[res] = bad
+                    continue
+                out = f(x[0], x[1]).astype(np.int64)
+            else:
+                env[res] = bad
+                continue
+        env[res] = (np.asarray(out, np.int64) * np.ones(steps, np.int64), tainted, bound)
+    comps = []
+    for r in ret:
+        v = env.get(r)
+        if v is None or (v[1] and v[2] is None):
+            comps.append(None)
+        else:
+            comps.append(v[2] if v[1] else v[0])
+    return comps
+
+
+def window_traffic(bounds: tuple, shape: tuple, comps: list, steps: int, itemsize: float) -> int:
+    """Bytes an operand's pipeline moves: its block at each step whose block index differs from the
+    previous step's (the first step included), clipped to the array."""
+    import numpy as np
+    if len(bounds) != len(shape) or len(comps) != len(shape):
+        return -1
+    changed = np.zeros(steps, bool)
+    changed[0] = True
+    per = np.ones(steps, np.int64)
+    for c, wb, dim in zip(comps, bounds, shape):
+        if c is None:
+            changed[:] = True
+            per = per * min(wb, dim)
+            continue
+        if steps > 1:
+            changed[1:] |= c[1:] != c[:-1]
+        per = per * np.clip(np.minimum(wb, dim - c * wb), 0, None)
+    return int(per[changed].sum() * itemsize)
+
+
+def _dims(shape: str) -> tuple:
+    m = _ARRAY.search(shape)
+    return (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) if m else (None, ())
+
+
+def pallas_traffic(i: Instr) -> dict | None:
+    """{inputs: [bytes per custom-call operand], outputs: [bytes per result], any_in, any_out: the
+    operands/results without a window} from the kernel's BlockSpecs; None where the module cannot
+    be read (the caller charges the operands whole)."""
+    m = re.search(r'"body":"([^"]*)"', i.attrs)
+    if not m:
+        return None
+    text = mosaic_module_text(m.group(1))
+    k = parse_mosaic(text) if text else None
+    if k is None:
+        return None
+    in_shapes = _tuple_elems("(" + i.attr_block("operand_layout_constraints").strip("{}") + ")")
+    out_shapes = _tuple_elems(i.shape)
+    nsp = k["scalar_prefetch"]
+    if len(in_shapes) != len(i.operands) or len(k["windows"]) != len(in_shapes) - nsp + len(out_shapes):
+        return None
+    steps = 1
+    for g in k["grid"]:
+        steps *= g
+    traffic, any_ops = [], []
+    for n, shp in enumerate(in_shapes[nsp:] + out_shapes):
+        w = k["windows"][n]
+        dt, dims = _dims(shp)
+        if w is None:
+            traffic.append(None)
+            any_ops.append(n)
+            continue
+        fn = k["transforms"].get(w[1])
+        if fn is None or dt not in DTYPE_BYTES:
+            return None
+        b = window_traffic(w[0], dims, eval_transform(fn, k["grid"]), steps, DTYPE_BYTES[dt])
+        if b < 0:
+            return None
+        traffic.append(b)
+    if any_ops:
+        est = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', i.attrs)
+        if not est:
+            return None
+        rest = int(est.group(1)) - sum(t for t in traffic if t is not None) - sum(shape_bytes(s) for s in in_shapes[:nsp])
+        rest = max(rest, 0)
+        for j, n in enumerate(any_ops):
+            traffic[n] = rest // len(any_ops) + (rest % len(any_ops) if j == 0 else 0)
+    ins = [shape_bytes(s) for s in in_shapes[:nsp]] + traffic[:len(in_shapes) - nsp]
+    return dict(inputs=ins, outputs=traffic[len(in_shapes) - nsp:],
+                any_in=[n + nsp for n in any_ops if n < len(in_shapes) - nsp])
+
+
+def _blockspec_parts(prog: Program, i: Instr, scope_kind: str):
+    """[(kind, bytes moved, of them HBM, HBM with each windowed operand whole)] of a Pallas kernel
+    from its BlockSpecs (pallas_traffic), None where unread: operands by their source, results
+    written into a cache (aliased) kv write, the rest the scope's. The whole figure charges an
+    operand given twice once (its two windows are disjoint blocks of it) and keeps the windowless
+    operands' DMA bytes."""
+    t = pallas_traffic(i)
+    if t is None:
+        return None
+    aliased = {int(o): int(r) for r, o in re.findall(r"\{(\d+)\}:\s*\((\d+),", i.attr_block("output_to_operand_aliasing"))}
+    parts, srcs, seen = [], [], set()
+    for k, o in enumerate(i.operands):
+        src = prog.source(o)
+        srcs.append(src)
+        shape = prog.by[o].shape if o in prog.by else ""
+        kind = _operand_kind(src, False)
+        hbm = bool(hbm_bytes(shape))
+        whole = t["inputs"][k] if k in t["any_in"] else (0 if o in seen else shape_bytes(shape))
+        seen.add(o)
+        parts.append((kind if kind != "activations" else scope_kind, t["inputs"][k],
+                      t["inputs"][k] if hbm else 0, whole if hbm else 0))
+    outs = _tuple_elems(i.shape)
+    by_out = {r: o for o, r in aliased.items()}
+    for r, b in enumerate(t["outputs"]):
+        src = srcs[by_out[r]] if r in by_out else None
+        kind = "kv_write" if (src or "").startswith(("s.target_cache", "s.draft_cache")) else scope_kind
+        hbm = r < len(outs) and bool(hbm_bytes(outs[r]))
+        whole = b if r in by_out and by_out[r] in t["any_in"] else (shape_bytes(outs[r]) if r < len(outs) else 0)
+        parts.append((kind, b, b if hbm else 0, whole if hbm else 0))
+    return parts
+
+
 def group_class(g: str) -> str:
     """target_layer7 -> target layers (the per-layer rows summed in the short table)."""
     return re.sub(r"\d+$", "", g)
@@ -536,17 +820,32 @@ def group_class(g: str) -> str:
 
 def summarize(recs: list) -> dict:
     """Totals: by kind, by group class x kind, for the cost model and for HBM traffic."""
-    tot = {"model": collections.Counter(), "hbm": collections.Counter()}
-    by_group = {"model": collections.defaultdict(collections.Counter), "hbm": collections.defaultdict(collections.Counter)}
-    by_op = {"model": collections.Counter(), "hbm": collections.Counter()}
+    keys = ("model", "hbm", "hbm_whole")
+    tot = {k: collections.Counter() for k in keys}
+    by_group = {k: collections.defaultdict(collections.Counter) for k in keys}
+    by_op = {k: collections.Counter() for k in keys}
+
+    def add(key, r, kind, b):
+        tot[key][kind] += b
+        by_group[key][group_class(r["group"])][kind] += b
+        by_op[key][r["op"]] += b
+
     for r in recs:
         for kind, m, h in r["parts"]:
-            for key, b in (("model", m), ("hbm", h)):
-                tot[key][kind] += b
-                by_group[key][group_class(r["group"])][kind] += b
-                by_op[key][r["op"]] += b
+            add("model", r, kind, m)
+            if "parts_hbm_whole" not in r:
+                add("hbm_whole", r, kind, h)
+            if "parts_hbm" not in r:
+                add("hbm", r, kind, h)
+        for kind, h in r.get("parts_hbm_whole", ()):
+            add("hbm_whole", r, kind, h)
+        for kind, h in r.get("parts_hbm", ()):
+            add("hbm", r, kind, h)
     return {"kinds_model": dict(tot["model"]), "kinds_hbm": dict(tot["hbm"]),
+            "kinds_hbm_whole": dict(tot["hbm_whole"]),
             "model_total": sum(tot["model"].values()), "hbm_total": sum(tot["hbm"].values()),
+            "hbm_whole_total": sum(tot["hbm_whole"].values()),
+            "ops_hbm_whole": dict(by_op["hbm_whole"]),
             "groups_model": {g: dict(c) for g, c in by_group["model"].items()},
             "groups_hbm": {g: dict(c) for g, c in by_group["hbm"].items()},
             "ops_model": dict(by_op["model"]), "ops_hbm": dict(by_op["hbm"])}
@@ -572,24 +871,29 @@ def print_report(s: dict, top: int = 25, ideal: float | None = None, file=sys.st
     comp = s.get("compiler_bytes_accessed")
     P(f"TOTAL CHECK: tool's cost-model sum {s['model_total'] / G:.3f} GB"
       + (f" vs compiler cost_analysis {comp / G:.3f} GB ({100 * (s['model_total'] / comp - 1):+.1f}%)" if comp else "")
-      + f"; HBM traffic (on-chip VMEM/SMEM operands excluded) {s['hbm_total'] / G:.3f} GB"
+      + f"; HBM traffic (on-chip VMEM/SMEM operands excluded, Pallas kernels by their BlockSpecs) {s['hbm_total'] / G:.3f} GB"
+      + (f" ({s['hbm_total'] / ideal:.3f}x ideal)" if ideal else "")
+      + f"; Pallas operands whole {s.get('hbm_whole_total', s['hbm_total']) / G:.3f} GB"
       + (f"; ideal {ideal / G:.3f} GB" if ideal else ""))
-    P(f"{'kind':12} {'cost model GB':>14} {'HBM GB':>8}")
+    P(f"{'kind':12} {'cost model GB':>14} {'HBM GB':>8} {'HBM whole GB':>13}")
     for k in KINDS:
-        P(f"{k:12} {s['kinds_model'].get(k, 0) / G:14.3f} {s['kinds_hbm'].get(k, 0) / G:8.3f}")
+        P(f"{k:12} {s['kinds_model'].get(k, 0) / G:14.3f} {s['kinds_hbm'].get(k, 0) / G:8.3f} "
+          f"{s.get('kinds_hbm_whole', s['kinds_hbm']).get(k, 0) / G:13.3f}")
     P("")
     P(f"{'group':16} " + " ".join(f"{k[:10]:>10}" for k in KINDS) + "   (cost model GB / HBM GB)")
     for g in sorted(s["groups_model"]):
         m, h = s["groups_model"][g], s["groups_hbm"].get(g, {})
         P(f"{g:16} " + " ".join(f"{m.get(k, 0) / G:5.2f}/{h.get(k, 0) / G:4.2f}" for k in KINDS))
     P("")
-    P(f"{'op kind':22} {'cost model GB':>14} {'HBM GB':>8}")
+    P(f"{'op kind':22} {'cost model GB':>14} {'HBM GB':>8} {'HBM whole GB':>13}")
     for op, b in sorted(s["ops_model"].items(), key=lambda x: -x[1])[:12]:
-        P(f"{op:22} {b / G:14.3f} {s['ops_hbm'].get(op, 0) / G:8.3f}")
+        P(f"{op:22} {b / G:14.3f} {s['ops_hbm'].get(op, 0) / G:8.3f} "
+          f"{s.get('ops_hbm_whole', s['ops_hbm']).get(op, 0) / G:13.3f}")
     P("")
     P(f"top {top} ops by cost-model bytes:")
     for r in sorted(s["records"], key=lambda r: -r["model"])[:top]:
-        P(f"  {r['model'] / 1e6:9.1f} MB (HBM {r['hbm'] / 1e6:8.1f}) {r['group']:14} {r['name']:28} {r['what'][:110]}")
+        whole = f", whole {r['hbm_whole'] / 1e6:.1f}" if r.get("hbm_whole", r["hbm"]) != r["hbm"] else ""
+        P(f"  {r['model'] / 1e6:9.1f} MB (HBM {r['hbm'] / 1e6:8.1f}{whole}) {r['group']:14} {r['name']:28} {r['what'][:110]}")
 
 
 # ---------------------------------------------------------------------------------------------

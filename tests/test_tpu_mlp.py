@@ -68,6 +68,34 @@ def test_tpu_mlp_block_with_norm_and_residual_matches_the_xla_layer(dtype):
     assert err <= tol, err
 
 
+@pytest.mark.slow
+def test_tpu_mlp_row_scale_is_the_next_norms_scale():
+    """row_scale_eps: the kernel also returns rsqrt(mean(y²) + eps) of its output rows, and
+    RMSNorm.scaled with it is the next RMSNorm of y (the reduction done in the kernel)."""
+    from jax.experimental.pallas import tpu as pltpu
+    from dflash_jax.modeling.layers import RMSNorm, RowScale
+    from pallas_kernels.fused_layer import tpu_mlp
+    H, I = 256, 256
+    k = jax.random.split(jax.random.key(5), 4)
+    x = 3.0 * jax.random.normal(k[0], (2, 5, H))
+    gu = jax.random.normal(k[1], (H, 2 * I)) * H ** -0.5
+    down = jax.random.normal(k[2], (I, H)) * I ** -0.5
+    norm = RMSNorm(H, 1e-6, jnp.float32)
+    nxt = RMSNorm(H, 1e-5, jnp.float32)
+    nxt.weight[...] = 1.0 + 0.1 * jax.random.normal(k[3], (H,))
+    kw = dict(norm_weight=norm.weight[...], eps=norm.eps, block_i=128, interpret=pltpu.InterpretParams())
+    plain = tpu_mlp.mlp(x, gu, down, **kw)
+    y, r = tpu_mlp.mlp(x, gu, down, row_scale_eps=nxt.eps, **kw)
+    assert r.shape == (2, 5, 1) and r.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(plain))
+    ref = jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + nxt.eps)
+    np.testing.assert_allclose(np.asarray(r), np.asarray(ref), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(nxt.scaled(y, RowScale(r, nxt.eps))), np.asarray(nxt(y)), rtol=1e-5,
+                               atol=1e-6)
+    # a scale made with another eps is not used: the norm reduces itself
+    np.testing.assert_array_equal(np.asarray(nxt.scaled(y, RowScale(r * 0, 1e-3))), np.asarray(nxt(y)))
+
+
 def test_tpu_mlp_refuses_what_it_cannot_tile():
     from pallas_kernels._common import Unsupported
     from pallas_kernels.fused_layer import tpu_mlp

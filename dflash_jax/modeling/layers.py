@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from typing import NamedTuple
+
 from dflash_jax.attention import (add_rmsnorm, attend, attend_prefill, fused_add_norm, fused_prologue,
                                   qk_norm_rope_write)
-from typing import NamedTuple
 
 from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
@@ -40,6 +41,20 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
+
+    def scaled(self, x, scale: "RowScale"):
+        """The norm of x given its rows' scale (computed where x was made, with this eps): the
+        same ops without the reduction, so XLA fuses it into the matmul that reads it."""
+        if scale.eps != self.eps:
+            return self(x)
+        return self.weight[...] * (x.astype(jnp.float32) * scale.r).astype(x.dtype)
+
+
+class RowScale(NamedTuple):
+    """rsqrt(mean(x²) + eps) [B, T, 1] float32 of a layer output x's rows, made by the TPU MLP
+    kernel with x: the next RMSNorm (RMSNorm.scaled) then reads x once, inside its matmul."""
+    r: jax.Array
+    eps: float
 
 
 def rope_tables(positions, D: int, theta: float):
@@ -147,13 +162,17 @@ class DecoderLayer(nnx.Module):
             return False
         from pallas_kernels.attention import tpu_cache_write
         B, Hkv, C, D = k_cache.shape
-        return all(tpu_cache_write.qkv_supported(Tc + T, t0, n, self.num_heads, Hkv, D, C, k_cache.dtype,
-                                                 qkv.shape[-1]) for t0, n in ((0, Tc), (Tc, T)) if n)
+        return tpu_cache_write.qkv_supported(Tc + T, 0, Tc + T, self.num_heads, Hkv, D, C, k_cache.dtype,
+                                             qkv.shape[-1])
 
     def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
-        x = x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...]
+        return self._mlp_block(x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...], kernels)[0]
+
+    def _mlp_block(self, x, kernels: KernelConfig | None, row_scale: bool = False):
+        """(x + mlp(norm(x)), None), or with row_scale on the TPU MLP kernel's path (x + ...,
+        RowScale of it with the input norm's eps, for the next RMSNorm)."""
         gu, down = self.mlp.gate_up[...], self.mlp.down[...]
         norm = self.post_attention_layernorm
         from dflash_jax import sharding
@@ -163,9 +182,11 @@ class DecoderLayer(nnx.Module):
             from pallas_kernels.fused_layer import tpu_mlp
             if tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
                     gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
-                return tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
-                                   interpret=_interpret(kernels))                  # [B, T, H]
-        return x + gated_silu(norm(x) @ gu, self.qkv_groups) @ down
+                eps = self.input_layernorm.eps if row_scale else None
+                out = tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
+                                  row_scale_eps=eps, interpret=_interpret(kernels))  # [B, T, H]
+                return (out[0], RowScale(out[1], eps)) if row_scale else (out, None)
+        return x + gated_silu(norm(x) @ gu, self.qkv_groups) @ down, None
 
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
@@ -183,15 +204,17 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, residual, positions, k_cache, v_cache, k_end, kernels: KernelConfig, *,
                  context: DraftContext | None = None, prefill: bool = False):
-        """One layer. x [B, T, H] at `positions` [B, T]; residual: None, or the previous layer's MLP
-        output not yet added to x (the GPU path adds it inside this layer's input-norm kernel).
+        """One layer. x [B, T, H] at `positions` [B, T]; residual: None, the previous layer's MLP
+        output not yet added to x (the GPU path adds it inside this layer's input-norm kernel), or
+        a RowScale of x (the TPU MLP kernel's: the input norm needs no reduction pass).
         The block's K/V go to cache rows [positions[:, 0], + T), after the draft's context rows
         (`context`, written first; the block wins where they overlap). prefill: a causal prompt from
         row 0 (k_end = t + 1), so the attention may run on the new K/V alone (attend_prefill).
 
         Returns (x, mlp_out, k_cache, v_cache): the layer's output is x + mlp_out, mlp_out None
-        when it is already added (the XLA path, prefill) and an array where the next RMSNorm's
-        kernel adds it (the fused GPU path, attention.fused_add_norm)."""
+        when it is already added (the XLA path, prefill), an array where the next RMSNorm's
+        kernel adds it (the fused GPU path, attention.fused_add_norm), or a RowScale: the output
+        is x, with its rows' RMS scale (the TPU MLP kernel)."""
         T = x.shape[1]
         Tc = 0 if context is None else context.feats.shape[1]
         # the fused GPU prologue reads the plain [q | k | v] layout: one device's, or each shard's
@@ -199,8 +222,11 @@ class DecoderLayer(nnx.Module):
         G = self.qkv_groups
         fused = not prefill and fused_prologue(kernels, T, self.head_dim, G) and (
             not Tc or fused_prologue(kernels, Tc, self.head_dim, G))
-        x, h = (add_norm(x, residual, self.input_layernorm, kernels) if residual is not None
-                else (x, self.input_layernorm(x)))
+        if isinstance(residual, RowScale):
+            h = self.input_layernorm.scaled(x, residual)
+        else:
+            x, h = (add_norm(x, residual, self.input_layernorm, kernels) if residual is not None
+                    else (x, self.input_layernorm(x)))
         write_start = positions[:, 0]
         hin, k_pos = h, positions
         if Tc:   # the context rows go through the same projection: one weight read for both
@@ -219,13 +245,12 @@ class DecoderLayer(nnx.Module):
             # the TPU row writer takes k/v out of qkv and norms/rotates k itself: k in [B, T, Hkv, D]
             # would be a relayout copy of the matmul's output (q is read the same way below)
             from pallas_kernels.attention import tpu_cache_write
+            # one call for the draft's context rows and its block (the context ends at the block)
             cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)           # [B, Tc+T, D/2]
-            segments = ((0, Tc, context.positions[:, 0]),) if Tc else ()
-            for t0, n, start in (*segments, (Tc, T, write_start)):
-                k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
-                    k_cache, v_cache, qkv, cos[:, t0:t0 + n], sin[:, t0:t0 + n], self.k_norm.weight[...],
-                    self.k_norm.eps, start, num_heads=self.num_heads, t0=t0, T=n,
-                    interpret=_interpret(kernels))
+            k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
+                k_cache, v_cache, qkv, cos, sin, self.k_norm.weight[...], self.k_norm.eps, write_start,
+                num_heads=self.num_heads, t0=Tc, T=T, ctx_rows=Tc,
+                ctx_start=context.positions[:, 0] if Tc else None, interpret=_interpret(kernels))
         else:
             q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
             if Tc:
@@ -246,7 +271,8 @@ class DecoderLayer(nnx.Module):
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
         if not fused_add_norm(kernels, T, x.shape[-1]):
-            return self.attn_mlp(x, o, kernels), None, k_cache, v_cache
+            x, scale = self._mlp_block(x + o.reshape(o.shape[0], T, -1) @ self.o[...], kernels, row_scale=True)
+            return x, scale, k_cache, v_cache
         x, h = add_norm(x, o.reshape(o.shape[0], T, -1) @ self.o[...], self.post_attention_layernorm,
                         kernels)
         mlp_out = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
@@ -269,7 +295,8 @@ def run_layers(layers, x, positions, cache: KVCache, k_end, kernels: KernelConfi
     """The layer loop of the target and the draft: x [B, T, H] through `layers`, each writing its
     K/V into its cache entry, then `final_norm`. On the fused GPU path a layer's MLP output is
     carried to the next RMSNorm's kernel (the next layer's input norm, or the final norm), so the
-    hidden state after layer i is x + residual.
+    hidden state after layer i is x + residual; on the TPU MLP kernel's path the residual is a
+    RowScale of x (the next RMSNorm's reduction, done in that kernel).
 
     Returns (hidden [B, T, H] final-normed, {i: hidden state after layer i for i in taps},
     (k caches, v caches) as tuples)."""
@@ -279,6 +306,9 @@ def run_layers(layers, x, positions, cache: KVCache, k_end, kernels: KernelConfi
             x, residual, ks[i], vs[i] = layer(x, residual, positions, ks[i], vs[i], k_end, kernels,
                                               context=context, prefill=prefill)
         if i in taps:
-            tapped[i] = x if residual is None else x + residual
-    h = final_norm(x) if residual is None else add_norm(x, residual, final_norm, kernels)[1]
+            tapped[i] = x if residual is None or isinstance(residual, RowScale) else x + residual
+    if isinstance(residual, RowScale):
+        h = final_norm.scaled(x, residual)
+    else:
+        h = final_norm(x) if residual is None else add_norm(x, residual, final_norm, kernels)[1]
     return h, tapped, (tuple(ks), tuple(vs))

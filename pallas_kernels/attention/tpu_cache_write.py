@@ -181,35 +181,54 @@ def _call(k_cache, v_cache, k, v, start, *, T: int, W: int, rows: int, interpret
 
 # ------------------------------------------------------------------ k/v straight out of the qkv output
 
-def _qkv_kernel(start_ref, k_ref, v_ref, cos_ref, sin_ref, w_ref, kc_in, vc_in, kc_ref, vc_ref,
-                kbuf, vbuf, nbuf, sems, *, T: int, W: int, C: int, rows: int, r0: int, Hkv: int,
-                D: int, eps: float):
-    # start_ref [B] int32 (SMEM); k_ref/v_ref [rows, Tb, Hkv*D] (VMEM): the k / v column block of
-    # the qkv output, the written rows at [r0, r0 + T); cos_ref/sin_ref [rows, T, D] f32 (sin signed);
-    # w_ref [1, D] the k_norm weight; kc_ref/vc_ref [B, Hkv, C, D] (HBM, aliased to kc_in/vc_in);
-    # kbuf/vbuf [rows, Hkv, W, D] VMEM windows; nbuf [W, D] f32 (one head's new rows, at the top)
+def _qkv_kernel(*refs, T: int, W: int, C: int, rows: int, r0: int, Hkv: int, D: int, eps: float, Tc: int):
+    # start_ref [B] int32 (SMEM) (and with Tc > 0, ctx_ref [B]: where the Tc context rows go; the
+    # window then starts from it); k_ref/v_ref [rows, Tb, Hkv*D] (VMEM): the k / v column block of
+    # the qkv output, the written rows at [r0, r0 + Tc + T); cos_ref/sin_ref [rows, Tc + T, D] f32
+    # (sin signed); w_ref [1, D] the k_norm weight; kc_ref/vc_ref [B, Hkv, C, D] (HBM, aliased to
+    # kc_in/vc_in); kbuf/vbuf [rows, Hkv, W, D] VMEM windows; nbuf [W, D] f32 (one head's new rows,
+    # at the top)
     from pallas_kernels.attention.tpu import _norm_rope
+    if Tc:
+        start_ref, ctx_ref, *refs = refs
+    else:
+        start_ref, *refs = refs
+        ctx_ref = None
+    (k_ref, v_ref, cos_ref, sin_ref, w_ref, kc_in, vc_in, kc_ref, vc_ref, kbuf, vbuf, nbuf, sems) = refs
     del kc_in, vc_in
     b0 = pl.program_id(0) * rows
+    n = Tc + T
 
-    window, dma, each = _window_ops(start_ref, kc_ref, vc_ref, kbuf, vbuf, sems, b0, W=W, C=C, rows=rows)
+    window, dma, each = _window_ops(ctx_ref if Tc else start_ref, kc_ref, vc_ref, kbuf, vbuf, sems, b0,
+                                    W=W, C=C, rows=rows)
 
     each(lambda j: [d.start() for d in dma(j, True)])
 
     def merge(j):
-        s, w0 = window(j)
-        r = s - w0                                   # the new rows go to window rows [r, r + T)
+        s0, w0 = window(j)
         row = lax.broadcasted_iota(jnp.int32, (W, D), 0)
-        put = jnp.logical_and(row >= r, row < r + T)
+        # the block's rows go to window rows [rb, rb + T); the context's (first, the block wins
+        # where they overlap) to [s0 - w0, + Tc)
+        rb = (start_ref[b0 + j] if Tc else s0) - w0
+        put_b = jnp.logical_and(row >= rb, row < rb + T)
+        if Tc:
+            rc = s0 - w0
+            put_c = jnp.logical_and(row >= rc, row < rc + Tc)
         for h in range(Hkv):
             for new_ref, buf, is_k in ((k_ref, kbuf, True), (v_ref, vbuf, False)):
-                x = new_ref[j, r0:r0 + T, h * D:(h + 1) * D]                     # [T, D]
+                x = new_ref[j, r0:r0 + n, h * D:(h + 1) * D]                     # [Tc + T, D]
                 if is_k:
                     x = _norm_rope(x, cos_ref[j], sin_ref[j], w_ref[...], eps)
-                # f32 for the rotate (exact for bf16); rows [T, W) of nbuf are never selected
-                nbuf[0:T, :] = x.astype(buf.dtype).astype(jnp.float32)
-                buf[j, h] = jnp.where(put, pltpu.roll(nbuf[...], r, 0),
-                                      buf[j, h].astype(jnp.float32)).astype(buf.dtype)
+                # f32 for the rotate (exact for bf16); rows [Tc + T, W) of nbuf are never selected
+                nbuf[0:n, :] = x.astype(buf.dtype).astype(jnp.float32)
+                old = buf[j, h].astype(jnp.float32)
+                if Tc:   # nbuf row Tc + i -> window row rb + i; row i -> rc + i
+                    old = jnp.where(put_c, pltpu.roll(nbuf[...], rc, 0), old)
+                    sb = rb - Tc
+                    blk = pltpu.roll(nbuf[...], jnp.where(sb < 0, sb + W, sb), 0)
+                else:
+                    blk = pltpu.roll(nbuf[...], rb, 0)
+                buf[j, h] = jnp.where(put_b, blk, old).astype(buf.dtype)
 
     def wait_merge(j):
         for d in dma(j, True):
@@ -232,13 +251,20 @@ def qkv_supported(Tall: int, t0: int, T: int, Hq: int, Hkv: int, D: int, C: int,
 
 
 def write_kv_rows_qkv(k_cache, v_cache, qkv, cos, sin, k_norm_weight, eps: float, start, *,
-                      num_heads: int, t0: int = 0, T: int | None = None, interpret=False):
+                      num_heads: int, t0: int = 0, T: int | None = None, ctx_rows: int = 0,
+                      ctx_start=None, interpret=False):
     """write_kv_rows for K/V taken straight out of the fused projection's output: rows [t0, t0 + T)
     of qkv [B, Tall, (Hq + 2 Hkv) D] (the plain [q | k | v] layout), k normed (k_norm_weight [D],
     eps) and rotated (cos, sin [B, T, D/2] float32 at those rows' positions) with modeling.layers'
     roundings, written at cache rows [start[b], start[b] + T). The kernel reads the k and v column
     blocks itself, so k never exists in HBM as [B, T, Hkv, D] (a relayout copy of the matmul's tiles
-    on TPU) and nothing is padded. Raises Unsupported where qkv_supported is false."""
+    on TPU) and nothing is padded. Raises Unsupported where qkv_supported is false.
+
+    ctx_rows = Tc > 0 (the draft's context then its block, one call): rows [t0 - Tc, t0) go to
+    [ctx_start[b], + Tc) first, then rows [t0, t0 + T) to [start[b], + T) (the block wins where they
+    overlap); cos, sin cover all Tc + T rows. Needs 0 <= start - ctx_start <= Tc (the draft's
+    pending context ends at the block: ctx_start = start - pending count), so one window of
+    window_rows(Tc + T) rows covers both."""
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} "
                          f"{v_cache.dtype} must be equal [B, Hkv, C, D] buffers")
@@ -247,66 +273,73 @@ def write_kv_rows_qkv(k_cache, v_cache, qkv, cos, sin, k_norm_weight, eps: float
         raise ValueError(f"qkv {qkv.shape} must be [B={B}, T, N]")
     Tall, N = qkv.shape[1:]
     T = Tall - t0 if T is None else T
-    if start.shape != (B,) or cos.shape != (B, T, D // 2) or sin.shape != cos.shape:
-        raise ValueError(f"start {start.shape}, cos {cos.shape}, sin {sin.shape} must be [B], [B, T, D/2] "
-                         f"for B={B}, T={T}, D={D}")
-    if not qkv_supported(Tall, t0, T, num_heads, Hkv, D, C, k_cache.dtype, N):
-        raise Unsupported(f"write_kv_rows_qkv: qkv {qkv.shape} t0={t0} T={T} Hq={num_heads} cache {k_cache.shape}")
-    W = window_rows(T)
+    Tc = int(ctx_rows)
+    if Tc and (ctx_start is None or ctx_start.shape != (B,) or t0 < Tc):
+        raise ValueError(f"ctx_rows={Tc} needs ctx_start [B]={(B,)} and t0 >= ctx_rows (t0={t0})")
+    if start.shape != (B,) or cos.shape != (B, Tc + T, D // 2) or sin.shape != cos.shape:
+        raise ValueError(f"start {start.shape}, cos {cos.shape}, sin {sin.shape} must be [B], [B, Tc + T, D/2] "
+                         f"for B={B}, Tc={Tc}, T={T}, D={D}")
+    if not qkv_supported(Tall, t0 - Tc, Tc + T, num_heads, Hkv, D, C, k_cache.dtype, N):
+        raise Unsupported(f"write_kv_rows_qkv: qkv {qkv.shape} t0={t0} T={T} Tc={Tc} Hq={num_heads} "
+                          f"cache {k_cache.shape}")
+    W = window_rows(Tc + T)
     dtype = jnp.dtype(k_cache.dtype)
     # the window buffers, the k/v blocks (double-buffered) and the rope tables, per batch row
-    row_bytes = 2 * Hkv * W * D * dtype.itemsize + 4 * Tall * Hkv * D * qkv.dtype.itemsize + 16 * T * D
+    row_bytes = 2 * Hkv * W * D * dtype.itemsize + 4 * Tall * Hkv * D * qkv.dtype.itemsize + 16 * (Tc + T) * D
     rows = _chunk_rows(B, row_bytes)
-    cos_full = jnp.concatenate([cos, cos], axis=-1).astype(jnp.float32)           # [B, T, D]
-    sin_signed = jnp.concatenate([-sin, sin], axis=-1).astype(jnp.float32)        # [B, T, D]
-    return _call_qkv(k_cache, v_cache, qkv, cos_full, sin_signed, k_norm_weight.reshape(1, D),
-                     start.astype(jnp.int32), T=T, W=W, rows=rows, t0=t0, G=num_heads // Hkv,
-                     eps=float(eps), interpret=interpret)
+    cos_full = jnp.concatenate([cos, cos], axis=-1).astype(jnp.float32)           # [B, Tc + T, D]
+    sin_signed = jnp.concatenate([-sin, sin], axis=-1).astype(jnp.float32)        # [B, Tc + T, D]
+    starts = (start.astype(jnp.int32),) + ((ctx_start.astype(jnp.int32),) if Tc else ())
+    return _call_qkv(k_cache, v_cache, qkv, cos_full, sin_signed, k_norm_weight.reshape(1, D), starts,
+                     T=T, W=W, rows=rows, t0=t0 - Tc, Tc=Tc, G=num_heads // Hkv, eps=float(eps),
+                     interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("T", "W", "rows", "t0", "G", "eps", "interpret"))
-def _call_qkv(k_cache, v_cache, qkv, cos, sin, w, start, *, T: int, W: int, rows: int, t0: int,
+@functools.partial(jax.jit, static_argnames=("T", "W", "rows", "t0", "Tc", "G", "eps", "interpret"))
+def _call_qkv(k_cache, v_cache, qkv, cos, sin, w, starts, *, T: int, W: int, rows: int, t0: int, Tc: int,
               G: int, eps: float, interpret):
+    # t0: the first row written (the context's where Tc > 0); Tc + T rows in all
     B, Hkv, C, D = k_cache.shape
     Tall = qkv.shape[1]
+    n = Tc + T
     dtype = jnp.dtype(k_cache.dtype)
     if not interpret:
         k_cache = pltpu.with_memory_space_constraint(k_cache, pltpu.HBM)
         v_cache = pltpu.with_memory_space_constraint(v_cache, pltpu.HBM)
-    # Only the written rows' block where t0 is a multiple of T (the draft's context then block),
-    # else all Tall rows. Column blocks of Hkv*D: q is blocks [0, G), k block G, v block G + 1.
+    # Only the written rows' block where t0 is a multiple of their count (the draft's context then
+    # block), else all Tall rows. Column blocks of Hkv*D: q is blocks [0, G), k block G, v block G + 1.
     sub = {4: 8, 2: 16, 1: 32}[qkv.dtype.itemsize]
-    if t0 % T == 0 and (T % sub == 0 or T == Tall):
-        Tb, tb, r0 = T, t0 // T, 0
+    if t0 % n == 0 and (n % sub == 0 or n == Tall):
+        Tb, tb, r0 = n, t0 // n, 0
     else:
         Tb, tb, r0 = Tall, 0, t0
     k_spec = pl.BlockSpec((rows, Tb, Hkv * D), lambda i, *_: (i, tb, G))
     v_spec = pl.BlockSpec((rows, Tb, Hkv * D), lambda i, *_: (i, tb, G + 1))
-    rope_spec = pl.BlockSpec((rows, T, D), lambda i, *_: (i, 0, 0))
+    rope_spec = pl.BlockSpec((rows, n, D), lambda i, *_: (i, 0, 0))
     w_spec = pl.BlockSpec((1, D), lambda i, *_: (0, 0))
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
-    kernel = functools.partial(_qkv_kernel, T=T, W=W, C=C, rows=rows, r0=r0, Hkv=Hkv, D=D, eps=eps)
+    kernel = functools.partial(_qkv_kernel, T=T, W=W, C=C, rows=rows, r0=r0, Hkv=Hkv, D=D, eps=eps, Tc=Tc)
     window_bytes = B * Hkv * W * D * dtype.itemsize
-    # qkv counted whole (once: k and v are its two disjoint column blocks), an upper bound on the
-    # k/v blocks read, so that a tool charging the operand whole finds the windows in the remainder
-    new_bytes = qkv.size * qkv.dtype.itemsize
+    # the k and v column blocks its BlockSpecs read (B rows of Tb tokens each), not qkv whole
+    new_bytes = 2 * B * Tb * Hkv * D * qkv.dtype.itemsize
+    ns = len(starts)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(k_cache.shape, dtype), jax.ShapeDtypeStruct(v_cache.shape, dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=ns,
             grid=(B // rows,),
             in_specs=[k_spec, v_spec, rope_spec, rope_spec, w_spec, hbm, hbm],
             out_specs=(hbm, hbm),
             scratch_shapes=[pltpu.VMEM((rows, Hkv, W, D), dtype), pltpu.VMEM((rows, Hkv, W, D), dtype),
                             pltpu.VMEM((W, D), jnp.float32), pltpu.SemaphoreType.DMA((2, rows))],
         ),
-        # operands count the scalar-prefetch start: (start, k, v, cos, sin, w, k cache, v cache)
-        input_output_aliases={6: 0, 7: 1},
+        # operands count the scalar-prefetch starts: (start[, ctx_start], k, v, cos, sin, w, k cache, v cache)
+        input_output_aliases={ns + 5: 0, ns + 6: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        # what moves: each cache's windows read and written, qkv (bound) and the rope tables read
+        # what moves: each cache's windows read and written, the k/v blocks and the rope tables read
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
-                                      bytes_accessed=4 * window_bytes + new_bytes + 8 * B * T * D),
+                                      bytes_accessed=4 * window_bytes + new_bytes + 8 * B * n * D),
         interpret=interpret,
         name="dflash_kv_write_qkv_tpu",
-    )(start, qkv, qkv, cos, sin, w, k_cache, v_cache)
+    )(*starts, qkv, qkv, cos, sin, w, k_cache, v_cache)

@@ -11,6 +11,9 @@ the shapes inside the generation loop), so the weights are not re-read per row t
 
 With norm_weight, the post-attention RMSNorm (at the first step, into VMEM) and the residual add
 (at the last) run in the kernel as well: the layer's MLP block reads x and writes x + mlp(norm(x)).
+With row_scale_eps, the kernel also returns the output rows' RMS scale rsqrt(mean(y²) + eps)
+([M, 1] float32, from y rounded to its dtype): the next RMSNorm of y (the next layer's input norm,
+or the final norm) is then elementwise, fused into its matmul, with no reduction pass over y in HBM.
 
 Numerics as modeling.layers: the matmuls accumulate in float32 and round to the input dtype, silu·up
 in the input dtype, the down projection accumulated in float32 over all of I and rounded once.
@@ -32,13 +35,15 @@ MAX_ROWS = 1024
 _SUBLANE = {4: 8, 2: 16}
 
 
-def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float):
+def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps: float | None):
     # x_ref [M, H], g_ref/u_ref [H, bi], d_ref [bi, H]; norm: nw_ref [1, H] and h_sc [M, H] (the
-    # normed rows, once); o_ref [M, H], acc_ref [M, H] f32
-    if norm:
-        nw_ref, o_ref, acc_ref, h_sc = refs
-    else:
-        o_ref, acc_ref = refs
+    # normed rows, once); o_ref [M, H], scale: s_ref [M, 1] f32; acc_ref [M, H] f32
+    refs = list(refs)
+    nw_ref = refs.pop(0) if norm else None
+    o_ref = refs.pop(0)
+    s_ref = refs.pop(0) if scale_eps is not None else None
+    acc_ref = refs.pop(0)
+    h_sc = refs.pop(0) if norm else None
     j = pl.program_id(0)
     dt = x_ref.dtype
     prec = precision(dt)
@@ -64,6 +69,9 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float):
         if norm:   # the residual: x + mlp(norm(x)), the sum rounded to x's dtype
             y = (x_ref[...].astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
         o_ref[...] = y
+        if s_ref is not None:   # the next RMSNorm's scale of y (modeling.layers.RMSNorm's float32)
+            yf = y.astype(jnp.float32)
+            s_ref[...] = jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + scale_eps)
 
 
 def choose_block(I: int, H: int, M: int, itemsize: int, block_i: int | None = None) -> int:
@@ -81,12 +89,13 @@ def supported(M: int, H: int, I: int, dtype) -> bool:
     return (M <= MAX_ROWS and H % 128 == 0 and I % 128 == 0 and jnp.dtype(dtype).itemsize in _SUBLANE)
 
 
-def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | None = None,
-        interpret=False):
+def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, row_scale_eps: float | None = None,
+        block_i: int | None = None, interpret=False):
     """down(silu(x @ gate) * (x @ up)) for x [..., H], gate_up [H, 2I] ([gate | up] columns), down
     [I, H] → [..., H] in x's dtype. With norm_weight [H]: the layer's whole MLP block,
     x + mlp(RMSNorm(x)) (the post-attention norm and the residual in the kernel too, so neither
-    the normed rows nor the MLP output exist in HBM apart from the result).
+    the normed rows nor the MLP output exist in HBM apart from the result). With row_scale_eps:
+    (y, rsqrt(mean(y²) + row_scale_eps) [..., 1] float32), the RMS scale of y's rows.
     interpret: False, or pltpu.InterpretParams() to run on CPU. Raises Unsupported for a shape it
     does not tile (callers use the XLA ops)."""
     H = x.shape[-1]
@@ -114,9 +123,16 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | 
         extra_args = [norm_weight.reshape(1, H)]
         extra_scratch = [pltpu.VMEM((M_pad, H), x.dtype)]
         vmem += M_pad * H * itemsize
+    scale = row_scale_eps is not None
+    out_shape = [jax.ShapeDtypeStruct((M_pad, H), x.dtype)]
+    out_specs = [pl.BlockSpec((M_pad, H), lambda j: (0, 0))]
+    if scale:
+        out_shape.append(jax.ShapeDtypeStruct((M_pad, 1), jnp.float32))
+        out_specs.append(pl.BlockSpec((M_pad, 1), lambda j: (0, 0)))
     out = pl.pallas_call(
-        functools.partial(_kernel, norm=norm, eps=float(eps)),
-        out_shape=jax.ShapeDtypeStruct((M_pad, H), x.dtype),
+        functools.partial(_kernel, norm=norm, eps=float(eps),
+                          scale_eps=float(row_scale_eps) if scale else None),
+        out_shape=tuple(out_shape),
         grid=(n_i,),
         in_specs=[
             pl.BlockSpec((M_pad, H), lambda j: (0, 0)),
@@ -125,14 +141,17 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, block_i: int | 
             pl.BlockSpec((bi, H), lambda j: (j, 0)),
             *extra_in,
         ],
-        out_specs=pl.BlockSpec((M_pad, H), lambda j: (0, 0)),
+        out_specs=tuple(out_specs),
         scratch_shapes=[pltpu.VMEM((M_pad, H), jnp.float32), *extra_scratch],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=max(32 << 20, vmem + (8 << 20))),
         cost_estimate=pl.CostEstimate(
             flops=6 * M_pad * H * I, transcendentals=M_pad * I,
-            bytes_accessed=itemsize * (3 * H * I + 2 * M_pad * H)),
+            bytes_accessed=itemsize * (3 * H * I + 2 * M_pad * H) + (4 * M_pad if scale else 0)),
         interpret=interpret,
         name="dflash_mlp_tpu",
     )(x2, gate_up, gate_up, down, *extra_args)
-    return out[:M].reshape(*lead, H)
+    y = out[0][:M].reshape(*lead, H)
+    if scale:
+        return y, out[1][:M].reshape(*lead, 1)
+    return y
