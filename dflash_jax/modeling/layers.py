@@ -13,15 +13,14 @@ The draft reuses `DecoderLayer` unchanged: its context tokens go through the sam
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from typing import NamedTuple
-
 from dflash_jax.attention import (add_rmsnorm, attend, attend_prefill, fused_add_norm, fused_prologue,
                                   qk_norm_rope_write)
-
 from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.sharding import split_gate_up, split_qkv
