@@ -154,10 +154,12 @@ def test_union_mode():
 
 def test_insert_widths_and_pipeline_give_the_same_tokens(pair):
     """Arrivals prefilled together (widths 1, 2 of one bucket) and steps read one behind (pipeline
-    1) or at once (0): every request's tokens and acceptance lengths are the same."""
+    1) or at once (0): every request's tokens and acceptance lengths are the same (full-width steps:
+    buckets have their own tests below)."""
     ps, ns = prompts(7, seed=6), [3, 11, 1, 8, 15, 2, 6]
-    a = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, insert_width=1).run(rows(ps, ns), pipeline=0)
-    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, insert_width=2)
+    a = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, insert_width=1,
+              step_buckets=None).run(rows(ps, ns), pipeline=0)
+    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, insert_width=2, step_buckets=None)
     assert eng.insert_widths() == [1, 2]
     b = eng.run(rows(ps, ns), pipeline=1)
     assert [r.tokens for r in a] == [r.tokens for r in b]
