@@ -7,8 +7,9 @@ The server: started here on 127.0.0.1 (a free port) from the model flags below, 
 with --url. Every request is greedy (temperature 0) with ignore_eos, so it runs to its max_tokens;
 prompts are token ids (GSM8K questions through the model's tokenizer when it has one, the embedded
 pair's when it serves, else random ids). --check compares every response with its one-shot
-`dflash_jax.generate` output (batch of one, the server's capacity and block size; the models built from the same flags in this process, after
-the server has stopped) and fails on any difference or error: nothing lost.
+`dflash_jax.generate` output (batch of one, the server's capacity and block size; the models built
+from the same flags in this process, after the server has stopped) and fails on any difference or
+error: nothing lost.
 
   python scripts/load_test.py --requests 40 --concurrency 8 --check          # the embedded pair, CPU
   python scripts/load_test.py --preset qwen3-8b --random --compare-plain     # H200, Qwen3-8B shapes
