@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run the test suite (CPU only; no network needed at run time).
 #   bash scripts/test.sh                          (the default run: skips the tests marked slow)
-#   bash scripts/test.sh -m "slow or not slow"    (everything: what .ci/run calls)
+#   bash scripts/test.sh -m "slow or not slow" -n 2 --dist loadfile   (everything, two workers: .ci/run)
 # Creates .venv, installs the package with its [test] extra (CPU torch 2.13.0 for the oracles,
 # jax[tpu] for ahead-of-time TPU compilation), then the reference `dflash==0.1.0` oracle with
 # --no-deps (its own pins are too tight), then runs pytest.
