@@ -721,19 +721,27 @@ class Slots:
 
     # offline -------------------------------------------------------------------------------------
     def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None,
-            *, pipeline: int = 1) -> list[RowResult]:
+            *, pipeline: int = 1, refill_ahead: bool = True, refill_min: int = 1) -> list[RowResult]:
         """Run every request to its end, refilling slots as rows finish (arrival order).
 
         pipeline: steps dispatched ahead of the one whose results the host reads (0: wait for
         each step). With 1 the device runs step n+1 while the host reads step n and prepares the
-        next inserts; a slot that finished in step n is refilled after step n+1 (it idles one
-        step), so the host's work no longer stalls the device."""
+        next inserts, so the host's work no longer stalls the device; a slot whose row finished in
+        step n is refilled after step n+1 (it idles one step).
+        refill_ahead: a slot whose request must end within the steps already dispatched (it has
+        at most steps x those steps tokens left: every iteration commits at least one) is refilled
+        right behind them instead, as if the host had read them; its last tokens are still read
+        from those steps. Only rows ending on a stop token idle then.
+        refill_min: wait for this many free slots (or as many as requests wait) before a refill,
+        so a prefill serves several arrivals (a prefill's cost is mostly fixed); 1: at once."""
         import jax
 
         for r in requests:
             self.check(r)
         if not self._decode._is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
+        if not self._decode._is_int(refill_min) or refill_min < 1:
+            raise ValueError(f"refill_min must be an integer >= 1, got {refill_min!r}")
         waiting = collections.deque(range(len(requests)))
         free = list(range(self.slots))
         owner: dict[int, int] = {}           # slot -> request, as the host last dispatched it
@@ -743,14 +751,16 @@ class Slots:
         inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
         self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
 
-        def finish(slot):
-            self.last_run_times[owner[slot]].append(time.perf_counter())
-            i = owner.pop(slot)
+        def finish(slot, i):
+            self.last_run_times[i].append(time.perf_counter())
             r = requests[i]
             t = toks.pop(i)
             reason = "stop" if t and t[-1] in r.stop_ids else "length" if len(t) >= r.max_new else "capacity"
             results[i] = RowResult(tokens=t, acceptance_lengths=accs.pop(i), finish_reason=reason)
-            free.append(slot)
+            if owner.get(slot) == i:         # not refilled ahead: the slot is free now
+                del owner[slot]
+                if slot not in free:         # (already there when it ended ahead, unfilled)
+                    free.append(slot)
             if on_finish is not None:
                 on_finish(i, results[i])
 
@@ -762,11 +772,11 @@ class Slots:
                     toks[i].append(int(first[k]))
                     self.last_run_times[i] = [time.perf_counter()]
                     if done[k]:
-                        finish(slot)
+                        finish(slot, i)
                 return
             commits, produced, done = (np.asarray(x) for x in jax.device_get(arrays))
             for slot, i in who.items():
-                if owner.get(slot) != i:         # finished at its insert, or earlier
+                if results[i] is not None:       # finished at its insert, or earlier
                     continue
                 for k in range(produced.shape[0]):
                     n = int(produced[k, slot])
@@ -774,10 +784,26 @@ class Slots:
                         toks[i].extend(commits[k, slot, :n].tolist())
                         accs[i].append(n)
                 if done[slot]:
-                    finish(slot)
+                    finish(slot, i)
+                elif owner.get(slot) != i:       # refilled ahead: it had to end in this step
+                    raise RuntimeError(f"request {i} in slot {slot} did not end within the steps dispatched "
+                                       f"for it ({len(toks[i])} of {requests[i].max_new} tokens)")
+
+        def ending_ahead():
+            """Slots whose request ends within the steps in flight: free for the next insert."""
+            ahead = collections.Counter(s for e in inflight if e[0] == "step" for s, i in e[2].items()
+                                        if owner.get(s) == i)
+            for slot, i in list(owner.items()):
+                if slot in free or i not in toks or len(free) >= len(waiting):
+                    continue
+                if toks[i] and requests[i].max_new - len(toks[i]) <= self.steps * ahead[slot]:
+                    free.append(slot)
 
         while waiting or owner or inflight:
-            if waiting and free:
+            if refill_ahead and waiting and inflight:
+                ending_ahead()
+            running = [s for s in owner if s not in free]
+            if waiting and free and (len(free) >= min(refill_min, len(waiting)) or not running):
                 items = []
                 free.sort()
                 while waiting and free:

@@ -20,6 +20,11 @@ H200, Qwen3-8B shapes, random weights (one command):
   python scripts/bench_engine.py --preset qwen3-8b --random-init --prompts 128 --slots 32 --steps 4 \
       --step-buckets off,auto
 Trained pair: --model DIR --draft DIR [--dtype bfloat16].
+
+--breakdown: instead, the engine's programs timed alone against generate's loop at the same
+rows and context (ms per iteration, two lengths differenced so fixed costs cancel): the full-width
+step, a step bucket of half the slots, that half run by the full-width step, and the insert
+prefills of 1 and --insert-width requests.
 """
 
 from __future__ import annotations
@@ -100,12 +105,20 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--refill-ahead", default="on", help="Slots.run refill_ahead: on, off or on,off")
+    p.add_argument("--refill-min", default="1", help="Slots.run refill_min: free slots a refill waits for (comma list)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time the engine's step and insert programs against generate's loop instead")
     args = p.parse_args(argv)
     if not (args.tiny or args.default or args.random_init or args.model):
         p.error("give --tiny, --default, --random-init (with --preset) or --model/--draft")
     args.dtype = args.dtype or ("float32" if args.tiny or args.default else "bfloat16")
     ints = lambda s: [int(x) for x in str(s).split(",") if x]             # noqa: E731
     steps, pipelines, widths = ints(args.steps), ints(args.pipeline), ints(args.insert_width)
+    mins = ints(args.refill_min)
+    aheads = [{"on": True, "off": False}.get(x) for x in args.refill_ahead.split(",")]
+    if None in aheads:
+        p.error(f"--refill-ahead: give on, off or on,off, got {args.refill_ahead!r}")
     from dflash_jax.engine import parse_step_buckets
     try:
         buckets = [parse_step_buckets(b.replace("/", ",")) for b in args.step_buckets.split(",")]
@@ -121,6 +134,8 @@ def main(argv=None) -> int:
     ps, ns = prompts(args, target.config.vocab_size, tok)
     S = 1 if draft is None else (args.block or draft.config.block_size)
     _, C = decode._buckets(max(len(x) for x in ps), max(ns), S, None)
+    if args.breakdown:
+        return breakdown(args, target, draft, ps, S, steps[0], widths[0], buckets[0])
     print(f"[bench_engine] {jax.devices()[0].device_kind}: {len(ps)} prompts ({min(map(len, ps))}..{max(map(len, ps))} "
           f"tokens), max_new {args.min_new}..{args.max_new}, slots {args.slots}, capacity {C}, block {S}",
           file=sys.stderr, flush=True)
@@ -153,12 +168,12 @@ def main(argv=None) -> int:
         print(f"[bench_engine] engine K={K}, insert width {eng.insert_width}, step buckets {sb_name}: "
               f"{decode.compile_count() - n0} programs compiled in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
-        for pipe in pipelines:
+        for pipe, ahead, rmin in ((p_, a, m) for p_ in pipelines for a in aheads for m in mins):
             eng.run(reqs[:args.slots], pipeline=pipe)       # warm the host path
             n0 = decode.compile_count()
             eng.bucket_steps.clear()
             t0 = time.perf_counter()
-            out = eng.run(reqs, pipeline=pipe)
+            out = eng.run(reqs, pipeline=pipe, refill_ahead=ahead, refill_min=rmin)
             engine_s = time.perf_counter() - t0
             tokens = sum(len(o.tokens) for o in out)
             times = eng.last_run_times
@@ -171,13 +186,81 @@ def main(argv=None) -> int:
                 " (tokens DIFFER from the first engine row" + (": in bfloat16 a row's numerics depend on the program's "
                 "batch; float32 must match)" if args.dtype == "bfloat16" else ")"))
             used = " ".join(f"{n}:{c}" for n, c in sorted(eng.bucket_steps.items()))
-            print(f"| engine, K={K}, pipeline {pipe}, insert width {eng.insert_width}, step buckets {sb_name} "
+            print(f"| engine, K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}, insert width {eng.insert_width}, step buckets {sb_name} "
                   f"(steps per rows {used}){same} | {tokens} | {engine_s:.2f} | {tokens / engine_s:.1f} | "
                   f"{(tokens / engine_s) / base:.2f}x | {ttft * 1e3:.1f} | {tpot * 1e3:.2f} | {tau:.2f} | "
                   f"{decode.compile_count() - n0} |", flush=True)
         del eng                                 # its slot state before the next one's
     print(f"(TTFT from the run's start: all {len(ps)} requests arrive at t=0; TPOT per request after its "
           f"first token; compiles: during the timed run, must be 0)")
+    return 0
+
+
+def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
+    """The engine's programs alone against generate's loop (see the module docstring)."""
+    import jax
+
+    from dflash_jax import decode, generate
+    from dflash_jax.engine import RowRequest, Slots
+
+    B, L = args.slots, max(len(x) for x in ps)
+    n1, n2 = 32, 32 + 32 * K                      # iterations: the same context range for both
+    _, C = decode._buckets(L, n2 + 8 * K, S, None)
+    P = ps[:B] + [ps[0]] * (B - len(ps[:B]))
+
+    def per_iter(fn):
+        fn(n1), fn(n2)                            # warm-up (compiles)
+        t = [min(fn(n) for _ in range(2)) for n in (n1, n2)]
+        return (t[1] - t[0]) / (n2 - n1) * 1e3
+
+    def gen(rows):
+        def fn(n):
+            t0 = time.perf_counter()
+            r = generate(target, draft, P[:rows], max_new_tokens=n + 1, capacity=C, block_size=S, stop_token_ids=[])
+            assert r.num_iterations == n, (r.num_iterations, n)
+            return time.perf_counter() - t0
+        return fn
+
+    eng = Slots(target, draft, slots=B, capacity=C, block_size=S, steps=K, insert_width=min(W, B), step_buckets=sb)
+    half = eng.step_bucket(B // 2)
+
+    def step(rows, bucketed=True):
+        def fn(n):
+            for s in range(B):
+                eng.release(s)
+            eng.insert([(s, RowRequest(prompt=tuple(P[s]), max_new=C - L - S - 1)) for s in range(rows)])
+            busy = list(range(rows)) if bucketed else None
+            jax.block_until_ready(eng.step_async(busy))
+            t0 = time.perf_counter()
+            for _ in range(n // K):
+                out = eng.step_async(busy)
+            jax.block_until_ready(out)
+            return time.perf_counter() - t0
+        return fn
+
+    def insert(w):
+        reps = 8
+        req = RowRequest(prompt=tuple(P[0]), max_new=8)
+        eng.insert([(s, req) for s in range(w)])
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = eng.insert_async([(s, req) for s in range(w)])
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / reps * 1e3
+
+    print(f"[bench_engine] breakdown on {jax.devices()[0].device_kind}: slots {B}, K {K}, capacity {C}, "
+          f"prompt {L}, iterations {n1}..{n2}", file=sys.stderr, flush=True)
+    g_full, g_half = per_iter(gen(B)), per_iter(gen(half))
+    e_full, e_half, e_half_full = per_iter(step(B)), per_iter(step(half)), per_iter(step(half, bucketed=False))
+    print("| program | rows | ms per iteration | / generate's |")
+    print("|---|---|---|---|")
+    print(f"| generate's loop | {B} | {g_full:.3f} | 1.00 |")
+    print(f"| engine step, full width | {B} | {e_full:.3f} | {e_full / g_full:.2f} |")
+    print(f"| generate's loop | {half} | {g_half:.3f} | 1.00 |")
+    print(f"| engine step, bucket {half} | {half} | {e_half:.3f} | {e_half / g_half:.2f} |")
+    print(f"| engine step, full width, {half} busy | {half} | {e_half_full:.3f} | {e_half_full / g_half:.2f} |")
+    for w in sorted({1, eng.insert_width}):
+        print(f"| insert (prefill of {w}, prompt bucket {eng.prompt_bucket(L)}) | {w} | {insert(w):.3f} ms per call | |")
     return 0
 
 

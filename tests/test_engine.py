@@ -167,6 +167,34 @@ def test_insert_widths_and_pipeline_give_the_same_tokens(pair):
     assert [len(r.tokens) for r in b] == ns
 
 
+def test_refill_ahead_changes_no_token_and_saves_steps(pair):
+    """Under pipeline 1 a slot whose request must end in the step in flight is refilled right
+    behind it (refill_ahead): every request's tokens and acceptance lengths are those of waiting for
+    the read, one of them ends on a stop id (never predicted), and the job takes fewer steps;
+    refills batched by refill_min change no token either."""
+    ps, ns = prompts(9, seed=8), [6, 13, 4, 9, 17, 5, 8, 11, 7]
+    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, step_buckets=None)
+    base = eng.run(rows(ps, ns), pipeline=1, refill_ahead=False)
+    stop = base[4].tokens[5]                      # request 4 ends on a stop id at its 6th token
+    reqs = rows(ps, ns)
+    reqs[4] = RowRequest(prompt=tuple(ps[4]), max_new=ns[4], stop_ids=(stop,))
+    eng.bucket_steps.clear()
+    off = eng.run(reqs, pipeline=1, refill_ahead=False)
+    n_off = sum(eng.bucket_steps.values())
+    eng.bucket_steps.clear()
+    on = eng.run(reqs, pipeline=1)
+    n_on = sum(eng.bucket_steps.values())
+    assert [r.tokens for r in on] == [r.tokens for r in off]
+    assert [r.acceptance_lengths for r in on] == [r.acceptance_lengths for r in off]
+    assert on[4].finish_reason == "stop" and on[4].tokens[-1] == stop
+    assert [len(r.tokens) for i, r in enumerate(on) if i != 4] == [n for i, n in enumerate(ns) if i != 4]
+    assert n_on < n_off, (n_on, n_off)
+    batched = eng.run(reqs, pipeline=1, refill_min=2)          # refills wait for two free slots
+    assert [r.tokens for r in batched] == [r.tokens for r in off]
+    with pytest.raises(ValueError, match="refill_min"):
+        eng.run(reqs, refill_min=0)
+
+
 # ------------------------------------------------------------------------------- step buckets
 def state_rows(eng, slot):
     """Every leaf row of `slot` in the slot state (host copies), done apart."""
