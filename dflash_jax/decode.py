@@ -739,7 +739,8 @@ def _generate_slots(target, draft, prompts, *, slots, on_commit, step_buckets="a
     st, _, _, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=False, **kw)
     stop = [int(t) for t in np.asarray(p.stop_ids[0]) if t >= 0]
     eng = Slots(target, draft if st.draft_def is not None else None, slots=int(slots), capacity=st.capacity,
-                block_size=st.block_size, kernels=st.kernels, step_buckets=step_buckets)
+                block_size=st.block_size, kernels=st.kernels, step_buckets=step_buckets,
+                steps=8)   # offline: fewer dispatches (tokens are read at the end anyway)
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(kw["max_new_tokens"]),
                        temperature=float(kw["temperature"]), top_k=int(kw["top_k"]), top_p=float(kw["top_p"]),
                        stop_ids=tuple(stop), seed=int(kw["seed"]), rng_row=i) for i, r in enumerate(prompts)]

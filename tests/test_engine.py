@@ -189,8 +189,9 @@ def test_refill_ahead_changes_no_token_and_saves_steps(pair):
     assert on[4].finish_reason == "stop" and on[4].tokens[-1] == stop
     assert [len(r.tokens) for i, r in enumerate(on) if i != 4] == [n for i, n in enumerate(ns) if i != 4]
     assert n_on < n_off, (n_on, n_off)
-    batched = eng.run(reqs, pipeline=1, refill_min=2)          # refills wait for two free slots
-    assert [r.tokens for r in batched] == [r.tokens for r in off]
+    for pipe, m in ((1, 2), (2, 1), (2, 3)):         # refills batched; two steps in flight
+        again = eng.run(reqs, pipeline=pipe, refill_min=m)
+        assert [r.tokens for r in again] == [r.tokens for r in off], (pipe, m)
     with pytest.raises(ValueError, match="refill_min"):
         eng.run(reqs, refill_min=0)
 
