@@ -181,7 +181,8 @@ def test_gpu_path_forward_and_loop_match_xla(fused):
     for T in (16, 1):
         toks = jax.random.randint(jax.random.key(T), (B, T), 0, 128)
         p = jnp.asarray([[16], [20]], jnp.int32) + jnp.arange(T, dtype=jnp.int32)
-        outs = [target(toks, p, cache, p + 1, taps=(0, 1), kernels=k) for k in ("xla", kernels)]
+        outs = [jax.jit(lambda t, q, c, k=k: target(t, q, c, q + 1, taps=(0, 1), kernels=k))(toks, p, cache)
+                for k in ("xla", kernels)]          # jitted: the interpreter's kernels in one program
         (h0, f0, c0), (h1, f1, c1) = outs
         np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(f1), np.asarray(f0), atol=1e-4, rtol=1e-4)
@@ -195,7 +196,8 @@ def test_gpu_path_forward_and_loop_match_xla(fused):
     blk = jnp.asarray([[30], [24]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)
     pend = jnp.asarray([[26], [22]], jnp.int32) + jnp.arange(S, dtype=jnp.int32)  # overlaps the block
     dcache, d_end = draft.new_cache(B, C), jnp.broadcast_to(blk[:, -1:] + 1, (B, S))
-    outs = [draft(emb, blk, feats, pend, dcache, d_end, kernels=k) for k in ("xla", kernels)]
+    outs = [jax.jit(lambda *xs, k=k: draft(*xs, kernels=k))(emb, blk, feats, pend, dcache, d_end)
+            for k in ("xla", kernels)]
     (h0, c0), (h1, c1) = outs
     np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
     for a, b in zip(c1.k + c1.v, c0.k + c0.v):
@@ -261,10 +263,11 @@ def test_sampling_search_kernel_matches_the_reference():
     rng = np.random.RandomState(1)
     logits = (rng.randn(2, 3, 700) * 2).astype(np.float32)
     logits[0, 0, 10:20] = logits[0, 0, 5]                          # a tie across the top-k cut
+    log_probs = jax.jit(sampling.log_probs, static_argnums=(4, 5))   # one interpret program per mode
     for top_k, top_p in ((7, 1.0), (0, 0.9), (20, 0.5), (1000, 0.3)):
         mode = sampling.mode_for(0.8, top_p, top_k)
-        ours = np.exp(np.asarray(sampling.log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k),
-                                                    jnp.float32(top_p), mode, GPU_INTERPRET)))
+        ours = np.exp(np.asarray(log_probs(jnp.asarray(logits), jnp.float32(0.8), jnp.int32(top_k),
+                                           jnp.float32(top_p), mode, GPU_INTERPRET)))
         ref = _sampling_probs(torch.tensor(logits), 0.8, top_p, top_k).numpy()
         np.testing.assert_allclose(ours, ref, atol=1e-6, err_msg=f"top_k={top_k} top_p={top_p}")
 
@@ -314,14 +317,16 @@ def test_sampling_fast_path_matches_the_full_searches():
     logits[1, ::7] = -np.inf
     wide = logits.copy()
     wide[2, :300] = 9.0                                             # 300 tied at the top: overflow
+    # jitted (top_k, top_p traced): one interpret-mode program per (mode, path), not eager kernels
+    keep = jax.jit(sampling._keep_mask, static_argnums=(3, 4), static_argnames=("fast",))
     for lg, settings in ((logits, ((7, 1.0), (20, 0.97), (256, 0.9), (2, 0.3))), (wide, ((20, 0.5),))):
         for top_k, top_p in settings:
             mode = sampling.mode_for(1.0, top_p, top_k)
             args = (jnp.asarray(lg), jnp.int32(top_k), jnp.float32(top_p), mode)
-            want = np.asarray(sampling._keep_mask(*args, GPU_INTERPRET, fast=False))
-            got = np.asarray(sampling._keep_mask(*args, GPU_INTERPRET))
+            want = np.asarray(keep(*args, GPU_INTERPRET, fast=False))
+            got = np.asarray(keep(*args, GPU_INTERPRET))
             np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
-            np.testing.assert_array_equal(want, np.asarray(sampling._keep_mask(*args)))
+            np.testing.assert_array_equal(want, np.asarray(keep(*args)))
             assert (got.sum(1) <= top_k).all() if lg is logits else True
     # order independence of the gathered cut
     scores = jnp.asarray(logits[:2, :40])
