@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not (args.tiny or args.default or args.random_init or args.model):
         p.error("give --tiny, --default, --random-init (with --preset) or --model/--draft")
+    if not 1 <= args.min_new <= args.max_new:
+        p.error(f"--min-new {args.min_new} must be in [1, --max-new {args.max_new}]")
     args.dtype = args.dtype or ("float32" if args.tiny or args.default else "bfloat16")
     ints = lambda s: [int(x) for x in str(s).split(",") if x]             # noqa: E731
     steps, pipelines, widths = ints(args.steps), ints(args.pipeline), ints(args.insert_width)
