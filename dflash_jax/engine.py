@@ -481,6 +481,12 @@ def parse_step_buckets(text: str):
         raise ValueError(f"expected auto, none or comma-separated row counts, got {text!r}") from None
 
 
+def offline_defaults(platform: str) -> dict:
+    """An offline job's engine settings by platform, measured (BENCHMARKS.md): K (iterations per
+    step) 8 and refills of >= 3 slots on an accelerator, K 4 and immediate refills on CPU."""
+    return dict(steps=4, refill_min=1) if platform == "cpu" else dict(steps=8, refill_min=3)
+
+
 class Slots:
     """The device side of continuous batching: `slots` rows of loop state, each a request or free.
 
@@ -547,6 +553,7 @@ class Slots:
                                       is_leaf=lambda x: isinstance(x, P))
         self._release = np.zeros((self.slots,), bool)
         self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
+        self.platform = next(iter(jax.tree.leaves(self.state)[0].devices())).platform   # "cpu", "gpu", "tpu"
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
         return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
@@ -721,7 +728,7 @@ class Slots:
 
     # offline -------------------------------------------------------------------------------------
     def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None,
-            *, pipeline: int = 1, refill_ahead: bool = True, refill_min: int = 3) -> list[RowResult]:
+            *, pipeline: int = 1, refill_ahead: bool = True, refill_min: int | None = None) -> list[RowResult]:
         """Run every request to its end, refilling slots as rows finish (arrival order).
 
         pipeline: steps dispatched ahead of the one whose results the host reads (0: wait for
@@ -733,15 +740,18 @@ class Slots:
         right behind them instead, as if the host had read them; its last tokens are still read
         from those steps. Only rows ending on a stop token idle then.
         refill_min: wait for this many free slots (or as many as requests wait) before a refill,
-        so a prefill serves several arrivals (a prefill's cost is mostly fixed); 1: at once.
-        Measured on the H200 (Qwen3-8B shapes, 32 slots, 128 GSM8K prompts, BENCHMARKS.md): refill
-        ahead +4%, refill_min 3 +2%, steps 8 instead of 4 +4% tokens/s."""
+        so a prefill serves several arrivals; 1: at once; None: offline_defaults' (3 on an
+        accelerator, where a small prefill's cost is mostly its weight reads; 1 on CPU, where it is
+        compute and scales with the rows). Measured (BENCHMARKS.md): on the H200 refill ahead +4%,
+        refill_min 3 +2%, steps 8 instead of 4 +4% tokens/s; on CPU refill_min 3 and steps 8 lose."""
         import jax
 
         for r in requests:
             self.check(r)
         if not self._decode._is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
+        if refill_min is None:
+            refill_min = offline_defaults(self.platform)["refill_min"]
         if not self._decode._is_int(refill_min) or refill_min < 1:
             raise ValueError(f"refill_min must be an integer >= 1, got {refill_min!r}")
         waiting = collections.deque(range(len(requests)))

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=None)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--steps", default="8", help="iterations per engine step (comma list)")
+    p.add_argument("--steps", default="", help="iterations per engine step (comma list; default: offline_defaults)")
     p.add_argument("--pipeline", default="1", help="steps dispatched ahead of the one read (comma list)")
     p.add_argument("--insert-width", default="8", help="most requests per prefill (comma list)")
     p.add_argument("--step-buckets", default="auto",
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--refill-ahead", default="on", help="Slots.run refill_ahead: on, off or on,off")
-    p.add_argument("--refill-min", default="3", help="Slots.run refill_min: free slots a refill waits for (comma list)")
+    p.add_argument("--refill-min", default="", help="Slots.run refill_min: free slots a refill waits for (comma list; default: offline_defaults)")
     p.add_argument("--breakdown", action="store_true",
                    help="time the engine's step and insert programs against generate's loop instead")
     args = p.parse_args(argv)
@@ -133,6 +133,9 @@ def main(argv=None) -> int:
     from dflash_jax.engine import RowRequest, Slots
 
     target, draft, tok = build(args)
+    from dflash_jax.engine import offline_defaults
+    defaults = offline_defaults(jax.devices()[0].platform)
+    steps, mins = steps or [defaults["steps"]], mins or [defaults["refill_min"]]
     ps, ns = prompts(args, target.config.vocab_size, tok)
     S = 1 if draft is None else (args.block or draft.config.block_size)
     _, C = decode._buckets(max(len(x) for x in ps), max(ns), S, None)
