@@ -731,7 +731,7 @@ def _engine_program(key, fn, static: tuple, args, donate=()):
 
 def _generate_slots(target, draft, prompts, *, slots, on_commit, step_buckets="auto", **kw):
     """generate through the slot engine (generate's `slots`)."""
-    from dflash_jax.engine import RowRequest, Slots, offline_defaults
+    from dflash_jax.engine import RowRequest, Slots, offline_defaults, platform_of
     if on_commit is not None:
         raise ValueError("on_commit (streaming) is not supported with slots=; use dflash_jax.engine.SlotEngine")
     if not _is_int(slots) or slots < 1:
@@ -740,7 +740,7 @@ def _generate_slots(target, draft, prompts, *, slots, on_commit, step_buckets="a
     stop = [int(t) for t in np.asarray(p.stop_ids[0]) if t >= 0]
     eng = Slots(target, draft if st.draft_def is not None else None, slots=int(slots), capacity=st.capacity,
                 block_size=st.block_size, kernels=st.kernels, step_buckets=step_buckets,
-                steps=offline_defaults(jax.tree.leaves(nnx.state(target))[0].devices().pop().platform)["steps"])
+                steps=offline_defaults(platform_of(nnx.state(target)))["steps"])
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(kw["max_new_tokens"]),
                        temperature=float(kw["temperature"]), top_k=int(kw["top_k"]), top_p=float(kw["top_p"]),
                        stop_ids=tuple(stop), seed=int(kw["seed"]), rng_row=i) for i, r in enumerate(prompts)]

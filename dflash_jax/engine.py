@@ -481,6 +481,12 @@ def parse_step_buckets(text: str):
         raise ValueError(f"expected auto, none or comma-separated row counts, got {text!r}") from None
 
 
+def platform_of(tree) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the first array in a pytree (model state, slot state)."""
+    import jax
+    return next(iter(jax.tree.leaves(tree)[0].devices())).platform
+
+
 def offline_defaults(platform: str) -> dict:
     """An offline job's engine settings by platform, measured (BENCHMARKS.md): K (iterations per
     step) 8 and refills of >= 3 slots on an accelerator, K 4 and immediate refills on CPU."""
@@ -553,7 +559,7 @@ class Slots:
                                       is_leaf=lambda x: isinstance(x, P))
         self._release = np.zeros((self.slots,), bool)
         self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
-        self.platform = next(iter(jax.tree.leaves(self.state)[0].devices())).platform   # "cpu", "gpu", "tpu"
+        self.platform = platform_of(self.state)
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
         return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,

@@ -130,10 +130,9 @@ def main(argv=None) -> int:
     import jax
 
     from dflash_jax import decode, generate
-    from dflash_jax.engine import RowRequest, Slots
+    from dflash_jax.engine import RowRequest, Slots, offline_defaults
 
     target, draft, tok = build(args)
-    from dflash_jax.engine import offline_defaults
     defaults = offline_defaults(jax.devices()[0].platform)
     steps, mins = steps or [defaults["steps"]], mins or [defaults["refill_min"]]
     ps, ns = prompts(args, target.config.vocab_size, tok)
