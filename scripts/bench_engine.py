@@ -25,11 +25,16 @@ Trained pair: --model DIR --draft DIR [--dtype bfloat16].
 rows and context (ms per iteration, two lengths differenced so fixed costs cancel): the full-width
 step, a step bucket of half the slots, that half run by the full-width step, and the insert
 prefills of 1 and --insert-width requests.
+
+--trace DIR: after the table, one static run and one engine run (the last setting) again under
+jax.profiler (traces under DIR), and a table of where the device's time went: busy, idle between
+program launches and inside programs (by program), per program's kernel time.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -109,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--refill-min", default="", help="Slots.run refill_min: free slots a refill waits for (comma list; default: offline_defaults)")
     p.add_argument("--breakdown", action="store_true",
                    help="time the engine's step and insert programs against generate's loop instead")
+    p.add_argument("--trace", metavar="DIR", help="trace a static and an engine run into DIR and print the device timeline")
     args = p.parse_args(argv)
     if not (args.tiny or args.default or args.random_init or args.model):
         p.error("give --tiny, --default, --random-init (with --preset) or --model/--draft")
@@ -155,6 +161,10 @@ def main(argv=None) -> int:
         res = generate(target, draft, [ps[i] for i in b], max_new_tokens=max(ns[i] for i in b), **kw)
         useful += sum(min(len(t), ns[i]) for t, i in zip(res.tokens, b))
     static_s = time.perf_counter() - t0
+    timelines = []
+    if args.trace:
+        timelines.append(("static batches", traced(args.trace, "static", lambda: [
+            generate(target, draft, [ps[i] for i in b], max_new_tokens=max(ns[i] for i in b), **kw) for b in batches])))
 
     print(f"| run | tokens | wall s | tokens/s | speed-up | mean TTFT ms | mean TPOT ms | tau | compiles |")
     print(f"|---|---|---|---|---|---|---|---|---|")
@@ -194,10 +204,60 @@ def main(argv=None) -> int:
                   f"(steps per rows {used}){same} | {tokens} | {engine_s:.2f} | {tokens / engine_s:.1f} | "
                   f"{(tokens / engine_s) / base:.2f}x | {ttft * 1e3:.1f} | {tpot * 1e3:.2f} | {tau:.2f} | "
                   f"{decode.compile_count() - n0} |", flush=True)
+        if args.trace and (K, W, sb) == (steps[-1], widths[-1], buckets[-1]):
+            timelines.append((f"engine K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}",
+                              traced(args.trace, "engine", lambda: eng.run(reqs, pipeline=pipe, refill_ahead=ahead,
+                                                                            refill_min=rmin))))
         del eng                                 # its slot state before the next one's
     print(f"(TTFT from the run's start: all {len(ps)} requests arrive at t=0; TPOT per request after its "
           f"first token; compiles: during the timed run, must be 0)")
+    if timelines:
+        print_timelines(timelines)
     return 0
+
+
+def traced(root: str, name: str, fn) -> dict:
+    """fn() under jax.profiler into root/name; its device timeline (bench_gpu.trace_timeline)."""
+    import os
+
+    import jax
+    from bench_gpu import _find_trace, summarize_trace, trace_timeline   # scripts/ is on sys.path (this script's dir)
+
+    d = os.path.join(root, name)
+    t0 = time.perf_counter()
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0          # no Python call events: a long run's trace stays small and quick
+    with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
+        jax.block_until_ready(fn())
+    wall = time.perf_counter() - t0
+    path = _find_trace(d)
+    if path is None:
+        raise RuntimeError(f"jax.profiler wrote no trace under {d}")
+    out = trace_timeline(path)
+    out["wall_ms"], out["path"], out["by_name"] = wall * 1e3, path, summarize_trace(path)["by_name"]
+    return out
+
+
+def print_timelines(timelines, top: int = 8) -> None:
+    """The device timeline of each traced run: busy and idle, the largest idle gaps by the programs
+    around them, and each program's kernel time."""
+    print()
+    print("| traced run | wall ms (traced) | device span ms | busy ms | idle ms | idle between programs ms | idle inside programs ms |")
+    print("|---|---|---|---|---|---|---|")
+    for label, t in timelines:
+        between = sum(ms for k, (ms, _) in t["gaps"].items() if " -> " in k)
+        print(f"| {label} | {t['wall_ms']:.1f} | {t['span_ms']:.1f} | {t['busy_ms']:.1f} | {t['idle_ms']:.1f} | "
+              f"{between:.1f} | {t['idle_ms'] - between:.1f} |")
+    for label, t in timelines:
+        print(f"\n{label} ({t['source']}; {t['path']}):")
+        print("| idle gap (program, or before -> after) | ms | gaps |")
+        print("|---|---|---|")
+        for k, (ms, c) in sorted(t["gaps"].items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"| {k} | {ms:.1f} | {c} |")
+        print("| program | kernel ms | kernels |")
+        print("|---|---|---|")
+        for k, (ms, c) in sorted(t["busy_by_module"].items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"| {k} | {ms:.1f} | {c} |")
 
 
 def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
@@ -265,6 +325,21 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
     print(f"| engine step, full width, {half} busy | {half} | {e_half_full:.3f} | {e_half_full / g_half:.2f} |")
     for w in sorted({1, eng.insert_width}):
         print(f"| insert (prefill of {w}, prompt bucket {eng.prompt_bucket(L)}) | {w} | {insert(w):.3f} ms per call | |")
+    if args.trace:       # the same n2 iterations of generate's loop and of full-width steps, traced
+        runs = [("generate's loop", traced(args.trace, "generate", lambda: gen(B)(n2))),
+                ("engine step, full width", traced(args.trace, "step", lambda: step(B)(n2)))]
+        print_timelines(runs)
+        print(f"\nkernels whose time differs most, ms per iteration ({n2} iterations traced each):")
+        print("| kernel (digits as #) | generate's loop | engine step | difference | launches per iteration (gen / step) |")
+        print("|---|---|---|---|---|")
+        fam = {}
+        for j, (_, t) in enumerate(runs):
+            for name, (us, c) in t["by_name"].items():
+                f = fam.setdefault(re.sub(r"\d+", "#", name), [0.0, 0.0, 0, 0])
+                f[j] += us / 1e3 / n2
+                f[2 + j] += c
+        for k, (a, b, ca, cb) in sorted(fam.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:16]:
+            print(f"| {k[:90]} | {a:.3f} | {b:.3f} | {b - a:+.3f} | {ca / n2:.1f} / {cb / n2:.1f} |")
     return 0
 
 

@@ -1350,8 +1350,8 @@ def _family(name: str) -> str:
     return _DIGITS.sub("#", name)
 
 
-def summarize_trace(path: str) -> dict:
-    """Sum the device kernel time of a Chrome-format trace (jax.profiler) by kernel name and scope.
+def _device_events(path: str):
+    """(events, source) of a Chrome-format trace (jax.profiler): the device's kernel events as dicts.
 
     Device events: processes named /device:GPU:* or /device:TPU:* (their 'Stream' threads when present,
     else the 'XLA Ops' line); on a CPU backend, the XLA CPU client threads (smoke runs)."""
@@ -1384,12 +1384,17 @@ def summarize_trace(path: str) -> dict:
         sel = {k for k, n in tname.items() if re.match(r"tf_XLA(PjRt)?Cpu", n or "")}
         source = "XLA CPU client threads"
         use = lambda e: (e["pid"], e.get("tid")) in sel and not e.get("name", "").startswith(("end:", "Threadpool", "ThunkExecutor"))
+    return [e for e in ev if e.get("ph") == "X" and use(e)], source
+
+
+def summarize_trace(path: str) -> dict:
+    """Sum the device kernel time of a Chrome-format trace (jax.profiler) by kernel name and scope
+    (device events as _device_events selects them)."""
+    events, source = _device_events(path)
     by_name, by_scope, by_hlo = {}, {}, {}
     busy = 0.0
     n = 0
-    for e in ev:
-        if e.get("ph") != "X" or not use(e):
-            continue
+    for e in events:
         dur = float(e.get("dur", 0.0))  # microseconds
         name = e.get("name", "?")
         t, c = by_name.get(name, (0.0, 0))
@@ -1405,6 +1410,46 @@ def summarize_trace(path: str) -> dict:
             by_scope[scope] = by_scope.get(scope, 0.0) + dur
     return {"by_name": by_name, "by_scope": by_scope, "by_hlo": by_hlo, "busy_ms": busy / 1000, "n_events": n,
             "source": source}
+
+
+def _module_of(e) -> str:
+    a = e.get("args") or {}
+    m = a.get("hlo_module") or a.get("module") or a.get("program") or "?"
+    return re.sub(r"\(\d+\)$", "", str(m))
+
+
+def trace_timeline(path: str, min_gap_us: float = 2.0) -> dict:
+    """The device's timeline in a trace: its span, busy time (the union of kernel intervals over every
+    stream) and idle gaps of >= min_gap_us, each gap named by the programs (HLO modules) of the kernels
+    on either side: 'A' (a gap inside program A: e.g. a while loop's predicate read between
+    iterations) or 'A -> B' (between two program launches: host dispatch, transfers, host sync).
+    Returns span_ms, busy_ms, idle_ms, gaps {name: (ms, count)}, busy_by_module {module: (ms, kernels)}."""
+    events, source = _device_events(path)
+    iv = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), _module_of(e)) for e in events)
+    out = {"source": source, "span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": {}, "busy_by_module": {}}
+    if not iv:
+        return out
+    for t0, t1, m in iv:
+        ms, c = out["busy_by_module"].get(m, (0.0, 0))
+        out["busy_by_module"][m] = (ms + (t1 - t0) / 1e3, c + 1)
+    busy = 0.0
+    cur0, cur1, cur_m = iv[0]
+    for t0, t1, m in iv[1:]:
+        if t0 > cur1:
+            busy += cur1 - cur0
+            gap = t0 - cur1
+            if gap >= min_gap_us:
+                key = cur_m if m == cur_m else f"{cur_m} -> {m}"
+                ms, c = out["gaps"].get(key, (0.0, 0))
+                out["gaps"][key] = (ms + gap / 1e3, c + 1)
+            cur0, cur1, cur_m = t0, t1, m
+        elif t1 >= cur1:
+            cur1, cur_m = t1, m
+    busy += cur1 - cur0
+    out["span_ms"] = (cur1 - iv[0][0]) / 1e3
+    out["busy_ms"] = busy / 1e3
+    out["idle_ms"] = out["span_ms"] - out["busy_ms"]
+    return out
 
 
 _HLO_LINE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"')
