@@ -671,27 +671,27 @@ def _slots_placed(st: _Static, slots: _Slots) -> _Slots:
 
 
 def _slots_step(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, release):
-    """Up to n_iters iterations of _iterate over every slot (stops early once all are done); slots
-    with release [B] set are marked done first. Returns (slots, commits [n, B, S], produced [n, B],
-    done [B]): slot b committed commits[k, b, :produced[k, b]] at iteration k."""
+    """n_iters iterations of _iterate over every slot; slots with release [B] set are marked done
+    first. Returns (slots, commits [n, B, S], produced [n, B], done [B]): slot b committed
+    commits[k, b, :produced[k, b]] at iteration k (a done row commits nothing)."""
     with sharding.active(st.mesh):
         return _slots_step_body(st, n_iters, tstate, dstate, slots, release)
 
 
 def _slots_step_body(st: _Static, n_iters: int, tstate, dstate, slots: _Slots, release):
+    """The step's n_iters iterations as a loop of that fixed trip count, never stopping early when
+    every row is done (a done row's iteration is a no-op): a loop of unknown trip count makes XLA:GPU
+    copy its predicate to the host and wait for the device at every iteration, which blocks the
+    host thread for the whole step, so the host could not dispatch the next insert or step while
+    this one runs (measured: ~1 s of a 12 s offline run idle between programs, docs/perf-log.md)."""
     target, draft = _models(st, tstate, dstate)
-    B, S = st.batch, st.block_size
     loop = slots.loop.replace(done=slots.loop.done | release)
-    commits = jnp.zeros((n_iters, B, S), jnp.int32)                              # [n, B, S]
-    produced = jnp.zeros((n_iters, B), jnp.int32)                                # [n, B]
 
-    def body(c):
-        s, i, commits, produced = c
+    def body(s, _):
         s, commit, n = _iterate(st, target, draft, slots.params, s)
-        return s, i + 1, commits.at[i].set(commit), produced.at[i].set(n)
+        return s, (commit, n)
 
-    loop, _, commits, produced = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < n_iters), body,
-                                                    (loop, jnp.zeros((), jnp.int32), commits, produced))
+    loop, (commits, produced) = jax.lax.scan(body, loop, None, length=n_iters)   # [n, B, S], [n, B]
     return slots.replace(loop=loop), commits, produced, loop.done
 
 
