@@ -20,8 +20,9 @@ are the engine's contract: for the same prompt and settings they equal one-shot
 length, pending context, done flag, limits, sampling settings, seeds) lives on the device in one
 pytree (decode._Slots). `insert` prefills a bucket of requests (up to `insert_width` arrivals of one
 prompt bucket in one prefill of a power-of-two width) and writes their rows into free slots,
-`step` runs up to K draft-verify-accept iterations of the one-shot loop's own iteration
-(decode._iterate) over all slots and returns each slot's commits, `release` frees a slot at the next
+`step` runs K draft-verify-accept iterations of the one-shot loop's own iteration
+(decode._iterate) over all slots (a loop of fixed trip count, so launching it does not hold the host
+thread: see decode._slots_step_body) and returns each slot's commits, `release` frees a slot at the next
 step. Both have `_async` forms returning device arrays: the drivers (`run`, `SlotEngine`) dispatch
 step n+1 before reading step n (`pipeline` = 1), so the host's bookkeeping, token pushing and
 prefill dispatch overlap the device's work instead of stalling it. On a mesh (the models' own,
@@ -497,7 +498,7 @@ class Slots:
     """The device side of continuous batching: `slots` rows of loop state, each a request or free.
 
     insert(items) prefills requests into free slots (grouped by prompt bucket, up to `insert_width`
-    rows per prefill program, default min(slots, 8)), step() runs up to `steps` iterations over all slots, release(slot) frees
+    rows per prefill program, default min(slots, 8)), step() runs `steps` iterations over all slots, release(slot) frees
     a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
     mode, prompt bucket / insert width, step bucket) and cached with generate's programs
     (compile_count counts them). capacity: KV entries per slot; a request needs prompt + max_new
@@ -705,7 +706,7 @@ class Slots:
         self.modes[slot] = "greedy"
 
     def step_async(self, busy: Sequence[int] | None = None):
-        """Dispatch up to `steps` iterations over the busy slots (None: every slot), in the program
+        """Dispatch `steps` iterations over the busy slots (None: every slot), in the program
         of the union of their modes and of the smallest step bucket holding them, without waiting:
         returns device arrays over every slot (commits [K, B, S], produced [K, B], done [B]; zeros
         for slots outside the bucket). Slots outside `busy` may not advance: pass every slot whose

@@ -86,7 +86,7 @@ SIZES = {
         regen_prompts=32, regen_new_tokens=48, regen_batch=16, regen_prompt_tokens=96, regen_budget_s=None,
         regen_mix=REGEN_MIX, self_new_tokens=24, heldout_rows=8,
         draft=dict(num_layers=1, block_size=16, steps=120, batch=8, num_anchors=32, lr=6e-4, budget_s=240),
-        eval_prompts=4, eval_new_tokens=48, timing_prompts=1, timing_sets=("humaneval", "gsm8k", "stdlib-heldout"),
+        eval_prompts=4, eval_new_tokens=48, timing_prompts=1, timing_sets=("humaneval",),
         heldout_prompt_tokens=96, eval_reserve_s=110, ship_dtype="bfloat16", deadline_s=None),
     # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
     "gpu": dict(

@@ -74,12 +74,16 @@ def test_bench_gpu_longctx_pallas_only_smoke(tmp_path):
 
 def test_bench_engine_table_and_breakdown_smoke(tmp_path):
     """bench_engine.py: the static row and one engine row per refill setting, float32 tokens the same
-    in every row, no compile in a timed run; --breakdown prints the programs against generate's loop."""
+    in every row, no compile in a timed run; --breakdown prints the programs against generate's loop
+    (and, with --trace, their traced device timelines)."""
     out = _run(["scripts/bench_engine.py", "--tiny", "--prompts", "6", "--slots", "2", "--steps", "2",
                 "--min-new", "4", "--max-new", "12", "--max-prompt", "24", "--refill-ahead", "off,on"], tmp_path)
     rows = [line for line in out.splitlines() if line.startswith("| engine, K=2")]
     assert "| static batches of 2 |" in out and len(rows) == 2, out
     assert all(line.rstrip().endswith("| 0 |") and "DIFFER" not in line for line in rows), out
     out = _run(["scripts/bench_engine.py", "--tiny", "--breakdown", "--prompts", "2", "--slots", "2",
-                "--steps", "2", "--max-prompt", "24"], tmp_path)
+                "--steps", "2", "--max-prompt", "24", "--trace", str(tmp_path / "trace")], tmp_path)
     assert "| engine step, full width | 2 |" in out and "| insert (prefill of 1" in out, out
+    # --trace: both programs traced, their device timelines and the kernels that differ
+    assert "| generate's loop |" in out and "kernels whose time differs most" in out, out
+    assert "jit__slots_step" in out, out

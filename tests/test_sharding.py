@@ -398,8 +398,10 @@ def test_generate_on_mesh_matches_one_device(spec):
 
 @child
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["1x2", "1x8", "2x4", "8x1"])
+@pytest.mark.parametrize("spec", ["1x2", "8x1"])
 def test_generate_on_mesh_matches_one_device_all_meshes(spec):
+    """The meshes test_generate_on_mesh_matches_one_device leaves out (it runs 2x4 and 1x8), with
+    every proposer kind."""
     _same_on_mesh(spec, PROMPTS, (None, "draft", "truth"))
 
 
