@@ -215,6 +215,19 @@ def test_step_buckets_are_checked(pair):
             Slots(*pair, slots=4, capacity=CAP, step_buckets=bad)
 
 
+def test_step_programs_loop_a_known_trip_count(pair):
+    """Every loop in the compiled step programs (full width and a bucket) has a trip count the
+    compiler knows: XLA:GPU runs a loop of unknown trip count by reading its predicate back and
+    waiting for the device at each iteration on the launching thread, which kept the host from
+    dispatching ahead (docs/perf-log.md, session 22)."""
+    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=3)
+    for rows in (None, 2):
+        text = eng._step_program("greedy", rows).as_text()
+        loops = [line for line in text.splitlines() if " while(" in line]
+        assert loops, text[:2000]
+        assert all("known_trip_count" in line for line in loops), loops
+
+
 def test_step_buckets_same_tokens_as_full_width_and_one_shot(pair):
     """Requests of mixed lengths through 4 slots, so the busy count rises and falls through the
     buckets: every request's tokens and acceptance lengths equal the full-width engine's,
