@@ -34,7 +34,6 @@ program launches and inside programs (by program), per program's kernel time.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
@@ -221,7 +220,7 @@ def traced(root: str, name: str, fn) -> dict:
     import os
 
     import jax
-    from bench_gpu import _find_trace, summarize_trace, trace_timeline   # scripts/ is on sys.path (this script's dir)
+    from bench_gpu import _device_events, _find_trace, summarize_trace, trace_timeline   # scripts/ is on sys.path
 
     d = os.path.join(root, name)
     t0 = time.perf_counter()
@@ -233,8 +232,10 @@ def traced(root: str, name: str, fn) -> dict:
     path = _find_trace(d)
     if path is None:
         raise RuntimeError(f"jax.profiler wrote no trace under {d}")
-    out = trace_timeline(path)
-    out["wall_ms"], out["path"], out["by_name"] = wall * 1e3, path, summarize_trace(path)["by_name"]
+    loaded = _device_events(path)          # one read of a trace that may be hundreds of MB
+    out = trace_timeline(path, loaded=loaded)
+    out["wall_ms"], out["by_name"] = wall * 1e3, summarize_trace(path, loaded=loaded)["by_name"]
+    out["path"] = os.path.relpath(path, root)
     return out
 
 
@@ -249,7 +250,7 @@ def print_timelines(timelines, top: int = 8) -> None:
         print(f"| {label} | {t['wall_ms']:.1f} | {t['span_ms']:.1f} | {t['busy_ms']:.1f} | {t['idle_ms']:.1f} | "
               f"{between:.1f} | {t['idle_ms'] - between:.1f} |")
     for label, t in timelines:
-        print(f"\n{label} ({t['source']}; {t['path']}):")
+        print(f"\n{label} ({t['source']}; trace under --trace DIR: {t['path']}):")
         print("| idle gap (program, or before -> after) | ms | gaps |")
         print("|---|---|---|")
         for k, (ms, c) in sorted(t["gaps"].items(), key=lambda kv: -kv[1][0])[:top]:
@@ -326,6 +327,7 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
     for w in sorted({1, eng.insert_width}):
         print(f"| insert (prefill of {w}, prompt bucket {eng.prompt_bucket(L)}) | {w} | {insert(w):.3f} ms per call | |")
     if args.trace:       # the same n2 iterations of generate's loop and of full-width steps, traced
+        from bench_gpu import _family                       # kernel name, digits as '#'
         runs = [("generate's loop", traced(args.trace, "generate", lambda: gen(B)(n2))),
                 ("engine step, full width", traced(args.trace, "step", lambda: step(B)(n2)))]
         print_timelines(runs)
@@ -335,7 +337,7 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
         fam = {}
         for j, (_, t) in enumerate(runs):
             for name, (us, c) in t["by_name"].items():
-                f = fam.setdefault(re.sub(r"\d+", "#", name), [0.0, 0.0, 0, 0])
+                f = fam.setdefault(_family(name), [0.0, 0.0, 0, 0])
                 f[j] += us / 1e3 / n2
                 f[2 + j] += c
         for k, (a, b, ca, cb) in sorted(fam.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:16]:

@@ -1387,10 +1387,10 @@ def _device_events(path: str):
     return [e for e in ev if e.get("ph") == "X" and use(e)], source
 
 
-def summarize_trace(path: str) -> dict:
+def summarize_trace(path: str, loaded=None) -> dict:
     """Sum the device kernel time of a Chrome-format trace (jax.profiler) by kernel name and scope
-    (device events as _device_events selects them)."""
-    events, source = _device_events(path)
+    (device events as _device_events selects them; loaded: its result for path, already read)."""
+    events, source = loaded or _device_events(path)
     by_name, by_scope, by_hlo = {}, {}, {}
     busy = 0.0
     n = 0
@@ -1418,13 +1418,14 @@ def _module_of(e) -> str:
     return re.sub(r"\(\d+\)$", "", str(m))
 
 
-def trace_timeline(path: str, min_gap_us: float = 2.0) -> dict:
+def trace_timeline(path: str, min_gap_us: float = 2.0, loaded=None) -> dict:
     """The device's timeline in a trace: its span, busy time (the union of kernel intervals over every
     stream) and idle gaps of >= min_gap_us, each gap named by the programs (HLO modules) of the kernels
     on either side: 'A' (a gap inside program A: e.g. a while loop's predicate read between
     iterations) or 'A -> B' (between two program launches: host dispatch, transfers, host sync).
-    Returns span_ms, busy_ms, idle_ms, gaps {name: (ms, count)}, busy_by_module {module: (ms, kernels)}."""
-    events, source = _device_events(path)
+    Returns span_ms, busy_ms, idle_ms, gaps {name: (ms, count)}, busy_by_module {module: (ms, kernels)}
+    (loaded: _device_events(path), already read)."""
+    events, source = loaded or _device_events(path)
     iv = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), _module_of(e)) for e in events)
     out = {"source": source, "span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": {}, "busy_by_module": {}}
     if not iv:
