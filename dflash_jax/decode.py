@@ -40,6 +40,7 @@ from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax.cache import KVCache
 from dflash_jax.modeling.draft import DFlashDraft
 from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax.models.qwen3_5 import Qwen35
 
 __all__ = ["generate", "GenerateResult", "precompile", "compiled_program", "lower_generate", "lower_iteration", "export_generate",
            "compile_count"]
@@ -146,6 +147,13 @@ def _finished(st: _Static, lens, limit, cap_block):
     return (lens + 1 >= limit) | (lens + cap_block > st.capacity)
 
 
+def _commit(target, cache, n):
+    """The target's rollback hook after a forward: a hybrid target folds the first n[b] tokens of
+    the block into its recurrent state (models/qwen3_5.py); attention targets need nothing."""
+    commit = getattr(target, "commit", None)
+    return cache if commit is None else commit(cache, n)
+
+
 def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
@@ -153,6 +161,7 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
     with jax.named_scope("prefill_target"):
         h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
                                   kernels=st.kernels, prefill=True)
+    tcache = _commit(target, tcache, p.prompt_lens)        # a bucket's padding never reaches a state
     last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
@@ -216,6 +225,7 @@ def _iterate(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop):
         is_stop = jnp.any(commit[..., None] == p.stop_ids[:, None, :], axis=-1) & (j < produced[:, None])
         produced = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, produced)
         produced = jnp.where(s.done, 0, produced).astype(jnp.int32)
+        tcache = _commit(target, tcache, produced)        # rejected drafts never reach a state
     with jax.named_scope("commit"):
         def put(row, start, new, n):
             old = jax.lax.dynamic_slice(row, (start,), (S,))
@@ -355,8 +365,8 @@ def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bu
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
                        block_size, seed, attention_impl, capacity, stream, kernels=None, mesh=None):
-    if not isinstance(target, Qwen3):
-        raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
+    if not isinstance(target, (Qwen3, Qwen35)):
+        raise TypeError(f"target must be a Qwen3 or Qwen3.5 model from load_target/init_target, got {type(target).__name__}")
     if draft is not None and not (isinstance(draft, nnx.Module) and callable(getattr(draft, "propose", None))):
         raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
@@ -386,6 +396,8 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
                          f"KV-cache capacity {C}; raise capacity or shorten the prompt")
     mesh = _resolve_mesh(mesh, target, draft)
+    if mesh is not None and isinstance(target, Qwen35):
+        raise ValueError("a hybrid (Qwen3.5) target runs on one device for now: pass no mesh")
     # a power of two, and a multiple of the data axis (every data shard gets whole rows; the
     # padding rows are inactive)
     B = _round_up(_pow2(len(rows), 1), 1 if mesh is None else sharding.data_axis_size(mesh))

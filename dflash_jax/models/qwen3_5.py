@@ -1,0 +1,529 @@
+"""The Qwen3.5 hybrid target (HF model_type `qwen3_5`, its text model): Gated DeltaNet layers
+(linear attention with a recurrent state) and gated full-attention layers, 3 : 1 by default.
+
+Same interface as the Qwen3 target: `model(tokens, positions, cache, k_end, taps=, kernels=,
+prefill=)` -> (final-normed hidden, taps, cache), `logits`, `embed_tokens`, `new_cache`, plus
+`commit(cache, n)`, the rollback the loop calls after every forward:
+
+A recurrent state cannot be cropped like a KV cache, so a forward leaves each GDN layer's state at
+its value BEFORE the block and returns the block's per-token records (the rule's prepared k, v, g,
+beta and the conv inputs) in the cache. `commit(cache, n)` then folds the first n[b] tokens of each
+row into the state (gated_delta.fold: one chunked pass that reads and writes the state once) and
+cuts the conv window at the same token. The records live only between the forward and the commit
+of one iteration (never in the loop carry). The loop commits the accepted count after a verify
+(a row's rejected drafts never reach its state) and the prompt length after prefill (a bucket's
+padding never does). Memory per request beyond the state: the records of one block, transient;
+the design note is docs/hybrid-targets.md.
+
+Layer differences from Qwen3 (all as transformers' `modeling_qwen3_5`):
+  - RMSNorm is zero-centred: x_hat * (1 + w), computed in float32 (layer, final, q/k norms);
+  - attention: q_proj gives [query | gate] per head, q/k norm, RoPE on the first
+    partial_rotary_factor of the head dims (rotate_half within them; text-only mRoPE is 1-D RoPE),
+    output * sigmoid(gate) before o_proj;
+  - GDN: in_proj_qkv / z / b / a (fused here into one matmul), depthwise causal conv (kernel 4,
+    SiLU) over q|k|v, beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), the gated delta rule
+    (gated_delta.py), output norm w * norm(o) * silu(z), out_proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from dflash_jax.attention import attend, attend_prefill
+from dflash_jax.cache import write_kv_rows
+from dflash_jax.config import ConfigError, _positive, _read_json
+from dflash_jax.kernel_config import KernelConfig, resolved
+from dflash_jax.modeling.layers import MLP, _init, gated_silu, rope
+from dflash_jax.models import gated_delta as gd
+
+__all__ = ["Qwen35Config", "Qwen35", "HybridCache", "load_qwen3_5", "init_qwen3_5"]
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+VERIFY_FORMS = ("chunk", "recurrent")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+    """A Qwen3.5 text model (static: part of the compile key through the module's structure)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple                 # per layer "linear_attention" | "full_attention"
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    # how a multi-token block (verify, T > 1 outside prefill) runs the rule: "chunk" (one chunk,
+    # the state read once) or "recurrent" (unrolled per token); same numbers up to rounding
+    verify_form: str = "chunk"
+    prefill_chunk: int = 64
+
+    def __post_init__(self):
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
+        if bad:
+            raise ConfigError(f"layer_types {bad} not supported (linear_attention, full_attention)")
+        if self.verify_form not in VERIFY_FORMS:
+            raise ConfigError(f"verify_form={self.verify_form!r}; expected one of {VERIFY_FORMS}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_kv_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                              f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
+                              f"rotary dims of head_dim {self.head_dim} (needs an even count > 0)")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_layers(self) -> tuple:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], **overrides) -> "Qwen35Config":
+        """HF config.json of `Qwen3_5ForConditionalGeneration` (model_type qwen3_5, the text model
+        under text_config) or of the text model alone (qwen3_5_text). Layers: `layer_types`, or
+        every `full_attention_interval`-th layer (default 4) full attention, the rest GDN."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"target: the config must be a JSON object, got {type(d).__name__}")
+        mt = d.get("model_type")
+        if mt not in MODEL_TYPES:
+            raise ConfigError(f"target: model_type={mt!r}; the hybrid family reads {MODEL_TYPES}")
+        tie = d.get("tie_word_embeddings")
+        if isinstance(d.get("text_config"), Mapping):
+            d = d["text_config"]
+        if tie is None:
+            tie = d.get("tie_word_embeddings", False)
+        need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise ConfigError(f"target: config.json lacks {', '.join(missing)}")
+        for k in need:
+            _positive(d, k, "target")
+        if d.get("attention_bias"):
+            raise ConfigError("target: attention_bias=True is not supported (Qwen3.5 has no attention bias)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"target: hidden_act={d.get('hidden_act')!r}; only 'silu' is supported")
+        L = int(d["num_hidden_layers"])
+        types = d.get("layer_types")
+        if types is None:
+            interval = int(d.get("full_attention_interval", 4))
+            types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(L)]
+        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if kind not in ("default", "mrope", None):
+            raise ConfigError(f"target: rope_type={kind!r} is not supported (default / text-only mRoPE)")
+        n_heads = int(d["num_attention_heads"])
+        fields = dict(
+            vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]), num_layers=L, num_heads=n_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
+            layer_types=tuple(types),
+            linear_num_key_heads=int(d["linear_num_key_heads"]),
+            linear_num_value_heads=int(d["linear_num_value_heads"]),
+            linear_key_head_dim=int(d["linear_key_head_dim"]),
+            linear_value_head_dim=int(d["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 1e7))),
+            partial_rotary_factor=float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
+            max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
+            tie_word_embeddings=bool(tie))
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **overrides) -> "Qwen35Config":
+        return cls.from_dict(_read_json(path), **overrides)
+
+
+class ZeroCentredRMSNorm(nnx.Module):
+    """x_hat * (1 + w) in float32, then cast (transformers' Qwen3_5RMSNorm; w starts at zero)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def partial_rope(x, positions, rot: int, theta: float):
+    """RoPE (rotate_half) on the first `rot` dims of x [B, T, N, D]; the rest passes through."""
+    if rot == x.shape[-1]:
+        return rope(x, positions, theta)
+    return jnp.concatenate([rope(x[..., :rot], positions, theta), x[..., rot:]], axis=-1)
+
+
+class GatedAttention(nnx.Module):
+    """Full attention with an output gate. Fused projection [H, Hq*2D + 2 Hkv*D]: q_proj's columns
+    (per head [query_h | gate_h], as HF lays them), then k, then v."""
+
+    def __init__(self, c: Qwen35Config, dtype, rngs: nnx.Rngs):
+        H, D = c.hidden_size, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, D
+        self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
+        self.qkv = _init(rngs, (H, (2 * c.num_heads + 2 * c.num_kv_heads) * D), dtype, H ** -0.5)
+        self.q_norm = ZeroCentredRMSNorm(D, c.rms_norm_eps, dtype)
+        self.k_norm = ZeroCentredRMSNorm(D, c.rms_norm_eps, dtype)
+        self.o = _init(rngs, (c.num_heads * D, H), dtype, (c.num_heads * D) ** -0.5)
+
+    def __call__(self, h, positions, k_cache, v_cache, k_end, kernels, prefill: bool):
+        B, T, _ = h.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = h @ self.qkv[...]
+        qg = qkv[..., :2 * Hq * D].reshape(B, T, Hq, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(B, T, Hq * D)
+        k = qkv[..., 2 * Hq * D:(2 * Hq + Hkv) * D].reshape(B, T, Hkv, D)
+        v = qkv[..., (2 * Hq + Hkv) * D:].reshape(B, T, Hkv, D)
+        q = partial_rope(self.q_norm(q), positions, self.rotary_dim, self.rope_theta)   # [B, T, Hq, D]
+        k = partial_rope(self.k_norm(k), positions, self.rotary_dim, self.rope_theta)   # [B, T, Hkv, D]
+        k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, positions[:, 0], kernels)
+        if prefill:
+            o = attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels)
+        else:
+            o = attend(q, k_cache, v_cache, k_end, kernels)                             # [B, T, Hq, D]
+        o = o.reshape(B, T, Hq * D) * jax.nn.sigmoid(gate)
+        return o @ self.o[...], k_cache, v_cache
+
+
+class GatedDeltaNet(nnx.Module):
+    """The linear-attention mixer. Fused input projection [H, conv_dim + HV*dv + 2 HV]:
+    in_proj_qkv | in_proj_z | in_proj_b | in_proj_a."""
+
+    def __init__(self, c: Qwen35Config, dtype, rngs: nnx.Rngs):
+        H = c.hidden_size
+        self.hk, self.hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.conv_dim, self.kernel = c.conv_dim, c.linear_conv_kernel_dim
+        self.verify_form, self.prefill_chunk = c.verify_form, c.prefill_chunk
+        vd = self.hv * self.dv
+        self.in_proj = _init(rngs, (H, self.conv_dim + vd + 2 * self.hv), dtype, H ** -0.5)
+        self.conv = _init(rngs, (self.conv_dim, self.kernel), dtype, self.kernel ** -0.5)   # [C, K]
+        self.dt_bias = nnx.Param(jnp.ones((self.hv,), dtype))
+        a = jax.random.uniform(rngs.params(), (self.hv,), jnp.float32, 0.01, 16.0)
+        self.A_log = nnx.Param(jnp.log(a).astype(dtype))
+        self.norm = nnx.Param(jnp.ones((self.dv,), dtype))      # the gated output norm (plain w)
+        self.norm_eps = c.rms_norm_eps
+        self.out = _init(rngs, (vd, H), dtype, vd ** -0.5)
+
+    def inputs(self, h, window):
+        """Projections and conv of h [B, T, H] with the conv window [B, K-1, C]: prepared q, k
+        [B, T, HK, dk] (k not yet expanded), v [B, T, HV, dv], g, beta [B, T, HV] (float32), z
+        [B, T, HV, dv] and the conv inputs with their window xx [B, K-1+T, C]."""
+        B, T, _ = h.shape
+        C, vd = self.conv_dim, self.hv * self.dv
+        p = h @ self.in_proj[...]
+        mixed, z = p[..., :C], p[..., C:C + vd].reshape(B, T, self.hv, self.dv)
+        b, a = p[..., C + vd:C + vd + self.hv], p[..., C + vd + self.hv:]
+        conv, xx = gd.causal_conv(mixed, window, self.conv[...])
+        kd = self.hk * self.dk
+        q = gd.l2norm(conv[..., :kd].reshape(B, T, self.hk, self.dk)) * (self.dk ** -0.5)
+        k = gd.l2norm(conv[..., kd:2 * kd].reshape(B, T, self.hk, self.dk))
+        v = conv[..., 2 * kd:].reshape(B, T, self.hv, self.dv).astype(jnp.float32)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        return q, k, v, g, beta, z, xx
+
+    def expand(self, x):
+        """k-heads to v-heads: each k-head serves HV/HK consecutive v-heads (repeat_interleave)."""
+        rep = self.hv // self.hk
+        return x if rep == 1 else jnp.repeat(x, rep, axis=2)
+
+    def __call__(self, h, state, window, prefill: bool):
+        """h [B, T, H] normed rows; state [B, HV, dk, dv] float32 and window [B, K-1, C] before
+        them (left unchanged). Returns (out [B, T, H], the records (k, v, g, beta, xx) that
+        `advance` folds into the state)."""
+        B, T, _ = h.shape
+        q, k, v, g, beta, z, xx = self.inputs(h, window)
+        qe, ke = self.expand(q), self.expand(k)
+        if prefill:
+            o, _ = gd.chunked(qe, ke, v, g, beta, state, self.prefill_chunk)
+        elif T == 1 or self.verify_form == "recurrent":
+            o, _ = gd.recurrent(qe, ke, v, g, beta, state)
+        else:
+            o, _ = gd.chunked(qe, ke, v, g, beta, state, T)
+        # the gated output norm: weight * norm(o) in the model dtype, times silu(z) in float32
+        of = o.astype(h.dtype).astype(jnp.float32)
+        of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.norm_eps)
+        o = (self.norm[...] * of.astype(h.dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        o = o.astype(h.dtype).reshape(B, T, self.hv * self.dv)
+        return o @ self.out[...], (k, v, g, beta, xx)
+
+    def advance(self, state, records, n):
+        """(state, conv window) after the first n[b] tokens of the records' block."""
+        k, v, g, beta, xx = records
+        state = gd.fold(self.expand(k), v, g, beta, state, n, self.prefill_chunk)
+        return state, gd.window_after(xx, n, self.kernel)
+
+
+class HybridLayer(nnx.Module):
+    def __init__(self, c: Qwen35Config, kind: str, dtype, rngs: nnx.Rngs):
+        self.kind = kind
+        self.input_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mixer = GatedAttention(c, dtype, rngs) if kind == "full_attention" else GatedDeltaNet(c, dtype, rngs)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype, rngs)
+
+    def finish(self, x, mixed):
+        x = x + mixed
+        return x + gated_silu(self.post_attention_layernorm(x) @ self.mlp.gate_up[...]) @ self.mlp.down[...]
+
+
+@struct.dataclass
+class HybridCache:
+    """The hybrid target's cache: K/V of the full-attention layers ([B, Hkv, C, D] each, as
+    KVCache), the GDN layers' recurrent states [B, HV, dk, dv] float32 and conv windows
+    [B, K-1, C], per-row lengths, and between a forward and its commit the block's records
+    (None in the loop carry)."""
+    k: tuple
+    v: tuple
+    state: tuple
+    conv: tuple
+    lens: jax.Array
+    records: Any = None
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+
+class Qwen35(nnx.Module):
+    def __init__(self, config: Qwen35Config, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        H, V = config.hidden_size, config.vocab_size
+        self.embed = _init(rngs, (V, H), dtype, 1.0)                             # [V, H]
+        self.layers = nnx.List([HybridLayer(config, t, dtype, rngs) for t in config.layer_types])
+        self.norm = ZeroCentredRMSNorm(H, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)
+
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0)                       # [B, T, H]
+
+    def logits(self, h):
+        """h [B, T, H] (final-normed) -> float32 logits [B, T, V]."""
+        if self.lm_head is None:
+            return jnp.einsum("bth,vh->btv", h, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("bth,hv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, positions, cache: HybridCache, k_end, *, taps: tuple[int, ...] = (),
+                 kernels: KernelConfig | str | None = None, prefill: bool = False):
+        """As Qwen3.__call__. The attention layers' K/V go to cache rows [positions[:, 0], + T);
+        the GDN states stay at their value before the block and the block's records come back in
+        the cache: call `commit(cache, n)` next (the loop does)."""
+        kernels = resolved(kernels)
+        x = self.embed_tokens(tokens)
+        ks, vs = list(cache.k), list(cache.v)
+        records, tapped = [], {}
+        ia = il = 0
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"target_layer{i}"):
+                h = layer.input_layernorm(x)
+                if layer.kind == "full_attention":
+                    mixed, ks[ia], vs[ia] = layer.mixer(h, positions, ks[ia], vs[ia], k_end, kernels, prefill)
+                    ia += 1
+                else:
+                    mixed, rec = layer.mixer(h, cache.state[il], cache.conv[il], prefill)
+                    records.append(rec)
+                    il += 1
+                x = layer.finish(x, mixed)
+            if i in taps:
+                tapped[i] = x
+        h = self.norm(x)
+        tapped[len(self.layers) - 1] = h      # HF's last hidden_states entry is after the final norm
+        feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        cache = HybridCache(k=tuple(ks), v=tuple(vs), state=cache.state, conv=cache.conv,
+                            lens=positions[:, 0] + tokens.shape[1], records=tuple(records))
+        return h, feats, cache
+
+    def commit(self, cache: HybridCache, n) -> HybridCache:
+        """The rollback hook: each GDN layer's state and conv window advanced over the first n[b]
+        tokens of the last forward's block (n [B] int32, 0 <= n <= T; 0 leaves a row as it was).
+        Attention K/V need nothing: entries past a row's length are never read."""
+        if cache.records is None:
+            return cache
+        gdn = [l.mixer for l in self.layers if l.kind != "full_attention"]
+        out = [m.advance(s, r, n) for m, s, r in zip(gdn, cache.state, cache.records)]
+        return cache.replace(state=tuple(o[0] for o in out), conv=tuple(o[1] for o in out), records=None)
+
+    def new_cache(self, batch: int, capacity: int) -> HybridCache:
+        c = self.config
+        kv = (batch, c.num_kv_heads, capacity, c.head_dim)
+        nf, nl = len(c.full_layers), len(c.linear_layers)
+        st = (batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        cw = (batch, c.linear_conv_kernel_dim - 1, c.conv_dim)
+        return HybridCache(k=tuple(jnp.zeros(kv, self.dtype) for _ in range(nf)),
+                           v=tuple(jnp.zeros(kv, self.dtype) for _ in range(nf)),
+                           state=tuple(jnp.zeros(st, jnp.float32) for _ in range(nl)),
+                           conv=tuple(jnp.zeros(cw, self.dtype) for _ in range(nl)),
+                           lens=jnp.zeros((batch,), jnp.int32))
+
+
+def state_bytes(config: Qwen35Config, dtype=jnp.bfloat16) -> int:
+    """Bytes of one request's GDN state (recurrent float32 + conv window)."""
+    c = config
+    n = len(c.linear_layers)
+    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv = (c.linear_conv_kernel_dim - 1) * c.conv_dim * jnp.dtype(dtype).itemsize
+    return n * (rec + conv)
+
+
+def record_bytes(config: Qwen35Config, block: int, dtype=jnp.bfloat16) -> int:
+    """Bytes of one request's verify records (the rollback's transient working set) for a block."""
+    c = config
+    per_token = 4 * (c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads *
+                     (c.linear_value_head_dim + 2))
+    conv = (c.linear_conv_kernel_dim - 1 + block) * c.conv_dim * jnp.dtype(dtype).itemsize
+    return len(c.linear_layers) * (block * per_token + conv)
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+_PREFIXES = ("model.language_model.", "model.")
+_SKIP = re.compile(r"^(mtp\.|model\.visual\.|visual\.|.*rotary_emb\.inv_freq)")
+
+
+def _text_name(name: str) -> str | None:
+    """A checkpoint key in the text model's names (model.layers..., model.norm..., lm_head...),
+    or None for keys of other parts (vision tower, MTP head)."""
+    if _SKIP.match(name):
+        return None
+    for p in _PREFIXES:
+        if name.startswith(p):
+            return "model." + name[len(p):]
+    return name
+
+
+def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
+    """A Qwen3.5 target from a HF directory or hub id (safetensors only). overrides: Qwen35Config
+    fields (verify_form, prefill_chunk)."""
+    from dflash_jax.weights import _dtype, _iter_tensors, resolve_model_dir
+    dt = _dtype(dtype)
+    d = resolve_model_dir(path_or_hub_id)
+    c = Qwen35Config.from_pretrained(d, **overrides)
+    model = nnx.eval_shape(lambda: Qwen35(c, dt, rngs=nnx.Rngs(0)))
+    parts: dict[int, dict[str, np.ndarray]] = {}
+    seen = set()
+
+    def put(param, value):
+        value = np.asarray(value)
+        if tuple(param.get_value().shape) != value.shape:
+            raise ValueError(f"target {path_or_hub_id}: tensor of shape {value.shape} where the config implies "
+                             f"{tuple(param.get_value().shape)}")
+        if not np.isfinite(value).all():
+            raise ValueError(f"target {path_or_hub_id}: a tensor holds NaN or inf values")
+        param.set_value(jnp.asarray(value, dt))
+
+    for raw, tensor in _iter_tensors(d):
+        name = _text_name(raw)
+        if name is None or (name == "lm_head.weight" and c.tie_word_embeddings):
+            continue
+        t = np.asarray(tensor, np.float32)
+        if name == "model.embed_tokens.weight":
+            put(model.embed, t)
+        elif name == "model.norm.weight":
+            put(model.norm.weight, t)
+        elif name == "lm_head.weight":
+            put(model.lm_head, t.T)
+        else:
+            m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+            if not m or int(m.group(1)) >= c.num_layers:
+                raise ValueError(f"target {path_or_hub_id}: unexpected tensor {raw!r}")
+            i, rest = int(m.group(1)), m.group(2)
+            parts.setdefault(i, {})[rest] = t
+            if _layer_complete(c, i, parts[i]):
+                _fill_layer(model.layers[i], c, parts.pop(i), put)
+                seen.add(i)
+        seen.add(name)
+    missing = [i for i in range(c.num_layers) if i not in seen]
+    if missing or parts:
+        raise ValueError(f"target {path_or_hub_id}: layers {sorted(set(missing) | set(parts))} incomplete in the checkpoint")
+    if "model.embed_tokens.weight" not in seen:
+        raise ValueError(f"target {path_or_hub_id}: the checkpoint lacks model.embed_tokens.weight")
+    if not c.tie_word_embeddings and "lm_head.weight" not in seen:
+        raise ValueError(f"target {path_or_hub_id}: the checkpoint lacks lm_head.weight (and the config is untied)")
+    return model
+
+
+_COMMON = ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+           "mlp.up_proj.weight", "mlp.down_proj.weight")
+_ATTN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+         "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+_GDN = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+        "linear_attn.in_proj_a.weight", "linear_attn.conv1d.weight", "linear_attn.dt_bias",
+        "linear_attn.A_log", "linear_attn.norm.weight", "linear_attn.out_proj.weight")
+
+
+def _layer_complete(c: Qwen35Config, i: int, got: dict) -> bool:
+    need = _COMMON + (_ATTN if c.layer_types[i] == "full_attention" else _GDN)
+    extra = set(got) - set(need)
+    if extra:
+        raise ValueError(f"layer {i} ({c.layer_types[i]}): unexpected tensors {sorted(extra)}")
+    return all(n in got for n in need)
+
+
+def _fill_layer(layer: HybridLayer, c: Qwen35Config, t: dict, put) -> None:
+    put(layer.input_layernorm.weight, t["input_layernorm.weight"])
+    put(layer.post_attention_layernorm.weight, t["post_attention_layernorm.weight"])
+    put(layer.mlp.gate_up, np.concatenate([t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], axis=1))
+    put(layer.mlp.down, t["mlp.down_proj.weight"].T)
+    m = layer.mixer
+    if layer.kind == "full_attention":
+        a = "self_attn."
+        put(m.qkv, np.concatenate([t[a + "q_proj.weight"].T, t[a + "k_proj.weight"].T, t[a + "v_proj.weight"].T], axis=1))
+        put(m.o, t[a + "o_proj.weight"].T)
+        put(m.q_norm.weight, t[a + "q_norm.weight"])
+        put(m.k_norm.weight, t[a + "k_norm.weight"])
+    else:
+        a = "linear_attn."
+        put(m.in_proj, np.concatenate([t[a + n].T for n in ("in_proj_qkv.weight", "in_proj_z.weight",
+                                                              "in_proj_b.weight", "in_proj_a.weight")], axis=1))
+        put(m.conv, t[a + "conv1d.weight"].reshape(c.conv_dim, c.linear_conv_kernel_dim))
+        put(m.dt_bias, t[a + "dt_bias"])
+        put(m.A_log, t[a + "A_log"])
+        put(m.norm, t[a + "norm.weight"])
+        put(m.out, t[a + "out_proj.weight"].T)
+
+
+def init_qwen3_5(config: Qwen35Config, seed: int = 0, dtype="bfloat16") -> Qwen35:
+    """Random weights (benchmarks)."""
+    from dflash_jax.weights import _dtype
+    return Qwen35(config, _dtype(dtype), rngs=nnx.Rngs(seed))

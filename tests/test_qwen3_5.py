@@ -1,0 +1,284 @@
+"""The Qwen3.5 hybrid target (Gated DeltaNet + gated attention) against transformers' qwen3_5
+classes (the independent oracle), float32 on random tiny configs with both layer types: each
+layer, the chunked rule against transformers' recurrent one, the rollback fold, prefill and
+decode through the cache, greedy, and DFlash greedy with rejected and fully accepted blocks.
+Issue 38."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
+from tests.checkpoints import random_prompts
+from tests.doubles import truth_proposer
+
+from dflash_jax import DraftConfig, generate, init_draft
+from dflash_jax.config import ConfigError
+from dflash_jax.kernel_config import resolved
+from dflash_jax.models import gated_delta as gd
+from dflash_jax.models.qwen3_5 import Qwen35Config, load_qwen3_5
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hfm  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            max_position_embeddings=4096, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+
+
+def write_qwen3_5(path: str, seed: int = 0, prefix: str = "", **kw) -> str:
+    """A random transformers Qwen3_5ForCausalLM (float32, non-zero norms and dt_bias) saved as a
+    HF directory; prefix renames `model.` keys as a multimodal checkpoint stores them."""
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3_5TextConfig(**{**TINY, **kw})
+    m = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight") or n.endswith("dt_bias"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    m.save_pretrained(path, safe_serialization=True)
+    if prefix:
+        f = os.path.join(path, "model.safetensors")
+        t = load_file(f)
+        save_file({(prefix + k[len("model."):] if k.startswith("model.") else k): v for k, v in t.items()}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(HF model, our model): 4 layers, GDN / full / GDN / full."""
+    path = write_qwen3_5(str(tmp_path_factory.mktemp("q35")), full_attention_interval=2)
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
+    return hf, load_qwen3_5(path, "float32")
+
+
+def _positions(B, T, start=0):
+    return jnp.broadcast_to(jnp.arange(start, start + T, dtype=jnp.int32), (B, T))
+
+
+def _hf(hf, ids):
+    ids = torch.as_tensor(np.asarray(ids))
+    with torch.no_grad():
+        return hf(ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+
+
+# ------------------------------------------------------------------------------------ config reader
+
+def test_config_reader_layer_types_and_text_config():
+    base = {k: v for k, v in TINY.items() if k != "rope_parameters"}
+    d = {"model_type": "qwen3_5", "tie_word_embeddings": True,
+         "text_config": {**base, "model_type": "qwen3_5_text", "num_hidden_layers": 8,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                             "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
+    c = Qwen35Config.from_dict(d)
+    assert c.full_layers == (3, 7) and c.linear_layers == (0, 1, 2, 4, 5, 6)   # interval 4 by default
+    assert c.tie_word_embeddings and c.rotary_dim == 4 and c.rope_theta == 1e7
+    d["text_config"]["full_attention_interval"] = 2
+    assert Qwen35Config.from_dict(d).full_layers == (1, 3, 5, 7)
+    with pytest.raises(ConfigError, match="model_type='qwen3'"):
+        Qwen35Config.from_dict({**base, "model_type": "qwen3"})
+    with pytest.raises(ConfigError, match="lacks linear_num_key_heads"):
+        Qwen35Config.from_dict({k: v for k, v in {**base, "model_type": "qwen3_5_text"}.items()
+                                if k != "linear_num_key_heads"})
+
+
+def test_language_model_prefix_loads_the_same_weights(tmp_path, pair):
+    hf, ours = pair
+    path = write_qwen3_5(str(tmp_path), prefix="model.language_model.", full_attention_interval=2)
+    other = load_qwen3_5(path, "float32")
+    for a, b in zip(jax.tree.leaves(nnx_state(ours)), jax.tree.leaves(nnx_state(other))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def nnx_state(m):
+    from flax import nnx
+    return nnx.state(m, nnx.Param)
+
+
+# ------------------------------------------------------------------------------------------- layers
+
+def test_zero_centred_norm_matches_transformers(pair):
+    hf, ours = pair
+    x = np.random.RandomState(0).randn(2, 5, 64).astype(np.float32)
+    with torch.no_grad():
+        ref = hf.model.layers[0].input_layernorm(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(np.asarray(ours.layers[0].input_layernorm(jnp.asarray(x))), ref, atol=1e-6)
+
+
+def test_gated_attention_matches_transformers(pair):
+    """Gate from q_proj, q/k norm, RoPE on a quarter of the head dims, sigmoid gate before o_proj."""
+    hf, ours = pair
+    B, T = 2, 9
+    x = np.random.RandomState(1).randn(B, T, 64).astype(np.float32)
+    pos = torch.arange(T)[None].expand(B, T)
+    cos, sin = hf.model.rotary_emb(torch.tensor(x), pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
+    with torch.no_grad():
+        ref, _ = hf.model.layers[1].self_attn(torch.tensor(x), (cos, sin), mask)
+    layer = ours.layers[1].mixer
+    kc = jnp.zeros((B, 2, 16, 16))
+    out, _, _ = layer(jnp.asarray(x), _positions(B, T), kc, kc, _positions(B, T, 1), resolved(None), False)
+    np.testing.assert_allclose(np.asarray(out), ref.numpy(), atol=1e-5)
+
+
+def test_gated_deltanet_matches_transformers(pair):
+    """Projections, causal conv, gates, l2-normalised q/k, grouped v-heads, the rule, the gated norm."""
+    hf, ours = pair
+    x = np.random.RandomState(2).randn(2, 11, 64).astype(np.float32)
+    with torch.no_grad():
+        ref = hf.model.layers[0].linear_attn(torch.tensor(x)).numpy()
+    m = ours.layers[0].mixer
+    state = jnp.zeros((2, 4, 16, 8))
+    window = jnp.zeros((2, 3, m.conv_dim))
+    for prefill in (True, False):     # chunked (prefill) and the block path
+        out, _ = m(jnp.asarray(x), state, window, prefill)
+        np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
+
+
+def _rule_inputs(B=2, T=37, HK=2, HV=4, dk=16, dv=8, seed=3):
+    r = np.random.RandomState(seed)
+    q = gd.l2norm(jnp.asarray(r.randn(B, T, HK, dk), jnp.float32)) * dk ** -0.5
+    k = gd.l2norm(jnp.asarray(r.randn(B, T, HK, dk), jnp.float32))
+    q, k = jnp.repeat(q, HV // HK, axis=2), jnp.repeat(k, HV // HK, axis=2)
+    v = jnp.asarray(r.randn(B, T, HV, dv), jnp.float32)
+    g = jnp.asarray(-np.abs(r.randn(B, T, HV)) * 0.5, jnp.float32)
+    beta = jnp.asarray(1 / (1 + np.exp(-r.randn(B, T, HV))), jnp.float32)
+    s0 = jnp.asarray(r.randn(B, HV, dk, dv) * 0.3, jnp.float32)
+    return q, k, v, g, beta, s0
+
+
+def test_chunked_rule_equals_transformers_recurrent_rule():
+    """Our chunked form (several chunks, a padded last one) and recurrent form from a non-zero
+    state = transformers' torch_recurrent_gated_delta_rule (outputs and final state)."""
+    q, k, v, g, beta, s0 = _rule_inputs()
+    t = [torch.tensor(np.asarray(a)) for a in (q, k, v, g, beta, s0)]
+    # the torch function normalises and scales itself: give it the raw directions, scaled back
+    with torch.no_grad():
+        ref_o, ref_s = hfm.torch_recurrent_gated_delta_rule(t[0] * 16 ** 0.5, t[1], t[2], t[3], t[4],
+                                                            initial_state=t[5], output_final_state=True)
+    for o, s in (gd.chunked(q, k, v, g, beta, s0, chunk=8), gd.recurrent(q, k, v, g, beta, s0)):
+        np.testing.assert_allclose(np.asarray(o), ref_o.numpy(), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(s), ref_s.numpy(), atol=2e-5)
+
+
+def test_fold_stops_each_row_at_its_count():
+    q, k, v, g, beta, s0 = _rule_inputs(T=16)
+    n = jnp.asarray([5, 16], jnp.int32)
+    got = gd.fold(k, v, g, beta, s0, n, chunk=16)
+    for b in range(2):
+        want = gd.recurrent(q[b:b + 1, :int(n[b])], k[b:b + 1, :int(n[b])], v[b:b + 1, :int(n[b])],
+                            g[b:b + 1, :int(n[b])], beta[b:b + 1, :int(n[b])], s0[b:b + 1])[1]
+        np.testing.assert_allclose(np.asarray(got[b:b + 1]), np.asarray(want), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(gd.fold(k, v, g, beta, s0, jnp.zeros(2, jnp.int32))), np.asarray(s0))
+
+
+# ---------------------------------------------------------------------------------- whole model
+
+def test_prefill_logits_and_taps_match_transformers(pair):
+    hf, ours = pair
+    ids = np.random.RandomState(0).randint(0, 128, (2, 13))
+    out = _hf(hf, ids)
+    pos = _positions(2, 13)
+    taps = (0, 1, 3)
+    h, feats, cache = ours(jnp.asarray(ids), pos, ours.new_cache(2, 32), pos + 1, taps=taps, prefill=True)
+    np.testing.assert_allclose(np.asarray(ours.logits(h)), out.logits.numpy(), atol=1e-4)
+    for n, layer in enumerate(taps):   # taps are HF hidden_states[id + 1] whatever the layer type
+        np.testing.assert_allclose(np.asarray(feats[..., n * 64:(n + 1) * 64]),
+                                   out.hidden_states[layer + 1].numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_padded_prefill_then_blocks_with_rollback_match_transformers(pair, form):
+    """A padded prompt bucket (row 0: 6 of 10 tokens), prefill committed at the prompt length,
+    then 4-token blocks of which only n[b] tokens are committed (the rest rejected): every
+    committed position's logits = the HF full-sequence forward."""
+    hf, ours = pair
+    ours = _with_form(ours, form)
+    seqs = np.random.RandomState(4).randint(0, 128, (2, 24))
+    ref = [_hf(hf, seqs[b:b + 1]).logits.numpy()[0] for b in range(2)]
+    lens = np.array([6, 10])
+    prompt = np.where(np.arange(10)[None] < lens[:, None], seqs[:, :10], 0)
+    @jax.jit
+    def fwd(tok, pos, cache, n):
+        h, _, cache = ours(tok, pos, cache, pos + 1)
+        return ours.logits(h), ours.commit(cache, n)
+
+    pos = _positions(2, 10)
+    h, _, cache = ours(jnp.asarray(prompt), pos, ours.new_cache(2, 48), pos + 1, prefill=True)
+    cache = ours.commit(cache, jnp.asarray(lens, jnp.int32))
+    logits = np.asarray(ours.logits(h))
+    for b in range(2):
+        np.testing.assert_allclose(logits[b, :lens[b]], ref[b][:lens[b]], atol=1e-4)
+    for n in ([1, 3], [4, 0], [2, 4]):
+        block = np.stack([seqs[b, lens[b]:lens[b] + 4] for b in range(2)])
+        block[0, n[0]:] = (block[0, n[0]:] + 7) % 128          # rejected tail: other tokens
+        logits, cache = fwd(jnp.asarray(block), jnp.asarray(lens[:, None] + np.arange(4), jnp.int32), cache,
+                            jnp.asarray(n, jnp.int32))
+        for b in range(2):
+            ok = n[b] if b == 0 else 4                          # row 1's block is the true sequence
+            np.testing.assert_allclose(np.asarray(logits)[b, :ok], ref[b][lens[b]:lens[b] + ok], atol=1e-4)
+        lens = lens + np.asarray(n)
+
+
+def _with_form(model, form):
+    from flax import nnx
+    import dataclasses
+    if model.config.verify_form == form:
+        return model
+    gdef, state = nnx.split(model)
+    clone = nnx.merge(gdef, state)
+    for layer in clone.layers:
+        if layer.kind != "full_attention":
+            layer.mixer.verify_form = form
+    clone.config = dataclasses.replace(model.config, verify_form=form)
+    return clone
+
+
+def _hf_greedy(hf, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers(pair):
+    hf, ours = pair
+    prompts = random_prompts(3, 128, min_len=3, max_len=12, seed=7)
+    expected = [_hf_greedy(hf, p, 20) for p in prompts]
+    res = generate(ours, None, prompts, max_new_tokens=20)
+    assert res.tokens == expected
+
+
+def test_dflash_greedy_matches_transformers_with_rejections_and_full_blocks(pair):
+    """A random draft (rejects almost every draft) and the truth proposer (every block accepted
+    whole; one variant corrupting slot 2, so blocks are cut mid-block at the same place): the
+    tokens are the target's greedy ones each time."""
+    hf, ours = pair
+    prompts = random_prompts(2, 128, min_len=4, max_len=12, seed=9)
+    n = 24
+    expected = [_hf_greedy(hf, p, n) for p in prompts]
+    draft = init_draft(DraftConfig.for_target(ours.config, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
+                       seed=1, dtype="float32")
+    res = generate(ours, draft, prompts, max_new_tokens=n)
+    assert res.tokens == expected
+    truth = np.zeros((len(prompts), 64), np.int32)
+    for i, (p, e) in enumerate(zip(prompts, expected)):
+        truth[i, :len(p) + n] = p + e
+    full = generate(ours, truth_proposer(draft, truth, None, 128), prompts, max_new_tokens=n)
+    assert full.tokens == expected
+    assert all(a == 4 for row in full.acceptance_lengths for a in row[:-1])
+    cut = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n)
+    assert cut.tokens == expected
+    assert all(a == 3 for row in cut.acceptance_lengths for a in row[:-1])
