@@ -198,7 +198,7 @@ def test_prefill_logits_and_taps_match_transformers(pair):
                                    out.hidden_states[layer + 1].numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+@pytest.mark.parametrize("form", ["chunk", pytest.param("recurrent", marks=pytest.mark.slow)])
 def test_padded_prefill_then_blocks_with_rollback_match_transformers(pair, form):
     """A padded prompt bucket (row 0: 6 of 10 tokens), prefill committed at the prompt length,
     then 4-token blocks of which only n[b] tokens are committed (the rest rejected): every
@@ -253,6 +253,7 @@ def _hf_greedy(hf, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers(pair):
     hf, ours = pair
     prompts = random_prompts(3, 128, min_len=3, max_len=12, seed=7)
@@ -261,24 +262,32 @@ def test_greedy_matches_transformers(pair):
     assert res.tokens == expected
 
 
-def test_dflash_greedy_matches_transformers_with_rejections_and_full_blocks(pair):
-    """A random draft (rejects almost every draft) and the truth proposer (every block accepted
-    whole; one variant corrupting slot 2, so blocks are cut mid-block at the same place): the
-    tokens are the target's greedy ones each time."""
+def _dflash_case(pair, n=24):
     hf, ours = pair
     prompts = random_prompts(2, 128, min_len=4, max_len=12, seed=9)
-    n = 24
     expected = [_hf_greedy(hf, p, n) for p in prompts]
     draft = init_draft(DraftConfig.for_target(ours.config, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
                        seed=1, dtype="float32")
-    res = generate(ours, draft, prompts, max_new_tokens=n)
-    assert res.tokens == expected
     truth = np.zeros((len(prompts), 64), np.int32)
     for i, (p, e) in enumerate(zip(prompts, expected)):
         truth[i, :len(p) + n] = p + e
-    full = generate(ours, truth_proposer(draft, truth, None, 128), prompts, max_new_tokens=n)
-    assert full.tokens == expected
-    assert all(a == 4 for row in full.acceptance_lengths for a in row[:-1])
-    cut = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n)
-    assert cut.tokens == expected
-    assert all(a == 3 for row in cut.acceptance_lengths for a in row[:-1])
+    return ours, prompts, expected, draft, truth, n
+
+
+@pytest.mark.slow
+def test_dflash_greedy_random_draft_matches_transformers(pair):
+    """A random draft: nearly every block is rejected at its first draft."""
+    ours, prompts, expected, draft, _, n = _dflash_case(pair)
+    assert generate(ours, draft, prompts, max_new_tokens=n).tokens == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corrupt", [None, 2])
+def test_dflash_greedy_full_and_cut_blocks_match_transformers(pair, corrupt):
+    """The truth proposer: every block accepted whole (None), or cut after its second draft (2),
+    so the state is rolled back to the middle of every block: the target's greedy tokens each time."""
+    ours, prompts, expected, draft, truth, n = _dflash_case(pair)
+    res = generate(ours, truth_proposer(draft, truth, corrupt, 128), prompts, max_new_tokens=n)
+    assert res.tokens == expected
+    want = 4 if corrupt is None else 3
+    assert all(a == want for row in res.acceptance_lengths for a in row[:-1])
