@@ -291,3 +291,33 @@ def test_dflash_greedy_full_and_cut_blocks_match_transformers(pair, corrupt):
     assert res.tokens == expected
     want = 4 if corrupt is None else 3
     assert all(a == want for row in res.acceptance_lengths for a in row[:-1])
+
+
+@pytest.mark.slow
+def test_slot_engine_serves_a_hybrid_target_as_one_shot_generate(pair):
+    """Requests through 2 slots (inserts into busy slot state, steps over ragged rows): each
+    request's tokens and acceptance lengths = its one-shot generate."""
+    from dflash_jax.engine import RowRequest, Slots
+    ours, prompts, _, draft, _, _ = _dflash_case(pair)
+    ps = prompts + random_prompts(1, 128, min_len=3, max_len=9, seed=10)
+    ns = [9, 17, 5]
+    out = Slots(ours, draft, slots=2, capacity=64, steps=2).run(
+        [RowRequest(prompt=tuple(p), max_new=n, rng_row=0) for p, n in zip(ps, ns)])
+    for p, n, r in zip(ps, ns, out):
+        want = generate(ours, draft, [p], max_new_tokens=n, capacity=64)
+        assert r.tokens == want.tokens[0] and r.acceptance_lengths == want.acceptance_lengths[0]
+
+
+def test_block_terms_fold_to_every_prefix():
+    """The verify path: a block as one chunk gives the recurrent outputs, and its kept terms fold
+    to the recurrent state after any prefix n (0 .. T), per row."""
+    q, k, v, g, beta, s0 = _rule_inputs(T=8)
+    o, terms = gd.block(q, k, v, g, beta, s0)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(gd.recurrent(q, k, v, g, beta, s0)[0]), atol=2e-5)
+    for n in ([0, 8], [3, 1], [7, 5]):
+        got = gd.fold_block(terms, s0, jnp.asarray(n, jnp.int32))
+        for b in range(2):
+            m = n[b]
+            want = gd.recurrent(q[b:b + 1, :m], k[b:b + 1, :m], v[b:b + 1, :m], g[b:b + 1, :m],
+                                beta[b:b + 1, :m], s0[b:b + 1])[1] if m else s0[b:b + 1]
+            np.testing.assert_allclose(np.asarray(got[b:b + 1]), np.asarray(want), atol=2e-5)

@@ -118,6 +118,36 @@ def fold(k, v, g, beta, state, n, chunk: int = 64):
     return jax.lax.scan(step, state, xs)[0]
 
 
+def block(q, k, v, g, beta, state):
+    """A verify block (T <= 16 or so) as ONE chunk of the chunked form, keeping the chunk's terms
+    for the rollback: (o [B, T, HV, dv] float32, terms) with terms = (k, G, u, w) in chunk layout
+    [B, HV, T, .], which `fold_block` turns into the state after any prefix without solving the
+    triangular system again. The state is read, not advanced."""
+    qc, kc, vc = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))                   # [B, HV, T, d]
+    gc, bc = jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1)                   # [B, HV, T]
+    G, u, w = _chunk_terms(kc, vc, gc, bc)
+    T = q.shape[1]
+    incl = jnp.tril(jnp.ones((T, T), bool))
+    attn = jnp.einsum("bhik,bhjk->bhij", qc, kc) * jnp.exp(jnp.where(incl, G[..., :, None] - G[..., None, :], -jnp.inf))
+    v_new = u - jnp.einsum("bhlk,bhkv->bhlv", w, state)
+    o = jnp.einsum("bhlk,bhkv->bhlv", qc * jnp.exp(G)[..., None], state) + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
+    return jnp.moveaxis(o, 1, 2), (kc, G, u, w)
+
+
+def fold_block(terms, state, n):
+    """The state after the first n[b] tokens of a `block`'s terms, from the state it read:
+    exp(G_n) S + sum_{i<n} exp(G_n - G_i) k_i (u_i - w_i S)^T (rows i >= n of the solved system do
+    do not enter rows < n: the system is lower triangular)."""
+    kc, G, u, w = terms
+    T = G.shape[-1]
+    keep = jnp.arange(T)[None, None, :] < n[:, None, None]                      # [B, 1, T]
+    Gn = jnp.take_along_axis(G, jnp.broadcast_to(jnp.maximum(n - 1, 0)[:, None, None], G.shape[:2] + (1,)), axis=-1)
+    Gn = jnp.where(n[:, None, None] > 0, Gn, 0.0)                               # [B, HV, 1]
+    coef = jnp.where(keep, jnp.exp(Gn - G), 0.0)                                # [B, HV, T]
+    v_new = u - jnp.einsum("bhlk,bhkv->bhlv", w, state)
+    return state * jnp.exp(Gn)[..., None] + jnp.einsum("bhlk,bhlv->bhkv", kc * coef[..., None], v_new)
+
+
 def causal_conv(x, window, weight):
     """Depthwise causal conv + SiLU. x [B, T, C] new inputs, window [B, K-1, C] the K-1 inputs
     before them, weight [C, K]. Returns (SiLU(conv) [B, T, C] in x's dtype, the inputs with their

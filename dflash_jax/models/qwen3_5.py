@@ -223,6 +223,16 @@ class GatedAttention(nnx.Module):
         return o @ self.o[...], k_cache, v_cache
 
 
+@struct.dataclass
+class Records:
+    """A GDN layer's block, kept from its forward to the commit: the rule's inputs (k l2-normed on
+    the k-heads, v, g, beta) or, for a block run as one chunk, its solved terms (gated_delta.block);
+    and the conv inputs with the window before them xx [B, K-1+T, C]."""
+    terms: tuple
+    xx: jax.Array
+    block: bool = struct.field(pytree_node=False)
+
+
 class GatedDeltaNet(nnx.Module):
     """The linear-attention mixer. Fused input projection [H, conv_dim + HV*dv + 2 HV]:
     in_proj_qkv | in_proj_z | in_proj_b | in_proj_a."""
@@ -269,29 +279,34 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, h, state, window, prefill: bool):
         """h [B, T, H] normed rows; state [B, HV, dk, dv] float32 and window [B, K-1, C] before
-        them (left unchanged). Returns (out [B, T, H], the records (k, v, g, beta, xx) that
-        `advance` folds into the state)."""
+        them (left unchanged). Returns (out [B, T, H], the records that `advance` folds into the
+        state (Records)."""
         B, T, _ = h.shape
         q, k, v, g, beta, z, xx = self.inputs(h, window)
         qe, ke = self.expand(q), self.expand(k)
+        rec = Records(terms=(k, v, g, beta), xx=xx, block=False)
         if prefill:
             o, _ = gd.chunked(qe, ke, v, g, beta, state, self.prefill_chunk)
         elif T == 1 or self.verify_form == "recurrent":
             o, _ = gd.recurrent(qe, ke, v, g, beta, state)
-        else:
-            o, _ = gd.chunked(qe, ke, v, g, beta, state, T)
+        else:   # one chunk; its solved terms are the records (the fold reuses them)
+            o, terms = gd.block(qe, ke, v, g, beta, state)
+            rec = Records(terms=terms, xx=xx, block=True)
         # the gated output norm: weight * norm(o) in the model dtype, times silu(z) in float32
         of = o.astype(h.dtype).astype(jnp.float32)
         of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.norm_eps)
         o = (self.norm[...] * of.astype(h.dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
         o = o.astype(h.dtype).reshape(B, T, self.hv * self.dv)
-        return o @ self.out[...], (k, v, g, beta, xx)
+        return o @ self.out[...], rec
 
     def advance(self, state, records, n):
         """(state, conv window) after the first n[b] tokens of the records' block."""
-        k, v, g, beta, xx = records
-        state = gd.fold(self.expand(k), v, g, beta, state, n, self.prefill_chunk)
-        return state, gd.window_after(xx, n, self.kernel)
+        if records.block:
+            state = gd.fold_block(records.terms, state, n)
+        else:
+            k, v, g, beta = records.terms
+            state = gd.fold(self.expand(k), v, g, beta, state, n, self.prefill_chunk)
+        return state, gd.window_after(records.xx, n, self.kernel)
 
 
 class HybridLayer(nnx.Module):
