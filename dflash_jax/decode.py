@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax import sampling, sharding, validation
 from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax.cache import KVCache
-from dflash_jax.modeling.draft import DFlashDraft
-from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax import drafts, models
+from dflash_jax.models.stack import CausalLM
 
 __all__ = ["generate", "GenerateResult", "precompile", "compiled_program", "lower_generate", "lower_iteration", "export_generate",
            "compile_count"]
@@ -146,7 +146,7 @@ def _finished(st: _Static, lens, limit, cap_block):
     return (lens + 1 >= limit) | (lens + cap_block > st.capacity)
 
 
-def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
+def _prefill(st: _Static, target: CausalLM, draft, p: _Params):
     B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
     tcache = _on_mesh(st, target.new_cache(B, C))
@@ -180,11 +180,11 @@ def _prefill(st: _Static, target: Qwen3, draft, p: _Params):
                  step=jnp.zeros((), jnp.int32)))
 
 
-def _iteration(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop) -> _Loop:
+def _iteration(st: _Static, target: CausalLM, draft, p: _Params, s: _Loop) -> _Loop:
     return _iterate(st, target, draft, p, s)[0]
 
 
-def _iterate(st: _Static, target: Qwen3, draft, p: _Params, s: _Loop):
+def _iterate(st: _Static, target: CausalLM, draft, p: _Params, s: _Loop):
     """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
     row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it."""
     B, S, C = st.batch, st.block_size, st.capacity
@@ -355,8 +355,8 @@ def _static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bu
 
 def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
                        block_size, seed, attention_impl, capacity, stream, kernels=None, mesh=None):
-    if not isinstance(target, Qwen3):
-        raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
+    if not isinstance(target, CausalLM):
+        raise TypeError(f"target must be a model from load_target/init_target, got {type(target).__name__}")
     if draft is not None and not (isinstance(draft, nnx.Module) and callable(getattr(draft, "propose", None))):
         raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
@@ -489,7 +489,7 @@ def _compiled(st: _Static, tstate, dstate, p) -> tuple[Any, float]:
     return fn, time.perf_counter() - t0
 
 
-def compiled_program(target: Qwen3, draft, prompts, **kwargs):
+def compiled_program(target: CausalLM, draft, prompts, **kwargs):
     """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
     compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
     on_commit = kwargs.pop("on_commit", None)
@@ -498,7 +498,7 @@ def compiled_program(target: Qwen3, draft, prompts, **kwargs):
     return _compiled(st, tstate, dstate, p)
 
 
-def precompile(target: Qwen3, draft, prompts, **kwargs) -> float:
+def precompile(target: CausalLM, draft, prompts, **kwargs) -> float:
     """Compile (and cache) the program `generate(target, draft, prompts, **kwargs)` would run, without
     running it. Returns the compile seconds (0.0 when it was already compiled)."""
     return compiled_program(target, draft, prompts, **kwargs)[1]
@@ -513,7 +513,7 @@ def _generate_defaults(kw: dict) -> dict:
     return {**out, **kw}
 
 
-def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
+def generate(target: CausalLM, draft, prompts, *, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
              block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
              capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
@@ -521,7 +521,7 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
              slots: int | None = None, step_buckets="auto") -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
-    draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
+    draft: a DFlashDraft (or another proposer, see drafts.dflash); None (or block_size=1) runs
     plain autoregressive decoding through the same loop. Greedy
     output equals the target's own greedy decoding token for token; sampled output follows the
     target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
@@ -768,8 +768,9 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     if sampling_mode not in sampling.MODES:
         raise ValueError(f"sampling_mode={sampling_mode!r}; expected one of {sampling.MODES}")
     dt = _dtype(dtype)
-    target = nnx.eval_shape(lambda: Qwen3(target_config, dt, rngs=nnx.Rngs(0)))
-    draft = nnx.eval_shape(lambda: DFlashDraft(draft_config, dt, rngs=nnx.Rngs(0))) if draft_config is not None else None
+    target = nnx.eval_shape(lambda: models.family(target_config.model_type).model(target_config, dt, rngs=nnx.Rngs(0)))
+    draft = (nnx.eval_shape(lambda: drafts.variant_of_config(draft_config).model(draft_config, dt, rngs=nnx.Rngs(0)))
+             if draft_config is not None else None)
     S = 1 if draft is None else (block_size or draft_config.block_size)
     if S == 1:
         draft = None
