@@ -103,7 +103,7 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
     every row is done (a done row's iteration is a no-op): a loop of unknown trip count makes XLA:GPU
     copy its predicate to the host and wait for the device at every iteration, which blocks the
     host thread for the whole step, so the host could not dispatch the next insert or step while
-    this one runs (measured: ~1 s of a 12 s offline run idle between programs, docs/perf-log.md)."""
+    this one runs (docs/perf-log.md, session 22)."""
     target, draft = merge_models(st, tstate, dstate)
     loop = slots.loop.replace(done=slots.loop.done | release)
 
@@ -439,8 +439,8 @@ class Slots:
         refill_min: wait for this many free slots (or as many as requests wait) before a refill,
         so a prefill serves several arrivals; 1: at once; None: offline_defaults' (3 on an
         accelerator, where a small prefill's cost is mostly its weight reads; 1 on CPU, where it is
-        compute and scales with the rows). Measured (BENCHMARKS.md): on the H200 refill ahead +4%,
-        refill_min 3 +2%, steps 8 instead of 4 +4% tokens/s; on CPU refill_min 3 and steps 8 lose."""
+        compute and scales with the rows). Each was measured (BENCHMARKS.md, docs/perf-log.md): they
+        gain on the H200; on CPU refill_min 3 and steps 8 lose."""
         for r in requests:
             self.check(r)
         if not validation.is_int(pipeline) or pipeline < 0:
