@@ -33,18 +33,29 @@ from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, Reque
 __all__ = ["build_app", "build_parser", "main"]
 
 MAX_STOP_STRINGS = 16
+# A request body larger than this is refused (413) before it is parsed (--max-body-bytes). 8 MiB
+# holds a 128k-token prompt as text or as JSON token ids with room to spare.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# How often a non-streaming request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.1
 
 
 # ----------------------------------------------------------------------------------------- request models
 def _models():
-    """Pydantic request bodies (built lazily so that importing this module needs no pydantic)."""
+    """Pydantic request bodies (built lazily so that importing this module needs no pydantic).
+
+    Strict types: a JSON string is not a number and a number is not a bool (`"max_tokens": "8"`,
+    `"stream": "yes"`, `"max_tokens": true` are 400s, as a client bug should be). Fields of the
+    OpenAI / vLLM APIs that this server does not implement are declared so that a non-default value
+    is refused by name (`_UNSUPPORTED`) instead of being ignored; unknown fields are ignored."""
     from pydantic import BaseModel, ConfigDict, Field
 
     class StreamOptions(BaseModel):
+        model_config = ConfigDict(strict=True)
         include_usage: bool = False
 
     class Common(BaseModel):
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="ignore", strict=True)
         model: str | None = None
         max_tokens: int | None = Field(None, ge=1)
         temperature: float | None = Field(None, ge=0)
@@ -62,23 +73,75 @@ def _models():
         logprobs: Any = None
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
+        # not implemented: refused unless at their default (_UNSUPPORTED)
+        repetition_penalty: float = 1.0
+        min_p: float = 0.0
+        min_tokens: int = 0
+        top_logprobs: Any = None
+        prompt_logprobs: Any = None
+        logit_bias: Any = None
+        response_format: Any = None
+        best_of: Any = None
+        use_beam_search: Any = None
+        length_penalty: Any = None
+        include_stop_str_in_output: Any = None
+        guided_json: Any = None
+        guided_regex: Any = None
+        guided_choice: Any = None
+        guided_grammar: Any = None
+        structured_outputs: Any = None
+        truncate_prompt_tokens: Any = None
 
     class CompletionBody(Common):
         prompt: Union[str, list[int], list[str], list[list[int]]]
         echo: bool = False
+        suffix: Any = None
 
     class Message(BaseModel):
-        model_config = ConfigDict(extra="allow")
+        model_config = ConfigDict(extra="allow", strict=True)
         role: str
         content: Union[str, list[dict], None] = None
 
     class ChatBody(Common):
         messages: list[Message] = Field(min_length=1)
         max_completion_tokens: int | None = Field(None, ge=1)
+        chat_template: str | None = None
         chat_template_kwargs: dict | None = None
         add_generation_prompt: bool = True
+        tools: Any = None
+        tool_choice: Any = None
+        functions: Any = None
+        function_call: Any = None
+        parallel_tool_calls: Any = None
+        continue_final_message: Any = None
+        documents: Any = None
 
     return CompletionBody, ChatBody
+
+
+# Declared request fields this server does not implement, and the values that mean "not used" (a
+# client may send those; anything else is a 400 naming the field).
+_UNSUPPORTED = {
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "top_logprobs": (None, 0),
+    "prompt_logprobs": (None, 0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, False, True), "continue_final_message": (None, False), "documents": (None, []),
+}
+
+
+def _is_default(value, defaults) -> bool:
+    # by type too: `true` is not the 1 of best_of, `0.0` not the 0 of a count
+    return any(value is d if d is None else (type(value) is type(d) and value == d) for d in defaults)
+
+# Arguments of transformers' apply_chat_template that a request's chat_template_kwargs must not
+# reach (they change what the call returns or which template runs, not what the template sees).
+_TEMPLATE_CALL_ARGS = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 class ApiError(Exception):
@@ -95,6 +158,53 @@ class ApiError(Exception):
 
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                         f"(--max-body-bytes)", type_="invalid_request_error")
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is answered 413, from its Content-Length before a
+    byte of it is read, or (chunked) as soon as the bytes received pass the limit."""
+
+    def __init__(self, app, limit: int, on_refuse=None):
+        self.app, self.limit, self.on_refuse = app, limit, on_refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:   # FastAPI passes an HTTPException from here on as it is
+                    from starlette.exceptions import HTTPException
+                    raise HTTPException(413, _too_large(self.limit).message)
+            return msg
+
+        await self.app(scope, limited, send)
+
+    async def _refuse(self, send):
+        err = _too_large(self.limit)
+        if self.on_refuse is not None:
+            self.on_refuse(err)
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 # ----------------------------------------------------------------------------------------- output text
@@ -195,18 +305,26 @@ class _Metrics:
 
 
 # ----------------------------------------------------------------------------------------- the app
-def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max_tokens: int = 16):
+def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max_tokens: int = 16,
+              trust_request_chat_template: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The FastAPI app serving `engine` (see dflash_jax.engine's interface) with `tokenizer` (an HF
-    tokenizer, or None: token-id prompts only, token ids rendered as text)."""
+    tokenizer, or None: token-id prompts only, token ids rendered as text).
+
+    trust_request_chat_template: accept a request's own `chat_template` (a template is code run
+    here); refused (400) by default. max_body_bytes: a larger request body is answered 413 before
+    it is read in full."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     CompletionBody, ChatBody = _models()
     metrics = _Metrics(engine, engine.block_size)
     app = FastAPI(title="dflash-jax", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.draining = engine, metrics, False
+    app.add_middleware(_BodyLimit, limit=max_body_bytes,
+                       on_refuse=lambda e: metrics.rejected.labels(str(e.status)).inc())
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -214,6 +332,10 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if e.status != 500:
             metrics.rejected.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):   # 404 route, 405 method, 413 body, ...
+        return await _api_error(None, ApiError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -264,7 +386,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise _bad("prompt", "this server has no tokenizer; send token ids")
-            ids = list(tokenizer.encode(prompt))
+            ids = await _off_loop(lambda: list(tokenizer.encode(prompt)))
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -275,7 +397,24 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
     async def chat(body: ChatBody, http: HttpRequest):
         t0 = time.perf_counter()
         _check_common(body)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        kwargs = dict(body.chat_template_kwargs or {})
+        template = body.chat_template
+        if "chat_template" in kwargs:
+            template = kwargs.pop("chat_template")
+            field = "chat_template_kwargs.chat_template"
+        else:
+            field = "chat_template"
+        if template is not None and not trust_request_chat_template:
+            # a template is a program (loops included) run on the server: the operator's to allow
+            raise _bad(field, "a request's own chat template is refused by this server (its operator can "
+                              "allow it with --trust-request-chat-template)")
+        if template is not None and not isinstance(template, str):
+            raise _bad(field, "must be a string")
+        for k in kwargs:
+            if k in _TEMPLATE_CALL_ARGS:
+                raise _bad(f"chat_template_kwargs.{k}", "is an argument of the template call, not a template "
+                                                      "variable; it cannot be set here")
+        if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
             raise _bad("messages", "this server's tokenizer has no chat template; use /v1/completions")
         messages = []
         for i, m in enumerate(body.messages):
@@ -285,20 +424,37 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                     raise _bad("messages", f"message {i}: only text content parts are supported")
                 content = "".join(str(p.get("text", "")) for p in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
-        except Exception as e:  # a template's own refusals (roles out of order, ...)
-            raise _bad("messages", f"the chat template refused them: {e}") from None
-        # the template already holds every special token; encode must not add BOS again
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+
+        def render() -> list[int]:
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                                     add_generation_prompt=body.add_generation_prompt, **kwargs)
+            except Exception as e:  # a template's own refusals (roles out of order, ...)
+                raise _bad("messages", f"the chat template refused them: {_one_line(e)}") from None
+            # the template already holds every special token; encode must not add BOS again
+            return list(tokenizer.encode(text, add_special_tokens=False))
+
+        ids = await _off_loop(render)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, engine.stats().max_model_len - len(ids))
         return await _run(body, ids, max_tokens, http, t0, chat=True)
 
     # ---- shared request path
+    async def _off_loop(work):
+        """Run tokenisation / templating in a worker thread: a long prompt or a slow template must
+        not stall the event loop that feeds every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(None, work)
+
+    async def _cancel_on_disconnect(http, handle, gone: list) -> None:
+        """Cancel `handle` (freeing its slot) once the client of a non-streaming request has gone."""
+        while not handle.done:
+            if await http.is_disconnected():
+                gone.append(True)
+                engine.cancel(handle)
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
     def _check_common(body) -> None:
         if app.state.draining:
             raise ApiError(503, "the server is shutting down", type_="service_unavailable")
@@ -312,6 +468,9 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         for f in ("presence_penalty", "frequency_penalty"):
             if getattr(body, f):
                 raise _bad(f, "is not supported (only 0)")
+        for f, defaults in _UNSUPPORTED.items():
+            if f in type(body).model_fields and not _is_default(getattr(body, f), defaults):
+                raise _bad(f, f"is not supported by this server (got {getattr(body, f)!r:.60})")
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
@@ -345,16 +504,12 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
             return StreamingResponse(_stream(handle, out, ident, chat, body.return_token_ids, include_usage,
                                              timing, len(ids)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        fin = None
+        fin, gone = None, []
+        # watched on its own clock: tokens arriving faster than the poll must not hide a hang-up
+        watch = asyncio.ensure_future(_cancel_on_disconnect(http, handle, gone))
         try:
             while fin is None:
-                try:
-                    ev = await asyncio.wait_for(handle.anext(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        engine.cancel(handle)
-                        return Response(status_code=499)
-                    continue
+                ev = await handle.anext()
                 if isinstance(ev, Tokens):
                     timing.tokens(len(ev.ids))
                     metrics.tokens(len(ev.ids))
@@ -364,8 +519,11 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                 else:
                     fin = ev
         finally:
+            watch.cancel()
             if not handle.done:
                 engine.cancel(handle)
+        if gone:
+            return Response(status_code=499)   # nginx's "client closed request"; nobody reads it
         reason = _reason(fin, out)
         timing.observe(metrics, fin, reason)
         if reason == "error":
