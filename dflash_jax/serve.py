@@ -18,21 +18,27 @@ cancels its request. SIGTERM stops accepting, lets in-flight requests finish (up
 import argparse
 import asyncio
 import collections
+import errno
 import json
+import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
 import uuid
 from typing import Any, Literal, Sequence, Union
 
+from dflash_jax import validation
 from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, SlotEngine,
                                Tokens, parse_step_buckets)
 
 __all__ = ["build_app", "build_parser", "main"]
 
 MAX_STOP_STRINGS = 16
+# --capacity when not given (capped at the model's context + one block)
+DEFAULT_CAPACITY = 4096
 # A request body larger than this is refused (413) before it is parsed (--max-body-bytes). 8 MiB
 # holds a 128k-token prompt as text or as JSON token ids with room to spare.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -658,12 +664,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-prompt-len", default="512", metavar="N|LO:HI",
                    help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start; 0: none")
     g.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
-    g.add_argument("--capacity", type=int, default=4096,
-                   help="KV-cache entries per slot: prompt + max_tokens + one block must fit")
+    g.add_argument("--capacity", type=int, default=None,
+                   help=f"KV-cache entries per slot: prompt + max_tokens + one block must fit (default "
+                        f"{DEFAULT_CAPACITY}, or the model's max_position_embeddings + block when smaller); "
+                        f"checked at start against the model's context and the device's memory")
     g.add_argument("--default-max-tokens", type=int, default=16,
                    help="max_tokens of a completion that gives none (chat: the rest of the context)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+                   help="seconds in-flight requests get to finish after SIGTERM; then open streams end with an "
+                        "error event and [DONE]")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="request bodies larger than this are answered 413 before they are read")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (a template is code run by this server: refused "
+                        "with 400 unless this is given)")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed with --random-init")
     return p
 
@@ -724,6 +738,58 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.max_body_bytes < 1:
+        parser.error(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if not args.shutdown_timeout >= 0:
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.capacity is not None and not 2 <= args.capacity <= validation.INT32_MAX // 2:
+        parser.error(f"--capacity must be in [2, {validation.INT32_MAX // 2}] (KV-cache entries), got {args.capacity}")
+    # the configs (no weights yet): the capacity against the model's context
+    cfg = cli.resolve_sources(parser, args)
+    args.vocab_size = cfg.vocab_size
+    block = _block_of(cli, args)
+    context = cfg.max_position_embeddings
+    if args.capacity is None:
+        args.capacity = min(DEFAULT_CAPACITY, context + block)
+    elif args.capacity - block > context:
+        parser.error(f"--capacity {args.capacity} would serve a context of {args.capacity - block} tokens "
+                     f"(capacity - block {block}), beyond the model's max_position_embeddings {context}; "
+                     f"use --capacity {context + block} or less")
+    if args.capacity - block < 2:
+        parser.error(f"--capacity {args.capacity} leaves no room next to a block of {block}")
+
+
+def _block_of(cli, args) -> int:
+    """The block size the engine will run (1: plain decoding), from the flags and the draft's config."""
+    if args.draft is not None and args.draft.lower() == "none":
+        return 1
+    if args.block_size is not None:
+        return args.block_size
+    if getattr(args, "draft_dir", None):
+        from dflash_jax.config import DraftConfig
+        return DraftConfig.from_pretrained(args.draft_dir).block_size
+    return cli.RANDOM_DRAFT_BLOCK
+
+
+def _check_eos(parser, args, eos: Sequence[int], vocab: int) -> None:
+    """The model's eos ids must be token ids of its vocabulary: a bad generation_config.json is the
+    operator's to fix, not every request's 400."""
+    bad = [t for t in eos if not 0 <= t < vocab]
+    if not bad:
+        return
+    gen = []
+    try:
+        from transformers import GenerationConfig
+        ids = GenerationConfig.from_pretrained(args.model_dir or args.model).eos_token_id
+        gen = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    except Exception:  # noqa: BLE001  (no generation_config.json: the tokenizer's eos alone)
+        pass
+    in_gen = [t for t in bad if t in gen]
+    if in_gen:
+        parser.error(f"--model {args.model}: generation_config.json has eos_token_id {in_gen} outside the "
+                     f"vocabulary [0, {vocab}) of its config.json; fix generation_config.json")
+    parser.error(f"--model {args.model}: the tokenizer's eos token id {bad} is outside the model's vocabulary "
+                 f"[0, {vocab}); pass a matching --tokenizer")
 
 
 def _load(parser, args):
@@ -731,58 +797,198 @@ def _load(parser, args):
     cli = _cli()
 
     tokenizer = cli.load_tokenizer(parser, args)
-    target, draft = cli.load_models(parser, args)
     eos = [] if args.random_init else cli.stop_token_ids(args.model, tokenizer)
+    _check_eos(parser, args, eos, args.vocab_size)
+    target, draft = cli.load_models(parser, args)
     name = args.served_model_name or args.model or f"random-init:{args.random_init}"
     return target, draft, tokenizer, eos, name
 
 
-def _server(config, app):
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _free_memory() -> tuple[int | None, str]:
+    """(bytes free for new buffers, where) on the first local device: the accelerator's own memory
+    stats where it has them; host RAM on CPU; (None, ...) where neither is known."""
+    import jax
+
+    dev = jax.local_devices()[0]
+    try:
+        st = dev.memory_stats()
+    except Exception:  # noqa: BLE001  (a backend without memory stats)
+        st = None
+    if st and st.get("bytes_limit"):
+        return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)), f"{dev.device_kind} memory"
+    if dev.platform != "cpu":
+        return None, dev.device_kind
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host RAM (available)"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM (free)"
+    except (ValueError, OSError, AttributeError):
+        return None, "host RAM"
+
+
+def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
+    """--slots x --capacity of KV cache (target and draft) must fit what the device has free once
+    the weights are loaded, checked before anything is allocated for it (an over-large capacity
+    would otherwise be killed by the OS or fail every request)."""
+    import jax
+    from flax import nnx
+
+    per_entry = 0      # KV bytes of one cache entry of one slot, target and draft
+    for m in (target, draft):
+        if m is not None:
+            shapes = jax.eval_shape(lambda m=m: m.new_cache(1, 1))
+            per_entry += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if len(x.shape) == 4)
+    need = per_entry * args.slots * args.capacity // max(1, mesh_devices)
+    free, where = _free_memory()
+    if free is None or need <= free:
+        return
+    weights = sum(getattr(x, "nbytes", 0) for m in (target, draft) if m is not None
+                  for x in jax.tree.leaves(nnx.state(m))) // max(1, mesh_devices)
+    most = free * max(1, mesh_devices) // max(1, per_entry * args.slots)
+    parser.error(f"--slots {args.slots} x --capacity {args.capacity}: the KV caches need {_gb(need)} (beside "
+                 f"{_gb(weights)} of weights), and the {where} has {_gb(free)} free; lower --capacity (at most "
+                 f"{most} with {args.slots} slot(s)) or --slots")
+
+
+def _warm_up(engine, spec) -> None:
+    """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI)),
+    a progress line per bucket: minutes on a large model, which must not look like a hang."""
+    cli = _cli()
+    lo, hi = spec if isinstance(spec, tuple) else (1, spec)
+    hi = min(hi, engine.max_model_len - 1)
+    slots = engine.slots
+    lengths = sorted({min(slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
+    t0, c0 = time.perf_counter(), engine.stats().compiles
+    for i, n in enumerate(lengths):
+        what = "the step programs and " if i == 0 else ""
+        cli.progress(f"compiling {what}the prefill programs for prompts of up to {slots.prompt_bucket(n)} tokens "
+                     f"({i + 1}/{len(lengths)}) ...")
+        slots.warmup([n], ("greedy",))
+    cli.progress(f"warm-up done: {engine.stats().compiles - c0} programs compiled in {time.perf_counter() - t0:.1f} s")
+
+
+def _bind(parser, host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the models load: a port in use is a usage error now, not
+    after minutes of loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        parser.error(f"--host {host}: {e.strerror or e}")
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror or e}"
+        parser.error(f"--port {port}: {host}:{port} {why}")
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server(config, app, engine=None, shutdown_timeout: float | None = None):
     """A uvicorn.Server that marks the app as draining the moment SIGTERM / SIGINT arrives, so that
-    requests on open keep-alive connections get 503 while in-flight ones finish."""
+    requests on open keep-alive connections get 503 while in-flight ones finish; and shuts the
+    engine down beside it, so that what has not finished after `shutdown_timeout` seconds fails
+    through its handles (an open stream gets an error event and [DONE]) before uvicorn's own,
+    later, timeout would cut the connections."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if not app.state.draining and engine is not None:
+                threading.Thread(target=engine.shutdown, kwargs={"timeout": shutdown_timeout},
+                                 name="dflash-drain", daemon=True).start()
             app.state.draining = True
             super().handle_exit(sig, frame)
 
     return Server(config)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import uvicorn
+def _missing_extra() -> list[str]:
+    """The [serve] extra's modules this Python cannot import."""
+    import importlib
 
+    missing = []
+    for name in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def _run(server, sock) -> None:
+    server.run(sockets=[sock])
+
+
+# uvicorn's own graceful-shutdown limit is this much later than --shutdown-timeout, so that the
+# engine fails what is left (error event + [DONE]) before uvicorn would cancel the responses.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    missing = _missing_extra()
+    if missing:
+        print(f"python -m dflash_jax.serve needs the [serve] extra: pip install 'dflash-jax[serve]' "
+              f"(missing: {', '.join(missing)})", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    sock = _bind(parser, args.host, args.port)
+    try:
+        return _serve(parser, args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(parser, args, sock) -> int:
+    import uvicorn
+
     target, draft, tokenizer, eos, name = _load(parser, args)
     block = None if draft is None else (args.block_size or draft.config.block_size)
+    mesh = _cli().get_mesh(parser, args)
+    _check_memory(parser, args, target, draft, 1 if mesh is None else mesh.devices.size)
     try:
         if args.slots > 1:
             engine = SlotEngine(target, draft, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                                 eos_token_ids=eos, block_size=block, attention_impl=args.attention,
                                 steps=args.engine_steps, insert_width=args.insert_width,
-                                pipeline=args.engine_pipeline, warmup_prompt_len=args.warmup_prompt_len,
+                                pipeline=args.engine_pipeline, warmup_prompt_len=0,
                                 step_buckets=args.step_buckets)
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)
     except ValueError as e:
         parser.error(str(e))
+    if args.slots > 1 and args.warmup_prompt_len:
+        _warm_up(engine, args.warmup_prompt_len)
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name,
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens,
+                    trust_request_chat_template=args.trust_request_chat_template, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
-    server = _server(config, app)
-    print(f"[dflash] serving {name} on http://{args.host}:{args.port} (capacity {args.capacity}, "
-          f"block {engine.block_size}, {args.slots} slot(s))", file=sys.stderr, flush=True)
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="off")
+    server = _server(config, app, engine, args.shutdown_timeout)
+    print(f"[dflash] serving {name} on http://{args.host}:{args.port} (capacity {args.capacity}, context "
+          f"{engine.stats().max_model_len}, block {engine.block_size}, {args.slots} slot(s))",
+          file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has drained; these handlers absorb it so
     # that the engine is shut down and the process exits 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        _run(server, sock)
     finally:
         # uvicorn has drained (up to --shutdown-timeout): wait for the engine's thread to leave the
         # device, then free the device state and the compiled programs while the runtime is still
