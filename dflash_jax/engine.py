@@ -243,12 +243,21 @@ def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) ->
             check()
         except ValueError as e:
             raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
+    if validation.is_int(r.top_k) and r.top_k > vocab_size:
+        raise RequestError("top_k", f"{r.top_k} is above the vocabulary size {vocab_size} (0 = off)")
     if not validation.is_int(r.seed) or not 0 <= r.seed < validation.SEED_LIMIT:
         raise RequestError("seed", f"must be an integer in [0, 2**32), got {r.seed!r}")
     try:
         validation.check_stop_ids(stop_ids, vocab_size)
     except ValueError as e:
         raise RequestError("stop_token_ids", _one_line(e)) from None
+
+
+def _context(target, cache_len: int) -> int:
+    """What a request may fill (prompt + max_tokens): the cache's room, never past the model's
+    positions (max_position_embeddings)."""
+    positions = getattr(target.config, "max_position_embeddings", None)
+    return cache_len if positions is None else min(cache_len, int(positions))
 
 
 class _EngineCore:
@@ -331,6 +340,7 @@ class _EngineCore:
             left = list(self._queue) + self._running_handles()
             self._queue.clear()
         for h in left:
+            h.cancelled = True           # a running request stops at its next chance
             h._finish("error", self._stats_of(h), "the server shut down before the request finished")
 
     def _stats_of(self, h: Handle) -> RequestStats:
@@ -360,7 +370,7 @@ class SimpleEngine(_EngineCore):
         else:
             self.block_size = draft.config.block_size if block_size is None else block_size
         self.capacity = capacity
-        self.max_model_len = capacity - self.block_size
+        self.max_model_len = _context(target, capacity - self.block_size)
         if self.max_model_len < 2:
             raise ValueError(f"capacity {capacity} leaves no room next to a block of {self.block_size}")
         self.max_queue = max_queue
@@ -472,7 +482,7 @@ class SlotEngine(_EngineCore):
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         self.pipeline = int(pipeline)
         self.block_size, self.capacity = self.slots.block_size, capacity
-        self.max_model_len, self.max_queue = self.slots.max_model_len, max_queue
+        self.max_model_len, self.max_queue = _context(target, self.slots.max_model_len), max_queue
         self.vocab_size = target.config.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.n_slots = self.slots.slots
