@@ -493,6 +493,7 @@ def compiled_program(target: Qwen3, draft, prompts, **kwargs):
     """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
     compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
     on_commit = kwargs.pop("on_commit", None)
+    validation.check_on_commit(on_commit)
     st, tstate, dstate, p, _, _ = _static_and_params(target, draft, prompts, stream=on_commit is not None,
                                                      **_generate_defaults(kwargs))
     return _compiled(st, tstate, dstate, p)
@@ -548,6 +549,7 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
     counts (engine.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
     """
+    validation.check_on_commit(on_commit)
     if slots is not None and len(prompts) > slots:
         return _generate_slots(target, draft, prompts, slots=slots, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
