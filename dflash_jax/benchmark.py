@@ -205,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    cli.skip_absent_tpu()
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)

@@ -47,7 +47,7 @@ def _generate(*args, **kwargs):
         fn = decode.generate
     return fn(*args, **kwargs)
 
-__all__ = ["main", "build_parser", "StreamDecoder", "stop_token_ids"]
+__all__ = ["main", "build_parser", "StreamDecoder", "stop_token_ids", "skip_absent_tpu"]
 
 DTYPES = validation.DTYPES
 ATTENTION = ("auto", "xla", "pallas")
@@ -70,6 +70,50 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False, []):  # "(default: None)" says nothing
             return action.help
         return super()._get_help_string(action)
+
+
+# Device nodes of an attached accelerator: TPU chips (/dev/accel*: v4, v5e; VFIO: v5p, v6e),
+# NVIDIA (/dev/nvidia0, /dev/nvidiactl in containers, /dev/dxg under WSL2) and AMD (/dev/kfd) GPUs.
+_ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def _accelerator_attached() -> bool:
+    import glob
+    if any(glob.glob(p) for p in _ACCELERATOR_NODES):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):  # a TPU whose /dev nodes are not visible
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def skip_absent_tpu() -> bool:
+    """Where no accelerator is attached and JAX_PLATFORMS is not set, run JAX on "cpu" outright.
+
+    With libtpu installed (the [tpu] extra, or [test], which needs it to compile for TPU ahead of
+    time) JAX tries the TPU backend on every machine; off a TPU VM libtpu prints ~5 lines of errors
+    about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES while it fails, and JAX then uses the CPU. On
+    such a machine the CPU is the only backend there is, so naming it changes nothing but the noise.
+    A TPU or GPU attached, JAX_PLATFORMS or JAX_FORCE_TPU_INIT set, or a backend already running
+    leave JAX's own choice alone. Called by the CLIs before they touch a device; True if it set cpu."""
+    if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ or _accelerator_attached():
+        return False
+    import jax
+    try:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            return False
+    except (ImportError, AttributeError):  # pragma: no cover - another jax: leave it alone
+        return False
+    if jax.config.jax_platforms:
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 
 def progress(msg: str) -> None:
@@ -709,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     from dflash_jax.text import StopWatcher
 
+    skip_absent_tpu()
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)

@@ -595,6 +595,8 @@ def _server(config, app):
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
+XX
+
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)

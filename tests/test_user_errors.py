@@ -428,3 +428,48 @@ def test_a_kernel_fallback_is_said_once_per_reason(caplog):
                                        jnp.ones((1, 1), jnp.int32), impl="gpu", interpret=True)
     said = [r for r in caplog.records if "cannot take" in r.getMessage()]
     assert len(said) == 2 and "head_dim=96" in said[1].getMessage()
+
+
+def test_skip_absent_tpu_leaves_a_chosen_platform_and_an_accelerator_alone(monkeypatch):
+    import jax
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda k, v: calls.append((k, v)))
+    assert gen_cli.skip_absent_tpu() is False  # JAX_PLATFORMS=cpu (this process), backends running
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(gen_cli, "_accelerator_attached", lambda: True)  # a TPU VM or a GPU machine
+    assert gen_cli.skip_absent_tpu() is False
+    monkeypatch.setattr(gen_cli, "_accelerator_attached", lambda: False)
+    monkeypatch.setenv("JAX_FORCE_TPU_INIT", "1")
+    assert gen_cli.skip_absent_tpu() is False and calls == []
+
+
+@pytest.mark.slow
+def test_no_libtpu_noise_off_a_tpu_vm():
+    """With libtpu installed (the test extra) and no accelerator attached, JAX's TPU probe prints
+    libtpu's errors; after skip_absent_tpu (what every CLI calls first) nothing is printed."""
+    import subprocess
+    import sys
+    if importlib.util.find_spec("libtpu") is None or gen_cli._accelerator_attached():
+        pytest.skip("needs libtpu installed and no TPU or GPU attached")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+
+    def stderr(code):
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=root).stderr
+
+    probe = "import jax; assert jax.devices()[0].platform == 'cpu'"
+    assert "TPU" in stderr(probe)  # the noise this removes (if libtpu stops printing, drop this line)
+    assert stderr("from dflash_jax.generate import skip_absent_tpu; skip_absent_tpu(); " + probe) == ""
+
+
+def test_the_test_command_uses_its_own_venv():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    read = lambda *p: open(os.path.join(root, *p), encoding="utf-8").read()
+    script = read("scripts", "test.sh")
+    assert ". .venv-test/bin/activate" in script and ".venv/" not in script
+    assert "bash scripts/test.sh" in read(".ci", "run")
+    assert ".venv-test/" in read(".gitignore").splitlines()
+    readme = read("README.md")
+    assert "`.venv-test`" in readme and "python3 -m venv .venv &&" in readme

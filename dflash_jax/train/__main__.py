@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import importlib
+    importlib.import_module("dflash_jax.generate").skip_absent_tpu()  # libtpu's noise off a TPU VM
     from dflash_jax.config import ConfigError
     from dflash_jax.train.checkpoint import ContractError
     from dflash_jax.train.data import DataError
