@@ -139,8 +139,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                    "'none' for plain autoregressive decoding (with --random-init: a random draft "
                                    "of the z-lab shape unless 'none')")
     g.add_argument("--tokenizer", help="tokenizer source when it is not the --model's")
-    g.add_argument("--dtype", default="bfloat16", type=_dtype_arg, metavar="{" + ",".join(DTYPES) + "}",
-                   help="parameter and activation dtype (aliases: " + ", ".join(validation.DTYPE_ALIASES) + ")")
+    g.add_argument("--dtype", default=None, type=_dtype_arg, metavar="{" + ",".join(DTYPES) + "}",
+                   help="parameter and activation dtype (aliases: " + ", ".join(validation.DTYPE_ALIASES) + "); "
+                        "default: bfloat16, but float32 for the embedded demo pair on CPU, where it is as "
+                        "fast and greedy DFlash output is then identical to plain decoding's")
     g.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="attention backend: Pallas kernels on TPU/GPU (auto), or the XLA reference")
     g.add_argument("--block-size", type=int, help="draft block size (default: the draft's; 1 = no speculation)")
@@ -386,6 +388,7 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if not hasattr(args, "model_dir"):
         resolve_sources(parser, args)
     init_distributed()
+    args.dtype = default_dtype(args)
     mesh = get_mesh(parser, args)
     try:
         if args.random_init is not None:
@@ -416,6 +419,16 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"--block-size {args.block_size} is above the draft's block size "
                      f"{draft.config.block_size}")
     return target, draft
+
+
+def default_dtype(args: argparse.Namespace) -> str:
+    """--dtype, or its default: float32 for the embedded demo pair on a CPU (bfloat16 buys no speed
+    there, docs/perf-log.md, and in float32 the 16-row verify and the 1-row step round alike, so
+    greedy DFlash equals plain decoding token for token), bfloat16 everywhere else."""
+    if args.dtype is not None:
+        return args.dtype
+    import jax
+    return "float32" if args.default_pair and jax.default_backend() == "cpu" else "bfloat16"
 
 
 def effective_block_size(args: argparse.Namespace, draft) -> int:
