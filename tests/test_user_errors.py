@@ -473,3 +473,29 @@ def test_the_test_command_uses_its_own_venv():
     assert ".venv-test/" in read(".gitignore").splitlines()
     readme = read("README.md")
     assert "`.venv-test`" in readme and "python3 -m venv .venv &&" in readme
+
+
+def test_default_dtype_is_float32_only_for_the_embedded_pair_on_cpu():
+    import argparse
+    ns = lambda **kw: argparse.Namespace(**{"dtype": None, "default_pair": False, **kw})
+    assert gen_cli.default_dtype(ns(default_pair=True)) == "float32"  # this process runs on the CPU
+    assert gen_cli.default_dtype(ns()) == "bfloat16"
+    assert gen_cli.default_dtype(ns(default_pair=True, dtype="bfloat16")) == "bfloat16"
+    assert gen_cli.build_parser().parse_args([]).dtype is None
+    assert "float32 for the embedded demo pair on CPU" in " ".join(gen_cli.build_parser().format_help().split())
+
+
+@pytest.mark.slow
+def test_benchmark_says_why_bf16_rows_can_differ_and_the_cpu_pair_runs_in_float32(models, capsys, monkeypatch,
+                                                                                   tmp_path):
+    import dflash_jax.assets as assets
+    monkeypatch.setattr(assets, "default_pair", lambda: models)
+    argv = ["--max-samples", "1", "--max-new-tokens", "8", "--output", str(tmp_path / "r.json")]
+    code, out, err = _run(bench_cli, argv, capsys)
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and r["dtype"] == "float32" and r["greedy_match_rate"] == 1.0, err
+    assert "round differently" not in out
+    code, out, err = _run(bench_cli, argv + ["--dtype", "bf16"], capsys)
+    assert code == 0, err
+    assert ("in bfloat16 the 8-row verify and the 1-row step round differently" in out
+            and "--dtype float32 shows identity" in out)
