@@ -158,6 +158,7 @@ def compiled_program(target: Qwen3, draft, prompts, **kwargs):
     """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
     compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
     on_commit = kwargs.pop("on_commit", None)
+    validation.check_on_commit(on_commit)
     st, tstate, dstate, p, _, _ = _static_and_params(target, draft, prompts, stream=on_commit is not None,
                                                      **_generate_defaults(kwargs))
     return compiled(st, tstate, dstate, p)
@@ -212,6 +213,7 @@ def generate(target: Qwen3, draft, prompts, **options) -> GenerateResult:
     if unknown:
         raise TypeError(f"generate() got unexpected keyword arguments: {sorted(unknown)}")
     o = GenerateOptions(**options)
+    validation.check_on_commit(o.on_commit)
     if o.slots is not None and len(prompts) > o.slots:
         return _generate_slots(target, draft, prompts, o)
     return _generate(target, draft, prompts, on_commit=o.on_commit, **o.program())[0]

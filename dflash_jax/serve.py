@@ -942,6 +942,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m dflash_jax.serve needs the [serve] extra: pip install 'dflash-jax[serve]' "
               f"(missing: {', '.join(missing)})", file=sys.stderr)
         return 2
+    from dflash_jax.cli.generate import skip_absent_tpu
+    skip_absent_tpu()  # libtpu's noise off a TPU VM
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)

@@ -541,6 +541,11 @@ class _Checkpoint:
         from dflash_jax.weights import _safetensors_files
         self._files = [safe_open(p, framework="numpy") for p in _safetensors_files(d)]
         self._where = {n: f for f in self._files for n in f.keys()}
+        for n, f in self._where.items():  # as weights._fill: int8 / bool / int tensors are not weights
+            kind = f.get_slice(n).get_dtype()
+            if not kind.startswith(("F", "BF")):
+                raise ValueError(f"tensor {n} has dtype {kind}; weights must be floating point "
+                                 "(float32, bfloat16, float16)")
 
     def names(self) -> set[str]:
         return set(self._where)
