@@ -154,7 +154,10 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
         path, how, key, want = mapped
         if tuple(t.shape) != want:
             raise ValueError(f"{what}: tensor {name} has shape {tuple(t.shape)}, the config implies {want}")
-        if jnp.issubdtype(t.dtype, jnp.floating) and not bool(jnp.isfinite(t).all()):
+        if not jnp.issubdtype(t.dtype, jnp.floating):  # int8 / bool / int: quantised or not weights at all
+            raise ValueError(f"{what}: tensor {name} has dtype {jnp.dtype(t.dtype).name}; weights must be "
+                             "floating point (float32, bfloat16, float16)")
+        if not bool(jnp.isfinite(t).all()):
             raise ValueError(f"{what}: tensor {name} holds NaN or inf values")
         if how is None:
             put(path, t)
@@ -233,6 +236,11 @@ class _Checkpoint:
         from safetensors import safe_open
         self._files = [safe_open(p, framework="numpy") for p in _safetensors_files(d)]
         self._where = {n: f for f in self._files for n in f.keys()}
+        for n, f in self._where.items():  # as _fill: int8 / bool / int tensors are not weights
+            kind = f.get_slice(n).get_dtype()
+            if not kind.startswith(("F", "BF")):
+                raise ValueError(f"tensor {n} has dtype {kind}; weights must be floating point "
+                                 "(float32, bfloat16, float16)")
 
     def names(self) -> set[str]:
         return set(self._where)
