@@ -5,7 +5,7 @@ and the rollback's (commit's) share of an iteration.
     python scripts/bench_hybrid.py                       # Qwen3.5-9B shapes, B = 1 and 32, S = 16
     python scripts/bench_hybrid.py --smoke               # tiny shapes on CPU (checks the script runs)
 
-Each figure is the median per-iteration time of K iterations of `decode._iterate` run inside one
+Each figure is the median per-iteration time of K iterations of `loop.iterate` run inside one
 jitted fori_loop (as the while loop runs them), the loop state donated. The draft is a random
 5-layer DFlash draft of the target's width (drafts are rejected: every iteration does the same
 work whatever is accepted; the fold runs over the whole block regardless). The rollback's share is
@@ -17,6 +17,7 @@ object per configuration and writes them to --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dflash_jax import DraftConfig, decode, init_draft  # noqa: E402
+from dflash_jax import DraftConfig, decode, init_draft, loop  # noqa: E402
 from dflash_jax.models.qwen3_5 import Qwen35Config, init_qwen3_5, record_bytes, state_bytes  # noqa: E402
 
 # Qwen3.5-9B text model (transformers' Qwen3_5TextConfig defaults are these shapes): 32 layers,
@@ -80,25 +81,24 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int) -> d
     prompts = [[int(x) for x in np.random.RandomState(b).randint(0, c.vocab_size, ctx)] for b in range(B)]
     d = draft if S > 1 else None
     st, tstate, dstate, p, _, _ = decode._static_and_params(
-        target, d, prompts, max_new_tokens=iters * S * (2 * reps + 4) + S, temperature=0.0, top_p=1.0, top_k=0,
-        stop_token_ids=None, block_size=S if S > 1 else None, seed=0, attention_impl=None, capacity=None,
-        stream=False)
+        target, d, prompts, stream=False, max_new_tokens=iters * S * (2 * reps + 4) + S,
+        block_size=S if S > 1 else None)
 
     def models(ts, ds):
         return nnx.merge(st.target_def, ts), (None if st.draft_def is None else nnx.merge(st.draft_def, ds))
 
-    prefill = jax.jit(lambda ts, ds, p: decode._prefill(st, *models(ts, ds), p))
+    prefill = jax.jit(lambda ts, ds, p: loop.prefill(st, *models(ts, ds), p))
 
     def k_iters_fn(commit):
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=(3,))
         def k_iters(ts, ds, p, s):
             t, dr = models(ts, ds)
-            saved = decode._commit
-            decode._commit = commit       # read while tracing only
+            saved = loop._commit
+            loop._commit = commit         # read while tracing only
             try:
-                return jax.lax.fori_loop(0, iters, lambda _, s: decode._iterate(st, t, dr, p, s)[0], s)
+                return jax.lax.fori_loop(0, iters, lambda _, s: loop.iterate(st, t, dr, p, s)[0], s)
             finally:
-                decode._commit = saved
+                loop._commit = saved
         return k_iters
 
     s = prefill(tstate, dstate, p)
@@ -111,7 +111,7 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int) -> d
             return holder[0].lens
         return _time(step, reps) / iters
 
-    per_iter = timed(k_iters_fn(decode._commit))
+    per_iter = timed(k_iters_fn(loop._commit))
     # the same iterations with the fold left out (records dropped, states never advanced): the
     # difference is the rollback's cost inside the compiled loop
     no_fold = timed(k_iters_fn(lambda target, cache, n: cache.replace(records=None)))

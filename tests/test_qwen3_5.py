@@ -19,7 +19,7 @@ from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
 from tests.checkpoints import random_prompts
 from tests.doubles import truth_proposer
 
-from dflash_jax import DraftConfig, generate, init_draft
+from dflash_jax import DraftConfig, generate, init_draft, init_target, load_target
 from dflash_jax.config import ConfigError
 from dflash_jax.kernel_config import resolved
 from dflash_jax.models import gated_delta as gd
@@ -60,7 +60,7 @@ def pair(tmp_path_factory):
     """(HF model, our model): 4 layers, GDN / full / GDN / full."""
     path = write_qwen3_5(str(tmp_path_factory.mktemp("q35")), full_attention_interval=2)
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
-    return hf, load_qwen3_5(path, "float32")
+    return hf, load_target(path, dtype="float32")     # through the family registry
 
 
 def _positions(B, T, start=0):
@@ -95,8 +95,10 @@ def test_config_reader_layer_types_and_text_config():
 
 def test_language_model_prefix_loads_the_same_weights(tmp_path, pair):
     hf, ours = pair
+    assert type(ours).__name__ == "Qwen35" and ours.config.model_type == "qwen3_5"
     path = write_qwen3_5(str(tmp_path), prefix="model.language_model.", full_attention_interval=2)
     other = load_qwen3_5(path, "float32")
+    assert type(init_target(other.config, dtype="float32")) is type(other)
     for a, b in zip(jax.tree.leaves(nnx_state(ours)), jax.tree.leaves(nnx_state(other))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

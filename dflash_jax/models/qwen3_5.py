@@ -38,10 +38,12 @@ from flax import nnx, struct
 
 from dflash_jax.attention import attend, attend_prefill
 from dflash_jax.cache import write_kv_rows
-from dflash_jax.config import ConfigError, _positive, _read_json
+from dflash_jax.config import ConfigError, TargetConfig, _positive, read_json
 from dflash_jax.kernel_config import KernelConfig, resolved
-from dflash_jax.modeling.layers import MLP, _init, gated_silu, rope
 from dflash_jax.models import gated_delta as gd
+from dflash_jax.models.family import Family
+from dflash_jax.models.layers import MLP, _init, gated_silu, rope
+from dflash_jax.models.stack import CausalLM
 
 __all__ = ["Qwen35Config", "Qwen35", "HybridCache", "load_qwen3_5", "init_qwen3_5"]
 
@@ -50,33 +52,27 @@ VERIFY_FORMS = ("chunk", "recurrent")
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen35Config:
-    """A Qwen3.5 text model (static: part of the compile key through the module's structure)."""
+class Qwen35Config(TargetConfig):
+    """A Qwen3.5 text model: TargetConfig's fields (the full-attention layers' heads, the MLP, the
+    vocabulary: what a draft is checked against) plus the layer layout and the GDN shapes. Static:
+    part of the compile key through the module's structure."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    layer_types: tuple                 # per layer "linear_attention" | "full_attention"
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
+    layer_types: tuple = ()            # per layer "linear_attention" | "full_attention"
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e7
     partial_rotary_factor: float = 0.25
-    max_position_embeddings: int = 262144
-    tie_word_embeddings: bool = False
+    model_type: str = "qwen3_5"
     # how a multi-token block (verify, T > 1 outside prefill) runs the rule: "chunk" (one chunk,
-    # the state read once) or "recurrent" (unrolled per token); same numbers up to rounding
+    # the state read once, its solved terms kept for the fold) or "recurrent" (unrolled per
+    # token); same numbers up to rounding
     verify_form: str = "chunk"
     prefill_chunk: int = 64
 
     def __post_init__(self):
+        super().__post_init__()
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
@@ -158,7 +154,7 @@ class Qwen35Config:
             linear_key_head_dim=int(d["linear_key_head_dim"]),
             linear_value_head_dim=int(d["linear_value_head_dim"]),
             linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), model_type="qwen3_5",
             rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 1e7))),
             partial_rotary_factor=float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
             max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
@@ -168,7 +164,7 @@ class Qwen35Config:
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides) -> "Qwen35Config":
-        return cls.from_dict(_read_json(path), **overrides)
+        return cls.from_dict(read_json(path), **overrides)
 
 
 class ZeroCentredRMSNorm(nnx.Module):
@@ -340,8 +336,11 @@ class HybridCache:
         return self.k[0].shape[2] if self.k else 0
 
 
-class Qwen35(nnx.Module):
-    def __init__(self, config: Qwen35Config, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):
+class Qwen35(CausalLM):
+    """The hybrid stack. CausalLM's embedding, head and `logits`; its own layers, forward, cache
+    and `commit`."""
+
+    def __init__(self, config: Qwen35Config, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):  # noqa: super not called
         self.config = config
         self.dtype = jnp.dtype(dtype)
         H, V = config.hidden_size, config.vocab_size
@@ -349,15 +348,6 @@ class Qwen35(nnx.Module):
         self.layers = nnx.List([HybridLayer(config, t, dtype, rngs) for t in config.layer_types])
         self.norm = ZeroCentredRMSNorm(H, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)
-
-    def embed_tokens(self, tokens):
-        return jnp.take(self.embed[...], tokens, axis=0)                       # [B, T, H]
-
-    def logits(self, h):
-        """h [B, T, H] (final-normed) -> float32 logits [B, T, V]."""
-        if self.lm_head is None:
-            return jnp.einsum("bth,vh->btv", h, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("bth,hv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions, cache: HybridCache, k_end, *, taps: tuple[int, ...] = (),
                  kernels: KernelConfig | str | None = None, prefill: bool = False):
@@ -449,11 +439,16 @@ def _text_name(name: str) -> str | None:
 
 def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
     """A Qwen3.5 target from a HF directory or hub id (safetensors only). overrides: Qwen35Config
-    fields (verify_form, prefill_chunk)."""
-    from dflash_jax.weights import _dtype, _iter_tensors, resolve_model_dir
-    dt = _dtype(dtype)
+    fields (verify_form, prefill_chunk). `load_target` reaches the same loader through the family."""
+    from dflash_jax.weights import _dtype, resolve_model_dir
     d = resolve_model_dir(path_or_hub_id)
-    c = Qwen35Config.from_pretrained(d, **overrides)
+    return _load(d, Qwen35Config.from_pretrained(d, **overrides), _dtype(dtype), f"target {path_or_hub_id}")
+
+
+def _load(d: str, c: Qwen35Config, dt, what: str) -> Qwen35:
+    """The checkpoint in directory d, streamed tensor by tensor; a layer's tensors are fused and
+    placed once all of them are read."""
+    from dflash_jax.weights import _iter_tensors
     model = nnx.eval_shape(lambda: Qwen35(c, dt, rngs=nnx.Rngs(0)))
     parts: dict[int, dict[str, np.ndarray]] = {}
     seen = set()
@@ -461,10 +456,10 @@ def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
     def put(param, value):
         value = np.asarray(value)
         if tuple(param.get_value().shape) != value.shape:
-            raise ValueError(f"target {path_or_hub_id}: tensor of shape {value.shape} where the config implies "
+            raise ValueError(f"{what}: tensor of shape {value.shape} where the config implies "
                              f"{tuple(param.get_value().shape)}")
         if not np.isfinite(value).all():
-            raise ValueError(f"target {path_or_hub_id}: a tensor holds NaN or inf values")
+            raise ValueError(f"{what}: a tensor holds NaN or inf values")
         param.set_value(jnp.asarray(value, dt))
 
     for raw, tensor in _iter_tensors(d):
@@ -481,7 +476,7 @@ def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
         else:
             m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
             if not m or int(m.group(1)) >= c.num_layers:
-                raise ValueError(f"target {path_or_hub_id}: unexpected tensor {raw!r}")
+                raise ValueError(f"{what}: unexpected tensor {raw!r}")
             i, rest = int(m.group(1)), m.group(2)
             parts.setdefault(i, {})[rest] = t
             if _layer_complete(c, i, parts[i]):
@@ -490,11 +485,11 @@ def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
         seen.add(name)
     missing = [i for i in range(c.num_layers) if i not in seen]
     if missing or parts:
-        raise ValueError(f"target {path_or_hub_id}: layers {sorted(set(missing) | set(parts))} incomplete in the checkpoint")
+        raise ValueError(f"{what}: layers {sorted(set(missing) | set(parts))} incomplete in the checkpoint")
     if "model.embed_tokens.weight" not in seen:
-        raise ValueError(f"target {path_or_hub_id}: the checkpoint lacks model.embed_tokens.weight")
+        raise ValueError(f"{what}: the checkpoint lacks model.embed_tokens.weight")
     if not c.tie_word_embeddings and "lm_head.weight" not in seen:
-        raise ValueError(f"target {path_or_hub_id}: the checkpoint lacks lm_head.weight (and the config is untied)")
+        raise ValueError(f"{what}: the checkpoint lacks lm_head.weight (and the config is untied)")
     return model
 
 
@@ -539,6 +534,18 @@ def _fill_layer(layer: HybridLayer, c: Qwen35Config, t: dict, put) -> None:
 
 
 def init_qwen3_5(config: Qwen35Config, seed: int = 0, dtype="bfloat16") -> Qwen35:
-    """Random weights (benchmarks)."""
+    """Random weights (benchmarks); `init_target(config)` does the same through the family."""
     from dflash_jax.weights import _dtype
     return Qwen35(config, _dtype(dtype), rngs=nnx.Rngs(seed))
+
+
+# ------------------------------------------------------------------------------ the family's faces
+
+def _no_table(config) -> dict:
+    return {}        # the family loads its checkpoint itself (Family.load)
+
+
+FAMILY = Family(model_type="qwen3_5", read_config=Qwen35Config.from_dict, model=Qwen35,
+                layer_weights=_no_table, top_weights=_no_table, rules=(), load=_load)
+# the text model's own config.json (Qwen3_5ForCausalLM); its configs read as model_type qwen3_5
+TEXT_FAMILY = dataclasses.replace(FAMILY, model_type="qwen3_5_text")
