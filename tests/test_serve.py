@@ -548,8 +548,8 @@ def test_load_test_script_40_requests_all_identical_to_one_shot(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- issue 33: bad input
-def _post(url, path, body, **kw):
-    return httpx.post(url + path, json=body, timeout=30, **kw)
+def _post(url, path, body, client=httpx, **kw):
+    return client.post(url + path, json=body, timeout=30, **kw)
 
 
 def _assert_400(r, field, body=None):
@@ -580,13 +580,13 @@ def test_unsupported_fields_and_coerced_types_are_400(tokenizer):
                  (dict(tool_choice="required"), "tool_choice"),
                  (dict(max_completion_tokens="4"), "max_completion_tokens"),
                  (dict(messages=[{"role": "user", "content": 5}]), "messages")]
-    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url, httpx.Client() as http:
         for extra, field in refused + completion_only:
             body = {"prompt": [1, 2], "max_tokens": 2, **extra}
-            _assert_400(_post(url, "/v1/completions", body), field, body)
+            _assert_400(_post(url, "/v1/completions", body, http), field, body)
         for extra, field in refused + chat_only:
             body = {**chat, **extra}
-            _assert_400(_post(url, "/v1/chat/completions", body), field, body)
+            _assert_400(_post(url, "/v1/chat/completions", body, http), field, body)
         # the values that mean "not used" pass
         ok = dict(prompt=[1, 2], max_tokens=2, repetition_penalty=1, min_p=0.0, best_of=1, suffix=None,
                   response_format={"type": "text"}, logit_bias={}, temperature=0, return_token_ids=True)
@@ -769,23 +769,25 @@ def quiet_main(monkeypatch):
     instead of run, and no signal handler or device state of the test process is touched."""
     from dflash_jax import serve
 
-    built = {}
-
-    def fake_run(server, sock):
-        built.update(server=server, app=server.config.app, sock=sock)
-
-    monkeypatch.setattr(serve, "_run", fake_run)
-    monkeypatch.setattr(serve, "_release_device", lambda: None)
-    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
     import functools
 
     import uvicorn
+
+    built = {}
+
+    def fake_run(server, sockets=None):
+        built.update(server=server, app=server.config.app, sockets=sockets)
+
+    monkeypatch.setattr(serve, "_release_device", lambda: None)
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
     # uvicorn's logging set-up would keep handlers on this test's captured stderr
     monkeypatch.setattr(uvicorn, "Config", functools.partial(uvicorn.Config, log_config=None))
 
     def run(argv):
         built.clear()
-        code = serve.main(argv)
+        with monkeypatch.context() as m:         # only main's server is not run
+            m.setattr(uvicorn.Server, "run", fake_run)
+            code = serve.main(argv)
         return code, built
 
     return run
@@ -887,6 +889,7 @@ def test_cli_warm_up_prints_progress(cli_models, quiet_main, capsys, monkeypatch
     built["app"].state.engine.shutdown(timeout=5)
 
 
+@pytest.mark.slow     # a Python that imports jax: seconds
 def test_cli_without_the_serve_extra_says_what_to_install():
     code = ("import sys, runpy\n"
             "for m in ('fastapi', 'uvicorn'): sys.modules[m] = None\n"
