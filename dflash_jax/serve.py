@@ -219,7 +219,7 @@ class _Output:
     strings cut host-side. Text that could still begin a stop string is held back while streaming."""
 
     def __init__(self, tokenizer, stop_strings: Sequence[str], stop_ids: set[int], skip_special: bool):
-        from dflash_jax.generate import StreamDecoder
+        from dflash_jax.cli.generate import StreamDecoder
 
         self.decoder = StreamDecoder(tokenizer, skip_special) if tokenizer is not None else None
         self.stops = [s for s in stop_strings if s]
@@ -638,7 +638,7 @@ class _Timing:
 
 # ----------------------------------------------------------------------------------------- command
 def build_parser() -> argparse.ArgumentParser:
-    from dflash_jax.generate import add_model_args
+    from dflash_jax.cli.generate import add_model_args
 
     p = argparse.ArgumentParser(
         prog="python -m dflash_jax.serve",
@@ -692,10 +692,9 @@ def _default_pair():
 
 
 def _cli():
-    """The generate CLI module (its flag, loading and stop-id helpers); the package attribute of the
-    same name may be the library function."""
-    import importlib
-    return importlib.import_module("dflash_jax.generate")
+    """The generate CLI module (its flag, loading and stop-id helpers)."""
+    from dflash_jax.cli import generate as cli
+    return cli
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -943,6 +942,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m dflash_jax.serve needs the [serve] extra: pip install 'dflash-jax[serve]' "
               f"(missing: {', '.join(missing)})", file=sys.stderr)
         return 2
+    from dflash_jax.cli.generate import skip_absent_tpu
+    skip_absent_tpu()  # libtpu's noise off a TPU VM
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
