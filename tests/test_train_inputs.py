@@ -5,6 +5,7 @@ Every bad input is a one-line error (DataError / ContractError / CheckpointError
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dflash_jax import DraftConfig, TargetConfig, init_draft, init_target
 from dflash_jax.train.__main__ import build_parser, main
@@ -272,6 +274,7 @@ def test_curves_skipped_without_matplotlib_says_why(tmp_path, monkeypatch, capsy
 
 # --- the batch trim ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_trim_batch_keeps_loss_and_gradients():
     """A batch cut to its longest row (and the anchors to the most a row has) gives the padded batch's
     loss and gradients: the same anchors, labels and weights; only XLA's summation order over the
@@ -281,24 +284,31 @@ def test_trim_batch_keeps_loss_and_gradients():
     dcfg = DraftConfig.for_target(TINY, num_layers=1, block_size=4, target_layer_ids=(1, 2))
     gd, params = split_draft(init_draft(dcfg, seed=1, dtype="float32"), "float32")
     rng = np.random.default_rng(0)
-    B, T = 4, 512
+    B, T = 2, 192
     tok = rng.integers(0, 63, (B, T)).astype(np.int32)
     lm = np.zeros((B, T), np.uint8)
-    for r, (p, e) in enumerate([(3, 40), (5, 60), (2, 21), (8, 70)]):
+    for r, (p, e) in enumerate([(3, 40), (8, 34)]):
         lm[r, p:e] = 1
-    cfg = StepConfig(block_size=4, mask_token_id=63, target_layer_ids=(1, 2), num_anchors=512,
+    cfg = StepConfig(block_size=4, mask_token_id=63, target_layer_ids=(1, 2), num_anchors=96,
                      compute_dtype="float32", chunk_blocks=16, anchor_draw_len=T)
-    t2, m2, n = trim_batch(tok, lm, cfg.num_anchors)
-    assert t2.shape == (B, 128) and n == 64          # 70 -> 128 positions, 61 valid anchors -> 64
+    t2, m2, n = trim_batch(tok, lm, cfg.num_anchors, min_len=16)
+    assert t2.shape == (B, 64) and n == 64           # 40 -> 64 positions, 36 valid anchors -> 64
+
+    tdef, tstate = nnx.split(target)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def grads(c, tstate, t, m):
+        return jax.value_and_grad(loss_and_metrics, has_aux=True)(
+            params, gd, nnx.merge(tdef, tstate), t, m, jnp.arange(B), jnp.int32(0), c)
 
     def run(c, t, m):
-        return jax.value_and_grad(loss_and_metrics, has_aux=True)(
-            params, gd, target, jnp.asarray(t), jnp.asarray(m, jnp.int32), jnp.arange(B), jnp.int32(0), c)
+        return grads(c, tstate, jnp.asarray(t), jnp.asarray(m, jnp.int32))
 
     (l0, s0), g0 = run(cfg, tok, lm)
     (l1, s1), g1 = run(dataclasses.replace(cfg, num_anchors=n), t2, m2)
-    for k in ("weight_sum", "blocks", "tau_sum", "slot_count", "slot_correct"):
+    for k in ("blocks", "tau_sum", "slot_count", "slot_correct"):   # counts: exact
         np.testing.assert_array_equal(np.asarray(s0[k]), np.asarray(s1[k]), err_msg=k)
+    np.testing.assert_allclose(float(s1["weight_sum"]), float(s0["weight_sum"]), rtol=1e-6)
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(a))))
