@@ -312,3 +312,17 @@ def test_trim_batch_keeps_loss_and_gradients():
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(a))))
+
+
+def test_init_draft_with_disagreeing_shape_flags_exit_2(tmp_path, capsys):
+    pair = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "assets", "pair")
+    common = ["train", "--model", os.path.join(pair, "target"), "--init-draft", os.path.join(pair, "draft"),
+              "--data", str(tmp_path / "none"), "--out", str(tmp_path / "run")]
+    for flags, name in ((["--block-size", "8"], "--block-size 8"), (["--draft-layers", "3"], "--draft-layers 3"),
+                        (["--taps", "0,1"], "--taps 0,1")):
+        assert main(common + flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {name} disagrees with --init-draft"), err
+    # flags that agree (block 16, 2 layers) pass the check and reach the data, which is missing
+    assert main(common + ["--block-size", "16", "--draft-layers", "2"]) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
