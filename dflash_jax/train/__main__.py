@@ -145,7 +145,7 @@ def cmd_regenerate(args) -> int:
         prompts = _read_prompts(args.prompts, tok, args.thinking == "on", args.max_samples, vocab=vocab,
                                 ids_only=args.prompts_are_ids)
     target = _target(args)
-    from dflash_jax.generate import stop_token_ids
+    from dflash_jax.cli.generate import stop_token_ids
     # the model's generation_config.json eos (and the tokenizer's when there is one), ids or text
     stops = [t for t in stop_token_ids(args.model, tok) if 0 <= t < vocab] or None
     data = regenerate(target, prompts, args.out, max_len=args.max_len, max_new_tokens=args.max_new_tokens,
@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dflash_jax.cli.generate import skip_absent_tpu
+    skip_absent_tpu()  # libtpu's noise off a TPU VM
     from dflash_jax.config import ConfigError
     from dflash_jax.train.checkpoint import CheckpointError, ContractError
     from dflash_jax.train.data import DataError
