@@ -100,6 +100,17 @@ _LAYER_LEAVES = {  # HF leaf name → (our path inside the layer, part of a fuse
     "mlp.gate_proj.weight": (("mlp", "gate_up"), ("gate", "up")),
     "mlp.up_proj.weight": (("mlp", "gate_up"), ("gate", "up")),
     "mlp.down_proj.weight": (("mlp", "down"), "T"),
+    # DFlash2 layers (dflash_jax.drafts.dflash2): the convs around both sublayers
+    "attention_conv.base_kernel": (("attention_conv", "base_kernel"), None),
+    "attention_conv.kernel_projection.weight": (("attention_conv", "kernel_projection"), "T"),
+    "mlp_conv.base_kernel": (("mlp_conv", "base_kernel"), None),
+    "mlp_conv.kernel_projection.weight": (("mlp_conv", "kernel_projection"), "T"),
+}
+# The DFlash2 selector's tensors (the reference stores the codebooks without `.weight`).
+_SELECTOR = {
+    "candidate_selector.predecessor_codebook": (("candidate_selector", "predecessor_codebook"), None),
+    "candidate_selector.successor_codebook": (("candidate_selector", "successor_codebook"), None),
+    "candidate_selector.hidden_projection.weight": (("candidate_selector", "hidden_projection"), "T"),
 }
 
 
@@ -129,6 +140,8 @@ def _map_tensor(name: str, top_level: dict, model, flat, what: str):
             return None
         sub, how = _LAYER_LEAVES[m.group(2)]
         path = ("layers", int(m.group(1))) + sub
+        if path not in flat and int(m.group(1)) < len(model.layers):
+            return None   # a leaf this draft does not have (conv tensors in a DFlash-1 config)
         if path not in flat:
             raise ValueError(f"{what}: checkpoint has {name} but the config has {len(model.layers)} layers")
         key = m.group(2).split(".")[-2].replace("_proj", "") if isinstance(how, tuple) else None
@@ -213,11 +226,17 @@ def load_draft(path_or_hub_id: str, target: Qwen3 | None = None, dtype="bfloat16
     if target is not None:
         config.check_fits(target.config)
     m = sharding.as_mesh(mesh)
+    if m is not None and _draft_class(config) is not DFlashDraft:
+        raise ValueError(f"draft {path_or_hub_id}: DFlash2 / sliding-window drafts do not load onto a mesh yet")
     if m is not None:
         return sharding.load_draft_sharded(d, m, dtype)
-    model = nnx.eval_shape(lambda: DFlashDraft(config, dt, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: _draft_class(config)(config, dt, rngs=nnx.Rngs(0)))
     top = {"fc.weight": (("fc",), "T"), "hidden_norm.weight": (("hidden_norm", "weight"), None),
            "norm.weight": (("norm", "weight"), None)}
+    if config.selector_top_k:
+        top.update(_SELECTOR)
+        # save_pretrained of a model built without the reference's key mapping writes `.weight`
+        top.update({k + ".weight": v for k, v in _SELECTOR.items() if "codebook" in k})
     return _fill(model, _iter_tensors(d), top, dt, f"draft {path_or_hub_id}", [r".*rotary_emb\.inv_freq"])
 
 
@@ -231,4 +250,10 @@ def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16") -> 
 def init_draft(config: DraftConfig, seed: int = 0, dtype="bfloat16", target: Qwen3 | None = None) -> DFlashDraft:
     if target is not None:
         config.check_fits(target.config)
-    return DFlashDraft(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    return _draft_class(config)(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+
+
+def _draft_class(config: DraftConfig):
+    """DFlashDraft, or drafts.dflash2.DFlash2Draft for DFlash2 and per-layer windowed/causal drafts."""
+    from dflash_jax.drafts.dflash2 import DFlash2Draft, needs_dflash2
+    return DFlash2Draft if needs_dflash2(config) else DFlashDraft
