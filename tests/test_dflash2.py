@@ -27,13 +27,20 @@ S = 8
 
 
 def _write_reference_draft(path, target_path, *, dflash2: bool, layer_types, is_causal=None, seed=0,
-                           window=WINDOW, num_layers=None, rank=16, top_k=8, multiplier=None, softcap=None):
+                           window=WINDOW, num_layers=None, rank=16, top_k=8, multiplier=None, softcap=None,
+                           init_from=None, scale=1.0):
     """A random reference draft saved in z-lab format: DFlash2DraftModel (conv 2 taps x 16-channel
     groups, selector rank/top_k; the codebooks stored without `.weight`, as z-lab does) or
-    DFlashDraftModel, with per-layer types, a window and an optional explicit is_causal."""
+    DFlashDraftModel, with per-layer types, a window and an optional explicit is_causal.
+    init_from: a trained DFlash-1 draft whose weights it starts from (conv and selector random,
+    their departures from identity / zero times `scale`)."""
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
+    from transformers import Qwen3Config
     n = num_layers or len(layer_types)
-    cfg = _draft_config(target_path, num_layers=n, block_size=S, mask_token_id=None, target_layer_ids=[0, 2])
+    if init_from is None:
+        cfg = _draft_config(target_path, num_layers=n, block_size=S, mask_token_id=None, target_layer_ids=[0, 2])
+    else:
+        cfg = Qwen3Config.from_pretrained(init_from)
     cfg.use_sliding_window, cfg.sliding_window, cfg.layer_types = True, window, list(layer_types)
     if is_causal is not None:
         cfg.is_causal = is_causal
@@ -48,16 +55,21 @@ def _write_reference_draft(path, target_path, *, dflash2: bool, layer_types, is_
     torch.manual_seed(seed)
     draft = (DFlash2DraftModel if dflash2 else DFlashDraftModel)(cfg).eval()
     gen = _seeded(seed + 1)
-    _noisy_norms(draft, gen)
+    if init_from is None:
+        _noisy_norms(draft, gen)
+    else:
+        trained = DFlashDraftModel.from_pretrained(init_from, dtype=torch.float32)
+        missing = draft.load_state_dict(trained.state_dict(), strict=False).missing_keys
+        assert all("conv" in k or "selector" in k for k in missing), missing
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name.endswith("base_kernel"):      # tap 0 near 1, tap 1 clearly non-zero
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                p.copy_(0.5 * scale * torch.randn(p.shape, generator=gen))
                 p[:, 0] += 1.0
             elif "kernel_projection" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p.shape[1] ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 * scale / p.shape[1] ** 0.5)
             elif "codebook" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(torch.randn(p.shape, generator=gen) * scale ** 0.5)
             elif "hidden_projection" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
     draft.save_pretrained(path, safe_serialization=True)
@@ -216,3 +228,94 @@ def test_bad_dflash2_configs_are_one_line_errors(pairs, tmp_path):
     wide = DraftConfig.from_dict(with_(hidden_size=128))
     with pytest.raises(ConfigError, match="hidden_size"):
         wide.check_fits(pairs["target"].config)
+
+
+def test_walk_draws_from_q_with_gumbel_max():
+    """At T > 0 each slot's pick is a draw from q = softmax(row / T) of the row its predecessor
+    picks; T = 0 rows take the argmax."""
+    rs = np.random.RandomState(4)
+    K, L, n = 4, 2, 4000
+    scores = jnp.asarray(np.broadcast_to(rs.randn(1, L, K, K).astype(np.float32), (n, L, K, K)))
+    cand = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (n, L, K))
+    keys = jax.random.split(jax.random.key(0), n)
+    T = jnp.full((n,), 0.7, jnp.float32)
+    path, q = walk(scores, cand, T, keys)
+    want0 = jax.nn.softmax(scores[0, 0, 0] / 0.7)
+    np.testing.assert_allclose(np.asarray(q[:, 0]), np.broadcast_to(want0, (n, K)), atol=1e-6)
+    freq = np.bincount(np.asarray(path[:, 0]), minlength=K) / n
+    np.testing.assert_allclose(freq, np.asarray(want0), atol=0.03)
+    # slot 1's q is the row of slot 0's pick
+    np.testing.assert_allclose(np.asarray(q[:, 1]), np.asarray(jax.nn.softmax(scores[0, 1][path[:, 0]] / 0.7)),
+                               atol=1e-6)
+    greedy, _ = walk(scores[:2], cand[:2], jnp.zeros((2,), jnp.float32), keys[:2])
+    np.testing.assert_array_equal(np.asarray(greedy), np.asarray(walk(scores[:2], cand[:2])[0]))
+
+
+@pytest.mark.slow
+def test_sampling_with_the_selector_is_in_distribution(tmp_path):
+    """T = 1: the joint of the first three generated tokens (prefill token + one verify chain with
+    drafts drawn by the selector) matches the target's exact plain-sampling distribution (chi-square,
+    tests/test_sampling.py's method), and drafts do get accepted."""
+    from tests.test_sampling import _chi_square_p, _exact_joint
+    tp = write_target(str(tmp_path / "target"), vocab_size=32, num_layers=4, seed=5, init_std=0.2)
+    path, _ = _write_reference_draft(str(tmp_path / "draft"), tp, dflash2=True, layer_types=["sliding_attention"] * 2,
+                                     is_causal=False, seed=6, rank=8, top_k=8, window=4)
+    hf, _ = load_torch_pair(tp)
+    target = load_target(tp, dtype="float32")
+    draft = load_draft(path, target=target, dtype="float32")
+    prompt = random_prompts(1, 31, min_len=9, max_len=9, seed=12)[0]
+    expected = _exact_joint(hf, prompt, 1.0, 1.0, 0)
+    counts, n, acc = {}, 0, []
+    for seed in range(4):
+        res = generate(target, draft, [prompt] * 512, max_new_tokens=3, temperature=1.0, seed=seed, capacity=64)
+        for row in res.tokens:
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+            n += 1
+        acc += [a for r in res.acceptance_lengths for a in r]
+    assert max(acc) >= 2, acc[:20]
+    assert _chi_square_p(counts, expected, n) > 1e-4
+
+
+def test_key_start_on_the_xla_paths_matches_a_dense_mask():
+    """attend(k_start=): rows see keys [k_start, k_end) on the chunked XLA path (chunks skipped
+    before the first row's start) and the dense one, as a numpy softmax over that range does."""
+    import pallas_kernels
+    rs = np.random.RandomState(5)
+    B, T, Hq, Hkv, D, C = 2, 4, 4, 2, 8, 40
+    q = rs.randn(B, T, Hq, D).astype(np.float32)
+    k, v = rs.randn(B, Hkv, C, D).astype(np.float32), rs.randn(B, Hkv, C, D).astype(np.float32)
+    end = np.array([[20, 21, 22, 23], [35, 35, 35, 35]], np.int32)
+    start = np.array([[17, 18, 19, 20], [9, 10, 11, 12]], np.int32)
+    want = np.zeros((B, T, Hq, D), np.float32)
+    for b in range(B):
+        for t in range(T):
+            for h in range(Hq):
+                kk, vv = k[b, h // 2, start[b, t]:end[b, t]], v[b, h // 2, start[b, t]:end[b, t]]
+                s = kk @ q[b, t, h] / np.sqrt(D)
+                p = np.exp(s - s.max())
+                want[b, t, h] = p @ vv / p.sum()
+    for chunk in (8, 0):
+        got = pallas_kernels.xla_block_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(end),
+                                                 kv_chunk=chunk, k_start=jnp.asarray(start))
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [0.0])
+def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_pair, tmp_path, T):
+    """The trained pair's draft with a (perturbed) conv, a selector and window-6 sliding layers:
+    blocks get accepted, and tokens and acceptance lengths = dflash_generate's."""
+    tp = trained_pair["target_path"]
+    path, ref = _write_reference_draft(str(tmp_path / "d2"), tp, dflash2=True, layer_types=["sliding_attention"] * 2,
+                                       is_causal=False, window=6, seed=13, init_from=trained_pair["draft_path"],
+                                       scale=0.1)
+    hf, _ = load_torch_pair(tp)
+    target = load_target(tp, dtype="float32")
+    draft = load_draft(path, target=target, dtype="float32")
+    prompts = trained_pair["eval_prompts"][:4]
+    res = generate(target, draft, prompts, max_new_tokens=30)
+    for i, p in enumerate(prompts):
+        r = reference_generate(ref, hf, p, 30)
+        assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
+        assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
+    assert max(a for row in res.acceptance_lengths for a in row) >= 3, res.acceptance_lengths

@@ -211,6 +211,11 @@ class DFlash2Draft(nnx.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
         self.candidate_selector = nnx.data(CandidateSelector(config, dtype, rngs) if config.selector_top_k else None)
 
+    @property
+    def samples_drafts(self) -> bool:
+        """At T > 0 the loop passes temperature and keys to propose and q to the acceptance."""
+        return self.candidate_selector is not None
+
     def context(self, feats):
         """Target taps [B, T, n·H] → context features [B, T, H]."""
         return self.hidden_norm(feats.astype(self.dtype) @ self.fc[...])
