@@ -7,7 +7,6 @@ Shares test_cli.py's tiny float32 target + draft + byte-level tokenizer with a c
 from __future__ import annotations
 
 import _thread
-import importlib
 import io
 import json
 import os
@@ -22,10 +21,10 @@ import pytest
 import dflash_jax as dj
 from dflash_jax import data, validation
 from dflash_jax.config import ConfigError, DraftConfig, TargetConfig
+from dflash_jax.cli import benchmark as bench_cli
+from dflash_jax.cli import generate as gen_cli
 from tests import test_cli as tc
 
-gen_cli = importlib.import_module("dflash_jax.generate")
-bench_cli = importlib.import_module("dflash_jax.benchmark")
 _usage_error, _run = tc._usage_error, tc._run
 
 
