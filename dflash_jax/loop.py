@@ -201,7 +201,7 @@ def iterate(st: Static, target: Qwen3, draft, p: Params, s: LoopState):
         args = (target, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
         if st.mode != "greedy" and getattr(draft, "samples_drafts", False):
             # a DFlash2 selector draws its path from q over K candidates: q enters the acceptance
-            draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0xD2AF7))(_row_keys(p, lens))
+            draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0xD2AF7))(row_keys(p, lens))
             drafts, dcache, proposal = draft.propose(*args, block_size=S, kernels=st.kernels,
                                                      temperature=p.temperature, keys=draft_keys)
         else:
