@@ -199,6 +199,9 @@ def test_generate_is_identical_to_the_reference(pairs, name):
         r = reference_generate(pairs[name]["ref"], pairs["hf"], p, 21)
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
         assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
+    if name == "dflash2":   # the slot engine (continuous batching, one slot) runs the same iterations
+        eng = generate(pairs["target"], draft, prompts, max_new_tokens=21, slots=1)
+        assert eng.tokens == res.tokens and eng.acceptance_lengths == res.acceptance_lengths
 
 
 def test_bad_dflash2_configs_are_one_line_errors(pairs, tmp_path):
@@ -319,3 +322,36 @@ def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_pair
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
         assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
     assert max(a for row in res.acceptance_lengths for a in row) >= 3, res.acceptance_lengths
+
+
+@pytest.mark.parametrize("kv_splits", [1, 3])
+def test_key_start_in_the_gpu_kernel_interpret(kv_splits):
+    """The Triton kernel (interpreter) with a per-row first key: a window's rows, ragged, one with
+    no key, split KV = the reference."""
+    import pallas_kernels
+    from pallas_kernels.attention import gpu
+    rs = np.random.RandomState(6)
+    B, T, Hq, Hkv, D, C = 2, 8, 4, 2, 32, 256
+    q = jnp.asarray(rs.randn(B, T, Hq, D).astype(np.float32))
+    k, v = (jnp.asarray(rs.randn(B, Hkv, C, D).astype(np.float32)) for _ in range(2))
+    pos = np.array([[150], [40]]) + np.arange(T)
+    end = np.minimum(pos + 5, np.array([[158], [48]])).astype(np.int32)
+    end[1, 7] = 0
+    start = np.maximum(pos - 70 + 1, 0).astype(np.int32)
+    want = pallas_kernels.reference_block_attention(q, k, v, jnp.asarray(end), k_start=jnp.asarray(start))
+    got = gpu.block_attention(q, k, v, jnp.asarray(end), interpret=True, kv_splits=kv_splits, block_k=32,
+                              min_chunk=32, k_start=jnp.asarray(start))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_key_start_gpu_kernel_lowers_for_cuda():
+    from dflash_jax.attention import attend
+    from dflash_jax.kernel_config import resolved
+    S_ = jax.ShapeDtypeStruct
+    B, T, Hq, Hkv, D, C = 1, 8, 32, 8, 128, 4096
+    fn = lambda q, k, v, e, s: attend(q, k, v, e, resolved("pallas_gpu"), k_start=s)   # noqa: E731
+    args = (S_((B, T, Hq, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16),
+            S_((B, T), jnp.int32), S_((B, T), jnp.int32))
+    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()

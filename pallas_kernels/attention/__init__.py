@@ -165,10 +165,12 @@ def default_impl(interpret=False) -> str:
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: float | None = None,
-                    interpret=False, **tuning):
+                    interpret=False, k_start=None, **tuning):
     """Dispatch to a kernel. interpret: False, True, or a pltpu.InterpretParams for the TPU kernel.
 
     tuning: block sizes etc. forwarded to the chosen kernel (benchmarks); ignored by "xla".
+    k_start [B, T] or None: each row's first key (sliding-window draft layers): the GPU kernel
+    takes it; the TPU kernel not yet (the XLA path runs it).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
@@ -176,6 +178,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
     if impl == "auto":
         impl = default_impl(interpret)
     try:
+        if impl == "tpu" and k_start is not None:
+            raise Unsupported("k_start on the TPU kernel")
         if impl == "tpu":
             from pallas_kernels.attention import tpu
             if interpret is True:
@@ -186,8 +190,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
         if impl == "gpu":
             from pallas_kernels.attention import gpu
             return gpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
-                                       interpret=bool(interpret), **tuning)
+                                       interpret=bool(interpret), k_start=k_start, **tuning)
     except Unsupported as e:
         _log.warning("pallas %s kernel cannot take q%s cache%s (%s): using the XLA path",
                      impl, q.shape, k_cache.shape, e)
-    return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale)
+    return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start)
