@@ -355,3 +355,21 @@ def test_key_start_gpu_kernel_lowers_for_cuda():
     exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+def test_export_round_trip_through_the_reference(pairs, tmp_path):
+    """Our DFlash2 draft exported in z-lab format: load_draft gives the same tensors back, and the
+    reference DFlash2DraftModel loads it and computes the same block hidden states and path."""
+    from dflash.model import DFlash2DraftModel
+    from dflash_jax.train.export import export_draft
+    draft, target = pairs["dflash2"]["draft"], pairs["target"]
+    out = export_draft(draft, str(tmp_path / "exported"), dtype="float32")
+    again = load_draft(out, target=target, dtype="float32")
+    assert again.config == draft.config
+    ref = DFlash2DraftModel.from_pretrained(out, dtype=torch.float32).eval()
+    nH, T = 2 * 64, 12
+    ctx = np.random.RandomState(7).randn(1, T, nH).astype(np.float32)
+    block = np.array([[9] + [draft.config.mask_token_id] * (S - 1)])
+    np.testing.assert_allclose(_ref_forward(ref, pairs["hf"], ctx, block),
+                               _ref_forward(pairs["dflash2"]["ref"], pairs["hf"], ctx, block), atol=1e-5, rtol=0)
+    assert ref.config.sliding_window == WINDOW and ref.layers[0].self_attn.is_causal is False
