@@ -331,7 +331,7 @@ def test_key_start_in_the_gpu_kernel_interpret(kv_splits):
     import pallas_kernels
     from pallas_kernels.attention import gpu
     rs = np.random.RandomState(6)
-    B, T, Hq, Hkv, D, C = 2, 8, 4, 2, 32, 256
+    B, T, Hq, Hkv, D, C = 2, 8, 4, 2, 64, 256
     q = jnp.asarray(rs.randn(B, T, Hq, D).astype(np.float32))
     k, v = (jnp.asarray(rs.randn(B, Hkv, C, D).astype(np.float32)) for _ in range(2))
     pos = np.array([[150], [40]]) + np.arange(T)
@@ -373,3 +373,25 @@ def test_export_round_trip_through_the_reference(pairs, tmp_path):
     np.testing.assert_allclose(_ref_forward(ref, pairs["hf"], ctx, block),
                                _ref_forward(pairs["dflash2"]["ref"], pairs["hf"], ctx, block), atol=1e-5, rtol=0)
     assert ref.config.sliding_window == WINDOW and ref.layers[0].self_attn.is_causal is False
+
+
+@pytest.mark.parametrize("D,block_k", [(128, 128), (128, 256), (32, 128)])
+def test_key_start_in_the_tpu_kernel_interpret(D, block_k):
+    """The TPU kernel (TPU interpreter; token-major tiles, and the folded layout at D 32) with a
+    per-row first key: blocks before the tile's first key skipped, ragged rows, an empty row = the
+    reference."""
+    import pallas_kernels
+    from jax.experimental.pallas import tpu as pltpu
+    from pallas_kernels.attention import tpu
+    rs = np.random.RandomState(8)
+    B, T, Hq, Hkv, C = 2, 8, 4, 2, 512
+    q = jnp.asarray(rs.randn(B, T, Hq, D).astype(np.float32))
+    k, v = (jnp.asarray(rs.randn(B, Hkv, C, D).astype(np.float32)) for _ in range(2))
+    pos = np.array([[300], [40]]) + np.arange(T)
+    end = np.minimum(pos + 5, np.array([[308], [48]])).astype(np.int32)
+    end[1, 7] = 0
+    start = np.maximum(pos - 150 + 1, 0).astype(np.int32)
+    want = pallas_kernels.reference_block_attention(q, k, v, jnp.asarray(end), k_start=jnp.asarray(start))
+    got = tpu.block_attention(q, k, v, jnp.asarray(end), interpret=pltpu.InterpretParams(), block_k=block_k,
+                              k_start=jnp.asarray(start))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)

@@ -169,8 +169,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
     """Dispatch to a kernel. interpret: False, True, or a pltpu.InterpretParams for the TPU kernel.
 
     tuning: block sizes etc. forwarded to the chosen kernel (benchmarks); ignored by "xla".
-    k_start [B, T] or None: each row's first key (sliding-window draft layers): the GPU kernel
-    takes it; the TPU kernel not yet (the XLA path runs it).
+    k_start [B, T] or None: each row's first key (sliding-window draft layers).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
@@ -178,15 +177,13 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
     if impl == "auto":
         impl = default_impl(interpret)
     try:
-        if impl == "tpu" and k_start is not None:
-            raise Unsupported("k_start on the TPU kernel")
         if impl == "tpu":
             from pallas_kernels.attention import tpu
             if interpret is True:
                 from jax.experimental.pallas import tpu as pltpu
                 interpret = pltpu.InterpretParams()
             return tpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
-                                       interpret=interpret, **tuning)
+                                       interpret=interpret, k_start=k_start, **tuning)
         if impl == "gpu":
             from pallas_kernels.attention import gpu
             return gpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
