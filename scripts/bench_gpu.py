@@ -797,12 +797,12 @@ class Bench:
         rank, window = (16, 16) if s.smoke else (256, 2048)
         d2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16, selector_rank=rank,
                   selector_top_k=16)
-        variants = {
-            "v1_b16": dataclasses.replace(dcfg, block_size=16),
-            "v1_b8": dataclasses.replace(dcfg, block_size=8),
+        variants = {   # DFlash2 first: the smoke's budget reaches it
             "dflash2_b8": dataclasses.replace(dcfg, block_size=8, layer_types=("sliding_attention",) * L,
                                               sliding_window=window, is_causal=False, **d2),
             "dflash2_b8_nowindow": dataclasses.replace(dcfg, block_size=8, **d2),
+            "v1_b8": dataclasses.replace(dcfg, block_size=8),
+            "v1_b16": dataclasses.replace(dcfg, block_size=16),
         }
         res = {}
         saved = self.models
