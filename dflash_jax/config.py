@@ -1,7 +1,8 @@
 """Model configurations: frozen, hashable dataclasses read from HF `config.json` files.
 
-`TargetConfig` describes a Qwen3 causal LM; `DraftConfig` a z-lab DFlash draft. Both are static
-(compile keys), so they hold only Python scalars and tuples.
+`TargetConfig` describes a causal LM of one of the families in dflash_jax.models (their readers
+check what each can run); `DraftConfig` a z-lab DFlash draft. Both are static (compile keys), so they
+hold only Python scalars, tuples and frozen dataclasses.
 """
 
 from __future__ import annotations
@@ -11,40 +12,62 @@ import json
 import os
 from typing import Any, Mapping
 
-from dflash_jax.validation import positive_int
+from dflash_jax.validation import check_block_size, finite_float, positive_int
 
-__all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids"]
+__all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids", "RopeScaling",
+           "dense_fields", "read_json"]
 
 
 class ConfigError(ValueError):
     """A config.json that this library cannot run, with the offending field named."""
 
 
-def _rope_theta(d: Mapping[str, Any]) -> float:
-    # transformers >= 5 nests RoPE settings in `rope_parameters`; older files have `rope_theta`.
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """`rope_type: llama3` frequency scaling (transformers `_compute_llama3_parameters`): wavelengths
+    above original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
+    original / high_freq_factor kept, the band between interpolated."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+def _rope(d: Mapping[str, Any], what: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling or None) of a config. transformers >= 5 nests RoPE settings in
+    `rope_parameters`; older files have `rope_theta` and `rope_scaling`."""
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
+    found = None
     for block, name in ((params, "rope_parameters"), (scaling, "rope_scaling")):
         kind = block.get("rope_type", block.get("type", "default"))
-        if kind not in ("default", None):
-            raise ConfigError(f"{name}.rope_type={kind!r} is not supported (only default RoPE)")
-    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        if kind in ("default", None):
+            continue
+        if kind != "llama3":
+            raise ConfigError(f"{what}: {name}.rope_type={kind!r} is not supported (default or llama3 RoPE)")
+        try:
+            found = RopeScaling(factor=float(block["factor"]), low_freq_factor=float(block["low_freq_factor"]),
+                                high_freq_factor=float(block["high_freq_factor"]),
+                                original_max_position_embeddings=int(block["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise ConfigError(f"{what}: {name} (llama3) lacks {e.args[0]}") from None
+        if not found.factor > 0 or not found.high_freq_factor > found.low_freq_factor > 0 or \
+                found.original_max_position_embeddings < 1:
+            raise ConfigError(f"{what}: {name} (llama3) needs factor > 0, high_freq_factor > low_freq_factor > 0 "
+                              f"and original_max_position_embeddings >= 1, got {block}")
+    return _float(params.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta", what, positive=True), found
 
 
-def _qwen3_fields(d: Mapping[str, Any], what: str, sliding_ok: bool = False) -> dict[str, Any]:
+def dense_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """The fields every dense decoder config.json shares (a family's reader adds its own checks):
+    sizes, heads, norm eps, RoPE. what: "target" or "draft", for the messages."""
     if not isinstance(d, Mapping):
         raise ConfigError(f"{what}: the config must be a JSON object, got {type(d).__name__}")
-    mt = d.get("model_type")
-    if mt != "qwen3":
-        raise ConfigError(f"{what}: model_type={mt!r}; only 'qwen3' is supported")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in d]
     if missing:
         raise ConfigError(f"{what}: config.json lacks {', '.join(missing)}")
-    if d.get("attention_bias"):
-        raise ConfigError(f"{what}: attention_bias=True is not supported (Qwen3 has no attention bias)")
-    if d.get("use_sliding_window") and not sliding_ok:   # drafts read layer_types instead
-        raise ConfigError(f"{what}: use_sliding_window=True is not supported")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{what}: hidden_act={act!r}; only 'silu' is supported")
@@ -60,6 +83,7 @@ def _qwen3_fields(d: Mapping[str, Any], what: str, sliding_ok: bool = False) -> 
     n_kv = int(d.get("num_key_value_heads") or n_heads)
     if n_heads % n_kv:
         raise ConfigError(f"{what}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    theta, scaling = _rope(d, what)
     return dict(
         vocab_size=int(d["vocab_size"]),
         hidden_size=int(d["hidden_size"]),
@@ -68,10 +92,21 @@ def _qwen3_fields(d: Mapping[str, Any], what: str, sliding_ok: bool = False) -> 
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(d),
+        rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", what),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
     )
+
+
+def _qwen3_fields(d: Mapping[str, Any], what: str, sliding_ok: bool = False) -> dict[str, Any]:
+    """dense_fields of a Qwen3-style stack (the DFlash draft's): no attention bias, no sliding window."""
+    q = dense_fields(d, what)
+    if d.get("attention_bias"):
+        raise ConfigError(f"{what}: attention_bias=True is not supported (Qwen3 has no attention bias)")
+    if d.get("use_sliding_window") and not sliding_ok:   # drafts read layer_types instead
+        raise ConfigError(f"{what}: use_sliding_window=True is not supported")
+    return q
 
 
 def _positive(d: Mapping[str, Any], key: str, what: str) -> None:
@@ -81,7 +116,27 @@ def _positive(d: Mapping[str, Any], key: str, what: str) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def _float(value, key: str, what: str, positive: bool = False) -> float:
+    try:
+        return finite_float(value, key, what, positive=positive)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _int(value, key: str, what: str, minimum: int) -> int:
+    try:
+        return positive_int(value, key, what, minimum)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_numbers(cfg, what: str) -> None:
+    """Every config, however built (from_dict, for_target, by hand): finite float fields."""
+    _float(cfg.rope_theta, "rope_theta", what, positive=True)
+    _float(cfg.rms_norm_eps, "rms_norm_eps", what)
+
+
+def read_json(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
@@ -98,7 +153,9 @@ def _read_json(path: str) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A Qwen3 causal LM (the verifier)."""
+    """A causal LM (the verifier) of one of the families in dflash_jax.models, by `model_type`.
+    The fields are HF `config.json`'s; a family's reader (dflash_jax.models) checks what it cannot
+    run and builds this."""
 
     vocab_size: int
     hidden_size: int
@@ -111,14 +168,24 @@ class TargetConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
+    model_type: str = "qwen3"
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self):
+        _check_numbers(self, "target")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TargetConfig":
-        return cls(**_qwen3_fields(d, "target"), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+        """The fields of any family (no family's own checks: dflash_jax.models.read_config does those)."""
+        return cls(**dense_fields(d, "target"), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   model_type=str(d.get("model_type") or ""), attention_bias=bool(d.get("attention_bias", False)),
+                   mlp_bias=bool(d.get("mlp_bias", False)))
 
     @classmethod
     def from_pretrained(cls, path: str) -> "TargetConfig":
-        return cls.from_dict(_read_json(path))
+        return cls.from_dict(read_json(path))
 
     @classmethod
     def preset(cls, name: str) -> "TargetConfig":
@@ -207,6 +274,7 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
+    rope_scaling: RopeScaling | None = None
     # Per-layer attention (reference model.py Qwen3DFlashAttention): "full_attention" or
     # "sliding_attention" per layer (() = all full); the window W of sliding layers (a block row at
     # position p sees context keys > p - W); is_causal None = causal iff the layer slides.
@@ -242,6 +310,13 @@ class DraftConfig:
         """Every layer full and non-causal: the DFlash-1 block attention."""
         return all(self.layer_window(i) is None and not self.layer_causal(i) for i in range(self.num_layers))
 
+    def __post_init__(self):
+        _check_numbers(self, "draft")
+        try:
+            check_block_size(self.block_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DraftConfig":
         q = _qwen3_fields(d, "draft", sliding_ok=True)
@@ -251,22 +326,27 @@ class DraftConfig:
             raise ConfigError("draft: config.json lacks dflash_config.mask_token_id")
         if "num_target_layers" not in d:
             raise ConfigError("draft: config.json lacks num_target_layers")
-        n_target = int(d["num_target_layers"])
+        n_target = _int(d["num_target_layers"], "num_target_layers", "draft", 1)
+        mask = _int(mask, "mask_token_id", "draft", 0)
         taps = dcfg.get("target_layer_ids", d.get("target_layer_ids"))
-        taps = tuple(int(t) for t in taps) if taps else default_target_layer_ids(n_target, q["num_layers"])
+        if taps and not isinstance(taps, (list, tuple)):
+            raise ConfigError(f"draft: target_layer_ids={taps!r} must be a list of layer indices")
+        taps = tuple(_int(t, "target_layer_ids", "draft", 0) for t in taps) if taps \
+            else default_target_layer_ids(n_target, q["num_layers"])
         v = dcfg.get("input_embedding_scale", d.get("input_embedding_scale", 1.0))
-        if float(v) != 1.0:
+        if _float(v, "input_embedding_scale", "draft") != 1.0:
             raise ConfigError(f"draft: input_embedding_scale={v} is not supported (DFlash drafts use 1.0)")
         archs = d.get("architectures") or ["DFlashDraftModel"]
-        dflash2 = "DFlash2DraftModel" in archs
+        dflash2 = "DFlash2DraftModel" in (archs if isinstance(archs, (list, tuple)) else [archs])
         extra = _layer_fields(d, q["num_layers"]) | _dflash2_fields(d, dcfg, dflash2, q)
         # as the reference's _draft_value: dflash_config first, then the top level
-        return cls(**q, block_size=int(dcfg.get("block_size", d.get("block_size", 16))),
-                   num_target_layers=n_target, mask_token_id=int(mask), target_layer_ids=taps, **extra)
+        block = _int(dcfg.get("block_size", d.get("block_size", 16)), "block_size", "draft", 1)
+        return cls(**q, block_size=block, num_target_layers=n_target, mask_token_id=mask, target_layer_ids=taps,
+                   **extra)
 
     @classmethod
     def from_pretrained(cls, path: str) -> "DraftConfig":
-        return cls.from_dict(_read_json(path))
+        return cls.from_dict(read_json(path))
 
     def check_fits(self, target: TargetConfig) -> None:
         """Refuse a draft that was not made for this target, naming the mismatch."""
@@ -296,6 +376,10 @@ class DraftConfig:
 
         For targets under 4 layers the z-lab formula leaves [0, L); its taps are clipped into the
         target's layers and deduplicated (fewer taps than draft layers)."""
+        if not isinstance(target, TargetConfig):
+            hint = " (pass target.config: the model's TargetConfig)" \
+                if isinstance(getattr(target, "config", None), TargetConfig) else ""
+            raise TypeError(f"DraftConfig.for_target takes a TargetConfig, got {type(target).__name__}{hint}")
         if target_layer_ids:
             taps = tuple(int(t) for t in target_layer_ids)
         else:
@@ -307,6 +391,7 @@ class DraftConfig:
                    num_target_layers=target.num_layers,
                    mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
                    target_layer_ids=taps, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                   rope_scaling=target.rope_scaling,
                    max_position_embeddings=target.max_position_embeddings)
 
 
@@ -321,4 +406,13 @@ PRESETS: dict[str, TargetConfig] = {
     "qwen3-8b": TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                              num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
                              tie_word_embeddings=False),
+    # Llama-3.x (model_type llama): no q/k norm, eps 1e-5, llama3 RoPE scaling, vocab 128256
+    "llama3.1-8b": TargetConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                max_position_embeddings=131072, tie_word_embeddings=False, model_type="llama",
+                                rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),
+    "llama3.2-1b": TargetConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                max_position_embeddings=131072, tie_word_embeddings=True, model_type="llama",
+                                rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
 }

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +26,11 @@ from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax.loop import (MAX_STOP_IDS, Params, buckets, clear_compiled, compile_count, compiled, iteration,
                              loop_specs, make_static, merge_models, param_specs, params_on_mesh, pow2, prefill,
                              resolve_mesh, round_up, row_settings, run, stream_sink, to_host)
-from dflash_jax.modeling.draft import DFlashDraft
-from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax import drafts, models
+from dflash_jax.models.stack import CausalLM
 from dflash_jax.slots import RowRequest, Slots, offline_defaults, platform_of
 
-__all__ = ["generate", "GenerateResult", "precompile", "compiled_program", "lower_generate", "lower_iteration",
+__all__ = ["generate", "GenerateOptions", "GenerateResult", "precompile", "compiled_program", "lower_generate", "lower_iteration",
            "export_generate", "abstract_program", "compile_count", "clear_compiled"]
 
 
@@ -65,10 +66,42 @@ class GenerateResult:
         return sum(len(t) for t in self.tokens)
 
 
-def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-                       block_size, seed, attention_impl, capacity, stream, kernels=None, mesh=None):
-    if not isinstance(target, Qwen3):
-        raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """`generate`'s keywords and their defaults, written once (generate's docstring says what each
+    does); `generate`, `precompile` and `compiled_program` take them as keywords."""
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: Any = None
+    block_size: int | None = None
+    seed: int = 0
+    attention_impl: str | None = None
+    capacity: int | None = None
+    on_commit: Callable[[list[list[int]]], bool | None] | None = None
+    kernels: KernelConfig | None = None
+    mesh: Any = None
+    slots: int | None = None
+    step_buckets: Any = "auto"
+
+    def program(self) -> dict:
+        """The keywords that decide the one-shot program and its inputs (every field but the
+        streaming sink and the slot engine's)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_PROGRAM}
+
+
+_NOT_PROGRAM = ("on_commit", "slots", "step_buckets")
+
+
+def _static_and_params(target, draft, prompts, *, stream, **options):
+    """(static key, target state, draft state, Params, rows, prompt lengths) of a one-shot call;
+    options: GenerateOptions.program()'s keywords (defaults for those left out)."""
+    o = GenerateOptions(**options)
+    max_new_tokens, temperature, top_p, top_k = o.max_new_tokens, o.temperature, o.top_p, o.top_k
+    block_size, seed, capacity = o.block_size, o.seed, o.capacity
+    if not isinstance(target, CausalLM):
+        raise TypeError(f"target must be a model from load_target/init_target, got {type(target).__name__}")
     if draft is not None and not (isinstance(draft, nnx.Module) and callable(getattr(draft, "propose", None))):
         raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
@@ -91,13 +124,13 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         S = 1
     if S == 1:
         draft = None
-    stop = validation.check_stop_ids(stop_token_ids, cfg.vocab_size)
+    stop = validation.check_stop_ids(o.stop_token_ids, cfg.vocab_size)
     longest = max(len(r) for r in rows)
     Tb, C = buckets(longest, max_new_tokens, S, capacity)
     if longest + 1 + S > C or Tb > C:
         raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
                          f"KV-cache capacity {C}; raise capacity or shorten the prompt")
-    mesh = resolve_mesh(mesh, target, draft)
+    mesh = resolve_mesh(o.mesh, target, draft)
     # a power of two, and a multiple of the data axis (every data shard gets whole rows; the
     # padding rows are inactive)
     B = round_up(pow2(len(rows), 1), 1 if mesh is None else sharding.data_axis_size(mesh))
@@ -107,7 +140,7 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
         prompt[i, :len(r)] = r
         lens[i] = len(r)
     active = np.arange(B) < len(rows)
-    kernels = kernels_from(kernels, attention_impl).resolve()
+    kernels = kernels_from(o.kernels, o.attention_impl).resolve()
     mode = sampling.mode_for(temperature, top_p, top_k)
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
@@ -121,39 +154,35 @@ def _static_and_params(target, draft, prompts, *, max_new_tokens, temperature, t
     return st, tstate, dstate, p, len(rows), lens
 
 
-def compiled_program(target: Qwen3, draft, prompts, **kwargs):
+def compiled_program(target: CausalLM, draft, prompts, **kwargs):
     """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
     compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
     on_commit = kwargs.pop("on_commit", None)
+    validation.check_on_commit(on_commit)
     st, tstate, dstate, p, _, _ = _static_and_params(target, draft, prompts, stream=on_commit is not None,
                                                      **_generate_defaults(kwargs))
     return compiled(st, tstate, dstate, p)
 
 
-def precompile(target: Qwen3, draft, prompts, **kwargs) -> float:
+def precompile(target: CausalLM, draft, prompts, **kwargs) -> float:
     """Compile (and cache) the program `generate(target, draft, prompts, **kwargs)` would run, without
     running it. Returns the compile seconds (0.0 when it was already compiled)."""
     return compiled_program(target, draft, prompts, **kwargs)[1]
 
 
 def _generate_defaults(kw: dict) -> dict:
-    out = dict(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=None, block_size=None,
-               seed=0, attention_impl=None, capacity=None, kernels=None, mesh=None)
-    unknown = set(kw) - set(out)
+    """GenerateOptions.program() of the keywords kw (the others at their defaults)."""
+    fields = {f.name for f in dataclasses.fields(GenerateOptions)} - set(_NOT_PROGRAM)
+    unknown = set(kw) - fields
     if unknown:
         raise TypeError(f"unexpected arguments: {sorted(unknown)}")
-    return {**out, **kw}
+    return GenerateOptions(**kw).program()
 
 
-def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
-             block_size: int | None = None, seed: int = 0, attention_impl: str | None = None,
-             capacity: int | None = None, on_commit: Callable[[list[list[int]]], bool | None] | None = None,
-             kernels: KernelConfig | None = None, mesh=None,
-             slots: int | None = None, step_buckets="auto") -> GenerateResult:
+def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
-    draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
+    draft: a DFlashDraft (or another proposer, see drafts.dflash); None (or block_size=1) runs
     plain autoregressive decoding through the same loop. Greedy
     output equals the target's own greedy decoding token for token; sampled output follows the
     target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
@@ -180,15 +209,21 @@ def generate(target: Qwen3, draft, prompts, *, max_new_tokens: int = 256,
     mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
     """
-    if slots is not None and len(prompts) > slots:
-        return _generate_slots(target, draft, prompts, slots=slots, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
-                               block_size=block_size, seed=seed, attention_impl=attention_impl, capacity=capacity,
-                               on_commit=on_commit, kernels=kernels, mesh=mesh, step_buckets=step_buckets)
-    return _generate(target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size,
-                     seed=seed, attention_impl=attention_impl, capacity=capacity, on_commit=on_commit,
-                     kernels=kernels, mesh=mesh)[0]
+    unknown = set(options) - {f.name for f in dataclasses.fields(GenerateOptions)}
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword arguments: {sorted(unknown)}")
+    o = GenerateOptions(**options)
+    validation.check_on_commit(o.on_commit)
+    if o.slots is not None and len(prompts) > o.slots:
+        return _generate_slots(target, draft, prompts, o)
+    return _generate(target, draft, prompts, on_commit=o.on_commit, **o.program())[0]
+
+
+# the keywords of `generate`, for help() and inspect: GenerateOptions' fields
+generate.__signature__ = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("target", "draft", "prompts")]
+    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+       for f in dataclasses.fields(GenerateOptions)], return_annotation="GenerateResult")
 
 
 class _Stream:
@@ -209,14 +244,12 @@ class _Stream:
         return isinstance(out, (bool, np.bool_)) and bool(out)
 
 
-def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_token_ids,
-              block_size, seed, attention_impl, capacity, on_commit, kernels, mesh=None):
-    """`generate`, also returning the final loop state (`LoopState`: caches, lengths; tests read it)."""
-    st, tstate, dstate, p, n_rows, lens = _static_and_params(
-        target, draft, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        top_k=top_k, stop_token_ids=stop_token_ids, block_size=block_size, seed=seed,
-        attention_impl=attention_impl, capacity=capacity, stream=on_commit is not None,
-        kernels=kernels, mesh=mesh)
+def _generate(target, draft, prompts, *, on_commit=None, **options):
+    """`generate` in one program (options: GenerateOptions.program()'s keywords), also returning
+    the final loop state (`LoopState`: caches, lengths; tests read it)."""
+    st, tstate, dstate, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=on_commit is not None,
+                                                             **options)
+    max_new_tokens = GenerateOptions(**options).max_new_tokens
     fn, compile_time = compiled(st, tstate, dstate, p)
 
     def run_once():
@@ -249,20 +282,20 @@ def _generate(target, draft, prompts, *, max_new_tokens, temperature, top_p, top
     return res, state
 
 
-def _generate_slots(target, draft, prompts, *, slots, on_commit, step_buckets="auto", **kw):
+def _generate_slots(target, draft, prompts, o: GenerateOptions):
     """generate through the slot engine (generate's `slots`)."""
-    if on_commit is not None:
+    if o.on_commit is not None:
         raise ValueError("on_commit (streaming) is not supported with slots=; use dflash_jax.engine.SlotEngine")
-    if not validation.is_int(slots) or slots < 1:
-        raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-    st, _, _, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=False, **kw)
+    if not validation.is_int(o.slots) or o.slots < 1:
+        raise ValueError(f"slots must be an integer >= 1, got {o.slots!r}")
+    st, _, _, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=False, **o.program())
     stop = [int(t) for t in np.asarray(p.stop_ids[0]) if t >= 0]
-    eng = Slots(target, draft if st.draft_def is not None else None, slots=int(slots), capacity=st.capacity,
-                block_size=st.block_size, kernels=st.kernels, step_buckets=step_buckets,
+    eng = Slots(target, draft if st.draft_def is not None else None, slots=int(o.slots), capacity=st.capacity,
+                block_size=st.block_size, kernels=st.kernels, step_buckets=o.step_buckets,
                 steps=offline_defaults(platform_of(nnx.state(target)))["steps"])
-    reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(kw["max_new_tokens"]),
-                       temperature=float(kw["temperature"]), top_k=int(kw["top_k"]), top_p=float(kw["top_p"]),
-                       stop_ids=tuple(stop), seed=int(kw["seed"]), rng_row=i) for i, r in enumerate(prompts)]
+    reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(o.max_new_tokens),
+                       temperature=float(o.temperature), top_k=int(o.top_k), top_p=float(o.top_p),
+                       stop_ids=tuple(stop), seed=int(o.seed), rng_row=i) for i, r in enumerate(prompts)]
     t0 = time.perf_counter()
     n0 = compile_count()
     eng.warmup([len(r.prompt) for r in reqs], [st.mode])
@@ -287,8 +320,9 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     if sampling_mode not in sampling.MODES:
         raise ValueError(f"sampling_mode={sampling_mode!r}; expected one of {sampling.MODES}")
     dt = _dtype(dtype)
-    target = nnx.eval_shape(lambda: Qwen3(target_config, dt, rngs=nnx.Rngs(0)))
-    draft = nnx.eval_shape(lambda: DFlashDraft(draft_config, dt, rngs=nnx.Rngs(0))) if draft_config is not None else None
+    target = nnx.eval_shape(lambda: models.family(target_config.model_type).model(target_config, dt, rngs=nnx.Rngs(0)))
+    draft = (nnx.eval_shape(lambda: drafts.variant_of_config(draft_config).model(draft_config, dt, rngs=nnx.Rngs(0)))
+             if draft_config is not None else None)
     S = 1 if draft is None else (block_size or draft_config.block_size)
     if S == 1:
         draft = None

@@ -33,18 +33,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
-import jax
-import numpy as np
-
 from dflash_jax import decode, sampling, validation
 from dflash_jax.loop import compile_count
-from dflash_jax.slots import RowRequest, RowResult, Slots, parse_step_buckets
+from dflash_jax.slots import Pipeline, RowRequest, RowResult, Slots, parse_step_buckets
 
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
            "Slots", "SlotEngine", "RowResult", "parse_step_buckets",
@@ -262,12 +260,35 @@ def _context(target, cache_len: int) -> int:
     return cache_len if positions is None else min(cache_len, int(positions))
 
 
-class _RequestChecks:
+class _EngineCore:
     """What both engines share: a request's stop ids (eos unless ignore_eos, plus its own) and its
-    checks against the engine's vocabulary and context (RequestError naming the field)."""
+    checks against the engine's vocabulary and context (RequestError naming the field); the bounded
+    queue a worker thread drains, and submit / cancel / stats / shutdown over it. An engine sets the
+    fields below, calls `_start` last in its constructor, and says when its queue is full and which
+    handles run (`_queue_full`, `_running_handles`, both called under the lock)."""
     eos_token_ids: tuple
     vocab_size: int
     max_model_len: int
+    max_queue: int
+    capacity: int
+    n_slots: int                         # requests that run at once
+    _abort = False                       # set by shutdown after its timeout: the worker stops
+
+    def _start(self, thread_name: str) -> None:
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name=thread_name, daemon=True)
+        self._worker.start()
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _queue_full(self) -> bool:
+        raise NotImplementedError
+
+    def _running_handles(self) -> list[Handle]:
+        raise NotImplementedError
 
     def stop_ids(self, request: Request) -> list[int]:
         eos = () if request.ignore_eos else self.eos_token_ids
@@ -276,8 +297,57 @@ class _RequestChecks:
     def check(self, r: Request) -> None:
         _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
 
+    def submit(self, request: Request) -> Handle:
+        self.check(request)
+        h = Handle(request)
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine is shutting down")
+            if self._queue_full():
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
+            self._queue.append(h)
+            self._cv.notify()
+        return h
 
-class SimpleEngine(_RequestChecks):
+    def cancel(self, handle: Handle) -> None:
+        with self._cv:
+            handle.cancelled = True
+            try:
+                self._queue.remove(handle)
+            except ValueError:
+                pass
+            self._cv.notify()
+        # The response ends now; the worker stops a running request at its next chance (SlotEngine:
+        # its slot is released at the next step; SimpleEngine: a running generate stops at its next
+        # iteration, on_commit returning True, or, where generate does not stop early, runs out).
+        handle._finish("cancelled", self._stats_of(handle))
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running_handles()),
+                               slots=self.n_slots, max_queue=self.max_queue, compiles=compile_count(),
+                               capacity=self.capacity, max_model_len=self.max_model_len)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Take no new requests; let queued and running ones finish, failing what is left after
+        `timeout` seconds (None: wait for all)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout)
+        with self._cv:
+            self._closed, self._abort = True, True
+            left = list(self._queue) + self._running_handles()
+            self._queue.clear()
+        for h in left:
+            h.cancelled = True           # a running request stops at its next chance
+            h._finish("error", self._stats_of(h), "the server shut down before the request finished")
+
+    def _stats_of(self, h: Handle) -> RequestStats:
+        return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
+
+
+class SimpleEngine(_EngineCore):
     """One request at a time through one-shot `generate` (batch of one) on a worker thread.
 
     capacity: KV entries of the compiled program (fixed, so programs are keyed only by the prompt
@@ -307,62 +377,17 @@ class SimpleEngine(_RequestChecks):
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.attention_impl = attention_impl
         self._generate = generate_fn or decode.generate
-        self._compile_count = compile_count
-        self._queue: collections.deque[Handle] = collections.deque()
-        self._cv = threading.Condition()
+        self.n_slots = 1
         self._running: Handle | None = None
-        self._closed = False
-        self._worker = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
-        self._worker.start()
+        self._start("dflash-engine")
 
-    # interface ---------------------------------------------------------------------------------
-    def submit(self, request: Request) -> Handle:
-        self.check(request)
-        h = Handle(request)
-        with self._cv:
-            if self._closed:
-                raise EngineClosed("the engine is shutting down")
-            if len(self._queue) >= self.max_queue and not (self._running is None and not self._queue):
-                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
-            self._queue.append(h)
-            self._cv.notify()
-        return h
+    def _queue_full(self) -> bool:
+        return len(self._queue) >= self.max_queue and not (self._running is None and not self._queue)
 
-    def cancel(self, handle: Handle) -> None:
-        with self._cv:
-            handle.cancelled = True
-            try:
-                self._queue.remove(handle)
-            except ValueError:
-                pass
-        # The response ends now; a running generate stops at its next iteration (on_commit returns
-        # True) or, where generate does not stop early, runs out in the worker.
-        handle._finish("cancelled", self._stats_of(handle))
-
-    def stats(self) -> EngineStats:
-        with self._cv:
-            return EngineStats(queue_depth=len(self._queue), slots_busy=int(self._running is not None), slots=1,
-                               max_queue=self.max_queue, compiles=self._compile_count(), capacity=self.capacity,
-                               max_model_len=self.max_model_len)
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Take no new requests; let queued and running ones finish, failing what is left after
-        `timeout` seconds (None: wait for all)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._worker.join(timeout)
-        with self._cv:
-            left = list(self._queue) + ([self._running] if self._running is not None else [])
-            self._queue.clear()
-        for h in left:
-            h.cancelled = True           # a running generate stops at its next iteration
-            h._finish("error", self._stats_of(h), "the server shut down before the request finished")
+    def _running_handles(self) -> list[Handle]:
+        return [self._running] if self._running is not None else []
 
     # worker ------------------------------------------------------------------------------------
-    def _stats_of(self, h: Handle) -> RequestStats:
-        return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
-
     def _work(self) -> None:
         while True:
             with self._cv:
@@ -430,12 +455,13 @@ class SimpleEngine(_RequestChecks):
         h._finish("stop" if reason == "stop" else "length", stats)
 
 
-class SlotEngine(_RequestChecks):
+class SlotEngine(_EngineCore):
     """The Engine interface over `Slots`: continuous batching for the server.
 
     One thread owns the device: each turn it frees the slots of cancelled requests (released at
     that step), dispatches the prefills of waiting requests into free slots and one `step`, then
-    reads back the step dispatched `pipeline` steps before (and the inserts before it), pushing
+    reads back the step dispatched `pipeline` steps before (and the inserts before it; the same
+    `slots.Pipeline` as the offline `Slots.run`), pushing
     first tokens and committed tokens into their Handles and finishing the requests whose rows
     are done. With pipeline 1 a finished slot is refilled one step later, but the device never
     waits for the host. Compiles happen in `warmup` (the constructor compiles the greedy
@@ -459,69 +485,23 @@ class SlotEngine(_RequestChecks):
         self.max_model_len, self.max_queue = _context(target, self.slots.max_model_len), max_queue
         self.vocab_size = target.config.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self._compile_count = compile_count
+        self.n_slots = self.slots.slots
         if warmup_prompt_len:
             lo, hi = warmup_prompt_len if isinstance(warmup_prompt_len, tuple) else (1, warmup_prompt_len)
             hi = min(hi, self.max_model_len - 1)
             lengths = sorted({min(self.slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
             self.slots.warmup(lengths, ("greedy",))
-        self._queue: collections.deque[Handle] = collections.deque()
-        self._cv = threading.Condition()
         self._running: dict[int, Handle] = {}          # slot -> handle
-        self._closed = False
-        self._worker = threading.Thread(target=self._work, name="dflash-slot-engine", daemon=True)
-        self._worker.start()
+        self._start("dflash-slot-engine")
 
-    # interface ---------------------------------------------------------------------------------
-    def submit(self, request: Request) -> Handle:
-        self.check(request)
-        h = Handle(request)
-        with self._cv:
-            if self._closed:
-                raise EngineClosed("the engine is shutting down")
-            free = self.slots.slots - len(self._running)
-            if len(self._queue) >= self.max_queue + max(0, free):     # those go to free slots at once
-                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
-            self._queue.append(h)
-            self._cv.notify()
-        return h
+    def _queue_full(self) -> bool:
+        free = self.slots.slots - len(self._running)
+        return len(self._queue) >= self.max_queue + max(0, free)     # those go to free slots at once
 
-    def cancel(self, handle: Handle) -> None:
-        with self._cv:
-            handle.cancelled = True
-            try:
-                self._queue.remove(handle)
-            except ValueError:
-                pass
-            self._cv.notify()
-        handle._finish("cancelled", self._stats_of(handle))    # its slot is released at the next step
-
-    def stats(self) -> EngineStats:
-        with self._cv:
-            return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running), slots=self.slots.slots,
-                               max_queue=self.max_queue, compiles=self._compile_count(), capacity=self.capacity,
-                               max_model_len=self.max_model_len)
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Take no new requests; let queued and running ones finish, failing what is left after
-        `timeout` seconds (None: wait for all)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._worker.join(timeout)
-        with self._cv:
-            self._closed, self._abort = True, True
-            left = list(self._queue) + list(self._running.values())
-            self._queue.clear()
-        for h in left:
-            h._finish("error", self._stats_of(h), "the server shut down before the request finished")
+    def _running_handles(self) -> list[Handle]:
+        return list(self._running.values())
 
     # worker ------------------------------------------------------------------------------------
-    _abort = False
-
-    def _stats_of(self, h: Handle) -> RequestStats:
-        return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
-
     def _row(self, h: Handle) -> RowRequest:
         r = h.request
         return RowRequest(prompt=tuple(int(t) for t in r.prompt), max_new=int(r.max_tokens),
@@ -557,43 +537,36 @@ class SlotEngine(_RequestChecks):
         for _, h in failed:
             h._finish("error", self._stats_of(h), _one_line(e))
 
-    def _read(self, entry, free: list) -> None:
-        """Push one dispatched insert's first tokens or one step's commits to their handles (those
-        still in the slot they were dispatched for)."""
-        kind, arrays, who = entry
-        host = [np.asarray(x) for x in jax.device_get(arrays)]
-        with self._cv:
-            if kind == "insert":
-                first, done = host
-                for k, (slot, h) in enumerate(who):
-                    if self._running.get(slot) is not h:
-                        continue
-                    self._deliver(h, [int(first[k])])
-                    if done[k]:
-                        self._end(slot, h)
-                        free.append(slot)
-                return
-            commits, produced, done = host
-            for slot, h in who:
-                if self._running.get(slot) is not h:
-                    continue
-                for k in range(produced.shape[0]):
-                    n = int(produced[k, slot])
-                    if n and not h.done:
-                        self._deliver(h, commits[k, slot, :n].tolist(), n)
-                if done[slot]:
-                    self._end(slot, h)
-                    free.append(slot)
+    def _first(self, free: list, slot: int, h: Handle, token: int, done: bool) -> None:
+        """An insert's first token for its handle (if still in the slot it was dispatched for)."""
+        if self._running.get(slot) is not h:
+            return
+        self._deliver(h, [token])
+        if done:
+            self._end(slot, h)
+            free.append(slot)
+
+    def _commits(self, free: list, slot: int, h: Handle, rows: list, done: bool) -> None:
+        """A step's commits for its handle (if still in the slot it was dispatched for)."""
+        if self._running.get(slot) is not h:
+            return
+        for ids in rows:
+            if not h.done:
+                self._deliver(h, ids, len(ids))
+        if done:
+            self._end(slot, h)
+            free.append(slot)
 
     def _work(self) -> None:
         """The engine thread: admit, dispatch a step, read back the step dispatched `pipeline`
         steps ago (so the device is never idle while the host pushes tokens and prefills)."""
         free = list(range(self.slots.slots))
-        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
+        pipe = Pipeline(self.slots, self.pipeline, functools.partial(self._first, free),
+                        functools.partial(self._commits, free), lock=self._cv)
         while True:
             with self._cv:
                 if not self._running:
-                    inflight.clear()                          # nobody waits for these results
+                    pipe.clear()                              # nobody waits for these results
                 while not self._queue and not self._running and not self._closed:
                     self._cv.wait()
                 if self._abort or (self._closed and not self._queue and not self._running):
@@ -615,9 +588,7 @@ class SlotEngine(_RequestChecks):
                     h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
                                             queued_s=time.perf_counter() - h.submitted_at)
                 try:
-                    handles = dict(admit)
-                    for slots, first, done in self.slots.insert_async([(slot, self._row(h)) for slot, h in admit]):
-                        inflight.append(("insert", (first, done), [(s, handles[s]) for s in slots]))
+                    pipe.insert([(slot, self._row(h), h) for slot, h in admit])
                 except Exception as e:  # the inserted requests fail; the others keep running
                     with self._cv:
                         for slot, h in admit:
@@ -628,18 +599,11 @@ class SlotEngine(_RequestChecks):
                         h._finish("error", h._stats, _one_line(e))
                     continue
             with self._cv:
-                busy = list(self._running.items())
-            stepped = bool(busy)
+                busy = dict(self._running)
             try:
-                if stepped:
-                    inflight.append(("step", self.slots.step_async([s for s, _ in busy]), busy))
-                n_steps = sum(e[0] == "step" for e in inflight)
-                while inflight and (n_steps > self.pipeline or not stepped):
-                    e = inflight.popleft()
-                    n_steps -= e[0] == "step"
-                    self._read(e, free)
-                    if not stepped:
-                        break
+                if busy:
+                    pipe.step(busy)
+                pipe.read(stepped=bool(busy))
             except Exception as e:  # noqa: BLE001  (a failed step: see _fail_running)
-                inflight.clear()
+                pipe.clear()
                 self._fail_running(free, e)

@@ -7,8 +7,9 @@ state on the device, each a request or free, and the programs that drive them ov
 prefill of a power-of-two width) and writes their rows into free slots, `step` runs K
 draft-verify-accept iterations over the busy slots (a loop of fixed trip count, so launching it does
 not hold the host thread: see _slots_step_body) and returns each slot's commits, `release` frees a
-slot at the next step. Both have `_async` forms returning device arrays. `Slots.run` drives them
-offline (generate(..., slots=N)); dflash_jax.engine.SlotEngine drives them for the server. On a mesh
+slot at the next step. Both have `_async` forms returning device arrays. `Pipeline` dispatches
+them ahead of the reads (step n+1 runs while the host reads step n); it drives `Slots.run` offline
+(generate(..., slots=N)) and dflash_jax.engine.SlotEngine for the server. On a mesh
 (the models' own) slots are split over 'data' and the model over 'model'. A request's tokens do not
 depend on its slot or its batch-mates: rows are independent, and its randomness is keyed by its own
 seed, stream and position.
@@ -17,6 +18,7 @@ seed, stream and position.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -32,7 +34,7 @@ from dflash_jax.kernel_config import kernels_from
 from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
                              merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings)
 
-__all__ = ["Slots", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
+__all__ = ["Slots", "Pipeline", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
 
 
@@ -455,7 +457,6 @@ class Slots:
         toks: dict[int, list] = {}
         accs: dict[int, list] = {}
         results: list[RowResult | None] = [None] * len(requests)
-        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
         self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
 
         def finish(slot, i):
@@ -471,44 +472,37 @@ class Slots:
             if on_finish is not None:
                 on_finish(i, results[i])
 
-        def read(entry):
-            kind, arrays, who = entry
-            if kind == "insert":
-                first, done = (np.asarray(x) for x in jax.device_get(arrays))
-                for k, (slot, i) in enumerate(who):
-                    toks[i].append(int(first[k]))
-                    self.last_run_times[i] = [time.perf_counter()]
-                    if done[k]:
-                        finish(slot, i)
+        def first(slot, i, token, done):
+            toks[i].append(token)
+            self.last_run_times[i] = [time.perf_counter()]
+            if done:
+                finish(slot, i)
+
+        def commits(slot, i, rows, done):
+            if results[i] is not None:       # finished at its insert, or earlier
                 return
-            commits, produced, done = (np.asarray(x) for x in jax.device_get(arrays))
-            for slot, i in who.items():
-                if results[i] is not None:       # finished at its insert, or earlier
-                    continue
-                for k in range(produced.shape[0]):
-                    n = int(produced[k, slot])
-                    if n:
-                        toks[i].extend(commits[k, slot, :n].tolist())
-                        accs[i].append(n)
-                if done[slot]:
-                    finish(slot, i)
-                elif owner.get(slot) != i and not any(e[0] == "step" and e[2].get(slot) == i for e in inflight):
-                    # refilled ahead, yet not ended by the last step dispatched for it
-                    raise RuntimeError(f"request {i} in slot {slot} did not end within the steps dispatched "
-                                       f"for it ({len(toks[i])} of {requests[i].max_new} tokens)")
+            for ids in rows:
+                toks[i].extend(ids)
+                accs[i].append(len(ids))
+            if done:
+                finish(slot, i)
+            elif owner.get(slot) != i and not pipe.steps_in_flight(slot, i):
+                # refilled ahead, yet not ended by the last step dispatched for it
+                raise RuntimeError(f"request {i} in slot {slot} did not end within the steps dispatched "
+                                   f"for it ({len(toks[i])} of {requests[i].max_new} tokens)")
+
+        pipe = Pipeline(self, pipeline, first, commits)
 
         def ending_ahead():
             """Slots whose request ends within the steps in flight: free for the next insert."""
-            ahead = collections.Counter(s for e in inflight if e[0] == "step" for s, i in e[2].items()
-                                        if owner.get(s) == i)
             for slot, i in list(owner.items()):
                 if slot in free or i not in toks or len(free) >= len(waiting):
                     continue
-                if toks[i] and requests[i].max_new - len(toks[i]) <= self.steps * ahead[slot]:
+                if toks[i] and requests[i].max_new - len(toks[i]) <= self.steps * pipe.steps_in_flight(slot, i):
                     free.append(slot)
 
-        while waiting or owner or inflight:
-            if refill_ahead and waiting and inflight:
+        while waiting or owner or pipe:
+            if refill_ahead and waiting and pipe:
                 ending_ahead()
             running = [s for s in owner if s not in free]
             if waiting and free and (len(free) >= min(refill_min, len(waiting)) or not running):
@@ -517,18 +511,77 @@ class Slots:
                 while waiting and free:
                     i, slot = waiting.popleft(), free.pop(0)
                     owner[slot], toks[i], accs[i] = i, [], []
-                    items.append((slot, requests[i]))
-                for slots, first, done in self.insert_async(items):
-                    inflight.append(("insert", (first, done), [(s, owner[s]) for s in slots]))
-            stepped = False
-            if owner:
-                inflight.append(("step", self.step_async(list(owner)), dict(owner)))
-                stepped = True
-            n_steps = sum(e[0] == "step" for e in inflight)
-            while inflight and (n_steps > pipeline or not stepped):
-                e = inflight.popleft()
-                n_steps -= e[0] == "step"
-                read(e)
-                if not stepped:
-                    break
+                    items.append((slot, requests[i], i))
+                pipe.insert(items)
+            stepped = bool(owner)
+            if stepped:
+                pipe.step(owner)
+            pipe.read(stepped)
         return results
+
+
+class Pipeline:
+    """The one dispatch-ahead driver of `Slots`, for the offline run (`Slots.run`) and the server
+    (engine.SlotEngine). Inserts and steps are dispatched without waiting; each is read back (its
+    device arrays brought to the host) once `depth` later steps have been dispatched, so the host's
+    reading, bookkeeping and next prefills overlap the device's work instead of stalling it (JAX
+    runs the programs in dispatch order).
+
+    Every dispatch records, per slot, the owner it ran for (a request index, a handle), and the
+    reader gets that owner back with the slot's results, so a slot refilled since is told apart:
+    `first(slot, owner, token, done)` for each row of an insert, `commits(slot, owner, rows, done)`
+    for each slot of a step (rows: the token lists of its iterations that committed any). The
+    readers run under `lock` (a context manager; none by default)."""
+
+    def __init__(self, slots: Slots, depth: int, first: Callable, commits: Callable, lock=None):
+        self.slots, self.depth = slots, int(depth)
+        self._first, self._commits = first, commits
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def insert(self, items: Sequence[tuple[int, RowRequest, Any]]) -> None:
+        """Dispatch the prefills of (slot, request, owner) items (Slots.insert_async)."""
+        owners = {slot: who for slot, _, who in items}
+        for rows, first, done in self.slots.insert_async([(slot, r) for slot, r, _ in items]):
+            self._inflight.append(("insert", (first, done), [(slot, owners[slot]) for slot in rows]))
+
+    def step(self, owners: dict[int, Any]) -> None:
+        """Dispatch one step over the slots of `owners` ({slot: owner}, the busy slots)."""
+        self._inflight.append(("step", self.slots.step_async(list(owners)), dict(owners)))
+
+    def read(self, stepped: bool) -> None:
+        """Read back what is due: after a step was dispatched, everything but the last `depth`
+        steps (and the inserts between them); when none was, the oldest dispatch alone."""
+        n_steps = sum(e[0] == "step" for e in self._inflight)
+        while self._inflight and (n_steps > self.depth or not stepped):
+            entry = self._inflight.popleft()
+            n_steps -= entry[0] == "step"
+            self._read(entry)
+            if not stepped:
+                break
+
+    def steps_in_flight(self, slot: int, owner) -> int:
+        """Steps dispatched for `owner` in `slot` and not read yet."""
+        return sum(1 for kind, _, who in self._inflight if kind == "step" and who.get(slot) == owner)
+
+    def clear(self) -> None:
+        """Forget what is in flight (nobody waits for it, or a program failed)."""
+        self._inflight.clear()
+
+    def _read(self, entry) -> None:
+        kind, arrays, who = entry
+        host = [np.asarray(x) for x in jax.device_get(arrays)]
+        with self._lock:
+            if kind == "insert":
+                first, done = host
+                for k, (slot, owner) in enumerate(who):
+                    self._first(slot, owner, int(first[k]), bool(done[k]))
+                return
+            commits, produced, done = host
+            for slot, owner in who.items():
+                rows = [commits[k, slot, :n].tolist() for k in range(produced.shape[0])
+                        if (n := int(produced[k, slot]))]
+                self._commits(slot, owner, rows, bool(done[slot]))

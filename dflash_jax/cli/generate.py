@@ -30,7 +30,7 @@ from urllib.parse import urlparse  # noqa: E402
 from dflash_jax import validation  # noqa: E402
 from dflash_jax.decode import generate as _generate  # noqa: E402  (the library function; this module is its CLI)
 
-__all__ = ["main", "build_parser", "StreamDecoder", "stop_token_ids"]
+__all__ = ["main", "build_parser", "StreamDecoder", "stop_token_ids", "skip_absent_tpu"]
 
 DTYPES = validation.DTYPES
 ATTENTION = ("auto", "xla", "pallas")
@@ -53,6 +53,50 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False, []):  # "(default: None)" says nothing
             return action.help
         return super()._get_help_string(action)
+
+
+# Device nodes of an attached accelerator: TPU chips (/dev/accel*: v4, v5e; VFIO: v5p, v6e),
+# NVIDIA (/dev/nvidia0, /dev/nvidiactl in containers, /dev/dxg under WSL2) and AMD (/dev/kfd) GPUs.
+_ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def _accelerator_attached() -> bool:
+    import glob
+    if any(glob.glob(p) for p in _ACCELERATOR_NODES):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):  # a TPU whose /dev nodes are not visible
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def skip_absent_tpu() -> bool:
+    """Where no accelerator is attached and JAX_PLATFORMS is not set, run JAX on "cpu" outright.
+
+    With libtpu installed (the [tpu] extra, or [test], which needs it to compile for TPU ahead of
+    time) JAX tries the TPU backend on every machine; off a TPU VM libtpu prints ~5 lines of errors
+    about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES while it fails, and JAX then uses the CPU. On
+    such a machine the CPU is the only backend there is, so naming it changes nothing but the noise.
+    A TPU or GPU attached, JAX_PLATFORMS or JAX_FORCE_TPU_INIT set, or a backend already running
+    leave JAX's own choice alone. Called by the CLIs before they touch a device; True if it set cpu."""
+    if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ or _accelerator_attached():
+        return False
+    import jax
+    try:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            return False
+    except (ImportError, AttributeError):  # pragma: no cover - another jax: leave it alone
+        return False
+    if jax.config.jax_platforms:
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 
 def progress(msg: str) -> None:
@@ -78,8 +122,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                    "'none' for plain autoregressive decoding (with --random-init: a random draft "
                                    "of the z-lab shape unless 'none')")
     g.add_argument("--tokenizer", help="tokenizer source when it is not the --model's")
-    g.add_argument("--dtype", default="bfloat16", type=_dtype_arg, metavar="{" + ",".join(DTYPES) + "}",
-                   help="parameter and activation dtype (aliases: " + ", ".join(validation.DTYPE_ALIASES) + ")")
+    g.add_argument("--dtype", default=None, type=_dtype_arg, metavar="{" + ",".join(DTYPES) + "}",
+                   help="parameter and activation dtype (aliases: " + ", ".join(validation.DTYPE_ALIASES) + "); "
+                        "default: bfloat16, but float32 for the embedded demo pair on CPU, where it is as "
+                        "fast and greedy DFlash output is then identical to plain decoding's")
     g.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="attention backend: Pallas kernels on TPU/GPU (auto), or the XLA reference")
     g.add_argument("--block-size", type=int, help="draft block size (default: the draft's; 1 = no speculation)")
@@ -229,7 +275,8 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """Hub ids → local directories, the draft first (a typo in it must not wait for the target's
     download); then the configs, checked against each other and the length limits before any weight
     is read. Sets args.model_dir / args.draft_dir; returns the target's TargetConfig."""
-    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax import drafts, models
+    from dflash_jax.config import TargetConfig, read_json
     from dflash_jax.weights import resolve_model_dir
 
     offline = go_offline_if_unreachable([args.model, args.draft, args.tokenizer])
@@ -240,7 +287,7 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
             if not os.path.isdir(args.draft):
                 progress(f"fetching draft {args.draft} from the hub (or its cache)")
             args.draft_dir = resolve_model_dir(args.draft)
-            draft_cfg = DraftConfig.from_pretrained(args.draft_dir)
+            draft_cfg = drafts.read_config(read_json(args.draft_dir))
         except _LOAD_ERRORS as e:
             parser.error(f"--draft {args.draft}: {_one_line(e)}{hint}")
     try:
@@ -250,7 +297,7 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
             if not os.path.isdir(args.model):
                 progress(f"fetching model {args.model} from the hub (or its cache)")
             args.model_dir = resolve_model_dir(args.model)
-            cfg = TargetConfig.from_pretrained(args.model_dir)
+            cfg = models.read_config(read_json(args.model_dir))
     except _LOAD_ERRORS as e:
         parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
                      f"{_one_line(e)}{hint}")
@@ -325,6 +372,7 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if not hasattr(args, "model_dir"):
         resolve_sources(parser, args)
     init_distributed()
+    args.dtype = default_dtype(args)
     mesh = get_mesh(parser, args)
     try:
         if args.random_init is not None:
@@ -355,6 +403,16 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"--block-size {args.block_size} is above the draft's block size "
                      f"{draft.config.block_size}")
     return target, draft
+
+
+def default_dtype(args: argparse.Namespace) -> str:
+    """--dtype, or its default: float32 for the embedded demo pair on a CPU (bfloat16 buys no speed
+    there, docs/perf-log.md, and in float32 the 16-row verify and the 1-row step round alike, so
+    greedy DFlash equals plain decoding token for token), bfloat16 everywhere else."""
+    if args.dtype is not None:
+        return args.dtype
+    import jax
+    return "float32" if args.default_pair and jax.default_backend() == "cpu" else "bfloat16"
 
 
 def effective_block_size(args: argparse.Namespace, draft) -> int:
@@ -692,6 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     from dflash_jax.text import StopWatcher
 
+    skip_absent_tpu()
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)

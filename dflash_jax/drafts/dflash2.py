@@ -32,7 +32,10 @@ from dflash_jax.attention import attend
 from dflash_jax.cache import KVCache, write_kv_rows, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
-from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, gated_silu
+from dflash_jax.drafts.dflash import TOP_WEIGHTS
+from dflash_jax.drafts.variant import Variant
+from dflash_jax.models import qwen3
+from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, gated_silu
 from dflash_jax.sharding import argmax
 
 __all__ = ["DFlash2Draft", "GroupedDynamicConv", "CandidateSelector", "grouped_dynamic_conv",
@@ -107,7 +110,7 @@ class DFlash2Layer(DecoderLayer):
         if context is not None:
             hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)         # [B, Tc+S, H]
             k_pos = jnp.concatenate([context.positions, positions], axis=1)
-        q, k, v = self._heads(hin @ self.qkv[...], positions, k_pos)
+        q, k, v = self._heads(self._project(hin), positions, k_pos)
         if context is not None:
             Tc = context.feats.shape[1]
             k_cache, v_cache = write_kv_rows(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0],
@@ -199,7 +202,7 @@ def walk(scores, cand, temperature=None, keys=None):
 
 class DFlash2Draft(nnx.Module):
     """The DFlash2 draft (or a DFlash draft with per-layer windows / causal layers): the proposer
-    interface of modeling.draft.DFlashDraft (config, new_cache, write_context, propose)."""
+    interface of drafts.dflash.DFlashDraft (config, new_cache, write_context, propose)."""
 
     def __init__(self, config: DraftConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs, identity_conv: bool = False):
         self.config = config
@@ -235,7 +238,6 @@ class DFlash2Draft(nnx.Module):
         """One draft pass: block_embeds [B, S, H] at positions [B, S]; pending_feats [B, S, n·H] at
         pending_positions (as DFlashDraft); block_end [B]: the block's keys end there. Returns
         (hidden [B, S, H] final-normed, cache)."""
-        from dflash_jax.modeling.layers import DraftContext
         kernels = resolved(kernels)
         context = DraftContext(feats=self.context(pending_feats), positions=pending_positions)
         x = block_embeds.astype(self.dtype)
@@ -285,3 +287,24 @@ class DFlash2Draft(nnx.Module):
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config
         return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
+
+
+# DFlash2 tensors beside the z-lab DFlash ones: the convs in each layer, the selector at the top (the
+# reference stores the codebooks without `.weight`; `.weight` is read too).
+LAYER_WEIGHTS = {
+    **qwen3.LAYER_WEIGHTS,
+    "attention_conv.base_kernel": (("attention_conv", "base_kernel"), None),
+    "attention_conv.kernel_projection.weight": (("attention_conv", "kernel_projection"), "T"),
+    "mlp_conv.base_kernel": (("mlp_conv", "base_kernel"), None),
+    "mlp_conv.kernel_projection.weight": (("mlp_conv", "kernel_projection"), "T"),
+}
+_SELECTOR = {
+    "candidate_selector.predecessor_codebook": (("candidate_selector", "predecessor_codebook"), None),
+    "candidate_selector.successor_codebook": (("candidate_selector", "successor_codebook"), None),
+    "candidate_selector.hidden_projection.weight": (("candidate_selector", "hidden_projection"), "T"),
+}
+TOP_WEIGHTS2 = {**TOP_WEIGHTS, **_SELECTOR,
+                **{k + ".weight": v for k, v in _SELECTOR.items() if "codebook" in k}}
+
+VARIANT = Variant(architecture="DFlash2DraftModel", config_class=DraftConfig, model=DFlash2Draft,
+                  top_weights=TOP_WEIGHTS2, layer_weights=LAYER_WEIGHTS)

@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dflash_jax.cli.generate import skip_absent_tpu
+    skip_absent_tpu()  # libtpu's noise off a TPU VM
     from dflash_jax.config import ConfigError
     from dflash_jax.train.checkpoint import ContractError
     from dflash_jax.train.data import DataError
