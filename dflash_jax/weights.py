@@ -200,11 +200,14 @@ def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None)
     dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
     raw = read_json(d)
-    var = drafts.variant(raw.get("architectures") if isinstance(raw, dict) else None)
+    drafts.variant(raw.get("architectures") if isinstance(raw, dict) else None)   # a known one
     config = drafts.read_config(raw)
+    var = drafts.variant_of_config(config)
     if target is not None:
         config.check_fits(target.config)
     m = sharding.as_mesh(mesh)
+    if m is not None and var is not drafts.VARIANTS["DFlashDraftModel"]:
+        raise ValueError(f"draft {path_or_hub_id}: DFlash2 / sliding-window drafts do not load onto a mesh yet")
     if m is not None:
         return load_draft_sharded(d, m, dtype)
     model = nnx.eval_shape(lambda: var.model(config, dt, rngs=nnx.Rngs(0)))
