@@ -237,6 +237,8 @@ RULES: tuple[tuple[str, P], ...] = (
     (r"lm_head", P(None, "model")),                       # [H, V] vocab
     (r"layers/\d+/qkv", P(None, "model")),                # [H, (Hq + 2 Hkv) D] columns, fused_layout order
     (r"layers/\d+/o", P("model", None)),                  # [Hq D, H] rows
+    (r"layers/\d+/mlp/router", P()),                      # MoE [H, E] replicated (every shard routes)
+    (r"layers/\d+/mlp/experts_(gate_up|down)", P("model", None, None)),  # MoE [E, ...] experts (EP)
     (r"layers/\d+/mlp/gate_up", P(None, "model")),        # [H, 2I] columns, fused_layout order
     (r"layers/\d+/mlp/down", P("model", None)),           # [I, H] rows
     (r"fc", P()),                                         # draft [n·H, H] replicated (see module doc)

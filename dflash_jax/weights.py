@@ -142,13 +142,14 @@ def _map_tensor(name: str, top_level: dict, model, flat, what: str):
     return path, how, key, want
 
 
-def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=()):
-    """Stream (hf_name, array) pairs into the abstract `model`; every parameter must be set once.
+def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=(), expect_later=()):
+    """Stream (hf_name, array) pairs into the abstract `model`; every parameter must be set once
+    (but those of `expect_later`, paths the caller sets itself: a family's own tensors).
 
     Each tensor is checked against the shape the config implies for it (named as in the checkpoint)
     and for non-finite values before it is cast and placed."""
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    todo = set(flat)
+    todo = set(flat) - set(expect_later)
     parts: dict[tuple, dict[str, jax.Array]] = {}
 
     def put(path, arr):

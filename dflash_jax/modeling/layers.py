@@ -107,7 +107,9 @@ def gated_silu(y, groups: int = 1):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention + SwiGLU MLP, Qwen3 style (q_norm / k_norm before RoPE, GQA)."""
 
-    def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
+        """mlp: the MLP block (default: the dense SwiGLU MLP of cfg.intermediate_size); another
+        block (the MoE block) is called as mlp(h [B, T, H], kernels) -> [B, T, H]."""
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
         # Tensor parallelism: qkv / gate_up in the fused layout of this many shards (each shard's
@@ -122,7 +124,7 @@ class DecoderLayer(nnx.Module):
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.o = _init(rngs, (cfg.num_heads * D, H), dtype, (cfg.num_heads * D) ** -0.5)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs)
+        self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs) if mlp is None else mlp
 
     def _split_heads(self, qkv):
         """q [B, T, Hq, D], k, v [B, T, Hkv, D] of the fused projection (its layout: qkv_groups)."""
@@ -172,8 +174,10 @@ class DecoderLayer(nnx.Module):
     def _mlp_block(self, x, kernels: KernelConfig | None, row_scale: bool = False):
         """(x + mlp(norm(x)), None), or with row_scale on the TPU MLP kernel's path (x + ...,
         RowScale of it with the input norm's eps, for the next RMSNorm)."""
-        gu, down = self.mlp.gate_up[...], self.mlp.down[...]
         norm = self.post_attention_layernorm
+        if not isinstance(self.mlp, MLP):   # a family's own MLP block (the MoE block): XLA ops around it
+            return x + self.mlp(norm(x), kernels), None
+        gu, down = self.mlp.gate_up[...], self.mlp.down[...]
         from dflash_jax import sharding
         if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 and sharding.current_mesh() is None:
             # on the TPU path, one device: norm, MLP and residual as one Pallas kernel (the normed
@@ -274,7 +278,10 @@ class DecoderLayer(nnx.Module):
             return x, scale, k_cache, v_cache
         x, h = add_norm(x, o.reshape(o.shape[0], T, -1) @ self.o[...], self.post_attention_layernorm,
                         kernels)
-        mlp_out = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
+        if isinstance(self.mlp, MLP):
+            mlp_out = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
+        else:
+            mlp_out = self.mlp(h, kernels)
         if prefill:
             return x + mlp_out, None, k_cache, v_cache
         return x, mlp_out, k_cache, v_cache
