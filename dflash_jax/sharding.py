@@ -395,6 +395,7 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     inserts the collectives the slices need), slower."""
     tp = model_axis_size(mesh)
     cfg = model.config
+    check_experts(cfg, tp)
     fused_layout = _use_fused(cfg, tp, fused_layout)
     lay = _layout_for(cfg, tp, fused_layout)
     perm_qkv = qkv_permutation(lay) if fused_layout else None
@@ -414,6 +415,14 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     return model
 
 
+def check_experts(cfg, tp: int) -> None:
+    """An MoE config's experts must split evenly over the model axis (expert parallelism)."""
+    E = getattr(cfg, "num_experts", 0)
+    if E and E % tp:
+        raise ValueError(f"num_experts={E} is not divisible by the model axis size {tp} "
+                         "(expert parallelism splits the experts over it)")
+
+
 def _set_layout(model, lay: FusedLayout):
     for layer in model.layers:
         layer.qkv_groups = lay.groups
@@ -426,6 +435,7 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
     with its NamedSharding. For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
     from flax import nnx
     tp = model_axis_size(mesh)
+    check_experts(model.config, tp)
     fused_layout = _use_fused(model.config, tp, fused_layout)
     lay = _layout_for(model.config, tp, fused_layout)
     if fused_layout:
