@@ -23,6 +23,9 @@ Weights: router [H, E], experts_gate_up [E, H, 2I] (gate columns before up), exp
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,7 +35,23 @@ from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.modeling.layers import _init
 
-__all__ = ["MoE", "route", "experts", "distinct_experts"]
+__all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
+
+# Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
+# choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
+_RECORD: contextvars.ContextVar = contextvars.ContextVar("dflash_moe_record", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect each MoE layer's expert choices [N, k] while tracing (scripts/bench_moe.py counts the
+    distinct experts a step touches with them)."""
+    rec: list = []
+    tok = _RECORD.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORD.reset(tok)
 
 
 def route(x, router, top_k: int, norm_topk_prob: bool):
@@ -97,6 +116,9 @@ class MoE(nnx.Module):
         B, T, H = h.shape
         x = h.reshape(B * T, H)
         w, idx = route(x, router, self.top_k, self.norm_topk_prob)
+        rec = _RECORD.get()
+        if rec is not None:
+            rec.append(idx)
         return experts(x, w, idx, gate_up, down, gmm_impl=gmm_impl, first_expert=first_expert).reshape(B, T, H)
 
     def __call__(self, h, kernels: KernelConfig | None = None):
