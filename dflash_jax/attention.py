@@ -119,6 +119,6 @@ def attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels: KernelConfig, *,
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                 implementation="cudnn")
         except Exception as e:  # cuDNN refuses the shape (head_dim, ...): our kernel takes it
-            _log.warning("cuDNN prefill attention refused q%s (%s): using the Pallas kernel",
-                         q.shape, e)
+            pallas_kernels.warn_once(_log, f"cudnn: {type(e).__name__}: {e}", "cuDNN prefill attention "
+                                     "refused q%s (%s): using the Pallas kernel", q.shape, e)
     return attend(q, k_cache, v_cache, k_end, kernels, scale=scale)

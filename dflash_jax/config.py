@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from dflash_jax.validation import positive_int
+from dflash_jax.validation import check_block_size, finite_float, positive_int
 
 __all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids"]
 
@@ -20,7 +20,7 @@ class ConfigError(ValueError):
     """A config.json that this library cannot run, with the offending field named."""
 
 
-def _rope_theta(d: Mapping[str, Any]) -> float:
+def _rope_theta(d: Mapping[str, Any], what: str) -> float:
     # transformers >= 5 nests RoPE settings in `rope_parameters`; older files have `rope_theta`.
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
@@ -28,7 +28,7 @@ def _rope_theta(d: Mapping[str, Any]) -> float:
         kind = block.get("rope_type", block.get("type", "default"))
         if kind not in ("default", None):
             raise ConfigError(f"{name}.rope_type={kind!r} is not supported (only default RoPE)")
-    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    return _float(params.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta", what, positive=True)
 
 
 def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
@@ -68,8 +68,8 @@ def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(d),
+        rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", what),
+        rope_theta=_rope_theta(d, what),
         max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
     )
 
@@ -79,6 +79,26 @@ def _positive(d: Mapping[str, Any], key: str, what: str) -> None:
         positive_int(d[key], key, what)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _float(value, key: str, what: str, positive: bool = False) -> float:
+    try:
+        return finite_float(value, key, what, positive=positive)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _int(value, key: str, what: str, minimum: int) -> int:
+    try:
+        return positive_int(value, key, what, minimum)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_numbers(cfg, what: str) -> None:
+    """Every config, however built (from_dict, for_target, by hand): finite float fields."""
+    _float(cfg.rope_theta, "rope_theta", what, positive=True)
+    _float(cfg.rms_norm_eps, "rms_norm_eps", what)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -111,6 +131,9 @@ class TargetConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        _check_numbers(self, "target")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TargetConfig":
@@ -155,6 +178,13 @@ class DraftConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
 
+    def __post_init__(self):
+        _check_numbers(self, "draft")
+        try:
+            check_block_size(self.block_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DraftConfig":
         q = _qwen3_fields(d, "draft")
@@ -164,12 +194,16 @@ class DraftConfig:
             raise ConfigError("draft: config.json lacks dflash_config.mask_token_id")
         if "num_target_layers" not in d:
             raise ConfigError("draft: config.json lacks num_target_layers")
-        n_target = int(d["num_target_layers"])
+        n_target = _int(d["num_target_layers"], "num_target_layers", "draft", 1)
+        mask = _int(mask, "mask_token_id", "draft", 0)
         taps = dcfg.get("target_layer_ids", d.get("target_layer_ids"))
-        taps = tuple(int(t) for t in taps) if taps else default_target_layer_ids(n_target, q["num_layers"])
+        if taps and not isinstance(taps, (list, tuple)):
+            raise ConfigError(f"draft: target_layer_ids={taps!r} must be a list of layer indices")
+        taps = tuple(_int(t, "target_layer_ids", "draft", 0) for t in taps) if taps \
+            else default_target_layer_ids(n_target, q["num_layers"])
         for name in ("output_multiplier", "input_embedding_scale"):
             v = dcfg.get(name, d.get(name, 1.0))
-            if float(v) != 1.0:
+            if _float(v, name, "draft") != 1.0:
                 raise ConfigError(f"draft: {name}={v} is not supported (DFlash-1 drafts use 1.0)")
         if dcfg.get("final_logit_softcapping", d.get("final_logit_softcapping")):
             raise ConfigError("draft: final_logit_softcapping is not supported")
@@ -179,8 +213,8 @@ class DraftConfig:
         if any(t != "full_attention" for t in d.get("layer_types") or []):
             raise ConfigError(f"draft: layer_types {d['layer_types']} is not supported (only full_attention)")
         # as the reference's _draft_value: dflash_config first, then the top level
-        return cls(**q, block_size=int(dcfg.get("block_size", d.get("block_size", 16))),
-                   num_target_layers=n_target, mask_token_id=int(mask), target_layer_ids=taps)
+        block = _int(dcfg.get("block_size", d.get("block_size", 16)), "block_size", "draft", 1)
+        return cls(**q, block_size=block, num_target_layers=n_target, mask_token_id=mask, target_layer_ids=taps)
 
     @classmethod
     def from_pretrained(cls, path: str) -> "DraftConfig":
@@ -212,6 +246,10 @@ class DraftConfig:
 
         For targets under 4 layers the z-lab formula leaves [0, L); its taps are clipped into the
         target's layers and deduplicated (fewer taps than draft layers)."""
+        if not isinstance(target, TargetConfig):
+            hint = " (pass target.config: the model's TargetConfig)" \
+                if isinstance(getattr(target, "config", None), TargetConfig) else ""
+            raise TypeError(f"DraftConfig.for_target takes a TargetConfig, got {type(target).__name__}{hint}")
         if target_layer_ids:
             taps = tuple(int(t) for t in target_layer_ids)
         else:

@@ -1,5 +1,5 @@
 """Serving engines: the interface the HTTP server (`dflash_jax.serve`) drives, the step-wise slot
-engine (`Slots` on the device, `SlotEngine` around it) and `SimpleEngine`.
+engine `SlotEngine` (over dflash_jax.slots.Slots) and `SimpleEngine`.
 
 The server only ever talks to an engine through this small interface:
 
@@ -16,21 +16,12 @@ request's stop token and max_tokens) and exactly one final `Finished` event. Tok
 are the engine's contract: for the same prompt and settings they equal one-shot
 `dflash_jax.generate(target, draft, [prompt], ...)` (greedy; sampling with the same seed).
 
-`Slots` is continuous batching: a fixed number of slots whose state (target and draft caches,
-length, pending context, done flag, limits, sampling settings, seeds) lives on the device in one
-pytree (decode._Slots). `insert` prefills a bucket of requests (up to `insert_width` arrivals of one
-prompt bucket in one prefill of a power-of-two width) and writes their rows into free slots,
-`step` runs K draft-verify-accept iterations of the one-shot loop's own iteration
-(decode._iterate) over all slots (a loop of fixed trip count, so launching it does not hold the host
-thread: see decode._slots_step_body) and returns each slot's commits, `release` frees a slot at the next
-step. Both have `_async` forms returning device arrays: the drivers (`run`, `SlotEngine`) dispatch
-step n+1 before reading step n (`pipeline` = 1), so the host's bookkeeping, token pushing and
-prefill dispatch overlap the device's work instead of stalling it. On a mesh (the models' own,
-sharding.shard_model / load_*(mesh=)) slots are split over 'data' and the model over 'model'. Each program compiles once per (slots, capacity, block, sampling mode, and for insert the
-prompt bucket and insert width), never on a request's arrival; the slot state is donated. `run`
-drives it offline (generate(..., slots=N) with more prompts than slots), `SlotEngine` drives it
-from a thread for the server. A request's tokens do not depend on its slot or its batch-mates: rows
-are independent, and its randomness is keyed by its own seed, stream and position.
+`SlotEngine` is continuous batching over `Slots` (dflash_jax.slots: a fixed number of slots whose
+loop state lives on the device in one pytree; insert, step, release). It dispatches step n+1 before
+reading step n (`pipeline` = 1), so the host's bookkeeping, token pushing and prefill dispatch
+overlap the device's work instead of stalling it. Each program compiles once per (slots, capacity,
+block, sampling mode, and for insert the prompt bucket and insert width), never on a request's
+arrival. A request's tokens do not depend on its slot or its batch-mates.
 
 `SimpleEngine` runs one request at a time on a worker thread through `generate` (batch of one),
 streaming each loop iteration's tokens through `on_commit` (tests inject faults through its
@@ -42,13 +33,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
-import numpy as np
+from dflash_jax import decode, sampling, validation
+from dflash_jax.loop import compile_count
+from dflash_jax.slots import Pipeline, RowRequest, RowResult, Slots, parse_step_buckets
 
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
            "Slots", "SlotEngine", "RowResult", "parse_step_buckets",
@@ -229,17 +223,15 @@ def _one_line(e: BaseException) -> str:
 
 def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) -> None:
     """The one check of a request against an engine's vocabulary and context length."""
-    from dflash_jax import decode, sampling, validation
-
     n = len(r.prompt)
     if n == 0:
         raise RequestError("prompt", "is empty: a prompt needs at least one token")
-    if any(not decode._is_int(t) or not 0 <= t < vocab_size for t in r.prompt):
+    if any(not validation.is_int(t) or not 0 <= t < vocab_size for t in r.prompt):
         raise RequestError("prompt", f"has token ids outside the vocabulary [0, {vocab_size})")
     if n >= max_model_len:
         raise RequestError("prompt", f"{n} tokens, the model's context length is {max_model_len} "
                                      f"(prompt + max_tokens); shorten the prompt")
-    if not decode._is_int(r.max_tokens) or r.max_tokens < 1:
+    if not validation.is_int(r.max_tokens) or r.max_tokens < 1:
         raise RequestError("max_tokens", f"must be an integer >= 1, got {r.max_tokens!r}")
     if n + r.max_tokens > max_model_len:
         raise RequestError("max_tokens", f"{r.max_tokens} with a prompt of {n} tokens exceeds the context "
@@ -251,7 +243,9 @@ def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) ->
             check()
         except ValueError as e:
             raise RequestError(field, _one_line(e).split(" ", 1)[1]) from None
-    if not decode._is_int(r.seed) or not 0 <= r.seed < validation.SEED_LIMIT:
+    if validation.is_int(r.top_k) and r.top_k > vocab_size:
+        raise RequestError("top_k", f"{r.top_k} is above the vocabulary size {vocab_size} (0 = off)")
+    if not validation.is_int(r.seed) or not 0 <= r.seed < validation.SEED_LIMIT:
         raise RequestError("seed", f"must be an integer in [0, 2**32), got {r.seed!r}")
     try:
         validation.check_stop_ids(stop_ids, vocab_size)
@@ -259,12 +253,42 @@ def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) ->
         raise RequestError("stop_token_ids", _one_line(e)) from None
 
 
-class _RequestChecks:
+def _context(target, cache_len: int) -> int:
+    """What a request may fill (prompt + max_tokens): the cache's room, never past the model's
+    positions (max_position_embeddings)."""
+    positions = getattr(target.config, "max_position_embeddings", None)
+    return cache_len if positions is None else min(cache_len, int(positions))
+
+
+class _EngineCore:
     """What both engines share: a request's stop ids (eos unless ignore_eos, plus its own) and its
-    checks against the engine's vocabulary and context (RequestError naming the field)."""
+    checks against the engine's vocabulary and context (RequestError naming the field); the bounded
+    queue a worker thread drains, and submit / cancel / stats / shutdown over it. An engine sets the
+    fields below, calls `_start` last in its constructor, and says when its queue is full and which
+    handles run (`_queue_full`, `_running_handles`, both called under the lock)."""
     eos_token_ids: tuple
     vocab_size: int
     max_model_len: int
+    max_queue: int
+    capacity: int
+    n_slots: int                         # requests that run at once
+    _abort = False                       # set by shutdown after its timeout: the worker stops
+
+    def _start(self, thread_name: str) -> None:
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name=thread_name, daemon=True)
+        self._worker.start()
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _queue_full(self) -> bool:
+        raise NotImplementedError
+
+    def _running_handles(self) -> list[Handle]:
+        raise NotImplementedError
 
     def stop_ids(self, request: Request) -> list[int]:
         eos = () if request.ignore_eos else self.eos_token_ids
@@ -273,55 +297,13 @@ class _RequestChecks:
     def check(self, r: Request) -> None:
         _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
 
-
-class SimpleEngine(_RequestChecks):
-    """One request at a time through one-shot `generate` (batch of one) on a worker thread.
-
-    capacity: KV entries of the compiled program (fixed, so programs are keyed only by the prompt
-    bucket and the sampling mode); a request must satisfy prompt + max_tokens <= capacity - block.
-    eos_token_ids: the model's stop ids; a request adds its own stop_token_ids, ignore_eos drops these.
-    generate_fn: `dflash_jax.generate` or a stand-in with its signature (tests inject faults with it).
-    """
-
-    def __init__(self, target, draft, *, capacity: int = 4096, max_queue: int = 64,
-                 eos_token_ids: Sequence[int] = (), block_size: int | None = None,
-                 attention_impl: str = "auto", generate_fn: Callable[..., Any] | None = None):
-        from dflash_jax import decode
-
-        if not isinstance(capacity, int) or capacity < 2:
-            raise ValueError(f"capacity must be an integer >= 2 (KV-cache entries), got {capacity!r}")
-        if not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
-        self.target, self.draft = target, draft
-        self.vocab_size = target.config.vocab_size
-        if draft is None:
-            self.block_size = 1
-        else:
-            self.block_size = draft.config.block_size if block_size is None else block_size
-        self.capacity = capacity
-        self.max_model_len = capacity - self.block_size
-        if self.max_model_len < 2:
-            raise ValueError(f"capacity {capacity} leaves no room next to a block of {self.block_size}")
-        self.max_queue = max_queue
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.attention_impl = attention_impl
-        self._generate = generate_fn or decode.generate
-        self._compile_count = decode.compile_count
-        self._queue: collections.deque[Handle] = collections.deque()
-        self._cv = threading.Condition()
-        self._running: Handle | None = None
-        self._closed = False
-        self._worker = threading.Thread(target=self._work, name="dflash-engine", daemon=True)
-        self._worker.start()
-
-    # interface ---------------------------------------------------------------------------------
     def submit(self, request: Request) -> Handle:
         self.check(request)
         h = Handle(request)
         with self._cv:
             if self._closed:
                 raise EngineClosed("the engine is shutting down")
-            if len(self._queue) >= self.max_queue and not (self._running is None and not self._queue):
+            if self._queue_full():
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
             self._queue.append(h)
             self._cv.notify()
@@ -334,15 +316,17 @@ class SimpleEngine(_RequestChecks):
                 self._queue.remove(handle)
             except ValueError:
                 pass
-        # The response ends now; a running generate stops at its next iteration (on_commit returns
-        # True) or, where generate does not stop early, runs out in the worker.
+            self._cv.notify()
+        # The response ends now; the worker stops a running request at its next chance (SlotEngine:
+        # its slot is released at the next step; SimpleEngine: a running generate stops at its next
+        # iteration, on_commit returning True, or, where generate does not stop early, runs out).
         handle._finish("cancelled", self._stats_of(handle))
 
     def stats(self) -> EngineStats:
         with self._cv:
-            return EngineStats(queue_depth=len(self._queue), slots_busy=int(self._running is not None), slots=1,
-                               max_queue=self.max_queue, compiles=self._compile_count(), capacity=self.capacity,
-                               max_model_len=self.max_model_len)
+            return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running_handles()),
+                               slots=self.n_slots, max_queue=self.max_queue, compiles=compile_count(),
+                               capacity=self.capacity, max_model_len=self.max_model_len)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Take no new requests; let queued and running ones finish, failing what is left after
@@ -352,15 +336,58 @@ class SimpleEngine(_RequestChecks):
             self._cv.notify_all()
         self._worker.join(timeout)
         with self._cv:
-            left = list(self._queue) + ([self._running] if self._running is not None else [])
+            self._closed, self._abort = True, True
+            left = list(self._queue) + self._running_handles()
             self._queue.clear()
         for h in left:
+            h.cancelled = True           # a running request stops at its next chance
             h._finish("error", self._stats_of(h), "the server shut down before the request finished")
 
-    # worker ------------------------------------------------------------------------------------
     def _stats_of(self, h: Handle) -> RequestStats:
         return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
 
+
+class SimpleEngine(_EngineCore):
+    """One request at a time through one-shot `generate` (batch of one) on a worker thread.
+
+    capacity: KV entries of the compiled program (fixed, so programs are keyed only by the prompt
+    bucket and the sampling mode); a request must satisfy prompt + max_tokens <= capacity - block.
+    eos_token_ids: the model's stop ids; a request adds its own stop_token_ids, ignore_eos drops these.
+    generate_fn: `dflash_jax.generate` or a stand-in with its signature (tests inject faults with it).
+    """
+
+    def __init__(self, target, draft, *, capacity: int = 4096, max_queue: int = 64,
+                 eos_token_ids: Sequence[int] = (), block_size: int | None = None,
+                 attention_impl: str = "auto", generate_fn: Callable[..., Any] | None = None):
+        if not isinstance(capacity, int) or capacity < 2:
+            raise ValueError(f"capacity must be an integer >= 2 (KV-cache entries), got {capacity!r}")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.target, self.draft = target, draft
+        self.vocab_size = target.config.vocab_size
+        if draft is None:
+            self.block_size = 1
+        else:
+            self.block_size = draft.config.block_size if block_size is None else block_size
+        self.capacity = capacity
+        self.max_model_len = _context(target, capacity - self.block_size)
+        if self.max_model_len < 2:
+            raise ValueError(f"capacity {capacity} leaves no room next to a block of {self.block_size}")
+        self.max_queue = max_queue
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.attention_impl = attention_impl
+        self._generate = generate_fn or decode.generate
+        self.n_slots = 1
+        self._running: Handle | None = None
+        self._start("dflash-engine")
+
+    def _queue_full(self) -> bool:
+        return len(self._queue) >= self.max_queue and not (self._running is None and not self._queue)
+
+    def _running_handles(self) -> list[Handle]:
+        return [self._running] if self._running is not None else []
+
+    # worker ------------------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
             with self._cv:
@@ -428,430 +455,13 @@ class SimpleEngine(_RequestChecks):
         h._finish("stop" if reason == "stop" else "length", stats)
 
 
-# ----------------------------------------------------------------------------------------- slots
-@dataclasses.dataclass(frozen=True)
-class RowRequest:
-    """One row for `Slots`: a prompt and its own settings (stop_ids already merged with eos)."""
-    prompt: tuple[int, ...]
-    max_new: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_ids: tuple[int, ...] = ()
-    seed: int = 0
-    rng_row: int = 0          # the stream its randomness is keyed by (generate: the prompt's index)
-
-    @property
-    def mode(self) -> str:
-        from dflash_jax import sampling
-        return sampling.mode_for(self.temperature, self.top_p, self.top_k)
-
-
-@dataclasses.dataclass
-class RowResult:
-    tokens: list[int]
-    acceptance_lengths: list[int]
-    finish_reason: str        # "stop", "length" or "capacity", as GenerateResult's
-
-
-_MODE_FILTERS = {"greedy": None, "sample": frozenset(), "topk": frozenset("k"), "topp": frozenset("p"),
-                 "filtered": frozenset("kp")}
-
-
-def union_mode(modes) -> str:
-    """The sampling mode whose program serves rows of all these modes: greedy rows stay argmax in
-    any mode, and a filter a row does not use keeps its whole distribution."""
-    filters = [_MODE_FILTERS[m] for m in modes if _MODE_FILTERS[m] is not None]
-    if not filters:
-        return "greedy"
-    u = frozenset().union(*filters)
-    return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered")
-
-
-def parse_step_buckets(text: str):
-    """A command line's step-bucket setting as Slots' step_buckets: "auto", None ("none" / "off") or
-    a tuple of ints ("1,2,4,8")."""
-    t = str(text).strip().lower()
-    if t == "auto":
-        return "auto"
-    if t in ("none", "off", ""):
-        return None
-    try:
-        return tuple(int(x) for x in t.split(","))
-    except ValueError:
-        raise ValueError(f"expected auto, none or comma-separated row counts, got {text!r}") from None
-
-
-def platform_of(tree) -> str:
-    """The platform ("cpu", "gpu", "tpu") of the first array in a pytree (model state, slot state)."""
-    import jax
-    return next(iter(jax.tree.leaves(tree)[0].devices())).platform
-
-
-def offline_defaults(platform: str) -> dict:
-    """An offline job's engine settings by platform, measured (BENCHMARKS.md): K (iterations per
-    step) 8 and refills of >= 3 slots on an accelerator, K 4 and immediate refills on CPU."""
-    return dict(steps=4, refill_min=1) if platform == "cpu" else dict(steps=8, refill_min=3)
-
-
-class Slots:
-    """The device side of continuous batching: `slots` rows of loop state, each a request or free.
-
-    insert(items) prefills requests into free slots (grouped by prompt bucket, up to `insert_width`
-    rows per prefill program, default min(slots, 8)), step() runs `steps` iterations over all slots, release(slot) frees
-    a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
-    mode, prompt bucket / insert width, step bucket) and cached with generate's programs
-    (compile_count counts them). capacity: KV entries per slot; a request needs prompt + max_new
-    <= capacity - block.
-
-    step_buckets: the row counts a step may run over (an iteration's cost grows with its rows, so
-    few busy slots should not pay for all of them). step(busy) runs the smallest bucket >=
-    len(busy): the busy slots' rows (padded with free ones) are gathered, stepped by that bucket's
-    program and written back; the full width (`slots`) is always one of them and needs no gather.
-    "auto" (default): every power of two below `slots`, and `slots`; None or (): off, every step
-    over all slots. On a mesh whose data axis is > 1 the rows of a bucket would cross data shards,
-    so "auto" is off there and explicit buckets are refused.
-    """
-
-    def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
-                 steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
-                 step_buckets="auto"):
-        import jax
-        from flax import nnx
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        from dflash_jax import decode, sharding
-        from dflash_jax.kernel_config import kernels_from
-
-        if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
-            insert_width = min(slots, 8) if decode._is_int(slots) else 1
-        for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
-                            ("insert_width", insert_width, 1)):
-            if not decode._is_int(v) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-        S = 1 if draft is None else (draft.config.block_size if block_size is None else block_size)
-        if draft is not None and not 1 <= S <= draft.config.block_size:
-            raise ValueError(f"block_size={block_size!r} must be in [1, {draft.config.block_size}]")
-        if S == 1:
-            draft = None
-        if capacity - S < 2:
-            raise ValueError(f"capacity {capacity} leaves no room next to a block of {S}")
-        self._decode = decode
-        self.target, self.draft = target, draft
-        self.slots, self.capacity, self.block_size = int(slots), int(capacity), S
-        self.steps, self.insert_width = int(steps), int(insert_width)
-        self.max_model_len = self.capacity - S
-        self.kernels = kernels_from(kernels, attention_impl).resolve()
-        # the models' mesh (both must be on the same one): slots on 'data', the model on 'model'
-        self.mesh = decode._resolve_mesh(None, target, draft)
-        self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
-        if self.slots % self._data:
-            raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
-        self.step_buckets = self._check_buckets(step_buckets)
-        self.bucket_steps: collections.Counter = collections.Counter()   # steps dispatched per row count
-        self._tdef, self._tstate = nnx.split(target)
-        self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
-        st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
-        with sharding.active(self.mesh):
-            self.state = decode._slots_empty(st, self._tstate, self._dstate)
-        if self.mesh is not None:
-            self.state = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(self.mesh, spec)),
-                                      decode._slots_specs(st, self.state), self.state,
-                                      is_leaf=lambda x: isinstance(x, P))
-        self._release = np.zeros((self.slots,), bool)
-        self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
-        self.platform = platform_of(self.state)
-
-    def _static(self, *, prompt_bucket: int, batch: int, mode: str):
-        return self._decode._static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
-                                    block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
-                                    capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh)
-
-    def _check_buckets(self, buckets) -> tuple[int, ...]:
-        """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
-        if buckets is None or (isinstance(buckets, (tuple, list)) and not buckets):
-            return ()
-        if isinstance(buckets, str):
-            if buckets != "auto":
-                raise ValueError(f"step_buckets must be 'auto', None or a sequence of row counts, got {buckets!r}")
-            if self._data > 1:
-                return ()
-            return tuple(1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots) + (self.slots,)
-        try:
-            values = list(buckets)
-        except TypeError:
-            raise ValueError(f"step_buckets must be 'auto', None or a sequence of row counts, got {buckets!r}") from None
-        bad = [b for b in values if not self._decode._is_int(b) or not 1 <= b <= self.slots]
-        if bad:
-            raise ValueError(f"step_buckets entries must be integers in [1, slots={self.slots}], got {bad[0]!r}")
-        if len(set(values)) != len(values):
-            raise ValueError(f"step_buckets has repeated entries: {list(values)}")
-        if self._data > 1:
-            raise ValueError(f"step_buckets on a mesh with a data axis of {self._data}: a bucket's rows would be "
-                             f"gathered across data shards; pass step_buckets=None there")
-        return tuple(sorted({int(b) for b in values} | {self.slots}))
-
-    def step_bucket(self, n_busy: int) -> int:
-        """The row count a step over n_busy busy slots runs (the smallest bucket >= n_busy)."""
-        return next((b for b in self.step_buckets if b >= n_busy), self.slots)
-
-    def prompt_bucket(self, n: int) -> int:
-        return min(self._decode._pow2(n, 16), self.capacity)
-
-    def check(self, r: RowRequest) -> None:
-        if not r.prompt or len(r.prompt) + r.max_new > self.max_model_len:
-            raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new {r.max_new} exceeds the context "
-                             f"length {self.max_model_len} (capacity {self.capacity} - block {self.block_size})")
-
-    # programs ----------------------------------------------------------------------------------
-    def insert_widths(self) -> list[int]:
-        """The prefill widths insert uses: powers of two up to insert_width (a bucket of n arrivals
-        runs as few prefills as their binary digits, none padded beyond the next power of two)."""
-        d = self._data       # on a mesh a prefill's rows are split over 'data': whole rows per shard
-        return [d << i for i in range(max(self.insert_width, d).bit_length()) if d << i <= max(self.insert_width, d)]
-
-    def _put(self, x, spec=None):
-        """x on the slots' mesh (rows on 'data' by default; spec () replicates); as is without one."""
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        if self.mesh is None:
-            return jnp.asarray(x)
-        return jax.device_put(np.asarray(x), NamedSharding(self.mesh, P() if spec is None else spec))
-
-    def _insert_program(self, bucket: int, mode: str, width: int):
-        d = self._decode
-        st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
-        p = d._params_on_mesh(d._idle_params(width, bucket), self.mesh)
-        rows = self._put(np.full((width,), self.slots, np.int32))
-        return d._engine_program(("engine_insert", st, self.slots), d._slots_insert, (st,),
-                                 (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
-
-    def _step_program(self, mode: str, rows: int | None = None):
-        """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them)."""
-        d = self._decode
-        st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
-        if rows is None or rows == self.slots:
-            return d._engine_program(("engine_step", st, self.steps), d._slots_step, (st, self.steps),
-                                     (self._tstate, self._dstate, self.state, self._put(self._release)), donate=(2,))
-        idx = self._put(np.arange(rows, dtype=np.int32))
-        return d._engine_program(("engine_step_rows", st, self.steps, rows), d._slots_step_rows, (st, self.steps),
-                                 (self._tstate, self._dstate, self.state, self._put(self._release), idx), donate=(2,))
-
-    def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
-        """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
-        step programs of these modes (every step bucket) now, so no request waits for a compile."""
-        for m in modes:
-            for n in self.step_buckets or (self.slots,):
-                self._step_program(m, n)
-            for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
-                for w in self.insert_widths():
-                    self._insert_program(n, m, w)
-
-    # operations ----------------------------------------------------------------------------------
-    def insert_async(self, items: Sequence[tuple[int, RowRequest]]) -> list[tuple[list[int], Any, Any]]:
-        """Dispatch the prefills of each (slot, request) into its slot (the slots must be free)
-        without waiting for them: requests of one prompt bucket share a prefill of a power-of-two
-        width. Returns [(slots, first [W] device array, done [W] device array)], one per prefill;
-        entry i of first/done belongs to slots[i]."""
-        import jax.numpy as jnp
-
-        d = self._decode
-        groups: dict[int, list] = {}
-        for slot, r in items:
-            self.check(r)
-            groups.setdefault(self.prompt_bucket(len(r.prompt)), []).append((slot, r))
-        widths = self.insert_widths()
-        out = []
-        for bucket, group in sorted(groups.items()):
-            at = 0
-            while at < len(group):
-                W = max([w for w in widths if w <= len(group) - at] or widths[:1])
-                chunk = group[at:at + W]
-                at += len(chunk)
-                mode = union_mode(r.mode for _, r in chunk)
-                prompt = np.zeros((W, bucket), np.int32)
-                lens = np.ones((W,), np.int32)
-                rows = np.full((W,), self.slots, np.int32)
-                settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
-                for i, (slot, r) in enumerate(chunk):
-                    prompt[i, :len(r.prompt)] = r.prompt
-                    lens[i], rows[i] = len(r.prompt), slot
-                    settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                       stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
-                    self.modes[slot] = r.mode
-                    self._release[slot] = False
-                p = d._Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
-                              active=jnp.asarray(np.arange(W) < len(chunk)), **d._row_settings(settings))
-                p = d._params_on_mesh(p, self.mesh)
-                prog = self._insert_program(bucket, mode, W)
-                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
-                out.append(([slot for slot, _ in chunk], first, done))
-        return out
-
-    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
-        """Prefill each (slot, request) into its slot (the slots must be free). Returns
-        {slot: (first token, done)}."""
-        out = {}
-        for slots, first, done in self.insert_async(items):
-            first, done = np.asarray(first), np.asarray(done)
-            for i, slot in enumerate(slots):
-                out[slot] = (int(first[i]), bool(done[i]))
-        return out
-
-    def release(self, slot: int) -> None:
-        """Free `slot` at the next step (its row is marked done there)."""
-        self._release[slot] = True
-        self.modes[slot] = "greedy"
-
-    def step_async(self, busy: Sequence[int] | None = None):
-        """Dispatch `steps` iterations over the busy slots (None: every slot), in the program
-        of the union of their modes and of the smallest step bucket holding them, without waiting:
-        returns device arrays over every slot (commits [K, B, S], produced [K, B], done [B]; zeros
-        for slots outside the bucket). Slots outside `busy` may not advance: pass every slot whose
-        request runs. The host may dispatch the next insert or step before reading them (JAX runs
-        them in order), so its bookkeeping overlaps the device's work."""
-        busy = list(range(self.slots)) if busy is None else sorted({int(b) for b in busy})
-        if busy and not 0 <= busy[0] <= busy[-1] < self.slots:
-            raise ValueError(f"busy slots must be in [0, {self.slots}), got {busy}")
-        n = self.step_bucket(len(busy))
-        prog = self._step_program(union_mode(self.modes[b] for b in busy), n)
-        self.bucket_steps[n] += 1
-        if n == self.slots:
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release))
-        else:
-            taken = set(busy)
-            idx = busy + [b for b in range(self.slots) if b not in taken][:n - len(busy)]
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release),
-                                                       self._put(np.asarray(idx, np.int32)))
-        self._release[:] = False
-        return commits, produced, done
-
-    def step(self, busy: Sequence[int] | None = None):
-        """step_async, waited for: numpy (commits [K, B, S], produced [K, B], done [B])."""
-        import jax
-        return tuple(np.asarray(x) for x in jax.device_get(self.step_async(busy)))
-
-    # offline -------------------------------------------------------------------------------------
-    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None,
-            *, pipeline: int = 1, refill_ahead: bool = True, refill_min: int | None = None) -> list[RowResult]:
-        """Run every request to its end, refilling slots as rows finish (arrival order).
-
-        pipeline: steps dispatched ahead of the one whose results the host reads (0: wait for
-        each step). With 1 the device runs step n+1 while the host reads step n and prepares the
-        next inserts, so the host's work no longer stalls the device; a slot whose row finished in
-        step n is refilled after step n+1 (it idles one step).
-        refill_ahead: a slot whose request must end within the steps already dispatched (it has
-        at most steps x those steps tokens left: every iteration commits at least one) is refilled
-        right behind them instead, as if the host had read them; its last tokens are still read
-        from those steps. Only rows ending on a stop token idle then.
-        refill_min: wait for this many free slots (or as many as requests wait) before a refill,
-        so a prefill serves several arrivals; 1: at once; None: offline_defaults' (3 on an
-        accelerator, where a small prefill's cost is mostly its weight reads; 1 on CPU, where it is
-        compute and scales with the rows). Measured (BENCHMARKS.md): on the H200 refill ahead +4%,
-        refill_min 3 +2%, steps 8 instead of 4 +4% tokens/s; on CPU refill_min 3 and steps 8 lose."""
-        import jax
-
-        for r in requests:
-            self.check(r)
-        if not self._decode._is_int(pipeline) or pipeline < 0:
-            raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
-        if refill_min is None:
-            refill_min = offline_defaults(self.platform)["refill_min"]
-        if not self._decode._is_int(refill_min) or refill_min < 1:
-            raise ValueError(f"refill_min must be an integer >= 1, got {refill_min!r}")
-        waiting = collections.deque(range(len(requests)))
-        free = list(range(self.slots))
-        owner: dict[int, int] = {}           # slot -> request, as the host last dispatched it
-        toks: dict[int, list] = {}
-        accs: dict[int, list] = {}
-        results: list[RowResult | None] = [None] * len(requests)
-        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
-        self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
-
-        def finish(slot, i):
-            self.last_run_times[i].append(time.perf_counter())
-            r = requests[i]
-            t = toks.pop(i)
-            reason = "stop" if t and t[-1] in r.stop_ids else "length" if len(t) >= r.max_new else "capacity"
-            results[i] = RowResult(tokens=t, acceptance_lengths=accs.pop(i), finish_reason=reason)
-            if owner.get(slot) == i:         # not refilled ahead: the slot is free now
-                del owner[slot]
-                if slot not in free:         # (already there when it ended ahead, unfilled)
-                    free.append(slot)
-            if on_finish is not None:
-                on_finish(i, results[i])
-
-        def read(entry):
-            kind, arrays, who = entry
-            if kind == "insert":
-                first, done = (np.asarray(x) for x in jax.device_get(arrays))
-                for k, (slot, i) in enumerate(who):
-                    toks[i].append(int(first[k]))
-                    self.last_run_times[i] = [time.perf_counter()]
-                    if done[k]:
-                        finish(slot, i)
-                return
-            commits, produced, done = (np.asarray(x) for x in jax.device_get(arrays))
-            for slot, i in who.items():
-                if results[i] is not None:       # finished at its insert, or earlier
-                    continue
-                for k in range(produced.shape[0]):
-                    n = int(produced[k, slot])
-                    if n:
-                        toks[i].extend(commits[k, slot, :n].tolist())
-                        accs[i].append(n)
-                if done[slot]:
-                    finish(slot, i)
-                elif owner.get(slot) != i and not any(e[0] == "step" and e[2].get(slot) == i for e in inflight):
-                    # refilled ahead, yet not ended by the last step dispatched for it
-                    raise RuntimeError(f"request {i} in slot {slot} did not end within the steps dispatched "
-                                       f"for it ({len(toks[i])} of {requests[i].max_new} tokens)")
-
-        def ending_ahead():
-            """Slots whose request ends within the steps in flight: free for the next insert."""
-            ahead = collections.Counter(s for e in inflight if e[0] == "step" for s, i in e[2].items()
-                                        if owner.get(s) == i)
-            for slot, i in list(owner.items()):
-                if slot in free or i not in toks or len(free) >= len(waiting):
-                    continue
-                if toks[i] and requests[i].max_new - len(toks[i]) <= self.steps * ahead[slot]:
-                    free.append(slot)
-
-        while waiting or owner or inflight:
-            if refill_ahead and waiting and inflight:
-                ending_ahead()
-            running = [s for s in owner if s not in free]
-            if waiting and free and (len(free) >= min(refill_min, len(waiting)) or not running):
-                items = []
-                free.sort()
-                while waiting and free:
-                    i, slot = waiting.popleft(), free.pop(0)
-                    owner[slot], toks[i], accs[i] = i, [], []
-                    items.append((slot, requests[i]))
-                for slots, first, done in self.insert_async(items):
-                    inflight.append(("insert", (first, done), [(s, owner[s]) for s in slots]))
-            stepped = False
-            if owner:
-                inflight.append(("step", self.step_async(list(owner)), dict(owner)))
-                stepped = True
-            n_steps = sum(e[0] == "step" for e in inflight)
-            while inflight and (n_steps > pipeline or not stepped):
-                e = inflight.popleft()
-                n_steps -= e[0] == "step"
-                read(e)
-                if not stepped:
-                    break
-        return results
-
-
-class SlotEngine(_RequestChecks):
+class SlotEngine(_EngineCore):
     """The Engine interface over `Slots`: continuous batching for the server.
 
     One thread owns the device: each turn it frees the slots of cancelled requests (released at
     that step), dispatches the prefills of waiting requests into free slots and one `step`, then
-    reads back the step dispatched `pipeline` steps before (and the inserts before it), pushing
+    reads back the step dispatched `pipeline` steps before (and the inserts before it; the same
+    `slots.Pipeline` as the offline `Slots.run`), pushing
     first tokens and committed tokens into their Handles and finishing the requests whose rows
     are done. With pipeline 1 a finished slot is refilled one step later, but the device never
     waits for the host. Compiles happen in `warmup` (the constructor compiles the greedy
@@ -863,83 +473,35 @@ class SlotEngine(_RequestChecks):
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
                  steps: int = 4, insert_width: int | None = None, kernels=None,
                  warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto"):
-        from dflash_jax import decode
-
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl,
                            step_buckets=step_buckets)
-        if not decode._is_int(pipeline) or pipeline < 0:
+        if not validation.is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         self.pipeline = int(pipeline)
         self.block_size, self.capacity = self.slots.block_size, capacity
-        self.max_model_len, self.max_queue = self.slots.max_model_len, max_queue
+        self.max_model_len, self.max_queue = _context(target, self.slots.max_model_len), max_queue
         self.vocab_size = target.config.vocab_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self._compile_count = decode.compile_count
+        self.n_slots = self.slots.slots
         if warmup_prompt_len:
             lo, hi = warmup_prompt_len if isinstance(warmup_prompt_len, tuple) else (1, warmup_prompt_len)
             hi = min(hi, self.max_model_len - 1)
             lengths = sorted({min(self.slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
             self.slots.warmup(lengths, ("greedy",))
-        self._queue: collections.deque[Handle] = collections.deque()
-        self._cv = threading.Condition()
         self._running: dict[int, Handle] = {}          # slot -> handle
-        self._closed = False
-        self._worker = threading.Thread(target=self._work, name="dflash-slot-engine", daemon=True)
-        self._worker.start()
+        self._start("dflash-slot-engine")
 
-    # interface ---------------------------------------------------------------------------------
-    def submit(self, request: Request) -> Handle:
-        self.check(request)
-        h = Handle(request)
-        with self._cv:
-            if self._closed:
-                raise EngineClosed("the engine is shutting down")
-            free = self.slots.slots - len(self._running)
-            if len(self._queue) >= self.max_queue + max(0, free):     # those go to free slots at once
-                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
-            self._queue.append(h)
-            self._cv.notify()
-        return h
+    def _queue_full(self) -> bool:
+        free = self.slots.slots - len(self._running)
+        return len(self._queue) >= self.max_queue + max(0, free)     # those go to free slots at once
 
-    def cancel(self, handle: Handle) -> None:
-        with self._cv:
-            handle.cancelled = True
-            try:
-                self._queue.remove(handle)
-            except ValueError:
-                pass
-            self._cv.notify()
-        handle._finish("cancelled", self._stats_of(handle))    # its slot is released at the next step
-
-    def stats(self) -> EngineStats:
-        with self._cv:
-            return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running), slots=self.slots.slots,
-                               max_queue=self.max_queue, compiles=self._compile_count(), capacity=self.capacity,
-                               max_model_len=self.max_model_len)
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Take no new requests; let queued and running ones finish, failing what is left after
-        `timeout` seconds (None: wait for all)."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._worker.join(timeout)
-        with self._cv:
-            self._closed, self._abort = True, True
-            left = list(self._queue) + list(self._running.values())
-            self._queue.clear()
-        for h in left:
-            h._finish("error", self._stats_of(h), "the server shut down before the request finished")
+    def _running_handles(self) -> list[Handle]:
+        return list(self._running.values())
 
     # worker ------------------------------------------------------------------------------------
-    _abort = False
-
-    def _stats_of(self, h: Handle) -> RequestStats:
-        return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
-
     def _row(self, h: Handle) -> RowRequest:
         r = h.request
         return RowRequest(prompt=tuple(int(t) for t in r.prompt), max_new=int(r.max_tokens),
@@ -975,45 +537,36 @@ class SlotEngine(_RequestChecks):
         for _, h in failed:
             h._finish("error", self._stats_of(h), _one_line(e))
 
-    def _read(self, entry, free: list) -> None:
-        """Push one dispatched insert's first tokens or one step's commits to their handles (those
-        still in the slot they were dispatched for)."""
-        import jax
+    def _first(self, free: list, slot: int, h: Handle, token: int, done: bool) -> None:
+        """An insert's first token for its handle (if still in the slot it was dispatched for)."""
+        if self._running.get(slot) is not h:
+            return
+        self._deliver(h, [token])
+        if done:
+            self._end(slot, h)
+            free.append(slot)
 
-        kind, arrays, who = entry
-        host = [np.asarray(x) for x in jax.device_get(arrays)]
-        with self._cv:
-            if kind == "insert":
-                first, done = host
-                for k, (slot, h) in enumerate(who):
-                    if self._running.get(slot) is not h:
-                        continue
-                    self._deliver(h, [int(first[k])])
-                    if done[k]:
-                        self._end(slot, h)
-                        free.append(slot)
-                return
-            commits, produced, done = host
-            for slot, h in who:
-                if self._running.get(slot) is not h:
-                    continue
-                for k in range(produced.shape[0]):
-                    n = int(produced[k, slot])
-                    if n and not h.done:
-                        self._deliver(h, commits[k, slot, :n].tolist(), n)
-                if done[slot]:
-                    self._end(slot, h)
-                    free.append(slot)
+    def _commits(self, free: list, slot: int, h: Handle, rows: list, done: bool) -> None:
+        """A step's commits for its handle (if still in the slot it was dispatched for)."""
+        if self._running.get(slot) is not h:
+            return
+        for ids in rows:
+            if not h.done:
+                self._deliver(h, ids, len(ids))
+        if done:
+            self._end(slot, h)
+            free.append(slot)
 
     def _work(self) -> None:
         """The engine thread: admit, dispatch a step, read back the step dispatched `pipeline`
         steps ago (so the device is never idle while the host pushes tokens and prefills)."""
         free = list(range(self.slots.slots))
-        inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
+        pipe = Pipeline(self.slots, self.pipeline, functools.partial(self._first, free),
+                        functools.partial(self._commits, free), lock=self._cv)
         while True:
             with self._cv:
                 if not self._running:
-                    inflight.clear()                          # nobody waits for these results
+                    pipe.clear()                              # nobody waits for these results
                 while not self._queue and not self._running and not self._closed:
                     self._cv.wait()
                 if self._abort or (self._closed and not self._queue and not self._running):
@@ -1035,9 +588,7 @@ class SlotEngine(_RequestChecks):
                     h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
                                             queued_s=time.perf_counter() - h.submitted_at)
                 try:
-                    handles = dict(admit)
-                    for slots, first, done in self.slots.insert_async([(slot, self._row(h)) for slot, h in admit]):
-                        inflight.append(("insert", (first, done), [(s, handles[s]) for s in slots]))
+                    pipe.insert([(slot, self._row(h), h) for slot, h in admit])
                 except Exception as e:  # the inserted requests fail; the others keep running
                     with self._cv:
                         for slot, h in admit:
@@ -1048,18 +599,11 @@ class SlotEngine(_RequestChecks):
                         h._finish("error", h._stats, _one_line(e))
                     continue
             with self._cv:
-                busy = list(self._running.items())
-            stepped = bool(busy)
+                busy = dict(self._running)
             try:
-                if stepped:
-                    inflight.append(("step", self.slots.step_async([s for s, _ in busy]), busy))
-                n_steps = sum(e[0] == "step" for e in inflight)
-                while inflight and (n_steps > self.pipeline or not stepped):
-                    e = inflight.popleft()
-                    n_steps -= e[0] == "step"
-                    self._read(e, free)
-                    if not stepped:
-                        break
+                if busy:
+                    pipe.step(busy)
+                pipe.read(stepped=bool(busy))
             except Exception as e:  # noqa: BLE001  (a failed step: see _fail_running)
-                inflight.clear()
+                pipe.clear()
                 self._fail_running(free, e)

@@ -152,12 +152,6 @@ class KernelConfig:
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
                             xla_kv_chunk=512, moe_gmm=moe_gmm)
 
-    @classmethod
-    def for_device(cls, device=None, **settings) -> "KernelConfig":
-        """The resolved defaults (or `settings`) for `device` (default: the first device)."""
-        device = device if device is not None else jax.devices()[0]
-        return cls(**settings).resolve(device.platform, device)
-
     # ---- what the resolved config means for the code that traces the program
 
     @property

@@ -18,33 +18,50 @@ cancels its request. SIGTERM stops accepting, lets in-flight requests finish (up
 import argparse
 import asyncio
 import collections
+import errno
 import json
+import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
 import uuid
 from typing import Any, Literal, Sequence, Union
 
+from dflash_jax import validation
 from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, SlotEngine,
                                Tokens, parse_step_buckets)
 
 __all__ = ["build_app", "build_parser", "main"]
 
 MAX_STOP_STRINGS = 16
+# --capacity when not given (capped at the model's context + one block)
+DEFAULT_CAPACITY = 4096
+# A request body larger than this is refused (413) before it is parsed (--max-body-bytes). 8 MiB
+# holds a 128k-token prompt as text or as JSON token ids with room to spare.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# How often a non-streaming request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.1
 
 
 # ----------------------------------------------------------------------------------------- request models
 def _models():
-    """Pydantic request bodies (built lazily so that importing this module needs no pydantic)."""
+    """Pydantic request bodies (built lazily so that importing this module needs no pydantic).
+
+    Strict types: a JSON string is not a number and a number is not a bool (`"max_tokens": "8"`,
+    `"stream": "yes"`, `"max_tokens": true` are 400s, as a client bug should be). Fields of the
+    OpenAI / vLLM APIs that this server does not implement are declared so that a non-default value
+    is refused by name (`_UNSUPPORTED`) instead of being ignored; unknown fields are ignored."""
     from pydantic import BaseModel, ConfigDict, Field
 
     class StreamOptions(BaseModel):
+        model_config = ConfigDict(strict=True)
         include_usage: bool = False
 
     class Common(BaseModel):
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="ignore", strict=True)
         model: str | None = None
         max_tokens: int | None = Field(None, ge=1)
         temperature: float | None = Field(None, ge=0)
@@ -62,23 +79,75 @@ def _models():
         logprobs: Any = None
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
+        # not implemented: refused unless at their default (_UNSUPPORTED)
+        repetition_penalty: float = 1.0
+        min_p: float = 0.0
+        min_tokens: int = 0
+        top_logprobs: Any = None
+        prompt_logprobs: Any = None
+        logit_bias: Any = None
+        response_format: Any = None
+        best_of: Any = None
+        use_beam_search: Any = None
+        length_penalty: Any = None
+        include_stop_str_in_output: Any = None
+        guided_json: Any = None
+        guided_regex: Any = None
+        guided_choice: Any = None
+        guided_grammar: Any = None
+        structured_outputs: Any = None
+        truncate_prompt_tokens: Any = None
 
     class CompletionBody(Common):
         prompt: Union[str, list[int], list[str], list[list[int]]]
         echo: bool = False
+        suffix: Any = None
 
     class Message(BaseModel):
-        model_config = ConfigDict(extra="allow")
+        model_config = ConfigDict(extra="allow", strict=True)
         role: str
         content: Union[str, list[dict], None] = None
 
     class ChatBody(Common):
         messages: list[Message] = Field(min_length=1)
         max_completion_tokens: int | None = Field(None, ge=1)
+        chat_template: str | None = None
         chat_template_kwargs: dict | None = None
         add_generation_prompt: bool = True
+        tools: Any = None
+        tool_choice: Any = None
+        functions: Any = None
+        function_call: Any = None
+        parallel_tool_calls: Any = None
+        continue_final_message: Any = None
+        documents: Any = None
 
     return CompletionBody, ChatBody
+
+
+# Declared request fields this server does not implement, and the values that mean "not used" (a
+# client may send those; anything else is a 400 naming the field).
+_UNSUPPORTED = {
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "top_logprobs": (None, 0),
+    "prompt_logprobs": (None, 0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, False, True), "continue_final_message": (None, False), "documents": (None, []),
+}
+
+
+def _is_default(value, defaults) -> bool:
+    # by type too: `true` is not the 1 of best_of, `0.0` not the 0 of a count
+    return any(value is d if d is None else (type(value) is type(d) and value == d) for d in defaults)
+
+# Arguments of transformers' apply_chat_template that a request's chat_template_kwargs must not
+# reach (they change what the call returns or which template runs, not what the template sees).
+_TEMPLATE_CALL_ARGS = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 class ApiError(Exception):
@@ -97,13 +166,60 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                         f"(--max-body-bytes)", type_="invalid_request_error")
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is answered 413, from its Content-Length before a
+    byte of it is read, or (chunked) as soon as the bytes received pass the limit."""
+
+    def __init__(self, app, limit: int, on_refuse=None):
+        self.app, self.limit, self.on_refuse = app, limit, on_refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:   # FastAPI passes an HTTPException from here on as it is
+                    from starlette.exceptions import HTTPException
+                    raise HTTPException(413, _too_large(self.limit).message)
+            return msg
+
+        await self.app(scope, limited, send)
+
+    async def _refuse(self, send):
+        err = _too_large(self.limit)
+        if self.on_refuse is not None:
+            self.on_refuse(err)
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 # ----------------------------------------------------------------------------------------- output text
 class _Output:
     """Incremental text of one choice: detokenisation, the stop token left out of the text, stop
     strings cut host-side. Text that could still begin a stop string is held back while streaming."""
 
     def __init__(self, tokenizer, stop_strings: Sequence[str], stop_ids: set[int], skip_special: bool):
-        from dflash_jax.generate import StreamDecoder
+        from dflash_jax.cli.generate import StreamDecoder
 
         self.decoder = StreamDecoder(tokenizer, skip_special) if tokenizer is not None else None
         self.stops = [s for s in stop_strings if s]
@@ -195,18 +311,26 @@ class _Metrics:
 
 
 # ----------------------------------------------------------------------------------------- the app
-def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max_tokens: int = 16):
+def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max_tokens: int = 16,
+              trust_request_chat_template: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """The FastAPI app serving `engine` (see dflash_jax.engine's interface) with `tokenizer` (an HF
-    tokenizer, or None: token-id prompts only, token ids rendered as text)."""
+    tokenizer, or None: token-id prompts only, token ids rendered as text).
+
+    trust_request_chat_template: accept a request's own `chat_template` (a template is code run
+    here); refused (400) by default. max_body_bytes: a larger request body is answered 413 before
+    it is read in full."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     CompletionBody, ChatBody = _models()
     metrics = _Metrics(engine, engine.block_size)
     app = FastAPI(title="dflash-jax", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.draining = engine, metrics, False
+    app.add_middleware(_BodyLimit, limit=max_body_bytes,
+                       on_refuse=lambda e: metrics.rejected.labels(str(e.status)).inc())
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -214,6 +338,10 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if e.status != 500:
             metrics.rejected.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):   # 404 route, 405 method, 413 body, ...
+        return await _api_error(None, ApiError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -264,7 +392,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise _bad("prompt", "this server has no tokenizer; send token ids")
-            ids = list(tokenizer.encode(prompt))
+            ids = await _off_loop(lambda: list(tokenizer.encode(prompt)))
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -275,7 +403,24 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
     async def chat(body: ChatBody, http: HttpRequest):
         t0 = time.perf_counter()
         _check_common(body)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        kwargs = dict(body.chat_template_kwargs or {})
+        template = body.chat_template
+        if "chat_template" in kwargs:
+            template = kwargs.pop("chat_template")
+            field = "chat_template_kwargs.chat_template"
+        else:
+            field = "chat_template"
+        if template is not None and not trust_request_chat_template:
+            # a template is a program (loops included) run on the server: the operator's to allow
+            raise _bad(field, "a request's own chat template is refused by this server (its operator can "
+                              "allow it with --trust-request-chat-template)")
+        if template is not None and not isinstance(template, str):
+            raise _bad(field, "must be a string")
+        for k in kwargs:
+            if k in _TEMPLATE_CALL_ARGS:
+                raise _bad(f"chat_template_kwargs.{k}", "is an argument of the template call, not a template "
+                                                      "variable; it cannot be set here")
+        if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
             raise _bad("messages", "this server's tokenizer has no chat template; use /v1/completions")
         messages = []
         for i, m in enumerate(body.messages):
@@ -285,20 +430,37 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                     raise _bad("messages", f"message {i}: only text content parts are supported")
                 content = "".join(str(p.get("text", "")) for p in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
-        except Exception as e:  # a template's own refusals (roles out of order, ...)
-            raise _bad("messages", f"the chat template refused them: {e}") from None
-        # the template already holds every special token; encode must not add BOS again
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+
+        def render() -> list[int]:
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                                     add_generation_prompt=body.add_generation_prompt, **kwargs)
+            except Exception as e:  # a template's own refusals (roles out of order, ...)
+                raise _bad("messages", f"the chat template refused them: {_one_line(e)}") from None
+            # the template already holds every special token; encode must not add BOS again
+            return list(tokenizer.encode(text, add_special_tokens=False))
+
+        ids = await _off_loop(render)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, engine.stats().max_model_len - len(ids))
         return await _run(body, ids, max_tokens, http, t0, chat=True)
 
     # ---- shared request path
+    async def _off_loop(work):
+        """Run tokenisation / templating in a worker thread: a long prompt or a slow template must
+        not stall the event loop that feeds every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(None, work)
+
+    async def _cancel_on_disconnect(http, handle, gone: list) -> None:
+        """Cancel `handle` (freeing its slot) once the client of a non-streaming request has gone."""
+        while not handle.done:
+            if await http.is_disconnected():
+                gone.append(True)
+                engine.cancel(handle)
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
     def _check_common(body) -> None:
         if app.state.draining:
             raise ApiError(503, "the server is shutting down", type_="service_unavailable")
@@ -312,6 +474,9 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         for f in ("presence_penalty", "frequency_penalty"):
             if getattr(body, f):
                 raise _bad(f, "is not supported (only 0)")
+        for f, defaults in _UNSUPPORTED.items():
+            if f in type(body).model_fields and not _is_default(getattr(body, f), defaults):
+                raise _bad(f, f"is not supported by this server (got {getattr(body, f)!r:.60})")
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
@@ -345,16 +510,12 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
             return StreamingResponse(_stream(handle, out, ident, chat, body.return_token_ids, include_usage,
                                              timing, len(ids)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        fin = None
+        fin, gone = None, []
+        # watched on its own clock: tokens arriving faster than the poll must not hide a hang-up
+        watch = asyncio.ensure_future(_cancel_on_disconnect(http, handle, gone))
         try:
             while fin is None:
-                try:
-                    ev = await asyncio.wait_for(handle.anext(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        engine.cancel(handle)
-                        return Response(status_code=499)
-                    continue
+                ev = await handle.anext()
                 if isinstance(ev, Tokens):
                     timing.tokens(len(ev.ids))
                     metrics.tokens(len(ev.ids))
@@ -364,8 +525,11 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                 else:
                     fin = ev
         finally:
+            watch.cancel()
             if not handle.done:
                 engine.cancel(handle)
+        if gone:
+            return Response(status_code=499)   # nginx's "client closed request"; nobody reads it
         reason = _reason(fin, out)
         timing.observe(metrics, fin, reason)
         if reason == "error":
@@ -474,7 +638,7 @@ class _Timing:
 
 # ----------------------------------------------------------------------------------------- command
 def build_parser() -> argparse.ArgumentParser:
-    from dflash_jax.generate import add_model_args
+    from dflash_jax.cli.generate import add_model_args
 
     p = argparse.ArgumentParser(
         prog="python -m dflash_jax.serve",
@@ -500,12 +664,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-prompt-len", default="512", metavar="N|LO:HI",
                    help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start; 0: none")
     g.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
-    g.add_argument("--capacity", type=int, default=4096,
-                   help="KV-cache entries per slot: prompt + max_tokens + one block must fit")
+    g.add_argument("--capacity", type=int, default=None,
+                   help=f"KV-cache entries per slot: prompt + max_tokens + one block must fit (default "
+                        f"{DEFAULT_CAPACITY}, or the model's max_position_embeddings + block when smaller); "
+                        f"checked at start against the model's context and the device's memory")
     g.add_argument("--default-max-tokens", type=int, default=16,
                    help="max_tokens of a completion that gives none (chat: the rest of the context)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+                   help="seconds in-flight requests get to finish after SIGTERM; then open streams end with an "
+                        "error event and [DONE]")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="request bodies larger than this are answered 413 before they are read")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (a template is code run by this server: refused "
+                        "with 400 unless this is given)")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed with --random-init")
     return p
 
@@ -520,10 +692,9 @@ def _default_pair():
 
 
 def _cli():
-    """The generate CLI module (its flag, loading and stop-id helpers); the package attribute of the
-    same name may be the library function."""
-    import importlib
-    return importlib.import_module("dflash_jax.generate")
+    """The generate CLI module (its flag, loading and stop-id helpers)."""
+    from dflash_jax.cli import generate as cli
+    return cli
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -566,6 +737,58 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.max_body_bytes < 1:
+        parser.error(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if not args.shutdown_timeout >= 0:
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.capacity is not None and not 2 <= args.capacity <= validation.INT32_MAX // 2:
+        parser.error(f"--capacity must be in [2, {validation.INT32_MAX // 2}] (KV-cache entries), got {args.capacity}")
+    # the configs (no weights yet): the capacity against the model's context
+    cfg = cli.resolve_sources(parser, args)
+    args.vocab_size = cfg.vocab_size
+    block = _block_of(cli, args)
+    context = cfg.max_position_embeddings
+    if args.capacity is None:
+        args.capacity = min(DEFAULT_CAPACITY, context + block)
+    elif args.capacity - block > context:
+        parser.error(f"--capacity {args.capacity} would serve a context of {args.capacity - block} tokens "
+                     f"(capacity - block {block}), beyond the model's max_position_embeddings {context}; "
+                     f"use --capacity {context + block} or less")
+    if args.capacity - block < 2:
+        parser.error(f"--capacity {args.capacity} leaves no room next to a block of {block}")
+
+
+def _block_of(cli, args) -> int:
+    """The block size the engine will run (1: plain decoding), from the flags and the draft's config."""
+    if args.draft is not None and args.draft.lower() == "none":
+        return 1
+    if args.block_size is not None:
+        return args.block_size
+    if getattr(args, "draft_dir", None):
+        from dflash_jax.config import DraftConfig
+        return DraftConfig.from_pretrained(args.draft_dir).block_size
+    return cli.RANDOM_DRAFT_BLOCK
+
+
+def _check_eos(parser, args, eos: Sequence[int], vocab: int) -> None:
+    """The model's eos ids must be token ids of its vocabulary: a bad generation_config.json is the
+    operator's to fix, not every request's 400."""
+    bad = [t for t in eos if not 0 <= t < vocab]
+    if not bad:
+        return
+    gen = []
+    try:
+        from transformers import GenerationConfig
+        ids = GenerationConfig.from_pretrained(args.model_dir or args.model).eos_token_id
+        gen = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    except Exception:  # noqa: BLE001  (no generation_config.json: the tokenizer's eos alone)
+        pass
+    in_gen = [t for t in bad if t in gen]
+    if in_gen:
+        parser.error(f"--model {args.model}: generation_config.json has eos_token_id {in_gen} outside the "
+                     f"vocabulary [0, {vocab}) of its config.json; fix generation_config.json")
+    parser.error(f"--model {args.model}: the tokenizer's eos token id {bad} is outside the model's vocabulary "
+                 f"[0, {vocab}); pass a matching --tokenizer")
 
 
 def _load(parser, args):
@@ -573,58 +796,200 @@ def _load(parser, args):
     cli = _cli()
 
     tokenizer = cli.load_tokenizer(parser, args)
-    target, draft = cli.load_models(parser, args)
     eos = [] if args.random_init else cli.stop_token_ids(args.model, tokenizer)
+    _check_eos(parser, args, eos, args.vocab_size)
+    target, draft = cli.load_models(parser, args)
     name = args.served_model_name or args.model or f"random-init:{args.random_init}"
     return target, draft, tokenizer, eos, name
 
 
-def _server(config, app):
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _free_memory() -> tuple[int | None, str]:
+    """(bytes free for new buffers, where) on the first local device: the accelerator's own memory
+    stats where it has them; host RAM on CPU; (None, ...) where neither is known."""
+    import jax
+
+    dev = jax.local_devices()[0]
+    try:
+        st = dev.memory_stats()
+    except Exception:  # noqa: BLE001  (a backend without memory stats)
+        st = None
+    if st and st.get("bytes_limit"):
+        return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)), f"{dev.device_kind} memory"
+    if dev.platform != "cpu":
+        return None, dev.device_kind
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host RAM (available)"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM (free)"
+    except (ValueError, OSError, AttributeError):
+        return None, "host RAM"
+
+
+def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
+    """--slots x --capacity of KV cache (target and draft) must fit what the device has free once
+    the weights are loaded, checked before anything is allocated for it (an over-large capacity
+    would otherwise be killed by the OS or fail every request)."""
+    import jax
+    from flax import nnx
+
+    per_entry = 0      # KV bytes of one cache entry of one slot, target and draft
+    for m in (target, draft):
+        if m is not None:
+            shapes = jax.eval_shape(lambda m=m: m.new_cache(1, 1))
+            per_entry += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if len(x.shape) == 4)
+    need = per_entry * args.slots * args.capacity // max(1, mesh_devices)
+    free, where = _free_memory()
+    if free is None or need <= free:
+        return
+    weights = sum(getattr(x, "nbytes", 0) for m in (target, draft) if m is not None
+                  for x in jax.tree.leaves(nnx.state(m))) // max(1, mesh_devices)
+    most = free * max(1, mesh_devices) // max(1, per_entry * args.slots)
+    parser.error(f"--slots {args.slots} x --capacity {args.capacity}: the KV caches need {_gb(need)} (beside "
+                 f"{_gb(weights)} of weights), and the {where} has {_gb(free)} free; lower --capacity (at most "
+                 f"{most} with {args.slots} slot(s)) or --slots")
+
+
+def _warm_up(engine, spec) -> None:
+    """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI)),
+    a progress line per bucket: minutes on a large model, which must not look like a hang."""
+    cli = _cli()
+    lo, hi = spec if isinstance(spec, tuple) else (1, spec)
+    hi = min(hi, engine.max_model_len - 1)
+    slots = engine.slots
+    lengths = sorted({min(slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
+    t0, c0 = time.perf_counter(), engine.stats().compiles
+    for i, n in enumerate(lengths):
+        what = "the step programs and " if i == 0 else ""
+        cli.progress(f"compiling {what}the prefill programs for prompts of up to {slots.prompt_bucket(n)} tokens "
+                     f"({i + 1}/{len(lengths)}) ...")
+        slots.warmup([n], ("greedy",))
+    cli.progress(f"warm-up done: {engine.stats().compiles - c0} programs compiled in {time.perf_counter() - t0:.1f} s")
+
+
+def _bind(parser, host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the models load: a port in use is a usage error now, not
+    after minutes of loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        parser.error(f"--host {host}: {e.strerror or e}")
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror or e}"
+        parser.error(f"--port {port}: {host}:{port} {why}")
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server(config, app, engine=None, shutdown_timeout: float | None = None):
     """A uvicorn.Server that marks the app as draining the moment SIGTERM / SIGINT arrives, so that
-    requests on open keep-alive connections get 503 while in-flight ones finish."""
+    requests on open keep-alive connections get 503 while in-flight ones finish; and shuts the
+    engine down beside it, so that what has not finished after `shutdown_timeout` seconds fails
+    through its handles (an open stream gets an error event and [DONE]) before uvicorn's own,
+    later, timeout would cut the connections."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if not app.state.draining and engine is not None:
+                threading.Thread(target=engine.shutdown, kwargs={"timeout": shutdown_timeout},
+                                 name="dflash-drain", daemon=True).start()
             app.state.draining = True
             super().handle_exit(sig, frame)
 
     return Server(config)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import uvicorn
+def _missing_extra() -> list[str]:
+    """The [serve] extra's modules this Python cannot import."""
+    import importlib
 
+    missing = []
+    for name in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def _run(server, sock) -> None:
+    server.run(sockets=[sock])
+
+
+# uvicorn's own graceful-shutdown limit is this much later than --shutdown-timeout, so that the
+# engine fails what is left (error event + [DONE]) before uvicorn would cancel the responses.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    missing = _missing_extra()
+    if missing:
+        print(f"python -m dflash_jax.serve needs the [serve] extra: pip install 'dflash-jax[serve]' "
+              f"(missing: {', '.join(missing)})", file=sys.stderr)
+        return 2
+    from dflash_jax.cli.generate import skip_absent_tpu
+    skip_absent_tpu()  # libtpu's noise off a TPU VM
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(parser, args)
+    sock = _bind(parser, args.host, args.port)
+    try:
+        return _serve(parser, args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(parser, args, sock) -> int:
+    import uvicorn
+
     target, draft, tokenizer, eos, name = _load(parser, args)
     block = None if draft is None else (args.block_size or draft.config.block_size)
+    mesh = _cli().get_mesh(parser, args)
+    _check_memory(parser, args, target, draft, 1 if mesh is None else mesh.devices.size)
     try:
         if args.slots > 1:
             engine = SlotEngine(target, draft, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                                 eos_token_ids=eos, block_size=block, attention_impl=args.attention,
                                 steps=args.engine_steps, insert_width=args.insert_width,
-                                pipeline=args.engine_pipeline, warmup_prompt_len=args.warmup_prompt_len,
+                                pipeline=args.engine_pipeline, warmup_prompt_len=0,
                                 step_buckets=args.step_buckets)
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)
     except ValueError as e:
         parser.error(str(e))
+    if args.slots > 1 and args.warmup_prompt_len:
+        _warm_up(engine, args.warmup_prompt_len)
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name,
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens,
+                    trust_request_chat_template=args.trust_request_chat_template, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
-    server = _server(config, app)
-    print(f"[dflash] serving {name} on http://{args.host}:{args.port} (capacity {args.capacity}, "
-          f"block {engine.block_size}, {args.slots} slot(s))", file=sys.stderr, flush=True)
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="off")
+    server = _server(config, app, engine, args.shutdown_timeout)
+    print(f"[dflash] serving {name} on http://{args.host}:{args.port} (capacity {args.capacity}, context "
+          f"{engine.stats().max_model_len}, block {engine.block_size}, {args.slots} slot(s))",
+          file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has drained; these handlers absorb it so
     # that the engine is shut down and the process exits 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        _run(server, sock)
     finally:
         # uvicorn has drained (up to --shutdown-timeout): wait for the engine's thread to leave the
         # device, then free the device state and the compiled programs while the runtime is still

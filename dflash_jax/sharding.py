@@ -31,9 +31,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["AXES", "make_mesh", "parse_mesh", "RULES", "spec_for", "shard_model", "shard_cache",
            "cache_specs", "check_sharded", "FusedLayout", "fused_layout", "qkv_permutation",
-           "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax", "sharded_topk",
-           "sample_candidates", "load_target_sharded", "load_draft_sharded", "model_axis_size",
-           "data_axis_size", "as_mesh", "mesh_of", "active", "current_mesh", "argmax", "constrain",
+           "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax",
+           "load_target_sharded", "load_draft_sharded", "model_axis_size",
+           "data_axis_size", "as_mesh", "mesh_of", "active", "current_mesh", "argmax",
            "attention_specs", "per_shard", "abstract_on_mesh", "fused_layout_fits"]
 
 AXES = ("data", "model")
@@ -125,7 +125,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("dflash_mesh", default=
 
 @contextlib.contextmanager
 def active(mesh: Mesh | None):
-    """Trace under `mesh`: `argmax`, `constrain` and the Pallas attention (`per_shard`) use it."""
+    """Trace under `mesh`: `argmax` and the Pallas attention (`per_shard`) use it."""
     tok = _ACTIVE.set(mesh)
     try:
         yield mesh
@@ -135,16 +135,6 @@ def active(mesh: Mesh | None):
 
 def current_mesh() -> Mesh | None:
     return _ACTIVE.get()
-
-
-def constrain(x, spec: P):
-    """with_sharding_constraint(x, spec) under the active mesh; x unchanged without one. A batch
-    axis on 'data' that does not divide is left unconstrained."""
-    mesh = current_mesh()
-    if mesh is None:
-        return x
-    spec = P(*(None if a == "data" and x.shape[i] % data_axis_size(mesh) else a for i, a in enumerate(spec)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def argmax(logits):
@@ -552,50 +542,6 @@ def vocab_mesh(logits) -> Mesh | None:
     return mesh
 
 
-def sharded_topk(scores, k: int, mesh: Mesh):
-    """Per-shard top-k candidates of scores [N, V] sharded on V, gathered: (values, ids) [N, TP·k],
-    shard-major, each shard's in rank order (score descending, lower id first among ties, as
-    lax.top_k). The global top-k in rank order is a subset (the k best of the union)."""
-    V, tp = scores.shape[-1], model_axis_size(mesh)
-    if V % tp or k > V // tp:
-        raise ValueError(f"top-{k} candidates over a vocabulary of {V} on {tp} shards: need V % TP == 0 "
-                         f"and k <= V / TP")
-    spec = logit_spec(scores.ndim, scores.shape[0], mesh)
-
-    def local(x):
-        vals, idx = jax.lax.top_k(x, k)                                      # [N, k]
-        idx = (idx + jax.lax.axis_index("model") * x.shape[-1]).astype(jnp.int32)
-        return (jax.lax.all_gather(vals, "model", axis=1, tiled=True),
-                jax.lax.all_gather(idx, "model", axis=1, tiled=True))
-
-    out = P(tuple(spec)[0], None)
-    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(out, out), check_vma=False)(scores)
-
-
-def sample_candidates(vals, ids, key, vocab_size: int, top_k, top_p):
-    """One token per row from top-k candidates (vals, ids) [N, M] (sharded_topk of the scores =
-    logits / temperature, M >= top_k): keep the top_k best (rank: score descending, id ascending),
-    then top-p over their renormalised distribution, then Gumbel-max with the noise a one-device
-    `argmax(where(keep, scores, -inf) + gumbel(key, [V]))` draws at those ids, so the token equals
-    that full-vocabulary draw exactly. key [N] per-row keys. top_k in [1, M] (traced ok); 0 keeps
-    every candidate, exact only when the kept set lies among them."""
-    N, M = vals.shape
-    # rank order of the candidates: score descending, id ascending (a stable sort by two keys)
-    order = jnp.lexsort((ids, -vals), axis=-1)
-    sv, si = jnp.take_along_axis(vals, order, axis=-1), jnp.take_along_axis(ids, order, axis=-1)
-    r = jnp.arange(M)[None, :]
-    kept = r < jnp.where(top_k > 0, top_k, M)       # top_k 0 (off): every candidate, see docs/sharding.md
-    e = jnp.where(kept, jnp.exp(sv - sv[:, :1]), 0.0)
-    p = e / jnp.sum(e, axis=1, keepdims=True)
-    kept = kept & ((jnp.cumsum(p, axis=1) - p < top_p) | (top_p >= 1.0))
-    g = jax.vmap(lambda kk, i: jax.random.gumbel(kk, (vocab_size,))[i])(key, si)     # [N, M]
-    z = jnp.where(kept, sv + g, -jnp.inf)
-    best = jnp.argmax(z, axis=-1)
-    # ties of z (measure zero) go to the lower id, as argmax over the full vocabulary would
-    tied = z == jnp.take_along_axis(z, best[:, None], axis=-1)
-    return jnp.min(jnp.where(tied, si, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
-
-
 # ------------------------------------------------------------------ loading slices from safetensors
 
 class _Checkpoint:
@@ -607,6 +553,11 @@ class _Checkpoint:
         from dflash_jax.weights import _safetensors_files
         self._files = [safe_open(p, framework="numpy") for p in _safetensors_files(d)]
         self._where = {n: f for f in self._files for n in f.keys()}
+        for n, f in self._where.items():  # as weights._fill: int8 / bool / int tensors are not weights
+            kind = f.get_slice(n).get_dtype()
+            if not kind.startswith(("F", "BF")):
+                raise ValueError(f"tensor {n} has dtype {kind}; weights must be floating point "
+                                 "(float32, bfloat16, float16)")
 
     def names(self) -> set[str]:
         return set(self._where)

@@ -7,6 +7,7 @@ functions as early as they know the values (before weights load where they can) 
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Sequence
 
@@ -14,7 +15,8 @@ import numpy as np
 
 __all__ = ["DTYPES", "DTYPE_ALIASES", "MAX_STOP_IDS", "INT32_MAX", "SEED_LIMIT", "is_int", "dtype_name",
            "check_seed", "check_max_new_tokens", "check_capacity", "check_top_k", "check_prompts",
-           "check_stop_ids", "check_lengths", "check_source"]
+           "check_stop_ids", "check_lengths", "check_source", "MAX_BLOCK_SIZE", "check_block_size",
+           "check_on_commit"]
 
 # Accepted `dtype` names, the same in the library and on the command line.
 DTYPES = ("bfloat16", "float32", "float16")
@@ -22,6 +24,10 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "f32"
 # Stop ids travel as one fixed-width array (a traced value, not a compile key), -1 padded.
 MAX_STOP_IDS = 16
 INT32_MAX = (1 << 31) - 1
+# A draft block is verified as one forward of S rows per step: the public drafts use 16 (DFlash-2: 8),
+# the GPU layer kernels take blocks of up to 64 rows, and a block of thousands of rows runs, but
+# each step costs as much as a prefill of that length while acceptance stays near the trained τ.
+MAX_BLOCK_SIZE = 64
 SEED_LIMIT = 1 << 32  # seeds are uint32 on the device
 
 
@@ -127,14 +133,36 @@ def check_stop_ids(stop_token_ids, vocab: int) -> list[int]:
     return stop
 
 
+def check_on_commit(on_commit) -> None:
+    if on_commit is not None and not callable(on_commit):
+        raise TypeError(f"on_commit must be a callable (rows -> bool | None) or None, got {on_commit!r}")
+
+
 def check_source(path_or_hub_id: Any, what: str = "path_or_hub_id") -> str:
     if not isinstance(path_or_hub_id, str) or not path_or_hub_id.strip():
         raise ValueError(f"{what} must be a local directory or a hub id 'org/name', got {path_or_hub_id!r}")
     return path_or_hub_id
 
 
-def positive_int(value, name: str, what: str) -> int:
-    """A config field that must be an integer >= 1 (floats with an integral value are accepted)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != int(value) or value < 1:
-        raise ValueError(f"{what}: {name}={value!r} must be an integer >= 1")
+def positive_int(value, name: str, what: str, minimum: int = 1) -> int:
+    """A config field that must be an integer >= minimum (floats with an integral value are accepted)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value != int(value) or value < minimum):
+        raise ValueError(f"{what}: {name}={value!r} must be an integer >= {minimum}")
     return int(value)
+
+
+def finite_float(value, name: str, what: str, *, positive: bool = False) -> float:
+    """A config field that must be a finite number (> 0 with positive=True, else >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise ValueError(f"{what}: {name}={value!r} must be a finite number {'> 0' if positive else '>= 0'}")
+    return float(value)
+
+
+def check_block_size(block_size, what: str = "draft") -> int:
+    """A draft's block size: an integer in [1, MAX_BLOCK_SIZE]."""
+    if not is_int(block_size) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"{what}: block_size={block_size!r} must be an integer in [1, {MAX_BLOCK_SIZE}] "
+                         f"(the public drafts use 16)")
+    return int(block_size)

@@ -165,7 +165,10 @@ def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=(), expe
         path, how, key, want = mapped
         if tuple(t.shape) != want:
             raise ValueError(f"{what}: tensor {name} has shape {tuple(t.shape)}, the config implies {want}")
-        if jnp.issubdtype(t.dtype, jnp.floating) and not bool(jnp.isfinite(t).all()):
+        if not jnp.issubdtype(t.dtype, jnp.floating):  # int8 / bool / int: quantised or not weights at all
+            raise ValueError(f"{what}: tensor {name} has dtype {jnp.dtype(t.dtype).name}; weights must be "
+                             "floating point (float32, bfloat16, float16)")
+        if not bool(jnp.isfinite(t).all()):
             raise ValueError(f"{what}: tensor {name} holds NaN or inf values")
         if how is None:
             put(path, t)

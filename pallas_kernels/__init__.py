@@ -7,12 +7,13 @@
   fused_layer/   the GPU path's fused decoder-layer kernels: the attention prologue (q/k norm, RoPE,
                  cache writes) and the residual add + RMSNorm
   sampling/      the GPU path's top-k / top-p threshold search kernels
-  _common.py     what they share: Unsupported, the shape contract, the online-softmax step
+  _common.py     what they share: Unsupported, warn_once (a fallback said once per reason), the
+                 shape contract, the online-softmax step
 """
 
-from pallas_kernels._common import Unsupported
+from pallas_kernels._common import Unsupported, warn_once
 from pallas_kernels.attention import (IMPLS, block_attention, default_impl, reference_block_attention,
                                       xla_block_attention)
 
 __all__ = ["block_attention", "reference_block_attention", "xla_block_attention", "IMPLS",
-           "Unsupported", "default_impl"]
+           "Unsupported", "default_impl", "warn_once"]

@@ -23,6 +23,21 @@ class Unsupported(ValueError):
     """The shape cannot be tiled for this kernel; callers fall back to the reference."""
 
 
+# (logger name, reason) pairs already logged by warn_once: a fallback is traced once per layer and
+# per program, so the same reason would otherwise be printed dozens of times a run.
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_once(log, reason: str, msg: str, *args) -> bool:
+    """log.warning(msg, *args) the first time this process meets `reason` on `log`; True if logged."""
+    key = (log.name, reason)
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    log.warning(msg, *args)
+    return True
+
+
 def precision(dtype):
     # f32 inputs: full-precision passes (the default is TF32 on GPU, bf16 passes on some TPUs).
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     aheads = [{"on": True, "off": False}.get(x) for x in args.refill_ahead.split(",")]
     if None in aheads:
         p.error(f"--refill-ahead: give on, off or on,off, got {args.refill_ahead!r}")
-    from dflash_jax.engine import parse_step_buckets
+    from dflash_jax.slots import parse_step_buckets
     try:
         buckets = [parse_step_buckets(b.replace("/", ",")) for b in args.step_buckets.split(",")]
     except ValueError as e:
@@ -134,15 +134,15 @@ def main(argv=None) -> int:
 
     import jax
 
-    from dflash_jax import decode, generate
-    from dflash_jax.engine import RowRequest, Slots, offline_defaults
+    from dflash_jax import generate, loop
+    from dflash_jax.slots import RowRequest, Slots, offline_defaults
 
     target, draft, tok = build(args)
     defaults = offline_defaults(jax.devices()[0].platform)
     steps, mins = steps or [defaults["steps"]], mins or [defaults["refill_min"]]
     ps, ns = prompts(args, target.config.vocab_size, tok)
     S = 1 if draft is None else (args.block or draft.config.block_size)
-    _, C = decode._buckets(max(len(x) for x in ps), max(ns), S, None)
+    _, C = loop.buckets(max(len(x) for x in ps), max(ns), S, None)
     if args.breakdown:
         return breakdown(args, target, draft, ps, S, steps[0], widths[0], buckets[0])
     print(f"[bench_engine] {jax.devices()[0].device_kind}: {len(ps)} prompts ({min(map(len, ps))}..{max(map(len, ps))} "
@@ -172,18 +172,18 @@ def main(argv=None) -> int:
     reqs = [RowRequest(prompt=tuple(x), max_new=n, rng_row=i) for i, (x, n) in enumerate(zip(ps, ns))]
     first = None
     for K, W, sb in ((K, W, sb) for K in steps for W in widths for sb in buckets):
-        n0 = decode.compile_count()
+        n0 = loop.compile_count()
         t0 = time.perf_counter()
         eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=K,
                     insert_width=min(W, args.slots), step_buckets=sb)
         eng.warmup([len(x) for x in ps], ["greedy"])
         sb_name = "/".join(map(str, eng.step_buckets)) or "off"
         print(f"[bench_engine] engine K={K}, insert width {eng.insert_width}, step buckets {sb_name}: "
-              f"{decode.compile_count() - n0} programs compiled in {time.perf_counter() - t0:.1f} s",
+              f"{loop.compile_count() - n0} programs compiled in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
         for pipe, ahead, rmin in ((p_, a, m) for p_ in pipelines for a in aheads for m in mins):
             eng.run(reqs[:args.slots], pipeline=pipe)       # warm the host path
-            n0 = decode.compile_count()
+            n0 = loop.compile_count()
             eng.bucket_steps.clear()
             t0 = time.perf_counter()
             out = eng.run(reqs, pipeline=pipe, refill_ahead=ahead, refill_min=rmin)
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
             print(f"| engine, K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}, insert width {eng.insert_width}, step buckets {sb_name} "
                   f"(steps per rows {used}){same} | {tokens} | {engine_s:.2f} | {tokens / engine_s:.1f} | "
                   f"{(tokens / engine_s) / base:.2f}x | {ttft * 1e3:.1f} | {tpot * 1e3:.2f} | {tau:.2f} | "
-                  f"{decode.compile_count() - n0} |", flush=True)
+                  f"{loop.compile_count() - n0} |", flush=True)
         if args.trace and (K, W, sb) == (steps[-1], widths[-1], buckets[-1]):
             timelines.append((f"engine K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}",
                               traced(args.trace, "engine", lambda: eng.run(reqs, pipeline=pipe, refill_ahead=ahead,
@@ -265,12 +265,12 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
     """The engine's programs alone against generate's loop (see the module docstring)."""
     import jax
 
-    from dflash_jax import decode, generate
-    from dflash_jax.engine import RowRequest, Slots
+    from dflash_jax import generate, loop
+    from dflash_jax.slots import RowRequest, Slots
 
     B, L = args.slots, max(len(x) for x in ps)
     n1, n2 = 32, 32 + 32 * K                      # iterations: the same context range for both
-    _, C = decode._buckets(L, n2 + 8 * K, S, None)
+    _, C = loop.buckets(L, n2 + 8 * K, S, None)
     P = ps[:B] + [ps[0]] * (B - len(ps[:B]))
 
     def per_iter(fn):

@@ -16,7 +16,7 @@ What it reports, per chip:
     capacity) points: weights (arguments), the final loop state (outputs: KV caches, token buffer),
     temporaries. From these, a linear model weights + B*C*kv_bytes + temp(B) gives the largest
     KV capacity (context) that fits the chip's HBM at batch 1, 8, 32, 64.
-  * cost_analysis of ONE loop iteration, compiled alone (the `_iteration` body of dflash_jax.decode
+  * cost_analysis of ONE loop iteration, compiled alone (the `iteration` body of dflash_jax.loop
     with the loop state donated, as it is inside the while_loop): bytes accessed and flops. The
     whole program's cost_analysis counts the while body once and adds the prefill, so it cannot give
     a per-iteration figure; it is printed too, for reference.
@@ -110,7 +110,7 @@ def plan(smoke: bool, quick: bool, full: bool = False, iters_only: bool = False)
 def _st_and_args(tc, dc, *, batch, prompt_len, capacity, attention_impl, device, sampling_mode="greedy"):
     """The library's abstract program: (static config, (tstate, dstate, params)) placed on `device`."""
     from dflash_jax import decode
-    fn, args = decode._abstract_program(tc, dc, batch=batch, prompt_len=prompt_len, max_new_tokens=256,
+    fn, args = decode.abstract_program(tc, dc, batch=batch, prompt_len=prompt_len, max_new_tokens=256,
                                         capacity=capacity, sampling_mode=sampling_mode, dtype="bfloat16",
                                         attention_impl=attention_impl, device=device)
     f = getattr(fn, "__wrapped__", None)
@@ -119,10 +119,10 @@ def _st_and_args(tc, dc, *, batch, prompt_len, capacity, attention_impl, device,
 
 
 def lower_iteration(tc, dc, *, batch, prompt_len, capacity, attention_impl, device, sampling_mode="greedy"):
-    """One loop iteration alone (decode._iteration), the loop state donated as in the while_loop."""
+    """One loop iteration alone (loop.iteration), the loop state donated as in the while_loop."""
     import jax
     from flax import nnx
-    from dflash_jax import decode
+    from dflash_jax import decode, loop
     if hasattr(decode, "lower_iteration"):
         return decode.lower_iteration(tc, dc, batch=batch, prompt_len=prompt_len, capacity=capacity,
                                       sampling_mode=sampling_mode, dtype="bfloat16",
@@ -131,7 +131,7 @@ def lower_iteration(tc, dc, *, batch, prompt_len, capacity, attention_impl, devi
                                               attention_impl=attention_impl, device=device,
                                               sampling_mode=sampling_mode)
     if st is None:
-        raise RuntimeError("cannot find the static config inside decode._abstract_program's function")
+        raise RuntimeError("cannot find the static config inside decode.abstract_program's function")
 
     def models(ts, ds):
         t = nnx.merge(st.target_def, ts)
@@ -140,7 +140,7 @@ def lower_iteration(tc, dc, *, batch, prompt_len, capacity, attention_impl, devi
 
     def prefill(ts, ds, p):
         t, d = models(ts, ds)
-        return decode._prefill(st, t, d, p)
+        return loop.prefill(st, t, d, p)
 
     shapes = jax.eval_shape(prefill, tstate, dstate, p)
     sharding = jax.sharding.SingleDeviceSharding(device)
@@ -148,7 +148,7 @@ def lower_iteration(tc, dc, *, batch, prompt_len, capacity, attention_impl, devi
 
     def one(ts, ds, p, s):
         t, d = models(ts, ds)
-        return decode._iteration(st, t, d, p, s)
+        return loop.iteration(st, t, d, p, s)
 
     return jax.jit(one, donate_argnums=(3,)).trace(tstate, dstate, p, loop).lower()
 

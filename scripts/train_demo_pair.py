@@ -84,14 +84,16 @@ SIZES = {
         seq_len=128, batch=8, epochs=1.0, max_steps=150, lr=3e-3, warmup=20, train_budget_s=150,
         dtype="float32", eval_dtype="float32",
         regen_prompts=32, regen_new_tokens=48, regen_batch=16, regen_prompt_tokens=96, regen_budget_s=None,
-        regen_mix=REGEN_MIX, self_new_tokens=24, heldout_rows=8,
+        regen_mix=REGEN_MIX, self_new_tokens=24, heldout_rows=8, regen_t1_share=0.25,
         draft=dict(num_layers=1, block_size=16, steps=120, batch=8, num_anchors=32, lr=6e-4, budget_s=240),
         eval_prompts=4, eval_new_tokens=48, timing_prompts=1, timing_sets=("humaneval",),
         heldout_prompt_tokens=96, eval_reserve_s=110, ship_dtype="bfloat16", deadline_s=None),
     # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
     "gpu": dict(
         vocab_size=6144, stdlib_bytes=None, gsm8k_rows=None, max_functions=12000,
-        target=dict(hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6, num_kv_heads=2,
+        # 8 q / 2 kv heads: a GQA group of 4 (Qwen3-8B's), a power of two as the GPU attention kernel
+        # needs; 6 / 2 (group 3) ran every attention on the XLA path
+        target=dict(hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=8, num_kv_heads=2,
                     head_dim=64),
         # 3 epochs, not 6: at 6 the target recited its training functions (train loss 1.28, held-out
         # 3.69), so its continuations of training prompts taught the draft recitation, not the target
@@ -101,6 +103,9 @@ SIZES = {
         # responses are cheap (the loop is launch-bound at this size; compiles dominate)
         regen_prompts=49152, regen_new_tokens=256, regen_batch=1024, regen_prompt_tokens=256,
         regen_budget_s=130, regen_mix=REGEN_MIX, self_new_tokens=160, heldout_rows=128,
+        # a share of the prompts is continued at T = 1 instead of greedily, so that the draft also
+        # learns the target's sampled continuations (at T = 1 the greedy-only draft reached τ 1.28)
+        regen_t1_share=0.3,
         draft=dict(num_layers=2, block_size=16, steps=20000, batch=64, num_anchors=128, lr=6e-4, budget_s=290),
         eval_prompts=64, eval_new_tokens=256, timing_prompts=3, timing_sets=("humaneval",),
         heldout_prompt_tokens=192, eval_reserve_s=115, ship_dtype="bfloat16", deadline_s=540),
@@ -314,7 +319,8 @@ class Run:
     """The --out directory: stage results, the manifest, resumption."""
 
     def __init__(self, out: str, size_name: str, seed: int, force: set[str]):
-        self.out, self.size_name, self.size, self.seed, self.force = out, size_name, SIZES[size_name], seed, force
+        self.out, self.size_name, self.seed, self.force = out, size_name, seed, force
+        self.size = dict(SIZES[size_name])
         os.makedirs(os.path.join(out, "stages"), exist_ok=True)
         self.manifest_path = os.path.join(out, "manifest.json")
         self.manifest = read_json(self.manifest_path) if os.path.isfile(self.manifest_path) else {}
@@ -574,7 +580,8 @@ def self_prompts(run: Run, tok, seeds: list[dict], samples: list[list[int]]) -> 
 
 
 def _generate_batched(run: Run, target, prompts: list[list[int]], *, temperature: float, max_new_tokens: int,
-                      stops: list[int], t0: float, what: str, budget_s: float | None) -> list[list[int]]:
+                      stops: list[int], t0: float, what: str, budget_s: float | None,
+                      seed_offset: int = 0) -> list[list[int]]:
     """`generate` over prompts in batches of regen_batch (one batch size: one program per prompt
     bucket); past budget_s (from t0) the remaining prompts get no continuation (None)."""
     import dflash_jax as dj
@@ -588,7 +595,7 @@ def _generate_batched(run: Run, target, prompts: list[list[int]], *, temperature
         chunk = prompts[b:b + bs]
         fill = chunk + [chunk[-1]] * (bs - len(chunk))  # a short last batch reuses the full batch's program
         res = dj.generate(target, None, fill if len(prompts) > bs else chunk, max_new_tokens=max_new_tokens,
-                          temperature=temperature, stop_token_ids=stops, seed=run.seed + b)
+                          temperature=temperature, stop_token_ids=stops, seed=run.seed + seed_offset + b)
         got = [list(r) for r in res.tokens[:len(chunk)]]
         outs += got
         n_new += sum(len(r) for r in got)
@@ -607,9 +614,11 @@ def load_pair(run: Run, dtype: str, with_draft: bool):
 
 
 def stage_regen(run: Run) -> dict:
-    """The target's own greedy continuations of training prompts (our `generate`): the draft's data.
-    First the target samples the "self-*" prompts at T = 1 from their seeds, then it continues every
-    prompt greedily. With regen_budget_s, each pass stops taking new batches past its share."""
+    """The target's own continuations of training prompts (our `generate`): the draft's data.
+    First the target samples the "self-*" prompts at T = 1 from their seeds, then it continues the
+    prompts greedily, and a random share of them (regen_t1_share of the batches; 0 with
+    --no-sampled-continuations) at T = 1 instead, so the draft also learns what the target samples.
+    With regen_budget_s, each pass stops taking new batches past its share."""
     s = run.size
     tok = load_tokenizer(run.path("target"))
     ids = special_ids(tok)
@@ -633,17 +642,27 @@ def stage_regen(run: Run) -> dict:
     bs = s["regen_batch"]
     blocks = [prompts[b:b + bs] for b in range(0, len(prompts), bs)]
     random.Random(run.seed + 5).shuffle(blocks)
-    prompts = [p for blk in blocks for p in blk]
-    outs = _generate_batched(run, target, [p["ids"] for p in prompts], temperature=0.0,
+    share = s.get("regen_t1_share", 0.0)
+    n_t1 = min(len(blocks) - 1, max(1, round(len(blocks) * share))) if share > 0 and len(blocks) > 1 else 0
+    greedy = [p for blk in blocks[:len(blocks) - n_t1] for p in blk]
+    sampled = [p for blk in blocks[len(blocks) - n_t1:] for p in blk]
+    outs = _generate_batched(run, target, [p["ids"] for p in greedy], temperature=0.0,
                              max_new_tokens=s["regen_new_tokens"], stops=stops, t0=t, what="regen",
-                             budget_s=budget)
-    seqs, masks, kinds = [], [], []
-    for p, r in zip(prompts, outs):
+                             budget_s=None if budget is None else budget * (1 - 0.75 * share))
+    if sampled:
+        outs += _generate_batched(run, target, [p["ids"] for p in sampled], temperature=1.0,
+                                  max_new_tokens=s["regen_new_tokens"], stops=stops, t0=t, what="regen T=1",
+                                  budget_s=budget, seed_offset=1 << 20)
+    prompts = greedy + sampled
+    temps = [0.0] * len(greedy) + [1.0] * len(sampled)
+    seqs, masks, kinds, n_sampled = [], [], [], 0
+    for p, r, temp in zip(prompts, outs, temps):
         if r is None or len(r) < 2:  # past the budget, or nothing to learn from
             continue
         seqs.append(list(p["ids"]) + r)
         masks.append([0] * len(p["ids"]) + [1] * len(r))
         kinds.append(p["kind"])
+        n_sampled += temp > 0
     n_new = sum(sum(m) for m in masks)
     L = max(len(x) for x in seqs)
     input_ids = np.full((len(seqs), L), ids["pad"], np.int32)                 # [N, L]
@@ -654,8 +673,10 @@ def stage_regen(run: Run) -> dict:
     np.savez(run.path("regen", "data.npz"), input_ids=input_ids, loss_mask=loss_mask,
              lengths=np.asarray([len(x) for x in seqs], np.int32))
     counts = {k: kinds.count(k) for k in sorted(set(kinds))}
-    log(f"regen: {len(seqs)} sequences of at most {L}, {n_new} response tokens; kinds {counts}")
+    log(f"regen: {len(seqs)} sequences of at most {L} ({n_sampled} sampled at T = 1), {n_new} response tokens; "
+        f"kinds {counts}")
     return dict(sequences=len(seqs), response_tokens=int(n_new), max_len=int(L), kinds=counts, temperature=0.0,
+                sampled_sequences=n_sampled, sampled_temperature=1.0, t1_share=share,
                 max_new_tokens=s["regen_new_tokens"], self_new_tokens=s["self_new_tokens"],
                 self_temperature=1.0, mix=s["regen_mix"], self_s=round(t_self, 1),
                 time_s=round(time.perf_counter() - t, 1))
@@ -980,6 +1001,13 @@ REGEN_KINDS = {
     "code": "a random cut into a training stdlib file"}
 
 
+def continuations(regen: dict) -> str:
+    n = regen.get("sampled_sequences", 0)
+    if not n:
+        return "greedy continuations"
+    return f"continuations ({regen['sequences'] - n} greedy, {n} sampled at T = 1)"
+
+
 def regen_note(regen: dict, draft: dict) -> str:
     """The regeneration prompts by kind and the held-out teacher-forced τ, for the model card."""
     kinds = regen.get("kinds") or {}
@@ -1008,7 +1036,7 @@ def model_card(run: Run) -> str:
                          f"warm-up, clip 1, loss decay γ = 7; {draft['compute_dtype']} compute) for "
                          f"{draft['steps']} steps{stopped} of batch {draft['batch']} with {draft['num_anchors']} "
                          f"anchor blocks per sequence ({draft['epochs']} epochs) on {draft['sequences']} "
-                         f"greedy continuations ({st['regen']['response_tokens']} response tokens, at most "
+                         f"{continuations(st['regen'])} ({st['regen']['response_tokens']} response tokens, at most "
                          f"{st['regen']['max_new_tokens']} per prompt) regenerated by the target with our "
                          f"`generate`, in {draft['train_s']} s. Final loss {draft['final_loss']}, "
                          f"teacher-forced τ {draft['teacher_forced_tau']}.{regen_note(st['regen'], draft)}")
@@ -1100,6 +1128,9 @@ def main(argv=None) -> int:
                         "device tool's $OUT, which returns at most 8 files of 16 MiB)")
     p.add_argument("--install", action="store_true",
                    help="after shipping, copy ship/pair into dflash_jax/assets/pair (the embedded default)")
+    p.add_argument("--sampled-continuations", action=argparse.BooleanOptionalAction, default=True,
+                   help="regen: continue a share of the prompts (the size's regen_t1_share) at T = 1 instead "
+                        "of greedily, so the draft also learns the target's sampled text (τ at T = 1)")
     args = p.parse_args(argv)
     stages = [x for x in args.stages.split(",") if x]
     bad = [x for x in stages if x not in STAGES]
@@ -1107,6 +1138,9 @@ def main(argv=None) -> int:
         p.error(f"unknown stage(s) {bad}; known: {', '.join(STAGES)}")
     force = set(STAGES) if args.force == "all" else {x for x in args.force.split(",") if x}
     run = Run(args.out, args.size, args.seed, force)
+    if not args.sampled_continuations:
+        run.size["regen_t1_share"] = 0.0
+        run.manifest["settings"] = run.size
     if args.deadline_s is not None:
         run.deadline_s = args.deadline_s or None
     run.manifest["deadline_s"] = run.deadline_s

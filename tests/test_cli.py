@@ -7,7 +7,6 @@ Everything runs in float32 so that greedy DFlash equals greedy plain decoding to
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import os
@@ -17,10 +16,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest
 
 from dflash_jax import data
+from dflash_jax.cli import benchmark as bench_cli
+from dflash_jax.cli import generate as gen_cli
 from dflash_jax.config import PRESETS, TargetConfig
-
-gen_cli = importlib.import_module("dflash_jax.generate")  # the CLI module, not the library function
-bench_cli = importlib.import_module("dflash_jax.benchmark")
 
 VOCAB = 320
 SPECIALS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|mask|>")  # ids 314..317

@@ -217,6 +217,8 @@ def test_cpu_pipeline_end_to_end(tmp_path):
     assert not {f["path"] for f in data["stdlib_files"]} & set(data["heldout_modules"])
     tgt = man["stages"]["target"]
     assert 0.5e6 < tgt["params"] < 2e6 and tgt["final_loss"] < tgt["loss_curve"][0][1]
+    regen = man["stages"]["regen"]  # greedy continuations and, by default, sampled (T = 1) ones
+    assert 0 < regen["sampled_sequences"] < regen["sequences"]
     draft_stage, ev = man["stages"]["draft"], man["stages"]["eval"]
     assert draft_stage["status"] == "done" and draft_stage["final_loss"] < draft_stage["loss_curve"][0][1]
     assert ev["draft"] and all(row.get("tau_greedy", 0) > 1 for row in ev["sets"].values())

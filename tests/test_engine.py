@@ -18,7 +18,8 @@ import pytest
 from tests.checkpoints import write_draft, write_target
 
 from dflash_jax import decode, generate, load_draft, load_target
-from dflash_jax.engine import Request, RowRequest, SlotEngine, Slots, union_mode
+from dflash_jax.engine import Request, SlotEngine
+from dflash_jax.slots import RowRequest, Slots, union_mode
 
 CAP, S, SLOTS = 64, 4, 3
 

@@ -545,3 +545,139 @@ def test_load_test_script_40_requests_all_identical_to_one_shot(tmp_path):
     assert server["check"] == {"responses": 40, "problems": []}
     (run,) = server["runs"]
     assert run["errors"] == 0 and run["output_tokens"] > 0 and run["compiles"] == 0 and run["tau"] >= 1
+
+
+# ----------------------------------------------------------------------------------------- issue 33: bad input
+def _post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=30, **kw)
+
+
+def _assert_400(r, field, body=None):
+    assert r.status_code == 400, (body, r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"], (body, err)
+
+
+def test_unsupported_fields_and_coerced_types_are_400(tokenizer):
+    """Fields the server does not implement are refused by name, not ignored; JSON strings are not
+    numbers and numbers are not bools (no coercion). Their defaults are still accepted."""
+    eng = fake_engine(FakeGenerate())
+    chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    refused = [(dict(repetition_penalty=1.1), "repetition_penalty"), (dict(min_p=0.05), "min_p"),
+               (dict(response_format={"type": "json_object"}), "response_format"),
+               (dict(top_logprobs=2), "top_logprobs"), (dict(best_of=2), "best_of"),
+               (dict(logit_bias={"5": 10}), "logit_bias"), (dict(min_tokens=3), "min_tokens"),
+               (dict(guided_json={"type": "object"}), "guided_json"),
+               (dict(max_tokens="8"), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
+               (dict(max_tokens=8.0), "max_tokens"), (dict(stream="yes"), "stream"), (dict(stream=1), "stream"),
+               (dict(temperature="0.5"), "temperature"), (dict(temperature=True), "temperature"),
+               (dict(seed="1"), "seed"), (dict(ignore_eos="true"), "ignore_eos"),
+               (dict(stop_token_ids=["5"]), "stop_token_ids"), (dict(top_k=1.0), "top_k"),
+               (dict(stream_options={"include_usage": "yes"}), "stream_options")]
+    completion_only = [(dict(suffix="x"), "suffix"), (dict(prompt=[1, True]), "prompt"),
+                       (dict(prompt=["1", 2]), "prompt")]
+    chat_only = [(dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+                 (dict(tool_choice="required"), "tool_choice"),
+                 (dict(max_completion_tokens="4"), "max_completion_tokens"),
+                 (dict(messages=[{"role": "user", "content": 5}]), "messages")]
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+        for extra, field in refused + completion_only:
+            body = {"prompt": [1, 2], "max_tokens": 2, **extra}
+            _assert_400(_post(url, "/v1/completions", body), field, body)
+        for extra, field in refused + chat_only:
+            body = {**chat, **extra}
+            _assert_400(_post(url, "/v1/chat/completions", body), field, body)
+        # the values that mean "not used" pass
+        ok = dict(prompt=[1, 2], max_tokens=2, repetition_penalty=1, min_p=0.0, best_of=1, suffix=None,
+                  response_format={"type": "text"}, logit_bias={}, temperature=0, return_token_ids=True)
+        r = _post(url, "/v1/completions", ok)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected([1, 2], 2)
+        r = _post(url, "/v1/chat/completions", {**chat, "tools": [], "tool_choice": "none"})
+        assert r.status_code == 200, r.text
+    eng.shutdown()
+
+
+def test_request_chat_template_is_refused_unless_trusted(tokenizer):
+    """A request's own chat template is code the server would run: refused (400 naming where it
+    came) unless the operator allows it; template-call arguments cannot be smuggled in as kwargs."""
+    eng = fake_engine(FakeGenerate())
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    msgs = [{"role": "user", "content": "hi there"}]
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+        for extra, field in ((dict(chat_template=loop), "chat_template"),
+                             (dict(chat_template_kwargs={"chat_template": loop}), "chat_template_kwargs.chat_template"),
+                             (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs.tokenize"),
+                             (dict(chat_template_kwargs={"add_generation_prompt": False}),
+                              "chat_template_kwargs.add_generation_prompt")):
+            body = dict(messages=msgs, max_tokens=2, **extra)
+            _assert_400(_post(url, "/v1/chat/completions", body), field, body)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    trusted = build_app(eng, tokenizer, model_name=NAME, trust_request_chat_template=True)
+    with serving(trusted) as url:
+        # the request's template is the one used: the prompt is exactly the message's text
+        for extra in (dict(chat_template="{{ messages[0]['content'] }}"),
+                      dict(chat_template_kwargs={"chat_template": "{{ messages[0]['content'] }}"})):
+            r = _post(url, "/v1/chat/completions", dict(messages=msgs, max_tokens=3, return_token_ids=True, **extra))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected(tokenizer.encode("hi there"), 3)
+    eng.shutdown()
+
+
+class _SlowTokenizer:
+    """The test tokenizer with an encode that takes `delay` seconds (a 10 MB prompt's worth)."""
+
+    def __init__(self, tok, delay):
+        self._tok, self.delay = tok, delay
+
+    def encode(self, *a, **kw):
+        time.sleep(self.delay)
+        return self._tok.encode(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_tokenising_runs_off_the_event_loop_and_the_body_is_limited(tokenizer):
+    """While one prompt is being tokenised the server answers others at once; a body over the
+    limit is 413 before it is parsed, whether its size is declared or it arrives chunked."""
+    eng = fake_engine(FakeGenerate())
+    app = build_app(eng, _SlowTokenizer(tokenizer, 2.0), model_name=NAME, max_body_bytes=4000)
+    with serving(app) as url:
+        for path, body in (("/v1/completions", dict(prompt="a long prompt", max_tokens=2)),
+                           ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], max_tokens=2))):
+            slow = []
+            th = threading.Thread(target=lambda: slow.append(_post(url, path, body)))
+            th.start()
+            time.sleep(0.3)                                  # the slow request is tokenising now
+            t0 = time.perf_counter()
+            r = httpx.get(url + "/health", timeout=10)
+            assert r.status_code == 200 and time.perf_counter() - t0 < 1.0, time.perf_counter() - t0
+            th.join(30)
+            assert slow[0].status_code == 200, slow[0].text
+        big = dict(prompt=[1] * 2000, max_tokens=2)         # ~6 kB of JSON
+        r = _post(url, "/v1/completions", big)
+        assert r.status_code == 413 and "4000 bytes" in r.json()["error"]["message"]
+        chunks = (json.dumps(big)[i:i + 500].encode() for i in range(0, len(json.dumps(big)), 500))
+        r = httpx.post(url + "/v1/completions", content=chunks, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 413 and "4000 bytes" in r.json()["error"]["message"], r.text
+        r = _post(url, "/v1/completions", dict(prompt=[1, 2], max_tokens=2))
+        assert r.status_code == 200
+        assert 'dflash_requests_rejected_total{status="413"} 2.0' in httpx.get(url + "/metrics").text
+    eng.shutdown()
+
+
+def test_non_streaming_client_that_goes_away_frees_its_slot(tokenizer):
+    """Tokens keep coming every 20 ms; the client gives up after 0.5 s: its request is cancelled
+    and its slot free within a second, not when its 400 tokens are done (8 s)."""
+    eng = fake_engine(FakeGenerate(delay=0.02))
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=400), timeout=0.5)
+        t0 = time.time()
+        while eng.stats().slots_busy and time.time() - t0 < 10:
+            time.sleep(0.02)
+        assert eng.stats().slots_busy == 0 and time.time() - t0 < 1.5, time.time() - t0
+        r = _post(url, "/v1/completions", dict(prompt=[4, 5], max_tokens=3, return_token_ids=True))
+        assert r.json()["choices"][0]["token_ids"] == expected([4, 5], 3)
+    eng.shutdown()

@@ -7,7 +7,6 @@ Shares test_cli.py's tiny float32 target + draft + byte-level tokenizer with a c
 from __future__ import annotations
 
 import _thread
-import importlib
 import io
 import json
 import os
@@ -22,10 +21,10 @@ import pytest
 import dflash_jax as dj
 from dflash_jax import data, validation
 from dflash_jax.config import ConfigError, DraftConfig, TargetConfig
+from dflash_jax.cli import benchmark as bench_cli
+from dflash_jax.cli import generate as gen_cli
 from tests import test_cli as tc
 
-gen_cli = importlib.import_module("dflash_jax.generate")
-bench_cli = importlib.import_module("dflash_jax.benchmark")
 _usage_error, _run = tc._usage_error, tc._run
 
 
@@ -326,3 +325,176 @@ def test_help_shows_defaults_and_where_datasets_come_from(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: 2048)" in out and "Bundled with the package (no hub): gsm8k, humaneval, mt-bench" in out
     assert "from the hub" in out and "math500, mbpp" in out
+
+
+# ----------------------------------------------------------------------------------------- issue 33
+_SHALLOW = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                head_dim=16)
+
+
+def _with_config(src, dst, **changes):
+    import shutil
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))  # NaN / Infinity as Python's json writes them
+    return str(dst)
+
+
+def test_a_huge_block_size_is_refused_naming_the_limit(models, tmp_path, capsys):
+    limit = validation.MAX_BLOCK_SIZE
+    with pytest.raises(ConfigError, match=f"draft: block_size=100000 must be an integer in \\[1, {limit}\\]"):
+        DraftConfig.for_target(TargetConfig(**_SHALLOW), block_size=100000)
+    DraftConfig.for_target(TargetConfig(**_SHALLOW), block_size=limit)  # the limit itself is fine
+    big = _with_config(models[1], tmp_path / "draft", block_size=100000)
+    with pytest.raises(ConfigError, match="block_size=100000 must be an integer in"):
+        dj.load_draft(big)
+    line = _usage_error(gen_cli, ["--model", models[0], "--draft", big, "hi"], capsys)
+    assert f"block_size=100000 must be an integer in [1, {limit}]" in line
+
+
+@pytest.mark.parametrize("field,value", [("rope_theta", float("nan")), ("rope_theta", float("inf")),
+                                         ("rope_theta", 0), ("rope_theta", -1e6), ("rope_theta", "1e6x"),
+                                         ("rms_norm_eps", float("nan")), ("rms_norm_eps", -1e-6),
+                                         ("num_hidden_layers", float("inf")), ("vocab_size", float("nan"))])
+def test_non_finite_or_impossible_config_numbers_name_the_field(field, value):
+    d = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1e4)
+    with pytest.raises(ConfigError, match=f"target: {field}=.* must be"):
+        TargetConfig.from_dict({**d, field: value})
+    if field == "rope_theta":  # also when built by hand
+        with pytest.raises(ConfigError, match="rope_theta"):
+            TargetConfig(**{**_SHALLOW, "rope_theta": value if not isinstance(value, str) else float("nan")})
+
+
+def test_a_nan_rope_theta_on_disk_is_refused(models, tmp_path):
+    bad = _with_config(models[0], tmp_path / "t", rope_theta=float("nan"), rope_parameters=None)
+    assert "NaN" in (tmp_path / "t" / "config.json").read_text()
+    with pytest.raises(ConfigError, match="target: rope_theta=nan must be a finite number > 0"):
+        dj.load_target(bad)
+    draft = _with_config(models[1], tmp_path / "d", dflash_config={"mask_token_id": float("inf")})
+    with pytest.raises(ConfigError, match="draft: mask_token_id=inf must be an integer >= 0"):
+        dj.load_draft(draft)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bool", "int32"])
+def test_integer_and_bool_weights_are_refused_naming_the_tensor(models, tmp_path, kind):
+    name = "model.layers.0.mlp.up_proj.weight"
+    bad = _rewrite(models[0], tmp_path / kind, name, lambda t: (t > 0) if kind == "bool" else t.astype(kind))
+    with pytest.raises(ValueError, match=f"tensor {name} has dtype {kind}; weights must be floating point"):
+        dj.load_target(bad)
+
+
+def test_for_target_given_the_module_says_to_pass_its_config():
+    module = dj.init_target(TargetConfig(**_SHALLOW), dtype="float32")
+    with pytest.raises(TypeError, match="takes a TargetConfig, got Qwen3 \\(pass target.config"):
+        DraftConfig.for_target(module)
+    assert DraftConfig.for_target(module.config).hidden_size == 32
+
+
+def test_on_commit_that_is_not_callable_is_refused_before_compiling(loaded):
+    target, _, _ = loaded
+    from dflash_jax.decode import precompile
+    for call in (dj.generate, precompile):
+        with pytest.raises(TypeError, match="on_commit must be a callable .* got 5"):
+            call(target, None, [[1, 2]], max_new_tokens=2, on_commit=5)
+
+
+def test_a_kernel_fallback_is_said_once_per_reason(caplog):
+    """The GPU kernel cannot take a GQA group of 3; every trace (each layer, each program) falls back
+    to XLA, and the warning is logged once, however many times it happens."""
+    import jax
+    import jax.numpy as jnp
+    import pallas_kernels
+    from pallas_kernels import _common
+    caplog.set_level("WARNING", logger="pallas_kernels.attention")
+    _common._WARNED.clear()
+    for T in (1, 2, 4, 1, 2):
+        q = jnp.ones((1, T, 6, 64), jnp.float32)
+        kv = jnp.ones((1, 2, 128, 64), jnp.float32)
+        out = jax.jit(lambda q, k, e: pallas_kernels.block_attention(q, k, k, e, impl="gpu", interpret=True))(
+            q, kv, jnp.full((1, T), 5, jnp.int32))
+        assert out.shape == q.shape
+    said = [r for r in caplog.records if "cannot take" in r.getMessage()]
+    assert len(said) == 1 and "GQA group 3 is not a power of two" in said[0].getMessage()
+    q = jnp.ones((1, 1, 2, 96), jnp.float32)  # another reason (head_dim 96) is said too, once
+    for _ in range(3):
+        pallas_kernels.block_attention(q, jnp.ones((1, 2, 128, 96)), jnp.ones((1, 2, 128, 96)),
+                                       jnp.ones((1, 1), jnp.int32), impl="gpu", interpret=True)
+    said = [r for r in caplog.records if "cannot take" in r.getMessage()]
+    assert len(said) == 2 and "head_dim=96" in said[1].getMessage()
+
+
+def test_skip_absent_tpu_leaves_a_chosen_platform_and_an_accelerator_alone(monkeypatch):
+    import jax
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda k, v: calls.append((k, v)))
+    assert gen_cli.skip_absent_tpu() is False  # JAX_PLATFORMS=cpu (this process), backends running
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(gen_cli, "_accelerator_attached", lambda: True)  # a TPU VM or a GPU machine
+    assert gen_cli.skip_absent_tpu() is False
+    monkeypatch.setattr(gen_cli, "_accelerator_attached", lambda: False)
+    monkeypatch.setenv("JAX_FORCE_TPU_INIT", "1")
+    assert gen_cli.skip_absent_tpu() is False and calls == []
+
+
+@pytest.mark.slow
+def test_no_libtpu_noise_off_a_tpu_vm():
+    """With libtpu installed (the test extra) and no accelerator attached, JAX's TPU probe prints
+    libtpu's errors; after skip_absent_tpu (what every CLI calls first) nothing is printed."""
+    import subprocess
+    import sys
+    if importlib.util.find_spec("libtpu") is None or gen_cli._accelerator_attached():
+        pytest.skip("needs libtpu installed and no TPU or GPU attached")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+
+    def stderr(code):
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=root).stderr
+
+    probe = "import jax; assert jax.devices()[0].platform == 'cpu'"
+    assert "TPU" in stderr(probe)  # the noise this removes (if libtpu stops printing, drop this line)
+    assert stderr("from dflash_jax.cli.generate import skip_absent_tpu; skip_absent_tpu(); " + probe) == ""
+
+
+def test_the_test_command_uses_its_own_venv():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    read = lambda *p: open(os.path.join(root, *p), encoding="utf-8").read()
+    script = read("scripts", "test.sh")
+    assert ". .venv-test/bin/activate" in script and ".venv/" not in script
+    assert "bash scripts/test.sh" in read(".ci", "run")
+    assert ".venv-test/" in read(".gitignore").splitlines()
+    readme = read("README.md")
+    assert "`.venv-test`" in readme and "python3 -m venv .venv &&" in readme
+
+
+def test_default_dtype_is_float32_only_for_the_embedded_pair_on_cpu():
+    import argparse
+    ns = lambda **kw: argparse.Namespace(**{"dtype": None, "default_pair": False, **kw})
+    assert gen_cli.default_dtype(ns(default_pair=True)) == "float32"  # this process runs on the CPU
+    assert gen_cli.default_dtype(ns()) == "bfloat16"
+    assert gen_cli.default_dtype(ns(default_pair=True, dtype="bfloat16")) == "bfloat16"
+    assert gen_cli.build_parser().parse_args([]).dtype is None
+    assert "float32 for the embedded demo pair on CPU" in " ".join(gen_cli.build_parser().format_help().split())
+
+
+@pytest.mark.slow
+def test_benchmark_says_why_bf16_rows_can_differ_and_the_cpu_pair_runs_in_float32(models, capsys, monkeypatch,
+                                                                                   tmp_path):
+    import dflash_jax.assets as assets
+    monkeypatch.setattr(assets, "default_pair", lambda: models)
+    argv = ["--max-samples", "1", "--max-new-tokens", "8", "--output", str(tmp_path / "r.json")]
+    code, out, err = _run(bench_cli, argv, capsys)
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and r["dtype"] == "float32" and r["greedy_match_rate"] == 1.0, err
+    assert "round differently" not in out
+    code, out, err = _run(bench_cli, argv + ["--dtype", "bf16"], capsys)
+    assert code == 0, err
+    assert ("in bfloat16 the 8-row verify and the 1-row step round differently" in out
+            and "--dtype float32 shows identity" in out)

@@ -19,7 +19,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["PAIR_DIR", "default_pair", "save_target", "target_hf_config", "model_card_template"]
 
@@ -112,7 +111,3 @@ def save_target(target, out_dir: str, dtype: str = "bfloat16", *, bos_token_id=N
         json.dump(cfg, f, indent=2)
     return out_dir
 
-
-def num_params(module) -> int:
-    from flax import nnx
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(module, nnx.Param))))

@@ -73,7 +73,7 @@ def cmd_regenerate(args) -> int:
     target = _target(args)
     stops = None
     if tok is not None:
-        from dflash_jax.generate import stop_token_ids
+        from dflash_jax.cli.generate import stop_token_ids
         stops = stop_token_ids(args.model, tok)
     data = regenerate(target, prompts, args.out, max_len=args.max_len, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, stop_token_ids=stops, batch_size=args.batch_size,
@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dflash_jax.cli.generate import skip_absent_tpu
+    skip_absent_tpu()  # libtpu's noise off a TPU VM
     from dflash_jax.config import ConfigError
     from dflash_jax.train.checkpoint import ContractError
     from dflash_jax.train.data import DataError

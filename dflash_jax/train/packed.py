@@ -82,8 +82,8 @@ TRAIN_ATTENTION = ("auto", "xla", "pallas_gpu")
 
 
 def resolve_train_attention(attention: str) -> str:
-    """"auto" → the Pallas kernel pair on a GPU backend (measured 1.9x faster for the draft layers
-    at Qwen3-8B shapes, docs/training.md), the XLA chunks elsewhere."""
+    """"auto" → the Pallas kernel pair on a GPU backend (faster for the draft layers at Qwen3-8B
+    shapes, docs/training.md), the XLA chunks elsewhere."""
     if attention not in TRAIN_ATTENTION:
         raise ValueError(f"training attention {attention!r} is not one of {TRAIN_ATTENTION}")
     if attention == "auto":

@@ -75,10 +75,6 @@ def epoch_order(seed: int, epoch: int, rows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(rows)
 
 
-def _finite(x) -> bool:
-    return bool(np.all(np.isfinite(np.asarray(x, np.float64))))
-
-
 def _plot(records: list, path: str) -> None:
     try:
         import matplotlib

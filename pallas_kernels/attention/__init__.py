@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import Unsupported, check_shapes
+from pallas_kernels._common import Unsupported, check_shapes, warn_once
 from pallas_kernels.attention.reference import block_attention as reference_block_attention
 
 __all__ = ["block_attention", "reference_block_attention", "xla_block_attention", "IMPLS",
@@ -177,6 +177,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
             return gpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
                                        interpret=bool(interpret), **tuning)
     except Unsupported as e:
-        _log.warning("pallas %s kernel cannot take q%s cache%s (%s): using the XLA path",
-                     impl, q.shape, k_cache.shape, e)
+        warn_once(_log, f"{impl}: {e}", "pallas %s kernel cannot take q%s cache%s (%s): using the XLA path "
+                  "(said once per reason)", impl, q.shape, k_cache.shape, e)
     return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale)

@@ -91,9 +91,9 @@ def _row_tile(T: int, G: int, rows: int = 64) -> int:
 # Below this capacity the split count does not come from filling the GPU: short blocks with fewer
 # programs than SMs split into the first (splits, min chunk) of SHORT_SPLITS whose programs fit in
 # one wave of two per SM (blocks of 2+ positions: 8 of >= 64 keys up to batch 4 at Qwen3-8B heads,
-# else 4 of >= 128), everything else not at all. Splitting beat the unsplit kernel in the whole loop
-# at batch 1, prompt 512; 8 short splits won for blocks, while plain decode (T = 1, 16-row tiles of
-# 4 live rows) kept 4 (docs/perf-log.md).
+# else 4 of >= 128), everything else not at all. Splitting beat the unsplit kernel in the whole loop;
+# 8 short splits won for blocks, while plain decode (T = 1, 16-row tiles of 4 live rows) kept 4
+# (docs/perf-log.md).
 SPLIT_MIN_CAPACITY = 4096
 SHORT_SPLITS = ((8, 64), (4, 128))
 
@@ -104,8 +104,8 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
     From sweeps on an H200 (Qwen3-8B heads, bf16; docs/perf-log.md):
     - 64-row tiles, block_k 64, 4 warps, 3 stages: best for verify/draft and for prefill too
       (against 128-row tiles or 8 warps).
-    - Splits: fewer programs than SMs (batch 1-8) -> two waves' worth of splits; at 32k, 256
-      programs (under two waves) ran faster with 2 splits than with 1, while at 8k one was better.
+    - Splits: fewer programs than SMs (batch 1-8) -> two waves' worth of splits; under two waves,
+      2 splits from 16k rows on, 1 below.
     n_sms: the GPU's SM count (dflash_jax.KernelConfig.n_sms, from the device).
     """
     block_t = _row_tile(T, G, 64)
@@ -123,11 +123,9 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
                 kv_splits, min_chunk = splits, chunk
     elif programs < n_sms:
         # Two programs fit on an SM (~112 KiB of shared memory each): fill exactly one wave of
-        # 2 * n_sms, rounding down. Rounding up (5 splits at B=8: 320 programs) left a second wave
-        # of 56 programs that ran at a fraction of the bandwidth.
-        # At most 16 splits below 16k rows (16 beat 32 at B=1, 8k). From 16k on the wave is
-        # filled: B=1 at 32k takes 33 splits (264 programs, 16 tiles each), faster than 32 splits'
-        # 17-tile chunks (docs/perf-log.md).
+        # 2 * n_sms, rounding down: rounding up leaves a small second wave that runs at a fraction
+        # of the bandwidth. At most 16 splits below 16k rows; from 16k on the wave is filled
+        # (docs/perf-log.md).
         cap = 16 if C < 16384 else 2 * n_sms
         kv_splits = max(1, min(2 * n_sms // programs, max(1, C // block_k), cap))
     elif programs < 4 * n_sms and C >= 16384:

@@ -1,0 +1,863 @@
+"""`python -m dflash_jax.generate` (this module: dflash_jax.cli.generate): prompts through DFlash (or plain decoding), streamed.
+
+    python -m dflash_jax.generate --model Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 "Why is the sky blue?"
+    echo "Hello" | python -m dflash_jax.generate --model ./qwen3 --draft none
+    python -m dflash_jax.generate --model ./qwen3 --draft none --prompt-file prompts.jsonl --json
+    python -m dflash_jax.generate --random-init qwen3-8b --prompt-len 512 --max-new-tokens 256 --json
+
+The completion goes to stdout as the compiled loop commits tokens; progress and one summary line go
+to stderr. Ctrl-C stops the generation after the current loop iteration, prints what was generated
+and exits with 130. This module also holds the argument, loading and stop-token helpers that
+`dflash_jax.benchmark` shares, so that both commands accept the same flags with the same checks.
+"""
+
+from __future__ import annotations
+
+import os
+
+# transformers prints "PyTorch was not found ..." at import when torch is absent; we never need torch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+from urllib.parse import urlparse  # noqa: E402
+
+from dflash_jax import validation  # noqa: E402
+from dflash_jax.decode import generate as _generate  # noqa: E402  (the library function; this module is its CLI)
+
+__all__ = ["main", "build_parser", "StreamDecoder", "stop_token_ids", "skip_absent_tpu"]
+
+DTYPES = validation.DTYPES
+ATTENTION = ("auto", "xla", "pallas")
+# The public drafts are 5 layers at block size 16 for every Qwen3 size (z-lab/Qwen3-*-DFlash-b16).
+RANDOM_DRAFT_LAYERS = 5
+RANDOM_DRAFT_BLOCK = 16
+# After Ctrl-C, how long the generation may take to reach its next iteration before the process
+# exits without its result (e.g. while compiling, which cannot be interrupted).
+INTERRUPT_GRACE_S = 5.0
+EXIT_INTERRUPTED = 130
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, and the epilog's line breaks kept."""
+
+    def _fill_text(self, text, width, indent):
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, []):  # "(default: None)" says nothing
+            return action.help
+        return super()._get_help_string(action)
+
+
+# Device nodes of an attached accelerator: TPU chips (/dev/accel*: v4, v5e; VFIO: v5p, v6e),
+# NVIDIA (/dev/nvidia0, /dev/nvidiactl in containers, /dev/dxg under WSL2) and AMD (/dev/kfd) GPUs.
+_ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def _accelerator_attached() -> bool:
+    import glob
+    if any(glob.glob(p) for p in _ACCELERATOR_NODES):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):  # a TPU whose /dev nodes are not visible
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def skip_absent_tpu() -> bool:
+    """Where no accelerator is attached and JAX_PLATFORMS is not set, run JAX on "cpu" outright.
+
+    With libtpu installed (the [tpu] extra, or [test], which needs it to compile for TPU ahead of
+    time) JAX tries the TPU backend on every machine; off a TPU VM libtpu prints ~5 lines of errors
+    about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES while it fails, and JAX then uses the CPU. On
+    such a machine the CPU is the only backend there is, so naming it changes nothing but the noise.
+    A TPU or GPU attached, JAX_PLATFORMS or JAX_FORCE_TPU_INIT set, or a backend already running
+    leave JAX's own choice alone. Called by the CLIs before they touch a device; True if it set cpu."""
+    if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ or _accelerator_attached():
+        return False
+    import jax
+    try:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+            return False
+    except (ImportError, AttributeError):  # pragma: no cover - another jax: leave it alone
+        return False
+    if jax.config.jax_platforms:
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
+def progress(msg: str) -> None:
+    print(f"[dflash] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------- arguments
+def _dtype_arg(value: str) -> str:
+    try:
+        return validation.dtype_name(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--model", help="target: a hub id (Qwen/Qwen3-8B) or a local HF directory")
+    src.add_argument("--random-init", metavar="PRESET",
+                     help="random weights of a real shape (qwen3-0.6b, qwen3-4b, qwen3-8b) for benchmarking "
+                          "without weights; prompts are token ids and no tokenizer is used")
+    g.add_argument("--draft", help="DFlash draft: a hub id (z-lab/Qwen3-8B-DFlash-b16), a local directory, or "
+                                   "'none' for plain autoregressive decoding (with --random-init: a random draft "
+                                   "of the z-lab shape unless 'none')")
+    g.add_argument("--tokenizer", help="tokenizer source when it is not the --model's")
+    g.add_argument("--dtype", default=None, type=_dtype_arg, metavar="{" + ",".join(DTYPES) + "}",
+                   help="parameter and activation dtype (aliases: " + ", ".join(validation.DTYPE_ALIASES) + "); "
+                        "default: bfloat16, but float32 for the embedded demo pair on CPU, where it is as "
+                        "fast and greedy DFlash output is then identical to plain decoding's")
+    g.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="attention backend: Pallas kernels on TPU/GPU (auto), or the XLA reference")
+    g.add_argument("--block-size", type=int, help="draft block size (default: the draft's; 1 = no speculation)")
+    g.add_argument("--mesh", metavar="SPEC",
+                   help="run on many devices: 'data=N,model=M' (aliases dp/tp, or 'NxM'); model = tensor "
+                        "parallel, data = batch rows; N*M must equal the device count (all hosts' together)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help="new tokens per prompt (prompt + new must fit max_position_embeddings)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off; at most the vocabulary size")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed in [0, 2**32) (and random weights with --random-init)")
+    g.add_argument("--thinking", choices=("on", "off"), default=None,
+                   help="Qwen3 thinking mode in the chat template (enable_thinking); off when not given")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="run to --max-new-tokens regardless of the model's eos tokens (--stop-token-ids still apply)")
+    g.add_argument("--stop-token-ids", metavar="IDS", help="comma-separated extra stop token ids")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject bad values before anything heavy is loaded."""
+    args.default_pair = False
+    if args.model is None and args.random_init is None:
+        from dflash_jax.assets import default_pair
+        pair = default_pair()
+        if pair is None:
+            parser.error("give --model (hub id or local path) or --random-init PRESET (this install ships "
+                         "no embedded demo pair: see scripts/train_demo_pair.py)")
+        # the embedded demo pair: its target directory carries the tokenizer and chat template
+        args.model = pair[0]
+        args.draft = pair[1] if args.draft is None else args.draft
+        args.default_pair = True
+    if args.model is not None and args.draft is None:
+        parser.error("--draft is required with --model: a hub id, a local path, or 'none' for plain decoding")
+    if args.random_init is not None:
+        from dflash_jax.config import PRESETS
+        if args.random_init.lower() not in PRESETS:
+            parser.error(f"unknown preset {args.random_init!r} for --random-init; known: {', '.join(PRESETS)}")
+    try:
+        validation.check_max_new_tokens(args.max_new_tokens)
+        validation.check_seed(args.seed)
+    except ValueError as e:
+        parser.error(_flag_message(e))
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        parser.error(f"--top-k must be >= 0, got {args.top_k}")
+    if args.block_size is not None and args.block_size < 1:
+        parser.error(f"--block-size must be >= 1, got {args.block_size}")
+    if args.block_size not in (None, 1) and args.draft is not None and args.draft.lower() == "none":
+        parser.error(f"--block-size {args.block_size} needs a draft; --draft none decodes with block size 1")
+    args.extra_stop_ids = []
+    if args.stop_token_ids is not None:
+        try:
+            args.extra_stop_ids = [int(t) for t in args.stop_token_ids.replace(" ", "").split(",") if t]
+        except ValueError:
+            parser.error(f"--stop-token-ids must be comma-separated integers, got {args.stop_token_ids!r}")
+        if not args.extra_stop_ids:
+            parser.error("--stop-token-ids is empty")
+    for flag in ("model", "draft", "tokenizer"):
+        value = getattr(args, flag)
+        if value is not None and not (flag == "draft" and value.lower() == "none"):
+            setattr(args, flag, _resolve_source(parser, "--" + flag, value))
+
+
+def _resolve_source(parser: argparse.ArgumentParser, flag: str, value: str) -> str:
+    """A local directory when one exists, else a hub id; an absent path-looking value is an error.
+
+    A hub id `org/name` is also a valid relative path, so existence decides; only values that cannot
+    be hub ids (absolute, ./, ~, more than one slash) are known to be meant as paths.
+    """
+    local = os.path.expanduser(value)
+    if os.path.exists(local):
+        if not os.path.isdir(local):
+            parser.error(f"{flag} {value}: not a directory (expected an HF model directory with config.json)")
+        return local
+    if value.startswith(("/", ".", "~")) or value.count("/") > 1 or "\\" in value:
+        parser.error(f"{flag} {value}: no such directory")
+    return value
+
+
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError)
+try:  # not an OSError subclass in huggingface_hub 0.2x-2.x
+    from huggingface_hub.errors import EntryNotFoundError as _EntryNotFound
+    _LOAD_ERRORS += (_EntryNotFound,)
+except ImportError:  # pragma: no cover
+    pass
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+# ----------------------------------------------------------------------------------------- the hub
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A TCP connection to the hub endpoint within `timeout` (DNS included, in a thread)."""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    ok = [False]
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok[0] = True
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return ok[0]
+
+
+def _offline() -> bool:
+    v = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    return v in ("1", "true", "yes", "on")
+
+
+def go_offline_if_unreachable(sources: Sequence[str | None]) -> bool:
+    """With hub ids among `sources` and the hub unreachable, switch huggingface_hub to offline mode
+    (the local cache only) instead of letting each request retry for a minute. True when offline."""
+    hub_ids = [s for s in sources if s and s.lower() != "none" and not os.path.isdir(s)]
+    if not hub_ids:
+        return _offline()
+    if not _offline():
+        if _hub_reachable():
+            return False
+        progress("the hub is unreachable: using the local cache only (HF_HUB_OFFLINE=1)")
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    try:  # huggingface_hub reads the variable once, at import
+        import huggingface_hub.constants as hc
+        hc.HF_HUB_OFFLINE = True
+    except ImportError:  # pragma: no cover
+        pass
+    return _offline()
+
+
+def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """Hub ids → local directories, the draft first (a typo in it must not wait for the target's
+    download); then the configs, checked against each other and the length limits before any weight
+    is read. Sets args.model_dir / args.draft_dir; returns the target's TargetConfig."""
+    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax.weights import resolve_model_dir
+
+    offline = go_offline_if_unreachable([args.model, args.draft, args.tokenizer])
+    hint = " (offline: only models in the local hub cache can be used)" if offline else ""
+    args.model_dir = args.draft_dir = None
+    if args.draft is not None and args.draft.lower() != "none":
+        try:
+            if not os.path.isdir(args.draft):
+                progress(f"fetching draft {args.draft} from the hub (or its cache)")
+            args.draft_dir = resolve_model_dir(args.draft)
+            draft_cfg = DraftConfig.from_pretrained(args.draft_dir)
+        except _LOAD_ERRORS as e:
+            parser.error(f"--draft {args.draft}: {_one_line(e)}{hint}")
+    try:
+        if args.random_init is not None:
+            cfg = TargetConfig.preset(args.random_init)
+        else:
+            if not os.path.isdir(args.model):
+                progress(f"fetching model {args.model} from the hub (or its cache)")
+            args.model_dir = resolve_model_dir(args.model)
+            cfg = TargetConfig.from_pretrained(args.model_dir)
+    except _LOAD_ERRORS as e:
+        parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
+                     f"{_one_line(e)}{hint}")
+    if args.draft_dir is not None:
+        try:
+            draft_cfg.check_fits(cfg)
+        except ValueError as e:
+            parser.error(f"--draft {args.draft}: {_one_line(e)}")
+        if args.block_size is not None and args.block_size > draft_cfg.block_size:
+            parser.error(f"--block-size {args.block_size} is above the draft's block size {draft_cfg.block_size}")
+    try:
+        validation.check_max_new_tokens(args.max_new_tokens, cfg.max_position_embeddings)
+        validation.check_top_k(args.top_k, cfg.vocab_size)
+        validation.check_stop_ids(args.extra_stop_ids, cfg.vocab_size)
+    except ValueError as e:
+        parser.error(_flag_message(e))
+    return cfg
+
+
+def _flag_message(e: BaseException) -> str:
+    """A library message in the CLI's terms (max_new_tokens → --max-new-tokens)."""
+    text = _one_line(e)
+    for name in ("max_new_tokens", "top_k", "stop_token_ids", "top_p", "seed", "temperature"):
+        text = text.replace(name, "--" + name.replace("_", "-"))
+    return text
+
+
+def init_distributed() -> None:
+    """jax.distributed.initialize() when the environment names a multi-process run: a coordinator
+    (JAX_COORDINATOR_ADDRESS, with JAX_NUM_PROCESSES / JAX_PROCESS_ID), the workers of a
+    multi-host TPU slice (TPU_WORKER_HOSTNAMES with several hosts), or DFLASH_DISTRIBUTED=1 (set by
+    scripts/tpu_vm_setup.sh on every worker; JAX finds the slice's workers itself). Then only
+    process 0 prints: the others' stdout and stderr go to /dev/null (DFLASH_ALL_PROCESSES_PRINT=1
+    keeps them)."""
+    import jax
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or "," in hosts or os.environ.get("DFLASH_DISTRIBUTED") == "1"):
+        return
+    if not jax.distributed.is_initialized():
+        # JAX reads JAX_COORDINATOR_ADDRESS itself but not the process count and id (auto-detected
+        # on TPU slices and clusters only), so a run named by the environment passes them on
+        kw = {name: int(os.environ[var]) for name, var in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                           ("process_id", "JAX_PROCESS_ID")) if os.environ.get(var)}
+        jax.distributed.initialize(**kw)
+    if jax.process_index() != 0 and os.environ.get("DFLASH_ALL_PROCESSES_PRINT") != "1":
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def is_main_process() -> bool:
+    """Process 0 of a multi-host run (always True on one host): the one that prints and writes."""
+    import jax
+    return jax.process_index() == 0
+
+
+def get_mesh(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The --mesh as a jax Mesh (None without the flag, or on one device); errors end in parser.error."""
+    from dflash_jax import sharding
+    if getattr(args, "mesh", None) is None:
+        return None
+    try:
+        return sharding.as_mesh(args.mesh)
+    except ValueError as e:
+        parser.error(f"--mesh {args.mesh}: {_one_line(e)}")
+
+
+def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """(target, draft or None) from the parsed flags, on the --mesh when given; user mistakes end
+    in parser.error."""
+    import dflash_jax as dj
+    from dflash_jax import sharding
+
+    if not hasattr(args, "model_dir"):
+        resolve_sources(parser, args)
+    init_distributed()
+    args.dtype = default_dtype(args)
+    mesh = get_mesh(parser, args)
+    try:
+        if args.random_init is not None:
+            progress(f"building random {args.random_init} ({args.dtype})")
+            target = dj.init_target(args.random_init.lower(), seed=args.seed, dtype=args.dtype)
+            if mesh is not None:
+                sharding.shard_model(target, mesh)
+        else:
+            progress(f"loading target {args.model} ({args.dtype})" + (f" on mesh {args.mesh}" if mesh else ""))
+            target = dj.load_target(args.model_dir, dtype=args.dtype, mesh=mesh)
+    except _LOAD_ERRORS as e:
+        parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
+                     f"{_one_line(e)}")
+    draft = None
+    if args.draft is None and args.random_init is not None:
+        cfg = dj.DraftConfig.for_target(target.config, num_layers=RANDOM_DRAFT_LAYERS,
+                                        block_size=RANDOM_DRAFT_BLOCK)
+        draft = dj.init_draft(cfg, seed=(args.seed + 1) % validation.SEED_LIMIT, dtype=args.dtype)
+        if mesh is not None:
+            sharding.shard_model(draft, mesh)
+    elif args.draft_dir is not None:
+        try:
+            progress(f"loading draft {args.draft}")
+            draft = dj.load_draft(args.draft_dir, target=target, dtype=args.dtype, mesh=mesh)
+        except _LOAD_ERRORS as e:
+            parser.error(f"--draft {args.draft}: {_one_line(e)}")
+    if args.block_size is not None and draft is not None and args.block_size > draft.config.block_size:
+        parser.error(f"--block-size {args.block_size} is above the draft's block size "
+                     f"{draft.config.block_size}")
+    return target, draft
+
+
+def default_dtype(args: argparse.Namespace) -> str:
+    """--dtype, or its default: float32 for the embedded demo pair on a CPU (bfloat16 buys no speed
+    there, docs/perf-log.md, and in float32 the 16-row verify and the 1-row step round alike, so
+    greedy DFlash equals plain decoding token for token), bfloat16 everywhere else."""
+    if args.dtype is not None:
+        return args.dtype
+    import jax
+    return "float32" if args.default_pair and jax.default_backend() == "cpu" else "bfloat16"
+
+
+def effective_block_size(args: argparse.Namespace, draft) -> int:
+    if draft is None:
+        return 1
+    return args.block_size if args.block_size is not None else draft.config.block_size
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+def load_tokenizer(parser: argparse.ArgumentParser, args: argparse.Namespace, needed: bool = True):
+    """The target's tokenizer (or --tokenizer's); None with --random-init and no --tokenizer, or when
+    not `needed` (token-id prompts) and no --tokenizer was given: then no tokenizer is loaded at all."""
+    if args.tokenizer is None and (args.model is None or not needed):
+        return None
+    if not hasattr(args, "model_dir"):
+        resolve_sources(parser, args)
+    flag, source = ("--tokenizer", args.tokenizer) if args.tokenizer else ("--model", args.model_dir)
+    shown = args.tokenizer or args.model
+    hint = "pass --tokenizer DIR, or --prompt-ids to run without a tokenizer"
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f)) for f in _TOKENIZER_FILES):
+        parser.error(f"{flag} {shown} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:4])}); {hint}")
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except _LOAD_ERRORS as e:
+        parser.error(f"tokenizer {shown}: {_one_line(e)} ({hint})")
+    if len(tok) == 0:
+        parser.error(f"{flag} {shown}: the tokenizer loaded empty; {hint}")
+    return tok
+
+
+def stop_token_ids(model_source: str | None, tokenizer) -> list[int]:
+    """eos ids from the model's generation_config.json (int or list) plus the tokenizer's eos.
+
+    Qwen3 chat models stop on <|im_end|> (generation config) and <|endoftext|> (both); missing
+    either would run chat turns on into the next turn.
+    """
+    from dflash_jax.text import eos_token_ids
+    eos = None
+    if model_source is not None:
+        from transformers import GenerationConfig
+        try:
+            eos = GenerationConfig.from_pretrained(model_source).eos_token_id
+        except _LOAD_ERRORS:
+            eos = None  # no generation_config.json: the tokenizer's eos alone
+    return eos_token_ids(tokenizer, eos)
+
+
+def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    import numpy as np
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab_size, size=length)]
+
+
+def parse_prompt_ids(parser: argparse.ArgumentParser, text: str, vocab_size: int) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        parser.error(f"--prompt-ids must be comma-separated integers, got {text!r}")
+    if not ids:
+        parser.error("--prompt-ids is empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        parser.error(f"--prompt-ids {bad[:5]} outside the vocabulary of {vocab_size}")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------- interrupts
+def run_interruptible(work: Callable[[], Any], cancel: threading.Event) -> Any:
+    """`work()` in a worker thread while the main thread waits interruptibly: Ctrl-C sets `cancel`
+    (the generation's on_commit then stops the loop at its next iteration) and `work`'s result is
+    still returned; a second Ctrl-C, or no result within INTERRUPT_GRACE_S, raises KeyboardInterrupt."""
+    box: dict[str, Any] = {}
+    # Waiting on an Event, not Thread.join: a KeyboardInterrupt inside join can leave the thread
+    # reported as finished while it still runs (CPython before 3.13).
+    finished = threading.Event()
+
+    def body():
+        try:
+            box["result"] = work()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread as is
+            box["error"] = e
+        finally:
+            finished.set()
+
+    worker = threading.Thread(target=body, name="dflash-generate", daemon=True)
+    worker.start()
+    since = None
+    while not finished.is_set():
+        try:
+            finished.wait(0.1)
+        except KeyboardInterrupt:
+            if cancel.is_set():
+                raise
+            cancel.set()
+            since = time.monotonic()
+            progress("interrupted: stopping after the current iteration (Ctrl-C again to quit now)")
+        if since is not None and not finished.is_set() and time.monotonic() - since > INTERRUPT_GRACE_S:
+            raise KeyboardInterrupt
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+# ----------------------------------------------------------------------------------------- streaming
+class StreamDecoder:
+    """Incremental detokenisation that never splits a character.
+
+    Decodes a short window of the previous tokens together with the new ones and emits only the
+    text past the window, so byte-level BPE pieces of one UTF-8 character and SentencePiece's
+    leading-space rules come out exactly as a full decode would. Text ending in U+FFFD (an
+    unfinished character) is held back until the next tokens complete it.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.tokens: list[int] = []
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = 0  # tokens before this have been emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip)
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.tokens.extend(int(i) for i in ids)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        text = self._decode(self.tokens[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return text[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """The held-back tail (e.g. a truncated character at max_new_tokens)."""
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        text = self._decode(self.tokens[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return text[len(prefix):]
+
+
+class _Streamer:
+    """Prints row 0's completion as the loop commits it, from the StopWatcher's trimmed tokens.
+
+    With stop strings, the last (longest stop string - 1) characters are held back until they can no
+    longer begin a stop string, so a stop string is never printed; `finish` prints the final text's
+    rest, which is exactly the text of the result.
+    """
+
+    def __init__(self, tokenizer, watcher, out=None):
+        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self.watcher = watcher
+        self.hold = max((len(s) for s in watcher.stop_strings), default=1) - 1
+        self.out = out
+        self.n = 0  # tokens of row 0 pushed
+        self.text = ""
+        self.printed = 0
+
+    def _write(self, text: str) -> None:
+        if text:
+            out = self.out or sys.stdout  # looked up late so that redirected stdout (tests) is honoured
+            out.write(text)
+            out.flush()
+
+    def update(self) -> None:
+        tokens = self.watcher.tokens[0]
+        new, self.n = tokens[self.n:], len(tokens)
+        if not new:
+            return
+        self.text += self.decoder.push(new) if self.decoder is not None else "".join(f"{t} " for t in new)
+        cut = self.watcher.cut[0]
+        visible = self.text[:cut[1]] if cut is not None else self.text[:max(0, len(self.text) - self.hold)]
+        if len(visible) > self.printed:
+            self._write(visible[self.printed:])
+            self.printed = len(visible)
+
+    def finish(self, final_text: str) -> None:
+        shown = self.text[:self.printed]
+        if final_text.startswith(shown):
+            self._write(final_text[self.printed:])
+        else:
+            print("\nwarning: the streamed tokens differ from the final result; final text follows:",
+                  file=sys.stderr)
+            self._write(final_text)
+        self._write("\n")
+
+
+def render(tokenizer, tokens: Sequence[int]) -> str:
+    if tokenizer is None:
+        return "".join(f"{int(t)} " for t in tokens)
+    return tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------------------- command
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_jax.generate", formatter_class=HelpFormatter,
+        description="Generate with a Qwen3 target and a DFlash block-diffusion draft (one compiled loop). "
+                    "Ctrl-C stops the generation, prints what was generated and exits with 130.",
+        epilog="Examples:\n"
+               "  python -m dflash_jax.generate --model Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 "
+               "'Write a haiku about TPUs.'\n"
+               "  python -m dflash_jax.generate --model ./qwen3 --draft none --prompt-file prompts.jsonl --json\n"
+               "  python -m dflash_jax.generate --model ./qwen3 --draft ./draft --messages chat.json --stop '\\n\\n'\n")
+    p.add_argument("prompt", nargs="?", help="user message (default: read stdin)")
+    add_model_args(p)
+    add_sampling_args(p, max_new_tokens=256)
+    g = p.add_argument_group("prompt")
+    g.add_argument("--system", help="system message")
+    g.add_argument("--raw-prompt", action="store_true", help="tokenize the prompt as is, without the chat template")
+    g.add_argument("--prompt-ids", help="comma-separated prompt token ids; no tokenizer is loaded unless "
+                                        "--tokenizer is given (the output is then token ids)")
+    g.add_argument("--prompt-len", type=int, default=128, help="random prompt length with --random-init")
+    g.add_argument("--prompt-file", help="prompts, one per line: JSONL (a string, {\"prompt\": text} or "
+                                         "{\"messages\": [...]}) or plain text lines; run as a batch")
+    g.add_argument("--messages", help="a JSON file holding one conversation: [{\"role\", \"content\"}, ...] "
+                                      "(multi-turn), chat template applied")
+    g.add_argument("--batch-size", type=int, default=16, help="prompts per compiled loop with --prompt-file")
+    o = p.add_argument_group("output")
+    o.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable): generation stops once it appears; the text is cut before it")
+    o.add_argument("--no-stream", action="store_true", help="print the completion at the end")
+    o.add_argument("--json", action="store_true",
+                   help="print a JSON summary on stdout instead of the text (one line per prompt)")
+    return p
+
+
+def _check_prompt_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that would be silently ignored together are refused."""
+    given = [f for f, v in (("a positional prompt", args.prompt), ("--prompt-ids", args.prompt_ids),
+                            ("--prompt-file", args.prompt_file), ("--messages", args.messages)) if v is not None]
+    if len(given) > 1:
+        parser.error(f"give one prompt source, got {' and '.join(given)}")
+    if args.raw_prompt or args.prompt_ids is not None:
+        what = "--raw-prompt" if args.raw_prompt else "--prompt-ids"
+        for flag, value in (("--system", args.system), ("--thinking", args.thinking)):
+            if value is not None:
+                parser.error(f"{flag} applies to the chat template, which {what} skips")
+        if args.raw_prompt and args.messages is not None:
+            parser.error("--messages needs the chat template, which --raw-prompt skips")
+        if args.raw_prompt and args.prompt_ids is not None:
+            parser.error("--raw-prompt applies to text prompts, not --prompt-ids")
+    if args.prompt_len < 1:
+        parser.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.random_init is not None and args.tokenizer is None:
+        if args.prompt is not None or args.prompt_file is not None or args.messages is not None:
+            parser.error("--random-init has no tokenizer: give --prompt-ids, --prompt-len or --tokenizer")
+        if args.stop:
+            parser.error("--stop needs a tokenizer: give --tokenizer with --random-init")
+    if args.stop and args.prompt_ids is not None and args.tokenizer is None:
+        parser.error("--stop needs a tokenizer: with --prompt-ids give --tokenizer")
+    if any(not s for s in args.stop):
+        parser.error("--stop must not be empty")
+
+
+def _utf8(parser: argparse.ArgumentParser, text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        parser.error(f"{where} is not valid UTF-8 text")
+    return text
+
+
+def _read_stdin(parser: argparse.ArgumentParser) -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        parser.error("no prompt: give it as an argument, with --prompt-file or --messages, or on stdin")
+    buf = getattr(sys.stdin, "buffer", None)
+    if buf is None:
+        return sys.stdin.read()
+    try:
+        return buf.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        parser.error(f"the prompt on stdin is not valid UTF-8 ({e.reason} at byte {e.start})")
+
+
+def _prompt_items(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """The text prompts: user turns (str) or conversations (lists of messages)."""
+    from dflash_jax import data
+    if args.prompt_file is not None:
+        try:
+            items = data.read_prompt_file(args.prompt_file)
+        except (ValueError, OSError) as e:
+            parser.error(f"--prompt-file: {_one_line(e)}")
+    elif args.messages is not None:
+        try:
+            with open(args.messages, encoding="utf-8") as f:
+                conv = json.load(f)
+            if isinstance(conv, dict) and "messages" in conv:
+                conv = conv["messages"]
+            items = [data.check_messages(conv, args.messages)]
+        except (ValueError, OSError) as e:
+            parser.error(f"--messages {args.messages}: {_one_line(e)}")
+    else:
+        text = args.prompt if args.prompt is not None else _read_stdin(parser)
+        items = [_utf8(parser, text, "the prompt")]
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            _utf8(parser, item, f"prompt {i + 1}")
+            if not item.strip():
+                parser.error("the prompt is empty" if len(items) == 1 else f"prompt {i + 1} is empty")
+    return items
+
+
+def _encode(parser, args, tokenizer, items) -> list[list[int]]:
+    from dflash_jax.data import apply_chat_template
+    out = []
+    for i, item in enumerate(items):
+        try:
+            ids = (list(tokenizer.encode(item, add_special_tokens=False)) if args.raw_prompt else
+                   apply_chat_template(tokenizer, item, system=args.system, thinking=args.thinking == "on"))
+        except ValueError as e:
+            parser.error(_one_line(e))
+        if not ids:
+            parser.error("the prompt tokenizes to nothing" if len(items) == 1 else
+                         f"prompt {i + 1} tokenizes to nothing")
+        out.append(ids)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        for f in (sys.stdout, sys.stderr):
+            f.flush()
+        print("\n[dflash] interrupted", file=sys.stderr, flush=True)
+        if any(t.name == "dflash-generate" for t in threading.enumerate()):
+            os._exit(EXIT_INTERRUPTED)  # the generation thread is inside XLA (compiling) and cannot be joined
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from dflash_jax.text import StopWatcher
+
+    skip_absent_tpu()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    _check_prompt_args(parser, args)
+    cfg = resolve_sources(parser, args)
+    vocab = cfg.vocab_size
+    # The prompts are settled before the (slow) weight loading so that mistakes fail fast.
+    tokenizer = load_tokenizer(parser, args, needed=args.prompt_ids is None)
+    if args.prompt_ids is not None:
+        prompts = [parse_prompt_ids(parser, args.prompt_ids, vocab)]
+    elif args.random_init is not None and tokenizer is None:
+        prompts = [random_prompt(vocab, args.prompt_len, args.seed)]
+    else:
+        prompts = _encode(parser, args, tokenizer, _prompt_items(parser, args))
+    try:
+        validation.check_lengths([len(p) for p in prompts], args.max_new_tokens, cfg.max_position_embeddings)
+    except ValueError as e:
+        parser.error(_flag_message(e))
+
+    target, draft = load_models(parser, args)
+    stops = [] if args.ignore_eos else stop_token_ids(args.model_dir, tokenizer)
+    stops = list(dict.fromkeys(stops + args.extra_stop_ids))
+    block = effective_block_size(args, draft)
+    stream = not (args.no_stream or args.json) and len(prompts) == 1
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+              top_k=args.top_k, stop_token_ids=stops or None, block_size=block, seed=args.seed,
+              attention_impl=args.attention)
+    cancel = threading.Event()
+    batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    done: list[tuple[Any, StopWatcher]] = []
+    streamer = None
+
+    def work():
+        nonlocal streamer
+        from dflash_jax.decode import precompile
+        compile_s = 0.0
+        for batch in batches:
+            if cancel.is_set():
+                break
+            watcher = StopWatcher(len(batch), tokenizer, args.stop, stops, args.max_new_tokens, cancel.is_set)
+            if stream:
+                streamer = _Streamer(tokenizer, watcher)
+
+            def on_commit(rows, watcher=watcher):
+                stop = watcher(rows)
+                if streamer is not None:
+                    streamer.update()
+                return stop
+
+            if not done:
+                progress("compiling the generation loop (once per process and shape)")
+            compile_s += precompile(target, draft, batch, on_commit=on_commit, **kw)
+            if not done:
+                progress(f"generating {len(prompts)} prompt(s)" if len(prompts) > 1 else "generating")
+            done.append((_generate(target, draft, batch, on_commit=on_commit, **kw), watcher))
+        return compile_s
+
+    try:
+        compile_s = run_interruptible(work, cancel)
+    except ValueError as e:  # the library's refusals are user errors
+        parser.error(_flag_message(e))
+
+    rows = []  # (prompt ids, tokens, text, finish reason, acceptance lengths)
+    for res, watcher in done:
+        for i in range(len(res.tokens)):
+            tokens, text, reason = watcher.apply(list(map(int, res.tokens[i])), res.finish_reasons[i], i)
+            if tokens and tokenizer is None:
+                text = None
+            rows.append((tokens, text, reason, list(res.acceptance_lengths[i])))
+    prompt_lens = [len(p) for p in prompts]
+    n_new = sum(len(r[0]) for r in rows)
+    run_s = sum(res.run_time_s for res, _ in done)
+    tps = n_new / run_s if run_s > 0 else float("nan")
+    accs = [a for r in rows for a in r[3]]
+    mean_tau = sum(accs) / len(accs) if accs else 0.0
+    hist = [0] * block
+    for a in accs:
+        hist[min(max(a, 1), block) - 1] += 1
+    if args.json:
+        for i, (tokens, text, reason, acc) in enumerate(rows):
+            summary: dict[str, Any] = dict(
+                model=args.model or f"random-init:{args.random_init}",
+                draft=None if draft is None else (args.draft or "random"), block_size=block,
+                prompt_tokens=prompt_lens[i], new_tokens=len(tokens), text=text, tokens=tokens,
+                finish_reason=reason, mean_tau=(sum(acc) / len(acc) if acc else 0.0) if len(rows) > 1 else mean_tau,
+                tau_histogram=hist, acceptance_lengths=acc,
+                num_iterations=sum(res.num_iterations for res, _ in done), tokens_per_s=tps,
+                run_time_s=run_s, compile_time_s=compile_s, temperature=args.temperature, dtype=args.dtype,
+                attention=args.attention)
+            if len(prompts) > 1:
+                summary["index"] = i
+            print(json.dumps(summary))
+    elif streamer is not None and rows:
+        streamer.finish(rows[0][1] if rows[0][1] is not None else render(None, rows[0][0]))
+    else:
+        for i, (tokens, text, _, _) in enumerate(rows):
+            if len(prompts) > 1:
+                print(f"=== prompt {i + 1} of {len(prompts)} ===")
+            print(text if text is not None else render(None, tokens))
+    sys.stdout.flush()
+
+    interrupted = cancel.is_set()
+    if not args.json:
+        print(f"[dflash] {n_new} new tokens | mean tau {mean_tau:.2f} (block size {block}) | "
+              f"{tps:.1f} tok/s ({run_s:.3f} s) | compile {compile_s:.1f} s"
+              + (" | interrupted" if interrupted else ""), file=sys.stderr)
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

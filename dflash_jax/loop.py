@@ -1,0 +1,427 @@
+"""Prefill + the compiled generation loop, speculative (DFlash) and plain autoregressive, and the
+program cache every generation and slot program shares.
+
+A whole generation is ONE jitted function (`run`): prefill (target cache, draft context for the
+prompt, first token), then a `lax.while_loop` whose iteration (`iterate`)
+  (1) writes the pending context K/V into the draft cache and (2) drafts S-1 tokens from the block
+      [last token, MASK × (S-1)] (both inside the draft's layers: one weight read),
+  (3) verifies the S tokens with the target, (4) accepts the longest valid prefix plus the bonus,
+  (5) commits per row: tokens, lengths, pending context = target taps of the committed tokens,
+      stop flags (stop token, max_new_tokens, capacity) and per-iteration acceptance lengths.
+Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no draft step.
+The host API around it (`generate`) is dflash_jax.decode; the slot engine's programs over the same
+`prefill` and `iterate` are dflash_jax.slots.
+
+Compile keys (`Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, the
+resolved KernelConfig (attention backend, fused GPU kernels, GPU tuning), streaming on/off, and the
+model structures. Everything else (prompt lengths,
+max_new_tokens, temperature, top-k/top-p, stop ids, seed) is a traced array.
+
+Semantics match the reference `dflash_generate`: the row's length limit is prompt + max_new_tokens
+(the first token from prefill counts); near the limit the block is cut to the tokens still allowed
+(the draft block's keys end there, as the reference's shorter block would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.experimental import io_callback
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dflash_jax import sampling, sharding, validation
+from dflash_jax.kernel_config import KernelConfig
+from dflash_jax.cache import KVCache
+from dflash_jax.modeling.qwen3 import Qwen3
+
+__all__ = ["Static", "Params", "LoopState", "prefill", "iterate", "iteration", "run", "compiled", "cached_program",
+           "compile_count", "clear_compiled", "stream_sink", "make_static", "buckets", "row_settings", "idle_params",
+           "params_on_mesh", "param_specs", "loop_specs", "resolve_mesh", "merge_models", "to_host", "row_keys",
+           "pow2", "round_up", "MAX_STOP_IDS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    target_def: Any
+    draft_def: Any            # the proposer's structure (a DFlashDraft, or a double); None: plain decoding
+    taps: tuple
+    block_size: int
+    batch: int
+    prompt_bucket: int
+    capacity: int
+    mode: str
+    kernels: KernelConfig     # resolved
+    stream: bool
+    mesh: Any = None          # jax.sharding.Mesh ('data', 'model') the program runs on; None: one device
+
+
+@struct.dataclass
+class Params:
+    """Traced run-time values: changing them never recompiles."""
+    prompt: jax.Array          # [B, Tb] int32
+    prompt_lens: jax.Array     # [B] int32
+    active: jax.Array          # [B] bool (False: batch padding)
+    # Sampling settings and limits are per row, so the rows of one batch (the serving engine's
+    # slots) may each carry their own request's.
+    max_new: jax.Array         # [B] int32
+    temperature: jax.Array     # [B] float32 (0: greedy row)
+    top_k: jax.Array           # [B] int32
+    top_p: jax.Array           # [B] float32
+    stop_ids: jax.Array        # [B, K] int32, -1 padded
+    seed: jax.Array            # [B] uint32
+    # [B] uint32: the stream a row's randomness is keyed by with its seed: its index in its generate
+    # call (not its batch slot), so a request's samples do not depend on where it runs.
+    rng_row: jax.Array
+    stream_id: Any = None      # [] int32: the call's on_commit in _STREAMS (streaming programs only)
+
+
+@struct.dataclass
+class LoopState:
+    tokens: jax.Array          # [B, C + S] prompt, then generated; index `lens` holds the last token
+    lens: jax.Array            # [B] tokens in the target cache (= index of the last committed token)
+    target_cache: KVCache
+    draft_cache: Any           # KVCache or None
+    pending: Any               # [B, S, n_taps·H] taps of last iteration's committed tokens, or None
+    pending_count: jax.Array   # [B]
+    done: jax.Array            # [B] bool
+    stopped: Any               # [B] bool: rows on_commit stopped (streaming programs only, else None)
+    accept_log: jax.Array      # [B, C] tokens produced per iteration
+    iters: jax.Array           # [B] iterations per row
+    step: jax.Array            # [] loop iterations
+
+
+# Streaming: the compiled program calls this one host function with the call's id (a traced value,
+# so a streaming program is compiled once), which finds that call's sink here. Each generate() call
+# registers its own sink for its duration, so streaming calls may run in several threads at once.
+_STREAMS: dict = {}
+_STREAM_IDS = itertools.count(1)
+_STREAM_LOCK = threading.Lock()      # guards the id counter and the dict, not the calls
+
+
+@contextlib.contextmanager
+def stream_sink(sink):
+    """Register `sink(commit [B, n] numpy, produced [B] numpy) -> stop flag` for the duration of the
+    block; yields the call id a streaming program's `Params.stream_id` carries to find it."""
+    with _STREAM_LOCK:
+        call_id = next(_STREAM_IDS) % (1 << 31)
+        _STREAMS[call_id] = sink
+    try:
+        yield call_id
+    finally:
+        with _STREAM_LOCK:
+            del _STREAMS[call_id]
+
+
+def _stream_to_host(call_id, commit, produced):
+    sink = _STREAMS.get(int(call_id))
+    return np.bool_(sink is not None and sink(np.asarray(commit), np.asarray(produced)))
+
+
+def _stream(p: Params, commit, produced):
+    """Send one iteration's commits [B, n] (produced [B] of them per row) to the host; returns
+    the host's stop flag [] bool."""
+    # ordered effects are refused in programs over several devices; the loop's data dependence
+    # (the flag decides `done`) orders the calls there
+    return io_callback(_stream_to_host, jax.ShapeDtypeStruct((), jnp.bool_), p.stream_id, commit, produced,
+                       ordered=sharding.current_mesh() is None)
+
+
+def row_keys(p: Params, lens):
+    """Per-row PRNG keys that depend only on the row's (seed, rng_row, length), never on its batch
+    slot or on the other rows."""
+    return jax.vmap(lambda s, r, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), r), n))(
+        p.seed, p.rng_row, lens.astype(jnp.uint32))
+
+
+def _finished(st: Static, lens, limit, cap_block):
+    return (lens + 1 >= limit) | (lens + cap_block > st.capacity)
+
+
+def prefill(st: Static, target: Qwen3, draft, p: Params):
+    B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
+    positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
+    tcache = _on_mesh(st, target.new_cache(B, C))
+    with jax.named_scope("prefill_target"):
+        h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
+                                  kernels=st.kernels, prefill=True)
+    last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
+    logits = target.logits(last)[:, 0]                                                 # [B, V]
+    # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
+    first = sampling.select(logits, row_keys(p, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
+                            st.mode, st.kernels)
+    dcache = pending = None
+    if draft is not None:
+        with jax.named_scope("prefill_draft_context"):
+            dcache = draft.write_context(feats, positions, _on_mesh(st, draft.new_cache(B, C)))
+        pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
+    tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
+    tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
+    lens = p.prompt_lens
+    limit = p.prompt_lens + p.max_new
+    stop = jnp.any(first[:, None] == p.stop_ids, axis=1)
+    done = ~p.active | stop | _finished(st, lens, limit, S)
+    tcache = dataclasses.replace(tcache, lens=lens)
+    stopped = None
+    if st.stream:  # the prefill token is the first committed token
+        halt = _stream(p, first[:, None], p.active.astype(jnp.int32))
+        stopped, done = halt & ~done, done | halt
+    return _placed(st, LoopState(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
+                                 pending_count=jnp.zeros((B,), jnp.int32), done=done, stopped=stopped,
+                                 accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
+                                 step=jnp.zeros((), jnp.int32)))
+
+
+def iteration(st: Static, target: Qwen3, draft, p: Params, s: LoopState) -> LoopState:
+    return iterate(st, target, draft, p, s)[0]
+
+
+def iterate(st: Static, target: Qwen3, draft, p: Params, s: LoopState):
+    """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
+    row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it."""
+    B, S, C = st.batch, st.block_size, st.capacity
+    j = jnp.arange(S, dtype=jnp.int32)
+    lens = s.lens
+    limit = p.prompt_lens + p.max_new
+    remaining = limit - lens                                                    # >= 2 on active rows
+    positions = lens[:, None] + j                                               # [B, S]
+    current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
+    dcache, taps = s.draft_cache, ()
+    if draft is not None:   # the proposer: DFlashDraft.propose, or anything with its signature
+        taps = st.taps
+        drafts, dcache = draft.propose(target, current, lens, limit, s.pending, s.pending_count,
+                                       s.draft_cache, block_size=S, kernels=st.kernels)  # [B, S-1]
+        block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
+    else:
+        block = current
+    with jax.named_scope("verify"):
+        h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
+                                  kernels=st.kernels)
+        logits = target.logits(h)                                                   # [B, S, V]
+    with jax.named_scope("accept"):
+        keys = row_keys(p, lens)
+        a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
+                                 st.kernels)
+        shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+        commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
+        produced = jnp.minimum(a + 1, remaining - 1)
+        is_stop = jnp.any(commit[..., None] == p.stop_ids[:, None, :], axis=-1) & (j < produced[:, None])
+        produced = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, produced)
+        produced = jnp.where(s.done, 0, produced).astype(jnp.int32)
+    with jax.named_scope("commit"):
+        def put(row, start, new, n):
+            old = jax.lax.dynamic_slice(row, (start,), (S,))
+            return jax.lax.dynamic_update_slice(row, jnp.where(j < n, new, old), (start,))
+        tokens = jax.vmap(put)(s.tokens, lens + 1, commit, produced)
+        new_lens = lens + produced
+        active = ~s.done
+        accept_log = jax.vmap(lambda r, i, n, on: jnp.where(on, r.at[i].set(n), r))(
+            s.accept_log, jnp.minimum(s.iters, C - 1), produced, active)
+        done = s.done | jnp.any(is_stop, axis=1) | _finished(st, new_lens, limit, S)
+        stopped = s.stopped
+        if st.stream:   # on_commit asked to stop (or raised): every row still running stops here
+            halt = _stream(p, commit, produced)
+            stopped, done = s.stopped | (halt & ~done), done | halt
+    return _placed(st, LoopState(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
+                                 draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
+                                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)), commit, produced
+
+
+def loop_specs(st: Static, s: LoopState) -> LoopState:
+    """The loop state's PartitionSpecs on st.mesh: rows on 'data', caches by sharding.cache_specs."""
+    row, mat = P("data"), P("data", None)
+
+    def cache(c):
+        if not isinstance(c, KVCache):
+            return jax.tree.map(lambda _: P(), c)
+        kv, lens = sharding.cache_specs(c.k[0].shape[1], st.mesh, c.k[0].shape[0])
+        return KVCache(k=tuple(kv for _ in c.k), v=tuple(kv for _ in c.v), lens=lens)
+    return LoopState(tokens=mat, lens=row, target_cache=cache(s.target_cache),
+                     draft_cache=None if s.draft_cache is None else cache(s.draft_cache),
+                     pending=None if s.pending is None else P("data", None, None), pending_count=row, done=row,
+                     stopped=None if s.stopped is None else row, accept_log=mat, iters=row, step=P())
+
+
+def _on_mesh(st: Static, cache):
+    """A cache born inside the program, placed by sharding.cache_specs (left to propagation, a
+    cache's layout could differ between prefill and loop and force reshards)."""
+    return cache if st.mesh is None or not isinstance(cache, KVCache) else sharding.shard_cache(cache, st.mesh)
+
+
+def _placed(st: Static, s: LoopState) -> LoopState:
+    """The loop carry constrained to loop_specs, so it keeps one layout from prefill through
+    every iteration."""
+    if st.mesh is None:
+        return s
+    return jax.tree.map(lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(st.mesh, spec)),
+                        loop_specs(st, s), s, is_leaf=lambda x: isinstance(x, P))
+
+
+def run(st: Static, target_state, draft_state, p: Params):
+    with sharding.active(st.mesh):
+        target = nnx.merge(st.target_def, target_state)
+        draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
+        s = prefill(st, target, draft, p)
+        s = jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.step < st.capacity),
+                               lambda s: iteration(st, target, draft, p, s), s)
+    return s
+
+
+# ----------------------------------------------------------------------------------------- programs
+# Every compiled program (generate's, keyed by Static; the slot engine's, keyed by its own tuple) is
+# kept here for the process's life; compile_count counts them.
+_COMPILED: dict = {}
+_COMPILES = [0]
+
+
+def clear_compiled() -> None:
+    """Drop every cached generation program (they are kept per static key for the process's life)."""
+    _COMPILED.clear()
+
+
+def compile_count() -> int:
+    """How many generation programs this process has compiled (tests use it to prove compile-once)."""
+    return _COMPILES[0]
+
+
+def pow2(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+MAX_STOP_IDS = validation.MAX_STOP_IDS
+
+
+def buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity: int | None):
+    """(prompt bucket, KV capacity): powers of two for prompts; capacity = bucket + max_new + block,
+    rounded up to 1024, unless given."""
+    Tb = pow2(longest_prompt, 16)
+    C = capacity if capacity is not None else round_up(Tb + int(max_new_tokens) + block_size, 1024)
+    return Tb, C
+
+
+def make_static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
+            kernels, stream=False, mesh=None) -> Static:
+    has_draft = draft_def is not None
+    return Static(target_def=target_def, draft_def=draft_def,
+                   taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
+                   batch=batch,
+                   prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
+                   stream=stream, mesh=mesh)
+
+
+def resolve_mesh(mesh, target, draft):
+    """The program's mesh: `mesh` (a Mesh or a make_mesh spec) or, when None, the one the target's
+    parameters are on. Both models must sit on it (one-line errors otherwise)."""
+    on = sharding.mesh_of(target)
+    mesh = on if mesh is None else sharding.as_mesh(mesh)
+    hint = "load it with load_target/load_draft(..., mesh=) or place it with sharding.shard_model"
+    if on != mesh:
+        raise ValueError(f"the target's parameters are on {_mesh_name(on)}, generate was given {_mesh_name(mesh)}; {hint}")
+    if draft is not None and sharding.mesh_of(draft) != mesh:
+        raise ValueError(f"the draft's parameters are on {_mesh_name(sharding.mesh_of(draft))}, the target's on "
+                         f"{_mesh_name(mesh)}; {hint}")
+    return mesh
+
+
+def _mesh_name(mesh) -> str:
+    return "one device" if mesh is None else "mesh " + ",".join(f"{a}={n}" for a, n in mesh.shape.items())
+
+
+# Params fields with one entry per batch row (placed on 'data'); the others are replicated
+_ROW_FIELDS = ("prompt", "prompt_lens", "active", "max_new", "temperature", "top_k", "top_p", "stop_ids",
+               "seed", "rng_row")
+
+
+def param_specs(p: Params) -> Params:
+    def spec(name, x):
+        if x is None:
+            return None
+        return P("data", *([None] * (len(x.shape) - 1))) if name in _ROW_FIELDS else P()
+    return p.replace(**{f.name: spec(f.name, getattr(p, f.name)) for f in dataclasses.fields(p)})
+
+
+def params_on_mesh(p: Params, mesh) -> Params:
+    """The run-time values placed on the mesh (param_specs). Built from the host copy every
+    process holds, each process filling only its own devices (multi-host)."""
+    if mesh is None:
+        return p
+
+    def put(spec, x):
+        if isinstance(x, jax.Array) and x.sharding == NamedSharding(mesh, spec):
+            return x                     # placed already (it may span other processes' devices)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+    return jax.tree.map(put, param_specs(p), p, is_leaf=lambda x: isinstance(x, P))
+
+
+def to_host(tree):
+    """device_get, gathering arrays that span other processes' devices first (multi-host)."""
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+    return jax.tree.map(get, tree)
+
+
+def row_settings(rows: list[dict]) -> dict:
+    """Params' per-row fields from one dict per batch row (max_new, temperature, top_k, top_p,
+    stop_ids: a list of at most MAX_STOP_IDS ids, seed, rng_row), as numpy-backed device arrays."""
+    stop_ids = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
+    for i, r in enumerate(rows):
+        stop_ids[i, :len(r["stop_ids"])] = r["stop_ids"]
+    col = lambda k, dt: jnp.asarray(np.array([r[k] for r in rows], dt))             # noqa: E731
+    return dict(max_new=col("max_new", np.int32), temperature=col("temperature", np.float32),
+                top_k=col("top_k", np.int32), top_p=col("top_p", np.float32), stop_ids=jnp.asarray(stop_ids),
+                seed=col("seed", np.uint32), rng_row=col("rng_row", np.uint32))
+
+
+def compiled(st: Static, tstate, dstate, p) -> tuple[Any, float]:
+    """The cached executable for `st`, compiling it first if needed; (executable, compile seconds)."""
+    fn = _COMPILED.get(st)
+    if fn is not None:
+        return fn, 0.0
+    t0 = time.perf_counter()
+    fn = jax.jit(run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile()
+    _COMPILES[0] += 1
+    _COMPILED[st] = fn
+    return fn, time.perf_counter() - t0
+
+
+def merge_models(st: Static, tstate, dstate):
+    """The target and the draft (None for plain decoding) of st, merged from their states."""
+    return nnx.merge(st.target_def, tstate), (None if st.draft_def is None else nnx.merge(st.draft_def, dstate))
+
+
+def idle_params(batch: int, prompt_bucket: int) -> Params:
+    """Parameters of `batch` idle rows (prompt of one token, nothing to generate)."""
+    zeros = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * batch
+    return Params(prompt=jnp.zeros((batch, prompt_bucket), jnp.int32), prompt_lens=jnp.ones((batch,), jnp.int32),
+                  active=jnp.zeros((batch,), bool), **row_settings(zeros))
+
+
+def cached_program(key, fn, static: tuple, args, donate=()):
+    """The cached executable of fn(*static, *args) (counted by compile_count); key: everything its
+    program depends on beyond the argument values (static, and the slot state's shape)."""
+    prog = _COMPILED.get(key)
+    if prog is None:
+        prog = jax.jit(functools.partial(fn, *static), donate_argnums=donate).lower(*args).compile()
+        _COMPILES[0] += 1
+        _COMPILED[key] = prog
+    return prog
+
+

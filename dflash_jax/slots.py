@@ -1,0 +1,587 @@
+"""The slot engine's device side (continuous batching): `Slots`, a fixed number of rows of loop
+state on the device, each a request or free, and the programs that drive them over the loop's own
+`prefill` and `iterate` (dflash_jax.loop); `RowRequest` / `RowResult`, one row's request and result;
+`offline_defaults`, an offline job's settings by platform.
+
+`insert` prefills a bucket of requests (up to `insert_width` arrivals of one prompt bucket in one
+prefill of a power-of-two width) and writes their rows into free slots, `step` runs K
+draft-verify-accept iterations over the busy slots (a loop of fixed trip count, so launching it does
+not hold the host thread: see _slots_step_body) and returns each slot's commits, `release` frees a
+slot at the next step. Both have `_async` forms returning device arrays. `Pipeline` dispatches
+them ahead of the reads (step n+1 runs while the host reads step n); it drives `Slots.run` offline
+(generate(..., slots=N)) and dflash_jax.engine.SlotEngine for the server. On a mesh
+(the models' own) slots are split over 'data' and the model over 'model'. A request's tokens do not
+depend on its slot or its batch-mates: rows are independent, and its randomness is keyed by its own
+seed, stream and position.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dflash_jax import sampling, sharding, validation
+from dflash_jax.kernel_config import kernels_from
+from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
+                             merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings)
+
+__all__ = ["Slots", "Pipeline", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
+           "offline_defaults"]
+
+
+# ----------------------------------------------------------------------------------------- programs
+# The slot engine keeps one loop row per slot on the device and drives it with three
+# programs over the same prefill and iterate as the one-shot loop: `_slots_empty` (allocation),
+# `_slots_insert` (prefill a bucket of requests, write their rows into free slots) and `_slots_step`
+# (up to n iterations, the commits returned), or `_slots_step_rows` (the same over a power-of-two
+# bucket of the slots: their rows gathered, stepped by a program of that batch, written back).
+# Slot state is donated to insert and step.
+
+@struct.dataclass
+class SlotState:
+    """The engine's device state: one LoopState row per slot and that slot's request settings
+    (Params with prompt None: a slot keeps only its prompt length)."""
+    loop: LoopState
+    params: Params
+
+
+def _slots_empty(st: Static, tstate, dstate) -> SlotState:
+    """Every slot free: done, length 0 (its verify writes land in its own rows, never read)."""
+    def init(ts, ds):
+        loop = prefill(dataclasses.replace(st, prompt_bucket=16), *merge_models(st, ts, ds), idle_params(st.batch, 16))
+        return SlotState(loop=loop, params=idle_params(st.batch, 16).replace(prompt=None))
+    shapes = jax.eval_shape(init, tstate, dstate)
+    s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    params = s.params.replace(stop_ids=jnp.full(s.params.stop_ids.shape, -1, jnp.int32))
+    return SlotState(loop=s.loop.replace(done=jnp.ones((st.batch,), bool)), params=params)
+
+
+def _slots_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows):
+    """Prefill the requests of p ([Bp] rows, prompt bucket st.prompt_bucket) and write each into
+    slot rows[i] (rows [Bp] int32; a row >= the slot count drops that request: bucket padding).
+    Other slots are untouched. Returns (slots, first token [Bp], done [Bp])."""
+    with sharding.active(st.mesh):
+        new = prefill(st, *merge_models(st, tstate, dstate), p)
+        put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
+        loop = jax.tree.map(put, slots.loop.replace(step=None), new.replace(step=None)).replace(step=slots.loop.step)
+        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
+        first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
+        return _slots_placed(st, SlotState(loop=loop, params=params)), first, new.done
+
+
+def _slots_specs(st: Static, slots: SlotState) -> SlotState:
+    """The slot state's PartitionSpecs on st.mesh: slots on 'data' (as the loop's rows)."""
+    return SlotState(loop=loop_specs(st, slots.loop), params=param_specs(slots.params))
+
+
+def _slots_placed(st: Static, slots: SlotState) -> SlotState:
+    """The slot state constrained to _slots_specs, so insert and step keep one layout (a compiled
+    step refuses state laid out otherwise)."""
+    if st.mesh is None:
+        return slots
+    return jax.tree.map(lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(st.mesh, spec)),
+                        _slots_specs(st, slots), slots, is_leaf=lambda x: isinstance(x, P))
+
+
+def _slots_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release):
+    """n_iters iterations of iterate over every slot; slots with release [B] set are marked done
+    first. Returns (slots, commits [n, B, S], produced [n, B], done [B]): slot b committed
+    commits[k, b, :produced[k, b]] at iteration k (a done row commits nothing)."""
+    with sharding.active(st.mesh):
+        return _slots_step_body(st, n_iters, tstate, dstate, slots, release)
+
+
+def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release):
+    """The step's n_iters iterations as a loop of that fixed trip count, never stopping early when
+    every row is done (a done row's iteration is a no-op): a loop of unknown trip count makes XLA:GPU
+    copy its predicate to the host and wait for the device at every iteration, which blocks the
+    host thread for the whole step, so the host could not dispatch the next insert or step while
+    this one runs (docs/perf-log.md, session 22)."""
+    target, draft = merge_models(st, tstate, dstate)
+    loop = slots.loop.replace(done=slots.loop.done | release)
+
+    def body(s, _):
+        s, commit, n = iterate(st, target, draft, slots.params, s)
+        return s, (commit, n)
+
+    loop, (commits, produced) = jax.lax.scan(body, loop, None, length=n_iters)   # [n, B, S], [n, B]
+    return slots.replace(loop=loop), commits, produced, loop.done
+
+
+def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, idx):
+    """_slots_step over the n slots `idx` [n] int32 alone (distinct slot indices: the busy ones,
+    padded with free ones), st being the full state's (batch = every slot). `release` is applied to
+    every slot's done first; the n rows of the state are gathered, run by _slots_step_body in a
+    program of batch n and written back in place (the other slots are untouched). Returns the
+    full-width (slots, commits [n_iters, B, S], produced [n_iters, B], done [B]), zeros for the slots
+    outside idx, so the host reads it as _slots_step's."""
+    with sharding.active(st.mesh):
+        n = idx.shape[0]
+        loop = slots.loop.replace(done=slots.loop.done | release)
+        take = lambda x: x[idx]                                                      # noqa: E731
+        sub = SlotState(loop=jax.tree.map(take, loop.replace(step=None)).replace(step=loop.step),
+                        params=jax.tree.map(take, slots.params))
+        sub, commits, produced, _ = _slots_step_body(dataclasses.replace(st, batch=n), n_iters, tstate, dstate,
+                                                     sub, jnp.zeros((n,), bool))
+        put = lambda old, x: old.at[idx].set(x, unique_indices=True)                # noqa: E731
+        loop = jax.tree.map(put, loop.replace(step=None), sub.loop.replace(step=None)).replace(step=sub.loop.step)
+        B = st.batch
+        commits = jnp.zeros((n_iters, B, st.block_size), jnp.int32).at[:, idx].set(commits, unique_indices=True)
+        produced = jnp.zeros((n_iters, B), jnp.int32).at[:, idx].set(produced, unique_indices=True)
+        return _slots_placed(st, slots.replace(loop=loop)), commits, produced, loop.done
+
+
+# ----------------------------------------------------------------------------------------- rows
+@dataclasses.dataclass(frozen=True)
+class RowRequest:
+    """One row for `Slots`: a prompt and its own settings (stop_ids already merged with eos)."""
+    prompt: tuple[int, ...]
+    max_new: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+    rng_row: int = 0          # the stream its randomness is keyed by (generate: the prompt's index)
+
+    @property
+    def mode(self) -> str:
+        return sampling.mode_for(self.temperature, self.top_p, self.top_k)
+
+
+@dataclasses.dataclass
+class RowResult:
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    finish_reason: str        # "stop", "length" or "capacity", as GenerateResult's
+
+
+_MODE_FILTERS = {"greedy": None, "sample": frozenset(), "topk": frozenset("k"), "topp": frozenset("p"),
+                 "filtered": frozenset("kp")}
+
+
+def union_mode(modes) -> str:
+    """The sampling mode whose program serves rows of all these modes: greedy rows stay argmax in
+    any mode, and a filter a row does not use keeps its whole distribution."""
+    filters = [_MODE_FILTERS[m] for m in modes if _MODE_FILTERS[m] is not None]
+    if not filters:
+        return "greedy"
+    u = frozenset().union(*filters)
+    return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered")
+
+
+def parse_step_buckets(text: str):
+    """A command line's step-bucket setting as Slots' step_buckets: "auto", None ("none" / "off") or
+    a tuple of ints ("1,2,4,8")."""
+    t = str(text).strip().lower()
+    if t == "auto":
+        return "auto"
+    if t in ("none", "off", ""):
+        return None
+    try:
+        return tuple(int(x) for x in t.split(","))
+    except ValueError:
+        raise ValueError(f"expected auto, none or comma-separated row counts, got {text!r}") from None
+
+
+def platform_of(tree) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the first array in a pytree (model state, slot state)."""
+    return next(iter(jax.tree.leaves(tree)[0].devices())).platform
+
+
+def offline_defaults(platform: str) -> dict:
+    """An offline job's engine settings by platform, measured (BENCHMARKS.md): K (iterations per
+    step) 8 and refills of >= 3 slots on an accelerator, K 4 and immediate refills on CPU."""
+    return dict(steps=4, refill_min=1) if platform == "cpu" else dict(steps=8, refill_min=3)
+
+
+class Slots:
+    """The device side of continuous batching: `slots` rows of loop state, each a request or free.
+
+    insert(items) prefills requests into free slots (grouped by prompt bucket, up to `insert_width`
+    rows per prefill program, default min(slots, 8)), step() runs `steps` iterations over all slots, release(slot) frees
+    a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
+    mode, prompt bucket / insert width, step bucket) and cached with generate's programs
+    (compile_count counts them). capacity: KV entries per slot; a request needs prompt + max_new
+    <= capacity - block.
+
+    step_buckets: the row counts a step may run over (an iteration's cost grows with its rows, so
+    few busy slots should not pay for all of them). step(busy) runs the smallest bucket >=
+    len(busy): the busy slots' rows (padded with free ones) are gathered, stepped by that bucket's
+    program and written back; the full width (`slots`) is always one of them and needs no gather.
+    "auto" (default): every power of two below `slots`, and `slots`; None or (): off, every step
+    over all slots. On a mesh whose data axis is > 1 the rows of a bucket would cross data shards,
+    so "auto" is off there and explicit buckets are refused.
+    """
+
+    def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
+                 steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
+                 step_buckets="auto"):
+        if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
+            insert_width = min(slots, 8) if validation.is_int(slots) else 1
+        for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
+                            ("insert_width", insert_width, 1)):
+            if not validation.is_int(v) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        S = 1 if draft is None else (draft.config.block_size if block_size is None else block_size)
+        if draft is not None and not 1 <= S <= draft.config.block_size:
+            raise ValueError(f"block_size={block_size!r} must be in [1, {draft.config.block_size}]")
+        if S == 1:
+            draft = None
+        if capacity - S < 2:
+            raise ValueError(f"capacity {capacity} leaves no room next to a block of {S}")
+        self.target, self.draft = target, draft
+        self.slots, self.capacity, self.block_size = int(slots), int(capacity), S
+        self.steps, self.insert_width = int(steps), int(insert_width)
+        self.max_model_len = self.capacity - S
+        self.kernels = kernels_from(kernels, attention_impl).resolve()
+        # the models' mesh (both must be on the same one): slots on 'data', the model on 'model'
+        self.mesh = resolve_mesh(None, target, draft)
+        self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
+        if self.slots % self._data:
+            raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
+        self.step_buckets = self._check_buckets(step_buckets)
+        self.bucket_steps: collections.Counter = collections.Counter()   # steps dispatched per row count
+        self._tdef, self._tstate = nnx.split(target)
+        self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
+        st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
+        with sharding.active(self.mesh):
+            self.state = _slots_empty(st, self._tstate, self._dstate)
+        if self.mesh is not None:
+            self.state = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(self.mesh, spec)),
+                                      _slots_specs(st, self.state), self.state,
+                                      is_leaf=lambda x: isinstance(x, P))
+        self._release = np.zeros((self.slots,), bool)
+        self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
+        self.platform = platform_of(self.state)
+
+    def _static(self, *, prompt_bucket: int, batch: int, mode: str):
+        return make_static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
+                           block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
+                           capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh)
+
+    def _check_buckets(self, buckets) -> tuple[int, ...]:
+        """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
+        if buckets is None or (isinstance(buckets, (tuple, list)) and not buckets):
+            return ()
+        if isinstance(buckets, str):
+            if buckets != "auto":
+                raise ValueError(f"step_buckets must be 'auto', None or a sequence of row counts, got {buckets!r}")
+            if self._data > 1:
+                return ()
+            return tuple(1 << i for i in range(self.slots.bit_length()) if 1 << i < self.slots) + (self.slots,)
+        try:
+            values = list(buckets)
+        except TypeError:
+            raise ValueError(f"step_buckets must be 'auto', None or a sequence of row counts, got {buckets!r}") from None
+        bad = [b for b in values if not validation.is_int(b) or not 1 <= b <= self.slots]
+        if bad:
+            raise ValueError(f"step_buckets entries must be integers in [1, slots={self.slots}], got {bad[0]!r}")
+        if len(set(values)) != len(values):
+            raise ValueError(f"step_buckets has repeated entries: {list(values)}")
+        if self._data > 1:
+            raise ValueError(f"step_buckets on a mesh with a data axis of {self._data}: a bucket's rows would be "
+                             f"gathered across data shards; pass step_buckets=None there")
+        return tuple(sorted({int(b) for b in values} | {self.slots}))
+
+    def step_bucket(self, n_busy: int) -> int:
+        """The row count a step over n_busy busy slots runs (the smallest bucket >= n_busy)."""
+        return next((b for b in self.step_buckets if b >= n_busy), self.slots)
+
+    def prompt_bucket(self, n: int) -> int:
+        return min(pow2(n, 16), self.capacity)
+
+    def check(self, r: RowRequest) -> None:
+        if not r.prompt or len(r.prompt) + r.max_new > self.max_model_len:
+            raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new {r.max_new} exceeds the context "
+                             f"length {self.max_model_len} (capacity {self.capacity} - block {self.block_size})")
+
+    # programs ----------------------------------------------------------------------------------
+    def insert_widths(self) -> list[int]:
+        """The prefill widths insert uses: powers of two up to insert_width (a bucket of n arrivals
+        runs as few prefills as their binary digits, none padded beyond the next power of two)."""
+        d = self._data       # on a mesh a prefill's rows are split over 'data': whole rows per shard
+        return [d << i for i in range(max(self.insert_width, d).bit_length()) if d << i <= max(self.insert_width, d)]
+
+    def _put(self, x, spec=None):
+        """x on the slots' mesh (rows on 'data' by default; spec () replicates); as is without one."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(np.asarray(x), NamedSharding(self.mesh, P() if spec is None else spec))
+
+    def _insert_program(self, bucket: int, mode: str, width: int):
+        st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
+        p = params_on_mesh(idle_params(width, bucket), self.mesh)
+        rows = self._put(np.full((width,), self.slots, np.int32))
+        return cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
+                              (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
+
+    def _step_program(self, mode: str, rows: int | None = None):
+        """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them)."""
+        st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
+        if rows is None or rows == self.slots:
+            return cached_program(("engine_step", st, self.steps), _slots_step, (st, self.steps),
+                                  (self._tstate, self._dstate, self.state, self._put(self._release)), donate=(2,))
+        idx = self._put(np.arange(rows, dtype=np.int32))
+        return cached_program(("engine_step_rows", st, self.steps, rows), _slots_step_rows, (st, self.steps),
+                              (self._tstate, self._dstate, self.state, self._put(self._release), idx), donate=(2,))
+
+    def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
+        """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
+        step programs of these modes (every step bucket) now, so no request waits for a compile."""
+        for m in modes:
+            for n in self.step_buckets or (self.slots,):
+                self._step_program(m, n)
+            for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
+                for w in self.insert_widths():
+                    self._insert_program(n, m, w)
+
+    # operations ----------------------------------------------------------------------------------
+    def insert_async(self, items: Sequence[tuple[int, RowRequest]]) -> list[tuple[list[int], Any, Any]]:
+        """Dispatch the prefills of each (slot, request) into its slot (the slots must be free)
+        without waiting for them: requests of one prompt bucket share a prefill of a power-of-two
+        width. Returns [(slots, first [W] device array, done [W] device array)], one per prefill;
+        entry i of first/done belongs to slots[i]."""
+        groups: dict[int, list] = {}
+        for slot, r in items:
+            self.check(r)
+            groups.setdefault(self.prompt_bucket(len(r.prompt)), []).append((slot, r))
+        widths = self.insert_widths()
+        out = []
+        for bucket, group in sorted(groups.items()):
+            at = 0
+            while at < len(group):
+                W = max([w for w in widths if w <= len(group) - at] or widths[:1])
+                chunk = group[at:at + W]
+                at += len(chunk)
+                mode = union_mode(r.mode for _, r in chunk)
+                prompt = np.zeros((W, bucket), np.int32)
+                lens = np.ones((W,), np.int32)
+                rows = np.full((W,), self.slots, np.int32)
+                settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
+                for i, (slot, r) in enumerate(chunk):
+                    prompt[i, :len(r.prompt)] = r.prompt
+                    lens[i], rows[i] = len(r.prompt), slot
+                    settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                       stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
+                    self.modes[slot] = r.mode
+                    self._release[slot] = False
+                p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
+                           active=jnp.asarray(np.arange(W) < len(chunk)), **row_settings(settings))
+                p = params_on_mesh(p, self.mesh)
+                prog = self._insert_program(bucket, mode, W)
+                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
+                out.append(([slot for slot, _ in chunk], first, done))
+        return out
+
+    def insert(self, items: Sequence[tuple[int, RowRequest]]) -> dict[int, tuple[int, bool]]:
+        """Prefill each (slot, request) into its slot (the slots must be free). Returns
+        {slot: (first token, done)}."""
+        out = {}
+        for slots, first, done in self.insert_async(items):
+            first, done = np.asarray(first), np.asarray(done)
+            for i, slot in enumerate(slots):
+                out[slot] = (int(first[i]), bool(done[i]))
+        return out
+
+    def release(self, slot: int) -> None:
+        """Free `slot` at the next step (its row is marked done there)."""
+        self._release[slot] = True
+        self.modes[slot] = "greedy"
+
+    def step_async(self, busy: Sequence[int] | None = None):
+        """Dispatch `steps` iterations over the busy slots (None: every slot), in the program
+        of the union of their modes and of the smallest step bucket holding them, without waiting:
+        returns device arrays over every slot (commits [K, B, S], produced [K, B], done [B]; zeros
+        for slots outside the bucket). Slots outside `busy` may not advance: pass every slot whose
+        request runs. The host may dispatch the next insert or step before reading them (JAX runs
+        them in order), so its bookkeeping overlaps the device's work."""
+        busy = list(range(self.slots)) if busy is None else sorted({int(b) for b in busy})
+        if busy and not 0 <= busy[0] <= busy[-1] < self.slots:
+            raise ValueError(f"busy slots must be in [0, {self.slots}), got {busy}")
+        n = self.step_bucket(len(busy))
+        prog = self._step_program(union_mode(self.modes[b] for b in busy), n)
+        self.bucket_steps[n] += 1
+        if n == self.slots:
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release))
+        else:
+            taken = set(busy)
+            idx = busy + [b for b in range(self.slots) if b not in taken][:n - len(busy)]
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release),
+                                                       self._put(np.asarray(idx, np.int32)))
+        self._release[:] = False
+        return commits, produced, done
+
+    def step(self, busy: Sequence[int] | None = None):
+        """step_async, waited for: numpy (commits [K, B, S], produced [K, B], done [B])."""
+        return tuple(np.asarray(x) for x in jax.device_get(self.step_async(busy)))
+
+    # offline -------------------------------------------------------------------------------------
+    def run(self, requests: Sequence[RowRequest], on_finish: Callable[[int, RowResult], None] | None = None,
+            *, pipeline: int = 1, refill_ahead: bool = True, refill_min: int | None = None) -> list[RowResult]:
+        """Run every request to its end, refilling slots as rows finish (arrival order).
+
+        pipeline: steps dispatched ahead of the one whose results the host reads (0: wait for
+        each step). With 1 the device runs step n+1 while the host reads step n and prepares the
+        next inserts, so the host's work no longer stalls the device; a slot whose row finished in
+        step n is refilled after step n+1 (it idles one step).
+        refill_ahead: a slot whose request must end within the steps already dispatched (it has
+        at most steps x those steps tokens left: every iteration commits at least one) is refilled
+        right behind them instead, as if the host had read them; its last tokens are still read
+        from those steps. Only rows ending on a stop token idle then.
+        refill_min: wait for this many free slots (or as many as requests wait) before a refill,
+        so a prefill serves several arrivals; 1: at once; None: offline_defaults' (3 on an
+        accelerator, where a small prefill's cost is mostly its weight reads; 1 on CPU, where it is
+        compute and scales with the rows). Each was measured (BENCHMARKS.md, docs/perf-log.md): they
+        gain on the H200; on CPU refill_min 3 and steps 8 lose."""
+        for r in requests:
+            self.check(r)
+        if not validation.is_int(pipeline) or pipeline < 0:
+            raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
+        if refill_min is None:
+            refill_min = offline_defaults(self.platform)["refill_min"]
+        if not validation.is_int(refill_min) or refill_min < 1:
+            raise ValueError(f"refill_min must be an integer >= 1, got {refill_min!r}")
+        waiting = collections.deque(range(len(requests)))
+        free = list(range(self.slots))
+        owner: dict[int, int] = {}           # slot -> request, as the host last dispatched it
+        toks: dict[int, list] = {}
+        accs: dict[int, list] = {}
+        results: list[RowResult | None] = [None] * len(requests)
+        self.last_run_times: dict[int, list[float]] = {}   # request -> [first token, finished] (perf_counter)
+
+        def finish(slot, i):
+            self.last_run_times[i].append(time.perf_counter())
+            r = requests[i]
+            t = toks.pop(i)
+            reason = "stop" if t and t[-1] in r.stop_ids else "length" if len(t) >= r.max_new else "capacity"
+            results[i] = RowResult(tokens=t, acceptance_lengths=accs.pop(i), finish_reason=reason)
+            if owner.get(slot) == i:         # not refilled ahead: the slot is free now
+                del owner[slot]
+                if slot not in free:         # (already there when it ended ahead, unfilled)
+                    free.append(slot)
+            if on_finish is not None:
+                on_finish(i, results[i])
+
+        def first(slot, i, token, done):
+            toks[i].append(token)
+            self.last_run_times[i] = [time.perf_counter()]
+            if done:
+                finish(slot, i)
+
+        def commits(slot, i, rows, done):
+            if results[i] is not None:       # finished at its insert, or earlier
+                return
+            for ids in rows:
+                toks[i].extend(ids)
+                accs[i].append(len(ids))
+            if done:
+                finish(slot, i)
+            elif owner.get(slot) != i and not pipe.steps_in_flight(slot, i):
+                # refilled ahead, yet not ended by the last step dispatched for it
+                raise RuntimeError(f"request {i} in slot {slot} did not end within the steps dispatched "
+                                   f"for it ({len(toks[i])} of {requests[i].max_new} tokens)")
+
+        pipe = Pipeline(self, pipeline, first, commits)
+
+        def ending_ahead():
+            """Slots whose request ends within the steps in flight: free for the next insert."""
+            for slot, i in list(owner.items()):
+                if slot in free or i not in toks or len(free) >= len(waiting):
+                    continue
+                if toks[i] and requests[i].max_new - len(toks[i]) <= self.steps * pipe.steps_in_flight(slot, i):
+                    free.append(slot)
+
+        while waiting or owner or pipe:
+            if refill_ahead and waiting and pipe:
+                ending_ahead()
+            running = [s for s in owner if s not in free]
+            if waiting and free and (len(free) >= min(refill_min, len(waiting)) or not running):
+                items = []
+                free.sort()
+                while waiting and free:
+                    i, slot = waiting.popleft(), free.pop(0)
+                    owner[slot], toks[i], accs[i] = i, [], []
+                    items.append((slot, requests[i], i))
+                pipe.insert(items)
+            stepped = bool(owner)
+            if stepped:
+                pipe.step(owner)
+            pipe.read(stepped)
+        return results
+
+
+class Pipeline:
+    """The one dispatch-ahead driver of `Slots`, for the offline run (`Slots.run`) and the server
+    (engine.SlotEngine). Inserts and steps are dispatched without waiting; each is read back (its
+    device arrays brought to the host) once `depth` later steps have been dispatched, so the host's
+    reading, bookkeeping and next prefills overlap the device's work instead of stalling it (JAX
+    runs the programs in dispatch order).
+
+    Every dispatch records, per slot, the owner it ran for (a request index, a handle), and the
+    reader gets that owner back with the slot's results, so a slot refilled since is told apart:
+    `first(slot, owner, token, done)` for each row of an insert, `commits(slot, owner, rows, done)`
+    for each slot of a step (rows: the token lists of its iterations that committed any). The
+    readers run under `lock` (a context manager; none by default)."""
+
+    def __init__(self, slots: Slots, depth: int, first: Callable, commits: Callable, lock=None):
+        self.slots, self.depth = slots, int(depth)
+        self._first, self._commits = first, commits
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def insert(self, items: Sequence[tuple[int, RowRequest, Any]]) -> None:
+        """Dispatch the prefills of (slot, request, owner) items (Slots.insert_async)."""
+        owners = {slot: who for slot, _, who in items}
+        for rows, first, done in self.slots.insert_async([(slot, r) for slot, r, _ in items]):
+            self._inflight.append(("insert", (first, done), [(slot, owners[slot]) for slot in rows]))
+
+    def step(self, owners: dict[int, Any]) -> None:
+        """Dispatch one step over the slots of `owners` ({slot: owner}, the busy slots)."""
+        self._inflight.append(("step", self.slots.step_async(list(owners)), dict(owners)))
+
+    def read(self, stepped: bool) -> None:
+        """Read back what is due: after a step was dispatched, everything but the last `depth`
+        steps (and the inserts between them); when none was, the oldest dispatch alone."""
+        n_steps = sum(e[0] == "step" for e in self._inflight)
+        while self._inflight and (n_steps > self.depth or not stepped):
+            entry = self._inflight.popleft()
+            n_steps -= entry[0] == "step"
+            self._read(entry)
+            if not stepped:
+                break
+
+    def steps_in_flight(self, slot: int, owner) -> int:
+        """Steps dispatched for `owner` in `slot` and not read yet."""
+        return sum(1 for kind, _, who in self._inflight if kind == "step" and who.get(slot) == owner)
+
+    def clear(self) -> None:
+        """Forget what is in flight (nobody waits for it, or a program failed)."""
+        self._inflight.clear()
+
+    def _read(self, entry) -> None:
+        kind, arrays, who = entry
+        host = [np.asarray(x) for x in jax.device_get(arrays)]
+        with self._lock:
+            if kind == "insert":
+                first, done = host
+                for k, (slot, owner) in enumerate(who):
+                    self._first(slot, owner, int(first[k]), bool(done[k]))
+                return
+            commits, produced, done = host
+            for slot, owner in who.items():
+                rows = [commits[k, slot, :n].tolist() for k in range(produced.shape[0])
+                        if (n := int(produced[k, slot]))]
+                self._commits(slot, owner, rows, bool(done[slot]))
