@@ -208,3 +208,18 @@ def test_kernel_config_moe_gmm_resolves():
         KernelConfig(moe_gmm="bogus")
     with pytest.raises(ValueError, match="no Pallas GPU grouped matmul"):
         KernelConfig(moe_gmm="pallas").resolve("gpu", device=None)
+
+
+@tpu_aot.requires_libtpu
+@pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
+@pytest.mark.parametrize("rows", [8, 128])
+def test_gmm_kernel_compiles_for_tpu(topology, rows):
+    """The TPU kernel at Qwen3-Coder-30B-A3B's expert shapes (128 experts, H 2048, I 768, bf16)
+    through Mosaic for v5e and v6e: a decode step's 8 rows at B = 1 and a 16-token verify's 128."""
+    from pallas_kernels.moe import tpu
+    dev = tpu_aot.tpu_device(topology)
+    for K, N in ((2048, 2 * 768), (768, 2048)):
+        args = (tpu_aot.abstract((rows, K), jnp.bfloat16, dev), tpu_aot.abstract((128, K, N), jnp.bfloat16, dev),
+                tpu_aot.abstract((128,), jnp.int32, dev))
+        compiled = tpu_aot.compile_for_tpu(lambda x, w, g: tpu.gmm(x, w, g), *args)
+        assert "dflash_gmm_tpu" in compiled.as_text() or compiled.memory_analysis() is not None
