@@ -1,7 +1,8 @@
 """Model configurations: frozen, hashable dataclasses read from HF `config.json` files.
 
-`TargetConfig` describes a Qwen3 causal LM; `DraftConfig` a z-lab DFlash draft. Both are static
-(compile keys), so they hold only Python scalars and tuples.
+`TargetConfig` describes a causal LM of one of the families in dflash_jax.models (their readers
+check what each can run); `DraftConfig` a z-lab DFlash draft. Both are static (compile keys), so they
+hold only Python scalars, tuples and frozen dataclasses.
 """
 
 from __future__ import annotations
@@ -13,38 +14,60 @@ from typing import Any, Mapping
 
 from dflash_jax.validation import check_block_size, finite_float, positive_int
 
-__all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids"]
+__all__ = ["TargetConfig", "Qwen3MoeConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids", "RopeScaling",
+           "dense_fields", "read_json"]
 
 
 class ConfigError(ValueError):
     """A config.json that this library cannot run, with the offending field named."""
 
 
-def _rope_theta(d: Mapping[str, Any], what: str) -> float:
-    # transformers >= 5 nests RoPE settings in `rope_parameters`; older files have `rope_theta`.
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """`rope_type: llama3` frequency scaling (transformers `_compute_llama3_parameters`): wavelengths
+    above original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
+    original / high_freq_factor kept, the band between interpolated."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+def _rope(d: Mapping[str, Any], what: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling or None) of a config. transformers >= 5 nests RoPE settings in
+    `rope_parameters`; older files have `rope_theta` and `rope_scaling`."""
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
+    found = None
     for block, name in ((params, "rope_parameters"), (scaling, "rope_scaling")):
         kind = block.get("rope_type", block.get("type", "default"))
-        if kind not in ("default", None):
-            raise ConfigError(f"{name}.rope_type={kind!r} is not supported (only default RoPE)")
-    return _float(params.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta", what, positive=True)
+        if kind in ("default", None):
+            continue
+        if kind != "llama3":
+            raise ConfigError(f"{what}: {name}.rope_type={kind!r} is not supported (default or llama3 RoPE)")
+        try:
+            found = RopeScaling(factor=float(block["factor"]), low_freq_factor=float(block["low_freq_factor"]),
+                                high_freq_factor=float(block["high_freq_factor"]),
+                                original_max_position_embeddings=int(block["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise ConfigError(f"{what}: {name} (llama3) lacks {e.args[0]}") from None
+        if not found.factor > 0 or not found.high_freq_factor > found.low_freq_factor > 0 or \
+                found.original_max_position_embeddings < 1:
+            raise ConfigError(f"{what}: {name} (llama3) needs factor > 0, high_freq_factor > low_freq_factor > 0 "
+                              f"and original_max_position_embeddings >= 1, got {block}")
+    return _float(params.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta", what, positive=True), found
 
 
-def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
+def dense_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """The fields every dense decoder config.json shares (a family's reader adds its own checks):
+    sizes, heads, norm eps, RoPE. what: "target" or "draft", for the messages."""
     if not isinstance(d, Mapping):
         raise ConfigError(f"{what}: the config must be a JSON object, got {type(d).__name__}")
-    mt = d.get("model_type")
-    if mt != "qwen3":
-        raise ConfigError(f"{what}: model_type={mt!r}; only 'qwen3' is supported")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in d]
     if missing:
         raise ConfigError(f"{what}: config.json lacks {', '.join(missing)}")
-    if d.get("attention_bias"):
-        raise ConfigError(f"{what}: attention_bias=True is not supported (Qwen3 has no attention bias)")
-    if d.get("use_sliding_window"):
-        raise ConfigError(f"{what}: use_sliding_window=True is not supported")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{what}: hidden_act={act!r}; only 'silu' is supported")
@@ -60,6 +83,7 @@ def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
     n_kv = int(d.get("num_key_value_heads") or n_heads)
     if n_heads % n_kv:
         raise ConfigError(f"{what}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    theta, scaling = _rope(d, what)
     return dict(
         vocab_size=int(d["vocab_size"]),
         hidden_size=int(d["hidden_size"]),
@@ -69,9 +93,20 @@ def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
         num_kv_heads=n_kv,
         head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
         rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", what),
-        rope_theta=_rope_theta(d, what),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
     )
+
+
+def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """dense_fields of a Qwen3-style stack (the DFlash draft's): no attention bias, no sliding window."""
+    q = dense_fields(d, what)
+    if d.get("attention_bias"):
+        raise ConfigError(f"{what}: attention_bias=True is not supported (Qwen3 has no attention bias)")
+    if d.get("use_sliding_window"):
+        raise ConfigError(f"{what}: use_sliding_window=True is not supported")
+    return q
 
 
 def _positive(d: Mapping[str, Any], key: str, what: str) -> None:
@@ -101,7 +136,7 @@ def _check_numbers(cfg, what: str) -> None:
     _float(cfg.rms_norm_eps, "rms_norm_eps", what)
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_json(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
@@ -118,7 +153,9 @@ def _read_json(path: str) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A Qwen3 causal LM (the verifier)."""
+    """A causal LM (the verifier) of one of the families in dflash_jax.models, by `model_type`.
+    The fields are HF `config.json`'s; a family's reader (dflash_jax.models) checks what it cannot
+    run and builds this."""
 
     vocab_size: int
     hidden_size: int
@@ -131,17 +168,24 @@ class TargetConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
+    model_type: str = "qwen3"
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self):
         _check_numbers(self, "target")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TargetConfig":
-        return cls(**_qwen3_fields(d, "target"), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+        """The fields of any family (no family's own checks: dflash_jax.models.read_config does those)."""
+        return cls(**dense_fields(d, "target"), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   model_type=str(d.get("model_type") or ""), attention_bias=bool(d.get("attention_bias", False)),
+                   mlp_bias=bool(d.get("mlp_bias", False)))
 
     @classmethod
     def from_pretrained(cls, path: str) -> "TargetConfig":
-        return cls.from_dict(_read_json(path))
+        return cls.from_dict(read_json(path))
 
     @classmethod
     def preset(cls, name: str) -> "TargetConfig":
@@ -149,6 +193,25 @@ class TargetConfig:
             return PRESETS[name.lower()]
         except KeyError:
             raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig(TargetConfig):
+    """A Qwen3-MoE causal LM (model_type "qwen3_moe"; its reader: dflash_jax.models.qwen3_moe).
+    intermediate_size is the dense layers' MLP width (and a draft's made by for_target)."""
+
+    model_type: str = "qwen3_moe"
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        """transformers' Qwen3MoeDecoderLayer rule: MoE unless in mlp_only_layers or off the step."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -177,6 +240,7 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         _check_numbers(self, "draft")
@@ -218,7 +282,7 @@ class DraftConfig:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "DraftConfig":
-        return cls.from_dict(_read_json(path))
+        return cls.from_dict(read_json(path))
 
     def check_fits(self, target: TargetConfig) -> None:
         """Refuse a draft that was not made for this target, naming the mismatch."""
@@ -261,6 +325,7 @@ class DraftConfig:
                    num_target_layers=target.num_layers,
                    mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
                    target_layer_ids=taps, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                   rope_scaling=target.rope_scaling,
                    max_position_embeddings=target.max_position_embeddings)
 
 
@@ -275,4 +340,19 @@ PRESETS: dict[str, TargetConfig] = {
     "qwen3-8b": TargetConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                              num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
                              tie_word_embeddings=False),
+    # Llama-3.x (model_type llama): no q/k norm, eps 1e-5, llama3 RoPE scaling, vocab 128256
+    "llama3.1-8b": TargetConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                max_position_embeddings=131072, tie_word_embeddings=False, model_type="llama",
+                                rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),
+    "llama3.2-1b": TargetConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                max_position_embeddings=131072, tie_word_embeddings=True, model_type="llama",
+                                rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
+    # Qwen3-MoE (model_type qwen3_moe): 128 experts, top-8 renormalised, every layer sparse
+    "qwen3-coder-30b-a3b": Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, rope_theta=1e7, max_position_embeddings=262144,
+        tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=()),
 }

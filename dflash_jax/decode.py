@@ -26,8 +26,8 @@ from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax.loop import (MAX_STOP_IDS, Params, buckets, clear_compiled, compile_count, compiled, iteration,
                              loop_specs, make_static, merge_models, param_specs, params_on_mesh, pow2, prefill,
                              resolve_mesh, round_up, row_settings, run, stream_sink, to_host)
-from dflash_jax.modeling.draft import DFlashDraft
-from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax import drafts, models
+from dflash_jax.models.stack import CausalLM
 from dflash_jax.slots import RowRequest, Slots, offline_defaults, platform_of
 
 __all__ = ["generate", "GenerateOptions", "GenerateResult", "precompile", "compiled_program", "lower_generate", "lower_iteration",
@@ -100,8 +100,8 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     o = GenerateOptions(**options)
     max_new_tokens, temperature, top_p, top_k = o.max_new_tokens, o.temperature, o.top_p, o.top_k
     block_size, seed, capacity = o.block_size, o.seed, o.capacity
-    if not isinstance(target, Qwen3):
-        raise TypeError(f"target must be a Qwen3 model from load_target/init_target, got {type(target).__name__}")
+    if not isinstance(target, CausalLM):
+        raise TypeError(f"target must be a model from load_target/init_target, got {type(target).__name__}")
     if draft is not None and not (isinstance(draft, nnx.Module) and callable(getattr(draft, "propose", None))):
         raise TypeError(f"draft must be a DFlash draft from load_draft/init_draft or None, got {type(draft).__name__}")
     cfg = target.config
@@ -154,7 +154,7 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     return st, tstate, dstate, p, len(rows), lens
 
 
-def compiled_program(target: Qwen3, draft, prompts, **kwargs):
+def compiled_program(target: CausalLM, draft, prompts, **kwargs):
     """(executable, compile seconds) of the program `generate(target, draft, prompts, **kwargs)` runs,
     compiled and cached if it was not yet; the executable's `as_text()` / `cost_analysis()` describe it."""
     on_commit = kwargs.pop("on_commit", None)
@@ -164,7 +164,7 @@ def compiled_program(target: Qwen3, draft, prompts, **kwargs):
     return compiled(st, tstate, dstate, p)
 
 
-def precompile(target: Qwen3, draft, prompts, **kwargs) -> float:
+def precompile(target: CausalLM, draft, prompts, **kwargs) -> float:
     """Compile (and cache) the program `generate(target, draft, prompts, **kwargs)` would run, without
     running it. Returns the compile seconds (0.0 when it was already compiled)."""
     return compiled_program(target, draft, prompts, **kwargs)[1]
@@ -179,10 +179,10 @@ def _generate_defaults(kw: dict) -> dict:
     return GenerateOptions(**kw).program()
 
 
-def generate(target: Qwen3, draft, prompts, **options) -> GenerateResult:
+def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     """Generate from a batch of token-id prompts with one compiled program.
 
-    draft: a DFlashDraft (or another proposer, see modeling.draft); None (or block_size=1) runs
+    draft: a DFlashDraft (or another proposer, see drafts.dflash); None (or block_size=1) runs
     plain autoregressive decoding through the same loop. Greedy
     output equals the target's own greedy decoding token for token; sampled output follows the
     target's processed distribution exactly. Randomness: row i of a call draws from streams keyed by
@@ -320,8 +320,9 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     if sampling_mode not in sampling.MODES:
         raise ValueError(f"sampling_mode={sampling_mode!r}; expected one of {sampling.MODES}")
     dt = _dtype(dtype)
-    target = nnx.eval_shape(lambda: Qwen3(target_config, dt, rngs=nnx.Rngs(0)))
-    draft = nnx.eval_shape(lambda: DFlashDraft(draft_config, dt, rngs=nnx.Rngs(0))) if draft_config is not None else None
+    target = nnx.eval_shape(lambda: models.family(target_config.model_type).model(target_config, dt, rngs=nnx.Rngs(0)))
+    draft = (nnx.eval_shape(lambda: drafts.variant_of_config(draft_config).model(draft_config, dt, rngs=nnx.Rngs(0)))
+             if draft_config is not None else None)
     S = 1 if draft is None else (block_size or draft_config.block_size)
     if S == 1:
         draft = None

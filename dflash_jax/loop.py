@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dflash_jax import sampling, sharding, validation
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.cache import KVCache
-from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax.models.stack import CausalLM
 
 __all__ = ["Static", "Params", "LoopState", "prefill", "iterate", "iteration", "run", "compiled", "cached_program",
            "compile_count", "clear_compiled", "stream_sink", "make_static", "buckets", "row_settings", "idle_params",
@@ -147,7 +147,7 @@ def _finished(st: Static, lens, limit, cap_block):
     return (lens + 1 >= limit) | (lens + cap_block > st.capacity)
 
 
-def prefill(st: Static, target: Qwen3, draft, p: Params):
+def prefill(st: Static, target: CausalLM, draft, p: Params):
     B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
     tcache = _on_mesh(st, target.new_cache(B, C))
@@ -181,11 +181,11 @@ def prefill(st: Static, target: Qwen3, draft, p: Params):
                                  step=jnp.zeros((), jnp.int32)))
 
 
-def iteration(st: Static, target: Qwen3, draft, p: Params, s: LoopState) -> LoopState:
+def iteration(st: Static, target: CausalLM, draft, p: Params, s: LoopState) -> LoopState:
     return iterate(st, target, draft, p, s)[0]
 
 
-def iterate(st: Static, target: Qwen3, draft, p: Params, s: LoopState):
+def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
     """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
     row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it."""
     B, S, C = st.batch, st.block_size, st.capacity

@@ -765,8 +765,9 @@ def _block_of(cli, args) -> int:
     if args.block_size is not None:
         return args.block_size
     if getattr(args, "draft_dir", None):
-        from dflash_jax.config import DraftConfig
-        return DraftConfig.from_pretrained(args.draft_dir).block_size
+        from dflash_jax import drafts
+        from dflash_jax.config import read_json
+        return drafts.read_config(read_json(args.draft_dir)).block_size
     return cli.RANDOM_DRAFT_BLOCK
 
 

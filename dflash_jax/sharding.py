@@ -1,6 +1,7 @@
 """Many devices: the ('data', 'model') mesh, the one table of partition rules for the target, the
 draft and their KV caches, the fused-weight layout under tensor parallelism, greedy and sampling over
-a vocab-sharded LM head, and loading each device's slices straight from safetensors.
+a vocab-sharded LM head. No model imports: the families (dflash_jax.models) and the loaders
+(dflash_jax.weights, which reads each device's slices straight from safetensors) use these rules.
 
 Layout under TP = the 'model' axis size (Megatron style, two all-reduces a layer):
   - embed [V, H] and lm_head [H, V] are sharded on the vocabulary;
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 __all__ = ["AXES", "make_mesh", "parse_mesh", "RULES", "spec_for", "shard_model", "shard_cache",
            "cache_specs", "check_sharded", "FusedLayout", "fused_layout", "qkv_permutation",
            "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax",
-           "load_target_sharded", "load_draft_sharded", "model_axis_size",
+           "model_axis_size",
            "data_axis_size", "as_mesh", "mesh_of", "active", "current_mesh", "argmax",
            "attention_specs", "per_shard", "abstract_on_mesh", "fused_layout_fits"]
 
@@ -231,6 +232,9 @@ RULES: tuple[tuple[str, P], ...] = (
     (r"layers/\d+/mlp/experts_(gate_up|down)", P("model", None, None)),  # MoE [E, ...] experts (EP)
     (r"layers/\d+/mlp/gate_up", P(None, "model")),        # [H, 2I] columns, fused_layout order
     (r"layers/\d+/mlp/down", P("model", None)),           # [I, H] rows
+    (r"layers/\d+/qkv_bias", P("model")),                 # [(Hq + 2 Hkv) D] as qkv's columns
+    (r"layers/\d+/mlp/gate_up_bias", P("model")),         # [2I] as gate_up's columns
+    (r"layers/\d+/(o_bias|mlp/down_bias)", P()),          # [H] added after the rows' all-reduce
     (r"fc", P()),                                         # draft [n·H, H] replicated (see module doc)
     (r"(layers/\d+/)?(input_layernorm|post_attention_layernorm|q_norm|k_norm|norm|hidden_norm)/weight", P()),
 )
@@ -393,10 +397,10 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
 
     def transform(path, value):
         name = _path_str(path)
-        if perm_qkv is not None and re.fullmatch(r"layers/\d+/qkv", name):
-            return jnp.take(value, perm_qkv, axis=1)
-        if perm_gu is not None and re.fullmatch(r"layers/\d+/mlp/gate_up", name):
-            return jnp.take(value, perm_gu, axis=1)
+        if perm_qkv is not None and re.fullmatch(r"layers/\d+/qkv(_bias)?", name):
+            return jnp.take(value, perm_qkv, axis=-1)
+        if perm_gu is not None and re.fullmatch(r"layers/\d+/mlp/gate_up(_bias)?", name):
+            return jnp.take(value, perm_gu, axis=-1)
         return value
 
     _place(model, mesh, rules, transform)
@@ -434,8 +438,8 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
         name = _path_str(path)
         x = var.get_value()
         shape = tuple(x.shape)
-        if fused_layout and re.fullmatch(r"layers/\d+/qkv", name):
-            shape = (shape[0], (lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim)
+        if fused_layout and re.fullmatch(r"layers/\d+/qkv(_bias)?", name):
+            shape = shape[:-1] + ((lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim,)
         spec = spec_for(name, rules)
         _check_divisible(name, shape, spec, mesh)
         var.set_value(jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec)))
@@ -540,164 +544,3 @@ def vocab_mesh(logits) -> Mesh | None:
     if mesh is None or model_axis_size(mesh) == 1 or logits.shape[-1] % model_axis_size(mesh):
         return None
     return mesh
-
-
-# ------------------------------------------------------------------ loading slices from safetensors
-
-class _Checkpoint:
-    """The safetensors files of a checkpoint directory, read by slice (`read`) and never whole
-    unless a caller asks for the whole tensor (replicated parameters)."""
-
-    def __init__(self, d: str):
-        from safetensors import safe_open
-        from dflash_jax.weights import _safetensors_files
-        self._files = [safe_open(p, framework="numpy") for p in _safetensors_files(d)]
-        self._where = {n: f for f in self._files for n in f.keys()}
-        for n, f in self._where.items():  # as weights._fill: int8 / bool / int tensors are not weights
-            kind = f.get_slice(n).get_dtype()
-            if not kind.startswith(("F", "BF")):
-                raise ValueError(f"tensor {n} has dtype {kind}; weights must be floating point "
-                                 "(float32, bfloat16, float16)")
-
-    def names(self) -> set[str]:
-        return set(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._where[name].get_slice(name).get_shape())
-
-    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        if name not in self._where:
-            raise ValueError(f"checkpoint lacks tensor {name!r}")
-        return np.asarray(self._where[name].get_slice(name)[index])
-
-
-def _runs(idx: np.ndarray):
-    """Maximal runs of consecutive integers in idx: [(first, length), ...]."""
-    breaks = np.nonzero(np.diff(idx) != 1)[0] + 1
-    return [(int(r[0]), len(r)) for r in np.split(idx, breaks)]
-
-
-def _fused_reader(ck: _Checkpoint, parts: list[tuple[str, int]], perm: np.ndarray | None):
-    """Reads columns [c0, c1) of a fused [in, out] matrix from HF [out_i, in] tensors `parts`
-    (name, out_i) concatenated on out, permuted by perm: only the rows each column run needs."""
-    bounds = np.cumsum([0] + [n for _, n in parts])
-
-    def read(rows: slice, cols: slice, width: int):
-        idx = np.arange(width)[cols]
-        src = idx if perm is None else perm[idx]
-        pieces = []
-        for first, n in _runs(src):
-            part = int(np.searchsorted(bounds, first, side="right") - 1)
-            while n:
-                name, size = parts[part]
-                lo = first - bounds[part]
-                take = min(n, size - lo)
-                pieces.append(ck.read(name, (slice(lo, lo + take), rows)).T)
-                first, n, part = first + take, n - take, part + 1
-        return np.concatenate(pieces, axis=1)
-    return read
-
-
-def _load_sharded(d: str, model, mesh: Mesh, dtype, top: dict, prefix: str, fused_layout: bool,
-                  rules=RULES):
-    """Fill abstract `model` (nnx.eval_shape) with arrays built by make_array_from_callback: each
-    local device's block is read from the safetensors slices it covers (fused matrices from the
-    parts' matching rows, permuted when fused_layout)."""
-    from flax import nnx
-    ck = _Checkpoint(d)
-    cfg = model.config
-    tp = model_axis_size(mesh)
-    fused_layout = _use_fused(cfg, tp, fused_layout)
-    lay = _layout_for(cfg, tp, fused_layout)
-    D, Hq, Hkv, I = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    perm_qkv = qkv_permutation(lay) if fused_layout else None
-    perm_gu = gate_up_permutation(I, tp) if fused_layout else None
-    if fused_layout:
-        _set_layout(model, lay)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = _path_str(path)
-        m = re.fullmatch(r"layers/(\d+)/(.+)", name)
-        hf = None
-        if name in top:
-            hf, how = top[name]
-        elif m:
-            base, leaf = f"{prefix}layers.{m.group(1)}.", m.group(2)
-            table = {"qkv": ("fused", [(base + "self_attn.q_proj.weight", Hq * D),
-                                       (base + "self_attn.k_proj.weight", Hkv * D),
-                                       (base + "self_attn.v_proj.weight", Hkv * D)], perm_qkv),
-                     "mlp/gate_up": ("fused", [(base + "mlp.gate_proj.weight", I),
-                                               (base + "mlp.up_proj.weight", I)], perm_gu),
-                     "o": (base + "self_attn.o_proj.weight", "T"), "mlp/down": (base + "mlp.down_proj.weight", "T"),
-                     "input_layernorm/weight": (base + "input_layernorm.weight", None),
-                     "post_attention_layernorm/weight": (base + "post_attention_layernorm.weight", None),
-                     "q_norm/weight": (base + "self_attn.q_norm.weight", None),
-                     "k_norm/weight": (base + "self_attn.k_norm.weight", None)}
-            entry = table.get(leaf)
-            if entry is not None and entry[0] == "fused":
-                hf, how = entry[1], ("fused", entry[2])
-            elif entry is not None:
-                hf, how = entry
-        if hf is None:
-            raise ValueError(f"no checkpoint tensor is mapped to parameter {name!r}")
-        shape = tuple(var.get_value().shape)
-        if isinstance(how, tuple) and how[1] is not None:      # the fused layout's width (kv copies)
-            shape = (shape[0], len(how[1]))
-        spec = spec_for(name, rules)
-        _check_divisible(name, shape, spec, mesh)
-        if isinstance(how, tuple):                                          # a fused [in, out] matrix
-            reader = _fused_reader(ck, hf, how[1])
-            got = sum(n for _, n in hf) if how[1] is None else len(how[1])
-            if (ck.shape(hf[0][0])[1], got) != shape:
-                raise ValueError(f"{name}: checkpoint parts give {(ck.shape(hf[0][0])[1], got)}, config expects {shape}")
-            block = lambda index, r=reader, w=shape[1]: r(index[0], index[1], w)
-        else:
-            hshape = ck.shape(hf) if hf in ck.names() else None
-            want = shape[::-1] if how == "T" else shape
-            if hshape != want:
-                raise ValueError(f"{name}: checkpoint tensor {hf!r} has shape {hshape}, config expects {want}")
-            if how == "T":
-                block = lambda index, n=hf: ck.read(n, tuple(index[::-1])).T
-            else:
-                block = lambda index, n=hf: ck.read(n, tuple(index))
-        cache: dict = {}
-
-        def cb(index, block=block, cache=cache):
-            key = tuple((s.start, s.stop) for s in index)
-            if key not in cache:                  # replicas of one block (the data axis) read once
-                cache[key] = np.asarray(block(index)).astype(dtype)
-            return cache[key]
-
-        var.set_value(jax.make_array_from_callback(shape, NamedSharding(mesh, spec), cb))
-    return model
-
-
-def load_target_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
-    """A Qwen3 target whose parameters are built on `mesh` by RULES straight from the checkpoint's
-    safetensors slices (each process reads only its devices' blocks)."""
-    from flax import nnx
-    from dflash_jax.config import TargetConfig
-    from dflash_jax.modeling.qwen3 import Qwen3
-    from dflash_jax.weights import _dtype, resolve_model_dir
-    d = resolve_model_dir(path)
-    cfg = TargetConfig.from_pretrained(d)
-    dt = _dtype(dtype)
-    model = nnx.eval_shape(lambda: Qwen3(cfg, dt, rngs=nnx.Rngs(0)))
-    top = {"embed": ("model.embed_tokens.weight", None), "norm/weight": ("model.norm.weight", None)}
-    if not cfg.tie_word_embeddings:
-        top["lm_head"] = ("lm_head.weight", "T")
-    return _load_sharded(d, model, mesh, dt, top, "model.", fused_layout)
-
-
-def load_draft_sharded(path: str, mesh: Mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
-    """A DFlash draft on `mesh`, as load_target_sharded."""
-    from flax import nnx
-    from dflash_jax.config import DraftConfig
-    from dflash_jax.modeling.draft import DFlashDraft
-    from dflash_jax.weights import _dtype, resolve_model_dir
-    d = resolve_model_dir(path)
-    cfg = DraftConfig.from_pretrained(d)
-    dt = _dtype(dtype)
-    model = nnx.eval_shape(lambda: DFlashDraft(cfg, dt, rngs=nnx.Rngs(0)))
-    top = {"fc": ("fc.weight", "T"), "hidden_norm/weight": ("hidden_norm.weight", None),
-           "norm/weight": ("norm.weight", None)}
-    return _load_sharded(d, model, mesh, dt, top, "", fused_layout)

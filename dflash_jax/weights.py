@@ -14,14 +14,14 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from dflash_jax import validation
-from dflash_jax.config import DraftConfig, TargetConfig
-from dflash_jax.modeling.draft import DFlashDraft
-from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax import drafts, models, sharding, validation
+from dflash_jax.config import ConfigError, TargetConfig, read_json
 
-__all__ = ["load_target", "load_draft", "init_target", "init_draft", "resolve_model_dir"]
+__all__ = ["load_target", "load_draft", "init_target", "init_draft", "resolve_model_dir", "load_target_sharded",
+           "load_draft_sharded"]
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
@@ -88,21 +88,6 @@ def _iter_tensors(d: str):
 
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
-_LAYER_LEAVES = {  # HF leaf name → (our path inside the layer, part of a fused matrix or None)
-    "input_layernorm.weight": (("input_layernorm", "weight"), None),
-    "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), None),
-    "self_attn.q_norm.weight": (("q_norm", "weight"), None),
-    "self_attn.k_norm.weight": (("k_norm", "weight"), None),
-    "self_attn.o_proj.weight": (("o",), "T"),
-    "self_attn.q_proj.weight": (("qkv",), ("q", "k", "v")),
-    "self_attn.k_proj.weight": (("qkv",), ("q", "k", "v")),
-    "self_attn.v_proj.weight": (("qkv",), ("q", "k", "v")),
-    "mlp.gate_proj.weight": (("mlp", "gate_up"), ("gate", "up")),
-    "mlp.up_proj.weight": (("mlp", "gate_up"), ("gate", "up")),
-    "mlp.down_proj.weight": (("mlp", "down"), "T"),
-}
-
-
 def _variable(model, path):
     node = model
     for p in path:
@@ -116,7 +101,7 @@ def _part_widths(config) -> dict[str, int]:
     return {"q": q, "k": kv, "v": kv, "gate": config.intermediate_size, "up": config.intermediate_size}
 
 
-def _map_tensor(name: str, top_level: dict, model, flat, what: str):
+def _map_tensor(name: str, top_level: dict, leaves: dict, model, flat, what: str):
     """THE mapping from a checkpoint tensor to our parameter: (our path, how, part key, expected HF
     shape), or None for a tensor this model does not have. `how`: None (as is), "T" (transposed to
     [in, out]) or the fused parts' order; shapes are the HF tensor's own, so errors name HF terms."""
@@ -125,9 +110,9 @@ def _map_tensor(name: str, top_level: dict, model, flat, what: str):
         key = None
     else:
         m = _LAYER.match(name)
-        if not (m and m.group(2) in _LAYER_LEAVES):
+        if not (m and m.group(2) in leaves):
             return None
-        sub, how = _LAYER_LEAVES[m.group(2)]
+        sub, how = leaves[m.group(2)]
         path = ("layers", int(m.group(1))) + sub
         if path not in flat:
             raise ValueError(f"{what}: checkpoint has {name} but the config has {len(model.layers)} layers")
@@ -137,19 +122,20 @@ def _map_tensor(name: str, top_level: dict, model, flat, what: str):
         want = ours
     elif how == "T":
         want = ours[::-1]
+    elif len(ours) == 1:  # a bias part [out]; ours is [sum of the parts' out]
+        want = (_part_widths(model.config)[key],)
     else:  # HF [out, in] of one part; ours is [in, sum of the parts' out]
         want = (_part_widths(model.config)[key], ours[0])
     return path, how, key, want
 
 
-def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=(), expect_later=()):
-    """Stream (hf_name, array) pairs into the abstract `model`; every parameter must be set once
-    (but those of `expect_later`, paths the caller sets itself: a family's own tensors).
+def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str, skip=()):
+    """Stream (hf_name, array) pairs into the abstract `model`; every parameter must be set once.
 
     Each tensor is checked against the shape the config implies for it (named as in the checkpoint)
     and for non-finite values before it is cast and placed."""
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    todo = set(flat) - set(expect_later)
+    todo = set(flat)
     parts: dict[tuple, dict[str, jax.Array]] = {}
 
     def put(path, arr):
@@ -157,10 +143,13 @@ def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=(), expe
         todo.discard(path)
 
     for name, t in named_tensors:
-        mapped = _map_tensor(name, top_level, model, flat, what)
+        mapped = _map_tensor(name, top_level, leaves, model, flat, what)
         if mapped is None:
             if not any(re.fullmatch(s, name) for s in skip):
-                raise ValueError(f"{what}: unexpected tensor {name!r} in the checkpoint")
+                kind = getattr(model.config, "model_type", None)
+                raise (ConfigError if kind else ValueError)(
+                    f"{what}: unexpected tensor {name!r} in the checkpoint"
+                    + (f" (not a tensor of model_type {kind!r})" if kind else ""))
             continue
         path, how, key, want = mapped
         if tuple(t.shape) != want:
@@ -178,7 +167,7 @@ def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=(), expe
             got = parts.setdefault(path, {})
             got[key] = t.T.astype(dtype)
             if all(p in got for p in how):
-                put(path, jnp.concatenate([got[p] for p in how], axis=1))
+                put(path, jnp.concatenate([got[p] for p in how], axis=-1))
                 del parts[path]
     if todo:
         names = sorted(".".join(map(str, p)) for p in todo)
@@ -187,52 +176,220 @@ def _fill(model, named_tensors, top_level: dict, dtype, what: str, skip=(), expe
     return model
 
 
-def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None) -> Qwen3:
-    """A Qwen3 causal LM from a HF directory or hub id (config.json + safetensors, sharded or not).
-    mesh (a Mesh or a spec such as "data=2,model=4"): placed on it by sharding.RULES in the fused
-    TP layout, each process reading only its devices' slices (sharding.load_target_sharded)."""
-    from dflash_jax import sharding
+def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None):
+    """A causal LM of a registered family (dflash_jax.models, by config.json's model_type) from a
+    HF directory or hub id (config.json + safetensors, sharded or not). mesh (a Mesh or a spec such
+    as "data=2,model=4"): placed on it by its family's rules in the fused TP layout, each process
+    reading only its devices' slices (load_target_sharded)."""
     m = sharding.as_mesh(mesh)
-    if m is not None:
-        return sharding.load_target_sharded(path_or_hub_id, m, dtype)
     dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
-    config = TargetConfig.from_pretrained(d)
-    model = nnx.eval_shape(lambda: Qwen3(config, dt, rngs=nnx.Rngs(0)))
-    top = {"model.embed_tokens.weight": (("embed",), None), "model.norm.weight": (("norm", "weight"), None)}
-    skip = [r"lm_head\.weight"] if config.tie_word_embeddings else []
-    if not config.tie_word_embeddings:
-        top["lm_head.weight"] = (("lm_head",), "T")
-    skip += [r".*rotary_emb\.inv_freq"]
-    return _fill(model, _iter_tensors(d), top, dt, f"target {path_or_hub_id}", skip)
+    config = models.read_config(read_json(d))
+    fam = models.family(config.model_type)
+    if m is not None and fam.tensors is None:
+        return load_target_sharded(path_or_hub_id, m, dtype)
+    what = f"target {path_or_hub_id}"
+    model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
+    stream = _iter_tensors(d) if fam.tensors is None else fam.tensors(config, _iter_tensors(d), what)
+    model = _fill(model, stream, fam.top_weights(config), fam.layer_weights(config), dt, what, fam.skip)
+    return model if m is None else sharding.shard_model(model, m)
 
 
-def load_draft(path_or_hub_id: str, target: Qwen3 | None = None, dtype="bfloat16", *, mesh=None) -> DFlashDraft:
-    """A z-lab DFlash draft. With `target`, a draft that does not fit it is refused, naming the mismatch.
-    mesh: as load_target (the draft sits on the target's mesh with the same rules)."""
-    from dflash_jax import sharding
+def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None):
+    """A draft of a registered variant (dflash_jax.drafts, by config.json's architectures; a z-lab
+    DFlash draft by default). With `target`, a draft that does not fit it is refused, naming the
+    mismatch. mesh: as load_target (the draft sits on the target's mesh with the same rules)."""
     dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
-    config = DraftConfig.from_pretrained(d)
+    raw = read_json(d)
+    var = drafts.variant(raw.get("architectures") if isinstance(raw, dict) else None)
+    config = drafts.read_config(raw)
     if target is not None:
         config.check_fits(target.config)
     m = sharding.as_mesh(mesh)
     if m is not None:
-        return sharding.load_draft_sharded(d, m, dtype)
-    model = nnx.eval_shape(lambda: DFlashDraft(config, dt, rngs=nnx.Rngs(0)))
-    top = {"fc.weight": (("fc",), "T"), "hidden_norm.weight": (("hidden_norm", "weight"), None),
-           "norm.weight": (("norm", "weight"), None)}
-    return _fill(model, _iter_tensors(d), top, dt, f"draft {path_or_hub_id}", [r".*rotary_emb\.inv_freq"])
+        return load_draft_sharded(d, m, dtype)
+    model = nnx.eval_shape(lambda: var.model(config, dt, rngs=nnx.Rngs(0)))
+    return _fill(model, _iter_tensors(d), dict(var.top_weights), var.layer_weights, dt,
+                 f"draft {path_or_hub_id}", var.skip)
 
 
-def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16") -> Qwen3:
+def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16"):
     """Random weights (for benchmarks on machines without checkpoints). `config` may be a preset name."""
     if isinstance(config, str):
         config = TargetConfig.preset(config)
-    return Qwen3(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    return models.family(config.model_type).model(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
 
 
-def init_draft(config: DraftConfig, seed: int = 0, dtype="bfloat16", target: Qwen3 | None = None) -> DFlashDraft:
+def init_draft(config, seed: int = 0, dtype="bfloat16", target=None):
+    """Random weights of the draft variant whose config class `config` is (a DraftConfig: DFlash)."""
     if target is not None:
         config.check_fits(target.config)
-    return DFlashDraft(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    return drafts.variant_of_config(config).model(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+
+
+# ------------------------------------------------------------------ loading slices onto a mesh
+
+class _Checkpoint:
+    """The safetensors files of a checkpoint directory, read by slice (`read`) and never whole
+    unless a caller asks for the whole tensor (replicated parameters)."""
+
+    def __init__(self, d: str):
+        from safetensors import safe_open
+        self._files = [safe_open(p, framework="numpy") for p in _safetensors_files(d)]
+        self._where = {n: f for f in self._files for n in f.keys()}
+        for n, f in self._where.items():  # as _fill: int8 / bool / int tensors are not weights
+            kind = f.get_slice(n).get_dtype()
+            if not kind.startswith(("F", "BF")):
+                raise ValueError(f"tensor {n} has dtype {kind}; weights must be floating point "
+                                 "(float32, bfloat16, float16)")
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name not in self._where:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return np.asarray(self._where[name].get_slice(name)[index])
+
+
+def _runs(idx: np.ndarray):
+    """Maximal runs of consecutive integers in idx: [(first, length), ...]."""
+    breaks = np.nonzero(np.diff(idx) != 1)[0] + 1
+    return [(int(r[0]), len(r)) for r in np.split(idx, breaks)]
+
+
+def _fused_reader(ck: _Checkpoint, parts: list[tuple[str, int]], perm: np.ndarray | None):
+    """Reads columns [c0, c1) of a fused [in, out] matrix from HF [out_i, in] tensors `parts`
+    (name, out_i) concatenated on out, permuted by perm: only the rows each column run needs.
+    rows None: a fused bias [out] from HF [out_i] parts."""
+    bounds = np.cumsum([0] + [n for _, n in parts])
+
+    def read(rows: slice | None, cols: slice, width: int):
+        idx = np.arange(width)[cols]
+        src = idx if perm is None else perm[idx]
+        pieces = []
+        for first, n in _runs(src):
+            part = int(np.searchsorted(bounds, first, side="right") - 1)
+            while n:
+                name, size = parts[part]
+                lo = first - bounds[part]
+                take = min(n, size - lo)
+                if rows is None:
+                    pieces.append(ck.read(name, (slice(lo, lo + take),)))
+                else:
+                    pieces.append(ck.read(name, (slice(lo, lo + take), rows)).T)
+                first, n, part = first + take, n - take, part + 1
+        return np.concatenate(pieces, axis=-1)
+    return read
+
+
+def _by_path(leaves: dict) -> dict:
+    """A family's layer tensor table (HF leaf → (our path, how)) by our path: "a/b" → (HF leaf,
+    how), or for a fused matrix ("fused", [HF leaves in part order], part names)."""
+    out: dict = {}
+    for hf, (sub, how) in leaves.items():
+        key = "/".join(sub)
+        if isinstance(how, tuple):
+            got = out.setdefault(key, ("fused", {}, how))[1]
+            got[hf.split(".")[-2].replace("_proj", "")] = hf
+        else:
+            out[key] = (hf, how)
+    return {k: (v if v[0] != "fused" else ("fused", [v[1][p] for p in v[2]], v[2])) for k, v in out.items()}
+
+
+def _load_sharded(d: str, model, mesh, dtype, top: dict, leaves: dict, prefix: str, fused_layout: bool | None,
+                  rules=sharding.RULES):
+    """Fill abstract `model` (nnx.eval_shape) with arrays built by make_array_from_callback: each
+    local device's block is read from the safetensors slices it covers (fused matrices from the
+    parts' matching rows, permuted when fused_layout). top: HF name → (our path, how) outside the
+    layers; leaves: the layer table (models.family); prefix: before `layers.N.` in HF names."""
+    from jax.sharding import NamedSharding
+    ck = _Checkpoint(d)
+    cfg = model.config
+    tp = sharding.model_axis_size(mesh)
+    fused_layout = sharding._use_fused(cfg, tp, fused_layout)
+    lay = sharding._layout_for(cfg, tp, fused_layout)
+    widths = _part_widths(cfg)
+    perm_qkv = sharding.qkv_permutation(lay) if fused_layout else None
+    perm_gu = sharding.gate_up_permutation(cfg.intermediate_size, tp) if fused_layout else None
+    perms = {"qkv": perm_qkv, "qkv_bias": perm_qkv, "mlp/gate_up": perm_gu, "mlp/gate_up_bias": perm_gu}
+    if fused_layout:
+        sharding._set_layout(model, lay)
+    top_by_path = {"/".join(path): (hf, how) for hf, (path, how) in top.items()}
+    layer = _by_path(leaves)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = sharding._path_str(path)
+        m = re.fullmatch(r"layers/(\d+)/(.+)", name)
+        hf = how = None
+        if name in top_by_path:
+            hf, how = top_by_path[name]
+        elif m and m.group(2) in layer:
+            entry, base = layer[m.group(2)], f"{prefix}layers.{m.group(1)}."
+            if entry[0] == "fused":
+                hf = [(base + leaf, widths[part]) for leaf, part in zip(entry[1], entry[2])]
+                how = ("fused", perms.get(m.group(2)))
+            else:
+                hf, how = base + entry[0], entry[1]
+        if hf is None:
+            raise ValueError(f"no checkpoint tensor is mapped to parameter {name!r}")
+        shape = tuple(var.get_value().shape)
+        if isinstance(how, tuple) and how[1] is not None:      # the fused layout's width (kv copies)
+            shape = shape[:-1] + (len(how[1]),)
+        spec = sharding.spec_for(name, rules)
+        sharding._check_divisible(name, shape, spec, mesh)
+        if isinstance(how, tuple):                                          # a fused [in, out] matrix or bias
+            reader = _fused_reader(ck, hf, how[1])
+            got = sum(n for _, n in hf) if how[1] is None else len(how[1])
+            have = (got,) if len(shape) == 1 else (ck.shape(hf[0][0])[1], got)
+            if have != shape:
+                raise ValueError(f"{name}: checkpoint parts give {have}, config expects {shape}")
+            if len(shape) == 1:
+                block = lambda index, r=reader, w=shape[0]: r(None, index[0], w)
+            else:
+                block = lambda index, r=reader, w=shape[1]: r(index[0], index[1], w)
+        else:
+            hshape = ck.shape(hf) if hf in ck.names() else None
+            want = shape[::-1] if how == "T" else shape
+            if hshape != want:
+                raise ValueError(f"{name}: checkpoint tensor {hf!r} has shape {hshape}, config expects {want}")
+            if how == "T":
+                block = lambda index, n=hf: ck.read(n, tuple(index[::-1])).T
+            else:
+                block = lambda index, n=hf: ck.read(n, tuple(index))
+        cache: dict = {}
+
+        def cb(index, block=block, cache=cache):
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in cache:                  # replicas of one block (the data axis) read once
+                cache[key] = np.asarray(block(index)).astype(dtype)
+            return cache[key]
+
+        var.set_value(jax.make_array_from_callback(shape, NamedSharding(mesh, spec), cb))
+    return model
+
+
+def load_target_sharded(path: str, mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
+    """A target of a registered family whose parameters are built on `mesh` by its family's rules
+    straight from the checkpoint's safetensors slices (each process reads only its devices' blocks)."""
+    d = resolve_model_dir(path)
+    cfg = models.read_config(read_json(d))
+    fam = models.family(cfg.model_type)
+    dt = _dtype(dtype)
+    model = nnx.eval_shape(lambda: fam.model(cfg, dt, rngs=nnx.Rngs(0)))
+    return _load_sharded(d, model, mesh, dt, fam.top_weights(cfg), fam.layer_weights(cfg), "model.",
+                         fused_layout, fam.rules)
+
+
+def load_draft_sharded(path: str, mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
+    """A draft on `mesh`, as load_target_sharded."""
+    d = resolve_model_dir(path)
+    raw = read_json(d)
+    var = drafts.variant(raw.get("architectures"))
+    cfg = drafts.read_config(raw)
+    dt = _dtype(dtype)
+    model = nnx.eval_shape(lambda: var.model(cfg, dt, rngs=nnx.Rngs(0)))
+    return _load_sharded(d, model, mesh, dt, dict(var.top_weights), var.layer_weights, "", fused_layout)

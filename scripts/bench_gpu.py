@@ -118,8 +118,9 @@ def round_up(x: int, m: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 class Settings:
-    def __init__(self, smoke: bool):
+    def __init__(self, smoke: bool, preset: str = "qwen3-8b"):
         self.smoke = smoke
+        self.preset = preset
         if smoke:
             self.prompt = 32
             self.n1, self.n2 = 4, 12            # new tokens of the two timed runs (B=1 .. 64)
@@ -152,17 +153,23 @@ class Settings:
             self.same_bucket_prompt, self.same_bucket_new = 500, 100
 
     def target_config(self):
+        import dataclasses
         from dflash_jax import TargetConfig
         if self.smoke:
-            return TargetConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=8,
+            tiny = TargetConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=8,
                                 num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e6)
-        return TargetConfig.preset("qwen3-8b")
+            real = TargetConfig.preset(self.preset)   # the preset's family and RoPE at tiny shapes
+            return dataclasses.replace(tiny, model_type=real.model_type, rope_scaling=real.rope_scaling,
+                                       rms_norm_eps=real.rms_norm_eps, rope_theta=real.rope_theta)
+        return TargetConfig.preset(self.preset)
 
     def draft_config(self, tcfg):
         from dflash_jax import DraftConfig
         if self.smoke:
             return DraftConfig.for_target(tcfg, num_layers=2, block_size=self.block,
                                           mask_token_id=tcfg.vocab_size - 1)
+        if self.preset != "qwen3-8b":   # z-lab's shape for other targets: 5 layers, the default taps
+            return DraftConfig.for_target(tcfg, num_layers=5, block_size=self.block)
         return DraftConfig.for_target(tcfg, num_layers=5, block_size=self.block, mask_token_id=MASK_ID,
                                       target_layer_ids=(1, 9, 17, 25, 33))
 
@@ -236,7 +243,7 @@ def reference_child(out_path: str, smoke: bool, n_new: int, prompt: int) -> None
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.s = Settings(args.smoke)
+        self.s = Settings(args.smoke, args.preset)
         from dflash_jax import KernelConfig
         # the kernel settings of every program this run times (--no-fused-layer, ...): the compile key
         self.kernels = KernelConfig(fused_layer=args.fused_layer, sampling_kernels=args.sampling_kernels,
@@ -575,7 +582,7 @@ class Bench:
 
         def run():
             from pallas_kernels import fused_layer as gpu
-            from dflash_jax.modeling.layers import RMSNorm
+            from dflash_jax.models.layers import RMSNorm
             norm = RMSNorm(4096, 1e-6, jnp.bfloat16)
             norm.weight[...] = jnp.linspace(0.5, 1.5, 4096).astype(jnp.bfloat16)
             kx, ky = jax.random.split(jax.random.key(9))
@@ -640,7 +647,7 @@ class Bench:
         from flax import nnx
         from dflash_jax.cache import write_rows
         from dflash_jax.config import TargetConfig
-        from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
+        from dflash_jax.models.layers import DecoderLayer, rope, rope_tables
         from pallas_kernels import fused_layer as gpu
         Hq, Hkv, D, C = 32, 8, 128, 2048
         cfg = TargetConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_layers=1, num_heads=Hq,
@@ -1096,7 +1103,7 @@ class Bench:
         P = lines.append
         P("")
         P("=" * 100)
-        P(f"dflash-jax GPU benchmark  ({'SMOKE: tiny shapes, numbers mean nothing' if s.smoke else 'Qwen3-8B shapes, random bf16 weights'})")
+        P(f"dflash-jax GPU benchmark  ({'SMOKE: tiny shapes, numbers mean nothing' if s.smoke else s.preset + ' shapes, random bf16 weights'})")
         P(f"device: {fl.get('devices', self.R.get('device', '?'))}   elapsed {self.elapsed():.0f}s")
         if fl:
             P(f"ceilings: copy {fl['copy_TBps']:.3f} TB/s (read+write) | XLA GEMV B1 {fl['gemv_b1_TBps']:.3f} "
@@ -1486,6 +1493,9 @@ def _lookup_hlo(names: dict, key: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU): prove every section runs")
+    ap.add_argument("--preset", default="qwen3-8b",
+                    help="target shapes (dflash_jax.PRESETS: qwen3-8b, llama3.1-8b, ...; random bf16 weights), "
+                         "its draft 5 layers wide as the target; the reference section runs for qwen3-8b only")
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                     help=f"comma-separated subset of {','.join(ALL_SECTIONS)} (default: all but check)")
     ap.add_argument("--json", default="bench_gpu.json", help="name of the JSON file under --out")
@@ -1549,6 +1559,9 @@ def run_all(b, args, sections):
     # runs a few kernels on the device). JAX is capped below its default 75% of the GPU memory so
     # that the reference's ~20 GB fit beside it. Nothing is timed here until the reference is done.
     ref = None
+    if "reference" in sections and args.preset != "qwen3-8b":
+        log(f"reference: skipped (the PyTorch reference is built at Qwen3-8B shapes; --preset {args.preset})")
+        sections = [x for x in sections if x != "reference"]
     if "reference" in sections:
         try:
             ref = b.start_reference()

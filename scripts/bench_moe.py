@@ -61,9 +61,8 @@ class MoeBench:
         import jax
         import jax.numpy as jnp
         from dflash_jax import KernelConfig
-        from dflash_jax.config import DraftConfig
-        from dflash_jax.models.qwen3_moe import PRESETS, Qwen3MoeConfig, init_qwen3_moe
-        from dflash_jax.weights import init_draft
+        from dflash_jax.config import PRESETS, DraftConfig, Qwen3MoeConfig
+        from dflash_jax.weights import init_draft, init_target
         self.args = args
         if args.smoke:
             self.tcfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -73,7 +72,7 @@ class MoeBench:
             self.tcfg = PRESETS[args.preset]
         self.dtype = "float32" if args.smoke else "bfloat16"
         t0 = time.perf_counter()
-        self.target = init_qwen3_moe(self.tcfg, seed=0, dtype=self.dtype)
+        self.target = init_target(self.tcfg, seed=0, dtype=self.dtype)
         self.dcfg = DraftConfig.for_target(self.tcfg, num_layers=args.draft_layers, block_size=args.block)
         self.draft = init_draft(self.dcfg, seed=1, dtype=self.dtype)
         jax.block_until_ready(jax.tree.leaves(__import__("flax").nnx.state(self.target)))

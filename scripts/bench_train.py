@@ -47,8 +47,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dflash_jax.config import PRESETS, DraftConfig, TargetConfig  # noqa: E402
-from dflash_jax.modeling.draft import DFlashDraft  # noqa: E402
-from dflash_jax.modeling.qwen3 import Qwen3  # noqa: E402
+from dflash_jax.drafts.dflash import DFlashDraft  # noqa: E402
+from dflash_jax.models.qwen3 import Qwen3  # noqa: E402
 from dflash_jax.train.anchors import anchor_key, sample_anchors  # noqa: E402
 from dflash_jax.train.loss import block_labels, block_loss_sums  # noqa: E402
 from dflash_jax.train.packed import TRAIN_ATTENTION, block_tokens, draft_forward, resolve_train_attention  # noqa: E402

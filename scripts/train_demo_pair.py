@@ -389,7 +389,7 @@ def train_target_model(run: Run, tok, stream: np.ndarray, heldout: np.ndarray):
     from flax import nnx
 
     from dflash_jax.config import TargetConfig
-    from dflash_jax.modeling.qwen3 import Qwen3
+    from dflash_jax.models.qwen3 import Qwen3
 
     s = run.size
     cfg = TargetConfig(vocab_size=len(tok), rope_theta=1e4, max_position_embeddings=4096,

@@ -126,7 +126,7 @@ def _random_target(seed=0):
     from flax import nnx
 
     from dflash_jax.config import TargetConfig
-    from dflash_jax.modeling.qwen3 import Qwen3
+    from dflash_jax.models.qwen3 import Qwen3
 
     cfg = TargetConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4,
                        num_kv_heads=2, head_dim=16, rope_theta=1e4, tie_word_embeddings=False)

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.modeling.layers import DecoderLayer, rope, rope_tables
+from dflash_jax.models.layers import DecoderLayer, rope, rope_tables
 from dflash_jax.cache import write_rows
 from dflash_jax.kernel_config import KernelConfig
 from pallas_kernels import Unsupported, fused_layer
@@ -123,7 +123,7 @@ def test_prologue_lowers_for_cuda():
                                          ((2, 16, 512), jnp.bfloat16)])
 @pytest.mark.slow
 def test_add_rmsnorm_matches_the_layer(shape, dtype):
-    from dflash_jax.modeling.layers import RMSNorm
+    from dflash_jax.models.layers import RMSNorm
     norm = RMSNorm(shape[-1], 1e-6, dtype)
     norm.weight[...] = jnp.linspace(0.5, 1.5, shape[-1]).astype(dtype)
     kx, ky = jax.random.split(jax.random.key(3))

@@ -16,9 +16,10 @@ import torch
 from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
 from tests.checkpoints import random_prompts, reference_generate, write_draft, write_moe_target
 
-from dflash_jax import KernelConfig, generate, load_draft
+from dflash_jax import KernelConfig, generate, load_draft, load_target
+from dflash_jax.config import PRESETS, Qwen3MoeConfig
+from dflash_jax.models import read_config
 from dflash_jax.models.moe import route
-from dflash_jax.models.qwen3_moe import PRESETS, Qwen3MoeConfig, load_qwen3_moe
 from pallas_kernels.moe import gmm, gmm_reference
 from pallas_kernels.moe.tpu import group_metadata
 
@@ -92,7 +93,7 @@ def moe_target(request, tmp_path_factory):
     from transformers import Qwen3MoeForCausalLM
     path = write_moe_target(str(tmp_path_factory.mktemp(request.param)), seed=7, **MOE_VARIANTS[request.param])
     hf = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-    return path, hf, load_qwen3_moe(path, "float32")
+    return path, hf, load_target(path, "float32")
 
 
 def test_logits_and_routing_match_transformers(moe_target):
@@ -135,7 +136,7 @@ def test_dflash_with_moe_target_equals_reference(tmp_path):
     dp = write_draft(str(tmp_path / "d"), tp, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=4)
     hf = Qwen3MoeForCausalLM.from_pretrained(tp, dtype=torch.float32).eval().requires_grad_(False)
     ref_draft = DFlashDraftModel.from_pretrained(dp, dtype=torch.float32).eval().requires_grad_(False)
-    target = load_qwen3_moe(tp, "float32")
+    target = load_target(tp, "float32")
     draft = load_draft(dp, target=target, dtype="float32")
     prompts = random_prompts(2, 127, min_len=3, max_len=12, seed=1)
     res = generate(target, draft, prompts, max_new_tokens=20, block_size=8)
@@ -169,18 +170,18 @@ def _rewrite(src, dst, edit):
 
 def test_missing_or_misshaped_experts_are_named_in_one_line(small_moe, tmp_path):
     gone = _rewrite(small_moe, str(tmp_path / "a"), lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"^[^\n]*layer 1 lacks 1 MoE tensor\(s\): "
+    with pytest.raises(ValueError, match=r"^[^\n]*layer 1 lacks 1 expert tensor\(s\): "
                                          r"model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight$"):
-        load_qwen3_moe(gone, "float32")
+        load_target(gone, "float32")
 
     def bad(t):
         t["model.layers.0.mlp.experts.3.down_proj.weight"] = t["model.layers.0.mlp.experts.3.down_proj.weight"][:, :5].contiguous()
     with pytest.raises(ValueError, match=r"^[^\n]*experts\.3\.down_proj\.weight has shape \(64, 5\), "
                                          r"the config implies \(64, 32\)$"):
-        load_qwen3_moe(_rewrite(small_moe, str(tmp_path / "b"), bad), "float32")
+        load_target(_rewrite(small_moe, str(tmp_path / "b"), bad), "float32")
     router = _rewrite(small_moe, str(tmp_path / "c"), lambda t: t.pop("model.layers.0.mlp.gate.weight"))
-    with pytest.raises(ValueError, match=r"layer 0 lacks 1 MoE tensor\(s\): model\.layers\.0\.mlp\.gate\.weight$"):
-        load_qwen3_moe(router, "float32")
+    with pytest.raises(ValueError, match=r"^[^\n]*lacks 1 parameter\(s\): layers\.0\.mlp\.router$"):
+        load_target(router, "float32")
 
 
 def test_config_reader_and_preset():
@@ -188,11 +189,12 @@ def test_config_reader_and_preset():
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
          "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
          "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True}
-    cfg = Qwen3MoeConfig.from_dict(d)
+    cfg = read_config(d)
+    assert isinstance(cfg, Qwen3MoeConfig) and cfg.model_type == "qwen3_moe"
     assert [cfg.is_sparse(i) for i in range(4)] == [False, True, False, False]
     from dflash_jax import ConfigError
     with pytest.raises(ConfigError, match="num_experts_per_tok=5 > num_experts=4"):
-        Qwen3MoeConfig.from_dict({**d, "num_experts_per_tok": 5})
+        read_config({**d, "num_experts_per_tok": 5})
     p = PRESETS["qwen3-coder-30b-a3b"]
     assert (p.num_layers, p.hidden_size, p.num_heads, p.num_kv_heads, p.head_dim, p.num_experts,
             p.num_experts_per_tok, p.moe_intermediate_size, p.rope_theta, p.vocab_size, p.norm_topk_prob) == \

@@ -38,8 +38,8 @@ if CHILD:
     from flax import nnx
 
     from dflash_jax import sharding as sh
-    from dflash_jax.config import DraftConfig
-    from dflash_jax.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
+    from dflash_jax.config import DraftConfig, Qwen3MoeConfig
+    from dflash_jax.models.qwen3_moe import Qwen3Moe
     from dflash_jax.weights import init_draft
 
     # 8 experts (top-2, renormalised), layer 1 dense; 8 q / 2 kv heads as test_sharding's TINY8

@@ -258,17 +258,18 @@ def test_sampling_on_vocab_shards_matches_one_device_all_modes():
 def test_load_reads_only_local_slices(tmp_path, monkeypatch, fused):
     from flax import nnx
     from tests import checkpoints as ck
+    from dflash_jax import weights as wl
     from dflash_jax.weights import load_target
     path = ck.write_target(str(tmp_path / "t"), num_layers=2, num_heads=8, num_kv_heads=2, seed=3)
     reads = []
-    orig = sh._Checkpoint.read
+    orig = wl._Checkpoint.read
     def spy(self, name, index):
         out = orig(self, name, index)
         reads.append((name, out.shape, self.shape(name)))
         return out
-    monkeypatch.setattr(sh._Checkpoint, "read", spy)
+    monkeypatch.setattr(wl._Checkpoint, "read", spy)
     mesh = _mesh("2x4")
-    got = sh.load_target_sharded(path, mesh, "float32", fused_layout=fused)
+    got = wl.load_target_sharded(path, mesh, "float32", fused_layout=fused)
     want = sh.shard_model(load_target(path, "float32"), mesh, fused_layout=fused)
     sh.check_sharded(got, mesh)
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(got, nnx.Param)), nnx.to_flat_state(nnx.state(want, nnx.Param))):

@@ -14,8 +14,8 @@ from pallas_kernels.attention import reference, tpu
 
 
 def _layer_q(qkv, positions, w, eps, Hq, D, t0, theta):
-    """modeling.layers' q: split, q_norm (RMSNorm), RoPE, in XLA ops."""
-    from dflash_jax.modeling.layers import RMSNorm, rope
+    """models.layers' q: split, q_norm (RMSNorm), RoPE, in XLA ops."""
+    from dflash_jax.models.layers import RMSNorm, rope
     norm = RMSNorm(D, eps, qkv.dtype)
     norm.weight[...] = w
     B, Tall, _ = qkv.shape
@@ -30,7 +30,7 @@ def _layer_q(qkv, positions, w, eps, Hq, D, t0, theta):
 ])
 def test_block_attention_qkv_matches_the_layer_and_reference(dtype, B, T, t0, Hq, Hkv, C):
     from jax.experimental.pallas import tpu as pltpu
-    from dflash_jax.modeling.layers import rope_tables
+    from dflash_jax.models.layers import rope_tables
     D, eps, theta = 128, 1e-6, 10000.0
     ks = jax.random.split(jax.random.key(1), 5)
     N = (Hq + 2 * Hkv) * D

@@ -22,7 +22,7 @@ from pallas_kernels.attention import tpu_cache_write
 def test_write_kv_rows_qkv_matches_the_layer(dtype, B, Tall, t0, T, Hq, Hkv, C, starts):
     from jax.experimental.pallas import tpu as pltpu
     from dflash_jax.cache import write_rows
-    from dflash_jax.modeling.layers import RMSNorm, rope, rope_tables
+    from dflash_jax.models.layers import RMSNorm, rope, rope_tables
     D, eps, theta = 128, 1e-6, 10000.0
     ks = jax.random.split(jax.random.key(2), 4)
     qkv = (jax.random.normal(ks[0], (B, Tall, (Hq + 2 * Hkv) * D)) * 2.0).astype(dtype)
@@ -56,7 +56,7 @@ def test_write_kv_rows_qkv_context_and_block_in_one_call(dtype, B, Tc, T, C, sta
     wins), as two dynamic_update_slices of the layer's k/v."""
     from jax.experimental.pallas import tpu as pltpu
     from dflash_jax.cache import write_rows
-    from dflash_jax.modeling.layers import RMSNorm, rope, rope_tables
+    from dflash_jax.models.layers import RMSNorm, rope, rope_tables
     D, eps, theta, Hq, Hkv = 128, 1e-6, 10000.0, 4, 2
     ks = jax.random.split(jax.random.key(7), 4)
     qkv = (jax.random.normal(ks[0], (B, Tc + T, (Hq + 2 * Hkv) * D)) * 2.0).astype(dtype)

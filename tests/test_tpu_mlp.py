@@ -32,7 +32,7 @@ def test_tpu_mlp_is_a_tpu_path_setting():
 ])
 def test_tpu_mlp_matches_the_xla_layer(dtype, lead, H, I, block_i):
     from jax.experimental.pallas import tpu as pltpu
-    from dflash_jax.modeling.layers import gated_silu
+    from dflash_jax.models.layers import gated_silu
     from pallas_kernels.fused_layer import tpu_mlp
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (*lead, H), jnp.float32).astype(dtype)
@@ -51,7 +51,7 @@ def test_tpu_mlp_matches_the_xla_layer(dtype, lead, H, I, block_i):
 def test_tpu_mlp_block_with_norm_and_residual_matches_the_xla_layer(dtype):
     """norm_weight: the layer's MLP block x + mlp(RMSNorm(x)), as DecoderLayer.attn_mlp in XLA ops."""
     from jax.experimental.pallas import tpu as pltpu
-    from dflash_jax.modeling.layers import RMSNorm, gated_silu
+    from dflash_jax.models.layers import RMSNorm, gated_silu
     from pallas_kernels.fused_layer import tpu_mlp
     H, I = 256, 384
     k = jax.random.split(jax.random.key(3), 4)
@@ -73,7 +73,7 @@ def test_tpu_mlp_row_scale_is_the_next_norms_scale():
     """row_scale_eps: the kernel also returns rsqrt(mean(y²) + eps) of its output rows, and
     RMSNorm.scaled with it is the next RMSNorm of y (the reduction done in the kernel)."""
     from jax.experimental.pallas import tpu as pltpu
-    from dflash_jax.modeling.layers import RMSNorm, RowScale
+    from dflash_jax.models.layers import RMSNorm, RowScale
     from pallas_kernels.fused_layer import tpu_mlp
     H, I = 256, 256
     k = jax.random.split(jax.random.key(5), 4)

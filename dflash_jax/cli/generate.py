@@ -275,7 +275,8 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """Hub ids → local directories, the draft first (a typo in it must not wait for the target's
     download); then the configs, checked against each other and the length limits before any weight
     is read. Sets args.model_dir / args.draft_dir; returns the target's TargetConfig."""
-    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax import drafts, models
+    from dflash_jax.config import TargetConfig, read_json
     from dflash_jax.weights import resolve_model_dir
 
     offline = go_offline_if_unreachable([args.model, args.draft, args.tokenizer])
@@ -286,7 +287,7 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
             if not os.path.isdir(args.draft):
                 progress(f"fetching draft {args.draft} from the hub (or its cache)")
             args.draft_dir = resolve_model_dir(args.draft)
-            draft_cfg = DraftConfig.from_pretrained(args.draft_dir)
+            draft_cfg = drafts.read_config(read_json(args.draft_dir))
         except _LOAD_ERRORS as e:
             parser.error(f"--draft {args.draft}: {_one_line(e)}{hint}")
     try:
@@ -296,7 +297,7 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
             if not os.path.isdir(args.model):
                 progress(f"fetching model {args.model} from the hub (or its cache)")
             args.model_dir = resolve_model_dir(args.model)
-            cfg = TargetConfig.from_pretrained(args.model_dir)
+            cfg = models.read_config(read_json(args.model_dir))
     except _LOAD_ERRORS as e:
         parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
                      f"{_one_line(e)}{hint}")

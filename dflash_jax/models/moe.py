@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
-from dflash_jax.modeling.layers import _init
+from dflash_jax.models.layers import _init
 
 __all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
 
@@ -121,7 +121,9 @@ class MoE(nnx.Module):
             rec.append(idx)
         return experts(x, w, idx, gate_up, down, gmm_impl=gmm_impl, first_expert=first_expert).reshape(B, T, H)
 
-    def __call__(self, h, kernels: KernelConfig | None = None):
+    def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
+        """h [B, T, H] already normed -> [B, T, H] (groups: the dense MLP's TP layout, unused: the
+        experts are split whole over the mesh instead)."""
         gmm_impl = kernels.moe_gmm if kernels is not None else "xla"
         router, gate_up, down = self.router[...], self.experts_gate_up[...], self.experts_down[...]
         mesh = sharding.current_mesh()

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from dflash_jax.modeling.draft import DFlashDraft
+from dflash_jax.drafts.dflash import DFlashDraft
 
 __all__ = ["export_draft", "draft_tensors", "draft_config_json"]
 

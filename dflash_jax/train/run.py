@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.config import DraftConfig
-from dflash_jax.modeling.draft import DFlashDraft
-from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax.drafts.dflash import DFlashDraft
+from dflash_jax.models.stack import CausalLM
 from dflash_jax.train.checkpoint import RunCheckpoints, check_contract
 from dflash_jax.train.data import DataError, TokenData
 from dflash_jax.train.step import StepConfig, Trainer, TrainState, init_state, make_mesh, split_draft
@@ -104,7 +104,7 @@ def _plot(records: list, path: str) -> None:
     plt.close(fig)
 
 
-def eval_tau(target: Qwen3, draft: DFlashDraft, prompts, max_new_tokens: int, attention_impl: str = "auto") -> float:
+def eval_tau(target: CausalLM, draft: DFlashDraft, prompts, max_new_tokens: int, attention_impl: str = "auto") -> float:
     """Mean acceptance length of our real speculative loop (greedy) on `prompts`."""
     from dflash_jax.decode import generate
     res = generate(target, draft, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
@@ -113,7 +113,7 @@ def eval_tau(target: Qwen3, draft: DFlashDraft, prompts, max_new_tokens: int, at
     return float(np.mean(lengths)) if lengths else float("nan")
 
 
-def train(target: Qwen3, draft: DFlashDraft | DraftConfig, data: TokenData, step_cfg: StepConfig | None = None,
+def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, step_cfg: StepConfig | None = None,
           run: RunConfig | None = None, *, mesh=None, **step_kw) -> RunResult:
     """Train `draft` (a module: random or loaded, to fine-tune; or a DraftConfig: random init) against
     the frozen `target` on `data`. Resumes from run.out_dir/checkpoints when one exists (the contract

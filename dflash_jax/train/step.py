@@ -19,8 +19,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.modeling.draft import DFlashDraft
-from dflash_jax.modeling.qwen3 import Qwen3
+from dflash_jax.drafts.dflash import DFlashDraft
+from dflash_jax.models.stack import CausalLM
 from dflash_jax.train.anchors import anchor_key, sample_anchors
 from dflash_jax.train.loss import block_labels, block_loss_sums, default_gamma
 from dflash_jax.train.packed import TRAIN_ATTENTION, block_tokens, draft_forward
@@ -102,7 +102,7 @@ def make_mesh(devices=None) -> Mesh:
     return Mesh(devs.reshape(-1), ("data",))
 
 
-def target_features(target: Qwen3, tokens, cfg: StepConfig):
+def target_features(target: CausalLM, tokens, cfg: StepConfig):
     """The frozen target's taps [B, T, n·H] of the whole sequence (no gradient): prefill from a fresh
     cache of capacity T, the same forward inference runs."""
     B, T = tokens.shape
@@ -112,7 +112,7 @@ def target_features(target: Qwen3, tokens, cfg: StepConfig):
     return jax.lax.stop_gradient(feats)
 
 
-def loss_and_metrics(params, draft_def, target: Qwen3, tokens, loss_mask, sample_ids, epoch, cfg: StepConfig,
+def loss_and_metrics(params, draft_def, target: CausalLM, tokens, loss_mask, sample_ids, epoch, cfg: StepConfig,
                      dense: bool = False, feats=None):
     """(loss, metrics) of the draft with master `params` on a batch: tokens, loss_mask [B, T],
     sample_ids [B] (anchor keys), epoch [] int32; feats: the target's taps when computed already."""
@@ -175,7 +175,7 @@ class Trainer:
     """The compiled step over a mesh. `step(state, tokens, loss_mask, sample_ids, epoch)` → (state,
     metrics); the state is donated. tokens / loss_mask [B, T] (B a multiple of the 'data' axis)."""
 
-    def __init__(self, target: Qwen3, draft_def, cfg: StepConfig, mesh: Mesh | None = None):
+    def __init__(self, target: CausalLM, draft_def, cfg: StepConfig, mesh: Mesh | None = None):
         self.cfg, self.mesh = cfg, mesh or make_mesh()
         self.target_def, target_state = nnx.split(target)
         self.draft_def = draft_def

@@ -136,7 +136,7 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, *refs, scale: flo
 
 
 def _norm_rope(x, cos, sin, w, eps: float):
-    """modeling.layers' q_norm then RoPE of one head's rows x [bt, D], with its roundings: the norm
+    """models.layers' q_norm then RoPE of one head's rows x [bt, D], with its roundings: the norm
     in float32 cast to x's dtype and scaled by the weight in that dtype, the rotation in float32.
     rotate_half as a lane roll by D/2 ([x1 | x2] -> [x2 | x1]) times the signed sin [-sin | sin]."""
     dt = x.dtype
@@ -212,12 +212,12 @@ def fused_q_supported(T: int, t0: int, Hq: int, Hkv: int, D: int, C: int, dtype)
 def block_attention_qkv(qkv, cos, sin, q_norm_weight, eps: float, k_cache, v_cache, k_end, *,
                         num_heads: int, t0: int = 0, scale: float | None = None, interpret=False):
     """Block attention that reads its queries straight out of the fused projection's output and
-    applies q_norm and RoPE itself (modeling.layers' roundings), so q never exists in HBM in
+    applies q_norm and RoPE itself (models.layers' roundings), so q never exists in HBM in
     [B, T, Hq, D] form (on TPU that view is a relayout of the matmul's [rows, Hq*D] tiles).
 
     qkv [B, t0 + T, N] with the q heads in columns [0, num_heads*D) (the plain [q | k | v] layout);
     the queries are rows [t0, t0 + T) (the draft's block after its context rows). cos, sin [B, T, D/2]
-    float32 (modeling.layers.rope_tables at the queries' positions); q_norm_weight [D].
+    float32 (models.layers.rope_tables at the queries' positions); q_norm_weight [D].
     Returns o [B, T, num_heads*D], the layout the o-projection reads. Raises Unsupported where
     fused_q_supported is false."""
     B, Tall, N = qkv.shape

@@ -255,7 +255,7 @@ def write_kv_rows_qkv(k_cache, v_cache, qkv, cos, sin, k_norm_weight, eps: float
                       ctx_start=None, interpret=False):
     """write_kv_rows for K/V taken straight out of the fused projection's output: rows [t0, t0 + T)
     of qkv [B, Tall, (Hq + 2 Hkv) D] (the plain [q | k | v] layout), k normed (k_norm_weight [D],
-    eps) and rotated (cos, sin [B, T, D/2] float32 at those rows' positions) with modeling.layers'
+    eps) and rotated (cos, sin [B, T, D/2] float32 at those rows' positions) with models.layers'
     roundings, written at cache rows [start[b], start[b] + T). The kernel reads the k and v column
     blocks itself, so k never exists in HBM as [B, T, Hkv, D] (a relayout copy of the matmul's tiles
     on TPU) and nothing is padded. Raises Unsupported where qkv_supported is false.

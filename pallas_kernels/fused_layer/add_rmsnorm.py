@@ -31,7 +31,7 @@ def add_rmsnorm_supported(H: int) -> bool:
 
 
 def add_rmsnorm(x, y, weight, eps: float, *, interpret=False):
-    """(x + y, RMSNorm(x + y) * weight) for x, y [..., H] of one dtype, as modeling.layers computes
+    """(x + y, RMSNorm(x + y) * weight) for x, y [..., H] of one dtype, as models.layers computes
     them (the sum rounded to the input dtype, the norm in float32, cast back, times the weight)."""
     H = x.shape[-1]
     if x.shape != y.shape or x.dtype != y.dtype or not add_rmsnorm_supported(H):

@@ -19,7 +19,7 @@ from pallas_kernels._common import HEAD_DIMS as _HEAD_DIMS, Unsupported, pltrito
 # six small kernels per layer (two row reductions, two elementwise fusions, two dynamic-update-slices;
 # each launch-bound at these sizes). This kernel does all of it in one launch: one program per
 # (batch row, head), q heads first, then kv heads. The caches are updated in place
-# (input_output_aliases). Numerics follow modeling.layers exactly: RMSNorm in float32, cast back,
+# (input_output_aliases). Numerics follow models.layers exactly: RMSNorm in float32, cast back,
 # times the weight in the input dtype; RoPE in float32 from that, cast back.
 
 def _prologue_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, start_ref, ctx_start_ref, kc_in, vc_in,

@@ -15,7 +15,7 @@ With row_scale_eps, the kernel also returns the output rows' RMS scale rsqrt(mea
 ([M, 1] float32, from y rounded to its dtype): the next RMSNorm of y (the next layer's input norm,
 or the final norm) is then elementwise, fused into its matmul, with no reduction pass over y in HBM.
 
-Numerics as modeling.layers: the matmuls accumulate in float32 and round to the input dtype, silu·up
+Numerics as models.layers: the matmuls accumulate in float32 and round to the input dtype, silu·up
 in the input dtype, the down projection accumulated in float32 over all of I and rounded once.
 """
 
@@ -51,7 +51,7 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        if norm:   # modeling.layers.RMSNorm: float32, cast back, times the weight in x's dtype
+        if norm:   # models.layers.RMSNorm: float32, cast back, times the weight in x's dtype
             xf = x_ref[...].astype(jnp.float32)
             xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
             h_sc[...] = (nw_ref[...].astype(jnp.float32) * xf.astype(dt).astype(jnp.float32)).astype(dt)
@@ -69,7 +69,7 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps
         if norm:   # the residual: x + mlp(norm(x)), the sum rounded to x's dtype
             y = (x_ref[...].astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
         o_ref[...] = y
-        if s_ref is not None:   # the next RMSNorm's scale of y (modeling.layers.RMSNorm's float32)
+        if s_ref is not None:   # the next RMSNorm's scale of y (models.layers.RMSNorm's float32)
             yf = y.astype(jnp.float32)
             s_ref[...] = jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + scale_eps)
 

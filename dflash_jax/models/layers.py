@@ -13,6 +13,7 @@ The draft reuses `DecoderLayer` unchanged: its context tokens go through the sam
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -56,16 +57,34 @@ class RowScale(NamedTuple):
     eps: float
 
 
-def rope_tables(positions, D: int, theta: float):
-    """cos, sin [B, T, D/2] float32 of the rotary angles at positions [B, T]."""
+def inv_frequencies(D: int, theta: float, scaling=None):
+    """The rotary inverse frequencies [D/2] float32: theta^(-2i/D), then, with a `rope_type: llama3`
+    scaling (config.RopeScaling), HF's llama3 rule: wavelengths 2π/f above original / low_freq_factor
+    divided by `factor`, those below original / high_freq_factor kept, the band between smoothly
+    interpolated."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))      # [D/2]
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq                       # [B, T, D/2]
+    if scaling is None:
+        return inv_freq
+    old, lo, hi, factor = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
+                           scaling.high_freq_factor, scaling.factor)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(positions, D: int, theta: float, scaling=None):
+    """cos, sin [B, T, D/2] float32 of the rotary angles at positions [B, T] (scaling: a llama3
+    RopeScaling or None)."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_frequencies(D, theta, scaling)  # [B, T, D/2]
     return jnp.cos(ang), jnp.sin(ang)
 
 
-def rope(x, positions, theta: float):
+def rope(x, positions, theta: float, scaling=None):
     """Rotary embedding, HF `rotate_half` convention. x [B, T, N, D], positions [B, T] int32."""
-    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    cos, sin = rope_tables(positions, x.shape[-1], theta, scaling)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -90,10 +109,24 @@ def add_norm(x, y, norm: RMSNorm, kernels: KernelConfig):
 
 
 class MLP(nnx.Module):
-    """The MLP's weights; DecoderLayer._finish applies them: down(gated_silu(x @ gate_up))."""
-    def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs):
+    """The MLP's weights: down(gated_silu(x @ gate_up + gate_up_bias)) + down_bias (biases: the
+    Llama family's mlp_bias; None elsewhere)."""
+    def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs, bias: bool = False):
         self.gate_up = _init(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
         self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
+        self.gate_up_bias = nnx.Param(jnp.zeros((2 * inter,), dtype)) if bias else None   # [2I]
+        self.down_bias = nnx.Param(jnp.zeros((hidden,), dtype)) if bias else None         # [H]
+
+    def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
+        """The MLP of already-normed rows h [..., H] (gate_up in the fused layout of `groups`;
+        kernels: unused here, the MoE block's grouped matmul reads it)."""
+        y = gated_silu(_bias(h @ self.gate_up[...], self.gate_up_bias), groups) @ self.down[...]
+        return _bias(y, self.down_bias)
+
+
+def _bias(y, b):
+    """y + b, or y where the layer has no such bias."""
+    return y if b is None else y + b[...]
 
 
 def gated_silu(y, groups: int = 1):
@@ -105,11 +138,14 @@ def gated_silu(y, groups: int = 1):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + SwiGLU MLP, Qwen3 style (q_norm / k_norm before RoPE, GQA)."""
+    """Pre-norm attention + SwiGLU MLP with GQA: Qwen3 style (q_norm / k_norm before RoPE) by
+    default; qk_norm=False and the bias flags give the Llama layer. RoPE (theta, llama3 scaling)
+    from cfg."""
 
-    def __init__(self, cfg, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs, *, qk_norm: bool = True, attention_bias: bool = False,
+                 mlp_bias: bool = False, mlp: nnx.Module | None = None):
         """mlp: the MLP block (default: the dense SwiGLU MLP of cfg.intermediate_size); another
-        block (the MoE block) is called as mlp(h [B, T, H], kernels) -> [B, T, H]."""
+        block (the MoE block) is called the same way: mlp(h [B, T, H], groups, kernels) -> [B, T, H]."""
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
         # Tensor parallelism: qkv / gate_up in the fused layout of this many shards (each shard's
@@ -118,13 +154,32 @@ class DecoderLayer(nnx.Module):
         # loaders set both; 1 is the plain [q | k | v] layout.
         self.qkv_groups = 1
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = getattr(cfg, "rope_scaling", None)
+        W = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.qkv = _init(rngs, (H, (cfg.num_heads + 2 * cfg.num_kv_heads) * D), dtype, H ** -0.5)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.qkv = _init(rngs, (H, W), dtype, H ** -0.5)
+        self.qkv_bias = nnx.Param(jnp.zeros((W,), dtype)) if attention_bias else None   # [W], qkv's layout
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.o = _init(rngs, (cfg.num_heads * D, H), dtype, (cfg.num_heads * D) ** -0.5)
+        self.o_bias = nnx.Param(jnp.zeros((H,), dtype)) if attention_bias else None
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs) if mlp is None else mlp
+        self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs, bias=mlp_bias) if mlp is None else mlp
+
+    def _rope_tables(self, positions):
+        return rope_tables(positions, self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def _rope(self, x, positions, norm):
+        """RoPE of x [B, T, N, D] at positions, after `norm` (q_norm / k_norm; None: the Llama layer)."""
+        return rope(x if norm is None else norm(x), positions, self.rope_theta, self.rope_scaling)
+
+    def _project(self, h):
+        """The fused projection h @ qkv (+ its bias)."""
+        return _bias(h @ self.qkv[...], self.qkv_bias)
+
+    def _o_proj(self, o):
+        """o [B, T, Hq, D] or [B, T, Hq·D] → o_proj(o) [B, T, H] (+ its bias)."""
+        return _bias(o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...], self.o_bias)
 
     def _split_heads(self, qkv):
         """q [B, T, Hq, D], k, v [B, T, Hkv, D] of the fused projection (its layout: qkv_groups)."""
@@ -134,20 +189,20 @@ class DecoderLayer(nnx.Module):
         """The XLA path's attention inputs of already-normed rows h [B, T, H] at positions [B, T]:
         q [B, T, Hq, D], k, v [B, T, Hkv, D], q and k normed and rotated. Training's packed-block
         forward calls this and `attn_mlp` around its own attention (dflash_jax.train)."""
-        return self._heads(h @ self.qkv[...], positions, positions)
+        return self._heads(self._project(h), positions, positions)
 
     def _heads(self, qkv, positions, k_positions):
         """q, k, v of the fused projection's output qkv [B, Tk, (Hq + 2 Hkv) D]: q of its last T
         rows (positions [B, T]) and k of all Tk rows (k_positions [B, Tk]), normed and rotated."""
         q, k, v = self._split_heads(qkv)
-        q = rope(self.q_norm(q[:, -positions.shape[1]:]), positions, self.rope_theta)   # [B, T, Hq, D]
-        return q, rope(self.k_norm(k), k_positions, self.rope_theta), v                 # [B, Tk, Hkv, D]
+        q = self._rope(q[:, -positions.shape[1]:], positions, self.q_norm)    # [B, T, Hq, D]
+        return q, self._rope(k, k_positions, self.k_norm), v                  # [B, Tk, Hkv, D]
 
     def _tpu_fused_q(self, kernels: KernelConfig, T: int, Tc: int, k_cache, dtype, prefill: bool) -> bool:
         """The loop's blocks on the TPU attention path, plain qkv layout, one device (a mesh runs the
         attention per shard on split heads), a shape the kernel tiles."""
         from dflash_jax import sharding
-        if prefill or self.qkv_groups != 1 or kernels.attention not in TPU_PATHS or \
+        if prefill or self.q_norm is None or self.qkv_groups != 1 or kernels.attention not in TPU_PATHS or \
                 sharding.current_mesh() is not None:
             return False
         from pallas_kernels.attention import tpu as tpu_attention
@@ -169,17 +224,17 @@ class DecoderLayer(nnx.Module):
     def attn_mlp(self, x, o, kernels: KernelConfig | None = None):
         """The rest of the layer after attention, in XLA ops: x [B, T, H] the layer input, o
         [B, T, Hq, D] the attention output → x + o_proj(o), then the SwiGLU MLP with its residual."""
-        return self._mlp_block(x + o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...], kernels)[0]
+        return self._mlp_block(x + self._o_proj(o), kernels)[0]
 
     def _mlp_block(self, x, kernels: KernelConfig | None, row_scale: bool = False):
         """(x + mlp(norm(x)), None), or with row_scale on the TPU MLP kernel's path (x + ...,
         RowScale of it with the input norm's eps, for the next RMSNorm)."""
         norm = self.post_attention_layernorm
-        if not isinstance(self.mlp, MLP):   # a family's own MLP block (the MoE block): XLA ops around it
-            return x + self.mlp(norm(x), kernels), None
-        gu, down = self.mlp.gate_up[...], self.mlp.down[...]
         from dflash_jax import sharding
-        if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 and sharding.current_mesh() is None:
+        # (a family's own MLP block, the MoE block, is not a dense MLP: XLA ops around it, below)
+        if isinstance(self.mlp, MLP) and kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 \
+                and sharding.current_mesh() is None and self.mlp.down_bias is None:
+            gu, down = self.mlp.gate_up[...], self.mlp.down[...]
             # on the TPU path, one device: norm, MLP and residual as one Pallas kernel (the normed
             # rows and the [rows, I] intermediate stay in VMEM); a mesh keeps XLA's partitioned ops
             from pallas_kernels.fused_layer import tpu_mlp
@@ -189,7 +244,7 @@ class DecoderLayer(nnx.Module):
                 out = tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
                                   row_scale_eps=eps, interpret=_interpret(kernels))  # [B, T, H]
                 return (out[0], RowScale(out[1], eps)) if row_scale else (out, None)
-        return x + gated_silu(norm(x) @ gu, self.qkv_groups) @ down, None
+        return x + self.mlp(norm(x), self.qkv_groups, kernels), None
 
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
@@ -200,10 +255,13 @@ class DecoderLayer(nnx.Module):
         # the slice is per shard, so under TP it reads only local columns
         kv_w = w.reshape(w.shape[0], G, -1)[..., (Hq // G) * D:].reshape(w.shape[0], -1)  # [H, 2 Hkv D]
         kv = ctx @ kv_w
+        if self.qkv_bias is not None:
+            b = self.qkv_bias[...]
+            kv = kv + b.reshape(G, -1)[:, (Hq // G) * D:].reshape(-1)
         B, T, _ = kv.shape
         kv = kv.reshape(B, T, G, 2, Hkv // G, D)
         k, v = kv[:, :, :, 0].reshape(B, T, Hkv, D), kv[:, :, :, 1].reshape(B, T, Hkv, D)
-        return rope(self.k_norm(k), positions, self.rope_theta), v
+        return self._rope(k, positions, self.k_norm), v
 
     def __call__(self, x, residual, positions, k_cache, v_cache, k_end, kernels: KernelConfig, *,
                  context: DraftContext | None = None, prefill: bool = False):
@@ -223,7 +281,7 @@ class DecoderLayer(nnx.Module):
         # the fused GPU prologue reads the plain [q | k | v] layout: one device's, or each shard's
         # under a mesh in the fused layout (attention.fused_prologue checks the layout)
         G = self.qkv_groups
-        fused = not prefill and fused_prologue(kernels, T, self.head_dim, G) and (
+        fused = not prefill and self.q_norm is not None and fused_prologue(kernels, T, self.head_dim, G) and (
             not Tc or fused_prologue(kernels, Tc, self.head_dim, G))
         if isinstance(residual, RowScale):
             h = self.input_layernorm.scaled(x, residual)
@@ -235,11 +293,11 @@ class DecoderLayer(nnx.Module):
         if Tc:   # the context rows go through the same projection: one weight read for both
             hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)      # [B, Tc+T, H]
             k_pos = jnp.concatenate([context.positions, positions], axis=1)        # [B, Tc+T]
-        qkv = hin @ self.qkv[...]
+        qkv = self._project(hin)
         o = None
         if fused:
             # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
-            cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)
+            cos, sin = self._rope_tables(k_pos)
             q, k_cache, v_cache = qk_norm_rope_write(
                 qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
                 self.q_norm.eps, k_cache, v_cache, write_start, kernels, num_heads=self.num_heads,
@@ -249,7 +307,7 @@ class DecoderLayer(nnx.Module):
             # would be a relayout copy of the matmul's output (q is read the same way below)
             from pallas_kernels.attention import tpu_cache_write
             # one call for the draft's context rows and its block (the context ends at the block)
-            cos, sin = rope_tables(k_pos, self.head_dim, self.rope_theta)           # [B, Tc+T, D/2]
+            cos, sin = self._rope_tables(k_pos)                                     # [B, Tc+T, D/2]
             k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
                 k_cache, v_cache, qkv, cos, sin, self.k_norm.weight[...], self.k_norm.eps, write_start,
                 num_heads=self.num_heads, t0=Tc, T=T, ctx_rows=Tc,
@@ -267,21 +325,17 @@ class DecoderLayer(nnx.Module):
             # the TPU kernel reads q out of qkv and norms/rotates it itself: q in [B, T, Hq, D] would
             # be a relayout copy of the matmul's output on TPU (the XLA q above is then unused)
             from pallas_kernels.attention import tpu as tpu_attention
-            cos, sin = rope_tables(positions, self.head_dim, self.rope_theta)       # [B, T, D/2]
+            cos, sin = self._rope_tables(positions)                                 # [B, T, D/2]
             o = tpu_attention.block_attention_qkv(
                 qkv, cos, sin, self.q_norm.weight[...], self.q_norm.eps, k_cache, v_cache, k_end,
                 num_heads=self.num_heads, t0=Tc, interpret=_interpret(kernels))    # [B, T, Hq*D]
         if o is None:
             o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
         if not fused_add_norm(kernels, T, x.shape[-1]):
-            x, scale = self._mlp_block(x + o.reshape(o.shape[0], T, -1) @ self.o[...], kernels, row_scale=True)
+            x, scale = self._mlp_block(x + self._o_proj(o), kernels, row_scale=True)
             return x, scale, k_cache, v_cache
-        x, h = add_norm(x, o.reshape(o.shape[0], T, -1) @ self.o[...], self.post_attention_layernorm,
-                        kernels)
-        if isinstance(self.mlp, MLP):
-            mlp_out = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
-        else:
-            mlp_out = self.mlp(h, kernels)
+        x, h = add_norm(x, self._o_proj(o), self.post_attention_layernorm, kernels)
+        mlp_out = self.mlp(h, self.qkv_groups, kernels)
         if prefill:
             return x + mlp_out, None, k_cache, v_cache
         return x, mlp_out, k_cache, v_cache

@@ -17,7 +17,9 @@ from dflash_jax.cache import KVCache, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.sharding import argmax
-from dflash_jax.modeling.layers import DecoderLayer, DraftContext, RMSNorm, _init, run_layers
+from dflash_jax.drafts.variant import Variant
+from dflash_jax.models import qwen3
+from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, run_layers
 
 
 class DFlashDraft(nnx.Module):
@@ -88,3 +90,12 @@ class DFlashDraft(nnx.Module):
         # (sharding.fused_layout), and each copy has its own cache entry
         c = self.config
         return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
+
+
+# A z-lab draft's tensors outside its layers (no prefix, no embedding, no LM head); its layers are a
+# Qwen3 target's layer tensors without the `model.` prefix.
+TOP_WEIGHTS = {"fc.weight": (("fc",), "T"), "hidden_norm.weight": (("hidden_norm", "weight"), None),
+               "norm.weight": (("norm", "weight"), None)}
+
+VARIANT = Variant(architecture="DFlashDraftModel", config_class=DraftConfig, model=DFlashDraft,
+                  top_weights=TOP_WEIGHTS, layer_weights=qwen3.LAYER_WEIGHTS)

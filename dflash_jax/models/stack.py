@@ -1,7 +1,10 @@
-"""The Qwen3 target: one forward over (tokens, positions, KV cache, k_end) serves prefill (T = prompt
-bucket), multi-token verify (T = block size) and plain decode (T = 1). It returns the final-normed
-hidden states (the LM head is applied by the caller, only where logits are needed) and the DFlash
-taps: hidden states after the given layers (HF `hidden_states[id + 1]`), concatenated."""
+"""The decoder stack every dense target family shares: embedding, decoder layers (models/layers.py),
+final norm, LM head (tied or not). One forward over (tokens, positions, KV cache, k_end) serves
+prefill (T = prompt bucket), multi-token verify (T = block size) and plain decode (T = 1). It returns
+the final-normed hidden states (the LM head is applied by the caller, only where logits are needed)
+and the DFlash taps: hidden states after the given layers (HF `hidden_states[id + 1]`), concatenated.
+
+A family subclasses CausalLM and sets what its layers have (`layer_options`, DecoderLayer's keywords)."""
 
 from __future__ import annotations
 
@@ -11,18 +14,23 @@ from flax import nnx
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.cache import KVCache
 from dflash_jax.config import TargetConfig
-from dflash_jax.modeling.layers import DecoderLayer, RMSNorm, _init, run_layers
+from dflash_jax.models.layers import DecoderLayer, RMSNorm, _init, run_layers
 
 
-class Qwen3(nnx.Module):
+class CausalLM(nnx.Module):
     def __init__(self, config: TargetConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         H, V = config.hidden_size, config.vocab_size
         self.embed = _init(rngs, (V, H), dtype, 1.0)                             # [V, H]
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        opts = self.layer_options(config)
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs, **opts) for _ in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)  # [H, V]
+
+    def layer_options(self, config: TargetConfig) -> dict:
+        """DecoderLayer's keywords for this family (default: the Qwen3 layer)."""
+        return {}
 
     def embed_tokens(self, tokens):
         return jnp.take(self.embed[...], tokens, axis=0)                       # [B, T, H]
