@@ -187,6 +187,7 @@ def test_fold_stops_each_row_at_its_count():
 
 # ---------------------------------------------------------------------------------- whole model
 
+@pytest.mark.slow
 def test_prefill_logits_and_taps_match_transformers(pair):
     hf, ours = pair
     ids = np.random.RandomState(0).randint(0, 128, (2, 13))
@@ -200,7 +201,8 @@ def test_prefill_logits_and_taps_match_transformers(pair):
                                    out.hidden_states[layer + 1].numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("form", ["chunk", pytest.param("recurrent", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
 def test_padded_prefill_then_blocks_with_rollback_match_transformers(pair, form):
     """A padded prompt bucket (row 0: 6 of 10 tokens), prefill committed at the prompt length,
     then 4-token blocks of which only n[b] tokens are committed (the rest rejected): every
