@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from dflash_jax.validation import check_block_size, finite_float, positive_int
 
-__all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids", "RopeScaling",
+__all__ = ["TargetConfig", "Qwen3MoeConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids", "RopeScaling",
            "dense_fields", "read_json"]
 
 
@@ -193,6 +193,25 @@ class TargetConfig:
             return PRESETS[name.lower()]
         except KeyError:
             raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig(TargetConfig):
+    """A Qwen3-MoE causal LM (model_type "qwen3_moe"; its reader: dflash_jax.models.qwen3_moe).
+    intermediate_size is the dense layers' MLP width (and a draft's made by for_target)."""
+
+    model_type: str = "qwen3_moe"
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        """transformers' Qwen3MoeDecoderLayer rule: MoE unless in mlp_only_layers or off the step."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -415,4 +434,10 @@ PRESETS: dict[str, TargetConfig] = {
                                 num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
                                 max_position_embeddings=131072, tie_word_embeddings=True, model_type="llama",
                                 rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
+    # Qwen3-MoE (model_type qwen3_moe): 128 experts, top-8 renormalised, every layer sparse
+    "qwen3-coder-30b-a3b": Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, rope_theta=1e7, max_position_embeddings=262144,
+        tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=()),
 }
