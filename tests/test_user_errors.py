@@ -446,6 +446,7 @@ def test_skip_absent_tpu_leaves_a_chosen_platform_and_an_accelerator_alone(monke
 def test_no_libtpu_noise_off_a_tpu_vm():
     """With libtpu installed (the test extra) and no accelerator attached, JAX's TPU probe prints
     libtpu's errors; after skip_absent_tpu (what every CLI calls first) nothing is printed."""
+    import importlib.util
     import subprocess
     import sys
     if importlib.util.find_spec("libtpu") is None or gen_cli._accelerator_attached():
