@@ -177,6 +177,36 @@ if not CHILD:
         draft = jax.eval_shape(lambda: init_draft(dc, dtype="bfloat16"))
         assert draft.layers[0].q_norm is not None and len(draft.layers) == 5
 
+    def _llama_style_tokenizer():
+        """A word-level tokenizer that adds <|begin_of_text|> on encode, as Llama-3's does, with a chat
+        template that writes it too (Llama-3's starts with {{ bos_token }})."""
+        from tokenizers import Tokenizer, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+        words = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "user",
+                 "assistant", "hi", "[UNK]"]
+        t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        t.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                         special_tokens=[("<|begin_of_text|>", 0)])
+        tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                      unk_token="[UNK]")
+        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]})
+        tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|> {{ m['role'] }} "
+                             "<|end_header_id|> {{ m['content'] }} <|eot_id|> {% endfor %}"
+                             "{% if add_generation_prompt %}<|start_header_id|> assistant <|end_header_id|> {% endif %}")
+        return tok
+
+    def test_chat_template_gives_one_bos_and_eos_lists_are_kept():
+        from dflash_jax.data import apply_chat_template
+        from dflash_jax.text import eos_token_ids
+        tok = _llama_style_tokenizer()
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        assert tok.encode(text)[:2] == [0, 0]          # what a plain encode would give: a double BOS
+        ids = apply_chat_template(tok, "hi")
+        assert ids[0] == 0 and ids.count(0) == 1
+        # Llama-3 Instruct's generation_config.eos_token_id is a list: every id stops, the tokenizer's too
+        assert eos_token_ids(tok, [128001, 128008, 128009]) == [128001, 128008, 128009, 1]
+
     @pytest.mark.slow
     def test_llama_on_a_2x2_mesh_is_one_device(tmp_path):
         path = write_llama(str(tmp_path / "t"), tie=True, bias=True, seed=13, num_layers=2)
