@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from dflash_jax.validation import check_block_size, finite_float, positive_int
 
-__all__ = ["TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids", "RopeScaling",
+__all__ = ["TargetConfig", "Qwen3MoeConfig", "DraftConfig", "ConfigError", "PRESETS", "default_target_layer_ids", "RopeScaling",
            "dense_fields", "read_json"]
 
 
@@ -99,12 +99,12 @@ def dense_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
     )
 
 
-def _qwen3_fields(d: Mapping[str, Any], what: str) -> dict[str, Any]:
+def _qwen3_fields(d: Mapping[str, Any], what: str, sliding_ok: bool = False) -> dict[str, Any]:
     """dense_fields of a Qwen3-style stack (the DFlash draft's): no attention bias, no sliding window."""
     q = dense_fields(d, what)
     if d.get("attention_bias"):
         raise ConfigError(f"{what}: attention_bias=True is not supported (Qwen3 has no attention bias)")
-    if d.get("use_sliding_window"):
+    if d.get("use_sliding_window") and not sliding_ok:   # drafts read layer_types instead
         raise ConfigError(f"{what}: use_sliding_window=True is not supported")
     return q
 
@@ -195,12 +195,84 @@ class TargetConfig:
             raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig(TargetConfig):
+    """A Qwen3-MoE causal LM (model_type "qwen3_moe"; its reader: dflash_jax.models.qwen3_moe).
+    intermediate_size is the dense layers' MLP width (and a draft's made by for_target)."""
+
+    model_type: str = "qwen3_moe"
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        """transformers' Qwen3MoeDecoderLayer rule: MoE unless in mlp_only_layers or off the step."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
     """The z-lab default taps: round(1 + i * (L - 4) / (n - 1)); [L // 2] for a single tap."""
     if num_taps == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+def _layer_fields(d: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """layer_types / sliding_window / is_causal of a draft config.json (top level, as the reference
+    reads them). The window is read whether or not use_sliding_window is set, as the reference's MLX
+    port does (transformers' Qwen3Config drops it without use_sliding_window)."""
+    types = d.get("layer_types") or ()
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers:
+        raise ConfigError(f"draft: layer_types must list {num_layers} layer types, got {types!r}")
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ConfigError(f"draft: layer_types {bad} are not supported (full_attention, sliding_attention)")
+    window = None
+    if "sliding_attention" in types:
+        window = d.get("sliding_window")
+        if window is None:
+            raise ConfigError("draft: sliding_attention layers need sliding_window")
+        _positive(d, "sliding_window", "draft")
+        window = int(window)
+    is_causal = d.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise ConfigError(f"draft: is_causal must be true, false or absent, got {is_causal!r}")
+    return dict(layer_types=tuple(types) if "sliding_attention" in types else (), sliding_window=window,
+                is_causal=is_causal)
+
+
+def _dflash2_fields(d: Mapping[str, Any], dcfg: Mapping[str, Any], dflash2: bool, q: dict) -> dict[str, Any]:
+    """The DFlash2 fields (dflash_config first, then the top level, as the reference's _draft_value)."""
+    def value(name, default=None):
+        return dcfg.get(name, d.get(name, default))
+    mult, cap = value("output_multiplier", 1.0), value("final_logit_softcapping")
+    if not dflash2:
+        if float(mult) != 1.0:
+            raise ConfigError(f"draft: output_multiplier={mult} is not supported (DFlash-1 drafts use 1.0)")
+        if cap:
+            raise ConfigError("draft: final_logit_softcapping is not supported for DFlash-1 drafts")
+        return {}
+    out = {}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        v = value(name)
+        if v is None:
+            raise ConfigError(f"draft: a DFlash2DraftModel config needs {name}")
+        try:
+            out[name] = positive_int(v, name, "draft")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if q["hidden_size"] % out["conv_group_size"]:
+        raise ConfigError(f"draft: conv_group_size={out['conv_group_size']} does not divide "
+                          f"hidden_size={q['hidden_size']}")
+    if out["selector_top_k"] > q["vocab_size"]:
+        raise ConfigError(f"draft: selector_top_k={out['selector_top_k']} is above vocab_size={q['vocab_size']}")
+    return dict(out, architecture="DFlash2DraftModel", output_multiplier=float(mult),
+                final_logit_softcapping=float(cap) if cap else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +294,40 @@ class DraftConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
     rope_scaling: RopeScaling | None = None
+    # Per-layer attention (reference model.py Qwen3DFlashAttention): "full_attention" or
+    # "sliding_attention" per layer (() = all full); the window W of sliding layers (a block row at
+    # position p sees context keys > p - W); is_causal None = causal iff the layer slides.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    # DFlash2 (architectures ["DFlash2DraftModel"]): a grouped dynamic causal conv around every
+    # sublayer (conv_kernel_size taps, conv_group_size channels per group; 0 = none) and a candidate
+    # selector over the top selector_top_k of each slot (selector_rank; 0 = argmax drafts).
+    architecture: str = "DFlashDraftModel"
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of draft layer i, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types and self.layer_types[i] == "sliding_attention" else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether draft layer i's block attends causally: the explicit is_causal, else the
+        reference's default (sliding layers causal, full layers not)."""
+        return self.layer_window(i) is not None if self.is_causal is None else bool(self.is_causal)
+
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer full and non-causal: the DFlash-1 block attention."""
+        return all(self.layer_window(i) is None and not self.layer_causal(i) for i in range(self.num_layers))
 
     def __post_init__(self):
         _check_numbers(self, "draft")
@@ -232,7 +338,7 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DraftConfig":
-        q = _qwen3_fields(d, "draft")
+        q = _qwen3_fields(d, "draft", sliding_ok=True)
         dcfg = d.get("dflash_config") or {}
         mask = dcfg.get("mask_token_id", d.get("mask_token_id"))
         if mask is None:
@@ -246,20 +352,16 @@ class DraftConfig:
             raise ConfigError(f"draft: target_layer_ids={taps!r} must be a list of layer indices")
         taps = tuple(_int(t, "target_layer_ids", "draft", 0) for t in taps) if taps \
             else default_target_layer_ids(n_target, q["num_layers"])
-        for name in ("output_multiplier", "input_embedding_scale"):
-            v = dcfg.get(name, d.get(name, 1.0))
-            if _float(v, name, "draft") != 1.0:
-                raise ConfigError(f"draft: {name}={v} is not supported (DFlash-1 drafts use 1.0)")
-        if dcfg.get("final_logit_softcapping", d.get("final_logit_softcapping")):
-            raise ConfigError("draft: final_logit_softcapping is not supported")
-        # The reference turns the draft's attention causal for these; ours is the non-causal DFlash block.
-        if d.get("is_causal"):
-            raise ConfigError("draft: is_causal=True is not supported (DFlash draft attention is non-causal)")
-        if any(t != "full_attention" for t in d.get("layer_types") or []):
-            raise ConfigError(f"draft: layer_types {d['layer_types']} is not supported (only full_attention)")
+        v = dcfg.get("input_embedding_scale", d.get("input_embedding_scale", 1.0))
+        if _float(v, "input_embedding_scale", "draft") != 1.0:
+            raise ConfigError(f"draft: input_embedding_scale={v} is not supported (DFlash drafts use 1.0)")
+        archs = d.get("architectures") or ["DFlashDraftModel"]
+        dflash2 = "DFlash2DraftModel" in (archs if isinstance(archs, (list, tuple)) else [archs])
+        extra = _layer_fields(d, q["num_layers"]) | _dflash2_fields(d, dcfg, dflash2, q)
         # as the reference's _draft_value: dflash_config first, then the top level
         block = _int(dcfg.get("block_size", d.get("block_size", 16)), "block_size", "draft", 1)
-        return cls(**q, block_size=block, num_target_layers=n_target, mask_token_id=mask, target_layer_ids=taps)
+        return cls(**q, block_size=block, num_target_layers=n_target, mask_token_id=mask, target_layer_ids=taps,
+                   **extra)
 
     @classmethod
     def from_pretrained(cls, path: str) -> "DraftConfig":
@@ -281,6 +383,8 @@ class DraftConfig:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target vocab of {target.vocab_size}")
         if self.block_size < 1:
             problems.append(f"block_size {self.block_size} < 1")
+        if self.selector_top_k > target.vocab_size:
+            problems.append(f"selector_top_k {self.selector_top_k} > target vocab_size {target.vocab_size}")
         if problems:
             raise ConfigError("draft does not fit the target: " + "; ".join(problems))
 
@@ -330,4 +434,10 @@ PRESETS: dict[str, TargetConfig] = {
                                 num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
                                 max_position_embeddings=131072, tie_word_embeddings=True, model_type="llama",
                                 rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
+    # Qwen3-MoE (model_type qwen3_moe): 128 experts, top-8 renormalised, every layer sparse
+    "qwen3-coder-30b-a3b": Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, rope_theta=1e7, max_position_embeddings=262144,
+        tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=()),
 }

@@ -30,6 +30,13 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
   attention_tuning  overrides of pallas_kernels.attention.gpu.default_config, as (name, value)
                     pairs (benchmarks' on-device A/B of launch settings)
 
+moe_gmm (the grouped matmul of MoE targets' expert layers, pallas_kernels/moe):
+  "auto"        TPU -> "pallas_tpu", elsewhere "xla"
+  "xla"         jax.lax.ragged_dot (portable; on GPU it streams every expert whatever the routing)
+  "pallas"      the Pallas TPU kernel that reads only the experts some token chose: compiled on TPU,
+                interpreted on CPU ("pallas_tpu_interpret"); no GPU kernel yet (refused on GPU)
+  "pallas_tpu"  force the TPU kernel (ahead-of-time compiles for a TPU from a CPU host)
+
 The TPU path's (ignored, and reset by resolve(), elsewhere):
   tpu_mlp           the SwiGLU MLP of blocks up to 1024 rows as one Pallas kernel
                     (pallas_kernels/fused_layer/tpu_mlp.py) that keeps the [rows, I] intermediate in
@@ -60,6 +67,8 @@ GPU_TUNING = {
     "L4": dict(n_sms=58),
     "default": dict(n_sms=132),
 }
+MOE_GMM = ("auto", "xla", "pallas", "pallas_tpu")
+RESOLVED_MOE_GMM = ("xla", "pallas_tpu", "pallas_tpu_interpret")
 ATTENTION_TUNING_NAMES = ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
                           "merge_kernel", "merge_rows", "merge_cols")
 
@@ -80,10 +89,13 @@ class KernelConfig:
     attention_tuning: tuple = ()     # ((name, int), ...), sorted by resolve()
     xla_kv_chunk: int = 512
     tpu_mlp: bool | None = None      # None: on for pallas_tpu (off in the interpreter, where it is slow)
+    moe_gmm: str = "auto"            # MoE experts' grouped matmul (MOE_GMM; module doc)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_BACKENDS}")
+        if self.moe_gmm not in MOE_GMM + RESOLVED_MOE_GMM:
+            raise ValueError(f"moe_gmm={self.moe_gmm!r}; expected one of {MOE_GMM}")
         if not isinstance(self.xla_kv_chunk, int) or self.xla_kv_chunk < 0:
             raise ValueError(f"xla_kv_chunk must be an integer >= 0 (0: dense), got {self.xla_kv_chunk!r}")
         if self.n_sms is not None and (not isinstance(self.n_sms, int) or self.n_sms < 1):
@@ -114,11 +126,19 @@ class KernelConfig:
             attention = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "xla"
         elif attention == "pallas":
             attention = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "pallas_interpret"
+        moe_gmm = self.moe_gmm
+        if moe_gmm == "auto":
+            moe_gmm = "pallas_tpu" if on_tpu else "xla"
+        elif moe_gmm == "pallas":
+            if on_gpu:
+                raise ValueError("moe_gmm='pallas': there is no Pallas GPU grouped matmul yet; use 'xla'")
+            moe_gmm = "pallas_tpu" if on_tpu else "pallas_tpu_interpret"
         if attention not in GPU_PATHS:
             return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
-                                         else bool(self.tpu_mlp) and attention in TPU_PATHS))
+                                         else bool(self.tpu_mlp) and attention in TPU_PATHS),
+                                moe_gmm=moe_gmm)
         n_sms = self.n_sms
         if n_sms is None:
             if device is None and on_gpu:
@@ -130,7 +150,7 @@ class KernelConfig:
         return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
-                            xla_kv_chunk=512)
+                            xla_kv_chunk=512, moe_gmm=moe_gmm)
 
     # ---- what the resolved config means for the code that traces the program
 

@@ -195,11 +195,17 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
     remaining = limit - lens                                                    # >= 2 on active rows
     positions = lens[:, None] + j                                               # [B, S]
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
-    dcache, taps = s.draft_cache, ()
+    dcache, taps, proposal = s.draft_cache, (), None
     if draft is not None:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
-        drafts, dcache = draft.propose(target, current, lens, limit, s.pending, s.pending_count,
-                                       s.draft_cache, block_size=S, kernels=st.kernels)  # [B, S-1]
+        args = (target, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
+        if st.mode != "greedy" and getattr(draft, "samples_drafts", False):
+            # a DFlash2 selector draws its path from q over K candidates: q enters the acceptance
+            draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0xD2AF7))(row_keys(p, lens))
+            drafts, dcache, proposal = draft.propose(*args, block_size=S, kernels=st.kernels,
+                                                     temperature=p.temperature, keys=draft_keys)
+        else:
+            drafts, dcache = draft.propose(*args, block_size=S, kernels=st.kernels)  # [B, S-1]
         block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
     else:
         block = current
@@ -210,7 +216,7 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
     with jax.named_scope("accept"):
         keys = row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
-                                 st.kernels)
+                                 st.kernels, proposal=proposal)
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)

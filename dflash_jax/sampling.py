@@ -335,10 +335,14 @@ def select(logits, key, temperature, top_k, top_p, mode: str, kernels: KernelCon
     return jnp.where(_greedy_rows(temperature, top_k, logits.shape[:1]), greedy, sampled)
 
 
-def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None):
+def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: KernelConfig | None = None,
+           proposal=None):
     """Verify a block. block [B, S] = [last token, d_1 .. d_{S-1}], logits [B, S, V] float32 (slot i
-    predicts the token after block[:, i]), key [B]. Returns (a [B] accepted drafts, next_token [B]:
-    the bonus or the correction at slot a)."""
+    predicts the token after block[:, i]), key [B]. proposal: None (argmax drafts, q one-hot) or
+    (candidates [B, S-1, K], q [B, S-1, K]): each draft was drawn from q over its slot's K candidate
+    ids (a DFlash2 selector); then d_i is accepted while u·q_i(d_i) < p_i(d_i) and a rejection draws
+    from max(p_i - q_i, 0) renormalised (p_i where that is all zero). Returns (a [B] accepted
+    drafts, next_token [B]: the bonus or the correction at slot a)."""
     B, S, V = logits.shape
     drafts = block[:, 1:]                                                       # [B, S-1]
     post = sharding.argmax(logits)                                              # [B, S]
@@ -347,12 +351,18 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     if mode == "greedy":
         return a_greedy, next_greedy
     mesh = sharding.vocab_mesh(logits)
+    if mesh is not None and proposal is not None:
+        raise ValueError("sampled DFlash2 proposals are not supported over a vocab-sharded LM head yet")
     if mesh is not None:
         a, nxt = _accept_sharded(drafts, logits, key, temperature, top_k, top_p, mode, mesh)
         greedy = _greedy_rows(temperature, top_k, (B,))
         return jnp.where(greedy, a_greedy, a), jnp.where(greedy, next_greedy, nxt)
     lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)                # [B, S, V]
     k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
+    if proposal is not None:
+        a, nxt = _accept_proposal(drafts, lp, proposal, k_accept, k_next)
+        greedy = _greedy_rows(temperature, top_k, (B,))
+        return jnp.where(greedy, a_greedy, a), jnp.where(greedy, next_greedy, nxt)
     p_draft = jnp.exp(jnp.take_along_axis(lp[:, :-1], drafts[..., None], axis=-1)[..., 0])  # [B, S-1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (S - 1,)))(k_accept)
     a = jnp.sum(jnp.cumprod(u < p_draft, axis=1), axis=1).astype(jnp.int32)
@@ -365,6 +375,26 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     nxt = jax.vmap(jax.random.categorical)(k_next, residual).astype(jnp.int32)
     greedy = _greedy_rows(temperature, top_k, (B,))
     return jnp.where(greedy, a_greedy, a), jnp.where(greedy, next_greedy, nxt)
+
+
+def _accept_proposal(drafts, lp, proposal, k_accept, k_next):
+    """accept's rule for drafts drawn from q over candidate ids (Leviathan et al. 2023; the
+    reference's _rejection_sample): (a [B], next token [B])."""
+    cand, q = proposal                                                          # [B, S-1, K]
+    B, S, V = lp.shape
+    q_draft = jnp.sum(jnp.where(cand == drafts[..., None], q, 0.0), axis=-1)    # [B, S-1]
+    p_draft = jnp.exp(jnp.take_along_axis(lp[:, :-1], drafts[..., None], axis=-1)[..., 0])
+    u = jax.vmap(lambda k: jax.random.uniform(k, (S - 1,)))(k_accept)
+    a = jnp.sum(jnp.cumprod(u * q_draft < p_draft, axis=1), axis=1).astype(jnp.int32)
+    row = jnp.take_along_axis(lp, a[:, None, None], axis=1)[:, 0]               # [B, V]
+    at = jnp.minimum(a, S - 2)[:, None, None]
+    c_a = jnp.take_along_axis(cand, at, axis=1)[:, 0]                           # [B, K]
+    q_a = jnp.take_along_axis(q, at, axis=1)[:, 0] * (a < S - 1)[:, None]       # no q on the bonus slot
+    q_full = jax.vmap(lambda c, w: jnp.zeros((V,), jnp.float32).at[c].add(w))(c_a, q_a)   # [B, V]
+    residual = jnp.maximum(jnp.exp(row) - q_full, 0.0)
+    alive = jnp.sum(residual, axis=-1, keepdims=True) > 0
+    residual = jnp.where(alive, jnp.log(residual), row)
+    return a, jax.vmap(jax.random.categorical)(k_next, residual).astype(jnp.int32)
 
 
 # ------------------------------------------------------------- over a vocab-sharded LM head

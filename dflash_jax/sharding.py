@@ -228,6 +228,8 @@ RULES: tuple[tuple[str, P], ...] = (
     (r"lm_head", P(None, "model")),                       # [H, V] vocab
     (r"layers/\d+/qkv", P(None, "model")),                # [H, (Hq + 2 Hkv) D] columns, fused_layout order
     (r"layers/\d+/o", P("model", None)),                  # [Hq D, H] rows
+    (r"layers/\d+/mlp/router", P()),                      # MoE [H, E] replicated (every shard routes)
+    (r"layers/\d+/mlp/experts_(gate_up|down)", P("model", None, None)),  # MoE [E, ...] experts (EP)
     (r"layers/\d+/mlp/gate_up", P(None, "model")),        # [H, 2I] columns, fused_layout order
     (r"layers/\d+/mlp/down", P("model", None)),           # [I, H] rows
     (r"layers/\d+/qkv_bias", P("model")),                 # [(Hq + 2 Hkv) D] as qkv's columns
@@ -387,6 +389,7 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     inserts the collectives the slices need), slower."""
     tp = model_axis_size(mesh)
     cfg = model.config
+    check_experts(cfg, tp)
     fused_layout = _use_fused(cfg, tp, fused_layout)
     lay = _layout_for(cfg, tp, fused_layout)
     perm_qkv = qkv_permutation(lay) if fused_layout else None
@@ -406,6 +409,14 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     return model
 
 
+def check_experts(cfg, tp: int) -> None:
+    """An MoE config's experts must split evenly over the model axis (expert parallelism)."""
+    E = getattr(cfg, "num_experts", 0)
+    if E and E % tp:
+        raise ValueError(f"num_experts={E} is not divisible by the model axis size {tp} "
+                         "(expert parallelism splits the experts over it)")
+
+
 def _set_layout(model, lay: FusedLayout):
     for layer in model.layers:
         layer.qkv_groups = lay.groups
@@ -418,6 +429,7 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
     with its NamedSharding. For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
     from flax import nnx
     tp = model_axis_size(mesh)
+    check_experts(model.config, tp)
     fused_layout = _use_fused(model.config, tp, fused_layout)
     lay = _layout_for(model.config, tp, fused_layout)
     if fused_layout:

@@ -182,15 +182,17 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None):
     as "data=2,model=4"): placed on it by its family's rules in the fused TP layout, each process
     reading only its devices' slices (load_target_sharded)."""
     m = sharding.as_mesh(mesh)
-    if m is not None:
-        return load_target_sharded(path_or_hub_id, m, dtype)
     dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
     config = models.read_config(read_json(d))
     fam = models.family(config.model_type)
+    if m is not None and fam.tensors is None:
+        return load_target_sharded(path_or_hub_id, m, dtype)
+    what = f"target {path_or_hub_id}"
     model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
-    return _fill(model, _iter_tensors(d), fam.top_weights(config), fam.layer_weights(config), dt,
-                 f"target {path_or_hub_id}", fam.skip)
+    stream = _iter_tensors(d) if fam.tensors is None else fam.tensors(config, _iter_tensors(d), what)
+    model = _fill(model, stream, fam.top_weights(config), fam.layer_weights(config), dt, what, fam.skip)
+    return model if m is None else sharding.shard_model(model, m)
 
 
 def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None):
@@ -200,11 +202,14 @@ def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None)
     dt = _dtype(dtype)
     d = resolve_model_dir(path_or_hub_id)
     raw = read_json(d)
-    var = drafts.variant(raw.get("architectures") if isinstance(raw, dict) else None)
+    drafts.variant(raw.get("architectures") if isinstance(raw, dict) else None)   # a known one
     config = drafts.read_config(raw)
+    var = drafts.variant_of_config(config)
     if target is not None:
         config.check_fits(target.config)
     m = sharding.as_mesh(mesh)
+    if m is not None and var is not drafts.VARIANTS["DFlashDraftModel"]:
+        raise ValueError(f"draft {path_or_hub_id}: DFlash2 / sliding-window drafts do not load onto a mesh yet")
     if m is not None:
         return load_draft_sharded(d, m, dtype)
     model = nnx.eval_shape(lambda: var.model(config, dt, rngs=nnx.Rngs(0)))

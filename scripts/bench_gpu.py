@@ -27,6 +27,9 @@ would not fit the time budget is skipped and named at the end, so `--sections` c
              speed-up at the paper's tau, and where DFlash stops paying.
   longctx    prompt 32k, B=1: DFlash ms per iteration with attention "pallas" and "xla" vs the floor
              (weights + KV bytes at 32k).
+  dflash2    (only when named) B=1, prompt 512: a DFlash2 draft (5 layers, block 8, conv 2 x 16,
+             selector rank 256 / top-k 16, every layer sliding with window 2048, non-causal), the same
+             without windows (conv + selector alone), against a DFlash-1 draft at block 8 and 16.
 
 How a loop iteration is timed: `generate` is one dispatch (prefill + while_loop), so the time of one
 iteration is a difference: the same compiled program (same `capacity=`) runs max_new_tokens=N1 and
@@ -55,7 +58,8 @@ T0 = time.perf_counter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python scripts/bench_gpu.py` from anywhere finds dflash_jax
-ALL_SECTIONS = ("reference", "check", "floors", "b1", "gemms", "compile", "sampling", "profile", "batch", "longctx")
+ALL_SECTIONS = ("reference", "check", "floors", "b1", "gemms", "compile", "sampling", "profile", "batch", "longctx",
+                "dflash2")
 DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
 GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "sampling_overhead": 0.05,
@@ -791,6 +795,49 @@ class Bench:
                 f"{note.format(bound=r['floor_bound'])})")
         except Exception as e:
             self.err(key, e)
+        self.save()
+
+    def sec_dflash2(self):
+        import dataclasses
+        from dflash_jax import init_draft
+        target, v1, tcfg, dcfg = self.build()
+        s = self.s
+        L = dcfg.num_layers
+        rank, window = (16, 16) if s.smoke else (256, 2048)
+        d2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16, selector_rank=rank,
+                  selector_top_k=16)
+        variants = {   # DFlash2 first: the smoke's budget reaches it
+            "dflash2_b8": dataclasses.replace(dcfg, block_size=8, layer_types=("sliding_attention",) * L,
+                                              sliding_window=window, is_causal=False, **d2),
+            "dflash2_b8_nowindow": dataclasses.replace(dcfg, block_size=8, **d2),
+            "v1_b8": dataclasses.replace(dcfg, block_size=8),
+            "v1_b16": dataclasses.replace(dcfg, block_size=16),
+        }
+        res = {}
+        saved = self.models
+        try:
+            for name, cfg in variants.items():
+                key = f"dflash2:{name}"
+                if not self.fits(key, self.loop_cost_est(1, s.prompt, s.n1, s.n2, 6.0)):
+                    continue
+                try:
+                    draft = init_draft(cfg, seed=0, dtype="bfloat16")
+                    self.models = (target, draft, tcfg, cfg)
+                    r = self.time_loop(key, dflash=True, batch=1, prompt_len=s.prompt, n1=s.n1, n2=s.n2,
+                                       block_size=cfg.block_size)
+                    res[name] = r["ms_per_iter"]
+                except Exception as e:
+                    self.err(key, e)
+                finally:
+                    self.models = saved
+        finally:
+            self.models = saved
+        if "dflash2_b8" in res and "v1_b8" in res:
+            res["dflash2_over_v1_b8"] = res["dflash2_b8"] / res["v1_b8"]
+        if "dflash2_b8_nowindow" in res and "v1_b8" in res:
+            res["conv_selector_share"] = 1 - res["v1_b8"] / res["dflash2_b8_nowindow"]
+        log(f"  dflash2 section (ms/iter): {res}")
+        self.R["sections"]["dflash2"] = res
         self.save()
 
     def sec_b1(self):

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "write_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
+    "write_target", "write_moe_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
     "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
     "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids", "pack_blocks",
@@ -105,6 +105,38 @@ def write_target(path: str, *, vocab_size: int = 128, hidden_size: int = 64, int
     model = Qwen3ForCausalLM(_qwen3_config(**cfg_kw)).eval()
     if norm_noise:
         _noisy_norms(model, _seeded(seed + 1))
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_moe_target(path: str, *, vocab_size: int = 128, hidden_size: int = 64, intermediate_size: int = 96,
+                     moe_intermediate_size: int = 32, num_experts: int = 8, num_experts_per_tok: int = 2,
+                     norm_topk_prob: bool = True, decoder_sparse_step: int = 1, mlp_only_layers=(),
+                     num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                     seed: int = 0, router_std: float = 0.5, dtype: torch.dtype = torch.float32,
+                     init_std: float = 0.1) -> str:
+    """A random `transformers.Qwen3MoeForCausalLM` saved with `save_pretrained` (the Hub's per-expert
+    keys). The routers get std `router_std` so tokens spread over several experts (a router near
+    zero would send near-ties to top-k); norms are noisy as in `write_target`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         moe_intermediate_size=moe_intermediate_size, num_experts=num_experts,
+                         num_experts_per_tok=num_experts_per_tok, norm_topk_prob=norm_topk_prob,
+                         decoder_sparse_step=decoder_sparse_step, mlp_only_layers=list(mlp_only_layers),
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=4096,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=init_std, hidden_act="silu",
+                         tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    gen = _seeded(seed + 1)
+    _noisy_norms(model, gen)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(router_std * torch.randn(p.shape, generator=gen))
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     return path
 

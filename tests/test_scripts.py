@@ -87,3 +87,12 @@ def test_bench_engine_table_and_breakdown_smoke(tmp_path):
     # --trace: both programs traced, their device timelines and the kernels that differ
     assert "| generate's loop |" in out and "kernels whose time differs most" in out, out
     assert "jit__slots_step" in out, out
+
+
+def test_bench_moe_smoke(tmp_path):
+    """scripts/bench_moe.py (issue 36's H200 run) with tiny MoE shapes: every section prints its rows."""
+    out = _run(["scripts/bench_moe.py", "--smoke", "--out", str(tmp_path)], tmp_path)
+    for line in ("bw        copy", "touched   B=1   verify", "loop      B=1   plain", "loop      B=1   dflash",
+                 "widths    B=1   w=4"):
+        assert line in out, line
+    assert (tmp_path / "bench_moe.json").exists()

@@ -548,8 +548,8 @@ def test_load_test_script_40_requests_all_identical_to_one_shot(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- issue 33: bad input
-def _post(url, path, body, **kw):
-    return httpx.post(url + path, json=body, timeout=30, **kw)
+def _post(url, path, body, client=httpx, **kw):
+    return client.post(url + path, json=body, timeout=30, **kw)
 
 
 def _assert_400(r, field, body=None):
@@ -580,13 +580,13 @@ def test_unsupported_fields_and_coerced_types_are_400(tokenizer):
                  (dict(tool_choice="required"), "tool_choice"),
                  (dict(max_completion_tokens="4"), "max_completion_tokens"),
                  (dict(messages=[{"role": "user", "content": 5}]), "messages")]
-    with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+    with serving(build_app(eng, tokenizer, model_name=NAME)) as url, httpx.Client() as http:
         for extra, field in refused + completion_only:
             body = {"prompt": [1, 2], "max_tokens": 2, **extra}
-            _assert_400(_post(url, "/v1/completions", body), field, body)
+            _assert_400(_post(url, "/v1/completions", body, http), field, body)
         for extra, field in refused + chat_only:
             body = {**chat, **extra}
-            _assert_400(_post(url, "/v1/chat/completions", body), field, body)
+            _assert_400(_post(url, "/v1/chat/completions", body, http), field, body)
         # the values that mean "not used" pass
         ok = dict(prompt=[1, 2], max_tokens=2, repetition_penalty=1, min_p=0.0, best_of=1, suffix=None,
                   response_format={"type": "text"}, logit_bias={}, temperature=0, return_token_ids=True)
@@ -681,3 +681,222 @@ def test_non_streaming_client_that_goes_away_frees_its_slot(tokenizer):
         r = _post(url, "/v1/completions", dict(prompt=[4, 5], max_tokens=3, return_token_ids=True))
         assert r.json()["choices"][0]["token_ids"] == expected([4, 5], 3)
     eng.shutdown()
+
+
+def test_top_k_above_the_vocabulary_is_400_on_both_engines(tiny, tokenizer):
+    """Both engines refuse it as the client's mistake (docs: 400), not 500 or a silent clamp."""
+    vocab = tiny.target.config.vocab_size
+    slot_engine = SlotEngine(tiny.target, tiny.draft, slots=2, capacity=CAPACITY, attention_impl="xla")
+    from dflash_jax.engine import RequestError
+    for eng in (slot_engine, fake_engine(FakeGenerate())):
+        with pytest.raises(RequestError) as e:
+            eng.check(Request(prompt=(1, 2), max_tokens=2, temperature=1.0, top_k=eng.vocab_size + 1))
+        assert e.value.field == "top_k" and str(eng.vocab_size) in e.value.message
+        eng.check(Request(prompt=(1, 2), max_tokens=2, temperature=1.0, top_k=eng.vocab_size))   # the whole vocabulary
+        with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
+            _assert_400(_post(url, "/v1/completions", dict(prompt=[1, 2], max_tokens=2, top_k=vocab + 1)), "top_k")
+        eng.shutdown(timeout=5)
+
+
+def test_shutdown_timeout_ends_open_streams_with_an_error_and_done(tokenizer, caplog):
+    """SIGTERM while a stream cannot finish within --shutdown-timeout: the stream gets an error
+    event and [DONE] (not a cut connection), the server stops, and nothing logs a traceback."""
+    import logging
+    import signal
+
+    import uvicorn
+
+    from dflash_jax import serve
+
+    eng = fake_engine(FakeGenerate(delay=0.05))
+    app = build_app(eng, tokenizer, model_name=NAME)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    config = uvicorn.Config(app, log_level="info", lifespan="off", log_config=None,
+                            timeout_graceful_shutdown=0.5 + serve.SHUTDOWN_GRACE_S)
+    server = serve._server(config, app, eng, 0.5)
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    caplog.set_level(logging.INFO)
+    th.start()
+    while not server.started:
+        time.sleep(0.01)
+    lines = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json=dict(prompt=[1, 2], max_tokens=400, stream=True)) as r:   # 20 s of tokens
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if len(lines) == 1:
+                    server.handle_exit(signal.SIGTERM, None)
+    th.join(15)
+    sock.close()
+    assert not th.is_alive()
+    assert lines[-1] == "[DONE]", lines[-3:]
+    err = json.loads(lines[-2])["error"]
+    assert "shut down" in err["message"] and err["code"] == 500
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], \
+        [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+# ----------------------------------------------------------------------------------------- the command
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_copy(root, src, config=None, generation=None) -> str:
+    """A copy of the model directory `src` (files linked) with config.json / generation_config.json
+    fields replaced."""
+    dst = os.path.join(root, "target")
+    os.makedirs(dst)
+    for f in os.listdir(src):
+        edits = {"config.json": config, "generation_config.json": generation}.get(f)
+        if edits:
+            with open(os.path.join(src, f)) as fh:
+                d = json.load(fh)
+            with open(os.path.join(dst, f), "w") as fh:
+                json.dump({**d, **edits}, fh)
+        else:
+            os.symlink(os.path.join(src, f), os.path.join(dst, f))
+    return dst
+
+
+@pytest.fixture
+def quiet_main(monkeypatch):
+    """serve.main in this process without serving: the built (server, app, engine) are returned
+    instead of run, and no signal handler or device state of the test process is touched."""
+    from dflash_jax import serve
+
+    import functools
+
+    import uvicorn
+
+    built = {}
+
+    def fake_run(server, sockets=None):
+        built.update(server=server, app=server.config.app, sockets=sockets)
+
+    monkeypatch.setattr(serve, "_release_device", lambda: None)
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
+    # uvicorn's logging set-up would keep handlers on this test's captured stderr
+    monkeypatch.setattr(uvicorn, "Config", functools.partial(uvicorn.Config, log_config=None))
+
+    def run(argv):
+        built.clear()
+        with monkeypatch.context() as m:         # only main's server is not run
+            m.setattr(uvicorn.Server, "run", fake_run)
+            code = serve.main(argv)
+        return code, built
+
+    return run
+
+
+def test_cli_capacity_against_the_context(cli_models, tmp_path, quiet_main, capsys, monkeypatch):
+    """A model with 128 positions: an explicit --capacity past them is exit 2 before any weight
+    loads; the default fits them, and /v1/models and the engine's checks say 128 (block 8)."""
+    from dflash_jax import serve
+    from dflash_jax.engine import RequestError
+
+    tp = _model_copy(str(tmp_path), cli_models[0], config={"max_position_embeddings": 128})
+    base = ["--model", tp, "--draft", cli_models[1], "--dtype", "float32", "--attention", "xla",
+            "--port", str(_free_port())]
+    load = serve._load
+    monkeypatch.setattr(serve, "_load", lambda *a: pytest.fail("models loaded before the capacity check"))
+    with pytest.raises(SystemExit) as e:
+        quiet_main(base + ["--capacity", "4096"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "max_position_embeddings 128" in err and "--capacity 136" in err, err
+    monkeypatch.setattr(serve, "_load", load)
+    code, built = quiet_main(base)
+    assert code == 0
+    eng = built["app"].state.engine
+    assert (eng.capacity, eng.stats().max_model_len) == (136, 128)
+    with serving(built["app"]) as url:
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 128
+        _assert_400(_post(url, "/v1/completions", dict(prompt=[1] * 100, max_tokens=40)), "max_tokens")
+    # the slot engine, given a larger cache than the model has positions, stops at the positions
+    import dflash_jax as dj
+    target = dj.load_target(tp, dtype="float32")
+    slot_engine = SlotEngine(target, None, slots=2, capacity=512, attention_impl="xla")
+    assert slot_engine.stats().max_model_len == 128
+    with pytest.raises(RequestError) as e:
+        slot_engine.check(Request(prompt=(1,) * 100, max_tokens=40))
+    assert e.value.field == "max_tokens"
+    slot_engine.shutdown(timeout=5)
+
+
+def test_cli_capacity_against_memory(cli_models, tmp_path, quiet_main, capsys, monkeypatch):
+    """--slots 2 x --capacity 10**9 of KV cache is refused at start with the numbers (not an OOM
+    kill); what fits starts."""
+    from dflash_jax import serve
+
+    tp = _model_copy(str(tmp_path), cli_models[0], config={"max_position_embeddings": 1 << 30})
+    base = ["--model", tp, "--draft", cli_models[1], "--dtype", "float32", "--attention", "xla",
+            "--port", str(_free_port())]
+    with pytest.raises(SystemExit) as e:
+        quiet_main(base + ["--slots", "2", "--capacity", str(10 ** 9), "--warmup-prompt-len", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--slots 2 x --capacity 1000000000" in err and "GB" in err, err
+    assert "host RAM" in err and "at most" in err
+    # the check reads the device's free memory: 1 MB free refuses what 1 GB would take
+    monkeypatch.setattr(serve, "_free_memory", lambda: (10 ** 6, "test device memory"))
+    with pytest.raises(SystemExit) as e:
+        quiet_main(base + ["--capacity", "4096"])
+    assert e.value.code == 2 and "test device memory has 0.00 GB free" in capsys.readouterr().err
+    monkeypatch.setattr(serve, "_free_memory", lambda: (10 ** 9, "test device memory"))
+    code, built = quiet_main(base + ["--capacity", "4096"])
+    assert code == 0 and built["app"].state.engine.capacity == 4096
+
+
+def test_cli_eos_outside_the_vocabulary_names_generation_config(cli_models, tmp_path, quiet_main, capsys):
+    tp = _model_copy(str(tmp_path), cli_models[0], generation={"eos_token_id": [IM_END, 10 ** 6]})
+    with pytest.raises(SystemExit) as e:
+        quiet_main(["--model", tp, "--draft", cli_models[1], "--port", str(_free_port())])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "generation_config.json" in err and "1000000" in err, err
+
+
+def test_cli_port_in_use_is_refused_before_loading(cli_models, quiet_main, capsys, monkeypatch):
+    from dflash_jax import serve
+
+    monkeypatch.setattr(serve, "_load", lambda *a: pytest.fail("models loaded before the port was bound"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--port", str(port)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--port {port}" in err and "already in use" in err, err
+
+
+def test_cli_warm_up_prints_progress(cli_models, quiet_main, capsys, monkeypatch):
+    """--slots N compiles its programs at start with a line per prompt bucket (compiles are
+    stubbed out here: what is tested is that the operator sees them)."""
+    from dflash_jax import engine
+
+    calls = []
+    monkeypatch.setattr(engine.Slots, "warmup", lambda self, lengths, modes: calls.append((list(lengths), modes)))
+    code, built = quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--dtype", "float32",
+                              "--attention", "xla", "--port", str(_free_port()), "--slots", "2", "--capacity", "256",
+                              "--warmup-prompt-len", "40"])
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if "compiling" in l]
+    assert code == 0 and len(lines) == len(calls) == 3, err     # prompt buckets 16, 32, 64
+    assert "(1/3)" in lines[0] and "(3/3)" in lines[-1] and "warm-up done" in err
+    built["app"].state.engine.shutdown(timeout=5)
+
+
+@pytest.mark.slow     # a Python that imports jax: seconds
+def test_cli_without_the_serve_extra_says_what_to_install():
+    code = ("import sys, runpy\n"
+            "for m in ('fastapi', 'uvicorn'): sys.modules[m] = None\n"
+            "sys.argv = ['serve', '--help']\n"
+            "runpy.run_module('dflash_jax.serve', run_name='__main__')\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.getcwd()}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "pip install 'dflash-jax[serve]'" in p.stderr, p.stderr
+    assert "fastapi" in p.stderr and "Traceback" not in p.stderr

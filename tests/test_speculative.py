@@ -218,11 +218,13 @@ def test_mismatched_drafts_are_refused(random_pair, tmp_path):
         load_draft(variant("heads", num_key_value_heads=4), target=target)
     with pytest.raises(ValueError, match="block_size"):
         generate(target, random_pair["draft"], [[1, 2]], block_size=17)
-    # configs for which the reference's draft attention would not be the non-causal DFlash block
+    # per-layer attention the reference cannot run either (tests/test_dflash2.py runs the good ones)
     with pytest.raises(ConfigError, match="is_causal"):
-        DraftConfig.from_dict({**cfg, "is_causal": True})
+        DraftConfig.from_dict({**cfg, "is_causal": "yes"})
     with pytest.raises(ConfigError, match="layer_types"):
-        DraftConfig.from_dict({**cfg, "layer_types": ["sliding_attention", "full_attention"]})
+        DraftConfig.from_dict({**cfg, "layer_types": ["chunked_attention", "full_attention"]})
+    with pytest.raises(ConfigError, match="sliding_window"):
+        DraftConfig.from_dict({**cfg, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": None})
     # block_size is read as the reference reads it: dflash_config first
     assert DraftConfig.from_dict({**cfg, "block_size": 4, "dflash_config": {**cfg["dflash_config"], "block_size": 12}}).block_size == 12
     with pytest.raises(ConfigError, match="dflash_config.mask_token_id"):

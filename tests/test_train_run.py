@@ -190,11 +190,11 @@ def test_sigterm_saves_and_nan_names_the_step(tmp_path, monkeypatch):
     sk = dict(num_anchors=6, compute_dtype="float32", chunk_blocks=4)
     real, calls = step_mod.Trainer.step, []
 
-    def preempt_on_second(self, *a):
+    def preempt_on_second(self, *a, **k):
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGTERM)   # a preempted VM: the handler flags, the loop saves
-        return real(self, *a)
+        return real(self, *a, **k)
 
     monkeypatch.setattr(step_mod.Trainer, "step", preempt_on_second)
     res = train(target, init_draft(dcfg, seed=1, dtype="float32"), data, run=RunConfig(out_dir=str(tmp_path / "p"), **kw), **sk)

@@ -498,3 +498,12 @@ def test_benchmark_says_why_bf16_rows_can_differ_and_the_cpu_pair_runs_in_float3
     assert code == 0, err
     assert ("in bfloat16 the 8-row verify and the 1-row step round differently" in out
             and "--dtype float32 shows identity" in out)
+
+
+def test_readme_says_what_the_demo_prints_and_how_long_random_init_takes():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = " ".join(open(os.path.join(root, "README.md"), encoding="utf-8").read().split())
+    assert "14 M-parameter model trained from scratch on Python's standard library" in readme
+    assert "not an assistant" in readme and "code-like text" in readme
+    i = readme.index("--random-init qwen3-0.6b --prompt-len 64")
+    assert "minutes" in readme[i:i + 400] and "2-core" in readme[i:i + 400]

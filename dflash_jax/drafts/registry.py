@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dflash_jax.config import ConfigError
-from dflash_jax.drafts import dflash
+from dflash_jax.drafts import dflash, dflash2
 from dflash_jax.drafts.variant import Variant
 
 VARIANTS: dict[str, Variant] = {v.architecture: v for v in (
     dflash.VARIANT,
+    dflash2.VARIANT,
 )}
 DEFAULT = dflash.VARIANT.architecture
 
@@ -27,7 +28,13 @@ def variant(architectures) -> Variant:
 
 
 def variant_of_config(config) -> Variant:
-    """The variant whose config class `config` is (init_draft)."""
+    """The variant that runs `config` (load_draft, init_draft): its `architecture` field where it
+    has one, else by config class. A DFlash-1 config with sliding-window or causal layers runs on
+    the DFlash2 module (drafts.dflash2: per-layer key ranges; no conv, no selector)."""
+    if hasattr(config, "plain_attention") and dflash2.needs_dflash2(config):
+        return dflash2.VARIANT
+    if getattr(config, "architecture", None) in VARIANTS:
+        return VARIANTS[config.architecture]
     for v in VARIANTS.values():
         if type(config) is v.config_class:
             return v

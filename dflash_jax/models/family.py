@@ -29,3 +29,7 @@ class Family:
     rules: tuple = sharding.RULES
     # checkpoint tensors the module has no parameter for, never read (regular expressions)
     skip: tuple[str, ...] = (r".*rotary_emb\.inv_freq",)
+    # a rewrite of the checkpoint's (name, array) stream before the table above reads it, as
+    # tensors(config, stream, what) (Qwen3-MoE: per-expert tensors stacked into [E, ...] arrays);
+    # such a family is loaded whole and then placed on a mesh, not read slice by slice
+    tensors: Callable | None = None

@@ -121,8 +121,9 @@ class MLP(nnx.Module):
         self.gate_up_bias = nnx.Param(jnp.zeros((2 * inter,), dtype)) if bias else None   # [2I]
         self.down_bias = nnx.Param(jnp.zeros((hidden,), dtype)) if bias else None         # [H]
 
-    def __call__(self, h, groups: int = 1):
-        """The MLP of already-normed rows h [..., H] (gate_up in the fused layout of `groups`)."""
+    def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
+        """The MLP of already-normed rows h [..., H] (gate_up in the fused layout of `groups`;
+        kernels: unused here, the MoE block's grouped matmul reads it)."""
         y = gated_silu(_bias(h @ self.gate_up[...], self.gate_up_bias), groups) @ self.down[...]
         return _bias(y, self.down_bias)
 
@@ -146,7 +147,9 @@ class DecoderLayer(nnx.Module):
     from cfg."""
 
     def __init__(self, cfg, dtype, rngs: nnx.Rngs, *, qk_norm: bool = True, attention_bias: bool = False,
-                 mlp_bias: bool = False):
+                 mlp_bias: bool = False, mlp: nnx.Module | None = None):
+        """mlp: the MLP block (default: the dense SwiGLU MLP of cfg.intermediate_size); another
+        block (the MoE block) is called the same way: mlp(h [B, T, H], groups, kernels) -> [B, T, H]."""
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
         # Tensor parallelism: qkv / gate_up in the fused layout of this many shards (each shard's
@@ -165,7 +168,7 @@ class DecoderLayer(nnx.Module):
         self.o = _init(rngs, (cfg.num_heads * D, H), dtype, (cfg.num_heads * D) ** -0.5)
         self.o_bias = nnx.Param(jnp.zeros((H,), dtype)) if attention_bias else None
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs, bias=mlp_bias)
+        self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs, bias=mlp_bias) if mlp is None else mlp
 
     def _rope_tables(self, positions):
         return rope_tables(positions, self.head_dim, self.rope_theta, self.rope_scaling)
@@ -230,11 +233,12 @@ class DecoderLayer(nnx.Module):
     def _mlp_block(self, x, kernels: KernelConfig | None, row_scale: bool = False):
         """(x + mlp(norm(x)), None), or with row_scale on the TPU MLP kernel's path (x + ...,
         RowScale of it with the input norm's eps, for the next RMSNorm)."""
-        gu, down = self.mlp.gate_up[...], self.mlp.down[...]
         norm = self.post_attention_layernorm
         from dflash_jax import sharding
-        if kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 and sharding.current_mesh() is None \
-                and self.mlp.down_bias is None:
+        # (a family's own MLP block, the MoE block, is not a dense MLP: XLA ops around it, below)
+        if isinstance(self.mlp, MLP) and kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 \
+                and sharding.current_mesh() is None and self.mlp.down_bias is None:
+            gu, down = self.mlp.gate_up[...], self.mlp.down[...]
             # on the TPU path, one device: norm, MLP and residual as one Pallas kernel (the normed
             # rows and the [rows, I] intermediate stay in VMEM); a mesh keeps XLA's partitioned ops
             from pallas_kernels.fused_layer import tpu_mlp
@@ -244,7 +248,7 @@ class DecoderLayer(nnx.Module):
                 out = tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
                                   row_scale_eps=eps, interpret=_interpret(kernels))  # [B, T, H]
                 return (out[0], RowScale(out[1], eps)) if row_scale else (out, None)
-        return x + self.mlp(norm(x), self.qkv_groups), None
+        return x + self.mlp(norm(x), self.qkv_groups, kernels), None
 
     def context_kv(self, ctx, positions):
         """K/V of draft context features (no layernorm: DFlash projects the context directly).
@@ -403,7 +407,7 @@ def finish_gpu_fused(layer: DecoderLayer, x, o, kernels: KernelConfig, prefill: 
     """The GPU path: ONE add + RMSNorm kernel, the MLP matmuls; the MLP output is left for the next
     norm's kernel to add (a prompt's is added here: prefill ends in XLA ops)."""
     x, h = add_norm(x, layer._o_proj(o), layer.post_attention_layernorm, kernels)
-    mlp_out = layer.mlp(h, layer.qkv_groups)
+    mlp_out = layer.mlp(h, layer.qkv_groups, kernels)
     if prefill:
         return x + mlp_out, Residual()
     return x, Residual(add=mlp_out)

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.models import llama, qwen3
+from dflash_jax.models import llama, qwen3, qwen3_moe
 from dflash_jax.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     qwen3.FAMILY,
     llama.FAMILY,
+    qwen3_moe.FAMILY,
 )}
 
 

@@ -8,80 +8,170 @@ import os
 import sys
 from typing import Sequence
 
+import numpy as np
+
 # z-lab's Qwen3 drafts use this id (a reserved row of the Qwen3 embedding) as the block's MASK.
 QWEN3_MASK_TOKEN_ID = 151669
 QWEN3_VOCAB = 151936
 
 
-def _read_prompts(path: str, tokenizer, thinking: bool, max_samples: int | None) -> list[list[int]]:
-    """Token-id prompts from JSONL rows: {"prompt_ids": [...]}, chat {"messages": [...]} or ShareGPT
-    {"conversations": [{"from", "value"}]} (the first user turn, with its system turn), or plain
-    {"prompt"} / {"text"} / {"question"}. Text is rendered with the chat template (thinking off)."""
-    from dflash_jax.data import apply_chat_template
-    out = []
-    with open(path, encoding="utf-8") as f:
+class UsageError(ValueError):
+    """A command-line input the trainer cannot use (one line, exit 2)."""
+
+
+def _jsonl_rows(path: str):
+    """(line number, dict) of a JSONL file; a line that is not a JSON object is refused as FILE:LINE."""
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "prompt_ids" in row:
-                out.append([int(t) for t in row["prompt_ids"]])
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise UsageError(f"{path}:{n}: not a JSON line ({e})") from None
+            if not isinstance(row, dict):
+                raise UsageError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            yield n, row
+
+
+def _prompt_ids(path: str, n: int, ids, vocab: int | None) -> list[int]:
+    """A row's prompt_ids checked: a non-empty list of integers in [0, vocab)."""
+    if not isinstance(ids, list) or not ids:
+        raise UsageError(f"{path}:{n}: prompt_ids must be a non-empty list of token ids")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise UsageError(f"{path}:{n}: prompt_ids holds {t!r}, not an integer token id")
+        if t < 0 or (vocab is not None and t >= vocab):
+            raise UsageError(f"{path}:{n}: token id {t} is outside the target's vocabulary [0, {vocab})")
+    return ids
+
+
+def _read_prompts(path: str, tokenizer, thinking: bool, max_samples: int | None, vocab: int | None = None,
+                  ids_only: bool = False) -> list[list[int]]:
+    """Token-id prompts from JSONL rows: {"prompt_ids": [...]}, chat {"messages": [...]} or ShareGPT
+    {"conversations": [{"from", "value"}]} (the first user turn, with its system turn), or plain
+    {"prompt"} / {"text"} / {"question"}. Text is rendered with the chat template (thinking off).
+    Ids are checked against `vocab`; a bad row is refused as FILE:LINE."""
+    from dflash_jax.data import apply_chat_template
+    out = []
+    for n, row in _jsonl_rows(path):
+        if "prompt_ids" in row:
+            out.append(_prompt_ids(path, n, row["prompt_ids"], vocab))
+        elif ids_only:
+            raise UsageError(f"{path}:{n}: --prompts-are-ids needs prompt_ids in every row")
+        else:
+            if tokenizer is None:
+                raise UsageError(f"{path}:{n}: a text prompt needs a tokenizer (--model or --tokenizer)")
+            turns = row.get("messages") or row.get("conversations")
+            system, user = None, None
+            if turns:
+                for t in turns:
+                    if not isinstance(t, dict):
+                        continue
+                    role = t.get("role", t.get("from"))
+                    text = t.get("content", t.get("value"))
+                    if role == "system":
+                        system = text
+                    elif role in ("user", "human") and user is None:
+                        user = text
             else:
-                if tokenizer is None:
-                    raise SystemExit(f"{path}:{n}: a text prompt needs a tokenizer (--model or --tokenizer)")
-                turns = row.get("messages") or row.get("conversations")
-                system, user = None, None
-                if turns:
-                    for t in turns:
-                        role = t.get("role", t.get("from"))
-                        text = t.get("content", t.get("value"))
-                        if role == "system":
-                            system = text
-                        elif role in ("user", "human") and user is None:
-                            user = text
-                else:
-                    user = row.get("prompt", row.get("text", row.get("question")))
-                if not user:
-                    raise SystemExit(f"{path}:{n}: no user turn (expected prompt_ids, messages, conversations, prompt or text)")
-                out.append(apply_chat_template(tokenizer, user, system=system, thinking=thinking))
-            if max_samples and len(out) >= max_samples:
-                break
+                user = row.get("prompt", row.get("text", row.get("question")))
+            if not user or not isinstance(user, str):
+                raise UsageError(f"{path}:{n}: no user turn (expected prompt_ids, messages, conversations, prompt or text)")
+            out.append(apply_chat_template(tokenizer, user, system=system, thinking=thinking))
+        if max_samples and len(out) >= max_samples:
+            break
     if not out:
-        raise SystemExit(f"{path}: no prompts")
+        raise UsageError(f"{path}: no prompts")
     return out
+
+
+def _model_dir(args) -> str:
+    from dflash_jax.weights import resolve_model_dir
+    return resolve_model_dir(args.model)
+
+
+def _checkpoint_dtype(model_dir: str) -> str:
+    """The target checkpoint's own dtype (config.json torch_dtype / dtype): float32 stays float32, so
+    regenerated data and the trained draft match the target's float32 outputs; anything else bfloat16."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return "bfloat16"
+    dt = cfg.get("torch_dtype") or cfg.get("dtype") if isinstance(cfg, dict) else None
+    return "float32" if dt in ("float32", "fp32") else "bfloat16"
 
 
 def _target(args):
     import dflash_jax as dj
-    return dj.load_target(args.model, dtype=args.dtype)
+    d = _model_dir(args)
+    if args.dtype is None:
+        args.dtype = _checkpoint_dtype(d)
+    return dj.load_target(d, dtype=args.dtype)
+
+
+def _tokenizer(source: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # noqa: BLE001  no tokenizer files, offline, ...: one line
+        raise UsageError(f"cannot load a tokenizer from {source!r} ({type(e).__name__}); "
+                         "give --tokenizer, or token ids with --prompts-are-ids") from None
 
 
 def cmd_regenerate(args) -> int:
+    from dflash_jax.config import TargetConfig
     from dflash_jax.train.data import regenerate
     if not (args.prompts or args.dataset):
-        raise SystemExit("regenerate: give --prompts FILE.jsonl or --dataset NAME")
+        raise UsageError("regenerate: give --prompts FILE.jsonl or --dataset NAME")
+    if args.prompts and args.dataset:
+        raise UsageError("regenerate: give --prompts FILE.jsonl or --dataset NAME, not both")
+    if args.dataset and args.prompts_are_ids:
+        raise UsageError("regenerate: --prompts-are-ids reads --prompts FILE.jsonl, not a --dataset")
+    vocab = TargetConfig.from_pretrained(_model_dir(args)).vocab_size
     tok = None
     if args.tokenizer or not args.prompts_are_ids:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        tok = _tokenizer(args.tokenizer or args.model)
     if args.dataset:
         from dflash_jax.data import apply_chat_template, load_prompts
-        rows = load_prompts(args.dataset, args.prompts, args.max_samples)
+        rows = load_prompts(args.dataset, None, args.max_samples)
         prompts = [apply_chat_template(tok, r["turns"][0], thinking=args.thinking == "on") for r in rows]
     else:
-        prompts = _read_prompts(args.prompts, tok, args.thinking == "on", args.max_samples)
+        prompts = _read_prompts(args.prompts, tok, args.thinking == "on", args.max_samples, vocab=vocab,
+                                ids_only=args.prompts_are_ids)
     target = _target(args)
-    stops = None
-    if tok is not None:
-        from dflash_jax.cli.generate import stop_token_ids
-        stops = stop_token_ids(args.model, tok)
+    from dflash_jax.cli.generate import stop_token_ids
+    # the model's generation_config.json eos (and the tokenizer's when there is one), ids or text
+    stops = [t for t in stop_token_ids(args.model, tok) if 0 <= t < vocab] or None
     data = regenerate(target, prompts, args.out, max_len=args.max_len, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, stop_token_ids=stops, batch_size=args.batch_size,
                       shard_rows=args.shard_rows, seed=args.seed, attention_impl=args.attention,
                       source=dict(model=args.model, prompts=args.prompts, dataset=args.dataset,
                                   thinking=args.thinking))
-    print(f"{len(data)} rows of up to {data.max_len} tokens in {args.out}")
+    with open(os.path.join(args.out, "manifest.json")) as f:
+        m = json.load(f)
+    print(f"{len(data)} rows of up to {data.max_len} tokens in {args.out}; dropped: "
+          f"{m.get('dropped_long', 0)} prompts longer than --max-len - 2 = {args.max_len - 2} tokens, "
+          f"{m.get('dropped', 0)} responses under 2 tokens")
     return 0
+
+
+SHAPE_FLAGS = (("draft_layers", "--draft-layers", "num_layers"), ("block_size", "--block-size", "block_size"),
+               ("taps", "--taps", "target_layer_ids"), ("mask_token_id", "--mask-token-id", "mask_token_id"))
+
+
+def _taps(text: str | None):
+    if not text:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UsageError(f"--taps {text!r}: expected target layer ids separated by commas, e.g. 1,9,17") from None
 
 
 def cmd_train(args) -> int:
@@ -91,28 +181,35 @@ def cmd_train(args) -> int:
     target = _target(args)
     if args.init_draft:
         draft = dj.load_draft(args.init_draft, target=target, dtype="float32")
+        given = dict(draft_layers=args.draft_layers, block_size=args.block_size, taps=_taps(args.taps),
+                     mask_token_id=args.mask_token_id)
+        for dest, flag, field in SHAPE_FLAGS:
+            have = getattr(draft.config, field)
+            if given[dest] is not None and tuple(np.atleast_1d(given[dest])) != tuple(np.atleast_1d(have)):
+                raise UsageError(f"{flag} {args.taps if dest == 'taps' else given[dest]} disagrees with --init-draft "
+                                 f"{args.init_draft} ({field} {have}); leave it out or start a new draft")
     else:
         V = target.config.vocab_size
         mask = args.mask_token_id if args.mask_token_id is not None else (
             QWEN3_MASK_TOKEN_ID if V == QWEN3_VOCAB else V - 1)
-        taps = tuple(int(t) for t in args.taps.split(",")) if args.taps else None
-        cfg = dj.DraftConfig.for_target(target.config, num_layers=args.draft_layers, block_size=args.block_size,
-                                        mask_token_id=mask, target_layer_ids=taps)
+        cfg = dj.DraftConfig.for_target(target.config, num_layers=args.draft_layers or 5,
+                                        block_size=args.block_size or 16, mask_token_id=mask,
+                                        target_layer_ids=_taps(args.taps))
         draft = dj.init_draft(cfg, seed=args.seed, dtype="float32", target=target)
     data = TokenData.from_dir(args.data)
     eval_prompts = []
     if args.eval_prompts:
         tok = None
-        from transformers import AutoTokenizer
         try:
-            tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-        except Exception:
+            tok = _tokenizer(args.tokenizer or args.model)
+        except UsageError:
             pass
-        eval_prompts = _read_prompts(args.eval_prompts, tok, False, args.eval_samples)
+        eval_prompts = _read_prompts(args.eval_prompts, tok, False, args.eval_samples, vocab=target.config.vocab_size)
     run = RunConfig(out_dir=args.out, batch_size=args.batch_size, epochs=args.epochs, max_steps=args.max_steps,
                     seed=args.seed, save_every=args.save_every, log_every=args.log_every,
                     eval_every=args.eval_every, eval_prompts=eval_prompts,
-                    eval_max_new_tokens=args.eval_max_new_tokens, eval_attention_impl=args.attention)
+                    eval_max_new_tokens=args.eval_max_new_tokens, eval_attention_impl=args.attention,
+                    model_path=args.model, data_path=args.data)
     kw = dict(num_anchors=args.num_anchors, lr=args.lr, compute_dtype=args.compute_dtype,
               attention_impl=args.attention, warmup_frac=args.warmup,
               train_attention=args.train_attention)
@@ -134,62 +231,111 @@ def cmd_export(args) -> int:
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown for every flag that has one (a None default is explained in its help)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _number(kind, low=None, high=None, low_open=False, name="value"):
+    """An argparse type: `kind` within [low, high] (low excluded when low_open)."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if v != v or (low is not None and (v <= low if low_open else v < low)) or (high is not None and v > high):
+            rng = f"> {low}" if low_open else f">= {low}"
+            if high is not None:
+                rng += f" and <= {high}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: must be {rng}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+POS = _number(int, 1)
+NONNEG = _number(int, 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.train", description="Train a DFlash draft.")
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.train", description="Train a DFlash draft.",
+                                formatter_class=_Help)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(q):
         q.add_argument("--model", required=True, help="target: a hub id or a local HF directory")
         q.add_argument("--tokenizer", help="tokenizer source when it is not the --model's")
-        q.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="target dtype")
-        q.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"))
-        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--dtype", choices=("bfloat16", "float32"),
+                       help="target dtype (default: the checkpoint's own: float32 for a float32 checkpoint, "
+                            "else bfloat16)")
+        q.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                       help="the target's attention (auto: the Pallas / cuDNN kernels on accelerators, XLA on CPU)")
+        q.add_argument("--seed", type=NONNEG, default=0, help="seed of sampling (regenerate) or of init, data "
+                                                              "order and anchors (train)")
 
-    r = sub.add_parser("regenerate", help="prompts -> the target's responses, sharded .npy + manifest")
+    r = sub.add_parser("regenerate", help="prompts -> the target's responses, sharded .npy + manifest",
+                       formatter_class=_Help)
     model_args(r)
     r.add_argument("--prompts", help="JSONL of prompts (prompt_ids, messages, conversations, prompt or text)")
-    r.add_argument("--dataset", help="a named prompt set of dflash_jax.data (gsm8k, humaneval, mt-bench, ...)")
-    r.add_argument("--prompts-are-ids", action="store_true", help="every row has prompt_ids: no tokenizer")
-    r.add_argument("--out", required=True)
-    r.add_argument("--max-samples", type=int)
-    r.add_argument("--max-len", type=int, default=3072)
-    r.add_argument("--max-new-tokens", type=int, default=2048)
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--thinking", choices=("on", "off"), default="off")
-    r.add_argument("--batch-size", type=int, default=16)
-    r.add_argument("--shard-rows", type=int, default=1024)
+    r.add_argument("--dataset", help="a named prompt set of dflash_jax.data (gsm8k, humaneval, mt-bench, ...), "
+                                     "instead of --prompts")
+    r.add_argument("--prompts-are-ids", action="store_true",
+                   help="every row has prompt_ids: no tokenizer needed (stop ids come from the model's "
+                        "generation_config.json, plus --tokenizer's eos when given)")
+    r.add_argument("--out", required=True, help="data directory (shards + manifest.json); a rerun resumes")
+    r.add_argument("--max-samples", type=POS, help="use the first N prompts (default: all)")
+    r.add_argument("--max-len", type=_number(int, 3), default=3072,
+                   help="row length: prompt + response tokens; longer prompts are dropped (counted), "
+                        "longer responses cut")
+    r.add_argument("--max-new-tokens", type=POS, default=2048, help="response tokens per prompt at most")
+    r.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0: greedy")
+    r.add_argument("--thinking", choices=("on", "off"), default="off", help="the chat template's thinking mode")
+    r.add_argument("--batch-size", type=POS, default=16, help="prompts generated together")
+    r.add_argument("--shard-rows", type=POS, default=1024, help="rows per .npy shard (and per resume point)")
 
-    t = sub.add_parser("train", help="train a draft (resumes from --out/checkpoints)")
+    t = sub.add_parser("train", help="train a draft (resumes from --out/checkpoints)", formatter_class=_Help)
     model_args(t)
     t.add_argument("--data", required=True, help="a directory written by `regenerate`")
     t.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, curves.png")
-    t.add_argument("--init-draft", help="start from this draft (hub id or directory) instead of random weights")
-    t.add_argument("--draft-layers", type=int, default=5)
-    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--init-draft", help="start from this draft (hub id or directory) instead of random weights; "
+                                        "its shape wins (a shape flag that disagrees is an error)")
+    t.add_argument("--draft-layers", type=POS, help="decoder layers of a new draft (default: 5)")
+    t.add_argument("--block-size", type=_number(int, 2), help="block size S of a new draft: the anchor + S-1 "
+                                                                "predicted tokens (default: 16)")
     t.add_argument("--taps", help="target layer ids, comma separated (default: z-lab's spread)")
-    t.add_argument("--mask-token-id", type=int)
-    t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--epochs", type=int, default=6)
-    t.add_argument("--max-steps", type=int)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--warmup", type=float, default=0.04)
-    t.add_argument("--num-anchors", type=int, default=512)
-    t.add_argument("--gamma", type=float)
+    t.add_argument("--mask-token-id", type=NONNEG, help="the block's MASK id (default: 151669 on the Qwen3 "
+                                                        "vocabulary, else vocab - 1)")
+    t.add_argument("--batch-size", type=POS, default=8, help="sequences per step (global)")
+    t.add_argument("--epochs", type=POS, default=6, help="passes over the data")
+    t.add_argument("--max-steps", type=POS, help="cap on steps, also the LR schedule's horizon "
+                                                 "(default: epochs x rows / batch)")
+    t.add_argument("--lr", type=_number(float, 0.0, low_open=True), default=6e-4, help="peak AdamW learning rate")
+    t.add_argument("--warmup", type=_number(float, 0.0, 0.99), default=0.04,
+                   help="linear warm-up, as a fraction of the steps")
+    t.add_argument("--num-anchors", type=POS, default=512,
+                   help="anchor blocks per sequence at most (a step computes only as many as its rows have)")
+    t.add_argument("--gamma", type=_number(float, 0.0, low_open=True),
+                   help="loss decay over block slots (default: 7 / 5 / 4 for S = 16 / 10 / 8)")
     t.add_argument("--train-attention", default="auto", choices=("auto", "xla", "pallas_gpu"),
                    help="the draft's context attention (auto: the Pallas kernel pair on a GPU, XLA elsewhere)")
-    t.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    t.add_argument("--save-every", type=int, default=500)
-    t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--eval-every", type=int, default=0)
+    t.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the draft's compute dtype (master weights stay float32)")
+    t.add_argument("--save-every", type=POS, default=500, help="steps between checkpoints")
+    t.add_argument("--log-every", type=POS, default=10, help="steps between metrics.jsonl records")
+    t.add_argument("--eval-every", type=NONNEG, default=0, help="steps between real-τ evals (0: none)")
     t.add_argument("--eval-prompts", help="JSONL of held-out prompts for the real-τ eval hook")
-    t.add_argument("--eval-samples", type=int, default=16)
-    t.add_argument("--eval-max-new-tokens", type=int, default=128)
+    t.add_argument("--eval-samples", type=POS, default=16, help="eval prompts used")
+    t.add_argument("--eval-max-new-tokens", type=POS, default=128, help="tokens generated per eval prompt")
 
-    e = sub.add_parser("export", help="a run's checkpoint -> a z-lab format draft directory")
-    e.add_argument("--run", required=True)
-    e.add_argument("--out", required=True)
-    e.add_argument("--step", type=int)
-    e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    e = sub.add_parser("export", help="a run's checkpoint -> a z-lab format draft directory", formatter_class=_Help)
+    e.add_argument("--run", required=True, help="run directory of `train`")
+    e.add_argument("--out", required=True, help="new directory for config.json + model.safetensors")
+    e.add_argument("--step", type=NONNEG, help="checkpoint step (default: the latest readable one)")
+    e.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="weight dtype written")
     return p
 
 
@@ -198,12 +344,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_jax.cli.generate import skip_absent_tpu
     skip_absent_tpu()  # libtpu's noise off a TPU VM
     from dflash_jax.config import ConfigError
-    from dflash_jax.train.checkpoint import ContractError
+    from dflash_jax.train.checkpoint import CheckpointError, ContractError
     from dflash_jax.train.data import DataError
     from dflash_jax.train.run import TrainingDiverged
     try:
         return {"regenerate": cmd_regenerate, "train": cmd_train, "export": cmd_export}[args.cmd](args)
-    except (ConfigError, ContractError, DataError, TrainingDiverged, FileExistsError, FileNotFoundError) as e:
+    except (ConfigError, ContractError, CheckpointError, DataError, TrainingDiverged, UsageError, FileExistsError,
+            FileNotFoundError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 

@@ -26,9 +26,10 @@ def anchor_key(seed: int | jax.Array, epoch, sample_ids):
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(sample_ids, jnp.uint32))
 
 
-def _one(key, valid, num_anchors: int):
+def _one(key, valid, num_anchors: int, draw_len: int | None = None):
     T = valid.shape[0]
-    scores = jnp.where(valid, jax.random.uniform(key, (T,)), -1.0)          # [T]; invalid below all
+    u = jax.random.uniform(key, (max(T, draw_len or T),))[:T]               # a prefix of one fixed draw
+    scores = jnp.where(valid, u, -1.0)                                       # [T]; invalid below all
     k = min(num_anchors, T)
     top, idx = jax.lax.top_k(scores, k)                                      # [k]
     keep = top >= 0.0
@@ -42,8 +43,10 @@ def _one(key, valid, num_anchors: int):
     return anchors, keep
 
 
-def sample_anchors(keys, loss_mask, num_anchors: int):
+def sample_anchors(keys, loss_mask, num_anchors: int, draw_len: int | None = None):
     """keys [B] (anchor_key), loss_mask [B, T] → (anchors [B, N] int32 sorted, keep [B, N] bool).
-    Kept anchors are distinct valid positions; the rest are padding (anchor 0, keep False)."""
+    Kept anchors are distinct valid positions; the rest are padding (anchor 0, keep False).
+    draw_len: the random scores are the first T of a draw over draw_len positions, so a batch cut
+    to fewer positions than the data's rows draws the same anchors as the uncut batch."""
     valid = valid_anchors(loss_mask)
-    return jax.vmap(lambda k, v: _one(k, v, num_anchors))(keys, valid)
+    return jax.vmap(lambda k, v: _one(k, v, num_anchors, draw_len))(keys, valid)

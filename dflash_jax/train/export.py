@@ -47,11 +47,38 @@ def draft_tensors(draft: DFlashDraft, dtype: str = "bfloat16") -> dict[str, np.n
             p + "mlp.up_proj.weight": gu[:, I:].T,
             p + "mlp.down_proj.weight": _np(L.mlp.down[...], dtype).T,
         })
+        for conv in ("attention_conv", "mlp_conv"):     # DFlash2 layers (drafts.dflash2)
+            m = getattr(L, conv, None)
+            if m is not None:
+                t[p + conv + ".base_kernel"] = _np(m.base_kernel[...], dtype)
+                t[p + conv + ".kernel_projection.weight"] = _np(m.kernel_projection[...], dtype).T
+    sel = getattr(draft, "candidate_selector", None)
+    if sel is not None:   # the codebooks without `.weight`, as z-lab stores them
+        t["candidate_selector.predecessor_codebook"] = _np(sel.predecessor_codebook[...], dtype)
+        t["candidate_selector.successor_codebook"] = _np(sel.successor_codebook[...], dtype)
+        t["candidate_selector.hidden_projection.weight"] = _np(sel.hidden_projection[...], dtype).T
     return {k: np.ascontiguousarray(v) for k, v in t.items()}
 
 
 def draft_config_json(draft: DFlashDraft, dtype: str = "bfloat16") -> dict:
     c = draft.config
+    out = _v1_config_json(c, dtype)
+    if c.layer_types:     # per-layer windows (read back by load_draft and the reference alike)
+        out.update(use_sliding_window=True, sliding_window=c.sliding_window, layer_types=list(c.layer_types))
+    if c.is_causal is not None:
+        out["is_causal"] = c.is_causal
+    if c.is_dflash2:
+        out["architectures"] = ["DFlash2DraftModel"]
+        out["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+        out["dflash_config"].update(conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
+                                    selector_rank=c.selector_rank, selector_top_k=c.selector_top_k,
+                                    output_multiplier=c.output_multiplier)
+        if c.final_logit_softcapping:
+            out["dflash_config"]["final_logit_softcapping"] = c.final_logit_softcapping
+    return out
+
+
+def _v1_config_json(c, dtype: str) -> dict:
     return {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},

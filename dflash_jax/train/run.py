@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from typing import Sequence
 
@@ -20,9 +21,10 @@ from flax import nnx
 from dflash_jax.config import DraftConfig
 from dflash_jax.drafts.dflash import DFlashDraft
 from dflash_jax.models.stack import CausalLM
-from dflash_jax.train.checkpoint import RunCheckpoints, check_contract
+from dflash_jax.train.checkpoint import (RunCheckpoints, check_contract, check_identity, check_settings,
+                                         target_identity)
 from dflash_jax.train.data import DataError, TokenData
-from dflash_jax.train.step import StepConfig, Trainer, TrainState, init_state, make_mesh, split_draft
+from dflash_jax.train.step import StepConfig, Trainer, TrainState, init_state, make_mesh, split_draft, trim_batch
 
 __all__ = ["RunConfig", "RunResult", "TrainingDiverged", "train", "draft_from_params", "epoch_order"]
 
@@ -47,6 +49,17 @@ class RunConfig:
     eval_attention_impl: str = "auto"
     stop_after: int | None = None         # stop (with a checkpoint) after this many steps of this call
     progress: bool = True
+    model_path: str | None = None         # recorded in checkpoints (a resume on another target is refused)
+    data_path: str | None = None          # likewise for the data (by its manifest hash)
+
+    def __post_init__(self):
+        for name, low in (("batch_size", 1), ("epochs", 0), ("save_every", 1), ("log_every", 1), ("eval_every", 0)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {getattr(self, name)!r}")
+        for name in ("max_steps", "stop_after"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or None), got {v!r}")
 
 
 @dataclasses.dataclass
@@ -81,6 +94,8 @@ def _plot(records: list, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # optional dependency
+        print(f"curves.png skipped: matplotlib is not installed (pip install matplotlib); "
+              f"the numbers are in {os.path.join(os.path.dirname(path), 'metrics.jsonl')}", file=sys.stderr)
         return
     tr = [r for r in records if "loss" in r]
     ev = [r for r in records if "eval_tau" in r]
@@ -134,11 +149,14 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
         raise DataError(f"the data set has {len(data)} rows, fewer than one batch of {run.batch_size}")
     if data.max_len < step_cfg.block_size + 1:
         raise DataError(f"max length {data.max_len} is shorter than one block ({step_cfg.block_size}) + 1")
+    data.check_vocab(target.config.vocab_size)
     steps_per_epoch = len(data) // run.batch_size
     total = run.epochs * steps_per_epoch
     if run.max_steps is not None:
         total = min(total, run.max_steps) if run.epochs else run.max_steps
-    step_cfg = dataclasses.replace(step_cfg, total_steps=int(total), **step_kw)
+    if total < 1:
+        raise DataError(f"the run has no step to take (epochs {run.epochs}, max_steps {run.max_steps})")
+    step_cfg = dataclasses.replace(step_cfg, total_steps=int(total), anchor_draw_len=data.max_len, **step_kw)
     for field, have in (("block_size", dcfg.block_size), ("mask_token_id", dcfg.mask_token_id),
                         ("target_layer_ids", tuple(dcfg.target_layer_ids))):
         if getattr(step_cfg, field) != have:
@@ -150,20 +168,33 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
     ckpt = RunCheckpoints(os.path.join(run.out_dir, "checkpoints"), run.keep_checkpoints)
     contract = dict(step_cfg.contract(), max_len=data.max_len, batch_size=run.batch_size, seed=run.seed,
                     total_steps=step_cfg.total_steps)
+    identity = dict(target_identity(target, run.model_path), data_path=run.data_path, data=data.fingerprint())
+    settings = dict(lr=step_cfg.lr, warmup_frac=step_cfg.warmup_frac, weight_decay=step_cfg.weight_decay,
+                    clip_norm=step_cfg.clip_norm, b1=step_cfg.b1, b2=step_cfg.b2,
+                    compute_dtype=step_cfg.compute_dtype, target_dtype=str(target.dtype))
     state = init_state(params, step_cfg)
     epoch, cursor = 0, 0
-    latest = ckpt.latest()
-    if latest is not None:
-        check_contract(ckpt.read_meta(latest)["contract"], contract, ckpt.directory)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=trainer.repl), state)
-        state, meta = ckpt.restore(latest, abstract)
-        epoch, cursor = meta["epoch"], meta["cursor"]
+
+    def check(saved):
+        check_contract(saved["contract"], contract, ckpt.directory)
+        check_identity(saved.get("identity", {}), identity, ckpt.directory)
+        check_settings(saved.get("settings", {}), settings, ckpt.directory)
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=trainer.repl), state)
+    try:
+        found = ckpt.restore_latest(abstract, check)
+    except BaseException:
+        ckpt.close()
+        raise
+    if found is not None:
+        _, state, saved = found
+        epoch, cursor = saved["epoch"], saved["cursor"]
     state = trainer.place_state(state)
     step = int(state.step)
 
     def meta():
         return dict(step=step, epoch=epoch, cursor=cursor, seed=run.seed, contract=contract,
-                    draft_config=dataclasses.asdict(dcfg))
+                    identity=identity, settings=settings, draft_config=dataclasses.asdict(dcfg))
 
     stop = {"sigterm": False}
     prev = None
@@ -184,8 +215,8 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
                 epoch, cursor = epoch + 1, 0
                 order = epoch_order(run.seed, epoch, len(data))
             idx = np.sort(order[cursor: cursor + run.batch_size])
-            tokens, lm = data.tokens[idx], data.loss_mask[idx]
-            state, m = trainer.step(state, tokens, lm, idx, epoch)
+            tokens, lm, n_anchors = trim_batch(data.tokens[idx], data.loss_mask[idx], step_cfg.num_anchors)
+            state, m = trainer.step(state, tokens, lm, idx, epoch, num_anchors=n_anchors)
             loss, gn = float(m["loss"]), float(m["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(gn)):
                 raise TrainingDiverged(f"non-finite loss {loss} / grad norm {gn} at step {step + 1} (epoch {epoch}); "
@@ -234,14 +265,16 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
 
 
 def load_run_draft(run_dir: str, step: int | None = None, dtype="float32") -> tuple[DFlashDraft, dict]:
-    """(draft module, checkpoint meta) from a run directory's latest (or given) checkpoint."""
+    """(draft module, checkpoint meta) from a run directory's latest readable (or the given) checkpoint."""
+    from dflash_jax.train.checkpoint import CheckpointError
     from dflash_jax.train.step import StepConfig as _SC
-    ckpt = RunCheckpoints(os.path.join(run_dir, "checkpoints"))
-    try:
-        step = ckpt.latest() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"{run_dir} has no checkpoint (checkpoints/ is empty or missing)")
-        meta = ckpt.read_meta(step)
+    cdir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(cdir):
+        raise FileNotFoundError(f"{run_dir} has no checkpoint (checkpoints/ is missing)")
+    ckpt = RunCheckpoints(cdir)
+    holder = {}
+
+    def abstract(meta):
         d = dict(meta["draft_config"])
         d["target_layer_ids"] = tuple(d["target_layer_ids"])
         dcfg = DraftConfig(**d)
@@ -249,9 +282,24 @@ def load_run_draft(run_dir: str, step: int | None = None, dtype="float32") -> tu
         scfg = _SC(block_size=c["block_size"], mask_token_id=c["mask_token_id"],
                    target_layer_ids=tuple(c["target_layer_ids"]), total_steps=c["total_steps"])
         shell = nnx.eval_shape(lambda: DFlashDraft(dcfg, jnp.float32, rngs=nnx.Rngs(0)))
-        draft_def, params = nnx.split(shell, nnx.Param)
-        abstract = jax.eval_shape(lambda p: init_state(p, scfg), params)
-        state, meta = ckpt.restore(step, abstract)
+        holder["def"], params = nnx.split(shell, nnx.Param)
+        return jax.eval_shape(lambda p: init_state(p, scfg), params)
+
+    try:
+        if step is None:
+            found = ckpt.restore_latest(abstract)
+            if found is None:
+                raise FileNotFoundError(f"{run_dir} has no checkpoint (checkpoints/ is empty)")
+            _, state, meta = found
+        else:
+            if step not in ckpt.manager.all_steps():
+                raise FileNotFoundError(f"{run_dir} has no checkpoint of step {step} "
+                                        f"(steps: {sorted(ckpt.manager.all_steps())})")
+            try:
+                state, meta = ckpt.restore(step, abstract(ckpt.read_meta(step)))
+            except Exception as e:   # noqa: BLE001  a damaged step: one line, not orbax's traceback
+                raise CheckpointError(f"checkpoint step {step} of {run_dir} cannot be read back "
+                                      f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     finally:
         ckpt.close()
-    return draft_from_params(draft_def, state.params, dtype), meta
+    return draft_from_params(holder["def"], state.params, dtype), meta

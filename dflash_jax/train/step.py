@@ -26,7 +26,7 @@ from dflash_jax.train.loss import block_labels, block_loss_sums, default_gamma
 from dflash_jax.train.packed import TRAIN_ATTENTION, block_tokens, draft_forward
 
 __all__ = ["StepConfig", "TrainState", "make_optimizer", "init_state", "make_mesh", "Trainer", "build_step",
-           "step_shardings", "split_draft", "loss_and_metrics"]
+           "step_shardings", "split_draft", "loss_and_metrics", "trim_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,22 @@ class StepConfig:
     chunk_blocks: int = 32               # blocks per attention chunk
     head_chunk: int = 2048               # block slots per LM-head chunk
     anchor_seed: int = 0                 # contract
+    anchor_draw_len: int | None = None   # anchors' random draw covers this many positions (None: the
+                                         # batch's length); the data's row length, so a batch trimmed
+                                         # to its longest row draws the same anchors as a padded one
 
     def __post_init__(self):
+        if not (isinstance(self.block_size, int) and self.block_size >= 2):
+            raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor; slots 1.. are predicted), "
+                             f"got {self.block_size!r}")
+        if not (isinstance(self.num_anchors, int) and self.num_anchors >= 1):
+            raise ValueError(f"num_anchors must be an integer >= 1, got {self.num_anchors!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac!r}")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma!r}")
         if self.train_attention not in TRAIN_ATTENTION:
             raise ValueError(f"train_attention {self.train_attention!r} is not one of {TRAIN_ATTENTION}")
 
@@ -119,7 +133,7 @@ def loss_and_metrics(params, draft_def, target: CausalLM, tokens, loss_mask, sam
     dt = jnp.dtype(cfg.compute_dtype)
     draft = nnx.merge(draft_def, jax.tree.map(lambda p: p.astype(dt), params))
     keys = anchor_key(cfg.anchor_seed, epoch, sample_ids)
-    anchors, keep = sample_anchors(keys, loss_mask, cfg.num_anchors)           # [B, N]
+    anchors, keep = sample_anchors(keys, loss_mask, cfg.num_anchors, draw_len=cfg.anchor_draw_len)  # [B, N]
     with jax.named_scope("target"):
         if feats is None:
             feats = target_features(target, tokens, cfg)                       # [B, T, n·H]
@@ -171,6 +185,27 @@ def step_shardings(mesh: Mesh):
     return (repl, repl, batch, batch, batch, repl), (repl, repl)
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def trim_batch(tokens: np.ndarray, loss_mask: np.ndarray, num_anchors: int, min_len: int = 128):
+    """(tokens, loss_mask, anchors) of a host batch [B, T] cut to what its rows use: the length to the
+    last response token of the longest row, and the anchor count to the most valid anchor positions
+    of a row, each rounded up to a power of two (so a run compiles a few shapes, not one per batch)
+    and capped at T / num_anchors. Nothing past a row's last response token is a label or context
+    of an anchor, and the sampler keeps every valid position a row has up to num_anchors, so the
+    loss and gradients are those of the padded batch (the padded blocks weigh 0)."""
+    lm = np.asarray(loss_mask).astype(bool)
+    T = lm.shape[1]
+    used = lm.any(axis=0)
+    last = int(np.nonzero(used)[0][-1]) + 1 if used.any() else 1
+    length = min(T, max(min_len, _pow2_at_least(last)))
+    valid = int((lm[:, :-1] & lm[:, 1:]).sum(axis=1).max()) if T > 1 else 0
+    anchors = min(num_anchors, _pow2_at_least(max(1, valid)))
+    return tokens[:, :length], loss_mask[:, :length], anchors
+
+
 class Trainer:
     """The compiled step over a mesh. `step(state, tokens, loss_mask, sample_ids, epoch)` → (state,
     metrics); the state is donated. tokens / loss_mask [B, T] (B a multiple of the 'data' axis)."""
@@ -181,20 +216,31 @@ class Trainer:
         self.draft_def = draft_def
         self.repl = NamedSharding(self.mesh, P())
         self.target_state = jax.device_put(target_state, self.repl)
-        ins, outs = step_shardings(self.mesh)
-        self._step = jax.jit(build_step(self.target_def, draft_def, cfg), in_shardings=ins,
-                             out_shardings=outs, donate_argnums=(0,))
+        self._steps = {}
+        self._step = self._compiled(cfg.num_anchors)
+
+    def _compiled(self, num_anchors: int):
+        """The jitted step drawing `num_anchors` anchors per row (one per anchor bucket)."""
+        if num_anchors not in self._steps:
+            cfg = dataclasses.replace(self.cfg, num_anchors=num_anchors)
+            ins, outs = step_shardings(self.mesh)
+            self._steps[num_anchors] = jax.jit(build_step(self.target_def, self.draft_def, cfg), in_shardings=ins,
+                                               out_shardings=outs, donate_argnums=(0,))
+        return self._steps[num_anchors]
 
     def place_state(self, state: TrainState) -> TrainState:
         return jax.device_put(state, self.repl)
 
-    def step(self, state: TrainState, tokens, loss_mask, sample_ids, epoch):
+    def step(self, state: TrainState, tokens, loss_mask, sample_ids, epoch, *, num_anchors: int | None = None):
+        """num_anchors: anchors drawn per row this step (≤ cfg.num_anchors; trim_batch's count), or
+        cfg.num_anchors."""
         n = self.mesh.shape["data"]
         if tokens.shape[0] % n:
             raise ValueError(f"batch {tokens.shape[0]} is not a multiple of the {n} devices on the 'data' axis")
         args = (jnp.asarray(tokens, jnp.int32), jnp.asarray(loss_mask, jnp.int32),
                 jnp.asarray(sample_ids, jnp.int32), jnp.asarray(epoch, jnp.int32))
-        return self._step(state, self.target_state, *args)
+        fn = self._compiled(min(self.cfg.num_anchors, num_anchors or self.cfg.num_anchors))
+        return fn(state, self.target_state, *args)
 
     def lower(self, state, tokens, loss_mask, sample_ids, epoch):
         """The step lowered (ahead-of-time compiles: memory_analysis, cost_analysis)."""

@@ -20,6 +20,7 @@ import functools
 import logging
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
@@ -42,20 +43,21 @@ XLA_CHUNKED_MAX_T = 64
 XLA_KV_CHUNK = 512
 
 
-def _xla_dense(q, k_cache, v_cache, k_end, scale):
+def _xla_dense(q, k_cache, v_cache, k_end, scale, k_start=None):
     """The oracle's own math (its P.V einsum is batch-major, so bf16 batches also run on XLA:CPU)."""
-    return reference_block_attention(q, k_cache, v_cache, k_end, scale=scale)
+    return reference_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start)
 
 
-def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk):
-    """Online softmax over KV chunks [i*K, (i+1)*K) for i < ceil(max(k_end) / K): the work follows
-    the longest row, not the capacity. Requires K <= C."""
+def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
+    """Online softmax over KV chunks [i*K, (i+1)*K) for min(k_start) // K <= i < ceil(max(k_end) / K):
+    the work follows the rows' key ranges, not the capacity. Requires K <= C."""
     B, T, Hq, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
     G, K = Hq // Hkv, kv_chunk
     scale = D ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, Hkv, G, D)
     n_chunks = jnp.clip((jnp.max(k_end) + K - 1) // K, 0, -(-C // K))     # traced trip count
+    first = 0 if k_start is None else jnp.clip(jnp.min(k_start) // K, 0, n_chunks)
 
     def chunk(i, carry):
         m, l, acc = carry
@@ -67,6 +69,8 @@ def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk):
         vc = lax.dynamic_slice_in_dim(v_cache, start, K, axis=2)            # [B, Hkv, K, D]
         pos = start + jnp.arange(K)                                         # [K]
         visible = (pos >= lo)[None, None, :] & (pos[None, None, :] < k_end[:, :, None])   # [B, T, K]
+        if k_start is not None:   # a sliding-window layer's rows start at their own key
+            visible &= pos[None, None, :] >= k_start[:, :, None]
         s = jnp.einsum("btkgd,bkcd->bkgtc", qg, kc, preferred_element_type=jnp.float32) * scale
         s = jnp.where(visible[:, None, None], s, -jnp.inf)                  # [B, Hkv, G, T, K]
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
@@ -81,7 +85,7 @@ def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk):
     init = (jnp.full((B, Hkv, G, T, 1), -jnp.inf, jnp.float32),             # running max
             jnp.zeros((B, Hkv, G, T, 1), jnp.float32),                      # running sum
             jnp.zeros((B, Hkv, G, T, D), jnp.float32))                      # accumulator
-    _, l, acc = lax.fori_loop(0, n_chunks, chunk, init)
+    _, l, acc = lax.fori_loop(first, n_chunks, chunk, init)
     o = acc / jnp.where(l > 0, l, 1.0)                                      # rows with no key: 0
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
 
@@ -91,25 +95,26 @@ def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk):
 # caller that takes gradients (a short prompt's prefill inside training) still can. The long-query
 # (prefill) path never uses the loop: training differentiates through the target's prefill forward.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk):
-    return _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk)
+def _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
+    return _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start)
 
 
-def _xla_chunked_fwd(q, k_cache, v_cache, k_end, scale, kv_chunk):
-    return _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk), (q, k_cache, v_cache, k_end)
+def _xla_chunked_fwd(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
+    return (_chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start),
+            (q, k_cache, v_cache, k_end, k_start))
 
 
 def _xla_chunked_bwd(scale, kv_chunk, res, g):
-    q, k_cache, v_cache, k_end = res
-    _, vjp = jax.vjp(lambda q_, k_, v_: _xla_dense(q_, k_, v_, k_end, scale), q, k_cache, v_cache)
-    return (*vjp(g), None)
+    q, k_cache, v_cache, k_end, k_start = res
+    _, vjp = jax.vjp(lambda q_, k_, v_: _xla_dense(q_, k_, v_, k_end, scale, k_start), q, k_cache, v_cache)
+    return (*vjp(g), None, None if k_start is None else np.zeros(k_start.shape, jax.dtypes.float0))
 
 
 _xla_chunked.defvjp(_xla_chunked_fwd, _xla_chunked_bwd)
 
 
 def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
-                        q_tile: int | None = None, kv_chunk: int | None = None):
+                        q_tile: int | None = None, kv_chunk: int | None = None, k_start=None):
     """The reference in XLA ops, sized to the work rather than the buffers.
 
     Short query blocks (T <= XLA_CHUNKED_MAX_T) attend in chunks of `kv_chunk` keys (default
@@ -117,6 +122,8 @@ def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = Non
     kv_chunk=0 keeps the dense path over the whole capacity (benchmarks compare against it).
     Longer queries (prefill) are processed in tiles (lax.map) so B*tile*Hq*C scores stay bounded:
     a 32k prompt over a 32k cache would otherwise build a [B, Hq, 32k, 32k] f32 score tensor.
+    k_start [B, T] (or None): each row's first key, for sliding-window draft layers (block-sized
+    queries only: the chunked or the dense path).
     """
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
@@ -125,7 +132,11 @@ def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = Non
     if kv_chunk < 0:
         raise ValueError(f"kv_chunk must be >= 0 (0: dense over the whole capacity), got {kv_chunk}")
     if T <= XLA_CHUNKED_MAX_T and 0 < kv_chunk < C and q_tile is None:
-        return _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk)
+        return _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start)
+    if k_start is not None:
+        if T > XLA_CHUNKED_MAX_T or q_tile is not None:
+            raise ValueError(f"k_start is for block-sized queries (T <= {XLA_CHUNKED_MAX_T}), got T={T}")
+        return _xla_dense(q, k_cache, v_cache, k_end, scale, k_start)
     if q_tile is None:
         if B * T * Hq * C <= _XLA_SCORE_BUDGET:
             return _xla_dense(q, k_cache, v_cache, k_end, scale)
@@ -154,10 +165,11 @@ def default_impl(interpret=False) -> str:
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: float | None = None,
-                    interpret=False, **tuning):
+                    interpret=False, k_start=None, **tuning):
     """Dispatch to a kernel. interpret: False, True, or a pltpu.InterpretParams for the TPU kernel.
 
     tuning: block sizes etc. forwarded to the chosen kernel (benchmarks); ignored by "xla".
+    k_start [B, T] or None: each row's first key (sliding-window draft layers).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
@@ -171,12 +183,12 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
                 from jax.experimental.pallas import tpu as pltpu
                 interpret = pltpu.InterpretParams()
             return tpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
-                                       interpret=interpret, **tuning)
+                                       interpret=interpret, k_start=k_start, **tuning)
         if impl == "gpu":
             from pallas_kernels.attention import gpu
             return gpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
-                                       interpret=bool(interpret), **tuning)
+                                       interpret=bool(interpret), k_start=k_start, **tuning)
     except Unsupported as e:
         warn_once(_log, f"{impl}: {e}", "pallas %s kernel cannot take q%s cache%s (%s): using the XLA path "
                   "(said once per reason)", impl, q.shape, k_cache.shape, e)
-    return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale)
+    return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start)

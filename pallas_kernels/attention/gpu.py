@@ -143,8 +143,15 @@ def default_config(T: int, G: int, C: int, D: int, B: int, Hkv: int, *, n_sms: i
                 merge_rows=MERGE_ROWS if big else 4, merge_cols=MERGE_COLS if big else 32)
 
 
-def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int):
+def _visible(k0, cols, kend, kstart):
+    """The mask of one KV tile: keys below each row's end (and at or past its start)."""
+    if kstart is None:
+        return lambda: (k0 + cols) < kend[:, None]
+    return lambda: ((k0 + cols) < kend[:, None]) & ((k0 + cols) >= kstart[:, None])
+
+
+def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv_splits: int,
+            min_chunk: int, decode_rows: int, G: int, has_start: bool = False):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -155,7 +162,10 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
     [B] array, outputs are whole [B*Hq, D] (+ [B*Hq]) arrays written with the same mask. This saves
     the pad and slice kernels an XLA-side fold would cost at every layer.
     k_ref/v_ref [C, D]: the whole head; tiles are sliced in the loop.
+    has_start (tiled mode only): refs[0] is kstart [bt], each row's first key (a sliding-window
+    draft layer): the KV range starts at the tile's lowest start, every tile masked.
     """
+    kstart_ref, out_refs = (refs[0], refs[1:]) if has_start else (None, refs)
     s_idx = pl.program_id(3)
     if decode_rows:
         b, h = pl.program_id(0), pl.program_id(1)
@@ -176,19 +186,24 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
         kend = jnp.broadcast_to(kend_t[:, None], (bt, G)).reshape(R)
         hi = jnp.max(kend_t)
         lo = jnp.min(jnp.where(kend_t > 0, kend_t, jnp.iinfo(jnp.int32).max))
+    base = 0
+    if has_start:
+        kstart = jnp.broadcast_to(kstart_ref[...][:, None], (bt, G)).reshape(R)
+        first = jnp.min(jnp.where(kend_t > 0, kstart_ref[...], hi))
+        base = jnp.minimum(first, hi) // block_k * block_k
     D = q.shape[1]
     # This split's KV range: [start, stop), a bk-aligned share of [0, hi) of at least min_chunk
     # keys. The split count is static (from the capacity) but the length is not: a 32k cache
     # holding 1k tokens uses 2 splits, not 32 tiny ones whose partials cost more than they save.
-    chunk = jnp.maximum(pl.cdiv(pl.cdiv(hi, kv_splits), block_k) * block_k, min_chunk)
-    start = s_idx * chunk
+    chunk = jnp.maximum(pl.cdiv(pl.cdiv(hi - base, kv_splits), block_k) * block_k, min_chunk)
+    start = base + s_idx * chunk
     stop = jnp.minimum(start + chunk, hi)
     n_iter = jnp.maximum(pl.cdiv(stop - start, block_k), 0)
     # Tiles below every live row's k_end need no mask (most of a long context, the lower
     # triangle of a prefill). Rows with k_end == 0 (padding, or empty by contract) are left out of
     # `lo` and zeroed at the end.
     live = kend > 0                                                           # [R]
-    n_full = jnp.clip((lo - start) // block_k, 0, n_iter)
+    n_full = 0 if has_start else jnp.clip((lo - start) // block_k, 0, n_iter)
 
     base = _LOG2E
     scale2, exp = scale * base, jnp.exp2
@@ -201,7 +216,7 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *out_refs, scale: float, block_k: int
             k = k_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
             m, l, acc = online_softmax_step(
                 q, k, lambda: v_ref[pl.ds(k0, block_k), :], m, l, acc, scale=scale2, exp=exp,
-                visible=(lambda: (k0 + cols) < kend[:, None]) if masked else None)
+                visible=(_visible(k0, cols, kend, kstart if has_start else None)) if masked else None)
             return acc, m, l
         return body
 
@@ -244,11 +259,12 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                     num_stages: int | None = None, min_chunk: int | None = None,
                     merge_kernel: bool | None = None,
                     merge_rows: int | None = None, merge_cols: int | None = None,
-                    n_sms: int | None = None):
+                    n_sms: int | None = None, k_start=None):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
     merge_kernel: split partials merged by `merge_splits` (a Pallas kernel) instead of XLA's fusion
-    of `_merge`; None: as default_config says. n_sms: the GPU's SM count (None: `sm_count()`)."""
+    of `_merge`; None: as default_config says. n_sms: the GPU's SM count (None: `sm_count()`).
+    k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end)); blocks only."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
     _, Hkv, C, _ = k_cache.shape
@@ -268,7 +284,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               interpret=interpret, block_k=block_k, kv_splits=kv_splits,
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
                               merge_kernel=merge_kernel, merge_rows=merge_rows,
-                              merge_cols=merge_cols, n_sms=n_sms)
+                              merge_cols=merge_cols, n_sms=n_sms,
+                              k_start=None if k_start is None else jnp.pad(k_start, ((0, 0), (0, Tp - T))))
         return out[:, :T]
     n_sms = sm_count() if n_sms is None else n_sms
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
@@ -287,6 +304,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     if C % bk:
         raise Unsupported(f"capacity C={C} is not a multiple of block_k={bk}")
     decode_rows = 16 if (T == 1 and G < 16) else 0
+    if k_start is not None and decode_rows:
+        raise Unsupported("k_start in the decode layout (T == 1)")
     if not decode_rows:
         if bt < 1 or bt & (bt - 1) or T % bt:
             raise Unsupported(f"block_t={bt} must be a power of two dividing T={T}")
@@ -328,20 +347,24 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                          pl.BlockSpec((None, None, bt, None, G), lambda b, h, i, s: (s, b, i, h, 0))]
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
-                               min_chunk=min_chunk, decode_rows=decode_rows, G=G)
+                               min_chunk=min_chunk, decode_rows=decode_rows, G=G,
+                               has_start=k_start is not None)
+    extra_in, extra_spec = (), []
+    if k_start is not None:
+        extra_in, extra_spec = (jnp.clip(k_start.astype(jnp.int32), 0, C),), [kend_spec]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
             kernel,
             out_shape=out_shape,
             grid=(B, Hkv, n_t, n_split),
-            in_specs=[q_spec, kv_spec, kv_spec, kend_spec],
+            in_specs=[q_spec, kv_spec, kv_spec, kend_spec] + extra_spec,
             out_specs=out_specs,
             compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
                                                     num_stages=cfg["num_stages"]),
             interpret=interpret,
             name="dflash_block_attention_gpu",
-        )(q_in, k_cache, v_cache, kend_in)
+        )(q_in, k_cache, v_cache, kend_in, *extra_in)
     if n_split > 1 and cfg["merge_kernel"]:
         out = merge_splits(*out, q.dtype, rows=cfg["merge_rows"], cols=cfg["merge_cols"],
                            interpret=interpret)

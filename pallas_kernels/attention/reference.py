@@ -5,6 +5,8 @@
   k_cache  [B, Hkv, C, D]   (Hq is a multiple of Hkv: grouped-query attention)
   v_cache  [B, Hkv, C, D]
   k_end    [B, T] int32     (1 <= k_end <= C for rows whose output is used)
+  k_start  [B, T] int32 or None: a per-row first key (sliding-window draft layers); rows attend
+           [k_start, k_end). None: 0.
   returns  [B, T, Hq, D] in q.dtype, accumulated in float32.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None):
+def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, k_start=None):
     B, T, Hq, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -21,6 +23,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None):
     qg = q.reshape(B, T, Hkv, G, D)
     s = jnp.einsum("btkgd,bkcd->bkgtc", qg, k_cache, preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(C)[None, None, :] < k_end[:, :, None]          # [B, T, C]
+    if k_start is not None:
+        visible &= jnp.arange(C)[None, None, :] >= k_start[:, :, None]
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)                                 # rows with no key: output 0

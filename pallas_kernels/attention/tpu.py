@@ -69,13 +69,19 @@ def choose_blocks(R: int, C: int, D: int, dtype, *, block_q: int | None = None,
     return block_q, block_k
 
 
-def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int,
-            n_q_tiles: int, groups: int = 0, prologue: bool = False, eps: float = 0.0):
+def _kernel(tmax_ref, tmin_ref, *refs, scale: float, block_k: int,
+            n_q_tiles: int, groups: int = 0, prologue: bool = False, eps: float = 0.0, has_start: bool = False):
     # folded (groups == 0): q_ref [bq, D], o_ref [bq, D]
     # token-major (groups == G): q_ref [bt, G*D], o_ref [bt, G*D], q_sc [G*bt, D] (rows (g, t)); bq = G*bt
     # prologue (token-major only): cos_ref, sin_ref [bt, D] f32 (sin signed: [-sin | sin]), w_ref
     #   [1, D] the q_norm weight; q_ref holds the projection's raw q, normed and rotated here
     # k_ref/v_ref [bk, D], kend_ref [bq, 1] int32, m_sc/l_sc [bq, 1] f32, acc_sc [bq, D] f32
+    # has_start: a third scalar (the tile's lowest k_start over live rows) and kstart_ref [bq, 1]
+    # after kend_ref: rows attend [k_start, k_end) (sliding-window draft layers); every tile masked
+    if has_start:
+        tstart_ref, q_ref, k_ref, v_ref, kend_ref, kstart_ref, *refs = refs
+    else:
+        q_ref, k_ref, v_ref, kend_ref, *refs = refs
     if prologue:
         cos_ref, sin_ref, w_ref, *refs = refs
     o_ref, m_sc, l_sc, acc_sc, *q_sc = refs
@@ -85,6 +91,7 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, *refs, scale: flo
     hi = tmax_ref[tile]            # max k_end over this row tile
     lo = tmin_ref[tile]            # min k_end over the tile's live rows (k_end > 0)
     k0 = j * block_k
+    first = tstart_ref[tile] if has_start else 0
 
     @pl.when(j == 0)
     def _init():
@@ -106,6 +113,8 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, *refs, scale: flo
 
         def visible():
             col = k0 + lax.broadcasted_iota(jnp.int32, (q.shape[0], k.shape[0]), 1)   # [bq, bk]
+            if has_start:
+                return (col < kend_ref[...]) & (col >= kstart_ref[...])
             return col < kend_ref[...]                                      # [bq, bk]
         m, l, acc = online_softmax_step(q, k, lambda: v_ref[...], m_sc[...], l_sc[...], acc_sc[...],
                                         scale=scale, visible=visible if masked else None)
@@ -114,13 +123,18 @@ def _kernel(tmax_ref, tmin_ref, q_ref, k_ref, v_ref, kend_ref, *refs, scale: flo
         m_sc[...] = m
 
     # Every live row of the tile sees the whole KV tile: no mask needed (most of a long context).
-    @pl.when(jnp.logical_and(k0 + block_k <= lo, k0 < hi))
-    def _full():
-        _step(masked=False)
+    if has_start:
+        @pl.when(jnp.logical_and(k0 + block_k > first, k0 < hi))
+        def _windowed():
+            _step(masked=True)
+    else:
+        @pl.when(jnp.logical_and(k0 + block_k <= lo, k0 < hi))
+        def _full():
+            _step(masked=False)
 
-    @pl.when(jnp.logical_and(k0 + block_k > lo, k0 < hi))
-    def _partial():
-        _step(masked=True)
+        @pl.when(jnp.logical_and(k0 + block_k > lo, k0 < hi))
+        def _partial():
+            _step(masked=True)
 
     @pl.when(j == n_k - 1)
     def _finish():
@@ -185,13 +199,14 @@ def token_tile(T: int, G: int, D: int, dtype, *, block_q: int | None = None) -> 
     return bt
 
 
-def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
+def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, k_start=None,
                     interpret=False, block_q: int | None = None, block_k: int | None = None):
-    """Pallas TPU block attention. interpret: False, or pltpu.InterpretParams() to run on CPU."""
+    """Pallas TPU block attention. interpret: False, or pltpu.InterpretParams() to run on CPU.
+    k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end))."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
     return _attention(q, None, k_cache, v_cache, k_end, B=B, T=T, Hq=Hq, D=D, t0=0, scale=scale,
-                      interpret=interpret, block_q=block_q, block_k=block_k)
+                      interpret=interpret, block_q=block_q, block_k=block_k, k_start=k_start)
 
 
 def fused_q_supported(T: int, t0: int, Hq: int, Hkv: int, D: int, C: int, dtype) -> bool:
@@ -238,7 +253,7 @@ def block_attention_qkv(qkv, cos, sin, q_norm_weight, eps: float, k_cache, v_cac
 
 
 def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, interpret,
-               block_q=None, block_k=None):
+               block_q=None, block_k=None, k_start=None):
     """q: [B, T, Hq, D] (prologue None), or the [B, t0 + T, N] projection output (prologue: cos,
     sin, weight, eps; token-major tiles only)."""
     _, Hkv, C, _ = k_cache.shape
@@ -250,26 +265,35 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
     R_pad = _round_up(R, bq)
     n_q, n_k = R_pad // bq, C // bk
 
+    def per_row(e):
+        """k_end / k_start [B, T] as the kernel's rows and per tile: (rows, tiles [B*n_q, rows])."""
+        if bt:  # per-row values of each token tile, rows (g, t): [B, n_q, G*bt, 1]
+            ke = jnp.clip(e.astype(jnp.int32), 0, C).reshape(B, n_q, 1, bt)
+            return jnp.broadcast_to(ke, (B, n_q, G, bt)).reshape(B, n_q, G * bt, 1), ke.reshape(B * n_q, bt)
+        _, r = fold_queries(q, e, G, R_pad)                                    # [B, R_pad]
+        r = jnp.clip(r, 0, C)
+        return r[:, :, None], r.reshape(B * n_q, bq)
+
+    kr, tiles = per_row(k_end)
     if bt:
-        # per-row k_end of each token tile, rows (g, t): [B, n_q, G*bt, 1]
-        ke = jnp.clip(k_end.astype(jnp.int32), 0, C).reshape(B, n_q, 1, bt)
-        tiles = ke.reshape(B * n_q, bt)
-        kr = jnp.broadcast_to(ke, (B, n_q, G, bt)).reshape(B, n_q, G * bt, 1)
         q_in = q if prologue is not None else q.reshape(B, T, Hq * D)            # a view, no copy
     else:
-        q_in, kr = fold_queries(q, k_end, G, R_pad)                           # [B,Hkv,R_pad,D], [B,R_pad]
-        kr = jnp.clip(kr, 0, C)
-        tiles = kr.reshape(B * n_q, bq)
-        kr = kr[:, :, None]                                                   # [B, R_pad, 1]
+        q_in = fold_queries(q, k_end, G, R_pad)[0]                            # [B,Hkv,R_pad,D]
     tmax = jnp.max(tiles, axis=1)                                            # [B*n_q] (SMEM: keep 1-D)
     # min over live rows only: padding rows and rows with k_end == 0 (zeroed at the end) must not
     # force every tile onto the masked path.
     tmin = jnp.min(jnp.where(tiles > 0, tiles, C), axis=1)                   # [B*n_q]
+    scalars = [tmax, tmin]
+    if k_start is not None:
+        ks_rows, ks_tiles = per_row(k_start)
+        scalars.append(jnp.min(jnp.where(tiles > 0, ks_tiles, C), axis=1))   # the tile's first key
 
-    def kv_map(b, h, i, j, tmax_ref, tmin_ref):
-        # Past the tile's last needed KV block, keep pointing at it: no new DMA is issued.
+    def kv_map(b, h, i, j, tmax_ref, tmin_ref, *start_ref):
+        # Past the tile's last needed KV block, keep pointing at it: no new DMA is issued; before
+        # its first (a window's start), point at that one.
         last = jnp.maximum(pl.cdiv(tmax_ref[b * n_q + i], bk) - 1, 0)
-        return (b, h, jnp.minimum(j, last), 0)
+        first = jnp.minimum(start_ref[0][b * n_q + i] // bk, last) if start_ref else 0
+        return (b, h, jnp.clip(j, first, last), 0)
 
     extra_in, extra_args = [], []
     if bt:
@@ -290,15 +314,18 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
         kend_spec = pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0))
         out_shape = jax.ShapeDtypeStruct((B, Hkv, R_pad, D), q.dtype)
         extra_scratch = []
+    if k_start is not None:
+        extra_in, extra_args = [kend_spec] + extra_in, [ks_rows] + extra_args
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, n_q_tiles=n_q, groups=G if bt else 0,
                                prologue=prologue is not None,
-                               eps=prologue[3] if prologue is not None else 0.0)
+                               eps=prologue[3] if prologue is not None else 0.0,
+                               has_start=k_start is not None)
     itemsize = jnp.dtype(q.dtype).itemsize
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(scalars),
             grid=(B, Hkv, n_q, n_k),
             in_specs=[
                 q_spec,
@@ -323,7 +350,7 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
             bytes_accessed=itemsize * (2 * B * Hkv * C * D + 2 * B * Hkv * R_pad * D)),
         interpret=interpret,
         name="dflash_block_attention_tpu",
-    )(tmax, tmin, q_in, k_cache, v_cache, kr, *extra_args)
+    )(*scalars, q_in, k_cache, v_cache, kr, *extra_args)
     if bt:
         return out.reshape(B, T, Hq, D)                                       # a view, no copy
     return unfold_output(out, B, T, Hq, G)

@@ -1,0 +1,310 @@
+"""DFlash2 drafts, and DFlash drafts whose layers slide or attend causally.
+
+A DFlash2 draft (reference `dflash.model.DFlash2DraftModel`) is the DFlash draft plus
+  - a grouped dynamic causal convolution around each sublayer: `prepare` convolves the normed
+    sublayer input, `finish` the sublayer output before its residual add, both over the block only
+    (zeros before the anchor), with taps base[o, c] + δ[t, o, c // group_size] where δ is a linear
+    map of the prepare input (one projection gives both tap sets);
+  - a candidate selector: the top-K ids of each slot's logits (lm_head · output_multiplier, then
+    the optional softcap) with their logits as unary scores U, and a pair score
+    S_t(a, b) = U_t(b) + <P[a] ⊙ W h_t, Q[b]> between the predecessor a and candidate b. The path
+    starts at the anchor (the block's slot 0) and takes one candidate per slot.
+The predecessor of slot t is one of the K candidates of slot t-1, so the K×K score lattice of every
+slot is computed at once (float32) and only the walk over it is sequential (a scan over S-1 slots):
+argmax at T = 0; at T > 0 a Gumbel-max draw from q = softmax(S / T), q returned for the acceptance.
+
+Layer attention follows config.layer_types / sliding_window / is_causal (the reference's mask): a
+block row at position p sees context keys in (p - W, p] ∩ [0, block end) for a sliding layer, and
+the block's keys at most up to p (causal) or p + W (non-causal sliding); full non-causal layers see
+everything, as DFlash-1. The window travels as a per-row first key (`attention.attend(k_start=)`).
+A DFlash-1 draft whose layers slide or are causal runs here too (no conv, no selector).
+
+The draft cache keeps every context row (capacity C); the window only masks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.attention import attend
+from dflash_jax.cache import KVCache, write_kv_rows, write_rows
+from dflash_jax.config import DraftConfig
+from dflash_jax.kernel_config import KernelConfig, resolved
+from dflash_jax.drafts.dflash import TOP_WEIGHTS
+from dflash_jax.drafts.variant import Variant
+from dflash_jax.models import qwen3
+from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, gated_silu
+from dflash_jax.sharding import argmax
+
+__all__ = ["DFlash2Draft", "GroupedDynamicConv", "CandidateSelector", "grouped_dynamic_conv",
+           "layer_key_range", "needs_dflash2"]
+
+
+def needs_dflash2(config: DraftConfig) -> bool:
+    """Whether a draft config runs on this module (DFlash2, or per-layer windows / causal layers)."""
+    return config.is_dflash2 or not config.plain_attention
+
+
+def grouped_dynamic_conv(x, dyn, base, group_size: int):
+    """out[t, c] = Σ_o (base[o, c] + dyn[t, o, c // group_size]) · x[t - o, c], x[t < 0] = 0.
+    x [B, S, H], dyn [B, S, K, G], base [K, H]. In x's dtype, as the reference."""
+    B, S, H = x.shape
+    out = jnp.zeros_like(x)
+    for o in range(base.shape[0]):
+        xs = x if o == 0 else jnp.pad(x[:, :-o], ((0, 0), (o, 0), (0, 0)))          # [B, S, H]
+        w = jnp.repeat(dyn[:, :, o].astype(x.dtype), group_size, axis=-1)            # [B, S, H]
+        out = out + base[o].astype(x.dtype) * xs
+        out = out + w * xs
+    return out
+
+
+class GroupedDynamicConv(nnx.Module):
+    """The reference's GroupedDynamicCausalConv: base_kernel [2, K, H] (prepare, finish) and
+    kernel_projection [H, 2·K·G] ([in, out]). identity=True: tap 0 = 1, the rest 0 and a zero
+    projection, so the conv is the identity (a fresh DFlash2 draft is a DFlash draft)."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int, dtype, rngs: nnx.Rngs,
+                 identity: bool = False):
+        self.kernel_size, self.group_size = kernel_size, group_size
+        G = hidden // group_size
+        if identity:
+            base = jnp.zeros((2, kernel_size, hidden), dtype).at[:, 0].set(1)
+            self.base_kernel = nnx.Param(base)
+            self.kernel_projection = nnx.Param(jnp.zeros((hidden, 2 * kernel_size * G), dtype))
+        else:
+            self.base_kernel = _init(rngs, (2, kernel_size, hidden), dtype, 0.5)
+            self.kernel_projection = _init(rngs, (hidden, 2 * kernel_size * G), dtype, hidden ** -0.5)
+
+    def prepare(self, x):
+        """(conv of x with the prepare taps, the finish taps' dynamic part [B, S, K, G])."""
+        B, S, H = x.shape
+        K, G = self.kernel_size, H // self.group_size
+        dyn = (x @ self.kernel_projection[...]).reshape(B, S, 2, K, G)
+        return grouped_dynamic_conv(x, dyn[:, :, 0], self.base_kernel[0], self.group_size), dyn[:, :, 1]
+
+    def finish(self, x, dyn):
+        return grouped_dynamic_conv(x, dyn, self.base_kernel[1], self.group_size)
+
+
+class DFlash2Layer(DecoderLayer):
+    """A draft layer: DecoderLayer's weights (the same names and fused layout) with optional convs
+    around its two sublayers, run in XLA ops around `attention.attend` (the window as k_start)."""
+
+    def __init__(self, cfg: DraftConfig, dtype, rngs: nnx.Rngs, identity_conv: bool = False):
+        super().__init__(cfg, dtype, rngs)
+        args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, dtype, rngs, identity_conv)
+        conv = cfg.conv_kernel_size > 0
+        self.attention_conv = nnx.data(GroupedDynamicConv(*args) if conv else None)
+        self.mlp_conv = nnx.data(GroupedDynamicConv(*args) if conv else None)
+
+    def block(self, x, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig):
+        """x [B, S, H] block rows at positions [B, S]; context: DraftContext or None (its rows'
+        K/V written first); k_start (or None), k_end [B, S]. Returns (x, k_cache, v_cache)."""
+        T = x.shape[1]
+        h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, attn_taps = self.attention_conv.prepare(h)
+        hin, k_pos = h, positions
+        if context is not None:
+            hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)         # [B, Tc+S, H]
+            k_pos = jnp.concatenate([context.positions, positions], axis=1)
+        q, k, v = self._heads(self._project(hin), positions, k_pos)
+        if context is not None:
+            Tc = context.feats.shape[1]
+            k_cache, v_cache = write_kv_rows(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0],
+                                             kernels)
+            k, v = k[:, Tc:], v[:, Tc:]
+        k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, positions[:, 0], kernels)
+        o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start)               # [B, S, Hq, D]
+        a = o.reshape(o.shape[0], T, -1) @ self.o[...]
+        if self.attention_conv is not None:
+            a = self.attention_conv.finish(a, attn_taps)
+        x = x + a
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, mlp_taps = self.mlp_conv.prepare(h)
+        m = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
+        if self.mlp_conv is not None:
+            m = self.mlp_conv.finish(m, mlp_taps)
+        return x + m, k_cache, v_cache
+
+
+def layer_key_range(config: DraftConfig, i: int, positions, block_end):
+    """(k_start [B, S] or None, k_end [B, S]) of draft layer i for block rows at positions [B, S]
+    whose keys end at block_end [B] (the reference's mask: causal: key <= p; sliding window W:
+    p - key < W, and key - p < W when not causal)."""
+    W, causal = config.layer_window(i), config.layer_causal(i)
+    end = jnp.broadcast_to(block_end[:, None], positions.shape)
+    if causal:
+        end = jnp.minimum(end, positions + 1)
+    elif W is not None:
+        end = jnp.minimum(end, positions + W)
+    start = None if W is None else jnp.maximum(positions - W + 1, 0)
+    return start, end
+
+
+class CandidateSelector(nnx.Module):
+    """predecessor_codebook, successor_codebook [V, R]; hidden_projection [H, R] ([in, out])."""
+
+    def __init__(self, config: DraftConfig, dtype, rngs: nnx.Rngs, zero_successor: bool = False):
+        V, R, H = config.vocab_size, config.selector_rank, config.hidden_size
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = _init(rngs, (V, R), dtype, 0.02 if zero_successor else 1.0)
+        self.successor_codebook = (nnx.Param(jnp.zeros((V, R), dtype)) if zero_successor
+                                   else _init(rngs, (V, R), dtype, 1.0))
+        self.hidden_projection = _init(rngs, (H, R), dtype, H ** -0.5)
+
+    def lattice(self, hidden, logits, anchor):
+        """hidden [B, L, H] (the draft's rows for slots 1..L), logits [B, L, V] float32 (the unary
+        logits), anchor [B] (the predecessor of slot 1). Returns (scores [B, L, K, K] float32:
+        scores[b, t, a, k] = S_t(candidate a of slot t-1, candidate k of slot t), every row a of
+        slot 0 being the anchor; candidates [B, L, K] int32)."""
+        unary, cand = jax.lax.top_k(logits.astype(jnp.float32), self.top_k)             # [B, L, K]
+        cand = cand.astype(jnp.int32)
+        hp = hidden.astype(jnp.float32) @ self.hidden_projection[...].astype(jnp.float32)   # [B, L, R]
+        B, L, K = cand.shape
+        prev = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (B, 1, K)), cand[:, :-1]], axis=1)
+        pred = self.predecessor_codebook[...][prev].astype(jnp.float32)                 # [B, L, K, R]
+        succ = self.successor_codebook[...][cand].astype(jnp.float32)                   # [B, L, K, R]
+        pair = jnp.einsum("blar,blr,blkr->blak", pred, hp, succ)                        # [B, L, K, K]
+        return unary[:, :, None, :] + pair, cand
+
+
+def walk(scores, cand, temperature=None, keys=None):
+    """The selector's path through its lattice: scores [B, L, K, K], cand [B, L, K]. From row 0 of
+    slot 0 (the anchor), each slot takes a candidate given the previous pick: argmax (lowest index
+    on ties), or with temperature [B] > 0 and keys [B] a Gumbel-max draw from q = softmax(S / T)
+    (a row with temperature 0 takes the argmax). Returns (path [B, L] int32, q [B, L, K] float32 of
+    each slot's row given its predecessor, or None at T = 0)."""
+    B, L, K, _ = scores.shape
+    rows = jnp.arange(B)
+
+    def step(prev, xs):
+        s_t, t = xs                                                                     # [B, K, K]
+        row = s_t[rows, prev]                                                           # [B, K]
+        if temperature is None:
+            pick = jnp.argmax(row, axis=-1).astype(jnp.int32)
+            return pick, (pick, row)
+        t_ = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        z = row / t_
+        g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, t), (K,), jnp.float32))(keys)
+        pick = jnp.argmax(jnp.where(temperature[:, None] > 0, z + g, row), axis=-1).astype(jnp.int32)
+        return pick, (pick, jax.nn.softmax(z, axis=-1))
+
+    _, (idx, q) = jax.lax.scan(step, jnp.zeros((B,), jnp.int32),
+                               (jnp.moveaxis(scores, 1, 0), jnp.arange(L, dtype=jnp.uint32)))
+    idx, q = idx.T, jnp.moveaxis(q, 0, 1)                                               # [B, L], [B, L, K]
+    path = jnp.take_along_axis(cand, idx[..., None], axis=-1)[..., 0]
+    return path, (None if temperature is None else q)
+
+
+class DFlash2Draft(nnx.Module):
+    """The DFlash2 draft (or a DFlash draft with per-layer windows / causal layers): the proposer
+    interface of drafts.dflash.DFlashDraft (config, new_cache, write_context, propose)."""
+
+    def __init__(self, config: DraftConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs, identity_conv: bool = False):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        H, n = config.hidden_size, len(config.target_layer_ids)
+        self.fc = _init(rngs, (n * H, H), dtype, (n * H) ** -0.5)                      # [n·H, H]
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype)
+        self.layers = nnx.List([DFlash2Layer(config, dtype, rngs, identity_conv) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
+        self.candidate_selector = nnx.data(CandidateSelector(config, dtype, rngs) if config.selector_top_k else None)
+
+    @property
+    def samples_drafts(self) -> bool:
+        """At T > 0 the loop passes temperature and keys to propose and q to the acceptance."""
+        return self.candidate_selector is not None
+
+    def context(self, feats):
+        """Target taps [B, T, n·H] → context features [B, T, H]."""
+        return self.hidden_norm(feats.astype(self.dtype) @ self.fc[...])
+
+    def write_context(self, feats, positions, cache: KVCache) -> KVCache:
+        """Prefill: the prompt's taps [B, T, n·H] at positions [B, T] into the draft cache."""
+        ctx = self.context(feats)
+        start = positions[:, 0]
+        ks, vs = list(cache.k), list(cache.v)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, positions)
+            ks[i], vs[i] = write_rows(ks[i], k, start), write_rows(vs[i], v, start)
+        return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
+
+    def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, block_end,
+                 *, kernels: KernelConfig | str | None = None):
+        """One draft pass: block_embeds [B, S, H] at positions [B, S]; pending_feats [B, S, n·H] at
+        pending_positions (as DFlashDraft); block_end [B]: the block's keys end there. Returns
+        (hidden [B, S, H] final-normed, cache)."""
+        kernels = resolved(kernels)
+        context = DraftContext(feats=self.context(pending_feats), positions=pending_positions)
+        x = block_embeds.astype(self.dtype)
+        ks, vs = list(cache.k), list(cache.v)
+        for i, layer in enumerate(self.layers):
+            k_start, k_end = layer_key_range(self.config, i, positions, block_end)
+            with jax.named_scope(f"draft_layer{i}"):
+                x, ks[i], vs[i] = layer.block(x, positions, ks[i], vs[i], context, k_start, k_end, kernels)
+        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs), lens=positions[:, 0])
+
+    def unary_logits(self, target, hidden):
+        """The target's LM head on hidden [B, L, H], times output_multiplier, then the softcap:
+        float32 [B, L, V] (the reference's compute_logits)."""
+        logits = target.logits(hidden)
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping:
+            logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+    def propose(self, target, current, lens, limit, pending, pending_count, cache: KVCache, *,
+                block_size: int, kernels: KernelConfig, temperature=None, keys=None):
+        """As DFlashDraft.propose: (drafts [B, S-1] int32, cache). With temperature [B] and keys [B]
+        (sampling) the selector draws its path and the result is (drafts, cache, (candidates
+        [B, S-1, K], q [B, S-1, K])) for the acceptance (sampling.accept's `proposal`)."""
+        B, S = current.shape[0], block_size
+        j = jnp.arange(S, dtype=jnp.int32)
+        positions = lens[:, None] + j                                                   # [B, S]
+        block = jnp.concatenate([current, jnp.full((B, S - 1), self.config.mask_token_id, jnp.int32)], axis=1)
+        block_end = lens + jnp.minimum(S, limit - lens)     # the reference's shortened last block
+        pend_pos = (lens - pending_count)[:, None] + j
+        with jax.named_scope("draft"):
+            dh, cache = self(target.embed_tokens(block), positions, pending, pend_pos, cache, block_end,
+                             kernels=kernels)
+        with jax.named_scope("draft_lm_head"):
+            if self.candidate_selector is None:
+                return argmax(self.unary_logits(target, dh[:, 1:])), cache
+            logits = self.unary_logits(target, dh[:, 1:])                               # [B, S-1, V]
+        with jax.named_scope("draft_selector"):
+            scores, cand = self.candidate_selector.lattice(dh[:, 1:], logits, current[:, 0])
+            path, q = walk(scores, cand, temperature, keys)
+        if temperature is None:
+            return path, cache
+        return path, cache, (cand, q)
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
+
+
+# DFlash2 tensors beside the z-lab DFlash ones: the convs in each layer, the selector at the top (the
+# reference stores the codebooks without `.weight`; `.weight` is read too).
+LAYER_WEIGHTS = {
+    **qwen3.LAYER_WEIGHTS,
+    "attention_conv.base_kernel": (("attention_conv", "base_kernel"), None),
+    "attention_conv.kernel_projection.weight": (("attention_conv", "kernel_projection"), "T"),
+    "mlp_conv.base_kernel": (("mlp_conv", "base_kernel"), None),
+    "mlp_conv.kernel_projection.weight": (("mlp_conv", "kernel_projection"), "T"),
+}
+_SELECTOR = {
+    "candidate_selector.predecessor_codebook": (("candidate_selector", "predecessor_codebook"), None),
+    "candidate_selector.successor_codebook": (("candidate_selector", "successor_codebook"), None),
+    "candidate_selector.hidden_projection.weight": (("candidate_selector", "hidden_projection"), "T"),
+}
+TOP_WEIGHTS2 = {**TOP_WEIGHTS, **_SELECTOR,
+                **{k + ".weight": v for k, v in _SELECTOR.items() if "codebook" in k}}
+
+VARIANT = Variant(architecture="DFlash2DraftModel", config_class=DraftConfig, model=DFlash2Draft,
+                  top_weights=TOP_WEIGHTS2, layer_weights=LAYER_WEIGHTS)

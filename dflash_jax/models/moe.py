@@ -1,0 +1,145 @@
+"""The sparse MoE block of Qwen3-MoE targets: a router and stacked experts, dropless.
+
+Numerics follow transformers' Qwen3MoeSparseMoeBlock (greedy losslessness is compared against it):
+  - router logits = x @ W_router in x's dtype, softmax over ALL experts in float32, top-k of those
+    probabilities (ties to the lower expert id, as jax.lax.top_k), divided by their sum when
+    `norm_topk_prob`, cast back to x's dtype;
+  - each chosen expert: down(silu(x @ gate) * (x @ up)), multiplied by its routing weight AFTER the
+    down projection; a token's k expert outputs are added in ascending expert order, in x's dtype
+    (HF adds them expert by expert into a zero tensor).
+Dropless: every (token, choice) row is computed; the rows are sorted by expert and go through a
+grouped matmul (`pallas_kernels.moe.gmm`, implementation from `KernelConfig.moe_gmm`), so shapes are
+static whatever the routing and no capacity exists to overflow.
+
+Expert parallelism: the stacked expert weights [E, ...] are split over the mesh's 'model' axis
+(sharding.RULES). Tokens are replicated over 'model' already (attention's o projection ends in an
+all-reduce), so each shard routes all of its data shard's tokens, computes the rows of its own
+experts (the others sort past its groups and are zeroed) and a psum over 'model' adds the shards'
+parts: static shapes, every row computed exactly once, no all-to-all.
+
+Weights: router [H, E], experts_gate_up [E, H, 2I] (gate columns before up), experts_down
+[E, I, H] ([in, out]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax import sharding
+from dflash_jax.kernel_config import KernelConfig
+from dflash_jax.models.layers import _init
+
+__all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
+
+# Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
+# choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
+_RECORD: contextvars.ContextVar = contextvars.ContextVar("dflash_moe_record", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect each MoE layer's expert choices [N, k] while tracing (scripts/bench_moe.py counts the
+    distinct experts a step touches with them)."""
+    rec: list = []
+    tok = _RECORD.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORD.reset(tok)
+
+
+def route(x, router, top_k: int, norm_topk_prob: bool):
+    """x [N, H], router [H, E] -> (weights [N, k] in x's dtype, experts [N, k] int32), as HF's
+    Qwen3MoeTopKRouter."""
+    logits = x @ router                                                          # [N, E] x.dtype
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, top_k)                                       # [N, k]
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(x.dtype), idx.astype(jnp.int32)
+
+
+def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0):
+    """The chosen experts' outputs summed per token: x [N, H], weights/idx [N, k] (global expert
+    ids), gate_up [El, H, 2I], down [El, I, H] holding experts [first_expert, first_expert + El)
+    -> [N, H] in x's dtype. Choices of other experts contribute zero (expert parallelism: another
+    shard computes them)."""
+    from pallas_kernels.moe import gmm
+    N, k = idx.shape
+    El = gate_up.shape[0]
+    # a token's choices in ascending expert order: the order its outputs are added in (HF's)
+    order = jnp.argsort(idx, axis=-1)
+    idx = jnp.take_along_axis(idx, order, axis=-1)
+    weights = jnp.take_along_axis(weights, order, axis=-1)
+    local = idx - first_expert
+    mine = (local >= 0) & (local < El)                                           # [N, k]
+    flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
+    rows = jnp.argsort(flat, stable=True)                                        # grouped by expert
+    sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)             # [El]
+    xs = jnp.take(x, rows // k, axis=0)                                          # [N k, H]
+    h = gmm(xs, gate_up, sizes, gmm_impl)                                        # [N k, 2I]
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = gmm(jax.nn.silu(gate) * up, down, sizes, gmm_impl)                       # [N k, H]
+    w = jnp.where(mine, weights, 0).reshape(-1)[rows]
+    y = jnp.where(jnp.take(mine.reshape(-1), rows)[:, None], y * w[:, None], 0)  # rows of other shards
+    back = jnp.zeros_like(rows).at[rows].set(jnp.arange(rows.shape[0], dtype=rows.dtype))
+    y = jnp.take(y, back, axis=0).reshape(N, k, -1)                              # back to [N, k, H]
+    out = y[:, 0]
+    for j in range(1, k):
+        out = out + y[:, j]
+    return out
+
+
+def distinct_experts(idx, num_experts: int):
+    """The number of different experts chosen among all rows of idx [..., k] (benchmarks' floor)."""
+    hit = jnp.zeros((num_experts,), jnp.bool_).at[idx.reshape(-1)].set(True)
+    return jnp.sum(hit.astype(jnp.int32))
+
+
+class MoE(nnx.Module):
+    """Router + stacked SwiGLU experts; called like the dense MLP: mlp(h [B, T, H]) -> [B, T, H]."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 dtype, rngs: nnx.Rngs):
+        self.router = _init(rngs, (hidden, num_experts), dtype, hidden ** -0.5)          # [H, E]
+        self.experts_gate_up = _init(rngs, (num_experts, hidden, 2 * inter), dtype, hidden ** -0.5)  # [E, H, 2I]
+        self.experts_down = _init(rngs, (num_experts, inter, hidden), dtype, inter ** -0.5)          # [E, I, H]
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, bool(norm_topk_prob)
+
+    def _local(self, h, router, gate_up, down, gmm_impl: str, first_expert):
+        B, T, H = h.shape
+        x = h.reshape(B * T, H)
+        w, idx = route(x, router, self.top_k, self.norm_topk_prob)
+        rec = _RECORD.get()
+        if rec is not None:
+            rec.append(idx)
+        return experts(x, w, idx, gate_up, down, gmm_impl=gmm_impl, first_expert=first_expert).reshape(B, T, H)
+
+    def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
+        """h [B, T, H] already normed -> [B, T, H] (groups: the dense MLP's TP layout, unused: the
+        experts are split whole over the mesh instead)."""
+        gmm_impl = kernels.moe_gmm if kernels is not None else "xla"
+        router, gate_up, down = self.router[...], self.experts_gate_up[...], self.experts_down[...]
+        mesh = sharding.current_mesh()
+        if mesh is None or sharding.model_axis_size(mesh) == 1:
+            return self._local(h, router, gate_up, down, gmm_impl, 0)
+        ep = sharding.model_axis_size(mesh)
+        if self.num_experts % ep:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the model axis size {ep} "
+                             "(expert parallelism splits the experts over it)")
+        El = self.num_experts // ep
+        d = "data" if h.shape[0] % sharding.data_axis_size(mesh) == 0 else None
+        rows, experts_spec = P(d, None, None), P("model", None, None)
+
+        def shard(h, router, gate_up, down):
+            first = jax.lax.axis_index("model") * El
+            return jax.lax.psum(self._local(h, router, gate_up, down, gmm_impl, first), "model")
+
+        return jax.shard_map(shard, mesh=mesh, in_specs=(rows, P(), experts_spec, experts_spec),
+                             out_specs=rows, check_vma=False)(h, router, gate_up, down)

@@ -1,0 +1,227 @@
+"""Qwen3-MoE targets (issue 36): the grouped matmul against its oracle, the router and the whole
+model against transformers' Qwen3MoeForCausalLM, the per-expert checkpoint loader, and the DFlash
+loop with an MoE target against the reference `dflash_generate`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
+from tests.checkpoints import random_prompts, reference_generate, write_draft, write_moe_target
+
+from dflash_jax import KernelConfig, generate, load_draft, load_target
+from dflash_jax.config import PRESETS, Qwen3MoeConfig
+from dflash_jax.models import read_config
+from dflash_jax.models.moe import route
+from pallas_kernels.moe import gmm, gmm_reference
+from pallas_kernels.moe.tpu import group_metadata
+
+
+# ------------------------------------------------------------------------------- grouped matmul
+
+@pytest.mark.parametrize("sizes", [[3, 0, 7, 0, 10], [0, 0, 0, 0, 0], [0, 20, 0, 0, 0], [2, 2, 2, 2, 2]])
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu_interpret"])
+def test_gmm_matches_reference(sizes, impl):
+    """Groups of uneven size, empty groups, rows past the last group (zero), M not a tile multiple."""
+    rng = np.random.RandomState(len(sizes) + sum(sizes))
+    x = jnp.asarray(rng.randn(22, 32), jnp.float32)
+    w = jnp.asarray(rng.randn(5, 32, 48), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(gmm(x, w, gs, impl))
+    want = np.asarray(gmm_reference(x, w, gs))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not got[sum(sizes):].any()
+
+
+def test_gmm_pallas_bf16_many_tiles():
+    """bf16, several row tiles (groups straddling tile edges) and column tiles: = the XLA path."""
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(300, 64), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(6, 64, 256) * 0.1, jnp.bfloat16)
+    gs = jnp.asarray([100, 0, 50, 0, 0, 130], jnp.int32)
+    from pallas_kernels.moe import tpu
+    got = tpu.gmm(x, w, gs, tm=32, tn=128, interpret=True)
+    want = gmm(x, w, gs, "xla")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_group_metadata_schedules_only_non_empty_groups():
+    """The TPU kernel's weight tiles follow the schedule: an expert no row chose is never visited."""
+    sizes = jnp.asarray([5, 0, 0, 20, 0, 3, 0, 0], jnp.int32)       # rows [0,5) [5,25) [25,28)
+    starts, ends, group, tile, active = group_metadata(sizes, m_tiles=4, tm=8)
+    n = int(active[0])
+    steps = list(zip(np.asarray(group)[:n].tolist(), np.asarray(tile)[:n].tolist()))
+    assert steps == [(0, 0), (3, 0), (3, 1), (3, 2), (3, 3), (5, 3)]
+    # the padding steps repeat the last one (same blocks: no copy)
+    assert set(np.asarray(group)[n:].tolist()) <= {5} and set(np.asarray(tile)[n:].tolist()) <= {3}
+
+
+# --------------------------------------------------------------------------------------- router
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_matches_transformers(norm):
+    from transformers import Qwen3MoeConfig as HFConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    torch.manual_seed(0)
+    r = Qwen3MoeTopKRouter(HFConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=norm))
+    with torch.no_grad():
+        r.weight.normal_()
+        x = torch.randn(50, 32)
+        _, w_ref, i_ref = r(x)
+    w, i = route(jnp.asarray(x.numpy()), jnp.asarray(r.weight.detach().numpy().T), 4, norm)
+    np.testing.assert_array_equal(np.asarray(i), i_ref.numpy())
+    np.testing.assert_allclose(np.asarray(w), w_ref.numpy(), atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------- the whole model
+
+MOE_VARIANTS = {
+    "renorm-dense1": dict(norm_topk_prob=True, mlp_only_layers=(1,)),
+    "plain-step2": dict(norm_topk_prob=False, decoder_sparse_step=2, num_experts=6, num_experts_per_tok=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE_VARIANTS))
+def moe_target(request, tmp_path_factory):
+    from transformers import Qwen3MoeForCausalLM
+    path = write_moe_target(str(tmp_path_factory.mktemp(request.param)), seed=7, **MOE_VARIANTS[request.param])
+    hf = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+    return path, hf, load_target(path, "float32")
+
+
+def test_logits_and_routing_match_transformers(moe_target):
+    """Prefill logits = HF's, the dense layers (mlp_only_layers / decoder_sparse_step) are dense, and
+    the tokens really spread over the experts."""
+    path, hf, target = moe_target
+    cfg = target.config
+    assert [type(l.mlp).__name__ for l in target.layers] == \
+        ["MoE" if cfg.is_sparse(i) else "MLP" for i in range(cfg.num_layers)]
+    assert "MLP" in [type(l.mlp).__name__ for l in target.layers]
+    ids = np.random.RandomState(0).randint(0, 128, (2, 13))
+    with torch.no_grad():
+        out = hf(torch.tensor(ids), output_router_logits=True)
+    pos = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (2, 13))
+    h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1)
+    np.testing.assert_allclose(np.asarray(target.logits(h)), out.logits.numpy(), atol=1e-4, rtol=0)
+    for logits in out.router_logits:
+        used = set(torch.topk(logits, cfg.num_experts_per_tok).indices.flatten().tolist())
+        assert len(used) > cfg.num_experts // 2
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_generate(moe_target):
+    path, hf, target = moe_target
+    prompts = random_prompts(2, 128, min_len=3, max_len=12, seed=2)
+    res = generate(target, None, prompts, max_new_tokens=12)
+    for p, got in zip(prompts, res.tokens):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        assert got == want
+
+
+@pytest.mark.slow
+def test_dflash_with_moe_target_equals_reference(tmp_path):
+    """Tokens and acceptance lengths = the reference dflash_generate with Qwen3MoeForCausalLM as the
+    target, and = plain greedy decoding."""
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3MoeForCausalLM
+    tp = write_moe_target(str(tmp_path / "t"), norm_topk_prob=True, mlp_only_layers=(1,), num_layers=4, seed=3)
+    dp = write_draft(str(tmp_path / "d"), tp, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=4)
+    hf = Qwen3MoeForCausalLM.from_pretrained(tp, dtype=torch.float32).eval().requires_grad_(False)
+    ref_draft = DFlashDraftModel.from_pretrained(dp, dtype=torch.float32).eval().requires_grad_(False)
+    target = load_target(tp, "float32")
+    draft = load_draft(dp, target=target, dtype="float32")
+    prompts = random_prompts(2, 127, min_len=3, max_len=12, seed=1)
+    res = generate(target, draft, prompts, max_new_tokens=20, block_size=8)
+    assert res.tokens == generate(target, None, prompts, max_new_tokens=20).tokens
+    for p, toks, acc in zip(prompts, res.tokens, res.acceptance_lengths):
+        r = reference_generate(ref_draft, hf, p, 20, block_size=8)
+        assert toks == r.output_ids[0, len(p):].tolist()
+        assert acc == list(r.acceptance_lengths)
+
+
+# ------------------------------------------------------------------------------------ the loader
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory):
+    return write_moe_target(str(tmp_path_factory.mktemp("small")), num_layers=2, num_experts=4, seed=1)
+
+
+def _rewrite(src, dst, edit):
+    """A copy of checkpoint src at dst with its tensors passed through edit(dict) (in place)."""
+    from safetensors.torch import load_file, save_file
+    os.makedirs(dst)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    edit(t)
+    save_file(t, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def test_missing_or_misshaped_experts_are_named_in_one_line(small_moe, tmp_path):
+    gone = _rewrite(small_moe, str(tmp_path / "a"), lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"^[^\n]*layer 1 lacks 1 expert tensor\(s\): "
+                                         r"model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight$"):
+        load_target(gone, "float32")
+
+    def bad(t):
+        t["model.layers.0.mlp.experts.3.down_proj.weight"] = t["model.layers.0.mlp.experts.3.down_proj.weight"][:, :5].contiguous()
+    with pytest.raises(ValueError, match=r"^[^\n]*experts\.3\.down_proj\.weight has shape \(64, 5\), "
+                                         r"the config implies \(64, 32\)$"):
+        load_target(_rewrite(small_moe, str(tmp_path / "b"), bad), "float32")
+    router = _rewrite(small_moe, str(tmp_path / "c"), lambda t: t.pop("model.layers.0.mlp.gate.weight"))
+    with pytest.raises(ValueError, match=r"^[^\n]*lacks 1 parameter\(s\): layers\.0\.mlp\.router$"):
+        load_target(router, "float32")
+
+
+def test_config_reader_and_preset():
+    d = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+         "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+         "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": True}
+    cfg = read_config(d)
+    assert isinstance(cfg, Qwen3MoeConfig) and cfg.model_type == "qwen3_moe"
+    assert [cfg.is_sparse(i) for i in range(4)] == [False, True, False, False]
+    from dflash_jax import ConfigError
+    with pytest.raises(ConfigError, match="num_experts_per_tok=5 > num_experts=4"):
+        read_config({**d, "num_experts_per_tok": 5})
+    p = PRESETS["qwen3-coder-30b-a3b"]
+    assert (p.num_layers, p.hidden_size, p.num_heads, p.num_kv_heads, p.head_dim, p.num_experts,
+            p.num_experts_per_tok, p.moe_intermediate_size, p.rope_theta, p.vocab_size, p.norm_topk_prob) == \
+        (48, 2048, 32, 4, 128, 128, 8, 768, 1e7, 151936, True)
+
+
+def test_kernel_config_moe_gmm_resolves():
+    assert KernelConfig().resolve("cpu").moe_gmm == "xla"
+    assert KernelConfig().resolve("tpu").moe_gmm == "pallas_tpu"
+    assert KernelConfig(moe_gmm="pallas").resolve("cpu").moe_gmm == "pallas_tpu_interpret"
+    assert KernelConfig(moe_gmm="pallas_tpu").resolve("cpu").moe_gmm == "pallas_tpu"
+    with pytest.raises(ValueError, match="moe_gmm='bogus'"):
+        KernelConfig(moe_gmm="bogus")
+    with pytest.raises(ValueError, match="no Pallas GPU grouped matmul"):
+        KernelConfig(moe_gmm="pallas").resolve("gpu", device=None)
+
+
+@tpu_aot.requires_libtpu
+@pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
+@pytest.mark.parametrize("rows", [8, 128])
+def test_gmm_kernel_compiles_for_tpu(topology, rows):
+    """The TPU kernel at Qwen3-Coder-30B-A3B's expert shapes (128 experts, H 2048, I 768, bf16)
+    through Mosaic for v5e and v6e: a decode step's 8 rows at B = 1 and a 16-token verify's 128."""
+    from pallas_kernels.moe import tpu
+    dev = tpu_aot.tpu_device(topology)
+    for K, N in ((2048, 2 * 768), (768, 2048)):
+        args = (tpu_aot.abstract((rows, K), jnp.bfloat16, dev), tpu_aot.abstract((128, K, N), jnp.bfloat16, dev),
+                tpu_aot.abstract((128,), jnp.int32, dev))
+        compiled = tpu_aot.compile_for_tpu(lambda x, w, g: tpu.gmm(x, w, g), *args)
+        assert "dflash_gmm_tpu" in compiled.as_text() or compiled.memory_analysis() is not None
