@@ -57,7 +57,11 @@ def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v
                        kernels: KernelConfig, *, num_heads: int, ctx_rows: int = 0, ctx_start=None):
     """pallas_kernels.fused_layer.qk_norm_rope_write (same arguments; num_heads the layer's q
     heads), per shard under a mesh (sharding.per_shard_prologue): each shard's q heads are its
-    share of num_heads, as its cache holds its share of the kv heads."""
+    share of num_heads, as its cache holds its share of the kv heads. q_weight / k_weight None: a
+    layer without q/k norm (the Llama family), RoPE only."""
+    norm = q_weight is not None
+    if not norm:   # the kernel's signature takes weights; unused without the norm
+        q_weight = k_weight = jnp.ones((2 * cos.shape[-1],), qkv.dtype)
     from pallas_kernels import fused_layer
     Hkv = k_cache.shape[1]
 
@@ -65,7 +69,7 @@ def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v
         return fused_layer.qk_norm_rope_write(
             qkv, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, start,
             num_heads=num_heads * k_cache.shape[1] // Hkv, ctx_rows=ctx_rows,
-            ctx_start=ctx_start if ctx_rows else None, interpret=kernels.interpret)
+            ctx_start=ctx_start if ctx_rows else None, interpret=kernels.interpret, norm=norm)
     # without context rows the kernel ignores ctx_start: start stands in for it (one signature)
     return sharding.per_shard_prologue(fn, qkv, cos, sin, q_weight, k_weight, k_cache, v_cache, start,
                                        start if ctx_start is None else ctx_start)

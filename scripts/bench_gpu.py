@@ -248,6 +248,8 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.s = Settings(args.smoke, args.preset)
+        if args.batches:   # the batch section's sizes (B=1 is the b1 section's)
+            self.s.batches_dflash = self.s.batches_plain = tuple(int(b) for b in args.batches.split(","))
         from dflash_jax import KernelConfig
         # the kernel settings of every program this run times (--no-fused-layer, ...): the compile key
         self.kernels = KernelConfig(fused_layer=args.fused_layer, sampling_kernels=args.sampling_kernels,
@@ -1543,6 +1545,8 @@ def main():
     ap.add_argument("--preset", default="qwen3-8b",
                     help="target shapes (dflash_jax.PRESETS: qwen3-8b, llama3.1-8b, ...; random bf16 weights), "
                          "its draft 5 layers wide as the target; the reference section runs for qwen3-8b only")
+    ap.add_argument("--batches", default="", metavar="8,32,64",
+                    help="batch sizes of the batch section (default 8,32,64; smoke 2,4)")
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                     help=f"comma-separated subset of {','.join(ALL_SECTIONS)} (default: all but check)")
     ap.add_argument("--json", default="bench_gpu.json", help="name of the JSON file under --out")

@@ -324,7 +324,7 @@ def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_pair
     assert max(a for row in res.acceptance_lengths for a in row) >= 3, res.acceptance_lengths
 
 
-@pytest.mark.parametrize("kv_splits", [1, 3])
+@pytest.mark.parametrize("kv_splits", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_key_start_in_the_gpu_kernel_interpret(kv_splits):
     """The Triton kernel (interpreter) with a per-row first key: a window's rows, ragged, one with
     no key, split KV = the reference."""
@@ -375,7 +375,8 @@ def test_export_round_trip_through_the_reference(pairs, tmp_path):
     assert ref.config.sliding_window == WINDOW and ref.layers[0].self_attn.is_causal is False
 
 
-@pytest.mark.parametrize("D,Hq,block_k", [(128, 4, 128), (128, 4, 256), (64, 2, 128)])
+@pytest.mark.parametrize("D,Hq,block_k", [pytest.param(128, 4, 128, marks=pytest.mark.slow), (128, 4, 256),
+                                          pytest.param(64, 2, 128, marks=pytest.mark.slow)])
 def test_key_start_in_the_tpu_kernel_interpret(D, Hq, block_k):
     """The TPU kernel (TPU interpreter; token-major tiles, and the folded layout at G·D 64) with a
     per-row first key: blocks before the tile's first key skipped, ragged rows, an empty row = the

@@ -92,7 +92,9 @@ if not CHILD:
 
     from dflash_jax import ConfigError, DraftConfig, TargetConfig, generate, init_draft, init_target, load_draft, load_target
 
-    @pytest.mark.parametrize("tie,bias", [(True, True), (False, False)], ids=["tied-bias", "untied-nobias"])
+    # the default run checks the tied head with biases; `.ci/run` the untied one without
+    @pytest.mark.parametrize("tie,bias", [(True, True), pytest.param(False, False, marks=pytest.mark.slow)],
+                             ids=["tied-bias", "untied-nobias"])
     def test_logits_taps_and_greedy_match_transformers(tmp_path, tie, bias):
         path = write_llama(str(tmp_path / "t"), tie=tie, bias=bias, seed=int(tie) + 2 * int(bias))
         hf, target = _hf(path), load_target(path, dtype="float32")
@@ -176,6 +178,65 @@ if not CHILD:
         dc.check_fits(p)
         draft = jax.eval_shape(lambda: init_draft(dc, dtype="bfloat16"))
         assert draft.layers[0].q_norm is not None and len(draft.layers) == 5
+
+    def _llama_style_tokenizer():
+        """A word-level tokenizer that adds <|begin_of_text|> on encode, as Llama-3's does, with a chat
+        template that writes it too (Llama-3's starts with {{ bos_token }})."""
+        from tokenizers import Tokenizer, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+        words = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "user",
+                 "assistant", "hi", "[UNK]"]
+        t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        t.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                         special_tokens=[("<|begin_of_text|>", 0)])
+        tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                      unk_token="[UNK]")
+        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]})
+        tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|> {{ m['role'] }} "
+                             "<|end_header_id|> {{ m['content'] }} <|eot_id|> {% endfor %}"
+                             "{% if add_generation_prompt %}<|start_header_id|> assistant <|end_header_id|> {% endif %}")
+        return tok
+
+    def test_chat_template_gives_one_bos_and_eos_lists_are_kept():
+        from dflash_jax.data import apply_chat_template
+        from dflash_jax.text import eos_token_ids
+        tok = _llama_style_tokenizer()
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        assert tok.encode(text)[:2] == [0, 0]          # what a plain encode would give: a double BOS
+        ids = apply_chat_template(tok, "hi")
+        assert ids[0] == 0 and ids.count(0) == 1
+        # Llama-3 Instruct's generation_config.eos_token_id is a list: every id stops, the tokenizer's too
+        assert eos_token_ids(tok, [128001, 128008, 128009]) == [128001, 128008, 128009, 1]
+
+    @pytest.mark.slow
+    def test_llama_gpu_path_without_qk_norm_matches_xla():
+        """The fused GPU prologue with norm=False (RoPE only, llama3 scaling) and biases, in the
+        interpreter, against the XLA path: a verify block's and a decode step's hidden states and
+        caches (the loop around the layers is the one test_fused_kernels checks)."""
+        from dflash_jax import KernelConfig
+        from dflash_jax.config import RopeScaling
+        kernels = KernelConfig(attention="pallas_gpu_interpret", fused_layer=True)
+        cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, model_type="llama",
+                           rope_scaling=RopeScaling(4.0, 1.0, 4.0, 16), attention_bias=True, mlp_bias=True)
+        target = init_target(cfg, seed=3, dtype="float32")
+        keys = iter(jax.random.split(jax.random.key(9), 16))
+        for layer in target.layers:
+            for b in (layer.qkv_bias, layer.o_bias, layer.mlp.gate_up_bias, layer.mlp.down_bias):
+                b[...] = 0.1 * jax.random.normal(next(keys), b[...].shape)
+        B, C = 2, 64
+        prompt = jax.random.randint(jax.random.key(0), (B, 16), 0, 128)
+        pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (B, 16))
+        _, _, cache = target(prompt, pos, target.new_cache(B, C), pos + 1)
+        for T in (16, 1):
+            toks = jax.random.randint(jax.random.key(T), (B, T), 0, 128)
+            p = jnp.asarray([[16], [20]], jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+            (h0, _, c0), (h1, _, c1) = [jax.jit(lambda t, q, c, k=k: target(t, q, c, q + 1, kernels=k))(toks, p, cache)
+                                        for k in ("xla", kernels)]
+            np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
+            for a, b in zip(c1.k + c1.v, c0.k + c0.v):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
     @pytest.mark.slow
     def test_llama_on_a_2x2_mesh_is_one_device(tmp_path):

@@ -160,10 +160,10 @@ def test_bad_input_is_a_clear_error(tmp_path):
 def test_loader_refuses_what_it_cannot_run(tmp_path):
     path = write_target(str(tmp_path / "t"), num_layers=1)
     cfg = json.load(open(os.path.join(path, "config.json")))
-    # another model type: the message names the field
-    bad = tmp_path / "llama"
+    # a model type no family serves (llama is a family now): the message names the field
+    bad = tmp_path / "mamba"
     bad.mkdir()
-    json.dump({**cfg, "model_type": "llama"}, open(bad / "config.json", "w"))
+    json.dump({**cfg, "model_type": "mamba"}, open(bad / "config.json", "w"))
     with pytest.raises(ConfigError, match="model_type"):
         load_target(str(bad))
     # pickle-only weights are never unpickled

@@ -1,7 +1,11 @@
-"""The layers shared by the Qwen3 target and the DFlash draft: RMSNorm, RoPE, SwiGLU MLP, and a
-decoder layer whose attention writes its K/V into a fixed-capacity cache before attending.
+"""The layers shared by every target family and the DFlash draft: RMSNorm, RoPE (default and
+llama3 scaling), SwiGLU MLP (optional biases), and a decoder layer (q/k norm and attention biases
+per family) whose attention writes its K/V into a fixed-capacity cache before attending.
 
-`run_layers` is the one layer loop of both models (the GPU path's deferred residuals live there).
+A layer call picks one function per kernel path for each half, once: the attention half
+(`attend_xla`, `attend_gpu_fused`, `attend_tpu`) and the MLP half (`finish_xla`, which runs the
+TPU MLP kernel where it applies, and `finish_gpu_fused`); each returns the same shapes, and a
+layer hands the next one `Residual`. `run_layers` is the one layer loop of targets and drafts.
 
 Weight layout (chosen for decode speed, see docs/perf-log.md):
   - one buffer per layer (no stacked [L, ...] weights: slicing them in a loop costs 3x on GPU);
@@ -263,82 +267,150 @@ class DecoderLayer(nnx.Module):
         k, v = kv[:, :, :, 0].reshape(B, T, Hkv, D), kv[:, :, :, 1].reshape(B, T, Hkv, D)
         return self._rope(k, positions, self.k_norm), v
 
-    def __call__(self, x, residual, positions, k_cache, v_cache, k_end, kernels: KernelConfig, *,
-                 context: DraftContext | None = None, prefill: bool = False):
-        """One layer. x [B, T, H] at `positions` [B, T]; residual: None, the previous layer's MLP
-        output not yet added to x (the GPU path adds it inside this layer's input-norm kernel), or
-        a RowScale of x (the TPU MLP kernel's: the input norm needs no reduction pass).
-        The block's K/V go to cache rows [positions[:, 0], + T), after the draft's context rows
-        (`context`, written first; the block wins where they overlap). prefill: a causal prompt from
-        row 0 (k_end = t + 1), so the attention may run on the new K/V alone (attend_prefill).
+    def attention_path(self, kernels: KernelConfig, T: int, Tc: int, k_cache, qkv, prefill: bool):
+        """The kernel path of this call's attention, chosen once from the resolved KernelConfig and
+        the shapes: `attend_gpu_fused`, `attend_tpu` or `attend_xla` (module functions below)."""
+        G = self.qkv_groups
+        if not prefill and fused_prologue(kernels, T, self.head_dim, G) and (
+                not Tc or fused_prologue(kernels, Tc, self.head_dim, G)):
+            return attend_gpu_fused
+        if self._tpu_fused_q(kernels, T, Tc, k_cache, qkv.dtype, prefill):
+            return attend_tpu
+        return attend_xla
 
-        Returns (x, mlp_out, k_cache, v_cache): the layer's output is x + mlp_out, mlp_out None
-        when it is already added (the XLA path, prefill), an array where the next RMSNorm's
-        kernel adds it (the fused GPU path, attention.fused_add_norm), or a RowScale: the output
-        is x, with its rows' RMS scale (the TPU MLP kernel)."""
+    def mlp_path(self, kernels: KernelConfig, T: int, hidden: int):
+        """The kernel path of the post-attention half: `finish_gpu_fused` (add + RMSNorm kernel, the
+        MLP output deferred to the next norm), else `finish_xla`, which runs the TPU MLP kernel where
+        KernelConfig.tpu_mlp and the shapes allow."""
+        return finish_gpu_fused if fused_add_norm(kernels, T, hidden) else finish_xla
+
+    def __call__(self, x, residual: "Residual", positions, k_cache, v_cache, k_end, kernels: KernelConfig, *,
+                 context: DraftContext | None = None, prefill: bool = False):
+        """One layer. x [B, T, H] at `positions` [B, T]; residual: what the previous layer left
+        unfolded into x (`Residual`: nothing, an MLP output this layer's input-norm kernel adds, or
+        x's rows' RMS scale from the TPU MLP kernel). The block's K/V go to cache rows
+        [positions[:, 0], + T), after the draft's context rows (`context`, written first; the block
+        wins where they overlap). prefill: a causal prompt from row 0 (k_end = t + 1), so the
+        attention may run on the new K/V alone (attend_prefill).
+
+        Returns (x, Residual, k_cache, v_cache): the layer's output is residual.value(x)."""
         T = x.shape[1]
         Tc = 0 if context is None else context.feats.shape[1]
-        # the fused GPU prologue reads the plain [q | k | v] layout: one device's, or each shard's
-        # under a mesh in the fused layout (attention.fused_prologue checks the layout)
-        G = self.qkv_groups
-        fused = not prefill and self.q_norm is not None and fused_prologue(kernels, T, self.head_dim, G) and (
-            not Tc or fused_prologue(kernels, Tc, self.head_dim, G))
-        if isinstance(residual, RowScale):
-            h = self.input_layernorm.scaled(x, residual)
-        else:
-            x, h = (add_norm(x, residual, self.input_layernorm, kernels) if residual is not None
-                    else (x, self.input_layernorm(x)))
-        write_start = positions[:, 0]
+        x, h = residual.norm(x, self.input_layernorm, kernels)
         hin, k_pos = h, positions
         if Tc:   # the context rows go through the same projection: one weight read for both
             hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)      # [B, Tc+T, H]
             k_pos = jnp.concatenate([context.positions, positions], axis=1)        # [B, Tc+T]
-        qkv = self._project(hin)
-        o = None
-        if fused:
-            # q/k norm, RoPE and the cache writes (the draft's context rows first) in one kernel
-            cos, sin = self._rope_tables(k_pos)
-            q, k_cache, v_cache = qk_norm_rope_write(
-                qkv, cos, sin, self.q_norm.weight[...], self.k_norm.weight[...],
-                self.q_norm.eps, k_cache, v_cache, write_start, kernels, num_heads=self.num_heads,
-                ctx_rows=Tc, ctx_start=context.positions[:, 0] if Tc else None)
-        elif self._tpu_qkv_write(kernels, T, Tc, k_cache, qkv, prefill):
-            # the TPU row writer takes k/v out of qkv and norms/rotates k itself: k in [B, T, Hkv, D]
-            # would be a relayout copy of the matmul's output (q is read the same way below)
-            from pallas_kernels.attention import tpu_cache_write
-            # one call for the draft's context rows and its block (the context ends at the block)
-            cos, sin = self._rope_tables(k_pos)                                     # [B, Tc+T, D/2]
-            k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
-                k_cache, v_cache, qkv, cos, sin, self.k_norm.weight[...], self.k_norm.eps, write_start,
-                num_heads=self.num_heads, t0=Tc, T=T, ctx_rows=Tc,
-                ctx_start=context.positions[:, 0] if Tc else None, interpret=_interpret(kernels))
-        else:
-            q, k, v = self._heads(qkv, positions, k_pos)          # [B, T, Hq, D], [B, Tc+T, Hkv, D]
-            if Tc:
-                ctx_start = context.positions[:, 0]
-                k_cache, v_cache = write_kv_rows(k_cache, v_cache, k[:, :Tc], v[:, :Tc], ctx_start, kernels)
-                k, v = k[:, Tc:], v[:, Tc:]
-            k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, write_start, kernels)
-            if prefill and not Tc:
-                o = attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels)      # [B, T, Hq, D]
-        if o is None and not fused and self._tpu_fused_q(kernels, T, Tc, k_cache, qkv.dtype, prefill):
-            # the TPU kernel reads q out of qkv and norms/rotates it itself: q in [B, T, Hq, D] would
-            # be a relayout copy of the matmul's output on TPU (the XLA q above is then unused)
-            from pallas_kernels.attention import tpu as tpu_attention
-            cos, sin = self._rope_tables(positions)                                 # [B, T, D/2]
-            o = tpu_attention.block_attention_qkv(
-                qkv, cos, sin, self.q_norm.weight[...], self.q_norm.eps, k_cache, v_cache, k_end,
-                num_heads=self.num_heads, t0=Tc, interpret=_interpret(kernels))    # [B, T, Hq*D]
-        if o is None:
-            o = attend(q, k_cache, v_cache, k_end, kernels)                        # [B, T, Hq, D]
-        if not fused_add_norm(kernels, T, x.shape[-1]):
-            x, scale = self._mlp_block(x + self._o_proj(o), kernels, row_scale=True)
-            return x, scale, k_cache, v_cache
-        x, h = add_norm(x, self._o_proj(o), self.post_attention_layernorm, kernels)
-        mlp_out = self.mlp(h, self.qkv_groups, kernels)
-        if prefill:
-            return x + mlp_out, None, k_cache, v_cache
-        return x, mlp_out, k_cache, v_cache
+        qkv = self._project(hin)                                                   # [B, Tc+T, W]
+        attend_fn = self.attention_path(kernels, T, Tc, k_cache, qkv, prefill)
+        o, k_cache, v_cache = attend_fn(self, qkv, positions, k_pos, Tc, k_cache, v_cache, k_end, kernels,
+                                        prefill)
+        x, residual = self.mlp_path(kernels, T, x.shape[-1])(self, x, o, kernels, prefill)
+        return x, residual, k_cache, v_cache
+
+
+class Residual(NamedTuple):
+    """What a layer leaves unfolded into its output x, for the next RMSNorm (the next layer's
+    input norm, or the final norm): `add`, an MLP output the norm's kernel adds (the fused GPU
+    path: output = x + add), or `scale`, x's rows' RMS scale made by the TPU MLP kernel (output
+    = x; the norm needs no reduction). Neither: output = x."""
+    add: jax.Array | None = None
+    scale: RowScale | None = None
+
+    def value(self, x):
+        """The layer output itself."""
+        return x if self.add is None else x + self.add
+
+    def norm(self, x, norm: RMSNorm, kernels: KernelConfig):
+        """(the layer output, norm of it), each path's way: the add + RMSNorm kernel, the scaled
+        norm, or the plain one."""
+        if self.scale is not None:
+            return x, norm.scaled(x, self.scale)
+        if self.add is not None:
+            return add_norm(x, self.add, norm, kernels)
+        return x, norm(x)
+
+
+# ------------------------------------------------------------------ the attention half, per kernel path
+# Each takes the fused projection qkv [B, Tc+T, W] (the draft's context rows first) and returns
+# (o [B, T, Hq, D] or [B, T, Hq·D], k_cache, v_cache) with the rows' K/V written.
+
+def attend_xla(layer: DecoderLayer, qkv, positions, k_pos, Tc: int, k_cache, v_cache, k_end,
+               kernels: KernelConfig, prefill: bool):
+    """XLA ops around the attention kernel of `kernels` (XLA, Pallas; cuDNN for long GPU prompts):
+    q, k, v normed and rotated, the rows written, then the attention."""
+    q, k, v = layer._heads(qkv, positions, k_pos)                 # [B, T, Hq, D], [B, Tc+T, Hkv, D]
+    k_cache, v_cache = _write_context_then_block(k, v, positions, k_pos, Tc, k_cache, v_cache, kernels)
+    if prefill and not Tc:
+        return attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels), k_cache, v_cache
+    return attend(q, k_cache, v_cache, k_end, kernels), k_cache, v_cache
+
+
+def attend_gpu_fused(layer: DecoderLayer, qkv, positions, k_pos, Tc: int, k_cache, v_cache, k_end,
+                     kernels: KernelConfig, prefill: bool):
+    """The GPU path: ONE prologue kernel (q/k norm where the layer has them, RoPE and the cache
+    writes, the draft's context rows first), then the attention kernel."""
+    cos, sin = layer._rope_tables(k_pos)
+    qn, kn = layer.q_norm, layer.k_norm
+    q, k_cache, v_cache = qk_norm_rope_write(
+        qkv, cos, sin, None if qn is None else qn.weight[...], None if kn is None else kn.weight[...],
+        1e-6 if qn is None else qn.eps, k_cache, v_cache,
+        positions[:, 0], kernels, num_heads=layer.num_heads, ctx_rows=Tc,
+        ctx_start=k_pos[:, 0] if Tc else None)
+    return attend(q, k_cache, v_cache, k_end, kernels), k_cache, v_cache
+
+
+def attend_tpu(layer: DecoderLayer, qkv, positions, k_pos, Tc: int, k_cache, v_cache, k_end,
+               kernels: KernelConfig, prefill: bool):
+    """The TPU path: the row writer takes k/v out of qkv and norms/rotates k itself where it can
+    (else XLA's k/v and the plain row writer), and the attention kernel reads q out of qkv and
+    norms/rotates it itself: q or k in [B, T, N, D] would be a relayout copy of the matmul's output."""
+    from pallas_kernels.attention import tpu as tpu_attention
+    T = positions.shape[1]
+    if layer._tpu_qkv_write(kernels, T, Tc, k_cache, qkv, prefill):
+        from pallas_kernels.attention import tpu_cache_write
+        cos, sin = layer._rope_tables(k_pos)                                     # [B, Tc+T, D/2]
+        k_cache, v_cache = tpu_cache_write.write_kv_rows_qkv(
+            k_cache, v_cache, qkv, cos, sin, layer.k_norm.weight[...], layer.k_norm.eps, positions[:, 0],
+            num_heads=layer.num_heads, t0=Tc, T=T, ctx_rows=Tc, ctx_start=k_pos[:, 0] if Tc else None,
+            interpret=_interpret(kernels))
+    else:
+        _, k, v = layer._heads(qkv, positions, k_pos)
+        k_cache, v_cache = _write_context_then_block(k, v, positions, k_pos, Tc, k_cache, v_cache, kernels)
+    cos, sin = layer._rope_tables(positions)                                     # [B, T, D/2]
+    o = tpu_attention.block_attention_qkv(
+        qkv, cos, sin, layer.q_norm.weight[...], layer.q_norm.eps, k_cache, v_cache, k_end,
+        num_heads=layer.num_heads, t0=Tc, interpret=_interpret(kernels))      # [B, T, Hq*D]
+    return o, k_cache, v_cache
+
+
+def _write_context_then_block(k, v, positions, k_pos, Tc: int, k_cache, v_cache, kernels):
+    """k, v [B, Tc+T, Hkv, D] into the caches: the draft's context rows at k_pos[:, 0], then the
+    block's at positions[:, 0] (the block wins where they overlap)."""
+    if Tc:
+        k_cache, v_cache = write_kv_rows(k_cache, v_cache, k[:, :Tc], v[:, :Tc], k_pos[:, 0], kernels)
+        k, v = k[:, Tc:], v[:, Tc:]
+    return write_kv_rows(k_cache, v_cache, k, v, positions[:, 0], kernels)
+
+
+# ----------------------------------------------------------------------- the MLP half, per kernel path
+# Each takes the layer input x and the attention output o and returns (x, Residual).
+
+def finish_xla(layer: DecoderLayer, x, o, kernels: KernelConfig, prefill: bool):
+    """x + o_proj(o), then the MLP block with its residual: XLA ops, or on the TPU path the MLP
+    kernel (norm, MLP and residual in one), which also gives the next norm its rows' scale."""
+    x, scale = layer._mlp_block(x + layer._o_proj(o), kernels, row_scale=True)
+    return x, Residual(scale=scale)
+
+
+def finish_gpu_fused(layer: DecoderLayer, x, o, kernels: KernelConfig, prefill: bool):
+    """The GPU path: ONE add + RMSNorm kernel, the MLP matmuls; the MLP output is left for the next
+    norm's kernel to add (a prompt's is added here: prefill ends in XLA ops)."""
+    x, h = add_norm(x, layer._o_proj(o), layer.post_attention_layernorm, kernels)
+    mlp_out = layer.mlp(h, layer.qkv_groups, kernels)
+    if prefill:
+        return x + mlp_out, Residual()
+    return x, Residual(add=mlp_out)
 
 
 class DraftContext(NamedTuple):
@@ -353,22 +425,18 @@ def run_layers(layers, x, positions, cache: KVCache, k_end, kernels: KernelConfi
                context: DraftContext | None = None, prefill: bool = False, taps: tuple = (),
                scope: str = "layer"):
     """The layer loop of the target and the draft: x [B, T, H] through `layers`, each writing its
-    K/V into its cache entry, then `final_norm`. On the fused GPU path a layer's MLP output is
-    carried to the next RMSNorm's kernel (the next layer's input norm, or the final norm), so the
-    hidden state after layer i is x + residual; on the TPU MLP kernel's path the residual is a
-    RowScale of x (the next RMSNorm's reduction, done in that kernel).
+    K/V into its cache entry, then `final_norm`. Each layer hands the next its `Residual` (the
+    fused GPU path's MLP output, added by the next RMSNorm's kernel; the TPU MLP kernel's row
+    scale, the next RMSNorm's reduction), so the hidden state after layer i is residual.value(x).
 
     Returns (hidden [B, T, H] final-normed, {i: hidden state after layer i for i in taps},
     (k caches, v caches) as tuples)."""
-    ks, vs, tapped, residual = list(cache.k), list(cache.v), {}, None
+    ks, vs, tapped, residual = list(cache.k), list(cache.v), {}, Residual()
     for i, layer in enumerate(layers):
         with jax.named_scope(f"{scope}{i}"):
             x, residual, ks[i], vs[i] = layer(x, residual, positions, ks[i], vs[i], k_end, kernels,
                                               context=context, prefill=prefill)
         if i in taps:
-            tapped[i] = x if residual is None or isinstance(residual, RowScale) else x + residual
-    if isinstance(residual, RowScale):
-        h = final_norm.scaled(x, residual)
-    else:
-        h = final_norm(x) if residual is None else add_norm(x, residual, final_norm, kernels)[1]
+            tapped[i] = residual.value(x)
+    h = residual.norm(x, final_norm, kernels)[1]
     return h, tapped, (tuple(ks), tuple(vs))

@@ -23,7 +23,8 @@ from pallas_kernels._common import HEAD_DIMS as _HEAD_DIMS, Unsupported, pltrito
 # times the weight in the input dtype; RoPE in float32 from that, cast back.
 
 def _prologue_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, start_ref, ctx_start_ref, kc_in, vc_in,
-                     q_ref, kc_ref, vc_ref, *, Hq: int, D: int, eps: float, Tc: int, barrier: bool):
+                     q_ref, kc_ref, vc_ref, *, Hq: int, D: int, eps: float, Tc: int, barrier: bool,
+                     norm: bool = True):
     """qkv_ref [Tc + T, F]: Tc context rows (the draft's; their K/V only) then the block's T rows."""
     del kc_in, vc_in  # aliased to kc_ref / vc_ref
     b, h = pl.program_id(0), pl.program_id(1)
@@ -37,6 +38,8 @@ def _prologue_kernel(qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, start_ref, ctx_s
         cos, sin = cos_ref[rows, :], sin_ref[rows, :]                           # [n, D/2] f32
         x1 = qkv_ref[rows, pl.ds(col0, half)].astype(f32)                      # [n, D/2]
         x2 = qkv_ref[rows, pl.ds(col0 + half, half)].astype(f32)
+        if not norm:   # a family without q/k norm (Llama): RoPE of the projection itself
+            return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
         r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / D + eps)[:, None]
         y1 = (w_ref[pl.ds(0, half)][None, :].astype(f32) * (x1 * r).astype(dt).astype(f32)).astype(dt).astype(f32)
         y2 = (w_ref[pl.ds(half, half)][None, :].astype(f32) * (x2 * r).astype(dt).astype(f32)).astype(dt).astype(f32)
@@ -74,7 +77,7 @@ def prologue_supported(T: int, D: int) -> bool:
 
 
 def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v_cache, start, *,
-                       num_heads: int, ctx_rows: int = 0, ctx_start=None, interpret=False):
+                       num_heads: int, ctx_rows: int = 0, ctx_start=None, interpret=False, norm: bool = True):
     """qkv [B, T, (Hq + 2 Hkv) D] (the fused projection's output), cos/sin [B, T, D/2] float32,
     q/k norm weights [D], caches [B, Hkv, C, D], start [B] (the block's first cache row, clamped to
     [0, C - T] as dynamic_update_slice would). Returns (q [B, T, Hq, D] normed and rotated, k_cache, v_cache) with
@@ -82,7 +85,9 @@ def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v
 
     ctx_rows = Tc > 0 (the draft's layers): the first Tc rows of qkv (and cos/sin) are context
     tokens, whose keys and values only are written, at rows [ctx_start, ctx_start + Tc) (clamped
-    likewise), before the block's; q then covers the last T - Tc rows."""
+    likewise), before the block's; q then covers the last T - Tc rows.
+
+    norm=False: no q/k RMSNorm (the Llama family), RoPE only; the weights and eps are then unused."""
     B, T_all, F = qkv.shape
     _, Hkv, C, D = k_cache.shape
     Hq, Tc = num_heads, ctx_rows
@@ -91,7 +96,8 @@ def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v
             or (Tc and (not prologue_supported(Tc, D) or ctx_start is None))):
         raise Unsupported(f"prologue: qkv {qkv.shape} ({Tc} context rows), cache {k_cache.shape}, Hq {Hq}")
     full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
-    kernel = functools.partial(_prologue_kernel, Hq=Hq, D=D, eps=float(eps), Tc=Tc, barrier=not interpret)
+    kernel = functools.partial(_prologue_kernel, Hq=Hq, D=D, eps=float(eps), Tc=Tc, barrier=not interpret,
+                               norm=bool(norm))
     # clamped as dynamic_update_slice clamps: finished rows still run the (fixed-shape) iteration,
     # and their writes must stay inside their own rows
     clamp = lambda s, n: jnp.clip(s.astype(jnp.int32), 0, C - n)
