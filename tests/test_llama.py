@@ -171,6 +171,7 @@ if not CHILD:
              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192},
              "max_position_embeddings": 131072, "num_target_layers": 32, "block_size": 10,
+             "layer_types": ["full_attention"] * 5,
              "dflash_config": {"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]}}
         dc = DraftConfig.from_dict(d)
         assert (dc.block_size, dc.target_layer_ids, dc.mask_token_id, dc.rope_scaling.factor) == \
