@@ -130,15 +130,19 @@ class MoeBench:
         tgt, E = self.target, self.tcfg.num_experts
         C = 512 + T + 16
 
+        from flax import nnx
+        graph, state = nnx.split(tgt)     # weights as arguments: a closure would bake them in as constants
+
         @jax.jit
-        def count(tokens):
+        def count(state, tokens):
+            model = nnx.merge(graph, state)
             pos = jnp.broadcast_to(jnp.arange(512, 512 + T, dtype=jnp.int32), (B, T))
             with moe.recording() as rec:
-                tgt(tokens, pos, tgt.new_cache(B, C), pos + 1)
+                model(tokens, pos, model.new_cache(B, C), pos + 1)
             return jnp.stack([moe.distinct_experts(idx, E) for idx in rec])
 
         tokens = jax.random.randint(jax.random.key(B * 100 + T), (B, T), 0, self.tcfg.vocab_size)
-        self._touched[(B, T)] = float(jnp.mean(count(tokens)))
+        self._touched[(B, T)] = float(jnp.mean(count(state, tokens)))
         return self._touched[(B, T)]
 
     def touched_section(self):
@@ -216,19 +220,24 @@ class MoeBench:
                 tokens = jax.random.randint(jax.random.key(w), (B, w), 0, c.vocab_size)
                 kernels = self.kernels.resolve()
 
+                from flax import nnx
+                graph, state = nnx.split(tgt)   # weights as arguments, not captured constants
+
                 @jax.jit
-                def many(tokens, cache):
+                def many(state, tokens, cache):
+                    model = nnx.merge(graph, state)
+
                     def body(i, carry):
                         cache, acc = carry
-                        h, _, cache = tgt(tokens, pos, cache, pos + 1, kernels=kernels)
-                        return cache, acc + jnp.sum(sharding.argmax(tgt.logits(h)))
+                        h, _, cache = model(tokens, pos, cache, pos + 1, kernels=kernels)
+                        return cache, acc + jnp.sum(sharding.argmax(model.logits(h)))
                     return jax.lax.fori_loop(0, a.inner, body, (cache, jnp.int32(0)))
 
-                jax.block_until_ready(many(tokens, cache))
+                jax.block_until_ready(many(state, tokens, cache))
                 ts = []
                 for _ in range(a.repeats):
                     t = time.perf_counter()
-                    jax.block_until_ready(many(tokens, cache))
+                    jax.block_until_ready(many(state, tokens, cache))
                     ts.append(time.perf_counter() - t)
                 ms = 1e3 * statistics.median(ts) / a.inner
                 got = self.touched(B, w)
