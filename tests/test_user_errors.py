@@ -451,7 +451,9 @@ def test_no_libtpu_noise_off_a_tpu_vm():
     import sys
     if importlib.util.find_spec("libtpu") is None or gen_cli._accelerator_attached():
         pytest.skip("needs libtpu installed and no TPU or GPU attached")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    # a fresh user's environment: no platform chosen, none of the TPU_* settings that quiet libtpu
+    # (tests that compile for TPU ahead of time set TPU_WORKER_HOSTNAMES in this process)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS" and not k.startswith("TPU_")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
 
