@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import attend
-from dflash_jax.cache import KVCache, write_kv_rows, write_rows
+from dflash_jax.cache import KVCache, write_kv_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
-from dflash_jax.drafts.dflash import TOP_WEIGHTS
+from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft
 from dflash_jax.drafts.variant import Variant
 from dflash_jax.models import qwen3
 from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, gated_silu
@@ -219,19 +219,9 @@ class DFlash2Draft(nnx.Module):
         """At T > 0 the loop passes temperature and keys to propose and q to the acceptance."""
         return self.candidate_selector is not None
 
-    def context(self, feats):
-        """Target taps [B, T, n·H] → context features [B, T, H]."""
-        return self.hidden_norm(feats.astype(self.dtype) @ self.fc[...])
-
-    def write_context(self, feats, positions, cache: KVCache) -> KVCache:
-        """Prefill: the prompt's taps [B, T, n·H] at positions [B, T] into the draft cache."""
-        ctx = self.context(feats)
-        start = positions[:, 0]
-        ks, vs = list(cache.k), list(cache.v)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(ctx, positions)
-            ks[i], vs[i] = write_rows(ks[i], k, start), write_rows(vs[i], v, start)
-        return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
+    # the context path is DFlash-1's (fc + hidden_norm, each layer's k/v of the context rows)
+    context = DFlashDraft.context
+    write_context = DFlashDraft.write_context
 
     def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, block_end,
                  *, kernels: KernelConfig | str | None = None):
