@@ -42,7 +42,7 @@ from dflash_jax.config import ConfigError, TargetConfig, _positive, read_json
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.models import gated_delta as gd
 from dflash_jax.models.family import Family
-from dflash_jax.models.layers import MLP, _init, gated_silu, rope
+from dflash_jax.models.layers import MLP, _init, rope
 from dflash_jax.models.stack import CausalLM
 
 __all__ = ["Qwen35Config", "Qwen35", "HybridCache", "load_qwen3_5", "init_qwen3_5"]
@@ -107,6 +107,11 @@ class Qwen35Config(TargetConfig):
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
 
+    # the config.json model types this class reads, and the keys it cannot do without
+    READS = MODEL_TYPES
+    NEED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], **overrides) -> "Qwen35Config":
         """HF config.json of `Qwen3_5ForConditionalGeneration` (model_type qwen3_5, the text model
@@ -115,19 +120,17 @@ class Qwen35Config(TargetConfig):
         if not isinstance(d, Mapping):
             raise ConfigError(f"target: the config must be a JSON object, got {type(d).__name__}")
         mt = d.get("model_type")
-        if mt not in MODEL_TYPES:
-            raise ConfigError(f"target: model_type={mt!r}; the hybrid family reads {MODEL_TYPES}")
+        if mt not in cls.READS:
+            raise ConfigError(f"target: model_type={mt!r}; this hybrid family reads {cls.READS}")
         tie = d.get("tie_word_embeddings")
         if isinstance(d.get("text_config"), Mapping):
             d = d["text_config"]
         if tie is None:
             tie = d.get("tie_word_embeddings", False)
-        need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-        missing = [k for k in need if k not in d]
+        missing = [k for k in cls.NEED if k not in d]
         if missing:
             raise ConfigError(f"target: config.json lacks {', '.join(missing)}")
-        for k in need:
+        for k in cls.NEED:
             _positive(d, k, "target")
         if d.get("attention_bias"):
             raise ConfigError("target: attention_bias=True is not supported (Qwen3.5 has no attention bias)")
@@ -145,8 +148,8 @@ class Qwen35Config(TargetConfig):
         n_heads = int(d["num_attention_heads"])
         fields = dict(
             vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]), num_layers=L, num_heads=n_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            intermediate_size=int(d.get("intermediate_size") or cls._intermediate(d)), num_layers=L,
+            num_heads=n_heads, num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
             head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
             layer_types=tuple(types),
             linear_num_key_heads=int(d["linear_num_key_heads"]),
@@ -154,13 +157,22 @@ class Qwen35Config(TargetConfig):
             linear_key_head_dim=int(d["linear_key_head_dim"]),
             linear_value_head_dim=int(d["linear_value_head_dim"]),
             linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), model_type="qwen3_5",
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), model_type=cls.model_type,
             rope_theta=float(rp.get("rope_theta", d.get("rope_theta", 1e7))),
             partial_rotary_factor=float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
             max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
-            tie_word_embeddings=bool(tie))
+            tie_word_embeddings=bool(tie), **cls._more_fields(d))
         fields.update(overrides)
         return cls(**fields)
+
+    @classmethod
+    def _intermediate(cls, d) -> int:
+        return int(d["intermediate_size"])
+
+    @classmethod
+    def _more_fields(cls, d) -> dict:
+        """A subclass's own fields from the text config (the MoE variant's experts)."""
+        return {}
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides) -> "Qwen35Config":
@@ -306,16 +318,19 @@ class GatedDeltaNet(nnx.Module):
 
 
 class HybridLayer(nnx.Module):
-    def __init__(self, c: Qwen35Config, kind: str, dtype, rngs: nnx.Rngs):
+    """mlp: the dense SwiGLU MLP, or another block called the same way, mlp(h, groups, kernels)
+    (the MoE variant's experts, models/qwen3_5_moe.py)."""
+
+    def __init__(self, c: Qwen35Config, kind: str, dtype, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
         self.kind = kind
         self.input_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mixer = GatedAttention(c, dtype, rngs) if kind == "full_attention" else GatedDeltaNet(c, dtype, rngs)
         self.post_attention_layernorm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype, rngs)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype, rngs) if mlp is None else mlp
 
-    def finish(self, x, mixed):
+    def finish(self, x, mixed, kernels: KernelConfig | None = None):
         x = x + mixed
-        return x + gated_silu(self.post_attention_layernorm(x) @ self.mlp.gate_up[...]) @ self.mlp.down[...]
+        return x + self.mlp(self.post_attention_layernorm(x), 1, kernels)
 
 
 @struct.dataclass
@@ -345,9 +360,25 @@ class Qwen35(CausalLM):
         self.dtype = jnp.dtype(dtype)
         H, V = config.hidden_size, config.vocab_size
         self.embed = _init(rngs, (V, H), dtype, 1.0)                             # [V, H]
-        self.layers = nnx.List([HybridLayer(config, t, dtype, rngs) for t in config.layer_types])
+        self.layers = nnx.List([HybridLayer(config, t, dtype, rngs, self.make_mlp(config, dtype, rngs))
+                                for t in config.layer_types])
         self.norm = ZeroCentredRMSNorm(H, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)
+
+    def make_mlp(self, config, dtype, rngs):
+        """A layer's MLP block: None for the dense one (the MoE variant overrides this)."""
+        return None
+
+    # a layer's MLP tensors in the checkpoint (after `model.layers.N.`), given those read so far
+    # (the MoE variant's experts come per expert or stacked), and how they fill the block
+    @staticmethod
+    def mlp_tensors(c, got: dict) -> tuple:
+        return _MLP
+
+    @staticmethod
+    def fill_mlp(mlp, c, t: dict, put) -> None:
+        put(mlp.gate_up, np.concatenate([t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], axis=1))
+        put(mlp.down, t["mlp.down_proj.weight"].T)
 
     def __call__(self, tokens, positions, cache: HybridCache, k_end, *, taps: tuple[int, ...] = (),
                  kernels: KernelConfig | str | None = None, prefill: bool = False):
@@ -369,7 +400,7 @@ class Qwen35(CausalLM):
                     mixed, rec = layer.mixer(h, cache.state[il], cache.conv[il], prefill)
                     records.append(rec)
                     il += 1
-                x = layer.finish(x, mixed)
+                x = layer.finish(x, mixed, kernels)
             if i in taps:
                 tapped[i] = x
         h = self.norm(x)
@@ -450,11 +481,12 @@ def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
     return _load(d, Qwen35Config.from_pretrained(d, **overrides), _dtype(dtype), f"target {path_or_hub_id}")
 
 
-def _load(d: str, c: Qwen35Config, dt, what: str) -> Qwen35:
+def _load(d: str, c: Qwen35Config, dt, what: str, model_cls=None) -> Qwen35:
     """The checkpoint in directory d, streamed tensor by tensor; a layer's tensors are fused and
-    placed once all of them are read."""
+    placed once all of them are read. model_cls: Qwen35 or a subclass (its own MLP tensors)."""
     from dflash_jax.weights import _iter_tensors
-    model = nnx.eval_shape(lambda: Qwen35(c, dt, rngs=nnx.Rngs(0)))
+    model_cls = Qwen35 if model_cls is None else model_cls
+    model = nnx.eval_shape(lambda: model_cls(c, dt, rngs=nnx.Rngs(0)))
     parts: dict[int, dict[str, np.ndarray]] = {}
     seen = set()
 
@@ -484,8 +516,8 @@ def _load(d: str, c: Qwen35Config, dt, what: str) -> Qwen35:
                 raise ValueError(f"{what}: unexpected tensor {raw!r}")
             i, rest = int(m.group(1)), m.group(2)
             parts.setdefault(i, {})[rest] = t
-            if _layer_complete(c, i, parts[i]):
-                _fill_layer(model.layers[i], c, parts.pop(i), put)
+            if _layer_complete(model_cls, c, i, parts[i]):
+                _fill_layer(model_cls, model.layers[i], c, parts.pop(i), put)
                 seen.add(i)
         seen.add(name)
     missing = [i for i in range(c.num_layers) if i not in seen]
@@ -498,8 +530,8 @@ def _load(d: str, c: Qwen35Config, dt, what: str) -> Qwen35:
     return model
 
 
-_COMMON = ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-           "mlp.up_proj.weight", "mlp.down_proj.weight")
+_COMMON = ("input_layernorm.weight", "post_attention_layernorm.weight")
+_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _ATTN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
          "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")
 _GDN = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
@@ -507,19 +539,18 @@ _GDN = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linea
         "linear_attn.A_log", "linear_attn.norm.weight", "linear_attn.out_proj.weight")
 
 
-def _layer_complete(c: Qwen35Config, i: int, got: dict) -> bool:
-    need = _COMMON + (_ATTN if c.layer_types[i] == "full_attention" else _GDN)
+def _layer_complete(model_cls, c: Qwen35Config, i: int, got: dict) -> bool:
+    need = _COMMON + model_cls.mlp_tensors(c, got) + (_ATTN if c.layer_types[i] == "full_attention" else _GDN)
     extra = set(got) - set(need)
     if extra:
         raise ValueError(f"layer {i} ({c.layer_types[i]}): unexpected tensors {sorted(extra)}")
     return all(n in got for n in need)
 
 
-def _fill_layer(layer: HybridLayer, c: Qwen35Config, t: dict, put) -> None:
+def _fill_layer(model_cls, layer: HybridLayer, c: Qwen35Config, t: dict, put) -> None:
     put(layer.input_layernorm.weight, t["input_layernorm.weight"])
     put(layer.post_attention_layernorm.weight, t["post_attention_layernorm.weight"])
-    put(layer.mlp.gate_up, np.concatenate([t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], axis=1))
-    put(layer.mlp.down, t["mlp.down_proj.weight"].T)
+    model_cls.fill_mlp(layer.mlp, c, t, put)
     m = layer.mixer
     if layer.kind == "full_attention":
         a = "self_attn."

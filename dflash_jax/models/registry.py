@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.models import llama, qwen3, qwen3_5, qwen3_moe
+from dflash_jax.config import PRESETS, ConfigError, TargetConfig
+from dflash_jax.models import llama, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe
 from dflash_jax.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -15,7 +15,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     qwen3_moe.FAMILY,
     qwen3_5.FAMILY,
     qwen3_5.TEXT_FAMILY,
+    qwen3_5_moe.FAMILY,
+    qwen3_5_moe.TEXT_FAMILY,
 )}
+# random-weight presets of the families defined here (config.PRESETS holds the dense ones)
+PRESETS.setdefault("qwen3.5-35b-a3b", qwen3_5_moe.PRESET_35B_A3B)
 
 
 def family(model_type) -> Family:
