@@ -131,8 +131,6 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
         raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
                          f"KV-cache capacity {C}; raise capacity or shorten the prompt")
     mesh = resolve_mesh(o.mesh, target, draft)
-    if mesh is not None and getattr(target, "commit", None) is not None:
-        raise ValueError("a hybrid (Qwen3.5) target runs on one device for now: pass no mesh")
     # a power of two, and a multiple of the data axis (every data shard gets whole rows; the
     # padding rows are inactive)
     B = round_up(pow2(len(rows), 1), 1 if mesh is None else sharding.data_axis_size(mesh))

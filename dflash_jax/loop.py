@@ -256,6 +256,8 @@ def loop_specs(st: Static, s: LoopState) -> LoopState:
     row, mat = P("data"), P("data", None)
 
     def cache(c):
+        if hasattr(c, "specs"):           # a cache that lays itself out (the hybrid target's)
+            return c.specs(st.mesh)
         if not isinstance(c, KVCache):
             return jax.tree.map(lambda _: P(), c)
         kv, lens = sharding.cache_specs(c.k[0].shape[1], st.mesh, c.k[0].shape[0])

@@ -186,10 +186,9 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None):
     d = resolve_model_dir(path_or_hub_id)
     config = models.read_config(read_json(d))
     fam = models.family(config.model_type)
-    if fam.load is not None:
-        if m is not None:
-            raise ValueError(f"target {path_or_hub_id}: model_type {config.model_type!r} loads on one device only (no mesh yet)")
-        return fam.load(d, config, dt, f"target {path_or_hub_id}")
+    if fam.load is not None:      # loaded on one device, then placed by the family's rules (plain split)
+        model = fam.load(d, config, dt, f"target {path_or_hub_id}")
+        return model if m is None else sharding.shard_model(model, m, fused_layout=False, rules=fam.rules)
     if m is not None and fam.tensors is None:
         return load_target_sharded(path_or_hub_id, m, dtype)
     what = f"target {path_or_hub_id}"

@@ -4,6 +4,7 @@ and the rollback's (commit's) share of an iteration.
 
     python scripts/bench_hybrid.py                       # Qwen3.5-9B shapes, B = 1 and 32, S = 16
     python scripts/bench_hybrid.py --smoke               # tiny shapes on CPU (checks the script runs)
+    python scripts/bench_hybrid.py --model 35b-a3b       # Qwen3.5-35B-A3B shapes (MoE, bf16 ~70 GB)
 
 Each figure is the median per-iteration time of K iterations of `loop.iterate` run inside one
 jitted fori_loop (as the while loop runs them), the loop state donated. The draft is a random
@@ -17,6 +18,7 @@ object per configuration and writes them to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -31,7 +33,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dflash_jax import DraftConfig, decode, init_draft, loop  # noqa: E402
-from dflash_jax.models.qwen3_5 import Qwen35Config, init_qwen3_5, record_bytes, state_bytes  # noqa: E402
+from dflash_jax import init_target  # noqa: E402
+from dflash_jax.models.qwen3_5 import Qwen35Config, record_bytes, state_bytes  # noqa: E402
+from dflash_jax.models.qwen3_5_moe import PRESET_35B_A3B, Qwen35MoeConfig  # noqa: E402
 
 # Qwen3.5-9B text model (transformers' Qwen3_5TextConfig defaults are these shapes): 32 layers,
 # every 4th full attention (8 full, 24 GDN).
@@ -44,10 +48,28 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
 COPY_TBPS = 4.23e12      # H200 copy bandwidth measured here (DESIGN.md reference numbers)
 
 
-def config(shapes: dict, verify_form: str) -> Qwen35Config:
+# the MoE smoke shapes: 8 experts top-2 plus the shared expert
+TINY_MOE = dict(TINY, intermediate_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32)
+
+
+def config(shapes: dict, verify_form: str, moe: bool = False) -> Qwen35Config:
+    if moe and shapes is None:
+        return dataclasses.replace(PRESET_35B_A3B, verify_form=verify_form)
     L = shapes["num_layers"]
     types = tuple("linear_attention" if (i + 1) % 4 else "full_attention" for i in range(L))
-    return Qwen35Config(layer_types=types, verify_form=verify_form, **shapes)
+    return (Qwen35MoeConfig if moe else Qwen35Config)(layer_types=types, verify_form=verify_form, **shapes)
+
+
+def expert_bytes(target) -> tuple[int, int]:
+    """(bytes of all routed-expert weights, of one expert across the layers); (0, 0) when dense."""
+    tot = one = 0
+    for layer in target.layers:
+        e = getattr(layer.mlp, "experts", None)
+        if e is not None:
+            b = int(e.experts_gate_up[...].nbytes) + int(e.experts_down[...].nbytes)
+            tot, one = tot + b, one + b // e.num_experts
+    return tot, one
 
 
 def nbytes(tree) -> int:
@@ -58,6 +80,9 @@ def floor_bytes(target, draft, c: Qwen35Config, B: int, ctx: int, S: int) -> dic
     """What one step must move at least: the weights read (embedding is a gather), the full
     layers' K/V of the context, the GDN state read and written once per request."""
     w = nbytes(nnx.state(target, nnx.Param)) - (0 if c.tie_word_embeddings else int(target.embed[...].nbytes))
+    tot, one = expert_bytes(target)
+    if tot:   # MoE: at most the experts B*S*k choices can touch (an upper bound on the floor's weights)
+        w = w - tot + one * min(c.num_experts, B * S * c.num_experts_per_tok)
     kv = B * ctx * len(c.full_layers) * 2 * c.num_kv_heads * c.head_dim * target.dtype.itemsize
     st = 2 * B * state_bytes(c, target.dtype)
     d = 0 if draft is None else nbytes(nnx.state(draft, nnx.Param))
@@ -76,7 +101,17 @@ def _time(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int) -> dict:
+def hlo_stats(compiled_text: str) -> dict:
+    """Launch-level op counts of an optimised HLO module (fusions, custom calls, unfused dots and
+    copies, while loops): at B = 1 an iteration's time above its byte floor is mostly per-kernel
+    overhead, and these counts say how many kernels each verify form issues."""
+    import re
+    count = lambda op: len(re.findall(rf"= [^=]*? {op}\(", compiled_text))
+    return dict(fusion=count("fusion"), custom_call=count("custom-call"), dot=count("dot"),
+                copy=count("copy"), while_loops=count("while"))
+
+
+def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stats: bool = False) -> dict:
     c = target.config
     prompts = [[int(x) for x in np.random.RandomState(b).randint(0, c.vocab_size, ctx)] for b in range(B)]
     d = draft if S > 1 else None
@@ -111,7 +146,12 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int) -> d
             return holder[0].lens
         return _time(step, reps) / iters
 
-    per_iter = timed(k_iters_fn(loop._commit))
+    k_main = k_iters_fn(loop._commit)
+    extra = {}
+    if stats:   # one iteration's program (a 1-iteration fori_loop is unrolled away: no loop op)
+        one = jax.jit(lambda ts, ds, p, s: loop.iterate(st, *models(ts, ds), p, s)[0])
+        extra["hlo_per_iteration"] = hlo_stats(one.lower(tstate, dstate, p, holder[0]).compile().as_text())
+    per_iter = timed(k_main)
     # the same iterations with the fold left out (records dropped, states never advanced): the
     # difference is the rollback's cost inside the compiled loop
     no_fold = timed(k_iters_fn(lambda target, cache, n: cache.replace(records=None)))
@@ -131,7 +171,8 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int) -> d
                 commit_share=t_commit / per_iter, ms_without_fold=no_fold * 1e3,
                 fold_share=(per_iter - no_fold) / per_iter, floor_bytes=fl,
                 state_bytes_per_request=state_bytes(c, tgt.dtype),
-                record_bytes_per_request=record_bytes(c, S, tgt.dtype), device=str(jax.devices()[0].device_kind))
+                record_bytes_per_request=record_bytes(c, S, tgt.dtype), device=str(jax.devices()[0].device_kind),
+                **extra)
 
 
 def main():
@@ -143,21 +184,28 @@ def main():
     ap.add_argument("--forms", default="chunk,recurrent", help="verify forms of the GDN rule to compare")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--model", default="9b", choices=("9b", "35b-a3b"),
+                    help="Qwen3.5-9B (dense) or Qwen3.5-35B-A3B (MoE: 256 experts top-8 + shared) shapes")
+    ap.add_argument("--hlo-stats", action="store_true",
+                    help="also count the kernels (fusions, custom calls, dots) one compiled iteration issues")
     ap.add_argument("--out", default=None, help="JSON lines file")
     a = ap.parse_args()
-    shapes, dtype = (TINY, "float32") if a.smoke else (QWEN35_9B, "bfloat16")
+    moe = a.model == "35b-a3b"
+    shapes, dtype = ((TINY_MOE if moe else TINY), "float32") if a.smoke else \
+        ((None if moe else QWEN35_9B), "bfloat16")
     if a.smoke:
         a.ctx, a.iters, a.reps, a.batches = min(a.ctx, 16), 2, 1, "1,2"
     rows = []
     for form in a.forms.split(","):
-        c = config(shapes, form)
-        target = init_qwen3_5(c, seed=0, dtype=dtype)
+        c = config(shapes, form, moe)
+        target = init_target(c, seed=0, dtype=dtype)
         draft = init_draft(DraftConfig.for_target(c, num_layers=5 if not a.smoke else 1, block_size=a.block),
                            seed=1, dtype=dtype)
         for B in (int(x) for x in a.batches.split(",")):
             for S in ((1, a.block) if form == a.forms.split(",")[0] else (a.block,)):
-                r = run_one(target, draft, B, a.ctx, S, a.iters, a.reps)
+                r = run_one(target, draft, B, a.ctx, S, a.iters, a.reps, a.hlo_stats)
                 r["kind"] = "plain step" if S == 1 else "dflash iteration"
+                r["model"] = "smoke-" + a.model if a.smoke else "qwen3.5-" + a.model
                 print(json.dumps(r), flush=True)
                 rows.append(r)
         del target, draft

@@ -36,6 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax import sharding
 from dflash_jax.attention import attend, attend_prefill
 from dflash_jax.cache import write_kv_rows
 from dflash_jax.config import ConfigError, TargetConfig, _positive, read_json
@@ -350,6 +353,15 @@ class HybridCache:
     def capacity(self) -> int:
         return self.k[0].shape[2] if self.k else 0
 
+    def specs(self, mesh) -> "HybridCache":
+        """PartitionSpecs on a ('data', 'model') mesh (the loop carry's layout): rows on 'data',
+        replicated over 'model' (the parameters are, RULES), so each data shard runs its own rows
+        through whole layers; records None (the carry holds none)."""
+        row = lambda x: P("data", *(None,) * (x.ndim - 1))
+        return HybridCache(k=tuple(row(x) for x in self.k), v=tuple(row(x) for x in self.v),
+                           state=tuple(row(x) for x in self.state), conv=tuple(row(x) for x in self.conv),
+                           lens=P("data"), records=None)
+
 
 class Qwen35(CausalLM):
     """The hybrid stack. CausalLM's embedding, head and `logits`; its own layers, forward, cache
@@ -581,7 +593,21 @@ def _no_table(config) -> dict:
     return {}        # the family loads its checkpoint itself (Family.load)
 
 
+# On a ('data', 'model') mesh: rows on 'data' (HybridCache.specs), every parameter replicated but
+# the MoE variant's experts, split over 'model' as models/moe.py's expert parallelism expects.
+# Tensor parallelism over heads (GDN state split over its v-heads) is not done: a 'model' axis
+# repeats the dense work on each of its devices.
+RULES = ((r"layers/\d+/mlp/experts/experts_(gate_up|down)", P("model", None, None)),
+         (r".*", P()))
+
+
+def shard(model, mesh):
+    """Place a hybrid target on `mesh` by RULES (load_target(..., mesh=) does this; the fused TP
+    layout is not used: the layers take their projections whole)."""
+    return sharding.shard_model(model, sharding.as_mesh(mesh), fused_layout=False, rules=RULES)
+
+
 FAMILY = Family(model_type="qwen3_5", read_config=Qwen35Config.from_dict, model=Qwen35,
-                layer_weights=_no_table, top_weights=_no_table, rules=(), load=_load)
+                layer_weights=_no_table, top_weights=_no_table, rules=RULES, load=_load)
 # the text model's own config.json (Qwen3_5ForCausalLM); its configs read as model_type qwen3_5
 TEXT_FAMILY = dataclasses.replace(FAMILY, model_type="qwen3_5_text")

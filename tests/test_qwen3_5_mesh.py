@@ -1,0 +1,58 @@
+"""A hybrid (Qwen3.5) target on a ('data', 'model') mesh of virtual CPU devices: generate (plain
+and DFlash, with rejected blocks) on a 2x2 mesh gives the one-device tokens, for the dense and the
+MoE variant. Rows go on 'data' (HybridCache.specs), parameters are replicated but the experts
+(qwen3_5.RULES). Issue 38.
+
+The cases need XLA_FLAGS=--xla_force_host_platform_device_count=4 before JAX starts, so they run in
+a child pytest of this file (`test_on_4_devices`); run them directly with
+    DFLASH_HYBRID_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest tests/test_qwen3_5_mesh.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = os.environ.get("DFLASH_HYBRID_CHILD") == "1"
+child = pytest.mark.skipif(not CHILD, reason="runs in the 4-device child (test_on_4_devices)")
+parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
+
+
+@parent
+@pytest.mark.slow
+def test_on_4_devices():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, DFLASH_HYBRID_CHILD="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "",
+                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@child
+@pytest.mark.parametrize("moe", [False, True])
+def test_2x2_mesh_generates_the_one_device_tokens(tmp_path, moe):
+    from dflash_jax import DraftConfig, generate, init_draft, load_target
+    from dflash_jax import sharding as sh
+    from tests.checkpoints import random_prompts
+    if moe:
+        from tests.test_qwen3_5_moe import write_qwen3_5_moe as write
+    else:
+        from tests.test_qwen3_5 import write_qwen3_5 as write
+    path = write(str(tmp_path)) if moe else write(str(tmp_path), full_attention_interval=2)
+    one = load_target(path, dtype="float32")
+    on_mesh = load_target(path, dtype="float32", mesh="data=2,model=2")
+    draft = init_draft(DraftConfig.for_target(one.config, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
+                       seed=1, dtype="float32")
+    mesh = sh.mesh_of(on_mesh)
+    draft_on_mesh = sh.shard_model(init_draft(draft.config, seed=1, dtype="float32"), mesh)
+    prompts = random_prompts(3, 128, min_len=3, max_len=10, seed=11)
+    for d1, dm in ((None, None), (draft, draft_on_mesh)):
+        want = generate(one, d1, prompts, max_new_tokens=12, capacity=64)
+        got = generate(on_mesh, dm, prompts, max_new_tokens=12, capacity=64)
+        assert got.tokens == want.tokens
+        assert got.acceptance_lengths == want.acceptance_lengths
