@@ -26,6 +26,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if "--tpu-aot" in sys.argv:     # libtpu must not probe the host for TPU workers (tests/tpu_aot.py)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -67,19 +70,19 @@ def expert_bytes(target) -> tuple[int, int]:
     for layer in target.layers:
         e = getattr(layer.mlp, "experts", None)
         if e is not None:
-            b = int(e.experts_gate_up[...].nbytes) + int(e.experts_down[...].nbytes)
+            b = nbytes((e.experts_gate_up[...], e.experts_down[...]))
             tot, one = tot + b, one + b // e.num_experts
     return tot, one
 
 
 def nbytes(tree) -> int:
-    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def floor_bytes(target, draft, c: Qwen35Config, B: int, ctx: int, S: int) -> dict:
     """What one step must move at least: the weights read (embedding is a gather), the full
     layers' K/V of the context, the GDN state read and written once per request."""
-    w = nbytes(nnx.state(target, nnx.Param)) - (0 if c.tie_word_embeddings else int(target.embed[...].nbytes))
+    w = nbytes(nnx.state(target, nnx.Param)) - (0 if c.tie_word_embeddings else nbytes(target.embed[...]))
     tot, one = expert_bytes(target)
     if tot:   # MoE: at most the experts B*S*k choices can touch (an upper bound on the floor's weights)
         w = w - tot + one * min(c.num_experts, B * S * c.num_experts_per_tok)
@@ -175,6 +178,45 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
                 **extra)
 
 
+def tpu_aot(a, shapes, moe: bool) -> list:
+    """Compile one DFlash iteration (and the plain step) for one chip of a TPU topology on this
+    CPU host (libtpu, no TPU: docs/tpu-bytes.md) and compare the compiler's bytes accessed with
+    the floor (weights + attention KV + the GDN state read and written). --layers cuts the stack
+    (the first N layer types) to keep the compile short on a small host."""
+    from jax.experimental import topologies
+    from dflash_jax.kernel_config import KernelConfig
+    topo = {"v6e": "v6e:2x2", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1"}[a.tpu_aot]
+    dev = topologies.get_topology_desc(platform="tpu", topology_name=topo).devices[0]
+    rows = []
+    for form in a.forms.split(","):
+        c = config(shapes, form, moe)
+        if a.layers:
+            c = dataclasses.replace(c, num_layers=a.layers, layer_types=c.layer_types[:a.layers])
+        dc = DraftConfig.for_target(c, num_layers=1 if a.smoke else 5, block_size=a.block,
+                                    target_layer_ids=tuple(sorted({min(i, c.num_layers - 1) for i in (1, 3)})))
+        target = nnx.eval_shape(lambda: init_target(c, seed=0, dtype="bfloat16"))
+        draft = nnx.eval_shape(lambda: init_draft(dc, seed=1, dtype="bfloat16"))
+        for B in (int(x) for x in a.batches.split(",")):
+            for S in ((1, a.block) if form == a.forms.split(",")[0] else (a.block,)):
+                t0 = time.perf_counter()
+                low = decode.lower_iteration(c, dc if S > 1 else None, batch=B, prompt_len=a.ctx,
+                                             capacity=a.capacity, kernels=KernelConfig(attention="pallas_tpu"),
+                                             device=dev)
+                comp = low.compile()
+                cost = comp.cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                fl = floor_bytes(target, draft if S > 1 else None, c, B, a.capacity, S)
+                r = dict(chip=a.tpu_aot, layers=c.num_layers, batch=B, block=S, verify_form=form,
+                         capacity=a.capacity, bytes_accessed=float(cost.get("bytes accessed", 0)),
+                         floor_bytes=fl, x_floor=float(cost.get("bytes accessed", 0)) / fl["total"],
+                         compile_s=time.perf_counter() - t0,
+                         kind="plain step" if S == 1 else "dflash iteration",
+                         hlo_per_iteration=hlo_stats(comp.as_text()))
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few iterations (CPU)")
@@ -188,6 +230,10 @@ def main():
                     help="Qwen3.5-9B (dense) or Qwen3.5-35B-A3B (MoE: 256 experts top-8 + shared) shapes")
     ap.add_argument("--hlo-stats", action="store_true",
                     help="also count the kernels (fusions, custom calls, dots) one compiled iteration issues")
+    ap.add_argument("--tpu-aot", default=None, choices=("v6e", "v5e", "v5p"),
+                    help="compile for one chip of this TPU (on a CPU host, libtpu) and report bytes vs floor")
+    ap.add_argument("--layers", type=int, default=0, help="with --tpu-aot: the first N layers only (0: all)")
+    ap.add_argument("--capacity", type=int, default=1024, help="with --tpu-aot: the KV capacity")
     ap.add_argument("--out", default=None, help="JSON lines file")
     a = ap.parse_args()
     moe = a.model == "35b-a3b"
@@ -195,6 +241,13 @@ def main():
         ((None if moe else QWEN35_9B), "bfloat16")
     if a.smoke:
         a.ctx, a.iters, a.reps, a.batches = min(a.ctx, 16), 2, 1, "1,2"
+        a.capacity = min(a.capacity, 64)
+    if a.tpu_aot:
+        rows = tpu_aot(a, shapes, moe)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+        return
     rows = []
     for form in a.forms.split(","):
         c = config(shapes, form, moe)
