@@ -70,7 +70,7 @@ def expert_bytes(target) -> tuple[int, int]:
     for layer in target.layers:
         e = getattr(layer.mlp, "experts", None)
         if e is not None:
-            b = nbytes((e.experts_gate_up[...], e.experts_down[...]))
+            b = nbytes((e.experts_gate_up.get_value(), e.experts_down.get_value()))
             tot, one = tot + b, one + b // e.num_experts
     return tot, one
 
@@ -82,7 +82,7 @@ def nbytes(tree) -> int:
 def floor_bytes(target, draft, c: Qwen35Config, B: int, ctx: int, S: int) -> dict:
     """What one step must move at least: the weights read (embedding is a gather), the full
     layers' K/V of the context, the GDN state read and written once per request."""
-    w = nbytes(nnx.state(target, nnx.Param)) - (0 if c.tie_word_embeddings else nbytes(target.embed[...]))
+    w = nbytes(nnx.state(target, nnx.Param)) - (0 if c.tie_word_embeddings else nbytes(target.embed.get_value()))
     tot, one = expert_bytes(target)
     if tot:   # MoE: at most the experts B*S*k choices can touch (an upper bound on the floor's weights)
         w = w - tot + one * min(c.num_experts, B * S * c.num_experts_per_tok)
