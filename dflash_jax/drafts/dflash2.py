@@ -276,7 +276,7 @@ class DFlash2Draft(nnx.Module):
                 if not isinstance(dest, nnx.Param) or dest[...].shape != node[...].shape:
                     raise ValueError(f"the init draft's {'.'.join(map(str, path))} has no place in this "
                                      "DFlash2 draft (not a DFlash-1 draft of the same shape)")
-                dest.value = jnp.asarray(node[...], dtype)
+                dest[...] = jnp.asarray(node[...], dtype)
         return d
 
     @property
