@@ -3,6 +3,9 @@ evaluation → shipped files. One command, seeded, resumable per stage, everythi
 
     python scripts/train_demo_pair.py --size gpu --out out/demo_pair --deliver $OUT   # one H200 call, < 10 min
     python scripts/train_demo_pair.py --size cpu --out out/demo_cpu        # CI: minutes on 2 cores
+    # a DFlash2 draft for the shipped pair's target, compared with its DFlash-1 draft (one H200 call)
+    python scripts/train_demo_pair.py --size gpu --arch dflash2 --target-from dflash_jax/assets/pair/target \
+        --out out/dflash2_pair --deliver $OUT
 
 Stages (each writes its outputs and a `stages/<name>.json`; a rerun skips finished stages unless
 --force names them): tokenizer, target, regen, draft, eval, ship. `manifest.json` records exactly
@@ -1373,7 +1376,8 @@ def main(argv=None) -> int:
         extra = [] if run.arch == "dflash2" else ["manifest.json"]   # dflash2: the manifest is a piece
         for f in read_json(run.path("stages", "ship.json"))["pieces"] + extra:
             shutil.copy(run.path(f), args.deliver)
-        log(f"delivered the pair pieces and manifest.json to {args.deliver}")
+        log(f"delivered {'the DFlash2 draft files' if run.arch == 'dflash2' else 'the pair pieces and manifest.json'} "
+            f"to {args.deliver}")
     if args.install:
         install(run)
     log("done")
