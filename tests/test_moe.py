@@ -27,12 +27,12 @@ from pallas_kernels.moe.tpu import group_metadata
 # ------------------------------------------------------------------------------- grouped matmul
 
 @pytest.mark.parametrize("sizes", [[3, 0, 7, 0, 10], [0, 0, 0, 0, 0], [0, 20, 0, 0, 0], [2, 2, 2, 2, 2]])
-@pytest.mark.parametrize("impl", ["xla", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu_interpret", "pallas_gpu_interpret"])
 def test_gmm_matches_reference(sizes, impl):
     """Groups of uneven size, empty groups, rows past the last group (zero), M not a tile multiple."""
     rng = np.random.RandomState(len(sizes) + sum(sizes))
     x = jnp.asarray(rng.randn(22, 32), jnp.float32)
-    w = jnp.asarray(rng.randn(5, 32, 48), jnp.float32)
+    w = jnp.asarray(rng.randn(5, 32, 64), jnp.float32)
     gs = jnp.asarray(sizes, jnp.int32)
     got = np.asarray(gmm(x, w, gs, impl))
     want = np.asarray(gmm_reference(x, w, gs))
@@ -50,6 +50,50 @@ def test_gmm_pallas_bf16_many_tiles():
     got = tpu.gmm(x, w, gs, tm=32, tn=128, interpret=True)
     want = gmm(x, w, gs, "xla")
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes", [[0, 9, 0, 0, 3, 0, 0, 20], [0, 0, 0, 0, 0, 0, 32, 0], [4] * 8])
+def test_gmm_gpu_kernel_matches_ragged_dot(sizes, dtype):
+    """The Triton kernel interpreted on CPU = XLA's ragged_dot: empty groups, all rows in one group,
+    a group over several 16-row tiles (bm), several K steps and column tiles, rows past the groups
+    (zero); and the fused gate|up + SwiGLU = ragged_dot then SwiGLU."""
+    from pallas_kernels.moe import gpu, gmm_swiglu
+    rng = np.random.RandomState(sum(sizes))
+    x = jnp.asarray(rng.randn(36, 64), dtype)
+    w = jnp.asarray(rng.randn(8, 64, 128) * 0.2, dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=3e-2, rtol=3e-2)
+    got = gpu.gmm(x, w, gs, bn=32, bk=16, interpret=True)
+    want = gmm(x, w, gs, "xla")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+    assert not np.asarray(got, np.float32)[sum(sizes):].any()
+    got = gmm_swiglu(x, w, gs, "pallas_gpu_interpret")
+    want = gmm_swiglu(x, w, gs, "xla")
+    assert got.shape == (36, 64) and got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+
+
+def test_gmm_gpu_grid_is_touched_experts_only():
+    """The slots walk only the non-empty groups: their ids, first rows and sizes, and the count
+    the kernel stops at (the grid has min(G, M) slots)."""
+    from pallas_kernels.moe.gpu import group_list
+    meta = np.asarray(group_list(jnp.asarray([0, 4, 0, 0, 2, 0, 1, 0], jnp.int32), slots=7))
+    assert meta[3, 0] == 3
+    assert meta[:3, :3].T.tolist() == [[1, 0, 4], [4, 4, 2], [6, 6, 1]]
+
+
+def test_gmm_gpu_kernel_lowers_for_cuda():
+    """Qwen3-Coder-30B-A3B decode shapes (128 experts, H 2048, I 768, bf16) through the Triton
+    lowering: the fused gate|up and the down projection."""
+    from jax import export
+    from pallas_kernels.moe import gpu
+    S = jax.ShapeDtypeStruct
+    for K, N, sw in ((2048, 1536, True), (768, 2048, False)):
+        exp = export.export(jax.jit(lambda x, w, g: gpu.gmm(x, w, g, swiglu=sw)), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            S((128, K), jnp.bfloat16), S((128, K, N), jnp.bfloat16), S((128,), jnp.int32))
+        assert "dflash_gmm_gpu" in exp.mlir_module()
 
 
 def test_group_metadata_schedules_only_non_empty_groups():
@@ -109,6 +153,10 @@ def test_logits_and_routing_match_transformers(moe_target):
         out = hf(torch.tensor(ids), output_router_logits=True)
     pos = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (2, 13))
     h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1)
+    np.testing.assert_allclose(np.asarray(target.logits(h)), out.logits.numpy(), atol=1e-4, rtol=0)
+    # the GPU grouped matmul (fused gate|up + SwiGLU, then down) in the interpreter: the same logits
+    gpu = KernelConfig(attention="xla", moe_gmm="pallas_gpu_interpret").resolve("cpu")
+    h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1, kernels=gpu)
     np.testing.assert_allclose(np.asarray(target.logits(h)), out.logits.numpy(), atol=1e-4, rtol=0)
     for logits in out.router_logits:
         used = set(torch.topk(logits, cfg.num_experts_per_tok).indices.flatten().tolist())
@@ -208,8 +256,10 @@ def test_kernel_config_moe_gmm_resolves():
     assert KernelConfig(moe_gmm="pallas_tpu").resolve("cpu").moe_gmm == "pallas_tpu"
     with pytest.raises(ValueError, match="moe_gmm='bogus'"):
         KernelConfig(moe_gmm="bogus")
-    with pytest.raises(ValueError, match="no Pallas GPU grouped matmul"):
-        KernelConfig(moe_gmm="pallas").resolve("gpu", device=None)
+    # the GPU kernel is chosen, not defaulted, until the H200 A/B shows it faster
+    assert KernelConfig().resolve("gpu", device=None).moe_gmm == "xla"
+    assert KernelConfig(moe_gmm="pallas").resolve("gpu", device=None).moe_gmm == "pallas_gpu"
+    assert KernelConfig(moe_gmm="pallas_gpu").resolve("cpu").moe_gmm == "pallas_gpu"
 
 
 @tpu_aot.requires_libtpu
