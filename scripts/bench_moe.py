@@ -111,7 +111,7 @@ class MoeBench:
     def __init__(self, args):
         import jax
         import jax.numpy as jnp
-        from dflash_jax.config import PRESETS, DraftConfig, Qwen3MoeConfig
+        from dflash_jax.config import PRESETS, DraftConfig, Qwen3MoeConfig, default_target_layer_ids
         from dflash_jax.weights import init_draft, init_target
         self.args = args
         if args.smoke:
@@ -126,7 +126,10 @@ class MoeBench:
         self.budget = Budget(args.budget_s)
         t0 = time.perf_counter()
         self.target = init_target(self.tcfg, seed=0, dtype=self.dtype)
-        self.dcfg = DraftConfig.for_target(self.tcfg, num_layers=args.draft_layers, block_size=args.block)
+        # the z-lab Coder-30B-A3B draft: 8 layers over 5 taps ([1, 12, 23, 34, 45] of 48 layers)
+        taps = default_target_layer_ids(self.tcfg.num_layers, min(args.draft_taps, self.tcfg.num_layers))
+        self.dcfg = DraftConfig.for_target(self.tcfg, num_layers=args.draft_layers, block_size=args.block,
+                                           target_layer_ids=taps)
         self.draft = init_draft(self.dcfg, seed=1, dtype=self.dtype)
         jax.block_until_ready(jax.tree.leaves(__import__("flax").nnx.state(self.target)))
         log(f"# models built in {time.perf_counter() - t0:.1f}s: target ({self.tcfg.num_layers} layers) "
@@ -150,7 +153,7 @@ class MoeBench:
         self.results = {"preset": "smoke" if args.smoke else args.preset, "layers": c.num_layers,
                         "moe_gmms": self.gmms, "expert_bytes": self.expert_bytes,
                         "dense_bytes": self.dense_bytes, "draft_bytes": self.draft_bytes,
-                        "draft_layers": args.draft_layers, "block": args.block}
+                        "draft_layers": args.draft_layers, "draft_taps": list(taps), "block": args.block}
 
     def kernels(self, gmm: str):
         from dflash_jax import KernelConfig
@@ -397,6 +400,7 @@ def main():
     ap.add_argument("--layer-tokens", default="1,16,128")
     ap.add_argument("--layer-copies", type=int, default=4, help="distinct expert layers per timed pass")
     ap.add_argument("--draft-layers", type=int, default=8, help="the z-lab Coder-30B-A3B draft has 8")
+    ap.add_argument("--draft-taps", type=int, default=5, help="target layers the draft reads (z-lab: 5)")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--n1", type=int, default=8, help="max_new_tokens of the short run")

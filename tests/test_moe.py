@@ -249,6 +249,36 @@ def test_config_reader_and_preset():
         (48, 2048, 32, 4, 128, 128, 8, 768, 1e7, 151936, True)
 
 
+# z-lab/Qwen3-Coder-30B-A3B-DFlash's config.json, reconstructed (docs/moe.md): a dense Qwen3 draft of
+# the target's width, 8 layers reading 5 target layers, block 16, Qwen3's MASK id
+CODER_DRAFT_CONFIG = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "vocab_size": 151936, "rope_theta": 10000000.0, "rms_norm_eps": 1e-06, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
+    "layer_types": ["full_attention"] * 8, "sliding_window": None, "use_sliding_window": False,
+    "max_window_layers": 48, "num_target_layers": 48, "block_size": 16,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
+}
+
+
+def test_zlab_coder_draft_config_fits_the_preset_and_builds():
+    """The Coder-30B-A3B draft's config reads, fits the qwen3-coder-30b-a3b target (48 layers, taps
+    inside them, its vocab) and builds (abstractly: 8 layers + the fc over 5 taps)."""
+    from flax import nnx
+    from dflash_jax import drafts
+    from dflash_jax.weights import init_draft
+    cfg = drafts.read_config(CODER_DRAFT_CONFIG)
+    cfg.check_fits(PRESETS["qwen3-coder-30b-a3b"])
+    assert (cfg.num_layers, cfg.block_size, cfg.target_layer_ids, cfg.mask_token_id) == \
+        (8, 16, (1, 12, 23, 34, 45), 151669)
+    draft = nnx.eval_shape(lambda: init_draft(cfg, dtype="bfloat16"))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(draft, nnx.Param)))
+    # 8 x (attention 2048 x (4096 + 2 x 512) + 4096 x 2048, MLP 3 x 2048 x 6144) + fc 5 x 2048 x 2048 + norms
+    per_layer = 2048 * (4096 + 1024) + 4096 * 2048 + 3 * 2048 * 6144
+    assert abs(n - (8 * per_layer + 5 * 2048 * 2048)) < 0.001 * n, n
+
+
 def test_kernel_config_moe_gmm_resolves():
     assert KernelConfig().resolve("cpu").moe_gmm == "xla"
     assert KernelConfig().resolve("tpu").moe_gmm == "pallas_tpu"
