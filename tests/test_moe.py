@@ -305,3 +305,32 @@ def test_gmm_kernel_compiles_for_tpu(topology, rows):
                 tpu_aot.abstract((128,), jnp.int32, dev))
         compiled = tpu_aot.compile_for_tpu(lambda x, w, g: tpu.gmm(x, w, g), *args)
         assert "dflash_gmm_tpu" in compiled.as_text() or compiled.memory_analysis() is not None
+
+
+@pytest.mark.slow
+@tpu_aot.requires_libtpu
+@pytest.mark.parametrize("chip", ["v5e-8", "v6e-4"])
+def test_coder_iteration_compiles_for_tpu_meshes_and_fits(chip):
+    """scripts/tpu_moe_aot.py reduced: Qwen3-Coder-30B-A3B at 1 and 2 layers (+ a 1-layer draft),
+    the DFlash iteration on a 1 x chips mesh (experts over 'model') through the TPU compiler. Two
+    grouped matmuls per MoE layer, each reading its chip's E / chips experts in the static grid
+    (the per-layer difference), the 48-layer extrapolation fits the chip's HBM, and with the
+    touched experts swapped in the iteration sits within 1.3x its floor."""
+    import argparse
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "tpu_moe_aot", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                                    "tpu_moe_aot.py"))
+    aot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aot)
+    tb = aot._tpu_bytes()
+    args = argparse.Namespace(preset="qwen3-coder-30b-a3b", draft_layers=1, batch=1, capacity=256)
+    a, b = (aot.compile_one(chip, "dflash", L, args, tb) for L in (1, 2))
+    tp = int(chip.split("-")[1])
+    expert = 3 * 2048 * 768 * 2
+    assert b["gmm_calls"] - a["gmm_calls"] == 2
+    assert abs((b["gmm_hbm"] - a["gmm_hbm"]) - 128 // tp * expert) < 0.05 * 128 // tp * expert
+    full = aot.extrapolate(a, b, 48)
+    f = aot.floors(chip, "dflash", args, tb, full)
+    assert f["fits"], full["memory"]
+    assert 0.9 < f["expected_x_floor"] < 1.3, f

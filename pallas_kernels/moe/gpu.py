@@ -54,13 +54,20 @@ def _pick(n: int, options) -> int | None:
     return next((b for b in options if n % b == 0), None)
 
 
+# programs that keep an H100/H200's 132 SMs streaming (two per SM)
+_FILL = 2 * 132
+
+
 def choose_tiles(M: int, K: int, N: int, bm: int | None = None, bn: int | None = None,
-                 bk: int | None = None) -> tuple[int, int, int]:
+                 bk: int | None = None, slots: int | None = None) -> tuple[int, int, int]:
     """(bm, bn, bk): 16-row tiles up to 1024 rows (decode, verify; Triton's smallest dot), 64 beyond
-    (prefill: fewer re-reads of a group's weights from L2); column tiles of 64 (decode fills the SMs
-    with touched experts x N / 64 programs); K steps of up to 256. bn and bk must divide N and K."""
+    (prefill: fewer re-reads of a group's weights from L2); column tiles of 64, or 32 when slots x
+    N / 64 programs would leave SMs idle (B = 1 decode: 8 experts x 768 / 64 = 96 programs); K
+    steps of up to 256. bn and bk must divide N and K."""
     bm = bm or (16 if M <= 1024 else 64)
-    bn = bn or _pick(N, (64, 128, 32, 16))
+    if bn is None:
+        wide = slots is None or slots * (N // 64) >= _FILL
+        bn = _pick(N, (64, 128, 32, 16) if wide else (32, 16, 64, 128))
     bk = bk or _pick(K, (256, 128, 64, 32, 16))
     return bm, bn, bk
 
@@ -128,10 +135,10 @@ def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, b
     if swiglu and N % 2:
         raise Unsupported(f"gmm: swiglu needs gate|up columns, got N={N}")
     half = N // 2 if swiglu else N
-    bm, bn, bk = choose_tiles(M, K, half, bm, bn, bk)
+    slots = max(1, min(G, M))
+    bm, bn, bk = choose_tiles(M, K, half, bm, bn, bk, slots)
     if bn is None or bk is None or half % bn or K % bk:
         raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
-    slots = max(1, min(G, M))
     meta = group_list(group_sizes, slots)
     x = jnp.pad(lhs, ((0, bm), (0, 0)))
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu)
