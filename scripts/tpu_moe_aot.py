@@ -159,7 +159,7 @@ def main():
     if set(chips) - set(CHIPS) or set(programs) - set(PROGRAMS):
         ap.error(f"--chips from {sorted(CHIPS)}, --programs from {PROGRAMS}")
     for k, v in dict(JAX_PLATFORMS="cpu", TPU_WORKER_HOSTNAMES="localhost", TPU_ACCELERATOR_TYPE=CHIPS[chips[0]][2],
-                     TPU_SKIP_MDS_QUERY="1").items():
+                     TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1").items():
         os.environ.setdefault(k, v)
     sys.path.insert(0, REPO)
     tb = _tpu_bytes()

@@ -134,6 +134,8 @@ def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, b
         raise Unsupported(f"gmm: dtype {lhs.dtype} (float32 or a 16-bit float)")
     if swiglu and N % 2:
         raise Unsupported(f"gmm: swiglu needs gate|up columns, got N={N}")
+    if G * K * N >= 2 ** 31 or (M + 16) * max(K, N) >= 2 ** 31:
+        raise Unsupported(f"gmm: rhs {rhs.shape} / lhs {lhs.shape} past int32 element offsets")
     half = N // 2 if swiglu else N
     slots = max(1, min(G, M))
     bm, bn, bk = choose_tiles(M, K, half, bm, bn, bk, slots)
