@@ -154,10 +154,10 @@ def test_logits_and_routing_match_transformers(moe_target):
     pos = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (2, 13))
     h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1)
     np.testing.assert_allclose(np.asarray(target.logits(h)), out.logits.numpy(), atol=1e-4, rtol=0)
-    # the GPU grouped matmul (fused gate|up + SwiGLU, then down) in the interpreter: the same logits
-    gpu = KernelConfig(attention="xla", moe_gmm="pallas_gpu_interpret").resolve("cpu")
-    h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1, kernels=gpu)
-    np.testing.assert_allclose(np.asarray(target.logits(h)), out.logits.numpy(), atol=1e-4, rtol=0)
+    if cfg.norm_topk_prob:     # (one variant: the interpreter is slow) the GPU grouped matmul, fused
+        gpu = KernelConfig(attention="xla", moe_gmm="pallas_gpu_interpret").resolve("cpu")   # gate|up + SwiGLU
+        h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1, kernels=gpu)
+        np.testing.assert_allclose(np.asarray(target.logits(h)), out.logits.numpy(), atol=1e-4, rtol=0)
     for logits in out.router_logits:
         used = set(torch.topk(logits, cfg.num_experts_per_tok).indices.flatten().tolist())
         assert len(used) > cfg.num_experts // 2
