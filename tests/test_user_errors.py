@@ -510,3 +510,30 @@ def test_readme_says_what_the_demo_prints_and_how_long_random_init_takes():
     assert "not an assistant" in readme and "code-like text" in readme
     i = readme.index("--random-init qwen3-0.6b --prompt-len 64")
     assert "minutes" in readme[i:i + 400] and "2-core" in readme[i:i + 400]
+
+
+def test_the_embedded_pair_runs_the_gpu_kernels_without_a_fallback(caplog):
+    """The shipped pair's heads (target and draft) make a power-of-two GQA group, so the default demo
+    runs our GPU attention kernel (interpret mode here) and never says "cannot take" (issue 33: the
+    old pair's group of 3 fell back to XLA on every GPU call)."""
+    import jax
+    import jax.numpy as jnp
+    import pallas_kernels
+    from pallas_kernels import _common
+    from dflash_jax.assets import default_pair
+    pair = default_pair()
+    if pair is None:
+        pytest.skip("this checkout carries no embedded pair")
+    caplog.set_level("WARNING", logger="pallas_kernels.attention")
+    _common._WARNED.clear()
+    for path in pair:
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        group = hq // hkv
+        assert hq % hkv == 0 and group & (group - 1) == 0, (path, hq, hkv)
+        q = jnp.ones((1, 2, hq, d), jnp.float32)
+        kv = jnp.ones((1, hkv, 128, d), jnp.float32)
+        out = jax.jit(lambda q, k, e: pallas_kernels.block_attention(q, k, k, e, impl="gpu", interpret=True))(
+            q, kv, jnp.full((1, 2), 5, jnp.int32))
+        assert out.shape == q.shape
+    assert not [r.getMessage() for r in caplog.records if "cannot take" in r.getMessage()]
