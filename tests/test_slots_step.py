@@ -31,7 +31,7 @@ def iterations_run(eng: Slots) -> int:
     return int(np.asarray(eng.state.loop.step))        # the loop state's counter of iterations run
 
 
-@pytest.mark.parametrize("draft", ["dflash", "plain"])
+@pytest.mark.parametrize("draft", ["dflash", pytest.param("plain", marks=pytest.mark.slow)])
 def test_a_step_of_done_rows_runs_no_iteration_and_tokens_equal_one_shot(pair, draft):
     target, d = pair[0], (pair[1] if draft == "dflash" else None)
     prompt, n = [5, 17, 3, 99, 42], 11
@@ -58,6 +58,7 @@ def test_a_step_of_done_rows_runs_no_iteration_and_tokens_equal_one_shot(pair, d
     assert iterations_run(eng) == K * live_steps
 
 
+@pytest.mark.slow
 def test_served_request_runs_no_step_past_its_end_and_equals_one_shot(pair):
     """Through SlotEngine (one step dispatched ahead of each read): the request's tokens equal
     one-shot generate's, and the device ran only the steps in which its row was live (the step
