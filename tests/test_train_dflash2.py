@@ -181,6 +181,7 @@ def test_cli_refuses_bad_dflash2_settings_in_one_line(tmp_path, capsys):
     from dflash_jax.train.__main__ import main
     from tests import checkpoints as ck
     tp = ck.write_target(str(tmp_path / "target"), vocab_size=64, num_layers=2, seed=0)
+    capsys.readouterr()   # the checkpoint writer's progress bar
     common = ["train", "--model", tp, "--dtype", "float32", "--data", str(tmp_path / "none"), "--out",
               str(tmp_path / "run"), "--arch", "dflash2", "--draft-layers", "1"]
     for flags, word in ((["--selector-top-k", "65"], "--selector-top-k 65 is above the target's vocabulary"),
