@@ -1334,7 +1334,6 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown stage(s) {bad}; known: {', '.join(STAGES)}")
     force = set(STAGES) if args.force == "all" else {x for x in args.force.split(",") if x}
-    run = Run(args.out, args.size, args.seed, force)
     if args.arch == "dflash2" or args.target_from:
         if args.arch != "dflash2" or not args.target_from:
             p.error("--arch dflash2 and --target-from go together (a DFlash2 draft for an existing target)")
@@ -1342,6 +1341,8 @@ def main(argv=None) -> int:
             p.error(f"--target-from {args.target_from}: no config.json there")
         if args.install:
             p.error("--install installs a whole pair; --arch dflash2 ships a draft only")
+    run = Run(args.out, args.size, args.seed, force)
+    if args.arch == "dflash2":
         v1 = args.v1_draft or os.path.join(os.path.dirname(os.path.abspath(args.target_from)), "draft")
         run.use_dflash2(args.target_from, v1 if os.path.isfile(os.path.join(v1, "config.json")) else None,
                         args.init_draft, args.block_size)

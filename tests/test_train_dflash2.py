@@ -181,6 +181,7 @@ def test_cli_refuses_bad_dflash2_settings_in_one_line(tmp_path, capsys):
     from dflash_jax.train.__main__ import main
     from tests import checkpoints as ck
     tp = ck.write_target(str(tmp_path / "target"), vocab_size=64, num_layers=2, seed=0)
+    capsys.readouterr()   # the checkpoint writer's progress bar
     common = ["train", "--model", tp, "--dtype", "float32", "--data", str(tmp_path / "none"), "--out",
               str(tmp_path / "run"), "--arch", "dflash2", "--draft-layers", "1"]
     for flags, word in ((["--selector-top-k", "65"], "--selector-top-k 65 is above the target's vocabulary"),
@@ -231,3 +232,17 @@ def test_cli_trains_exports_and_the_reference_loads_it(tmp_path):
         r = ck.reference_generate(ref, hf, p, 16)
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
         assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_slot_engine_runs_a_dflash2_draft_as_generate(target, temperature):
+    """Continuous batching (2 slots, 3 requests) gives one generate's tokens and acceptance lengths
+    for a DFlash2 draft with a non-trivial conv, selector and window, greedy and sampled."""
+    from dflash_jax import generate
+    draft = _randomised(DFlash2Draft(_v2_config(3, False), jnp.float32, rngs=nnx.Rngs(0)), seed=4)
+    prompts = [[5, 17, 3, 40, 2, 8], [9, 1, 33, 4, 4, 12, 60], [7, 7, 21]]
+    kw = dict(max_new_tokens=14, temperature=temperature, seed=3, attention_impl="xla")
+    one = generate(target, draft, prompts, **kw)
+    eng = generate(target, draft, prompts, slots=2, **kw)
+    assert eng.tokens == one.tokens and eng.acceptance_lengths == one.acceptance_lengths
