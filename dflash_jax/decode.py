@@ -23,9 +23,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import sampling, sharding, validation
 from dflash_jax.kernel_config import KernelConfig, kernels_from
+from dflash_jax import width
 from dflash_jax.loop import (MAX_STOP_IDS, Params, buckets, clear_compiled, compile_count, compiled, iteration,
                              loop_specs, make_static, merge_models, param_specs, params_on_mesh, pow2, prefill,
-                             resolve_mesh, round_up, row_settings, run, stream_sink, to_host)
+                             resolve_mesh, round_up, row_settings, run, stream_sink, to_host, width_costs,
+                             width_params)
 from dflash_jax import drafts, models
 from dflash_jax.models.stack import CausalLM
 from dflash_jax.slots import RowRequest, Slots, offline_defaults, platform_of
@@ -84,6 +86,7 @@ class GenerateOptions:
     mesh: Any = None
     slots: int | None = None
     step_buckets: Any = "auto"
+    verify_width: Any = "auto"
 
     def program(self) -> dict:
         """The keywords that decide the one-shot program and its inputs (every field but the
@@ -124,6 +127,11 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
         S = 1
     if S == 1:
         draft = None
+    if draft is None and o.verify_width not in ("auto", 0):
+        raise ValueError(f"verify_width={o.verify_width!r} needs a draft and a block size above 1 "
+                         f"(plain decoding verifies no drafts: 'auto' or 0)")
+    if draft is not None:
+        width.width_index(width.widths_for(S), o.verify_width)       # a one-line error for a bad width
     stop = validation.check_stop_ids(o.stop_token_ids, cfg.vocab_size)
     longest = max(len(r) for r in rows)
     Tb, C = buckets(longest, max_new_tokens, S, capacity)
@@ -147,13 +155,48 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = make_static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
-                     prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh)
+                     prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh,
+                     adaptive=True)
     p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                **row_settings([dict(max_new=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      stop_ids=stop, seed=seed, rng_row=i) for i in range(B)]),
-               stream_id=jnp.asarray(0, jnp.int32) if stream else None)
+               stream_id=jnp.asarray(0, jnp.int32) if stream else None,
+               **width_params(st, o.verify_width if draft is not None else "auto"))
     p = params_on_mesh(p, mesh)
     return st, tstate, dstate, p, len(rows), lens
+
+
+def _profile_widths(st, fn, tstate, dstate, p: Params):
+    """Params p with width_cost measured for the program fn (cached per Static, loop.width_costs):
+    each width's iterations timed on p's own prompts with acceptance forced to 0 (one token per
+    iteration, so every width runs the same number of them), less a prefill-only run."""
+    B = p.prompt.shape[0]
+
+    def timed(q) -> tuple[float, int]:
+        best = None
+        for _ in range(2):
+            t0 = time.perf_counter()
+            step = int(to_host(fn(tstate, dstate, q).step))
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        return best, step
+
+    def forced(i, max_new):
+        arr = np.asarray if st.mesh is not None else jnp.asarray
+        return params_on_mesh(p.replace(verify_width=arr(np.int32(i)), width_profile=arr(np.bool_(True)),
+                                        max_new=arr(np.full((B,), max_new, np.int32)),
+                                        stop_ids=arr(np.full(p.stop_ids.shape, -1, np.int32))), st.mesh)
+
+    base = {}
+
+    def time_width(i):
+        if "t" not in base:
+            base["t"] = timed(forced(i, 1))[0]
+        t, iters = timed(forced(i, 17))
+        return max(t - base["t"], 0.0) / max(iters, 1)
+    costs = width_costs(st, time_width, len(st.widths))
+    return p.replace(width_cost=params_on_mesh(p.replace(width_cost=costs), st.mesh).width_cost
+                     if st.mesh is not None else jnp.asarray(costs))
 
 
 def compiled_program(target: CausalLM, draft, prompts, **kwargs):
@@ -253,6 +296,8 @@ def _generate(target, draft, prompts, *, on_commit=None, **options):
                                                              **options)
     max_new_tokens = GenerateOptions(**options).max_new_tokens
     fn, compile_time = compiled(st, tstate, dstate, p)
+    if st.widths is not None and GenerateOptions(**options).verify_width == "auto":
+        p = _profile_widths(st, fn, tstate, dstate, p)
 
     def run_once():
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ from flax import nnx, struct
 from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import sampling, sharding, validation
+from dflash_jax import sampling, sharding, validation, width
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.cache import KVCache
 from dflash_jax.models.stack import CausalLM
@@ -47,7 +47,8 @@ from dflash_jax.models.stack import CausalLM
 __all__ = ["Static", "Params", "LoopState", "prefill", "iterate", "iteration", "run", "compiled", "cached_program",
            "compile_count", "clear_compiled", "stream_sink", "make_static", "buckets", "row_settings", "idle_params",
            "params_on_mesh", "param_specs", "loop_specs", "resolve_mesh", "merge_models", "to_host", "row_keys",
-           "pow2", "round_up", "MAX_STOP_IDS"]
+           "pow2", "round_up", "MAX_STOP_IDS", "GLOBAL_FIELDS", "rows_only", "with_globals", "width_costs",
+           "width_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,11 @@ class Static:
     kernels: KernelConfig     # resolved
     stream: bool
     mesh: Any = None          # jax.sharding.Mesh ('data', 'model') the program runs on; None: one device
+    # the verify widths (drafts verified) one iteration may pick from (width.widths_for); None: the
+    # whole block every iteration, no width choice in the program
+    widths: Any = None
+    # benchmark only (_simulated_acceptance): each row's acceptance drawn from this survival profile
+    simulate: Any = None
 
 
 @struct.dataclass
@@ -83,6 +89,10 @@ class Params:
     # call (not its batch slot), so a request's samples do not depend on where it runs.
     rng_row: jax.Array
     stream_id: Any = None      # [] int32: the call's on_commit in _STREAMS (streaming programs only)
+    # Verify width (programs with Static.widths only; replicated, so every replica decides alike):
+    verify_width: Any = None   # [] int32: index into Static.widths, or -1: chosen per iteration (width.choose)
+    width_cost: Any = None     # [n_widths] float32: measured cost of an iteration at each width
+    width_profile: Any = None  # [] bool: accept nothing (host profiling of width_cost: one token per iteration)
 
 
 @struct.dataclass
@@ -98,6 +108,22 @@ class LoopState:
     accept_log: jax.Array      # [B, C] tokens produced per iteration
     iters: jax.Array           # [B] iterations per row
     step: jax.Array            # [] loop iterations
+    width_stats: Any = None    # [2, S-1] float32 acceptance statistics (width.update), or None
+    width: Any = None          # [] int32 the last iteration's width index, or None
+
+
+# LoopState fields that are not per row (slot programs keep them out of row gathers and scatters)
+GLOBAL_FIELDS = ("step", "width_stats", "width")
+
+
+def rows_only(s: LoopState) -> LoopState:
+    """s without its global fields (GLOBAL_FIELDS set to None), for per-row tree maps."""
+    return s.replace(**{k: None for k in GLOBAL_FIELDS})
+
+
+def with_globals(s: LoopState, src: LoopState) -> LoopState:
+    """s with src's global fields."""
+    return s.replace(**{k: getattr(src, k) for k in GLOBAL_FIELDS})
 
 
 # Streaming: the compiled program calls this one host function with the call's id (a traced value,
@@ -179,6 +205,10 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     stop = jnp.any(first[:, None] == p.stop_ids, axis=1)
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
+    wstats = wsel = None
+    if st.widths is not None and draft is not None:
+        wstats = jnp.zeros((2, S - 1), jnp.float32)
+        wsel = jnp.asarray(len(st.widths) - 1, jnp.int32)
     stopped = None
     if st.stream:  # the prefill token is the first committed token
         halt = _stream(p, first[:, None], p.active.astype(jnp.int32))
@@ -186,25 +216,27 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     return _placed(st, LoopState(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
                                  pending_count=jnp.zeros((B,), jnp.int32), done=done, stopped=stopped,
                                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
-                                 step=jnp.zeros((), jnp.int32)))
+                                 step=jnp.zeros((), jnp.int32), width_stats=wstats, width=wsel))
 
 
 def iteration(st: Static, target: CausalLM, draft, p: Params, s: LoopState) -> LoopState:
     return iterate(st, target, draft, p, s)[0]
 
 
-def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
-    """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
-    row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it."""
-    B, S, C = st.batch, st.block_size, st.capacity
+def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int):
+    """Draft (W > 0), verify the last token + the first W drafts, accept. Returns (block [B, S]
+    zero-padded past W + 1, a [B] drafts accepted (<= W), next [B] the bonus / correction, feats
+    [B, S, n_taps·H] zero-padded (None without a draft), target cache, draft cache). W = 0 with a
+    draft is a plain step that still writes last iteration's context into the draft cache, so the
+    draft's context stays complete for the next block."""
+    B, S = st.batch, st.block_size
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
     limit = p.prompt_lens + p.max_new
-    remaining = limit - lens                                                    # >= 2 on active rows
-    positions = lens[:, None] + j                                               # [B, S]
+    positions = lens[:, None] + j[:W + 1]                                       # [B, W+1]
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
-    dcache, taps, proposal = s.draft_cache, (), None
-    if draft is not None:   # the proposer: DFlashDraft.propose, or anything with its signature
+    dcache, taps, proposal, block = s.draft_cache, (), None, current
+    if draft is not None and W > 0:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
         args = (target, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
         if st.mode != "greedy" and getattr(draft, "samples_drafts", False):
@@ -212,19 +244,64 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
             draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0xD2AF7))(row_keys(p, lens))
             drafts, dcache, proposal = draft.propose(*args, block_size=S, kernels=st.kernels,
                                                      temperature=p.temperature, keys=draft_keys)
+            proposal = tuple(x[:, :W] for x in proposal)       # the unverified tail leaves acceptance
         else:
             drafts, dcache = draft.propose(*args, block_size=S, kernels=st.kernels)  # [B, S-1]
-        block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
-    else:
-        block = current
+        block = jnp.concatenate([current, drafts[:, :W]], axis=1)                  # [B, W+1]
+    elif draft is not None:
+        taps = st.taps
+        with jax.named_scope("draft_context"):
+            pend_pos = (lens - s.pending_count)[:, None] + j
+            dcache = dataclasses.replace(draft.write_context(s.pending, pend_pos, s.draft_cache), lens=lens)
     with jax.named_scope("verify"):
         h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
                                   kernels=st.kernels)
-        logits = target.logits(h)                                                   # [B, S, V]
+        logits = target.logits(h)                                                   # [B, W+1, V]
     with jax.named_scope("accept"):
         keys = row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
                                  st.kernels, proposal=proposal)
+        forced = None
+        if st.simulate is not None:   # benchmark only: real costs at a drawn acceptance
+            sim_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0x51A))(keys)
+            forced = jnp.minimum(width.simulate(st.simulate, sim_keys), W)
+        if p.width_profile is not None:
+            forced = jnp.where(p.width_profile, 0, a if forced is None else forced)
+        if forced is not None:
+            nxt = sharding.argmax(jnp.take_along_axis(logits, forced[:, None, None], axis=1))[:, 0]
+            a = forced
+    pad = S - (W + 1)
+    block = jnp.pad(block, ((0, 0), (0, pad)))
+    if draft is not None:
+        feats = jnp.pad(feats, ((0, 0), (0, pad), (0, 0)))
+    else:
+        feats = None
+    return block, a.astype(jnp.int32), nxt.astype(jnp.int32), feats, tcache, dcache
+
+
+def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
+    """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
+    row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it.
+    With Static.widths the verify width is chosen first (width.choose) and the iteration runs that
+    width's branch of a lax.switch: one program holds every width."""
+    B, S, C = st.batch, st.block_size, st.capacity
+    j = jnp.arange(S, dtype=jnp.int32)
+    lens = s.lens
+    limit = p.prompt_lens + p.max_new
+    remaining = limit - lens                                                    # >= 2 on active rows
+    wstats, wsel = s.width_stats, s.width
+    if st.widths is None or draft is None:
+        block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, S - 1 if draft is not None else 0)
+    else:
+        force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
+        cost = p.width_cost if p.width_cost is not None else jnp.ones((len(st.widths),), jnp.float32)
+        with jax.named_scope("choose_width"):
+            wsel = width.choose(s.width_stats, cost, s.width, s.step, force, st.widths)
+        block, a, nxt, feats, tcache, dcache = jax.lax.switch(
+            wsel, [functools.partial(_verify, st, target, draft, p, s, W) for W in st.widths])
+        ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
+        wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
+    with jax.named_scope("accept"):
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)
@@ -247,8 +324,9 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
             halt = _stream(p, commit, produced)
             stopped, done = s.stopped | (halt & ~done), done | halt
     return _placed(st, LoopState(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
-                                 draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
-                                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)), commit, produced
+                                 draft_cache=dcache, pending=feats, pending_count=produced,
+                                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32),
+                                 step=s.step + 1, width_stats=wstats, width=wsel)), commit, produced
 
 
 def loop_specs(st: Static, s: LoopState) -> LoopState:
@@ -263,7 +341,8 @@ def loop_specs(st: Static, s: LoopState) -> LoopState:
     return LoopState(tokens=mat, lens=row, target_cache=cache(s.target_cache),
                      draft_cache=None if s.draft_cache is None else cache(s.draft_cache),
                      pending=None if s.pending is None else P("data", None, None), pending_count=row, done=row,
-                     stopped=None if s.stopped is None else row, accept_log=mat, iters=row, step=P())
+                     stopped=None if s.stopped is None else row, accept_log=mat, iters=row, step=P(),
+                     width_stats=None if s.width_stats is None else P(), width=None if s.width is None else P())
 
 
 def _on_mesh(st: Static, cache):
@@ -299,8 +378,27 @@ _COMPILES = [0]
 
 
 def clear_compiled() -> None:
-    """Drop every cached generation program (they are kept per static key for the process's life)."""
+    """Drop every cached generation program (they are kept per static key for the process's life)
+    and the verify-width costs measured on them."""
     _COMPILED.clear()
+    _WIDTH_COSTS.clear()
+
+
+# Measured cost of an iteration at each verify width, per program (key: its cache key), seconds
+_WIDTH_COSTS: dict = {}
+
+
+def width_costs(key, time_width, n: int) -> np.ndarray:
+    """[n] float32 seconds per iteration at each width index of the program `key`, measured once by
+    time_width(index) -> seconds (the caller runs its program forced to that width) and cached. The
+    first call of time_width is run twice and the first result dropped (warm caches, allocations)."""
+    costs = _WIDTH_COSTS.get(key)
+    if costs is None:
+        time_width(n - 1)
+        costs = np.array([time_width(i) for i in range(n)], np.float64)
+        costs = np.maximum(costs, 1e-3 * max(float(costs.max()), 1e-9)).astype(np.float32)
+        _WIDTH_COSTS[key] = costs
+    return costs
 
 
 def compile_count() -> int:
@@ -328,13 +426,38 @@ def buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity:
 
 
 def make_static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            kernels, stream=False, mesh=None) -> Static:
+            kernels, stream=False, mesh=None, adaptive=False) -> Static:
+    """The compile key. adaptive: the program picks its verify width per iteration (Static.widths;
+    only with a draft and a block of more than one token)."""
     has_draft = draft_def is not None
+    widths = width.widths_for(block_size) if adaptive and has_draft and block_size > 1 else None
     return Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
-                   stream=stream, mesh=mesh)
+                   stream=stream, mesh=mesh, widths=widths,
+                   simulate=_SIMULATE[0] if has_draft and block_size > 1 else None)
+
+
+# Benchmark only: a survival profile every program built meanwhile draws its acceptance from
+# (Static.simulate, so such programs never share a cache entry with real ones). Reached only through
+# _simulated_acceptance, which no CLI flag, generate() keyword or server path sets.
+_SIMULATE: list = [None]
+
+
+@contextlib.contextmanager
+def _simulated_acceptance(survival):
+    """Within the block, programs built (make_static) replace each row's accepted drafts by a draw
+    from `survival` (P(a > p) = survival[p], clipped to the width verified): real weights' costs at a
+    chosen acceptance, for scripts/bench_adaptive.py. Not thread-safe; benchmarks only."""
+    s = tuple(float(x) for x in survival)
+    if any(not 0.0 <= x <= 1.0 for x in s) or any(b > a for a, b in zip(s, s[1:])):
+        raise ValueError("a survival profile is non-increasing values in [0, 1]")
+    prev, _SIMULATE[0] = _SIMULATE[0], s
+    try:
+        yield s
+    finally:
+        _SIMULATE[0] = prev
 
 
 def resolve_mesh(mesh, target, draft):
@@ -420,6 +543,17 @@ def compiled(st: Static, tstate, dstate, p) -> tuple[Any, float]:
 def merge_models(st: Static, tstate, dstate):
     """The target and the draft (None for plain decoding) of st, merged from their states."""
     return nnx.merge(st.target_def, tstate), (None if st.draft_def is None else nnx.merge(st.draft_def, dstate))
+
+
+def width_params(st: Static, verify_width="auto", costs=None) -> dict:
+    """Params' verify-width fields of a program (empty without Static.widths): the forced index (-1:
+    auto), the costs (ones until measured: full width wins) and the profiling flag off; replicated."""
+    if st.widths is None:
+        return {}
+    put = (lambda x: x) if st.mesh is None else (lambda x: jax.device_put(x, NamedSharding(st.mesh, P())))
+    costs = np.ones((len(st.widths),), np.float32) if costs is None else np.asarray(costs, np.float32)
+    return dict(verify_width=put(jnp.asarray(width.width_index(st.widths, verify_width), jnp.int32)),
+                width_cost=put(jnp.asarray(costs)), width_profile=put(jnp.asarray(False)))
 
 
 def idle_params(batch: int, prompt_bucket: int) -> Params:
