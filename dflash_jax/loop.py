@@ -67,8 +67,8 @@ class Static:
     # the verify widths (drafts verified) one iteration may pick from (width.widths_for); None: the
     # whole block every iteration, no width choice in the program
     widths: Any = None
-    # benchmark only (_simulated_acceptance): each row's acceptance drawn from this survival profile
-    simulate: Any = None
+    # benchmark only (_simulated_acceptance): each row's acceptance drawn from Params.sim_survival
+    simulate: bool = False
 
 
 @struct.dataclass
@@ -93,6 +93,7 @@ class Params:
     verify_width: Any = None   # [] int32: index into Static.widths, or -1: chosen per iteration (width.choose)
     width_cost: Any = None     # [n_widths] float32: measured cost of an iteration at each width
     width_profile: Any = None  # [] bool: accept nothing (host profiling of width_cost: one token per iteration)
+    sim_survival: Any = None   # [S-1] float32: benchmark only (Static.simulate), the drawn acceptance's survival
 
 
 @struct.dataclass
@@ -262,9 +263,9 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
                                  st.kernels, proposal=proposal)
         forced = None
-        if st.simulate is not None:   # benchmark only: real costs at a drawn acceptance
+        if st.simulate:   # benchmark only: real costs at a drawn acceptance
             sim_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0x51A))(keys)
-            forced = jnp.minimum(width.simulate(st.simulate, sim_keys), W)
+            forced = jnp.minimum(width.simulate(p.sim_survival, sim_keys), W)
         if p.width_profile is not None:
             forced = jnp.where(p.width_profile, 0, a if forced is None else forced)
         if forced is not None:
@@ -435,13 +436,13 @@ def make_static(target_def, draft_def, draft_config, *, block_size, batch, promp
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
-                   stream=stream, mesh=mesh, widths=widths,
-                   simulate=_SIMULATE[0] if has_draft and block_size > 1 else None)
+                   stream=stream, mesh=mesh, widths=widths, simulate=widths is not None and _SIMULATE[0] is not None)
 
 
-# Benchmark only: a survival profile every program built meanwhile draws its acceptance from
-# (Static.simulate, so such programs never share a cache entry with real ones). Reached only through
-# _simulated_acceptance, which no CLI flag, generate() keyword or server path sets.
+# Benchmark only: a survival profile that adaptive programs built meanwhile draw their acceptance
+# from (Static.simulate marks them, so they never share a cache entry with real ones; the profile
+# itself is a traced value, width_params). Reached only through _simulated_acceptance, which no CLI
+# flag, generate() keyword or server path sets.
 _SIMULATE: list = [None]
 
 
@@ -552,8 +553,16 @@ def width_params(st: Static, verify_width="auto", costs=None) -> dict:
         return {}
     put = (lambda x: x) if st.mesh is None else (lambda x: jax.device_put(x, NamedSharding(st.mesh, P())))
     costs = np.ones((len(st.widths),), np.float32) if costs is None else np.asarray(costs, np.float32)
-    return dict(verify_width=put(jnp.asarray(width.width_index(st.widths, verify_width), jnp.int32)),
-                width_cost=put(jnp.asarray(costs)), width_profile=put(jnp.asarray(False)))
+    out = dict(verify_width=put(jnp.asarray(width.width_index(st.widths, verify_width), jnp.int32)),
+               width_cost=put(jnp.asarray(costs)), width_profile=put(jnp.asarray(False)))
+    if st.simulate:
+        if _SIMULATE[0] is None:
+            raise RuntimeError("a simulated-acceptance program needs loop._simulated_acceptance active")
+        sim = np.zeros((st.block_size - 1,), np.float32)
+        prof = np.asarray(_SIMULATE[0], np.float32)[:st.block_size - 1]
+        sim[:len(prof)] = prof
+        out["sim_survival"] = put(jnp.asarray(sim))
+    return out
 
 
 def idle_params(batch: int, prompt_bucket: int) -> Params:
