@@ -262,15 +262,13 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
         keys = row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
                                  st.kernels, proposal=proposal)
-        forced = None
-        if st.simulate:   # benchmark only: real costs at a drawn acceptance
+        if st.simulate:   # benchmark only: real costs at a drawn acceptance (its bonus: the argmax there)
             sim_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0x51A))(keys)
-            forced = jnp.minimum(width.simulate(p.sim_survival, sim_keys), W)
-        if p.width_profile is not None:
-            forced = jnp.where(p.width_profile, 0, a if forced is None else forced)
-        if forced is not None:
-            nxt = sharding.argmax(jnp.take_along_axis(logits, forced[:, None, None], axis=1))[:, 0]
-            a = forced
+            a = jnp.minimum(width.simulate(p.sim_survival, sim_keys), W)
+            nxt = sharding.argmax(jnp.take_along_axis(logits, a[:, None, None], axis=1))[:, 0]
+        if p.width_profile is not None:   # profiling a width's cost: nothing accepted
+            a = jnp.where(p.width_profile, 0, a)
+            nxt = jnp.where(p.width_profile, sharding.argmax(logits[:, :1])[:, 0], nxt)
     pad = S - (W + 1)
     block = jnp.pad(block, ((0, 0), (0, pad)))
     if draft is not None:
