@@ -169,17 +169,13 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
 def _profile_widths(st, fn, tstate, dstate, p: Params):
     """Params p with width_cost measured for the program fn (cached per Static, loop.width_costs):
     each width's iterations timed on p's own prompts with acceptance forced to 0 (one token per
-    iteration, so every width runs the same number of them), less a prefill-only run."""
+    iteration, so every width runs the same number of them), less a prefill-only run beside it."""
     B = p.prompt.shape[0]
 
     def timed(q) -> tuple[float, int]:
-        best = None
-        for _ in range(2):
-            t0 = time.perf_counter()
-            step = int(to_host(fn(tstate, dstate, q).step))
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
-        return best, step
+        t0 = time.perf_counter()
+        step = int(to_host(fn(tstate, dstate, q).step))
+        return time.perf_counter() - t0, step
 
     def forced(i, max_new):
         arr = np.asarray if st.mesh is not None else jnp.asarray
@@ -187,13 +183,10 @@ def _profile_widths(st, fn, tstate, dstate, p: Params):
                                         max_new=arr(np.full((B,), max_new, np.int32)),
                                         stop_ids=arr(np.full(p.stop_ids.shape, -1, np.int32))), st.mesh)
 
-    base = {}
-
     def time_width(i):
-        if "t" not in base:
-            base["t"] = timed(forced(i, 1))[0]
+        base = timed(forced(i, 1))[0]            # the prefill alone, next to each timed run
         t, iters = timed(forced(i, 17))
-        return max(t - base["t"], 0.0) / max(iters, 1)
+        return max(t - base, 0.0) / max(iters, 1)
     costs = width_costs(st, time_width, len(st.widths))
     return p.replace(width_cost=params_on_mesh(p.replace(width_cost=costs), st.mesh).width_cost
                      if st.mesh is not None else jnp.asarray(costs))

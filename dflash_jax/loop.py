@@ -48,7 +48,7 @@ __all__ = ["Static", "Params", "LoopState", "prefill", "iterate", "iteration", "
            "compile_count", "clear_compiled", "stream_sink", "make_static", "buckets", "row_settings", "idle_params",
            "params_on_mesh", "param_specs", "loop_specs", "resolve_mesh", "merge_models", "to_host", "row_keys",
            "pow2", "round_up", "MAX_STOP_IDS", "GLOBAL_FIELDS", "rows_only", "with_globals", "width_costs",
-           "width_params"]
+           "width_params", "pick_width"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,11 +278,19 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
     return block, a.astype(jnp.int32), nxt.astype(jnp.int32), feats, tcache, dcache
 
 
-def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
+def pick_width(st: Static, p: Params, s: LoopState):
+    """The width index of the next iteration (width.choose over replicated values)."""
+    force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
+    cost = p.width_cost if p.width_cost is not None else jnp.ones((len(st.widths),), jnp.float32)
+    return width.choose(s.width_stats, cost, s.width, s.step, force, st.widths)
+
+
+def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int | None = None):
     """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
     row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it.
-    With Static.widths the verify width is chosen first (width.choose) and the iteration runs that
-    width's branch of a lax.switch: one program holds every width."""
+    With Static.widths: k (a Python int) runs width index k; None chooses it first (width.choose)
+    and runs that width's branch of a lax.switch (the slot engine's step; the one-shot loop runs
+    one while loop per width instead, see run)."""
     B, S, C = st.batch, st.block_size, st.capacity
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
@@ -291,11 +299,12 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
     wstats, wsel = s.width_stats, s.width
     if st.widths is None or draft is None:
         block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, S - 1 if draft is not None else 0)
+    elif k is not None:
+        wsel = jnp.asarray(k, jnp.int32)
+        block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, st.widths[k])
     else:
-        force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
-        cost = p.width_cost if p.width_cost is not None else jnp.ones((len(st.widths),), jnp.float32)
         with jax.named_scope("choose_width"):
-            wsel = width.choose(s.width_stats, cost, s.width, s.step, force, st.widths)
+            wsel = pick_width(st, p, s)
         block, a, nxt, feats, tcache, dcache = jax.lax.switch(
             wsel, [functools.partial(_verify, st, target, draft, p, s, W) for W in st.widths])
         ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
@@ -364,8 +373,21 @@ def run(st: Static, target_state, draft_state, p: Params):
         target = nnx.merge(st.target_def, target_state)
         draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
         s = prefill(st, target, draft, p)
-        s = jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.step < st.capacity),
-                               lambda s: iteration(st, target, draft, p, s), s)
+        running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)                  # noqa: E731
+        if st.widths is None or draft is None:
+            return jax.lax.while_loop(running, lambda s: iteration(st, target, draft, p, s), s)
+
+        # One while loop per width, each running while the choice stays on its width, inside an
+        # outer loop that visits them in turn (each visit runs >= 1 iteration: the width chosen is
+        # one of them). A lax.switch over the widths would do the same with one loop, but XLA then
+        # copies every KV-cache buffer into each branch per iteration (in-place updates inside
+        # conditional branches); a while loop carries them in place (docs/adaptive-width.md).
+        def visit(s):
+            for k in range(len(st.widths)):
+                s = jax.lax.while_loop(lambda s, k=k: running(s) & (pick_width(st, p, s) == k),
+                                       lambda s, k=k: iterate(st, target, draft, p, s, k)[0], s)
+            return s
+        s = jax.lax.while_loop(running, visit, s)
     return s
 
 
@@ -387,15 +409,20 @@ def clear_compiled() -> None:
 _WIDTH_COSTS: dict = {}
 
 
-def width_costs(key, time_width, n: int) -> np.ndarray:
+def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
     """[n] float32 seconds per iteration at each width index of the program `key`, measured once by
-    time_width(index) -> seconds (the caller runs its program forced to that width) and cached. The
-    first call of time_width is run twice and the first result dropped (warm caches, allocations)."""
+    time_width(index) -> seconds (the caller runs its program forced to that width) and cached:
+    `rounds` interleaved rounds over the widths after one warm-up call, the fastest of each kept
+    (robust to a busy host), then made non-decreasing in the width (more verified rows never cost
+    less; the measured order can only be noise)."""
     costs = _WIDTH_COSTS.get(key)
     if costs is None:
         time_width(n - 1)
-        costs = np.array([time_width(i) for i in range(n)], np.float64)
-        costs = np.maximum(costs, 1e-3 * max(float(costs.max()), 1e-9)).astype(np.float32)
+        costs = np.full((n,), np.inf)
+        for _ in range(rounds):
+            costs = np.minimum(costs, [time_width(i) for i in range(n)])
+        costs = np.maximum.accumulate(np.maximum(costs, 1e-3 * max(float(costs.max()), 1e-9)))
+        costs = costs.astype(np.float32)
         _WIDTH_COSTS[key] = costs
     return costs
 

@@ -34,7 +34,7 @@ from dflash_jax.kernel_config import kernels_from
 from dflash_jax import width
 from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
                              merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings,
-                             rows_only, width_costs, width_params, with_globals)
+                             pick_width, rows_only, width_costs, width_params, with_globals)
 
 __all__ = ["Slots", "Pipeline", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
@@ -112,11 +112,34 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
     loop = slots.loop.replace(done=slots.loop.done | release)
     params = slots.params.replace(**wp)
 
-    def body(s, _):
-        s, commit, n = iterate(st, target, draft, params, s)
-        return s, (commit, n)
+    if st.widths is None or draft is None:
+        def body(s, _):
+            s, commit, n = iterate(st, target, draft, params, s)
+            return s, (commit, n)
 
-    loop, (commits, produced) = jax.lax.scan(body, loop, None, length=n_iters)   # [n, B, S], [n, B]
+        loop, (commits, produced) = jax.lax.scan(body, loop, None, length=n_iters)   # [n, B, S], [n, B]
+        return slots.replace(loop=loop), commits, produced, loop.done
+    # Adaptive widths: one while loop per width, as loop.run (a lax.switch per iteration would copy
+    # every cache buffer into its branch). The trip count is still n_iters, but XLA:GPU no longer
+    # knows it (docs/adaptive-width.md: the host-wait cost of session 22 applies again).
+    B, S = st.batch, st.block_size
+    start = loop.step
+    out = (loop, jnp.zeros((n_iters, B, S), jnp.int32), jnp.zeros((n_iters, B), jnp.int32))
+    left = lambda c: c[0].step < start + n_iters                                         # noqa: E731
+
+    def one(k):
+        def body(c):
+            s, commits, produced = c
+            i = s.step - start
+            s, commit, n = iterate(st, target, draft, params, s, k)
+            return s, commits.at[i].set(commit), produced.at[i].set(n)
+        return body
+
+    def visit(c):
+        for k in range(len(st.widths)):
+            c = jax.lax.while_loop(lambda c, k=k: left(c) & (pick_width(st, params, c[0]) == k), one(k), c)
+        return c
+    loop, commits, produced = jax.lax.while_loop(left, visit, out)
     return slots.replace(loop=loop), commits, produced, loop.done
 
 
@@ -374,14 +397,11 @@ class Slots:
         idx = () if n == self.slots else (self._put(np.arange(n, dtype=np.int32)),)
 
         def time_width(i):
-            best = None
-            for _ in range(2):
-                t0 = time.perf_counter()
-                self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
-                                                 self._width_params(mode, n, i), *idx)
-                jax.block_until_ready(commits)
-                best = min(best or 1e9, time.perf_counter() - t0)
-            return best / self.steps
+            t0 = time.perf_counter()
+            self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
+                                             self._width_params(mode, n, i), *idx)
+            jax.block_until_ready(commits)
+            return (time.perf_counter() - t0) / self.steps
         width_costs(key, time_width, len(st.widths))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -114,7 +115,8 @@ def gpu_mode(run: Run):
         if not run.fits(key, guess_s):
             return None
         t1, t2, tok, taus_seen = [], [], None, []
-        gen(b, d, n1, **kw)   # the first call of an auto program profiles its widths
+        if kw.get("verify_width") == "auto":
+            gen(b, d, n1, **kw)   # the first call of an auto program profiles its widths
         for _ in range(a.reps):
             r1, r2 = gen(b, d, n1, **kw), gen(b, d, n2, **kw)
             t1.append(r1.run_time_s)
@@ -127,31 +129,38 @@ def gpu_mode(run: Run):
         return out
 
     sim0 = width.geometric_profile(taus[0])
+    import concurrent.futures as cf
     with loop._simulated_acceptance(sim0):
-        # compile every program ahead, in parallel (one adaptive program per batch, and true plain)
-        import concurrent.futures as cf
-
-        def compile_one(item):
-            b, dfl = item
-            return item, decode.precompile(target, draft if dfl else None, prompts[b], max_new_tokens=n2,
-                                           capacity=cap, block_size=16 if dfl else None, seed=0)
+        # compile in the background, in priority order (one adaptive program per batch, then the
+        # true-plain ones), while the main thread measures what is compiled
+        def compile_one(b, dfl):
+            # the simulation context is module-wide: the outer one covers these threads (only its
+            # being on matters to the compile key; the main thread's tau contexts nest inside it)
+            dt = decode.precompile(target, draft if dfl else None, prompts[b], max_new_tokens=n2,
+                                   capacity=cap, block_size=16 if dfl else None, seed=0)
+            log(f"compiled B={b} {'adaptive' if dfl else 'plain'} in {dt:.1f}s")
+            run.R.setdefault("compile_s", {})[f"B{b}_{'adaptive' if dfl else 'plain'}"] = dt
+            return dt
         plan = [(b, True) for b in order] + ([(b, False) for b in order] if a.true_plain else [])
-        t = time.perf_counter()
-        with cf.ThreadPoolExecutor(max_workers=max(1, a.compile_workers)) as ex:
-            for f in cf.as_completed([ex.submit(compile_one, it) for it in plan]):
-                try:
-                    (b, dfl), dt = f.result()
-                    log(f"compiled B={b} {'adaptive' if dfl else 'plain'} in {dt:.1f}s")
-                    run.R.setdefault("compile_s", {})[f"B{b}_{'adaptive' if dfl else 'plain'}"] = dt
-                except Exception as e:   # noqa: BLE001
-                    run.R["errors"][f"compile"] = f"{type(e).__name__}: {e}"[:400]
-                    log(f"compile failed: {type(e).__name__}: {str(e)[:300]}")
-                if elapsed() > a.budget_s * 0.6:
-                    log("compiles are eating the budget: the remaining ones run on first use")
-        log(f"precompile wall {time.perf_counter() - t:.1f}s")
+        ex = cf.ThreadPoolExecutor(max_workers=max(1, a.compile_workers))
+        futs = {it: ex.submit(compile_one, *it) for it in plan}
+
+        def ready(b, dfl) -> bool:
+            f = futs[(b, dfl)]
+            try:
+                f.result(timeout=max(1.0, a.budget_s - elapsed() - 20))
+                return True
+            except cf.TimeoutError:
+                run.R["skipped"].append(f"B{b}_{'adaptive' if dfl else 'plain'} (not compiled within the budget)")
+            except Exception as e:   # noqa: BLE001
+                run.R["errors"][f"compile_B{b}_{dfl}"] = f"{type(e).__name__}: {e}"[:400]
+                log(f"compile B={b} failed: {type(e).__name__}: {str(e)[:300]}")
+            return False
         guess = {}
         for b in order:
             row = run.R["rows"].setdefault(str(b), {})
+            if not ready(b, True):
+                continue
             for tau in taus:
                 with loop._simulated_acceptance(width.geometric_profile(tau)):
                     for name, vw in (("plain_w0", 0), ("fixed16", 15), ("auto", "auto")):
@@ -175,7 +184,7 @@ def gpu_mode(run: Run):
                     ws = width.widths_for(16)
                     score = [e[w] / costs[i] for i, w in enumerate(ws)]
                     row[f"tau{tau}_predicted_W"] = ws[int(np.argmax(score))]
-            if a.true_plain:
+            if a.true_plain and ready(b, False):
                 try:
                     r = rate(f"B{b}_true_plain", b, None, guess.get(b, 20.0))
                     if r is not None:
@@ -183,6 +192,7 @@ def gpu_mode(run: Run):
                 except Exception as e:   # noqa: BLE001
                     run.R["errors"][f"B{b}_true_plain"] = f"{type(e).__name__}: {e}"[:400]
             run.save()
+        ex.shutdown(wait=False, cancel_futures=True)
     table(run, order, taus)
 
 
@@ -264,7 +274,7 @@ def main():
     ap.add_argument("--taus", default="4.24,6.54")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--n1", type=int, default=16)
-    ap.add_argument("--n2", type=int, default=112)
+    ap.add_argument("--n2", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--compile-workers", type=int, default=4)
     ap.add_argument("--no-true-plain", dest="true_plain", action="store_false")
@@ -272,6 +282,14 @@ def main():
     ap.add_argument("--cpu-new", type=int, default=128)
     args = ap.parse_args()
     run = Run(args)
+
+    def on_term(*_):
+        log("SIGTERM: the table of what was measured")
+        if not args.cpu_pair:
+            table(run, [int(b) for b in run.R["rows"]], [float(t) for t in args.taus.split(",")])
+        run.save()
+        os._exit(124)
+    signal.signal(signal.SIGTERM, on_term)
     try:
         cpu_pair_mode(run) if args.cpu_pair else gpu_mode(run)
     finally:
