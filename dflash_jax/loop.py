@@ -9,6 +9,8 @@ prompt, first token), then a `lax.while_loop` whose iteration (`iterate`)
   (5) commits per row: tokens, lengths, pending context = target taps of the committed tokens,
       stop flags (stop token, max_new_tokens, capacity) and per-iteration acceptance lengths.
 Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no draft step.
+With adaptive widths (Static.widths, dflash_jax.width) each iteration verifies only the last token
+plus the first W drafts, W chosen on the device per iteration; W = 0 skips the draft pass.
 The host API around it (`generate`) is dflash_jax.decode; the slot engine's programs over the same
 `prefill` and `iterate` are dflash_jax.slots.
 
@@ -288,9 +290,9 @@ def pick_width(st: Static, p: Params, s: LoopState):
 def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int | None = None):
     """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
     row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it.
-    With Static.widths: k (a Python int) runs width index k; None chooses it first (width.choose)
-    and runs that width's branch of a lax.switch (the slot engine's step; the one-shot loop runs
-    one while loop per width instead, see run)."""
+    With Static.widths: k (a Python int) runs width index k (run and the slot step call it so, from
+    one while loop per width); None chooses it first and runs that width's branch of a lax.switch
+    (one iteration alone, e.g. `iteration`; inside a loop the switch copies the caches, see run)."""
     B, S, C = st.batch, st.block_size, st.capacity
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
