@@ -309,8 +309,11 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
             wsel = pick_width(st, p, s)
         block, a, nxt, feats, tcache, dcache = jax.lax.switch(
             wsel, [functools.partial(_verify, st, target, draft, p, s, W) for W in st.widths])
+    if wstats is not None:
         ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
         wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
+        force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
+        wsel = width.kept(wsel, s.width, s.step, force)
     with jax.named_scope("accept"):
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]

@@ -25,15 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["widths_for", "width_index", "choose", "update", "expected_tokens", "simulate", "geometric_profile",
+__all__ = ["widths_for", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "simulate", "geometric_profile",
            "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "PROBE_EVERY"]
 
 # Decay of the acceptance statistics per iteration (the window is ~1 / (1 - DECAY) iterations).
 DECAY = 0.98
 # A width must beat the current one's tokens per cost by this factor before the loop switches.
 HYSTERESIS = 1.03
-# Full width while position 0 has fewer (decayed) row-verifications than this: the warm-up, and
-# again after a long stretch at W = 0 let the evidence fade.
+# Full width while position 0 has fewer (decayed) row-verifications than this and the loop is still
+# at full width: the warm-up. Once it has left full width, fading evidence does not bring it back
+# (the estimates are ratios, kept by the decay); the probes below refresh them.
 WARMUP_EVIDENCE = 8.0
 # One full-width iteration every this many iterations keeps the tail positions' estimates current.
 PROBE_EVERY = 128
@@ -85,16 +86,27 @@ def update(stats, accepted, verified: jax.Array, active) -> jax.Array:
 
 def choose(stats, cost, current, step, force, widths: tuple[int, ...]) -> jax.Array:
     """The width index of the next iteration (a [] int32): force (>= 0) when given; else full width
-    during the warm-up and every PROBE_EVERY-th step; else the width of most expected tokens per
+    during the warm-up (low evidence while still at full width) and every PROBE_EVERY-th step; else the width of most expected tokens per
     cost (cost [n] per iteration at each width), kept at `current` unless another beats it by
     HYSTERESIS. Deterministic in its inputs (all replicated on a mesh)."""
     full = len(widths) - 1
     score = expected_tokens(stats)[jnp.asarray(widths)] / cost                # [n]
     best = jnp.argmax(score).astype(jnp.int32)
     pick = jnp.where(score[best] > HYSTERESIS * score[current], best, current)
-    explore = (stats[0, 0] < WARMUP_EVIDENCE) | (step % PROBE_EVERY == PROBE_EVERY - 1)
-    pick = jnp.where(explore, full, pick)
+    warmup = (stats[0, 0] < WARMUP_EVIDENCE) & (current == full)
+    pick = jnp.where(warmup | is_probe(step), full, pick)
     return jnp.where(force >= 0, force, pick).astype(jnp.int32)
+
+
+def is_probe(step) -> jax.Array:
+    """Whether iteration `step` is a full-width probe (its width is not kept as the current one)."""
+    return step % PROBE_EVERY == PROBE_EVERY - 1
+
+
+def kept(chosen, current, step, force) -> jax.Array:
+    """The width index an iteration leaves as `current` for the next choice: the chosen one, except
+    on an auto probe step (the choice before it stands)."""
+    return jnp.where(is_probe(step) & (force < 0), current, chosen).astype(jnp.int32)
 
 
 def geometric_profile(tau: float, block_size: int = 16) -> tuple[float, ...]:

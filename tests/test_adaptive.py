@@ -67,6 +67,21 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
     assert res[7].mean_tau > 2.0                       # the pair really accepts (a real test of the prefixes)
 
 
+def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch):
+    """Simulated acceptance (tau 3 at block 8) and fixed costs that make W = 3 the best tokens per
+    cost (E = 1, 1.67, 2.42, 3.0 over costs 1, 1.6, 1.8, 2.4): after the full-width warm-up the loop
+    collects statistics and settles on W = 3 (accepts never exceed 4 tokens again)."""
+    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray([1.0, 1.6, 1.8, 2.4], np.float32))
+    prompts = pair["eval_prompts"][:4]
+    with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
+        res, s = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=80, capacity=CAPACITY)
+    stats = np.asarray(s.width_stats)
+    assert stats[0, 0] > width.WARMUP_EVIDENCE and stats[0, 6] > 0          # full width seen, then counted
+    assert int(s.width) == 2, stats                                           # W = 3
+    tails = [a for row in res.acceptance_lengths for a in row[6:]]
+    assert max(tails) <= 4 and max(a for row in res.acceptance_lengths for a in row[:3]) > 4
+
+
 @pytest.mark.slow
 def test_plain_width_is_plain_decoding_and_keeps_the_draft_context(pair):
     """W = 0 for a stretch, then the whole block: the draft's context written during the plain
@@ -128,11 +143,13 @@ def test_sampling_at_a_prefix_width_matches_the_exact_distribution(pair):
 def _numpy_choose(stats, cost, current, step, force, widths):
     """The rule of width.choose restated: conditional acceptance per position with a weak prior,
     survival = their running product, E(W) = 1 + sum_{p<W} s_p, most E per cost with hysteresis;
-    full width in the warm-up and on probe steps; a forced width wins."""
+    full width in the warm-up (little evidence, still at full width) and on probe steps; a forced
+    width wins."""
     if force >= 0:
         return force
-    if stats[0, 0] < width.WARMUP_EVIDENCE or step % width.PROBE_EVERY == width.PROBE_EVERY - 1:
-        return len(widths) - 1
+    full = len(widths) - 1
+    if (stats[0, 0] < width.WARMUP_EVIDENCE and current == full) or step % width.PROBE_EVERY == width.PROBE_EVERY - 1:
+        return full
     cond = np.clip((stats[1] + 0.05) / (stats[0] + 0.1), 0, 1)
     surv = np.cumprod(cond)
     e = np.concatenate([[1.0], 1.0 + np.cumsum(surv)])
