@@ -31,11 +31,14 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
                     pairs (benchmarks' on-device A/B of launch settings)
 
 moe_gmm (the grouped matmul of MoE targets' expert layers, pallas_kernels/moe):
-  "auto"        TPU -> "pallas_tpu", elsewhere "xla"
+  "auto"        TPU -> "pallas_tpu", elsewhere "xla" (GPU stays on "xla" until the H200 A/B of
+                scripts/bench_moe.py shows the GPU kernel faster)
   "xla"         jax.lax.ragged_dot (portable; on GPU it streams every expert whatever the routing)
-  "pallas"      the Pallas TPU kernel that reads only the experts some token chose: compiled on TPU,
-                interpreted on CPU ("pallas_tpu_interpret"); no GPU kernel yet (refused on GPU)
+  "pallas"      the Pallas kernel of the backend, reading only the experts some token chose: TPU
+                -> "pallas_tpu", GPU -> "pallas_gpu", CPU -> the TPU kernel interpreted
   "pallas_tpu"  force the TPU kernel (ahead-of-time compiles for a TPU from a CPU host)
+  "pallas_gpu"  force the Triton GPU kernel (pallas_kernels/moe/gpu.py; a CUDA export from a CPU host)
+  resolved only (tests): "pallas_tpu_interpret", "pallas_gpu_interpret" (a kernel on CPU)
 
 The TPU path's (ignored, and reset by resolve(), elsewhere):
   tpu_mlp           the SwiGLU MLP of blocks up to 1024 rows as one Pallas kernel
@@ -67,8 +70,8 @@ GPU_TUNING = {
     "L4": dict(n_sms=58),
     "default": dict(n_sms=132),
 }
-MOE_GMM = ("auto", "xla", "pallas", "pallas_tpu")
-RESOLVED_MOE_GMM = ("xla", "pallas_tpu", "pallas_tpu_interpret")
+MOE_GMM = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+RESOLVED_MOE_GMM = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
 ATTENTION_TUNING_NAMES = ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
                           "merge_kernel", "merge_rows", "merge_cols")
 
@@ -130,9 +133,7 @@ class KernelConfig:
         if moe_gmm == "auto":
             moe_gmm = "pallas_tpu" if on_tpu else "xla"
         elif moe_gmm == "pallas":
-            if on_gpu:
-                raise ValueError("moe_gmm='pallas': there is no Pallas GPU grouped matmul yet; use 'xla'")
-            moe_gmm = "pallas_tpu" if on_tpu else "pallas_tpu_interpret"
+            moe_gmm = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "pallas_tpu_interpret"
         if attention not in GPU_PATHS:
             return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512,

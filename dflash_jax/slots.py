@@ -103,29 +103,43 @@ def _slots_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, rele
 
 
 def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp):
-    """The step's n_iters iterations as a loop of that fixed trip count, never stopping early when
-    every row is done (a done row's iteration is a no-op): a loop of unknown trip count makes XLA:GPU
-    copy its predicate to the host and wait for the device at every iteration, which blocks the
-    host thread for the whole step, so the host could not dispatch the next insert or step while
-    this one runs (docs/perf-log.md, session 22)."""
+    """The step's n_iters iterations as a loop of that fixed trip count, run only when some row is
+    not done: a step whose rows are all done at its start (the step dispatched ahead of the read
+    that finishes its last request, and every step after a release of the rest) runs no iteration
+    and commits nothing. Inside the loop a row that finishes makes its later iterations no-ops; the
+    loop does not stop early, because a loop of unknown trip count makes XLA:GPU copy its predicate
+    to the host and wait for the device at every iteration, which blocks the host thread for the
+    whole step, so the host could not dispatch the next insert or step while this one runs
+    (docs/perf-log.md, session 22). The one condition reads its predicate once per step, at the
+    step's start, after the previous program: the host still dispatches ahead by a step, and a
+    step of done rows costs that read instead of n_iters full iterations (docs/perf-log.md, issue
+    33: the served embedded pair). With adaptive widths (st.widths) the iterations run in one while
+    loop per width instead (see below); wp: the Params' verify-width fields."""
     target, draft = merge_models(st, tstate, dstate)
     loop = slots.loop.replace(done=slots.loop.done | release)
     params = slots.params.replace(**wp)
 
     if st.widths is None or draft is None:
-        def body(s, _):
-            s, commit, n = iterate(st, target, draft, params, s)
-            return s, (commit, n)
+        def iterations(s):
+            def body(s, _):
+                s, commit, n = iterate(st, target, draft, params, s)
+                return s, (commit, n)
+            return jax.lax.scan(body, s, None, length=n_iters)                   # [n, B, S], [n, B]
 
-        loop, (commits, produced) = jax.lax.scan(body, loop, None, length=n_iters)   # [n, B, S], [n, B]
+        def idle(s):
+            return s, (jnp.zeros((n_iters, st.batch, st.block_size), jnp.int32),
+                       jnp.zeros((n_iters, st.batch), jnp.int32))
+
+        loop, (commits, produced) = jax.lax.cond(jnp.any(~loop.done), iterations, idle, loop)
         return slots.replace(loop=loop), commits, produced, loop.done
     # Adaptive widths: one while loop per width, as loop.run (a lax.switch per iteration would copy
-    # every cache buffer into its branch). The trip count is still n_iters, but XLA:GPU no longer
-    # knows it (docs/adaptive-width.md: the host-wait cost of session 22 applies again).
+    # every cache buffer into its branch). Its trip count is unknown to XLA:GPU anyway (the
+    # host-wait cost of session 22 applies again, docs/adaptive-width.md), so it also stops as soon
+    # as every row is done.
     B, S = st.batch, st.block_size
     start = loop.step
     out = (loop, jnp.zeros((n_iters, B, S), jnp.int32), jnp.zeros((n_iters, B), jnp.int32))
-    left = lambda c: c[0].step < start + n_iters                                         # noqa: E731
+    left = lambda c: (c[0].step < start + n_iters) & jnp.any(~c[0].done)                   # noqa: E731
 
     def one(k):
         def body(c):

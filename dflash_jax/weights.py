@@ -190,7 +190,7 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None):
         if m is not None:
             raise ValueError(f"target {path_or_hub_id}: model_type {config.model_type!r} loads on one device only (no mesh yet)")
         return fam.load(d, config, dt, f"target {path_or_hub_id}")
-    if m is not None and fam.tensors is None:
+    if m is not None and (fam.tensors is None or fam.sliced is not None):
         return load_target_sharded(path_or_hub_id, m, dtype)
     what = f"target {path_or_hub_id}"
     model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
@@ -309,7 +309,7 @@ def _by_path(leaves: dict) -> dict:
 
 
 def _load_sharded(d: str, model, mesh, dtype, top: dict, leaves: dict, prefix: str, fused_layout: bool | None,
-                  rules=sharding.RULES):
+                  rules=sharding.RULES, sliced=None):
     """Fill abstract `model` (nnx.eval_shape) with arrays built by make_array_from_callback: each
     local device's block is read from the safetensors slices it covers (fused matrices from the
     parts' matching rows, permuted when fused_layout). top: HF name → (our path, how) outside the
@@ -332,6 +332,13 @@ def _load_sharded(d: str, model, mesh, dtype, top: dict, leaves: dict, prefix: s
         name = sharding._path_str(path)
         m = re.fullmatch(r"layers/(\d+)/(.+)", name)
         hf = how = None
+        own = sliced(cfg, name, ck) if sliced is not None else None
+        if own is not None:                    # a family's own reader (Qwen3-MoE's stacked experts)
+            shape, block = own
+            spec = sharding.spec_for(name, rules)
+            sharding._check_divisible(name, shape, spec, mesh)
+            var.set_value(jax.make_array_from_callback(shape, NamedSharding(mesh, spec), _dedup(block, dtype)))
+            continue
         if name in top_by_path:
             hf, how = top_by_path[name]
         elif m and m.group(2) in layer:
@@ -367,16 +374,21 @@ def _load_sharded(d: str, model, mesh, dtype, top: dict, leaves: dict, prefix: s
                 block = lambda index, n=hf: ck.read(n, tuple(index[::-1])).T
             else:
                 block = lambda index, n=hf: ck.read(n, tuple(index))
-        cache: dict = {}
-
-        def cb(index, block=block, cache=cache):
-            key = tuple((s.start, s.stop) for s in index)
-            if key not in cache:                  # replicas of one block (the data axis) read once
-                cache[key] = np.asarray(block(index)).astype(dtype)
-            return cache[key]
-
-        var.set_value(jax.make_array_from_callback(shape, NamedSharding(mesh, spec), cb))
+        var.set_value(jax.make_array_from_callback(shape, NamedSharding(mesh, spec), _dedup(block, dtype)))
     return model
+
+
+def _dedup(block, dtype):
+    """make_array_from_callback's callback: block(index) cast to dtype, replicas of one block (the
+    data axis) read once."""
+    cache: dict = {}
+
+    def cb(index):
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in cache:
+            cache[key] = np.asarray(block(index)).astype(dtype)
+        return cache[key]
+    return cb
 
 
 def load_target_sharded(path: str, mesh, dtype="bfloat16", *, fused_layout: bool | None = None):
@@ -385,12 +397,13 @@ def load_target_sharded(path: str, mesh, dtype="bfloat16", *, fused_layout: bool
     d = resolve_model_dir(path)
     cfg = models.read_config(read_json(d))
     fam = models.family(cfg.model_type)
-    if fam.load is not None:
-        raise ValueError(f"target {path}: model_type {cfg.model_type!r} loads on one device only (no mesh yet)")
+    if fam.load is not None or (fam.tensors is not None and fam.sliced is None):
+        raise ValueError(f"target {path}: model_type {cfg.model_type!r} is not read slice by slice "
+                         "(load_target(..., mesh=) loads it whole and places it)")
     dt = _dtype(dtype)
     model = nnx.eval_shape(lambda: fam.model(cfg, dt, rngs=nnx.Rngs(0)))
     return _load_sharded(d, model, mesh, dt, fam.top_weights(cfg), fam.layer_weights(cfg), "model.",
-                         fused_layout, fam.rules)
+                         fused_layout, fam.rules, fam.sliced)
 
 
 def load_draft_sharded(path: str, mesh, dtype="bfloat16", *, fused_layout: bool | None = None):

@@ -1,32 +1,43 @@
 #!/usr/bin/env python
-"""MoE target benchmark (issue 36): Qwen3-Coder-30B-A3B shapes, random bf16 weights, one GPU.
+"""MoE target benchmark (issue 36): Qwen3-Coder-30B-A3B shapes, random bf16 weights, one GPU, each
+measurement with every grouped matmul of `--moe-gmms` (xla = ragged_dot, pallas_gpu = the Pallas
+GPU kernel over the touched experts only), ratios side by side.
 
-    python scripts/bench_moe.py                         # every section (H200: see docs/moe.md)
-    python scripts/bench_moe.py --sections widths       # one section
-    python scripts/bench_moe.py --smoke                 # tiny shapes on CPU: proves every section runs
-    python scripts/bench_moe.py --out DIR               # bench_moe.json goes to DIR (default: $OUT)
+    python scripts/bench_moe.py --budget-s 240 --out $OUT   # the H200 run (see docs/moe.md)
+    python scripts/bench_moe.py --sections layer            # one section
+    python scripts/bench_moe.py --smoke                     # tiny shapes on CPU (the GPU kernel interpreted)
 
-Sections:
-  bw       device copy bandwidth (bytes read + written of a 1 GiB bf16 x * 2): the floors' divisor.
-  touched  distinct experts per MoE layer (mean over layers) of a plain step (B tokens) and of a
-           16-token verify (B x 16 tokens), counted from the routing of the random model on random
-           tokens, next to the independent-routing expectation E (1 - (1 - k/E)^T).
-  loop     plain ms per step and DFlash ms per iteration at B = 1, 8, 32 (prompt 512), each against
-           its floor: (bytes of the non-expert weights + experts touched x bytes of one expert x
-           layers [+ the draft + the LM head once more for the draft's slots]) / copy bandwidth.
-           A loop iteration's time is a difference: the same compiled program runs max_new_tokens
-           N1 and N2 and ms/iter = (t2 - t1) / (iterations2 - iterations1) (bench_gpu.py's method).
+Sections (run in this order; each measurement is skipped, and listed as skipped, once the next one
+would pass --budget-s by the time the slowest one of its kind took):
+  bw       device copy bandwidth (bytes read + written of a 1 GiB bf16 x * 2). The floors divide
+           by --floor-tbs (default 4.23 TB/s on GPU, the figure of BENCHMARKS.md's other rows) or,
+           when 0, by this copy figure.
+  layer    one expert layer (route given: the rows' sort, fused gate|up + SwiGLU, down, combine) at
+           T = --layer-tokens tokens x top-8 with uniform random routing, in us, against the floor
+           of the distinct experts those rows touch (experts x 3 H I x 2 B / bandwidth). Timed over
+           --layer-copies distinct layers' weights per pass (so L2 holds no expert between passes).
+  loop     plain ms per step and DFlash ms per iteration (z-lab Coder draft shape: 8 layers, block
+           16) at B = 1, 8, 32 (prompt 512), against floors from the experts actually touched and
+           from the independent-routing expectation: (non-expert weights + experts x bytes of one
+           expert x layers [+ the draft + the LM head once more]) / bandwidth. ms/iter is a
+           difference: the same program runs max_new_tokens N1 and N2 (bench_gpu.py's method).
   widths   the verify-width cost curve: the target's forward + LM head over w tokens per row, w in
-           1, 2, 4, 8, 16, at B = 1 and 8, context 512 (a fixed-trip loop of `--inner` forwards
-           per dispatch), with the experts touched and the floor of each width. The adaptive
-           verify width reads this curve.
+           1, 2, 4, 8, 16, at B = 1 and 8, context 512 (a fixed-trip loop of `--inner` forwards per
+           dispatch), with the experts touched and the floor of each width.
+  touched  distinct experts per MoE layer (mean over layers) of a plain step (B tokens) and of a
+           16-token verify (B x 16 tokens), counted from the random model's routing, next to the
+           independent-routing expectation E (1 - (1 - k/E)^T) (mostly counted already by loop).
 
-KernelConfig: the library defaults (`--moe-gmm` picks the grouped matmul: xla = ragged_dot).
+--layers cuts the target to its first L layers (every Coder layer is the same MoE layer): compiles
+of the unrolled 48-layer loop take most of a 4-minute budget, so the default run measures a 12-layer
+cut; its floors are of the same cut, so the ratios carry over (ms scale ~ by 48 / L). --layers 48
+measures the whole model (give it --budget-s 540).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,7 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-SECTIONS = ("bw", "touched", "loop", "widths")
+SECTIONS = ("bw", "layer", "loop", "widths", "touched")     # run in this order: the brief's priority
 
 
 def log(*a):
@@ -56,12 +67,51 @@ def param_bytes(module) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
+def _median_time(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def table(title: str, head: list[str], rows: list[list]):
+    """One markdown table (the lead pastes it)."""
+    log(f"\n### {title}")
+    log("| " + " | ".join(head) + " |")
+    log("|" + "---|" * len(head))
+    for r in rows:
+        log("| " + " | ".join(x if isinstance(x, str) else f"{x:.3f}" if isinstance(x, float) else str(x)
+                              for x in r) + " |")
+    log("")
+
+
+class Budget:
+    """Skip a measurement once it would pass the deadline by the slowest one of its kind so far."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.perf_counter() + seconds
+        self.took: dict[str, float] = {}
+        self.skipped: list[str] = []
+
+    def run(self, kind: str, what: str, fn):
+        left = self.deadline - time.perf_counter()
+        if left < self.took.get(kind, 0.0):
+            self.skipped.append(what)
+            log(f"skipped   {what} (budget: {left:.0f}s left, {kind} takes ~{self.took[kind]:.0f}s)")
+            return None
+        t = time.perf_counter()
+        out = fn()
+        self.took[kind] = max(self.took.get(kind, 0.0), time.perf_counter() - t)
+        return out
+
+
 class MoeBench:
     def __init__(self, args):
         import jax
         import jax.numpy as jnp
-        from dflash_jax import KernelConfig
-        from dflash_jax.config import PRESETS, DraftConfig, Qwen3MoeConfig
+        from dflash_jax.config import PRESETS, DraftConfig, Qwen3MoeConfig, default_target_layer_ids
         from dflash_jax.weights import init_draft, init_target
         self.args = args
         if args.smoke:
@@ -70,15 +120,24 @@ class MoeBench:
                                        num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True)
         else:
             self.tcfg = PRESETS[args.preset]
+            if args.layers:
+                self.tcfg = dataclasses.replace(self.tcfg, num_layers=args.layers)
         self.dtype = "float32" if args.smoke else "bfloat16"
+        self.budget = Budget(args.budget_s)
         t0 = time.perf_counter()
         self.target = init_target(self.tcfg, seed=0, dtype=self.dtype)
-        self.dcfg = DraftConfig.for_target(self.tcfg, num_layers=args.draft_layers, block_size=args.block)
+        # the z-lab Coder-30B-A3B draft: 8 layers over 5 taps ([1, 12, 23, 34, 45] of 48 layers)
+        taps = (default_target_layer_ids(self.tcfg.num_layers, args.draft_taps)
+                if self.tcfg.num_layers >= 2 * args.draft_taps else None)   # tiny targets: for_target's taps
+        self.dcfg = DraftConfig.for_target(self.tcfg, num_layers=args.draft_layers, block_size=args.block,
+                                           target_layer_ids=taps)
         self.draft = init_draft(self.dcfg, seed=1, dtype=self.dtype)
         jax.block_until_ready(jax.tree.leaves(__import__("flax").nnx.state(self.target)))
-        log(f"# models built in {time.perf_counter() - t0:.1f}s: target {param_bytes(self.target) / 1e9:.2f} GB, "
-            f"draft {param_bytes(self.draft) / 1e9:.2f} GB")
-        self.kernels = KernelConfig(moe_gmm=args.moe_gmm)
+        log(f"# models built in {time.perf_counter() - t0:.1f}s: target ({self.tcfg.num_layers} layers) "
+            f"{param_bytes(self.target) / 1e9:.2f} GB, draft {param_bytes(self.draft) / 1e9:.2f} GB")
+        on_cpu = jax.default_backend() == "cpu"
+        # on CPU (smoke) the GPU kernel runs in the interpreter
+        self.gmms = [g + "_interpret" if on_cpu and g == "pallas_gpu" else g for g in args.moe_gmms]
         c = self.tcfg
         item = jnp.dtype(self.dtype).itemsize
         self.expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * item
@@ -90,10 +149,16 @@ class MoeBench:
         self.dense_bytes = param_bytes(self.target) - expert_total - self.embed_bytes
         self.draft_bytes = param_bytes(self.draft)
         self.bw = None
+        self.floor_bw = None if on_cpu or not args.floor_tbs else args.floor_tbs * 1e12
         self._touched: dict[tuple[int, int], float] = {}
-        self.results = {"preset": "smoke" if args.smoke else args.preset, "moe_gmm": args.moe_gmm,
-                        "expert_bytes": self.expert_bytes, "dense_bytes": self.dense_bytes,
-                        "draft_bytes": self.draft_bytes}
+        self.results = {"preset": "smoke" if args.smoke else args.preset, "layers": c.num_layers,
+                        "moe_gmms": self.gmms, "expert_bytes": self.expert_bytes,
+                        "dense_bytes": self.dense_bytes, "draft_bytes": self.draft_bytes,
+                        "draft_layers": args.draft_layers, "draft_taps": list(self.dcfg.target_layer_ids), "block": args.block}
+
+    def kernels(self, gmm: str):
+        from dflash_jax import KernelConfig
+        return KernelConfig(moe_gmm=gmm).resolve()
 
     # ---------------------------------------------------------------------------------- sections
 
@@ -104,19 +169,65 @@ class MoeBench:
         x = jnp.ones((n,), jnp.bfloat16)
         f = jax.jit(lambda x: x * 2)
         f(x).block_until_ready()
-        ts = []
-        for _ in range(10):
-            t = time.perf_counter()
-            f(x).block_until_ready()
-            ts.append(time.perf_counter() - t)
-        self.bw = 2 * n * 2 / min(ts)
+        t = _median_time(lambda: f(x).block_until_ready(), 10)
+        self.bw = 2 * n * 2 / t
         self.results["copy_bytes_per_s"] = self.bw
-        log(f"bw        copy {self.bw / 1e12:.2f} TB/s (read + write)")
+        self.results["floor_bytes_per_s"] = self._bandwidth()
+        log(f"bw        copy {self.bw / 1e12:.2f} TB/s (read + write); floors at {self._bandwidth() / 1e12:.2f} TB/s")
 
     def _bandwidth(self):
+        if self.floor_bw is not None:
+            return self.floor_bw
         if self.bw is None:
             self.bw_section()
         return self.bw
+
+    def layer_section(self):
+        """(a) one expert layer, route given, each grouped matmul, vs the touched-expert floor."""
+        import jax
+        import jax.numpy as jnp
+        from dflash_jax.models import moe
+        c, a = self.tcfg, self.args
+        E, k, H, I = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+        dt = jnp.dtype(self.dtype)
+        keys = jax.random.split(jax.random.key(7), 2 * a.layer_copies)
+        gate_up = [(jax.random.normal(keys[2 * i], (E, H, 2 * I), jnp.float32) * H ** -0.5).astype(dt)
+                   for i in range(a.layer_copies)]
+        down = [(jax.random.normal(keys[2 * i + 1], (E, I, H), jnp.float32) * I ** -0.5).astype(dt)
+                for i in range(a.layer_copies)]
+        rows = []
+        for T in a.layer_tokens:
+            kx, kr = jax.random.split(jax.random.key(T))
+            x = jax.random.normal(kx, (T, H), jnp.float32).astype(dt)
+            idx = jnp.argsort(jax.random.uniform(kr, (T, E)), axis=-1)[:, :k].astype(jnp.int32)  # k distinct
+            w = jax.nn.softmax(jax.random.normal(kr, (T, k)), axis=-1).astype(dt)
+            distinct = int(moe.distinct_experts(idx, E))
+            floor_us = 1e6 * distinct * self.expert_bytes / self._bandwidth()
+            row = dict(tokens=T, rows=T * k, distinct=distinct, floor_us=floor_us)
+            for g in self.gmms:
+                @jax.jit
+                def many(x, w, idx, gate_up, down, g=g):
+                    def body(_, y):
+                        for gu, dn in zip(gate_up, down):        # distinct weights each layer
+                            y = y + moe.experts(y, w, idx, gu, dn, gmm_impl=g) * 0.01
+                        return y
+                    return jax.lax.fori_loop(0, a.inner, body, x)
+
+                def measure():
+                    jax.block_until_ready(many(x, w, idx, gate_up, down))
+                    return 1e6 * _median_time(lambda: jax.block_until_ready(many(x, w, idx, gate_up, down)),
+                                              a.repeats) / (a.inner * a.layer_copies)
+                us = self.budget.run(f"layer {g}", f"layer T={T} {g}", measure)
+                row[g] = us
+                if us is not None:
+                    log(f"layer     T={T:<4} {g:<22} {us:9.1f} us   floor {floor_us:8.1f} us "
+                        f"({distinct} experts; {us / floor_us:5.2f}x)")
+            rows.append(row)
+        self.results["layer"] = rows
+        head = ["T", "rows", "experts touched", "floor us"] + [f"{g} us (x floor)" for g in self.gmms]
+        table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype})", head, [
+            [r["tokens"], r["rows"], r["distinct"], r["floor_us"]]
+            + [_cell(r[g], r["floor_us"], 1) for g in self.gmms] for r in rows])
 
     def touched(self, B: int, T: int) -> float:
         """Mean over MoE layers of the distinct experts B x T random tokens at positions
@@ -126,11 +237,10 @@ class MoeBench:
             return self._touched[(B, T)]
         import jax
         import jax.numpy as jnp
+        from flax import nnx
         from dflash_jax.models import moe
         tgt, E = self.target, self.tcfg.num_experts
         C = 512 + T + 16
-
-        from flax import nnx
         graph, state = nnx.split(tgt)     # weights as arguments: a closure would bake them in as constants
 
         @jax.jit
@@ -150,7 +260,9 @@ class MoeBench:
         rows = []
         for B in self.args.batches:
             for what, T in (("step", 1), ("verify", self.args.block)):
-                got = self.touched(B, T)
+                got = self.budget.run("touched", f"touched B={B} {what}", lambda: self.touched(B, T))
+                if got is None:
+                    continue
                 want = expected_distinct(c.num_experts, c.num_experts_per_tok, B * T)
                 rows.append(dict(batch=B, kind=what, tokens=B * T, distinct=got, independent=want))
                 log(f"touched   B={B:<3} {what:<6} {B * T:>5} tokens: {got:6.1f} experts/layer "
@@ -163,7 +275,7 @@ class MoeBench:
             b += self.draft_bytes + self.lm_head_bytes        # the draft and its LM head pass
         return b / self._bandwidth()
 
-    def _time_generate(self, draft, B: int) -> float:
+    def _time_generate(self, draft, B: int, gmm: str) -> float:
         """ms per loop iteration by the N1/N2 difference (same program: fixed capacity)."""
         import numpy as np
         from dflash_jax import generate
@@ -171,7 +283,7 @@ class MoeBench:
         rng = np.random.RandomState(B)
         prompts = [rng.randint(0, self.tcfg.vocab_size, a.prompt).tolist() for _ in range(B)]
         C = a.prompt + a.n2 + 2 * a.block + 64
-        kw = dict(block_size=a.block if draft is not None else None, capacity=C, kernels=self.kernels)
+        kw = dict(block_size=a.block if draft is not None else None, capacity=C, kernels=self.kernels(gmm))
 
         def run(n):
             ts, iters = [], None
@@ -192,60 +304,84 @@ class MoeBench:
         rows = []
         for B in self.args.batches:
             for kind in ("plain", "dflash"):
-                ms = self._time_generate(self.draft if kind == "dflash" else None, B)
                 T = S if kind == "dflash" else 1
-                got = self.touched(B, T)
+                got = self.budget.run("touched", f"touched B={B} T={T}", lambda: self.touched(B, T))
+                if got is None:
+                    continue
                 want = expected_distinct(c.num_experts, c.num_experts_per_tok, B * T)
                 floor = 1e3 * self._floor_s(got, kind == "dflash")
                 floor_ind = 1e3 * self._floor_s(want, kind == "dflash")
-                rows.append(dict(batch=B, kind=kind, ms=ms, distinct=got, floor_ms=floor,
-                                 independent=want, floor_independent_ms=floor_ind))
-                log(f"loop      B={B:<3} {kind:<6} {ms:8.3f} ms/iter   floor {floor:7.3f} ms "
-                    f"({got:5.1f} experts/layer; {ms / floor:5.2f}x)   independent-routing floor "
-                    f"{floor_ind:7.3f} ms ({want:5.1f})")
+                row = dict(batch=B, kind=kind, distinct=got, floor_ms=floor, independent=want,
+                           floor_independent_ms=floor_ind)
+                for g in self.gmms:
+                    ms = self.budget.run(f"loop {g}", f"loop B={B} {kind} {g}",
+                                         lambda: self._time_generate(self.draft if kind == "dflash" else None, B, g))
+                    row[g] = ms
+                    if ms is not None:
+                        log(f"loop      B={B:<3} {kind:<6} {g:<22} {ms:8.3f} ms/iter   floor {floor:7.3f} ms "
+                            f"({got:5.1f} experts/layer; {ms / floor:5.2f}x)   independent-routing floor "
+                            f"{floor_ind:7.3f} ms ({want:5.1f})")
+                rows.append(row)
         self.results["loop"] = rows
+        head = ["B", "kind", "experts/layer (indep.)", "floor ms (indep.)"] + [f"{g} ms (x floor)" for g in self.gmms]
+        table(f"(b) loop, {c.num_layers} target layers + {self.args.draft_layers}-layer draft, block {S}", head, [
+            [r["batch"], r["kind"], f"{r['distinct']:.1f} ({r['independent']:.1f})",
+             f"{r['floor_ms']:.3f} ({r['floor_independent_ms']:.3f})"]
+            + [_cell(r[g], r["floor_ms"], 3) for g in self.gmms] for r in rows])
 
     def widths_section(self):
         import jax
         import jax.numpy as jnp
+        from flax import nnx
         from dflash_jax import sharding
         c, a, tgt = self.tcfg, self.args, self.target
         rows = []
         ctx = a.prompt
+        graph, state = nnx.split(tgt)   # weights as arguments, not captured constants
         for B in a.width_batches:
             for w in a.widths:
+                got = self.budget.run("touched", f"touched B={B} T={w}", lambda: self.touched(B, w))
+                if got is None:
+                    continue
+                floor = 1e3 * self._floor_s(got, False)
+                row = dict(batch=B, width=w, distinct=got, floor_ms=floor,
+                           independent=expected_distinct(c.num_experts, c.num_experts_per_tok, B * w))
                 C = ctx + w + 16
                 cache = tgt.new_cache(B, C)
                 pos = jnp.broadcast_to(jnp.arange(ctx, ctx + w, dtype=jnp.int32), (B, w))
                 tokens = jax.random.randint(jax.random.key(w), (B, w), 0, c.vocab_size)
-                kernels = self.kernels.resolve()
+                for g in self.gmms:
+                    kernels = self.kernels(g)
 
-                from flax import nnx
-                graph, state = nnx.split(tgt)   # weights as arguments, not captured constants
+                    @jax.jit
+                    def many(state, tokens, cache, kernels=kernels, pos=pos):
+                        model = nnx.merge(graph, state)
 
-                @jax.jit
-                def many(state, tokens, cache):
-                    model = nnx.merge(graph, state)
+                        def body(i, carry):
+                            cache, acc = carry
+                            h, _, cache = model(tokens, pos, cache, pos + 1, kernels=kernels)
+                            return cache, acc + jnp.sum(sharding.argmax(model.logits(h)))
+                        return jax.lax.fori_loop(0, a.inner, body, (cache, jnp.int32(0)))
 
-                    def body(i, carry):
-                        cache, acc = carry
-                        h, _, cache = model(tokens, pos, cache, pos + 1, kernels=kernels)
-                        return cache, acc + jnp.sum(sharding.argmax(model.logits(h)))
-                    return jax.lax.fori_loop(0, a.inner, body, (cache, jnp.int32(0)))
-
-                jax.block_until_ready(many(state, tokens, cache))
-                ts = []
-                for _ in range(a.repeats):
-                    t = time.perf_counter()
-                    jax.block_until_ready(many(state, tokens, cache))
-                    ts.append(time.perf_counter() - t)
-                ms = 1e3 * statistics.median(ts) / a.inner
-                got = self.touched(B, w)
-                floor = 1e3 * self._floor_s(got, False)
-                rows.append(dict(batch=B, width=w, ms=ms, distinct=got, floor_ms=floor,
-                                 independent=expected_distinct(c.num_experts, c.num_experts_per_tok, B * w)))
-                log(f"widths    B={B:<3} w={w:<3} {ms:8.3f} ms   floor {floor:7.3f} ms ({got:5.1f} experts/layer)")
+                    def measure():
+                        jax.block_until_ready(many(state, tokens, cache))
+                        return 1e3 * _median_time(lambda: jax.block_until_ready(many(state, tokens, cache)),
+                                                  a.repeats) / a.inner
+                    ms = self.budget.run(f"widths {g}", f"widths B={B} w={w} {g}", measure)
+                    row[g] = ms
+                    if ms is not None:
+                        log(f"widths    B={B:<3} w={w:<3} {g:<22} {ms:8.3f} ms   floor {floor:7.3f} ms "
+                            f"({got:5.1f} experts/layer; {ms / floor:5.2f}x)")
+                rows.append(row)
         self.results["widths"] = rows
+        head = ["B", "w", "experts/layer (indep.)", "floor ms"] + [f"{g} ms (x floor)" for g in self.gmms]
+        table(f"(c) verify width: target forward + LM head, {c.num_layers} layers, context {ctx}", head, [
+            [r["batch"], r["width"], f"{r['distinct']:.1f} ({r['independent']:.1f})", r["floor_ms"]]
+            + [_cell(r[g], r["floor_ms"], 3) for g in self.gmms] for r in rows])
+
+
+def _cell(v, floor, digits: int) -> str:
+    return "skipped" if v is None else f"{v:.{digits}f} ({v / floor:.2f}x)"
 
 
 def main():
@@ -253,33 +389,55 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU): prove every section runs")
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--preset", default="qwen3-coder-30b-a3b")
-    ap.add_argument("--moe-gmm", default="auto", help="KernelConfig.moe_gmm: auto, xla, pallas, pallas_tpu")
+    ap.add_argument("--layers", type=int, default=12, help="cut the target to its first L layers (0: all)")
+    ap.add_argument("--moe-gmms", default="xla,pallas_gpu",
+                    help="KernelConfig.moe_gmm values to compare (xla = ragged_dot)")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="skip what would end past this many seconds")
+    ap.add_argument("--floor-tbs", type=float, default=4.23,
+                    help="bandwidth of the floors in TB/s (0: the copy figure of the bw section)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--width-batches", default="1,8")
-    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--layer-tokens", default="1,16,128")
+    ap.add_argument("--layer-copies", type=int, default=4, help="distinct expert layers per timed pass")
+    ap.add_argument("--draft-layers", type=int, default=8, help="the z-lab Coder-30B-A3B draft has 8")
+    ap.add_argument("--draft-taps", type=int, default=5, help="target layers the draft reads (z-lab: 5)")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--n1", type=int, default=8, help="max_new_tokens of the short run")
     ap.add_argument("--n2", type=int, default=40, help="max_new_tokens of the long run")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--inner", type=int, default=10, help="forwards per dispatch in the widths section")
+    ap.add_argument("--inner", type=int, default=10, help="passes per dispatch in the layer and widths sections")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--json", default="bench_moe.json")
     args = ap.parse_args()
     if args.smoke:
         args.prompt, args.n1, args.n2, args.repeats, args.inner, args.block = 16, 4, 8, 1, 2, 4
-        args.batches, args.widths, args.width_batches = "1", "1,4", "1"
-    args.batches = [int(x) for x in args.batches.split(",")]
-    args.widths = [int(x) for x in args.widths.split(",")]
-    args.width_batches = [int(x) for x in args.width_batches.split(",")]
+        args.batches, args.widths, args.width_batches, args.layer_tokens = "1", "1,4", "1", "1,4"
+        args.draft_layers, args.layer_copies = 2, 2
+        args.budget_s = max(args.budget_s, 3600.0)      # a proof that every row runs, not a measurement
+    try:
+        args.batches = [int(x) for x in args.batches.split(",")]
+        args.widths = [int(x) for x in args.widths.split(",")]
+        args.width_batches = [int(x) for x in args.width_batches.split(",")]
+        args.layer_tokens = [int(x) for x in args.layer_tokens.split(",")]
+    except ValueError as e:
+        ap.error(f"batches, widths, width-batches and layer-tokens are comma-separated integers ({e})")
+    args.moe_gmms = [g for g in args.moe_gmms.split(",") if g]
+    from dflash_jax.kernel_config import MOE_GMM
+    bad = [g for g in args.moe_gmms if g not in MOE_GMM]
+    if bad:
+        ap.error(f"--moe-gmms: unknown {bad}; known: {', '.join(MOE_GMM)}")
     sections = [s for s in args.sections.split(",") if s]
     bad = set(sections) - set(SECTIONS)
     if bad:
         ap.error(f"unknown sections {sorted(bad)}; known: {', '.join(SECTIONS)}")
+    sections = [s for s in SECTIONS if s in sections]
     import jax
-    log(f"# bench_moe on {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    machine = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+    log(f"# bench_moe on {machine}")
     b = MoeBench(args)
+    b.results["machine"] = machine
     failed = []
     for s in sections:
         t = time.perf_counter()
@@ -290,6 +448,9 @@ def main():
             failed.append(s)
             log(f"{s}: FAILED {type(e).__name__}: {e}")
         log(f"# {s} took {time.perf_counter() - t:.1f}s")
+    b.results["skipped"] = b.budget.skipped
+    if b.budget.skipped:
+        log(f"# skipped for the budget: {', '.join(b.budget.skipped)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, args.json), "w") as f:

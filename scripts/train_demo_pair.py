@@ -3,6 +3,9 @@ evaluation → shipped files. One command, seeded, resumable per stage, everythi
 
     python scripts/train_demo_pair.py --size gpu --out out/demo_pair --deliver $OUT   # one H200 call, < 10 min
     python scripts/train_demo_pair.py --size cpu --out out/demo_cpu        # CI: minutes on 2 cores
+    # a DFlash2 draft for the shipped pair's target, compared with its DFlash-1 draft (one H200 call)
+    python scripts/train_demo_pair.py --size gpu --arch dflash2 --target-from dflash_jax/assets/pair/target \
+        --out out/dflash2_pair --deliver $OUT
 
 Stages (each writes its outputs and a `stages/<name>.json`; a rerun skips finished stages unless
 --force names them): tokenizer, target, regen, draft, eval, ship. `manifest.json` records exactly
@@ -87,7 +90,9 @@ SIZES = {
         regen_mix=REGEN_MIX, self_new_tokens=24, heldout_rows=8, regen_t1_share=0.25,
         draft=dict(num_layers=1, block_size=16, steps=120, batch=8, num_anchors=32, lr=6e-4, budget_s=240),
         eval_prompts=4, eval_new_tokens=48, timing_prompts=1, timing_sets=("humaneval",),
-        heldout_prompt_tokens=96, eval_reserve_s=110, ship_dtype="bfloat16", deadline_s=None),
+        heldout_prompt_tokens=96, eval_reserve_s=110, ship_dtype="bfloat16", deadline_s=None,
+        dflash2=dict(block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=16,
+                     sliding_window=None, eval_reserve_s=110)),
     # ~14 M parameters (untied head): target + draft ≈ 35 MB in bf16, one H200 call.
     "gpu": dict(
         vocab_size=6144, stdlib_bytes=None, gsm8k_rows=None, max_functions=12000,
@@ -108,7 +113,13 @@ SIZES = {
         regen_t1_share=0.3,
         draft=dict(num_layers=2, block_size=16, steps=20000, batch=64, num_anchors=128, lr=6e-4, budget_s=290),
         eval_prompts=64, eval_new_tokens=256, timing_prompts=3, timing_sets=("humaneval",),
-        heldout_prompt_tokens=192, eval_reserve_s=115, ship_dtype="bfloat16", deadline_s=540),
+        heldout_prompt_tokens=192, eval_reserve_s=115, ship_dtype="bfloat16", deadline_s=540,
+        # --arch dflash2 (a DFlash2 draft for an existing pair's target, --target-from): the published
+        # DFlash2 drafts' block 8 and conv (2 taps, 16-channel groups) and top-16, a rank scaled to
+        # this 384-wide draft, no window (the rows are under 2048 tokens: it would never bind); the
+        # evaluation runs both drafts, so it keeps more time
+        dflash2=dict(block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=64, selector_top_k=16,
+                     sliding_window=None, eval_reserve_s=160)),
 }
 SHIP_LIMIT_MB = 40.0
 EVAL_RESERVE_S = 25  # kept for the ship stage when a deadline is set
@@ -331,6 +342,19 @@ class Run:
         self._corpus = None
         self.deadline_s = self.size["deadline_s"]
         self.reference = "auto"
+        self.arch, self.target_from, self.v1_draft, self.init_draft = "dflash", None, None, None
+
+    def use_dflash2(self, target_from: str, v1_draft: str | None, init_draft: str | None, block_size: int | None):
+        """--arch dflash2: the draft is a DFlash2 draft for the existing target `target_from` (its
+        tokenizer too); the tokenizer and target stages copy it instead of training one."""
+        d2 = self.size["dflash2"] = dict(self.size["dflash2"])
+        if block_size:
+            d2["block_size"] = block_size
+        self.arch, self.target_from, self.v1_draft, self.init_draft = "dflash2", target_from, v1_draft, init_draft
+        self.size["draft"] = dict(self.size["draft"], block_size=d2["block_size"])
+        self.size["eval_reserve_s"] = d2["eval_reserve_s"]
+        self.manifest.update(arch="dflash2", target_from=target_from, v1_draft=v1_draft, init_draft=init_draft,
+                             settings=self.size)
 
     def remaining(self) -> float:
         """Seconds left before --deadline-s (inf without one): eval drops work past it, ship still runs."""
@@ -360,6 +384,42 @@ class Run:
                 f"as chat, {len(self._corpus['gsm8k'])} GSM8K rows, {self.manifest['data']['characters'] / 1e6:.1f} M "
                 f"characters ({time.perf_counter() - t:.1f} s); held out: {', '.join(self._corpus['heldout'])}")
         return self._corpus
+
+
+def dflash2_fields(run: Run) -> dict:
+    """The DraftConfig fields of the DFlash2 draft (--arch dflash2)."""
+    d2 = run.size["dflash2"]
+    out = dict(architecture="DFlash2DraftModel", conv_kernel_size=d2["conv_kernel_size"],
+               conv_group_size=d2["conv_group_size"], selector_rank=d2["selector_rank"],
+               selector_top_k=d2["selector_top_k"])
+    if d2.get("sliding_window"):
+        out.update(layer_types=("sliding_attention",) * run.size["draft"]["num_layers"],
+                   sliding_window=d2["sliding_window"], is_causal=False)
+    return out
+
+
+def _shipped_stage(run: Run, name: str) -> dict:
+    """A stage record of the pair that --target-from comes from (its manifest.json), or {}."""
+    m = os.path.join(os.path.dirname(os.path.abspath(run.target_from)), "manifest.json")
+    return dict(read_json(m).get("stages", {}).get(name, {})) if os.path.isfile(m) else {}
+
+
+def stage_target_from(run: Run, name: str) -> dict:
+    """--target-from: the tokenizer and target stages copy the existing target (and the tokenizer
+    that travels with it) instead of training them."""
+    d = run.path("target")
+    if name == "target":
+        if os.path.isdir(d):
+            shutil.rmtree(d)
+        shutil.copytree(run.target_from, d)
+    tok = load_tokenizer(run.target_from)
+    rec = _shipped_stage(run, name)
+    rec.update(source=os.path.abspath(run.target_from), copied=True,
+               target_sha256=sha256_file(os.path.join(run.target_from, "model.safetensors")))
+    if name == "tokenizer":
+        rec.update(vocab_size=len(tok), special_ids=special_ids(tok))
+    log(f"{name}: from {run.target_from}")
+    return rec
 
 
 def stage_tokenizer(run: Run) -> dict:
@@ -730,6 +790,13 @@ def train_draft_stage(run: Run) -> dict:
     target, _ = load_pair(run, run.size["dtype"], with_draft=False)
     cfg = dj.DraftConfig.for_target(target.config, num_layers=s["num_layers"], block_size=s["block_size"],
                                     mask_token_id=special_ids(tok)["mask"])
+    init = None
+    if run.arch == "dflash2":
+        cfg = dataclasses.replace(cfg, **dflash2_fields(run))
+        if run.init_draft:   # a DFlash-1 draft of this target: the DFlash2 draft starts as it
+            from dflash_jax.drafts.dflash2 import DFlash2Draft
+            v1 = dj.load_draft(run.init_draft, target=target, dtype="float32")
+            init = DFlash2Draft.for_training(cfg, seed=run.seed, init=v1)
     npz = np.load(run.path("regen", "data.npz"))
     # a few sequences never trained on: the teacher-forced τ on them measures generalisation (on the
     # training rows it measures memorisation)
@@ -750,7 +817,8 @@ def train_draft_stage(run: Run) -> dict:
             raise SystemExit(f"draft: only {budget:.0f} s left before the deadline; rerun (stages resume) "
                              "with a larger --deadline-s")
         tc = time.perf_counter()
-        cres = _draft_run(run, target, cfg, data, os.path.join(work, "calib"), steps, 1, stop_after=CALIB_STEPS)
+        cres = _draft_run(run, target, init or cfg, data, os.path.join(work, "calib"), steps, 1,
+                          stop_after=CALIB_STEPS)
         call_s = time.perf_counter() - tc
         step_s = _step_seconds(cres, data, s["batch"], run.seed)
         overhead = call_s - step_s * CALIB_STEPS          # compile + checkpoint, paid again by the real run
@@ -769,7 +837,7 @@ def train_draft_stage(run: Run) -> dict:
         timer.start()
     tr = time.perf_counter()
     try:
-        res = _draft_run(run, target, cfg, data, os.path.join(work, "run"), steps, max(1, steps // 20))
+        res = _draft_run(run, target, init or cfg, data, os.path.join(work, "run"), steps, max(1, steps // 20))
     finally:
         if timer is not None:
             timer.cancel()
@@ -788,7 +856,12 @@ def train_draft_stage(run: Run) -> dict:
                         TokenData(tokens_all[train_idx[:n_held]], mask_all[train_idx[:n_held]]))
     log(f"draft: teacher-forced τ (every anchor) on {n_held} held-out sequences {tf['heldout']['tau']}, "
         f"on {n_held} training sequences {tf['train']['tau']}")
-    return dict(num_layers=s["num_layers"], block_size=s["block_size"], taps=list(cfg.target_layer_ids),
+    extra = {}
+    if run.arch == "dflash2":
+        extra = dict(arch="dflash2", init_draft=run.init_draft, dflash2=dflash2_fields(run),
+                     selector_curve=[(r["step"], round(r["sel_loss"], 4), round(r["topk_recall"], 4),
+                                      round(r["sel_tau_est"], 3)) for r in last if "sel_loss" in r])
+    return dict(**extra, num_layers=s["num_layers"], block_size=s["block_size"], taps=list(cfg.target_layer_ids),
                 mask_token_id=cfg.mask_token_id, steps=res.step, planned_steps=steps, status=res.status,
                 batch=s["batch"], num_anchors=s["num_anchors"], lr=s["lr"], compute_dtype=run.size["dtype"],
                 sequences=len(data), max_len=data.max_len, epochs=round(res.step * s["batch"] / len(data), 2),
@@ -821,6 +894,8 @@ def teacher_forced(run: Run, target, res, heldout, train_rows) -> dict:
     out = {}
     for name, data in (("heldout", heldout), ("train", train_rows)):
         tot = dict(loss_sum=0.0, weight_sum=0.0, tau_sum=0.0, blocks=0.0)
+        if getattr(d, "candidate_selector", None) is not None:
+            tot.update(sel_tau_sum=0.0, sel_hits=0.0)
         for b in range(0, len(data), TF_BATCH):
             idx = np.arange(b, min(b + TF_BATCH, len(data)))
             pad = TF_BATCH - len(idx)           # one batch shape: pad rows carry no loss mask
@@ -831,6 +906,8 @@ def teacher_forced(run: Run, target, res, heldout, train_rows) -> dict:
                 tot[k] += float(sums[k])
         out[name] = dict(rows=len(data), tau=round(tot["tau_sum"] / max(tot["blocks"], 1.0), 3),
                          loss=round(tot["loss_sum"] / max(tot["weight_sum"], 1e-9), 4))
+        if "sel_tau_sum" in tot:   # the selector's path (DFlash2): its τ is what inference gets at T = 0
+            out[name]["selector_tau"] = round(tot["sel_tau_sum"] / max(tot["blocks"], 1.0), 3)
     return out
 # ================================================================================================
 
@@ -870,7 +947,7 @@ def reference_check(run: Run, sets: dict) -> dict:
     try:
         import torch
         import dflash.model as ref
-        from dflash.model import DFlashDraftModel, dflash_generate
+        from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
         from transformers import Qwen3ForCausalLM
     except ImportError as e:
         return dict(skipped=f"torch / the reference dflash package not importable ({e})")
@@ -879,7 +956,8 @@ def reference_check(run: Run, sets: dict) -> dict:
     S = run.size["draft"]["block_size"]
     target, draft = load_pair(run, "float32", with_draft=True)
     hf = Qwen3ForCausalLM.from_pretrained(run.path("target"), dtype=torch.float32).eval().requires_grad_(False)
-    rd = DFlashDraftModel.from_pretrained(run.path("draft"), dtype=torch.float32).eval().requires_grad_(False)
+    cls = DFlash2DraftModel if run.arch == "dflash2" else DFlashDraftModel
+    rd = cls.from_pretrained(run.path("draft"), dtype=torch.float32).eval().requires_grad_(False)
     prompts = [p for name in ("humaneval", "stdlib-heldout", "gsm8k") for p in sets[name][:1]][:REFERENCE_PROMPTS]
     saved = ref._cuda_time
     if not torch.cuda.is_available():  # return_stats times with torch.cuda.synchronize()
@@ -964,6 +1042,80 @@ def stage_eval(run: Run) -> dict:
         out["sample_humaneval_0"] = tok.decode(sample.tokens[0], skip_special_tokens=True)
     print(eval_table(out), flush=True)
     return out
+
+
+def stage_eval_dflash2(run: Run) -> dict:
+    """--arch dflash2: τ of the DFlash2 draft and of the pair's DFlash-1 draft (--v1-draft) on the
+    same prompts, greedy and T = 1, per set (batched), then batch-1 tokens/s of plain decoding and
+    both drafts on the timing set, and the greedy losslessness check of the DFlash2 draft."""
+    import dflash_jax as dj
+
+    s = run.size
+    tok = load_tokenizer(run.path("target"))
+    ids = special_ids(tok)
+    stops = [ids["im_end"], ids["pad"]]
+    target, draft = load_pair(run, s["eval_dtype"], with_draft=True)
+    drafts = {"dflash2": draft}
+    if run.v1_draft and os.path.isfile(os.path.join(run.v1_draft, "config.json")):
+        drafts["v1"] = dj.load_draft(run.v1_draft, target=target, dtype=s["eval_dtype"])
+    sets = eval_sets(run, tok)
+    import jax
+    out = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), dtype=s["eval_dtype"],
+               max_new_tokens=s["eval_new_tokens"], block_size={k: d.config.block_size for k, d in drafts.items()},
+               v1_draft=run.v1_draft, sets={})
+    for name, prompts in sets.items():
+        row = dict(prompts=len(prompts))
+        for temp in (0.0, 1.0):
+            key = "greedy" if temp == 0 else "t1"
+            kw = dict(max_new_tokens=s["eval_new_tokens"], temperature=temp, stop_token_ids=stops, seed=run.seed)
+            for dname, d in drafts.items():
+                if run.remaining() < EVAL_RESERVE_S:
+                    log(f"eval: deadline near, {name} {key} {dname} skipped")
+                    row[f"skipped_{key}_{dname}"] = "deadline"
+                    continue
+                row[f"tau_{key}_{dname}"] = round(dj.generate(target, d, prompts, **kw).mean_tau, 3)
+        out["sets"][name] = row
+        log(f"eval {name}: {row}")
+    for name in s["timing_sets"]:
+        prompts, row = sets[name], out["sets"][name]
+        for temp in (0.0, 1.0):
+            key = "greedy" if temp == 0 else "t1"
+            kw = dict(max_new_tokens=s["eval_new_tokens"], temperature=temp, stop_token_ids=stops, seed=run.seed)
+            timing = {}
+            for mode, d in (("plain", None), *drafts.items()):
+                toks, secs, outs = 0, 0.0, []
+                for p in prompts[:s["timing_prompts"]]:
+                    if run.remaining() < EVAL_RESERVE_S:
+                        break
+                    dj.generate(target, d, [p], **kw)  # compile (and warm) this prompt's program
+                    r = dj.generate(target, d, [p], **kw)
+                    toks, secs = toks + r.num_new_tokens, secs + r.run_time_s
+                    outs.append(r.tokens[0])
+                if outs:
+                    timing[mode] = (toks / secs if secs else float("nan"), outs)
+                    row[f"{mode}_tok_s_{key}"] = round(timing[mode][0], 1)
+            for mode in drafts:
+                if mode in timing and "plain" in timing:
+                    row[f"speedup_{key}_{mode}"] = round(timing[mode][0] / timing["plain"][0], 2)
+                    if temp == 0:   # losslessness: greedy speculative output = the target's own greedy
+                        n = min(len(timing[mode][1]), len(timing["plain"][1]))
+                        row[f"greedy_identical_{mode}"] = timing[mode][1][:n] == timing["plain"][1][:n]
+        log(f"eval {name} timing: {row}")
+    if run.reference != "off" and run.remaining() > EVAL_RESERVE_S:
+        out["reference"] = reference_check(run, sets)
+        if run.reference == "on" and "skipped" in out["reference"]:
+            raise SystemExit(f"--reference-check on: {out['reference']['skipped']}")
+    print(eval_table_dflash2(out), flush=True)
+    return out
+
+
+def eval_table_dflash2(ev: dict) -> str:
+    cols = ["set", "prompts", "tau_greedy_v1", "tau_greedy_dflash2", "tau_t1_v1", "tau_t1_dflash2",
+            "speedup_greedy_v1", "speedup_greedy_dflash2", "speedup_t1_v1", "speedup_t1_dflash2"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for name, row in ev["sets"].items():
+        lines.append("| " + " | ".join([name] + [str(row.get(c, "-")) for c in cols[1:]]) + " |")
+    return "\n".join(lines)
 
 
 def eval_table(ev: dict) -> str:
@@ -1098,6 +1250,41 @@ def stage_ship(run: Run) -> dict:
                 draft_mb=round(dir_mb(os.path.join(ship, "draft")), 2), has_draft=has_draft, pieces=pieces)
 
 
+def stage_ship_dflash2(run: Run) -> dict:
+    """--arch dflash2: the DFlash2 draft's files (config.json, model.safetensors), its card and the
+    run's manifest in ship/dflash2 (the --deliver files: 4, each under 16 MiB)."""
+    ship = run.path("ship", "dflash2")
+    if os.path.isdir(run.path("ship")):
+        shutil.rmtree(run.path("ship"))
+    shutil.copytree(run.path("draft"), ship)
+    st = run.manifest.get("stages", {})
+    dr, ev = st.get("draft", {}), st.get("eval", {})
+    d2 = dr.get("dflash2", {})
+    tf = dr.get("teacher_forced", {}).get("heldout", {})
+    card = [f"# DFlash2 draft for the demo pair's target ({run.target_from})", "",
+            f"DFlash2 (grouped dynamic conv {d2.get('conv_kernel_size')} taps x {d2.get('conv_group_size')}-channel "
+            f"groups around every sublayer; candidate selector over the top {d2.get('selector_top_k')}, rank "
+            f"{d2.get('selector_rank')}), {dr.get('num_layers')} layer(s), block {dr.get('block_size')}, trained by "
+            f"`python -m dflash_jax.train`'s code (block loss + the selector's teacher-forced K-way CE) "
+            f"{'from ' + run.init_draft if run.init_draft else 'from scratch'} for {dr.get('steps')} steps "
+            f"({dr.get('status')}) of batch {dr.get('batch')} in {dr.get('train_s')} s on the same regenerated data "
+            f"recipe and budget as the pair's DFlash-1 draft. Held-out teacher-forced τ: argmax "
+            f"{tf.get('tau')}, selector path {tf.get('selector_tau')}.", "",
+            f"Measured on {ev.get('device', '?')} ({ev.get('dtype', '?')}), {ev.get('max_new_tokens', '?')} new "
+            f"tokens, against the pair's DFlash-1 draft ({run.v1_draft}) on the same prompts:", "",
+            eval_table_dflash2(ev) if ev else "(not evaluated)", "",
+            f"Reference check: {reference_section(ev.get('reference'))}", ""]
+    with open(os.path.join(ship, "README.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(card))
+    shutil.copy(run.manifest_path, os.path.join(ship, "manifest.json"))
+    files = sorted(os.listdir(ship))
+    big = [f for f in files if os.path.getsize(os.path.join(ship, f)) > 16 * 2 ** 20]
+    if big:
+        log(f"WARNING: {big} over 16 MiB")
+    log(f"ship: {ship} ({dir_mb(ship):.1f} MB): {', '.join(files)}")
+    return dict(total_mb=round(dir_mb(ship), 2), files=files, pieces=[os.path.join("ship", "dflash2", f) for f in files])
+
+
 def install(run: Run) -> None:
     dest = os.path.join(REPO, "dflash_jax", "assets", "pair")
     if os.path.isdir(dest):
@@ -1128,6 +1315,16 @@ def main(argv=None) -> int:
                         "device tool's $OUT, which returns at most 8 files of 16 MiB)")
     p.add_argument("--install", action="store_true",
                    help="after shipping, copy ship/pair into dflash_jax/assets/pair (the embedded default)")
+    p.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                   help="dflash2: train a DFlash2 draft for the existing target of --target-from (its tokenizer "
+                        "and weights; the tokenizer and target stages copy it) and evaluate it against --v1-draft")
+    p.add_argument("--target-from", metavar="DIR", help="an existing pair's target directory (with its tokenizer), "
+                                                        "e.g. dflash_jax/assets/pair/target")
+    p.add_argument("--v1-draft", metavar="DIR", help="the DFlash-1 draft the evaluation compares with (default: "
+                                                     "the draft/ beside --target-from)")
+    p.add_argument("--init-draft", metavar="DIR", help="dflash2: start from this DFlash-1 draft (default: from "
+                                                       "scratch, as the DFlash-1 draft was)")
+    p.add_argument("--block-size", type=int, help="dflash2: the draft's block size (default: the size's, 8)")
     p.add_argument("--sampled-continuations", action=argparse.BooleanOptionalAction, default=True,
                    help="regen: continue a share of the prompts (the size's regen_t1_share) at T = 1 instead "
                         "of greedily, so the draft also learns the target's sampled text (τ at T = 1)")
@@ -1138,6 +1335,20 @@ def main(argv=None) -> int:
         p.error(f"unknown stage(s) {bad}; known: {', '.join(STAGES)}")
     force = set(STAGES) if args.force == "all" else {x for x in args.force.split(",") if x}
     run = Run(args.out, args.size, args.seed, force)
+    if args.arch == "dflash2" or args.target_from:
+        if args.arch != "dflash2" or not args.target_from:
+            p.error("--arch dflash2 and --target-from go together (a DFlash2 draft for an existing target)")
+        if not os.path.isfile(os.path.join(args.target_from, "config.json")):
+            p.error(f"--target-from {args.target_from}: no config.json there")
+        if args.install:
+            p.error("--install installs a whole pair; --arch dflash2 ships a draft only")
+        v1 = args.v1_draft or os.path.join(os.path.dirname(os.path.abspath(args.target_from)), "draft")
+        run.use_dflash2(args.target_from, v1 if os.path.isfile(os.path.join(v1, "config.json")) else None,
+                        args.init_draft, args.block_size)
+    fns = dict(STAGE_FNS)
+    if run.arch == "dflash2":
+        fns.update(tokenizer=lambda r: stage_target_from(r, "tokenizer"),
+                   target=lambda r: stage_target_from(r, "target"), eval=stage_eval_dflash2, ship=stage_ship_dflash2)
     if not args.sampled_continuations:
         run.size["regen_t1_share"] = 0.0
         run.manifest["settings"] = run.size
@@ -1156,15 +1367,17 @@ def main(argv=None) -> int:
             continue
         t = time.perf_counter()
         log(f"stage {name} ...")
-        res = STAGE_FNS[name](run)
+        res = fns[name](run)
         res["stage_s"] = round(time.perf_counter() - t, 1)
         run.finish(name, res)
         log(f"stage {name}: {res['stage_s']} s")
     if args.deliver and os.path.isfile(run.path("stages", "ship.json")):
         os.makedirs(args.deliver, exist_ok=True)
-        for f in read_json(run.path("stages", "ship.json"))["pieces"] + ["manifest.json"]:
+        extra = [] if run.arch == "dflash2" else ["manifest.json"]   # dflash2: the manifest is a piece
+        for f in read_json(run.path("stages", "ship.json"))["pieces"] + extra:
             shutil.copy(run.path(f), args.deliver)
-        log(f"delivered the pair pieces and manifest.json to {args.deliver}")
+        log(f"delivered {'the DFlash2 draft files' if run.arch == 'dflash2' else 'the pair pieces and manifest.json'} "
+            f"to {args.deliver}")
     if args.install:
         install(run)
     log("done")

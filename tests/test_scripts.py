@@ -93,6 +93,7 @@ def test_bench_moe_smoke(tmp_path):
     """scripts/bench_moe.py (issue 36's H200 run) with tiny MoE shapes: every section prints its rows."""
     out = _run(["scripts/bench_moe.py", "--smoke", "--out", str(tmp_path)], tmp_path)
     for line in ("bw        copy", "touched   B=1   verify", "loop      B=1   plain", "loop      B=1   dflash",
-                 "widths    B=1   w=4"):
+                 "widths    B=1   w=4", "layer     T=4    pallas_gpu_interpret", "### (a) one expert layer",
+                 "### (b) loop", "### (c) verify width", "loop      B=1   dflash pallas_gpu_interpret"):
         assert line in out, line
     assert (tmp_path / "bench_moe.json").exists()

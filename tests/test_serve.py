@@ -394,25 +394,39 @@ def test_cancel_ends_the_response_and_frees_the_slot():
         eng.shutdown()
 
 
+def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
+    """Wait for a state of the server or engine (no fixed sleep that a loaded machine outruns)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def test_full_queue_is_503_with_retry_after(tokenizer):
+    """With the one slot running (held at its first iteration) and the queue of one full, a third
+    request is 503 with Retry-After; the two others then finish. Each state is waited for, so the
+    test does not race the engine on a loaded machine."""
     gen = FakeGenerate()
     gen.gate.clear()                                       # the running request holds the slot
     eng = fake_engine(gen, max_queue=1)
     with serving(build_app(eng, tokenizer, model_name=NAME)) as url:
         results = []
-        threads = [threading.Thread(target=lambda: results.append(
-            httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2), timeout=30)))
-            for _ in range(2)]
-        for th in threads:
-            th.start()
-            time.sleep(0.3)                                # one running, one queued
-        assert eng.stats().slots_busy == 1 and eng.stats().queue_depth == 1
-        r = httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2))
+
+        def post():
+            results.append(httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2), timeout=60))
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        threads[0].start()
+        wait_until(lambda: gen.calls == 1, "the first request to run")
+        threads[1].start()
+        wait_until(lambda: eng.stats().queue_depth == 1, "the second request to queue")
+        assert eng.stats().slots_busy == 1 and gen.calls == 1
+        r = httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2), timeout=60)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "service_unavailable"
         gen.gate.set()
         for th in threads:
-            th.join(30)
+            th.join(60)
         assert [x.status_code for x in results] == [200, 200]
     eng.shutdown()
     with pytest.raises(QueueFull):

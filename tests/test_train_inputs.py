@@ -326,3 +326,38 @@ def test_init_draft_with_disagreeing_shape_flags_exit_2(tmp_path, capsys):
     # flags that agree (block 16, 2 layers) pass the check and reach the data, which is missing
     assert main(common + ["--block-size", "16", "--draft-layers", "2"]) == 2
     assert "has no manifest.json" in capsys.readouterr().err
+
+
+def test_train_refuses_ids_outside_the_vocabulary_before_its_first_step(tmp_path, monkeypatch):
+    """Data from another tokenizer is refused by train() itself, naming the shard and row, before
+    anything compiles (issue 33: it ran 19 s, then reported a NaN loss at "step None")."""
+    import dflash_jax.train.run as run_mod
+    d = _data_dir(tmp_path / "d", vocab=63)
+    tok = np.load(os.path.join(d, "shard_00000.tokens.npy"))
+    tok[2, 7] = 200
+    np.save(os.path.join(d, "shard_00000.tokens.npy"), tok)
+    target = init_target(TINY, dtype="float32")
+    draft = init_draft(DraftConfig.for_target(TINY, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
+                       seed=1, dtype="float32")
+    monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("compiled before the data check"))
+    with pytest.raises(DataError, match=r"shard_00000.tokens.npy row 2: token id 200 is outside .* 64"):
+        train(target, draft, TokenData.from_dir(d), run=RunConfig(out_dir=str(tmp_path / "run"), batch_size=4,
+                                                                   progress=False), num_anchors=6)
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_the_cpu_example_in_docs_training_parses(tmp_path):
+    """docs/training.md's first-run example on a CPU: every `python -m dflash_jax.train` line of it
+    parses with the CLI's own parser (its flags exist and are in range), so the example a new user
+    copies does not go stale."""
+    import re
+    import shlex
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "training.md"), encoding="utf-8").read()
+    block = re.search(r"\*\*A first run on a CPU\*\*.*?```bash\n(.*?)```", text, re.S)
+    assert block, "docs/training.md has no CPU example"
+    commands = [c for c in block.group(1).replace("\\\n", " ").splitlines() if "-m dflash_jax.train" in c]
+    assert [shlex.split(c)[3] for c in commands] == ["regenerate", "train", "export"]
+    for c in commands:
+        argv = shlex.split(c.replace("$T", "dflash_jax/assets/pair/target"))[3:]
+        build_parser().parse_args(argv)

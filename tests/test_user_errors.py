@@ -510,3 +510,50 @@ def test_readme_says_what_the_demo_prints_and_how_long_random_init_takes():
     assert "not an assistant" in readme and "code-like text" in readme
     i = readme.index("--random-init qwen3-0.6b --prompt-len 64")
     assert "minutes" in readme[i:i + 400] and "2-core" in readme[i:i + 400]
+
+
+def test_the_embedded_pair_runs_the_gpu_kernels_without_a_fallback(caplog):
+    """The shipped pair's heads (target and draft) make a power-of-two GQA group, so the default demo
+    runs our GPU attention kernel (interpret mode here) and never says "cannot take" (issue 33: the
+    old pair's group of 3 fell back to XLA on every GPU call)."""
+    import jax
+    import jax.numpy as jnp
+    import pallas_kernels
+    from pallas_kernels import _common
+    from dflash_jax.assets import default_pair
+    pair = default_pair()
+    if pair is None:
+        pytest.skip("this checkout carries no embedded pair")
+    caplog.set_level("WARNING", logger="pallas_kernels.attention")
+    _common._WARNED.clear()
+    for path in pair:
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        group = hq // hkv
+        assert hq % hkv == 0 and group & (group - 1) == 0, (path, hq, hkv)
+        q = jnp.ones((1, 2, hq, d), jnp.float32)
+        kv = jnp.ones((1, hkv, 128, d), jnp.float32)
+        out = jax.jit(lambda q, k, e: pallas_kernels.block_attention(q, k, k, e, impl="gpu", interpret=True))(
+            q, kv, jnp.full((1, 2), 5, jnp.int32))
+        assert out.shape == q.shape
+    assert not [r.getMessage() for r in caplog.records if "cannot take" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_bad_input_batteries_are_all_clean(tmp_path):
+    """The two batteries of issue 33 on this checkout: every server case is a clean 400 / 413, and the
+    loaders' block_size cases (the ones that hung before) are clean one-line errors (the whole
+    loaders battery runs 41 processes: scripts/bad_input_battery.py; counts in docs/perf-log.md)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "serve_bad_input_battery.py")], cwd=root,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.stdout.strip().splitlines()[-1] == '{"clean": 53} of 53', r.stdout[-3000:] + r.stderr[-2000:]
+    out = str(tmp_path / "loaders.json")
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "bad_input_battery.py"), "-k", "block_size",
+                        "--timeout", "300", "--json", out], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=1800)
+    counts = json.load(open(out))["counts"]
+    assert counts["clean"] >= 3 and counts["clean"] == sum(counts.values()), r.stdout[-3000:] + r.stderr[-2000:]

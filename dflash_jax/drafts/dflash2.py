@@ -77,15 +77,26 @@ class GroupedDynamicConv(nnx.Module):
             self.base_kernel = _init(rngs, (2, kernel_size, hidden), dtype, 0.5)
             self.kernel_projection = _init(rngs, (hidden, 2 * kernel_size * G), dtype, hidden ** -0.5)
 
-    def prepare(self, x):
-        """(conv of x with the prepare taps, the finish taps' dynamic part [B, S, K, G])."""
-        B, S, H = x.shape
+    def prepare(self, x, block_size: int | None = None):
+        """(conv of x with the prepare taps, the finish taps' dynamic part [B, T, K, G]). x [B, T, H]
+        is T / block_size whole blocks (default: one), each convolved on its own (zeros before
+        its first row: the taps never cross a block edge)."""
+        B, T, H = x.shape
+        S = block_size or T
         K, G = self.kernel_size, H // self.group_size
-        dyn = (x @ self.kernel_projection[...]).reshape(B, S, 2, K, G)
-        return grouped_dynamic_conv(x, dyn[:, :, 0], self.base_kernel[0], self.group_size), dyn[:, :, 1]
+        dyn = (x @ self.kernel_projection[...]).reshape(B, T, 2, K, G)
+        xb = x.reshape(B * (T // S), S, H)
+        out = grouped_dynamic_conv(xb, dyn[:, :, 0].reshape(B * (T // S), S, K, G), self.base_kernel[0],
+                                   self.group_size)
+        return out.reshape(B, T, H), dyn[:, :, 1]
 
-    def finish(self, x, dyn):
-        return grouped_dynamic_conv(x, dyn, self.base_kernel[1], self.group_size)
+    def finish(self, x, dyn, block_size: int | None = None):
+        B, T, H = x.shape
+        S = block_size or T
+        n = B * (T // S)
+        out = grouped_dynamic_conv(x.reshape(n, S, H), dyn.reshape(n, S, *dyn.shape[2:]), self.base_kernel[1],
+                                   self.group_size)
+        return out.reshape(B, T, H)
 
 
 class DFlash2Layer(DecoderLayer):
@@ -99,13 +110,35 @@ class DFlash2Layer(DecoderLayer):
         self.attention_conv = nnx.data(GroupedDynamicConv(*args) if conv else None)
         self.mlp_conv = nnx.data(GroupedDynamicConv(*args) if conv else None)
 
+    def attention_input(self, x, block_size: int):
+        """The attention sublayer's input: (input_layernorm(x), convolved when the layer has a conv;
+        the finish taps or None). x [B, N·S, H] holds N whole blocks of block_size rows (inference:
+        one block; training: the packed blocks), each convolved on its own."""
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            return h, None
+        return self.attention_conv.prepare(h, block_size)
+
+    def attention_output(self, x, o, taps, block_size: int):
+        """The rest of the layer after attention: x + finish(o_proj(o)), then the (convolved) MLP
+        with its residual. o [B, N·S, Hq, D]."""
+        a = self._o_proj(o)
+        if self.attention_conv is not None:
+            a = self.attention_conv.finish(a, taps, block_size)
+        x = x + a
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, mlp_taps = self.mlp_conv.prepare(h, block_size)
+        m = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
+        if self.mlp_conv is not None:
+            m = self.mlp_conv.finish(m, mlp_taps, block_size)
+        return x + m
+
     def block(self, x, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig):
         """x [B, S, H] block rows at positions [B, S]; context: DraftContext or None (its rows'
         K/V written first); k_start (or None), k_end [B, S]. Returns (x, k_cache, v_cache)."""
         T = x.shape[1]
-        h = self.input_layernorm(x)
-        if self.attention_conv is not None:
-            h, attn_taps = self.attention_conv.prepare(h)
+        h, attn_taps = self.attention_input(x, T)
         hin, k_pos = h, positions
         if context is not None:
             hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)         # [B, Tc+S, H]
@@ -118,17 +151,7 @@ class DFlash2Layer(DecoderLayer):
             k, v = k[:, Tc:], v[:, Tc:]
         k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, positions[:, 0], kernels)
         o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start)               # [B, S, Hq, D]
-        a = o.reshape(o.shape[0], T, -1) @ self.o[...]
-        if self.attention_conv is not None:
-            a = self.attention_conv.finish(a, attn_taps)
-        x = x + a
-        h = self.post_attention_layernorm(x)
-        if self.mlp_conv is not None:
-            h, mlp_taps = self.mlp_conv.prepare(h)
-        m = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
-        if self.mlp_conv is not None:
-            m = self.mlp_conv.finish(m, mlp_taps)
-        return x + m, k_cache, v_cache
+        return self.attention_output(x, o, attn_taps, T), k_cache, v_cache
 
 
 def layer_key_range(config: DraftConfig, i: int, positions, block_end):
@@ -156,20 +179,36 @@ class CandidateSelector(nnx.Module):
                                    else _init(rngs, (V, R), dtype, 1.0))
         self.hidden_projection = _init(rngs, (H, R), dtype, H ** -0.5)
 
+    def _codes(self, hidden, prev, cand):
+        """The pair scores <P[prev] ⊙ W h, Q[cand]> in float32: hidden [..., H], prev [..., A]
+        predecessor ids, cand [..., K] candidate ids → [..., A, K]."""
+        hp = hidden.astype(jnp.float32) @ self.hidden_projection[...].astype(jnp.float32)   # [..., R]
+        pred = self.predecessor_codebook[...][prev].astype(jnp.float32)                    # [..., A, R]
+        succ = self.successor_codebook[...][cand].astype(jnp.float32)                      # [..., K, R]
+        return jnp.einsum("...ar,...r,...kr->...ak", pred, hp, succ)
+
+    def candidates(self, logits):
+        """(unary scores [..., K] float32, candidate ids [..., K] int32): the top-K of the unary
+        logits [..., V] (the order of lax.top_k: descending, lowest id first on ties)."""
+        unary, cand = jax.lax.top_k(logits.astype(jnp.float32), self.top_k)
+        return unary, cand.astype(jnp.int32)
+
     def lattice(self, hidden, logits, anchor):
         """hidden [B, L, H] (the draft's rows for slots 1..L), logits [B, L, V] float32 (the unary
         logits), anchor [B] (the predecessor of slot 1). Returns (scores [B, L, K, K] float32:
         scores[b, t, a, k] = S_t(candidate a of slot t-1, candidate k of slot t), every row a of
         slot 0 being the anchor; candidates [B, L, K] int32)."""
-        unary, cand = jax.lax.top_k(logits.astype(jnp.float32), self.top_k)             # [B, L, K]
-        cand = cand.astype(jnp.int32)
-        hp = hidden.astype(jnp.float32) @ self.hidden_projection[...].astype(jnp.float32)   # [B, L, R]
+        unary, cand = self.candidates(logits)                                           # [B, L, K]
         B, L, K = cand.shape
         prev = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (B, 1, K)), cand[:, :-1]], axis=1)
-        pred = self.predecessor_codebook[...][prev].astype(jnp.float32)                 # [B, L, K, R]
-        succ = self.successor_codebook[...][cand].astype(jnp.float32)                   # [B, L, K, R]
-        pair = jnp.einsum("blar,blr,blkr->blak", pred, hp, succ)                        # [B, L, K, K]
-        return unary[:, :, None, :] + pair, cand
+        return unary[:, :, None, :] + self._codes(hidden, prev, cand), cand
+
+    def teacher_forced(self, hidden, logits, prev):
+        """Training's scores: each slot's K candidates scored after its gold predecessor. hidden
+        [..., H], logits [..., V] (unary), prev [...] int32 → (scores [..., K] float32, candidates
+        [..., K]): the lattice's row of that predecessor when it is among the candidates."""
+        unary, cand = self.candidates(logits)
+        return unary + self._codes(hidden, prev[..., None], cand)[..., 0, :], cand
 
 
 def walk(scores, cand, temperature=None, keys=None):
@@ -204,7 +243,11 @@ class DFlash2Draft(nnx.Module):
     """The DFlash2 draft (or a DFlash draft with per-layer windows / causal layers): the proposer
     interface of drafts.dflash.DFlashDraft (config, new_cache, write_context, propose)."""
 
-    def __init__(self, config: DraftConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs, identity_conv: bool = False):
+    def __init__(self, config: DraftConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs, identity_conv: bool = False,
+                 zero_successor: bool = False):
+        """identity_conv / zero_successor: a fresh draft for training (the convs the identity, the
+        successor codebook zero: the selector's pair term is 0, so the path is the unary argmax and
+        the draft proposes what a DFlash-1 draft with the same weights proposes)."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
         H, n = config.hidden_size, len(config.target_layer_ids)
@@ -212,7 +255,29 @@ class DFlash2Draft(nnx.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype)
         self.layers = nnx.List([DFlash2Layer(config, dtype, rngs, identity_conv) for _ in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
-        self.candidate_selector = nnx.data(CandidateSelector(config, dtype, rngs) if config.selector_top_k else None)
+        self.candidate_selector = nnx.data(CandidateSelector(config, dtype, rngs, zero_successor)
+                                           if config.selector_top_k else None)
+
+    @classmethod
+    def for_training(cls, config: DraftConfig, dtype=jnp.float32, *, seed: int = 0, init=None):
+        """A DFlash2 draft to train: identity convs, a zero successor codebook, and (init: a DFlash-1
+        draft of the same shape) its fc, norms and layer weights, so it starts as that draft."""
+        d = cls(config, dtype, rngs=nnx.Rngs(seed), identity_conv=True, zero_successor=True)
+        if init is not None:
+            for path, node in nnx.iter_graph(init):
+                if not isinstance(node, nnx.Param):
+                    continue
+                obj = d
+                for k in path[:-1]:
+                    obj = obj[k] if isinstance(k, int) else getattr(obj, k, None)
+                    if obj is None:
+                        break
+                dest = None if obj is None else getattr(obj, path[-1], None)
+                if not isinstance(dest, nnx.Param) or dest[...].shape != node[...].shape:
+                    raise ValueError(f"the init draft's {'.'.join(map(str, path))} has no place in this "
+                                     "DFlash2 draft (not a DFlash-1 draft of the same shape)")
+                dest[...] = jnp.asarray(node[...], dtype)
+        return d
 
     @property
     def samples_drafts(self) -> bool:

@@ -31,8 +31,13 @@ class Family:
     skip: tuple[str, ...] = (r".*rotary_emb\.inv_freq",)
     # a rewrite of the checkpoint's (name, array) stream before the table above reads it, as
     # tensors(config, stream, what) (Qwen3-MoE: per-expert tensors stacked into [E, ...] arrays);
-    # such a family is loaded whole and then placed on a mesh, not read slice by slice
+    # without `sliced` such a family is loaded whole and then placed on a mesh
     tensors: Callable | None = None
+    # what a mesh load reads for the parameters `tensors` builds, slice by slice:
+    # sliced(config, name, checkpoint) → (shape, block(index) → ndarray) for our parameter `name`
+    # ("layers/N/..."), or None for a parameter the tables map (checkpoint: .read(name, index),
+    # .shape(name), .names()); each device then reads only its own block (Qwen3-MoE: its experts)
+    sliced: Callable | None = None
     # a family whose checkpoint the tables cannot say (per-layer-type tensors, a key prefix, reshaped
     # tensors) loads it itself: load(directory, config, dtype, what) → the module (one device)
     load: Callable | None = None

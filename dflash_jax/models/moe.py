@@ -70,7 +70,7 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     ids), gate_up [El, H, 2I], down [El, I, H] holding experts [first_expert, first_expert + El)
     -> [N, H] in x's dtype. Choices of other experts contribute zero (expert parallelism: another
     shard computes them)."""
-    from pallas_kernels.moe import gmm
+    from pallas_kernels.moe import gmm, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
     # a token's choices in ascending expert order: the order its outputs are added in (HF's)
@@ -83,9 +83,8 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     rows = jnp.argsort(flat, stable=True)                                        # grouped by expert
     sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)             # [El]
     xs = jnp.take(x, rows // k, axis=0)                                          # [N k, H]
-    h = gmm(xs, gate_up, sizes, gmm_impl)                                        # [N k, 2I]
-    gate, up = jnp.split(h, 2, axis=-1)
-    y = gmm(jax.nn.silu(gate) * up, down, sizes, gmm_impl)                       # [N k, H]
+    a = gmm_swiglu(xs, gate_up, sizes, gmm_impl)                                 # [N k, I]
+    y = gmm(a, down, sizes, gmm_impl)                                            # [N k, H]
     w = jnp.where(mine, weights, 0).reshape(-1)[rows]
     y = jnp.where(jnp.take(mine.reshape(-1), rows)[:, None], y * w[:, None], 0)  # rows of other shards
     back = jnp.zeros_like(rows).at[rows].set(jnp.arange(rows.shape[0], dtype=rows.dtype))

@@ -129,6 +129,47 @@ def stacked_experts(config: Qwen3MoeConfig, named_tensors, what: str):
                          + (" ..." if len(lacking) > 4 else ""))
 
 
+_STACKED = re.compile(r"layers/(\d+)/mlp/experts_(gate_up|down)")
+
+
+def expert_slices(config: Qwen3MoeConfig, name: str, checkpoint):
+    """A mesh load's reader of the stacked experts: for our `layers/N/mlp/experts_gate_up`
+    [E, H, 2I] or `experts_down` [E, I, H], (shape, block(index)), the block of experts index[0]
+    read from their own per-expert tensors only (the rows and columns index asks for), so a device
+    holding E / tp experts reads those and no others. Every expert tensor of the layer is checked
+    first (present, of the config's shape), refused in one line naming it. None: another parameter."""
+    m = _STACKED.fullmatch(name)
+    if m is None:
+        return None
+    layer, which = int(m.group(1)), m.group(2)
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    base = f"model.layers.{layer}.mlp.experts."
+    have = checkpoint.names()
+    for e in range(E):
+        for kind, want in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            t = f"{base}{e}.{kind}_proj.weight"
+            if t not in have:
+                raise ValueError(f"checkpoint lacks tensor {t!r} (layer {layer}'s expert {e} of {E})")
+            if tuple(checkpoint.shape(t)) != want:
+                raise ValueError(f"tensor {t} has shape {tuple(checkpoint.shape(t))}, the config implies {want}")
+    read = checkpoint.read
+
+    if which == "down":                  # ours [E, I, H] = HF down_proj [H, I] transposed, per expert
+        def block(index):
+            es, rows, cols = index
+            return np.stack([read(f"{base}{e}.down_proj.weight", (cols, rows)).T for e in range(E)[es]])
+        return (E, I, H), block
+
+    def block(index):                    # ours [E, H, 2I]: gate columns [0, I), up columns [I, 2I)
+        es, rows, cols = index
+        c0, c1, _ = cols.indices(2 * I)
+        parts = [(kind, max(c0, lo) - lo, min(c1, lo + I) - lo) for kind, lo in (("gate", 0), ("up", I))
+                 if max(c0, lo) < min(c1, lo + I)]
+        return np.stack([np.concatenate([read(f"{base}{e}.{kind}_proj.weight", (slice(a, b), rows)).T
+                                         for kind, a, b in parts], axis=1) for e in range(E)[es]])
+    return (E, H, 2 * I), block
+
+
 FAMILY = Family(model_type=MODEL_TYPE, read_config=read_config, model=Qwen3Moe,
                 layer_weights=lambda config: LAYER_WEIGHTS, top_weights=qwen3.top_weights,
-                skip=qwen3.FAMILY.skip, tensors=stacked_experts)
+                skip=qwen3.FAMILY.skip, tensors=stacked_experts, sliced=expert_slices)

@@ -174,8 +174,29 @@ def _taps(text: str | None):
         raise UsageError(f"--taps {text!r}: expected target layer ids separated by commas, e.g. 1,9,17") from None
 
 
+def _dflash2_fields(args, target_config) -> dict:
+    """The DraftConfig fields of --arch dflash2 (conv, selector, window), checked: one line each."""
+    H, V = target_config.hidden_size, target_config.vocab_size
+    if args.conv_group_size < 1 or H % args.conv_group_size:
+        raise UsageError(f"--conv-group-size {args.conv_group_size} does not divide the target's hidden size {H}")
+    if args.selector_top_k > V:
+        raise UsageError(f"--selector-top-k {args.selector_top_k} is above the target's vocabulary of {V}")
+    return dict(architecture="DFlash2DraftModel", conv_kernel_size=args.conv_kernel_size,
+                conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
+                selector_top_k=args.selector_top_k)
+
+
+def _window_fields(args, num_layers: int) -> dict:
+    if args.sliding_window is None:
+        return {}
+    return dict(layer_types=("sliding_attention",) * num_layers, sliding_window=args.sliding_window, is_causal=False)
+
+
 def cmd_train(args) -> int:
+    import dataclasses
+
     import dflash_jax as dj
+    from dflash_jax.drafts.dflash2 import DFlash2Draft
     from dflash_jax.train.data import TokenData
     from dflash_jax.train.run import RunConfig, train
     target = _target(args)
@@ -185,17 +206,35 @@ def cmd_train(args) -> int:
                      mask_token_id=args.mask_token_id)
         for dest, flag, field in SHAPE_FLAGS:
             have = getattr(draft.config, field)
+            if dest == "block_size" and args.arch == "dflash2" and not draft.config.is_dflash2:
+                continue   # a DFlash-1 draft's weights do not depend on the block size
             if given[dest] is not None and tuple(np.atleast_1d(given[dest])) != tuple(np.atleast_1d(have)):
                 raise UsageError(f"{flag} {args.taps if dest == 'taps' else given[dest]} disagrees with --init-draft "
                                  f"{args.init_draft} ({field} {have}); leave it out or start a new draft")
+        if args.arch == "dflash2" and not draft.config.is_dflash2:
+            # a DFlash-1 draft grows identity convs and a no-op selector: it starts as itself
+            cfg = dataclasses.replace(draft.config, block_size=args.block_size or draft.config.block_size,
+                                      **_dflash2_fields(args, target.config),
+                                      **_window_fields(args, draft.config.num_layers))
+            draft = DFlash2Draft.for_training(cfg, seed=args.seed, init=draft)
+        elif args.arch == "dflash" and draft.config.is_dflash2:
+            raise UsageError(f"--init-draft {args.init_draft} is a DFlash2 draft; give --arch dflash2 to train it")
     else:
         V = target.config.vocab_size
         mask = args.mask_token_id if args.mask_token_id is not None else (
             QWEN3_MASK_TOKEN_ID if V == QWEN3_VOCAB else V - 1)
-        cfg = dj.DraftConfig.for_target(target.config, num_layers=args.draft_layers or 5,
-                                        block_size=args.block_size or 16, mask_token_id=mask,
-                                        target_layer_ids=_taps(args.taps))
-        draft = dj.init_draft(cfg, seed=args.seed, dtype="float32", target=target)
+        layers = args.draft_layers or 5
+        cfg = dj.DraftConfig.for_target(target.config, num_layers=layers,
+                                        block_size=args.block_size or (8 if args.arch == "dflash2" else 16),
+                                        mask_token_id=mask, target_layer_ids=_taps(args.taps))
+        if args.arch == "dflash2":
+            cfg = dataclasses.replace(cfg, **_dflash2_fields(args, target.config), **_window_fields(args, layers))
+            draft = DFlash2Draft.for_training(cfg, seed=args.seed)
+        else:
+            if args.sliding_window is not None:
+                cfg = dataclasses.replace(cfg, **_window_fields(args, layers))
+            draft = dj.init_draft(cfg, seed=args.seed, dtype="float32", target=target)
+    draft.config.check_fits(target.config)
     data = TokenData.from_dir(args.data)
     eval_prompts = []
     if args.eval_prompts:
@@ -215,6 +254,8 @@ def cmd_train(args) -> int:
               train_attention=args.train_attention)
     if args.gamma is not None:
         kw["gamma"] = args.gamma
+    if draft.config.selector_top_k:
+        kw["selector_weight"] = args.selector_weight
     res = train(target, draft, data, run=run, **kw)
     print(f"{res.status} at step {res.step} (epoch {res.epoch}); checkpoints in {os.path.join(args.out, 'checkpoints')}")
     return 0
@@ -305,10 +346,22 @@ def build_parser() -> argparse.ArgumentParser:
                                         "its shape wins (a shape flag that disagrees is an error)")
     t.add_argument("--draft-layers", type=POS, help="decoder layers of a new draft (default: 5)")
     t.add_argument("--block-size", type=_number(int, 2), help="block size S of a new draft: the anchor + S-1 "
-                                                                "predicted tokens (default: 16)")
+                                                                "predicted tokens (default: 16; 8 for dflash2)")
     t.add_argument("--taps", help="target layer ids, comma separated (default: z-lab's spread)")
     t.add_argument("--mask-token-id", type=NONNEG, help="the block's MASK id (default: 151669 on the Qwen3 "
                                                         "vocabulary, else vocab - 1)")
+    t.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                   help="dflash2: a DFlash2 draft (convs around every sublayer, candidate selector); from "
+                        "--init-draft a DFlash-1 draft it starts as that draft (identity convs, no-op selector)")
+    t.add_argument("--conv-kernel-size", type=POS, default=2, help="dflash2: conv taps per channel")
+    t.add_argument("--conv-group-size", type=POS, default=16, help="dflash2: channels per dynamic-tap group "
+                                                                   "(must divide the hidden size)")
+    t.add_argument("--selector-rank", type=POS, default=256, help="dflash2: the selector's codebook rank")
+    t.add_argument("--selector-top-k", type=_number(int, 2), default=16, help="dflash2: candidates per slot")
+    t.add_argument("--selector-weight", type=_number(float, 0.0), default=1.0,
+                   help="dflash2: loss = block loss + this x the selector's K-way CE")
+    t.add_argument("--sliding-window", type=POS, help="every draft layer a non-causal sliding-window layer "
+                                                      "of this window (default: full attention)")
     t.add_argument("--batch-size", type=POS, default=8, help="sequences per step (global)")
     t.add_argument("--epochs", type=POS, default=6, help="passes over the data")
     t.add_argument("--max-steps", type=POS, help="cap on steps, also the LR schedule's horizon "

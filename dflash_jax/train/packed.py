@@ -49,21 +49,45 @@ def _gqa(q, num_kv: int):
     return q.reshape(*lead, S, num_kv, Hq // num_kv, D)
 
 
-def _context_part(q, kc, vc, k_end, scale):
-    """q [B, n, S, Hkv, G, D] over context kc, vc [B, T, Hkv, D], block j seeing keys [0, k_end[b, j]).
-    Returns (o [B, n, S, Hkv, G, D] f32 normalised, lse [B, n, Hkv, G, S] f32)."""
+def _context_part(q, kc, vc, k_end, scale, window: int | None = None):
+    """q [B, n, S, Hkv, G, D] over context kc, vc [B, T, Hkv, D], block j seeing keys [0, k_end[b, j])
+    (k_end = the anchor a_j); with a sliding `window` W, slot k (position a_j + k) sees only keys
+    t > a_j + k - W. Returns (o [B, n, S, Hkv, G, D] f32 normalised, lse [B, n, Hkv, G, S] f32)."""
     s = jnp.einsum("bnshgd,bthd->bnhgst", q, kc, preferred_element_type=jnp.float32) * scale
-    visible = jnp.arange(kc.shape[1])[None, None, :] < k_end[:, :, None]      # [B, n, T]
-    s = jnp.where(visible[:, :, None, None, None, :], s, _NEG)
+    t = jnp.arange(kc.shape[1])
+    if window is None:
+        visible = (t[None, None, :] < k_end[:, :, None])[:, :, None, None, None, :]     # [B, n, 1, 1, 1, T]
+    else:
+        S = q.shape[2]
+        start = k_end[:, :, None] + jnp.arange(S) - window + 1                  # [B, n, S]
+        visible = (t < k_end[:, :, None, None]) & (t >= start[..., None])       # [B, n, S, T]
+        visible = visible[:, :, None, None]                                     # [B, n, 1, 1, S, T]
+    s = jnp.where(visible, s, _NEG)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse[..., None])
     o = jnp.einsum("bnhgst,bthd->bnshgd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
     return o, lse
 
 
-def _block_part(q, kb, vb, scale):
-    """q [B, n, S, Hkv, G, D] over its own block's kb, vb [B, n, S, Hkv, D] (non-causal)."""
+def block_mask(block_size: int, window: int | None = None, causal: bool = False):
+    """[S, S] bool: slot s of a block sees slot k of it (the inference draft's mask, drafts.dflash2
+    `layer_key_range`): causal: k <= s; a window W: s - k < W, and k - s < W when not causal; neither:
+    all (DFlash-1)."""
+    s, k = jnp.arange(block_size)[:, None], jnp.arange(block_size)[None, :]
+    m = jnp.ones((block_size, block_size), bool)
+    if causal:
+        m &= k <= s
+    if window is not None:
+        m &= (s - k < window) & (causal | (k - s < window))
+    return m
+
+
+def _block_part(q, kb, vb, scale, mask=None):
+    """q [B, n, S, Hkv, G, D] over its own block's kb, vb [B, n, S, Hkv, D] (non-causal, or the
+    [S, S] `mask` of block_mask)."""
     s = jnp.einsum("bnshgd,bnkhd->bnhgsk", q, kb, preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        s = jnp.where(mask, s, _NEG)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse[..., None])
     o = jnp.einsum("bnhgsk,bnkhd->bnshgd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
@@ -92,7 +116,8 @@ def resolve_train_attention(attention: str) -> str:
 
 
 def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks: int = 32,
-                    attention: str = "auto", interpret: bool = False):
+                    attention: str = "auto", interpret: bool = False, window: int | None = None,
+                    causal: bool = False):
     """q [B, N·S, Hq, D] block queries; kc, vc [B, T, Hkv, D] context K/V at positions 0..T-1;
     kb, vb [B, N·S, Hkv, D] block K/V; anchors [B, N]. Returns o [B, N·S, Hq, D] in q.dtype.
 
@@ -100,8 +125,16 @@ def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks
     (masked to t < a_j); "pallas_gpu" runs it as one flash-attention kernel pair over the whole
     sequence (pallas_kernels.attention.train_gpu: no scores in HBM, key tiles past a block's anchor
     skipped; `interpret` runs it in Pallas interpret mode, for tests on CPU). The block-diagonal
-    part and the merge are the same jnp code for both."""
+    part and the merge are the same jnp code for both.
+
+    window / causal: a sliding layer's W (context keys and block keys within W of the query's
+    position) and a causal block (drafts.dflash2's masks). A window runs the context part on the
+    XLA path (the Pallas pair takes key ends only)."""
     requested, attention = attention, resolve_train_attention(attention)
+    if window is not None and attention == "pallas_gpu":
+        log.info("training context attention: a sliding window runs on the XLA path")
+        attention = "xla"
+    bmask = None if window is None and not causal else block_mask(block_size, window, causal)
     B, NS, Hq, D = q.shape
     S, Hkv = block_size, kb.shape[2]
     N = NS // S
@@ -135,8 +168,8 @@ def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks
         if attention == "pallas_gpu":
             o1, l1 = ctx_c
         else:
-            o1, l1 = _context_part(qc, kc, vc, ctx_c[0], scale)
-        o2, l2 = _block_part(qc, kbc, vbc, scale)
+            o1, l1 = _context_part(qc, kc, vc, ctx_c[0], scale, window)
+        o2, l2 = _block_part(qc, kbc, vbc, scale, bmask)
         return _merge(o1, l1, o2, l2).astype(q.dtype)                          # [B, c, S, Hkv, G, D]
 
     o = jax.lax.map(one, tuple(chunked(x) for x in (qb, kbb, vbb, *ctx)))
@@ -144,9 +177,12 @@ def split_attention(q, kc, vc, kb, vb, anchors, block_size: int, *, chunk_blocks
     return o.reshape(B, NS, Hq, D)
 
 
-def dense_attention(q, kc, vc, kb, vb, anchors, block_size: int):
+def dense_attention(q, kc, vc, kb, vb, anchors, block_size: int, window: int | None = None,
+                    causal: bool = False):
     """The reference: one softmax over [context ; all block keys] with the full visibility mask
-    (context key t visible iff t < a_j; block key visible iff in the query's own block). Tests only."""
+    (context key t visible iff t < a_j; block key visible iff in the query's own block; with
+    `window` / `causal` also by position: key > p - W, key <= p when causal, key < p + W when
+    not). Tests only."""
     B, NS, Hq, D = q.shape
     T, Hkv = kc.shape[1], kc.shape[2]
     S = block_size
@@ -160,6 +196,14 @@ def dense_attention(q, kc, vc, kb, vb, anchors, block_size: int):
     ctx_vis = (key[None, None, :] < T) & (key[None, None, :] < q_anchor[:, :, None])
     blk_vis = (key[None, :] >= T) & ((key[None, :] - T) // S == q_block[:, None])
     visible = ctx_vis | blk_vis[None]                                          # [B, NS, T+NS]
+    q_pos = q_anchor + (jnp.arange(NS) % S)                                    # [B, NS]
+    k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(T), (B, T)),
+                             jnp.repeat(anchors, S, axis=1) + (jnp.arange(NS) % S)], axis=1)   # [B, T+NS]
+    d = q_pos[:, :, None] - k_pos[:, None, :]                                  # query - key
+    if causal:
+        visible &= d >= 0
+    if window is not None:
+        visible &= (d < window) & (causal | (-d < window))
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhgst,bthd->bshgd", p, v.astype(jnp.float32))
@@ -171,21 +215,27 @@ def draft_forward(draft, block_embeds, feats, anchors, *, chunk_blocks: int = 32
     """The draft over all packed blocks. block_embeds [B, N·S, H] (the target's embedding of
     `block_tokens`), feats [B, T, n·H] the target's taps of the whole sequence, anchors [B, N].
     Returns the final-normed hidden states [B, N·S, H] (slot k of block j at j·S + k).
-    attention / interpret: the context part's implementation (`split_attention`)."""
+    attention / interpret: the context part's implementation (`split_attention`).
+    A DFlash2 draft's layers (drafts.dflash2) run their convs per block (`attention_input`,
+    `attention_output`: the inference code) and each layer's window / causal mask."""
     S = draft.config.block_size
     B, T = feats.shape[:2]
     positions = block_positions(anchors, S)                                    # [B, N·S]
     ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     ctx = draft.context(feats)                                                 # [B, T, H]
     x = block_embeds.astype(draft.dtype)
+    cfg = draft.config
     for i, layer in enumerate(draft.layers):
+        v2 = hasattr(layer, "attention_input")
+        window, causal = cfg.layer_window(i), cfg.layer_causal(i)
         with jax.named_scope(f"draft_layer{i}"):
             kc, vc = layer.context_kv(ctx, ctx_pos)                            # [B, T, Hkv, D]
-            q, kb, vb = layer.qkv_heads(layer.input_layernorm(x), positions)   # [B, N·S, H*, D]
+            h, taps = layer.attention_input(x, S) if v2 else (layer.input_layernorm(x), None)
+            q, kb, vb = layer.qkv_heads(h, positions)                          # [B, N·S, H*, D]
             if dense:
-                o = dense_attention(q, kc, vc, kb, vb, anchors, S)
+                o = dense_attention(q, kc, vc, kb, vb, anchors, S, window, causal)
             else:
                 o = split_attention(q, kc, vc, kb, vb, anchors, S, chunk_blocks=chunk_blocks,
-                                    attention=attention, interpret=interpret)
-            x = layer.attn_mlp(x, o)
+                                    attention=attention, interpret=interpret, window=window, causal=causal)
+            x = layer.attention_output(x, o, taps, S) if v2 else layer.attn_mlp(x, o)
     return draft.norm(x)

@@ -75,11 +75,17 @@ class RunResult:
         return draft_from_params(self.draft_def, self.state.params, dtype)
 
 
+def _draft_class(cfg: DraftConfig):
+    from dflash_jax.drafts import variant_of_config
+    return variant_of_config(cfg).model
+
+
 def draft_from_params(draft_def, params, dtype="float32") -> DFlashDraft:
-    """A DFlashDraft module of `dtype` from the run's float32 master params."""
+    """A draft module (its config's variant: DFlash, DFlash2) of `dtype` from the run's float32
+    master params."""
     cfg = nnx.merge(draft_def, params).config
     dt = jnp.dtype(dtype)
-    shell = nnx.eval_shape(lambda: DFlashDraft(cfg, dt, rngs=nnx.Rngs(0)))
+    shell = nnx.eval_shape(lambda: _draft_class(cfg)(cfg, dt, rngs=nnx.Rngs(0)))
     gd, _ = nnx.split(shell, nnx.Param)
     return nnx.merge(gd, jax.tree.map(lambda p: jnp.asarray(p, dt), params))
 
@@ -135,7 +141,9 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
     must match). step_cfg defaults from the draft's config; `step_kw` overrides its fields."""
     run = run or RunConfig(out_dir="dflash_train_run")
     if isinstance(draft, DraftConfig):
-        draft = DFlashDraft(draft, jnp.float32, rngs=nnx.Rngs(run.seed))
+        cls = _draft_class(draft)
+        draft = (cls.for_training(draft, jnp.float32, seed=run.seed) if hasattr(cls, "for_training")
+                 else cls(draft, jnp.float32, rngs=nnx.Rngs(run.seed)))
     dcfg = draft.config
     dcfg.check_fits(target.config)
     if step_cfg is None:
@@ -168,6 +176,8 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
     ckpt = RunCheckpoints(os.path.join(run.out_dir, "checkpoints"), run.keep_checkpoints)
     contract = dict(step_cfg.contract(), max_len=data.max_len, batch_size=run.batch_size, seed=run.seed,
                     total_steps=step_cfg.total_steps)
+    if dcfg.selector_top_k:
+        contract["selector_weight"] = step_cfg.selector_weight
     identity = dict(target_identity(target, run.model_path), data_path=run.data_path, data=data.fingerprint())
     settings = dict(lr=step_cfg.lr, warmup_frac=step_cfg.warmup_frac, weight_decay=step_cfg.weight_decay,
                     clip_norm=step_cfg.clip_norm, b1=step_cfg.b1, b2=step_cfg.b2,
@@ -229,6 +239,10 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
                 rec = dict(step=step, epoch=epoch, loss=loss, grad_norm=gn, lr=float(m["lr"]),
                            tau_est=float(m["tau_est"]), slot_acc=np.asarray(m["slot_acc"]).round(4).tolist(),
                            tokens_per_s=tok_log / max(dt, 1e-9))
+                if "sel_loss" in m:
+                    rec.update(sel_loss=float(m["sel_loss"]), topk_recall=float(m["topk_recall"]),
+                               sel_tau_est=float(m["sel_tau_est"]),
+                               sel_acc=np.asarray(m["sel_acc"]).round(4).tolist())
                 t_log, tok_log = time.perf_counter(), 0
                 records.append(rec)
                 with open(metrics_path, "a") as f:
@@ -277,11 +291,12 @@ def load_run_draft(run_dir: str, step: int | None = None, dtype="float32") -> tu
     def abstract(meta):
         d = dict(meta["draft_config"])
         d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        d["layer_types"] = tuple(d.get("layer_types") or ())
         dcfg = DraftConfig(**d)
         c = meta["contract"]
         scfg = _SC(block_size=c["block_size"], mask_token_id=c["mask_token_id"],
                    target_layer_ids=tuple(c["target_layer_ids"]), total_steps=c["total_steps"])
-        shell = nnx.eval_shape(lambda: DFlashDraft(dcfg, jnp.float32, rngs=nnx.Rngs(0)))
+        shell = nnx.eval_shape(lambda: _draft_class(dcfg)(dcfg, jnp.float32, rngs=nnx.Rngs(0)))
         holder["def"], params = nnx.split(shell, nnx.Param)
         return jax.eval_shape(lambda p: init_state(p, scfg), params)
 

@@ -53,6 +53,7 @@ class StepConfig:
     anchor_draw_len: int | None = None   # anchors' random draw covers this many positions (None: the
                                          # batch's length); the data's row length, so a batch trimmed
                                          # to its longest row draws the same anchors as a padded one
+    selector_weight: float = 1.0         # contract for a draft with a selector: loss = block + α·selector
 
     def __post_init__(self):
         if not (isinstance(self.block_size, int) and self.block_size >= 2):
@@ -66,6 +67,8 @@ class StepConfig:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac!r}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma!r}")
+        if not self.selector_weight >= 0:
+            raise ValueError(f"selector_weight must be >= 0, got {self.selector_weight!r}")
         if self.train_attention not in TRAIN_ATTENTION:
             raise ValueError(f"train_attention {self.train_attention!r} is not one of {TRAIN_ATTENTION}")
 
@@ -99,9 +102,10 @@ def make_optimizer(cfg: StepConfig) -> optax.GradientTransformation:
 
 
 def split_draft(draft: DFlashDraft, compute_dtype):
-    """(graphdef in the compute dtype, float32 master params) of a draft module of any dtype."""
+    """(graphdef in the compute dtype, float32 master params) of a draft module of any dtype and
+    variant (DFlash, DFlash2)."""
     dt = jnp.dtype(compute_dtype)
-    shell = nnx.eval_shape(lambda: DFlashDraft(draft.config, dt, rngs=nnx.Rngs(0)))
+    shell = nnx.eval_shape(lambda: type(draft)(draft.config, dt, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(shell, nnx.Param)
     params = nnx.state(draft, nnx.Param)
     return graphdef, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
@@ -143,18 +147,33 @@ def loss_and_metrics(params, draft_def, target: CausalLM, tokens, loss_mask, sam
         hidden = draft_forward(draft, embeds, feats, anchors, chunk_blocks=cfg.chunk_blocks, dense=dense,
                                attention=cfg.train_attention)
     labels, weights, valid = block_labels(tokens, loss_mask, anchors, keep, cfg.block_size, cfg.gamma_value)
+    v2 = draft if hasattr(draft, "unary_logits") else None     # DFlash2: its unary logits and selector
+    prev = None
+    if getattr(draft, "candidate_selector", None) is not None:
+        # each slot's gold predecessor: the anchor token for slot 1, else the previous slot's label
+        first = jnp.take_along_axis(tokens, anchors, axis=1).astype(jnp.int32)          # [B, N]
+        prev = jnp.concatenate([first[..., None], labels[..., :-1]], axis=-1)            # [B, N, S-1]
     with jax.named_scope("lm_head"):
-        sums = block_loss_sums(target, hidden, labels, weights, valid, head_chunk=cfg.head_chunk)
+        sums = block_loss_sums(target, hidden, labels, weights, valid, head_chunk=cfg.head_chunk, draft=v2,
+                               prev=prev)
     loss = sums["loss_sum"] / jnp.maximum(sums["weight_sum"], 1e-9)
+    if prev is not None and cfg.selector_weight:
+        loss = loss + cfg.selector_weight * sums["sel_loss_sum"] / jnp.maximum(sums["sel_weight_sum"], 1e-9)
     return loss, sums
 
 
 def _metrics(loss, sums, grad_norm, lr):
-    return dict(loss=loss, grad_norm=grad_norm, lr=lr,
-                slot_acc=sums["slot_correct"] / jnp.maximum(sums["slot_count"], 1.0),
-                tau_est=sums["tau_sum"] / jnp.maximum(sums["blocks"], 1.0),
-                blocks=sums["blocks"], weight_sum=sums["weight_sum"],
-                finite=jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+    m = dict(loss=loss, grad_norm=grad_norm, lr=lr,
+             slot_acc=sums["slot_correct"] / jnp.maximum(sums["slot_count"], 1.0),
+             tau_est=sums["tau_sum"] / jnp.maximum(sums["blocks"], 1.0),
+             blocks=sums["blocks"], weight_sum=sums["weight_sum"],
+             finite=jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+    if "sel_loss_sum" in sums:   # DFlash2's selector: its CE, top-K recall, path accuracy and τ
+        m.update(sel_loss=sums["sel_loss_sum"] / jnp.maximum(sums["sel_weight_sum"], 1e-9),
+                 topk_recall=sums["sel_hits"] / jnp.maximum(jnp.sum(sums["slot_count"]), 1.0),
+                 sel_acc=sums["sel_correct"] / jnp.maximum(sums["slot_count"], 1.0),
+                 sel_tau_est=sums["sel_tau_sum"] / jnp.maximum(sums["blocks"], 1.0))
+    return m
 
 
 def build_step(target_def, draft_def, cfg: StepConfig):

@@ -4,18 +4,31 @@
   xla.py        `jax.lax.ragged_dot` (CPU, and the GPU baseline)
   tpu.py        Pallas Mosaic TPU kernel that schedules only non-empty groups (weights of experts
                 no token chose are never read)
+  gpu.py        Pallas Triton GPU kernel over the non-empty groups only (a weight stream per
+                touched expert), with the gate|up projection and SwiGLU fused
 
-`gmm(lhs, rhs, group_sizes, impl=)` dispatches on the resolved `KernelConfig.moe_gmm`."""
+`gmm(lhs, rhs, group_sizes, impl=)` and `gmm_swiglu` (the experts' first projection and SwiGLU)
+dispatch on the resolved `KernelConfig.moe_gmm`. A shape a kernel cannot tile falls back to XLA
+(logged once)."""
 
 from __future__ import annotations
 
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._common import Unsupported, warn_once
 from pallas_kernels.moe.reference import gmm_reference
 from pallas_kernels.moe.xla import gmm_xla
 
-__all__ = ["gmm", "gmm_reference", "gmm_xla", "GMM_IMPLS"]
+__all__ = ["gmm", "gmm_swiglu", "gmm_reference", "gmm_xla", "GMM_IMPLS"]
 
-# resolved implementations: the XLA op, the TPU kernel, the TPU kernel in the interpreter (tests)
-GMM_IMPLS = ("xla", "pallas_tpu", "pallas_tpu_interpret")
+log = logging.getLogger(__name__)
+
+# resolved implementations: the XLA op, the TPU kernel, the GPU kernel, each kernel in the
+# interpreter (tests)
+GMM_IMPLS = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
 
 
 def gmm(lhs, rhs, group_sizes, impl: str = "xla"):
@@ -26,4 +39,26 @@ def gmm(lhs, rhs, group_sizes, impl: str = "xla"):
     if impl in ("pallas_tpu", "pallas_tpu_interpret"):
         from pallas_kernels.moe import tpu
         return tpu.gmm(lhs, rhs, group_sizes, interpret=impl == "pallas_tpu_interpret")
+    if impl in ("pallas_gpu", "pallas_gpu_interpret"):
+        from pallas_kernels.moe import gpu
+        try:
+            return gpu.gmm(lhs, rhs, group_sizes, interpret=impl == "pallas_gpu_interpret")
+        except Unsupported as e:
+            warn_once(log, f"gmm {lhs.shape} {rhs.shape}", "MoE gmm on XLA: %s", e)
+            return gmm_xla(lhs, rhs, group_sizes)
     raise ValueError(f"gmm impl={impl!r}; expected one of {GMM_IMPLS}")
+
+
+def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla"):
+    """The experts' first projection: lhs [M, K] grouped by expert, gate_up [E, K, 2I] (gate
+    columns first) -> silu(lhs @ gate) * (lhs @ up) [M, I] in lhs's dtype. The GPU kernel fuses it
+    (the [M, 2I] product is never written); elsewhere one gmm and the SwiGLU in XLA."""
+    if impl in ("pallas_gpu", "pallas_gpu_interpret"):
+        from pallas_kernels.moe import gpu
+        try:
+            return gpu.gmm(lhs, gate_up, group_sizes, swiglu=True, interpret=impl == "pallas_gpu_interpret")
+        except Unsupported as e:
+            warn_once(log, f"gmm_swiglu {lhs.shape} {gate_up.shape}", "MoE gmm on XLA: %s", e)
+            impl = "xla"
+    gate, up = jnp.split(gmm(lhs, gate_up, group_sizes, impl), 2, axis=-1)
+    return jax.nn.silu(gate) * up

@@ -102,6 +102,11 @@ def gmm(lhs, rhs, group_sizes, *, tm: int | None = None, tn: int | None = None, 
     S = m_tiles + G - 1
     if interpret is True:
         interpret = pltpu.InterpretParams()
+    if not interpret:
+        # Keep the experts in HBM: where a layer's local experts fit in VMEM (v5e-8: 16 x 6.3 MB of
+        # gate|up), XLA's memory-space assignment would otherwise prefetch them all into VMEM ahead
+        # of the kernel, reading every expert whatever the routing (docs/moe.md).
+        rhs = pltpu.with_memory_space_constraint(rhs, pltpu.HBM)
     out = pl.pallas_call(
         functools.partial(_kernel, tm=tm),
         out_shape=jax.ShapeDtypeStruct((M_pad, N), lhs.dtype),

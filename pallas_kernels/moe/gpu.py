@@ -1,0 +1,163 @@
+"""The grouped matmul as a Triton-lowered Pallas GPU kernel whose weight traffic follows the groups
+that have rows (issue 36: `jax.lax.ragged_dot` on the H200 streams every expert whatever the
+routing).
+
+rows [M, K] sorted by group, group g = `group_sizes[g]` consecutive rows; out[r] = rows[r] @ rhs[g(r)].
+The grid is (slots, N tiles). Slot i is the i-th NON-EMPTY group of a compacted list computed on the
+device (`group_list`: group id, first row, row count; Triton has no scalar prefetch, so the kernel
+reads the list from a small int32 array). A slot past the number of non-empty groups returns at
+once, and there are at most min(G, M) slots (M rows fill at most M groups), so at decode the grid
+is exactly the experts touched x N tiles and an expert no row chose has its weights never read.
+
+A program (slot, column tile) walks its group's rows in tiles of `bm` (masked loads and stores;
+one tile at decode: 1..16 tokens x top-8 over 128 experts is ~1 row per touched expert) and for each
+runs a loop over K in `bk` steps: acc [bm, bn] += x [bm, bk] @ w [bk, bn] (f32 accumulation). With
+so few rows the kernel is a weight stream (a GEMV per touched expert): `bn` is small enough that
+touched experts x N / bn programs fill the SMs, and Triton pipelines the K loop (`num_stages`).
+
+`swiglu=True` fuses the experts' first projection: rhs [G, K, 2I] holds gate columns [0, I) and up
+columns [I, 2I) (the stacked `experts_gate_up`), a program loads both column tiles, and the output
+is silu(x @ gate) * (x @ up) [M, I], each product rounded to the input dtype first as the unfused
+path rounds them (the [M, 2I] intermediate is never written).
+
+lhs is padded by bm rows so every row tile's load stays in bounds (the interpreter clamps an
+out-of-range slice instead of masking it); rows past sum(group_sizes) are zeroed by the wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import Unsupported, precision, pltriton, quiet_triton
+
+__all__ = ["gmm", "group_list", "choose_tiles", "supported"]
+
+
+def group_list(group_sizes, slots: int):
+    """The non-empty groups, compacted: int32 [4, slots] = (group id, first row, rows, count), row 3
+    holding the number of non-empty groups in every column; slots past the count repeat group data
+    of no use (the kernel skips them)."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    order = jnp.argsort(sizes == 0, stable=True)[:slots].astype(jnp.int32)       # non-empty first, by id
+    count = jnp.sum(sizes > 0).astype(jnp.int32)
+    return jnp.stack([order, starts[order], sizes[order], jnp.broadcast_to(count, (slots,))])
+
+
+def _pick(n: int, options) -> int | None:
+    return next((b for b in options if n % b == 0), None)
+
+
+# programs that keep an H100/H200's 132 SMs streaming (two per SM)
+_FILL = 2 * 132
+
+
+def choose_tiles(M: int, K: int, N: int, bm: int | None = None, bn: int | None = None,
+                 bk: int | None = None, slots: int | None = None) -> tuple[int, int, int]:
+    """(bm, bn, bk): 16-row tiles up to 1024 rows (decode, verify; Triton's smallest dot), 64 beyond
+    (prefill: fewer re-reads of a group's weights from L2); column tiles of 64, or 32 when slots x
+    N / 64 programs would leave SMs idle (B = 1 decode: 8 experts x 768 / 64 = 96 programs); K
+    steps of up to 256. bn and bk must divide N and K."""
+    bm = bm or (16 if M <= 1024 else 64)
+    if bn is None:
+        wide = slots is None or slots * (N // 64) >= _FILL
+        bn = _pick(N, (64, 128, 32, 16) if wide else (32, 16, 64, 128))
+    bk = bk or _pick(K, (256, 128, 64, 32, 16))
+    return bm, bn, bk
+
+
+def supported(M: int, K: int, N: int, dtype, swiglu: bool = False) -> bool:
+    bm, bn, bk = choose_tiles(M, K, N // 2 if swiglu else N)
+    return (jnp.dtype(dtype).itemsize in (2, 4) and bn is not None and bk is not None
+            and (not swiglu or N % 2 == 0))
+
+
+def _kernel(meta_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, K: int, half: int,
+            swiglu: bool):
+    # meta_ref [4, slots]; x_ref [M + bm, K], w_ref [G, K, N], o_ref [M + bm, N or N / 2]: whole
+    # arrays, sliced here
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(i < meta_ref[3, i])
+    def _group():
+        g, start, size = meta_ref[0, i], meta_ref[1, i], meta_ref[2, i]
+        n0 = pl.multiple_of(j * bn, bn)
+        rows = lax.broadcasted_iota(jnp.int32, (bm,), 0)
+        prec = precision(x_ref.dtype)
+
+        def row_tile(t, carry):
+            r0 = start + t * bm
+            ok = (t * bm + rows < size)[:, None]                                      # [bm, 1]
+
+            def k_step(kk, accs):
+                k0 = pl.multiple_of(kk * bk, bk)
+                x = pltriton.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=ok, other=0.0)  # [bm, bk]
+                out = []
+                for acc, c0 in zip(accs, (n0, half + n0) if swiglu else (n0,)):
+                    w = w_ref[g, pl.ds(k0, bk), pl.ds(c0, bn)]                          # [bk, bn]
+                    out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=prec))
+                return tuple(out)
+
+            zero = jnp.zeros((bm, bn), jnp.float32)
+            accs = lax.fori_loop(0, K // bk, k_step, (zero, zero) if swiglu else (zero,))
+            if swiglu:
+                gate = accs[0].astype(o_ref.dtype).astype(jnp.float32)
+                up = accs[1].astype(o_ref.dtype).astype(jnp.float32)
+                y = (gate / (1.0 + jnp.exp(-gate))).astype(o_ref.dtype).astype(jnp.float32) * up
+            else:
+                y = accs[0]
+            pltriton.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(o_ref.dtype), mask=ok)
+            return carry
+
+        lax.fori_loop(0, pl.cdiv(size, bm), row_tile, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu", "bm", "bn", "bk", "num_warps", "num_stages",
+                                             "interpret"))
+def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
+        bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+    """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (sum <= M) -> [M, N] in lhs's dtype (f32
+    accumulation), or with swiglu [M, N / 2] = silu(lhs @ rhs[..., :N/2]) * (lhs @ rhs[..., N/2:]);
+    rows past sum(group_sizes) are zero. interpret=True runs the kernel on CPU (tests)."""
+    M, K = lhs.shape
+    G, K2, N = rhs.shape
+    if K2 != K or group_sizes.shape != (G,) or lhs.dtype != rhs.dtype:
+        raise Unsupported(f"gmm: lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype}, "
+                          f"group_sizes {group_sizes.shape} do not agree")
+    if jnp.dtype(lhs.dtype).itemsize not in (2, 4):
+        raise Unsupported(f"gmm: dtype {lhs.dtype} (float32 or a 16-bit float)")
+    if swiglu and N % 2:
+        raise Unsupported(f"gmm: swiglu needs gate|up columns, got N={N}")
+    if G * K * N >= 2 ** 31 or (M + 16) * max(K, N) >= 2 ** 31:
+        raise Unsupported(f"gmm: rhs {rhs.shape} / lhs {lhs.shape} past int32 element offsets")
+    half = N // 2 if swiglu else N
+    slots = max(1, min(G, M))
+    bm, bn, bk = choose_tiles(M, K, half, bm, bn, bk, slots)
+    if bn is None or bk is None or half % bn or K % bk:
+        raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
+    meta = group_list(group_sizes, slots)
+    x = jnp.pad(lhs, ((0, bm), (0, 0)))
+    kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu)
+    with quiet_triton():
+        out = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((M + bm, half), lhs.dtype),
+            grid=(slots, half // bn),
+            in_specs=[
+                pl.BlockSpec((4, slots), lambda i, j: (0, 0)),
+                pl.BlockSpec((M + bm, K), lambda i, j: (0, 0)),
+                pl.BlockSpec((G, K, N), lambda i, j: (0, 0, 0)),
+            ],
+            out_specs=pl.BlockSpec((M + bm, half), lambda i, j: (0, 0)),
+            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name="dflash_gmm_gpu",
+        )(meta, x, rhs)
+    total = jnp.sum(group_sizes)
+    return jnp.where(jnp.arange(M)[:, None] < total, out[:M], 0)
