@@ -246,6 +246,10 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit. On a
     mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
+    `verify_width`: drafts the target verifies per iteration, "auto" (default: chosen per iteration
+    on the device from measured per-width costs and the acceptance seen, docs/adaptive-width.md) or
+    one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the whole block). Lossless at every width.
+    With `slots`, "auto" runs the engine's whole-block step programs (a number runs the adaptive ones).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(GenerateOptions)}
     if unknown:
@@ -333,7 +337,7 @@ def _generate_slots(target, draft, prompts, o: GenerateOptions):
     eng = Slots(target, draft if st.draft_def is not None else None, slots=int(o.slots), capacity=st.capacity,
                 block_size=st.block_size, kernels=st.kernels, step_buckets=o.step_buckets,
                 steps=offline_defaults(platform_of(nnx.state(target)))["steps"],
-                verify_width=o.verify_width if st.draft_def is not None else "auto")
+                verify_width=None if st.draft_def is None or o.verify_width == "auto" else o.verify_width)
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(o.max_new_tokens),
                        temperature=float(o.temperature), top_k=int(o.top_k), top_p=float(o.top_p),
                        stop_ids=tuple(stop), seed=int(o.seed), rng_row=i) for i, r in enumerate(prompts)]

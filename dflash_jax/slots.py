@@ -265,7 +265,7 @@ class Slots:
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
                  steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
-                 step_buckets="auto", verify_width="auto"):
+                 step_buckets="auto", verify_width=None):
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
             insert_width = min(slots, 8) if validation.is_int(slots) else 1
         for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
@@ -279,11 +279,14 @@ class Slots:
             draft = None
         if capacity - S < 2:
             raise ValueError(f"capacity {capacity} leaves no room next to a block of {S}")
-        if draft is None and verify_width not in ("auto", 0):
+        # verify_width None: the whole block in a step program of known trip count (the default);
+        # "auto" or a width: the adaptive program, whose per-width loops XLA:GPU waits on
+        # (docs/adaptive-width.md)
+        if draft is None and verify_width not in (None, "auto", 0):
             raise ValueError(f"verify_width={verify_width!r} needs a draft and a block size above 1")
-        if draft is not None:
+        if draft is not None and verify_width is not None:
             width.width_index(width.widths_for(S), verify_width)
-        self.verify_width = verify_width if draft is not None else "auto"
+        self.verify_width = verify_width if draft is not None else None
         self.target, self.draft = target, draft
         self.slots, self.capacity, self.block_size = int(slots), int(capacity), S
         self.steps, self.insert_width = int(steps), int(insert_width)
@@ -312,7 +315,8 @@ class Slots:
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
         return make_static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                            block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
-                           capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh, adaptive=True)
+                           capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh,
+                           adaptive=self.verify_width is not None)
 
     def _check_buckets(self, buckets) -> tuple[int, ...]:
         """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
