@@ -23,9 +23,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import sampling, sharding, validation
 from dflash_jax.kernel_config import KernelConfig, kernels_from
+from dflash_jax import width
 from dflash_jax.loop import (MAX_STOP_IDS, Params, buckets, clear_compiled, compile_count, compiled, iteration,
                              loop_specs, make_static, merge_models, param_specs, params_on_mesh, pow2, prefill,
-                             resolve_mesh, round_up, row_settings, run, stream_sink, to_host)
+                             resolve_mesh, round_up, row_settings, run, stream_sink, to_host, width_costs,
+                             width_params)
 from dflash_jax import drafts, models
 from dflash_jax.models.stack import CausalLM
 from dflash_jax.slots import RowRequest, Slots, offline_defaults, platform_of
@@ -84,6 +86,7 @@ class GenerateOptions:
     mesh: Any = None
     slots: int | None = None
     step_buckets: Any = "auto"
+    verify_width: Any = "auto"
 
     def program(self) -> dict:
         """The keywords that decide the one-shot program and its inputs (every field but the
@@ -124,6 +127,11 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
         S = 1
     if S == 1:
         draft = None
+    if draft is None and o.verify_width not in ("auto", 0):
+        raise ValueError(f"verify_width={o.verify_width!r} needs a draft and a block size above 1 "
+                         f"(plain decoding verifies no drafts: 'auto' or 0)")
+    if draft is not None:
+        width.width_index(width.widths_for(S), o.verify_width)       # a one-line error for a bad width
     stop = validation.check_stop_ids(o.stop_token_ids, cfg.vocab_size)
     longest = max(len(r) for r in rows)
     Tb, C = buckets(longest, max_new_tokens, S, capacity)
@@ -145,13 +153,41 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = make_static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
-                     prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh)
+                     prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh,
+                     adaptive=True)
     p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                **row_settings([dict(max_new=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      stop_ids=stop, seed=seed, rng_row=i) for i in range(B)]),
-               stream_id=jnp.asarray(0, jnp.int32) if stream else None)
+               stream_id=jnp.asarray(0, jnp.int32) if stream else None,
+               **width_params(st, o.verify_width if draft is not None else "auto"))
     p = params_on_mesh(p, mesh)
     return st, tstate, dstate, p, len(rows), lens
+
+
+def _profile_widths(st, fn, tstate, dstate, p: Params):
+    """Params p with width_cost measured for the program fn (cached per Static, loop.width_costs):
+    each width's iterations timed on p's own prompts with acceptance forced to 0 (one token per
+    iteration, so every width runs the same number of them), less a prefill-only run beside it."""
+    B = p.prompt.shape[0]
+
+    def timed(q) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        step = int(to_host(fn(tstate, dstate, q).step))
+        return time.perf_counter() - t0, step
+
+    def forced(i, max_new):
+        arr = np.asarray if st.mesh is not None else jnp.asarray
+        return params_on_mesh(p.replace(verify_width=arr(np.int32(i)), width_profile=arr(np.bool_(True)),
+                                        max_new=arr(np.full((B,), max_new, np.int32)),
+                                        stop_ids=arr(np.full(p.stop_ids.shape, -1, np.int32))), st.mesh)
+
+    def time_width(i):
+        base = timed(forced(i, 1))[0]            # the prefill alone, next to each timed run
+        t, iters = timed(forced(i, 17))
+        return max(t - base, 0.0) / max(iters, 1)
+    costs = width_costs(st, time_width, len(st.widths))
+    return p.replace(width_cost=params_on_mesh(p.replace(width_cost=costs), st.mesh).width_cost
+                     if st.mesh is not None else jnp.asarray(costs))
 
 
 def compiled_program(target: CausalLM, draft, prompts, **kwargs):
@@ -208,6 +244,10 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit. On a
     mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
+    `verify_width`: drafts the target verifies per iteration, "auto" (default: chosen per iteration
+    on the device from measured per-width costs and the acceptance seen, docs/adaptive-width.md) or
+    one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the whole block). Lossless at every width.
+    With `slots`, "auto" runs the engine's whole-block step programs (a number runs the adaptive ones).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(GenerateOptions)}
     if unknown:
@@ -251,6 +291,8 @@ def _generate(target, draft, prompts, *, on_commit=None, **options):
                                                              **options)
     max_new_tokens = GenerateOptions(**options).max_new_tokens
     fn, compile_time = compiled(st, tstate, dstate, p)
+    if st.widths is not None and GenerateOptions(**options).verify_width == "auto":
+        p = _profile_widths(st, fn, tstate, dstate, p)
 
     def run_once():
         t0 = time.perf_counter()
@@ -292,7 +334,8 @@ def _generate_slots(target, draft, prompts, o: GenerateOptions):
     stop = [int(t) for t in np.asarray(p.stop_ids[0]) if t >= 0]
     eng = Slots(target, draft if st.draft_def is not None else None, slots=int(o.slots), capacity=st.capacity,
                 block_size=st.block_size, kernels=st.kernels, step_buckets=o.step_buckets,
-                steps=offline_defaults(platform_of(nnx.state(target)))["steps"])
+                steps=offline_defaults(platform_of(nnx.state(target)))["steps"],
+                verify_width=None if st.draft_def is None or o.verify_width == "auto" else o.verify_width)
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(o.max_new_tokens),
                        temperature=float(o.temperature), top_k=int(o.top_k), top_p=float(o.top_p),
                        stop_ids=tuple(stop), seed=int(o.seed), rng_row=i) for i, r in enumerate(prompts)]

@@ -466,18 +466,22 @@ class SlotEngine(_EngineCore):
     are done. With pipeline 1 a finished slot is refilled one step later, but the device never
     waits for the host. Compiles happen in `warmup` (the constructor compiles the greedy
     programs for the prompt buckets up to `warmup_prompt_len`) or on a request of a mode or bucket
-    not seen yet, never again after.
+    not seen yet, never again after. verify_width: None (default) verifies the whole block in step
+    programs of known trip count; "auto" or a width as generate's (slots.Slots): "auto" chooses per
+    iteration from the step programs' costs that warmup profiles (a program not profiled verifies
+    the whole block); those programs loop a trip count XLA:GPU does not know (docs/adaptive-width.md).
     """
 
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
                  steps: int = 4, insert_width: int | None = None, kernels=None,
-                 warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto"):
+                 warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto",
+                 verify_width=None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl,
-                           step_buckets=step_buckets)
+                           step_buckets=step_buckets, verify_width=verify_width)
         if not validation.is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         self.pipeline = int(pipeline)

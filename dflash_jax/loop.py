@@ -9,6 +9,8 @@ prompt, first token), then a `lax.while_loop` whose iteration (`iterate`)
   (5) commits per row: tokens, lengths, pending context = target taps of the committed tokens,
       stop flags (stop token, max_new_tokens, capacity) and per-iteration acceptance lengths.
 Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no draft step.
+With adaptive widths (Static.widths, dflash_jax.width) each iteration verifies only the last token
+plus the first W drafts, W chosen on the device per iteration; W = 0 skips the draft pass.
 The host API around it (`generate`) is dflash_jax.decode; the slot engine's programs over the same
 `prefill` and `iterate` are dflash_jax.slots.
 
@@ -39,7 +41,7 @@ from flax import nnx, struct
 from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import sampling, sharding, validation
+from dflash_jax import sampling, sharding, validation, width
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.cache import KVCache
 from dflash_jax.models.stack import CausalLM
@@ -47,7 +49,8 @@ from dflash_jax.models.stack import CausalLM
 __all__ = ["Static", "Params", "LoopState", "prefill", "iterate", "iteration", "run", "compiled", "cached_program",
            "compile_count", "clear_compiled", "stream_sink", "make_static", "buckets", "row_settings", "idle_params",
            "params_on_mesh", "param_specs", "loop_specs", "resolve_mesh", "merge_models", "to_host", "row_keys",
-           "pow2", "round_up", "MAX_STOP_IDS"]
+           "pow2", "round_up", "MAX_STOP_IDS", "GLOBAL_FIELDS", "rows_only", "with_globals", "width_costs",
+           "width_params", "pick_width"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,11 @@ class Static:
     kernels: KernelConfig     # resolved
     stream: bool
     mesh: Any = None          # jax.sharding.Mesh ('data', 'model') the program runs on; None: one device
+    # the verify widths (drafts verified) one iteration may pick from (width.widths_for); None: the
+    # whole block every iteration, no width choice in the program
+    widths: Any = None
+    # benchmark only (_simulated_acceptance): each row's acceptance drawn from Params.sim_survival
+    simulate: bool = False
 
 
 @struct.dataclass
@@ -83,6 +91,11 @@ class Params:
     # call (not its batch slot), so a request's samples do not depend on where it runs.
     rng_row: jax.Array
     stream_id: Any = None      # [] int32: the call's on_commit in _STREAMS (streaming programs only)
+    # Verify width (programs with Static.widths only; replicated, so every replica decides alike):
+    verify_width: Any = None   # [] int32: index into Static.widths, or -1: chosen per iteration (width.choose)
+    width_cost: Any = None     # [n_widths] float32: measured cost of an iteration at each width
+    width_profile: Any = None  # [] bool: accept nothing (host profiling of width_cost: one token per iteration)
+    sim_survival: Any = None   # [S-1] float32: benchmark only (Static.simulate), the drawn acceptance's survival
 
 
 @struct.dataclass
@@ -98,6 +111,22 @@ class LoopState:
     accept_log: jax.Array      # [B, C] tokens produced per iteration
     iters: jax.Array           # [B] iterations per row
     step: jax.Array            # [] loop iterations
+    width_stats: Any = None    # [2, S-1] float32 acceptance statistics (width.update), or None
+    width: Any = None          # [] int32 the last iteration's width index, or None
+
+
+# LoopState fields that are not per row (slot programs keep them out of row gathers and scatters)
+GLOBAL_FIELDS = ("step", "width_stats", "width")
+
+
+def rows_only(s: LoopState) -> LoopState:
+    """s without its global fields (GLOBAL_FIELDS set to None), for per-row tree maps."""
+    return s.replace(**{k: None for k in GLOBAL_FIELDS})
+
+
+def with_globals(s: LoopState, src: LoopState) -> LoopState:
+    """s with src's global fields."""
+    return s.replace(**{k: getattr(src, k) for k in GLOBAL_FIELDS})
 
 
 # Streaming: the compiled program calls this one host function with the call's id (a traced value,
@@ -179,6 +208,10 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     stop = jnp.any(first[:, None] == p.stop_ids, axis=1)
     done = ~p.active | stop | _finished(st, lens, limit, S)
     tcache = dataclasses.replace(tcache, lens=lens)
+    wstats = wsel = None
+    if st.widths is not None and draft is not None:
+        wstats = jnp.zeros((2, S - 1), jnp.float32)
+        wsel = jnp.asarray(len(st.widths) - 1, jnp.int32)
     stopped = None
     if st.stream:  # the prefill token is the first committed token
         halt = _stream(p, first[:, None], p.active.astype(jnp.int32))
@@ -186,25 +219,27 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     return _placed(st, LoopState(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
                                  pending_count=jnp.zeros((B,), jnp.int32), done=done, stopped=stopped,
                                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
-                                 step=jnp.zeros((), jnp.int32)))
+                                 step=jnp.zeros((), jnp.int32), width_stats=wstats, width=wsel))
 
 
 def iteration(st: Static, target: CausalLM, draft, p: Params, s: LoopState) -> LoopState:
     return iterate(st, target, draft, p, s)[0]
 
 
-def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
-    """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
-    row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it."""
-    B, S, C = st.batch, st.block_size, st.capacity
+def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int):
+    """Draft (W > 0), verify the last token + the first W drafts, accept. Returns (block [B, S]
+    zero-padded past W + 1, a [B] drafts accepted (<= W), next [B] the bonus / correction, feats
+    [B, S, n_taps·H] zero-padded (None without a draft), target cache, draft cache). W = 0 with a
+    draft is a plain step that still writes last iteration's context into the draft cache, so the
+    draft's context stays complete for the next block."""
+    B, S = st.batch, st.block_size
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
     limit = p.prompt_lens + p.max_new
-    remaining = limit - lens                                                    # >= 2 on active rows
-    positions = lens[:, None] + j                                               # [B, S]
+    positions = lens[:, None] + j[:W + 1]                                       # [B, W+1]
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
-    dcache, taps, proposal = s.draft_cache, (), None
-    if draft is not None:   # the proposer: DFlashDraft.propose, or anything with its signature
+    dcache, taps, proposal, block = s.draft_cache, (), None, current
+    if draft is not None and W > 0:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
         args = (target, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
         if st.mode != "greedy" and getattr(draft, "samples_drafts", False):
@@ -212,19 +247,74 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
             draft_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0xD2AF7))(row_keys(p, lens))
             drafts, dcache, proposal = draft.propose(*args, block_size=S, kernels=st.kernels,
                                                      temperature=p.temperature, keys=draft_keys)
+            proposal = tuple(x[:, :W] for x in proposal)       # the unverified tail leaves acceptance
         else:
             drafts, dcache = draft.propose(*args, block_size=S, kernels=st.kernels)  # [B, S-1]
-        block = jnp.concatenate([current, drafts], axis=1)                          # [B, S]
-    else:
-        block = current
+        block = jnp.concatenate([current, drafts[:, :W]], axis=1)                  # [B, W+1]
+    elif draft is not None:
+        taps = st.taps
+        with jax.named_scope("draft_context"):
+            pend_pos = (lens - s.pending_count)[:, None] + j
+            dcache = dataclasses.replace(draft.write_context(s.pending, pend_pos, s.draft_cache), lens=lens)
     with jax.named_scope("verify"):
         h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
                                   kernels=st.kernels)
-        logits = target.logits(h)                                                   # [B, S, V]
+        logits = target.logits(h)                                                   # [B, W+1, V]
     with jax.named_scope("accept"):
         keys = row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
                                  st.kernels, proposal=proposal)
+        if st.simulate:   # benchmark only: real costs at a drawn acceptance (its bonus: the argmax there)
+            sim_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0x51A))(keys)
+            a = jnp.minimum(width.simulate(p.sim_survival, sim_keys), W)
+            nxt = sharding.argmax(jnp.take_along_axis(logits, a[:, None, None], axis=1))[:, 0]
+        if p.width_profile is not None:   # profiling a width's cost: nothing accepted
+            a = jnp.where(p.width_profile, 0, a)
+            nxt = jnp.where(p.width_profile, sharding.argmax(logits[:, :1])[:, 0], nxt)
+    pad = S - (W + 1)
+    block = jnp.pad(block, ((0, 0), (0, pad)))
+    if draft is not None:
+        feats = jnp.pad(feats, ((0, 0), (0, pad), (0, 0)))
+    else:
+        feats = None
+    return block, a.astype(jnp.int32), nxt.astype(jnp.int32), feats, tcache, dcache
+
+
+def pick_width(st: Static, p: Params, s: LoopState):
+    """The width index of the next iteration (width.choose over replicated values)."""
+    force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
+    cost = p.width_cost if p.width_cost is not None else jnp.ones((len(st.widths),), jnp.float32)
+    return width.choose(s.width_stats, cost, s.width, s.step, force, st.widths)
+
+
+def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int | None = None):
+    """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
+    row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it.
+    With Static.widths: k (a Python int) runs width index k (run and the slot step call it so, from
+    one while loop per width); None chooses it first and runs that width's branch of a lax.switch
+    (one iteration alone, e.g. `iteration`; inside a loop the switch copies the caches, see run)."""
+    B, S, C = st.batch, st.block_size, st.capacity
+    j = jnp.arange(S, dtype=jnp.int32)
+    lens = s.lens
+    limit = p.prompt_lens + p.max_new
+    remaining = limit - lens                                                    # >= 2 on active rows
+    wstats, wsel = s.width_stats, s.width
+    if st.widths is None or draft is None:
+        block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, S - 1 if draft is not None else 0)
+    elif k is not None:
+        wsel = jnp.asarray(k, jnp.int32)
+        block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, st.widths[k])
+    else:
+        with jax.named_scope("choose_width"):
+            wsel = pick_width(st, p, s)
+        block, a, nxt, feats, tcache, dcache = jax.lax.switch(
+            wsel, [functools.partial(_verify, st, target, draft, p, s, W) for W in st.widths])
+    if wstats is not None:
+        ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
+        wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
+        force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
+        wsel = width.kept(wsel, s.width, s.step, force)
+    with jax.named_scope("accept"):
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
         produced = jnp.minimum(a + 1, remaining - 1)
@@ -247,8 +337,9 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
             halt = _stream(p, commit, produced)
             stopped, done = s.stopped | (halt & ~done), done | halt
     return _placed(st, LoopState(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
-                                 draft_cache=dcache, pending=feats if draft is not None else None, pending_count=produced,
-                                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32), step=s.step + 1)), commit, produced
+                                 draft_cache=dcache, pending=feats, pending_count=produced,
+                                 done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32),
+                                 step=s.step + 1, width_stats=wstats, width=wsel)), commit, produced
 
 
 def loop_specs(st: Static, s: LoopState) -> LoopState:
@@ -265,7 +356,8 @@ def loop_specs(st: Static, s: LoopState) -> LoopState:
     return LoopState(tokens=mat, lens=row, target_cache=cache(s.target_cache),
                      draft_cache=None if s.draft_cache is None else cache(s.draft_cache),
                      pending=None if s.pending is None else P("data", None, None), pending_count=row, done=row,
-                     stopped=None if s.stopped is None else row, accept_log=mat, iters=row, step=P())
+                     stopped=None if s.stopped is None else row, accept_log=mat, iters=row, step=P(),
+                     width_stats=None if s.width_stats is None else P(), width=None if s.width is None else P())
 
 
 def _on_mesh(st: Static, cache):
@@ -288,8 +380,21 @@ def run(st: Static, target_state, draft_state, p: Params):
         target = nnx.merge(st.target_def, target_state)
         draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
         s = prefill(st, target, draft, p)
-        s = jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.step < st.capacity),
-                               lambda s: iteration(st, target, draft, p, s), s)
+        running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)                  # noqa: E731
+        if st.widths is None or draft is None:
+            return jax.lax.while_loop(running, lambda s: iteration(st, target, draft, p, s), s)
+
+        # One while loop per width, each running while the choice stays on its width, inside an
+        # outer loop that visits them in turn (each visit runs >= 1 iteration: the width chosen is
+        # one of them). A lax.switch over the widths would do the same with one loop, but XLA then
+        # copies every KV-cache buffer into each branch per iteration (in-place updates inside
+        # conditional branches); a while loop carries them in place (docs/adaptive-width.md).
+        def visit(s):
+            for k in range(len(st.widths)):
+                s = jax.lax.while_loop(lambda s, k=k: running(s) & (pick_width(st, p, s) == k),
+                                       lambda s, k=k: iterate(st, target, draft, p, s, k)[0], s)
+            return s
+        s = jax.lax.while_loop(running, visit, s)
     return s
 
 
@@ -301,8 +406,32 @@ _COMPILES = [0]
 
 
 def clear_compiled() -> None:
-    """Drop every cached generation program (they are kept per static key for the process's life)."""
+    """Drop every cached generation program (they are kept per static key for the process's life)
+    and the verify-width costs measured on them."""
     _COMPILED.clear()
+    _WIDTH_COSTS.clear()
+
+
+# Measured cost of an iteration at each verify width, per program (key: its cache key), seconds
+_WIDTH_COSTS: dict = {}
+
+
+def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
+    """[n] float32 seconds per iteration at each width index of the program `key`, measured once by
+    time_width(index) -> seconds (the caller runs its program forced to that width) and cached:
+    `rounds` interleaved rounds over the widths after one warm-up call, the fastest of each kept
+    (robust to a busy host), then made non-decreasing in the width (more verified rows never cost
+    less; the measured order can only be noise)."""
+    costs = _WIDTH_COSTS.get(key)
+    if costs is None:
+        time_width(n - 1)
+        costs = np.full((n,), np.inf)
+        for _ in range(rounds):
+            costs = np.minimum(costs, [time_width(i) for i in range(n)])
+        costs = np.maximum.accumulate(np.maximum(costs, 1e-3 * max(float(costs.max()), 1e-9)))
+        costs = costs.astype(np.float32)
+        _WIDTH_COSTS[key] = costs
+    return costs
 
 
 def compile_count() -> int:
@@ -330,13 +459,38 @@ def buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity:
 
 
 def make_static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            kernels, stream=False, mesh=None) -> Static:
+            kernels, stream=False, mesh=None, adaptive=False) -> Static:
+    """The compile key. adaptive: the program picks its verify width per iteration (Static.widths;
+    only with a draft and a block of more than one token)."""
     has_draft = draft_def is not None
+    widths = width.widths_for(block_size) if adaptive and has_draft and block_size > 1 else None
     return Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
-                   stream=stream, mesh=mesh)
+                   stream=stream, mesh=mesh, widths=widths, simulate=widths is not None and _SIMULATE[0] is not None)
+
+
+# Benchmark only: a survival profile that adaptive programs built meanwhile draw their acceptance
+# from (Static.simulate marks them, so they never share a cache entry with real ones; the profile
+# itself is a traced value, width_params). Reached only through _simulated_acceptance, which no CLI
+# flag, generate() keyword or server path sets.
+_SIMULATE: list = [None]
+
+
+@contextlib.contextmanager
+def _simulated_acceptance(survival):
+    """Within the block, programs built (make_static) replace each row's accepted drafts by a draw
+    from `survival` (P(a > p) = survival[p], clipped to the width verified): real weights' costs at a
+    chosen acceptance, for scripts/bench_adaptive.py. Not thread-safe; benchmarks only."""
+    s = tuple(float(x) for x in survival)
+    if any(not 0.0 <= x <= 1.0 for x in s) or any(b > a for a, b in zip(s, s[1:])):
+        raise ValueError("a survival profile is non-increasing values in [0, 1]")
+    prev, _SIMULATE[0] = _SIMULATE[0], s
+    try:
+        yield s
+    finally:
+        _SIMULATE[0] = prev
 
 
 def resolve_mesh(mesh, target, draft):
@@ -422,6 +576,25 @@ def compiled(st: Static, tstate, dstate, p) -> tuple[Any, float]:
 def merge_models(st: Static, tstate, dstate):
     """The target and the draft (None for plain decoding) of st, merged from their states."""
     return nnx.merge(st.target_def, tstate), (None if st.draft_def is None else nnx.merge(st.draft_def, dstate))
+
+
+def width_params(st: Static, verify_width="auto", costs=None) -> dict:
+    """Params' verify-width fields of a program (empty without Static.widths): the forced index (-1:
+    auto), the costs (ones until measured: full width wins) and the profiling flag off; replicated."""
+    if st.widths is None:
+        return {}
+    put = (lambda x: x) if st.mesh is None else (lambda x: jax.device_put(x, NamedSharding(st.mesh, P())))
+    costs = np.ones((len(st.widths),), np.float32) if costs is None else np.asarray(costs, np.float32)
+    out = dict(verify_width=put(jnp.asarray(width.width_index(st.widths, verify_width), jnp.int32)),
+               width_cost=put(jnp.asarray(costs)), width_profile=put(jnp.asarray(False)))
+    if st.simulate:
+        if _SIMULATE[0] is None:
+            raise RuntimeError("a simulated-acceptance program needs loop._simulated_acceptance active")
+        sim = np.zeros((st.block_size - 1,), np.float32)
+        prof = np.asarray(_SIMULATE[0], np.float32)[:st.block_size - 1]
+        sim[:len(prof)] = prof
+        out["sim_survival"] = put(jnp.asarray(sim))
+    return out
 
 
 def idle_params(batch: int, prompt_bucket: int) -> Params:

@@ -31,8 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import sampling, sharding, validation
 from dflash_jax.kernel_config import kernels_from
+from dflash_jax import width
 from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
-                             merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings)
+                             merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings,
+                             pick_width, rows_only, width_costs, width_params, with_globals)
 
 __all__ = ["Slots", "Pipeline", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
@@ -72,7 +74,7 @@ def _slots_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows)
     with sharding.active(st.mesh):
         new = prefill(st, *merge_models(st, tstate, dstate), p)
         put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
-        loop = jax.tree.map(put, slots.loop.replace(step=None), new.replace(step=None)).replace(step=slots.loop.step)
+        loop = with_globals(jax.tree.map(put, rows_only(slots.loop), rows_only(new)), slots.loop)
         params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
         first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
         return _slots_placed(st, SlotState(loop=loop, params=params)), first, new.done
@@ -92,15 +94,15 @@ def _slots_placed(st: Static, slots: SlotState) -> SlotState:
                         _slots_specs(st, slots), slots, is_leaf=lambda x: isinstance(x, P))
 
 
-def _slots_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release):
+def _slots_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp):
     """n_iters iterations of iterate over every slot; slots with release [B] set are marked done
-    first. Returns (slots, commits [n, B, S], produced [n, B], done [B]): slot b committed
+    first; wp: the verify-width fields of Params (loop.width_params; {} without widths). Returns (slots, commits [n, B, S], produced [n, B], done [B]): slot b committed
     commits[k, b, :produced[k, b]] at iteration k (a done row commits nothing)."""
     with sharding.active(st.mesh):
-        return _slots_step_body(st, n_iters, tstate, dstate, slots, release)
+        return _slots_step_body(st, n_iters, tstate, dstate, slots, release, wp)
 
 
-def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release):
+def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp):
     """The step's n_iters iterations as a loop of that fixed trip count, run only when some row is
     not done: a step whose rows are all done at its start (the step dispatched ahead of the read
     that finishes its last request, and every step after a release of the rest) runs no iteration
@@ -111,24 +113,51 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
     (docs/perf-log.md, session 22). The one condition reads its predicate once per step, at the
     step's start, after the previous program: the host still dispatches ahead by a step, and a
     step of done rows costs that read instead of n_iters full iterations (docs/perf-log.md, issue
-    33: the served embedded pair)."""
+    33: the served embedded pair). With adaptive widths (st.widths) the iterations run in one while
+    loop per width instead (see below); wp: the Params' verify-width fields."""
     target, draft = merge_models(st, tstate, dstate)
     loop = slots.loop.replace(done=slots.loop.done | release)
+    params = slots.params.replace(**wp)
 
-    def iterations(s):
-        def body(s, _):
-            s, commit, n = iterate(st, target, draft, slots.params, s)
-            return s, (commit, n)
-        return jax.lax.scan(body, s, None, length=n_iters)                   # [n, B, S], [n, B]
+    if st.widths is None or draft is None:
+        def iterations(s):
+            def body(s, _):
+                s, commit, n = iterate(st, target, draft, params, s)
+                return s, (commit, n)
+            return jax.lax.scan(body, s, None, length=n_iters)                   # [n, B, S], [n, B]
 
-    def idle(s):
-        return s, (jnp.zeros((n_iters, st.batch, st.block_size), jnp.int32), jnp.zeros((n_iters, st.batch), jnp.int32))
+        def idle(s):
+            return s, (jnp.zeros((n_iters, st.batch, st.block_size), jnp.int32),
+                       jnp.zeros((n_iters, st.batch), jnp.int32))
 
-    loop, (commits, produced) = jax.lax.cond(jnp.any(~loop.done), iterations, idle, loop)
+        loop, (commits, produced) = jax.lax.cond(jnp.any(~loop.done), iterations, idle, loop)
+        return slots.replace(loop=loop), commits, produced, loop.done
+    # Adaptive widths: one while loop per width, as loop.run (a lax.switch per iteration would copy
+    # every cache buffer into its branch). Its trip count is unknown to XLA:GPU anyway (the
+    # host-wait cost of session 22 applies again, docs/adaptive-width.md), so it also stops as soon
+    # as every row is done.
+    B, S = st.batch, st.block_size
+    start = loop.step
+    out = (loop, jnp.zeros((n_iters, B, S), jnp.int32), jnp.zeros((n_iters, B), jnp.int32))
+    left = lambda c: (c[0].step < start + n_iters) & jnp.any(~c[0].done)                   # noqa: E731
+
+    def one(k):
+        def body(c):
+            s, commits, produced = c
+            i = s.step - start
+            s, commit, n = iterate(st, target, draft, params, s, k)
+            return s, commits.at[i].set(commit), produced.at[i].set(n)
+        return body
+
+    def visit(c):
+        for k in range(len(st.widths)):
+            c = jax.lax.while_loop(lambda c, k=k: left(c) & (pick_width(st, params, c[0]) == k), one(k), c)
+        return c
+    loop, commits, produced = jax.lax.while_loop(left, visit, out)
     return slots.replace(loop=loop), commits, produced, loop.done
 
 
-def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, idx):
+def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, idx):
     """_slots_step over the n slots `idx` [n] int32 alone (distinct slot indices: the busy ones,
     padded with free ones), st being the full state's (batch = every slot). `release` is applied to
     every slot's done first; the n rows of the state are gathered, run by _slots_step_body in a
@@ -139,12 +168,12 @@ def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
         n = idx.shape[0]
         loop = slots.loop.replace(done=slots.loop.done | release)
         take = lambda x: x[idx]                                                      # noqa: E731
-        sub = SlotState(loop=jax.tree.map(take, loop.replace(step=None)).replace(step=loop.step),
+        sub = SlotState(loop=with_globals(jax.tree.map(take, rows_only(loop)), loop),
                         params=jax.tree.map(take, slots.params))
         sub, commits, produced, _ = _slots_step_body(dataclasses.replace(st, batch=n), n_iters, tstate, dstate,
-                                                     sub, jnp.zeros((n,), bool))
+                                                     sub, jnp.zeros((n,), bool), wp)
         put = lambda old, x: old.at[idx].set(x, unique_indices=True)                # noqa: E731
-        loop = jax.tree.map(put, loop.replace(step=None), sub.loop.replace(step=None)).replace(step=sub.loop.step)
+        loop = with_globals(jax.tree.map(put, rows_only(loop), rows_only(sub.loop)), sub.loop)
         B = st.batch
         commits = jnp.zeros((n_iters, B, st.block_size), jnp.int32).at[:, idx].set(commits, unique_indices=True)
         produced = jnp.zeros((n_iters, B), jnp.int32).at[:, idx].set(produced, unique_indices=True)
@@ -236,7 +265,7 @@ class Slots:
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
                  steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
-                 step_buckets="auto"):
+                 step_buckets="auto", verify_width=None):
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
             insert_width = min(slots, 8) if validation.is_int(slots) else 1
         for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
@@ -250,6 +279,14 @@ class Slots:
             draft = None
         if capacity - S < 2:
             raise ValueError(f"capacity {capacity} leaves no room next to a block of {S}")
+        # verify_width None: the whole block in a step program of known trip count (the default);
+        # "auto" or a width: the adaptive program, whose per-width loops XLA:GPU waits on
+        # (docs/adaptive-width.md)
+        if draft is None and verify_width not in (None, "auto", 0):
+            raise ValueError(f"verify_width={verify_width!r} needs a draft and a block size above 1")
+        if draft is not None and verify_width is not None:
+            width.width_index(width.widths_for(S), verify_width)
+        self.verify_width = verify_width if draft is not None else None
         self.target, self.draft = target, draft
         self.slots, self.capacity, self.block_size = int(slots), int(capacity), S
         self.steps, self.insert_width = int(steps), int(insert_width)
@@ -278,7 +315,8 @@ class Slots:
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
         return make_static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                            block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
-                           capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh)
+                           capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh,
+                           adaptive=self.verify_width is not None)
 
     def _check_buckets(self, buckets) -> tuple[int, ...]:
         """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
@@ -336,22 +374,63 @@ class Slots:
         return cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
                               (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
 
+    def _step_key(self, mode: str, rows: int | None):
+        st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
+        full = rows is None or rows == self.slots
+        return st, (("engine_step", st, self.steps) if full else ("engine_step_rows", st, self.steps, rows))
+
     def _step_program(self, mode: str, rows: int | None = None):
         """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them)."""
-        st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
+        st, key = self._step_key(mode, rows)
+        wp = width_params(st)
         if rows is None or rows == self.slots:
-            return cached_program(("engine_step", st, self.steps), _slots_step, (st, self.steps),
-                                  (self._tstate, self._dstate, self.state, self._put(self._release)), donate=(2,))
+            return cached_program(key, _slots_step, (st, self.steps),
+                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp), donate=(2,))
         idx = self._put(np.arange(rows, dtype=np.int32))
-        return cached_program(("engine_step_rows", st, self.steps, rows), _slots_step_rows, (st, self.steps),
-                              (self._tstate, self._dstate, self.state, self._put(self._release), idx), donate=(2,))
+        return cached_program(key, _slots_step_rows, (st, self.steps),
+                              (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx), donate=(2,))
+
+    def _width_params(self, mode: str, rows: int | None, profile_width: int | None = None) -> dict:
+        """The verify-width fields of a step's Params: this engine's verify_width, the costs profiled
+        for that step program (warmup; none yet: ones, so "auto" keeps the whole block), or a
+        profiling step forced to width index profile_width with nothing accepted."""
+        st, key = self._step_key(mode, rows)
+        if st.widths is None:
+            return {}
+        if profile_width is not None:
+            wp = width_params(st, st.widths[profile_width])
+            return dict(wp, width_profile=self._put(np.bool_(True), P()))
+        from dflash_jax.loop import _WIDTH_COSTS
+        return width_params(st, self.verify_width, _WIDTH_COSTS.get(key))
+
+    def profile_widths(self, mode: str = "greedy", rows: int | None = None) -> None:
+        """Measure the step program's iteration cost at each verify width (for "auto"), once per
+        program: steps over the current state forced to each width with nothing accepted. Every
+        slot must be free (a free row's iteration costs what a busy one's does: fixed shapes)."""
+        st, key = self._step_key(mode, rows)
+        if st.widths is None or self.verify_width != "auto" or not bool(np.all(np.asarray(self.state.loop.done))):
+            return
+        n = rows or self.slots
+        prog = self._step_program(mode, n)
+        idx = () if n == self.slots else (self._put(np.arange(n, dtype=np.int32)),)
+
+        def time_width(i):
+            t0 = time.perf_counter()
+            self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
+                                             self._width_params(mode, n, i), *idx)
+            jax.block_until_ready(commits)
+            return (time.perf_counter() - t0) / self.steps
+        width_costs(key, time_width, len(st.widths))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
         """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
-        step programs of these modes (every step bucket) now, so no request waits for a compile."""
+        step programs of these modes (every step bucket) now, so no request waits for a compile;
+        with verify_width "auto", profile each step program's widths (profile_widths) while every
+        slot is free."""
         for m in modes:
             for n in self.step_buckets or (self.slots,):
                 self._step_program(m, n)
+                self.profile_widths(m, n)
             for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
                 for w in self.insert_widths():
                     self._insert_program(n, m, w)
@@ -422,13 +501,15 @@ class Slots:
         n = self.step_bucket(len(busy))
         prog = self._step_program(union_mode(self.modes[b] for b in busy), n)
         self.bucket_steps[n] += 1
+        wp = self._width_params(union_mode(self.modes[b] for b in busy), n)
         if n == self.slots:
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release))
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release),
+                                                       wp)
         else:
             taken = set(busy)
             idx = busy + [b for b in range(self.slots) if b not in taken][:n - len(busy)]
             self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release),
-                                                       self._put(np.asarray(idx, np.int32)))
+                                                       wp, self._put(np.asarray(idx, np.int32)))
         self._release[:] = False
         return commits, produced, done
 

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: python -m dflash_jax.benchmark --model Qwen/Qwen3-8B --draft "
                "z-lab/Qwen3-8B-DFlash-b16 --dataset gsm8k --max-samples 128 --output report.json")
     cli.add_model_args(p)
+    cli.add_width_args(p)
     # 2048 new tokens is the paper's setting; τ on long reasoning answers differs from short ones.
     cli.add_sampling_args(p, max_new_tokens=2048)
     d = p.add_argument_group("prompts")
@@ -147,7 +148,8 @@ def _run(target, draft, prompts, args, stops, block_size, bar) -> list[dict[str,
         res = cli._generate(target, draft, [p["ids"] for p in batch], max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             stop_token_ids=stops or None, block_size=block_size, seed=args.seed,
-                            attention_impl=args.attention)
+                            attention_impl=args.attention,
+                            verify_width=args.verify_width if block_size > 1 else "auto")
         for i, p in enumerate(batch):
             acc = list(map(int, res.acceptance_lengths[i]))
             out.append(dict(id=p["id"], prompt_tokens=len(p["ids"]), new_tokens=len(res.tokens[i]),
@@ -224,6 +226,7 @@ def _main(argv: Sequence[str] | None) -> int:
     block = cli.effective_block_size(args, draft)
     if draft is None or block < 2:
         parser.error("the benchmark needs a draft and a block size >= 2")
+    cli.check_verify_width(parser, args, draft)
     stops = [] if args.ignore_eos or args.random_init else cli.stop_token_ids(args.model_dir, tokenizer)
     stops = list(dict.fromkeys(stops + args.extra_stop_ids))
 
@@ -265,7 +268,7 @@ def _main(argv: Sequence[str] | None) -> int:
         dataset=dataset, data_file=args.data_file,
         model=args.model or f"random-init:{args.random_init}",
         draft=args.draft or ("random" if args.random_init else None),
-        block_size=block, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        block_size=block, verify_width=args.verify_width, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, dtype=args.dtype,
         attention=args.attention, thinking=args.thinking == "on", num_samples=len(prompts),
         tau=tau, tau_histogram=hist, draft_tokens_per_s=draft_tps, draft_new_tokens=draft_tokens,

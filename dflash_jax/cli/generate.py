@@ -134,6 +134,41 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "parallel, data = batch rows; N*M must equal the device count (all hosts' together)")
 
 
+def _verify_width_arg(text: str):
+    t = text.strip().lower()
+    if t == "auto":
+        return "auto"
+    try:
+        v = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of drafts, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be auto or >= 0, got {v}")
+    return v
+
+
+def add_width_args(p: argparse.ArgumentParser) -> None:
+    """--verify-width (generate and benchmark): drafts the target verifies per iteration."""
+    p.add_argument("--verify-width", default="auto", type=_verify_width_arg, metavar="{auto,0,1,3,7,15}",
+                   help="drafts the target verifies per iteration: auto (default: chosen per iteration from "
+                        "measured costs and acceptance, docs/adaptive-width.md) or a fixed one of 0, 1, 3, 7, "
+                        "... up to block size - 1 (0 = plain decoding, block size - 1 = the whole block)")
+
+
+def check_verify_width(parser, args: argparse.Namespace, draft) -> None:
+    """--verify-width against the run's block size (exit 2 with the allowed widths)."""
+    from dflash_jax import width
+    block = effective_block_size(args, draft)
+    if args.verify_width == "auto" or (block < 2 and args.verify_width == 0):
+        return
+    if block < 2:
+        parser.error(f"--verify-width {args.verify_width} needs a draft and a block size above 1")
+    try:
+        width.width_index(width.widths_for(block), args.verify_width)
+    except ValueError as e:
+        parser.error("--" + str(e).replace("verify_width", "verify-width", 1))
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
@@ -620,6 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  python -m dflash_jax.generate --model ./qwen3 --draft ./draft --messages chat.json --stop '\\n\\n'\n")
     p.add_argument("prompt", nargs="?", help="user message (default: read stdin)")
     add_model_args(p)
+    add_width_args(p)
     add_sampling_args(p, max_new_tokens=256)
     g = p.add_argument_group("prompt")
     g.add_argument("--system", help="system message")
@@ -774,10 +810,11 @@ def _main(argv: Sequence[str] | None) -> int:
     stops = [] if args.ignore_eos else stop_token_ids(args.model_dir, tokenizer)
     stops = list(dict.fromkeys(stops + args.extra_stop_ids))
     block = effective_block_size(args, draft)
+    check_verify_width(parser, args, draft)
     stream = not (args.no_stream or args.json) and len(prompts) == 1
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
               top_k=args.top_k, stop_token_ids=stops or None, block_size=block, seed=args.seed,
-              attention_impl=args.attention)
+              attention_impl=args.attention, verify_width=args.verify_width if block > 1 else "auto")
     cancel = threading.Event()
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     done: list[tuple[Any, StopWatcher]] = []

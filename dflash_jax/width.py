@@ -1,0 +1,138 @@
+"""Adaptive verify width: which prefix of the draft block the target verifies each iteration.
+
+The draft always proposes its whole block (cutting it would change its non-causal context); the
+target verifies the last token plus the first W drafts, W from a small set whose row counts W + 1
+are powers of two (`widths`: 0, 1, 3, 7, 15 for block 16). W = 0 is plain decoding (no draft pass;
+the draft context is still written). Verifying a prefix is lossless: acceptance stops at W at the
+latest and the bonus / correction comes from slot a <= W, exactly as a shorter block's would.
+
+The choice runs on the device inside the loop, from values every replica holds (so every replica
+of a mesh takes the same one): per-position acceptance statistics (`Stats`, summed over rows,
+decayed) and the measured cost of an iteration at each width (host-profiled, passed in as a traced
+array). Expected tokens per iteration at W are 1 + sum_{p<W} s_p, s_p the estimated probability
+that draft p+1 is accepted (survival); the width with most expected tokens per unit of cost wins,
+with hysteresis. The estimate is censoring-aware: position p counts only in iterations that
+verified it, as a conditional acceptance given that p was reached.
+
+Benchmarks also need real costs at a realistic acceptance without real weights: `simulate` draws
+each row's acceptance from a survival profile (`SURVIVAL_PROFILES`); loop.py reaches it only
+through its private `_simulated_acceptance` context (never from generate(), the CLIs or the server).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["widths_for", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "simulate", "geometric_profile",
+           "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "PROBE_EVERY"]
+
+# Decay of the acceptance statistics per iteration (the window is ~1 / (1 - DECAY) iterations).
+DECAY = 0.98
+# A width must beat the current one's tokens per cost by this factor before the loop switches.
+HYSTERESIS = 1.03
+# Full width while position 0 has fewer (decayed) row-verifications than this and the loop is still
+# at full width: the warm-up. Once it has left full width, fading evidence does not bring it back
+# (the estimates are ratios, kept by the decay); the probes below refresh them.
+WARMUP_EVIDENCE = 8.0
+# One full-width iteration every this many iterations keeps the tail positions' estimates current.
+PROBE_EVERY = 128
+# Prior of a position's conditional acceptance (pseudo-counts): weak, only for unseen positions.
+_PRIOR_PASS, _PRIOR_SEEN = 0.05, 0.1
+
+
+def widths_for(block_size: int) -> tuple[int, ...]:
+    """The verify widths (drafts verified) of a block: 0, then 2^k - 1 below S - 1, then S - 1."""
+    full = block_size - 1
+    return tuple(sorted({0, full} | {(1 << k) - 1 for k in range(1, 16) if (1 << k) - 1 < full}))
+
+
+def width_index(widths: tuple[int, ...], verify_width) -> int:
+    """The index into `widths` of a verify_width setting: -1 for "auto", else the given width's
+    (ValueError naming the allowed widths when it is not one of them)."""
+    if isinstance(verify_width, str):
+        if verify_width != "auto":
+            raise ValueError(f"verify_width must be 'auto' or one of {list(widths)}, got {verify_width!r}")
+        return -1
+    if isinstance(verify_width, bool) or not isinstance(verify_width, (int, np.integer)) or verify_width not in widths:
+        raise ValueError(f"verify_width must be 'auto' or one of {list(widths)} (drafts verified per iteration "
+                         f"at this block size), got {verify_width!r}")
+    return widths.index(int(verify_width))
+
+
+def expected_tokens(stats) -> jax.Array:
+    """[S] expected tokens per iteration at W = 0 .. S-1 drafts verified, from stats [2, S-1]
+    (row 0: decayed count of rows that reached position p in an iteration verifying it; row 1:
+    of those, how many accepted draft p+1). Conditional acceptance per position, then survival as
+    their running product (non-increasing by construction)."""
+    seen, passed = stats[0], stats[1]
+    cond = (passed + _PRIOR_PASS) / (seen + _PRIOR_SEEN)                      # [S-1]
+    survival = jnp.cumprod(jnp.clip(cond, 0.0, 1.0))
+    return 1.0 + jnp.concatenate([jnp.zeros((1,), survival.dtype), jnp.cumsum(survival)])
+
+
+def update(stats, accepted, verified: jax.Array, active) -> jax.Array:
+    """The statistics after an iteration: accepted [B] drafts accepted per row (<= verified),
+    verified [] drafts the iteration verified, active [B] rows that ran. Position p counts for a
+    row that reached it (accepted >= p) only when p < verified (censoring)."""
+    p = jnp.arange(stats.shape[1], dtype=jnp.int32)
+    on = active[:, None] & (p[None] < verified)
+    reached = on & (accepted[:, None] >= p[None])
+    passed = on & (accepted[:, None] > p[None])
+    new = jnp.stack([jnp.sum(reached, axis=0), jnp.sum(passed, axis=0)]).astype(stats.dtype)
+    return DECAY * stats + new
+
+
+def choose(stats, cost, current, step, force, widths: tuple[int, ...]) -> jax.Array:
+    """The width index of the next iteration (a [] int32): force (>= 0) when given; else full width
+    during the warm-up (low evidence while still at full width) and every PROBE_EVERY-th step; else the width of most expected tokens per
+    cost (cost [n] per iteration at each width), kept at `current` unless another beats it by
+    HYSTERESIS. Deterministic in its inputs (all replicated on a mesh)."""
+    full = len(widths) - 1
+    score = expected_tokens(stats)[jnp.asarray(widths)] / cost                # [n]
+    best = jnp.argmax(score).astype(jnp.int32)
+    pick = jnp.where(score[best] > HYSTERESIS * score[current], best, current)
+    warmup = (stats[0, 0] < WARMUP_EVIDENCE) & (current == full)
+    pick = jnp.where(warmup | is_probe(step), full, pick)
+    return jnp.where(force >= 0, force, pick).astype(jnp.int32)
+
+
+def is_probe(step) -> jax.Array:
+    """Whether iteration `step` is a full-width probe (its width is not kept as the current one)."""
+    return step % PROBE_EVERY == PROBE_EVERY - 1
+
+
+def kept(chosen, current, step, force) -> jax.Array:
+    """The width index an iteration leaves as `current` for the next choice: the chosen one, except
+    on an auto probe step (the choice before it stands)."""
+    return jnp.where(is_probe(step) & (force < 0), current, chosen).astype(jnp.int32)
+
+
+def geometric_profile(tau: float, block_size: int = 16) -> tuple[float, ...]:
+    """Survival s_p = r^(p+1), p < S-1, with r solved (bisection) so that 1 + sum s_p = tau (the
+    mean tokens per full-width iteration)."""
+    if not 1.0 <= tau <= block_size:
+        raise ValueError(f"tau must be in [1, {block_size}], got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        r = (lo + hi) / 2
+        if 1 + sum(r ** (p + 1) for p in range(block_size - 1)) < tau:
+            lo = r
+        else:
+            hi = r
+    r = (lo + hi) / 2
+    return tuple(float(r ** (p + 1)) for p in range(block_size - 1))
+
+
+# Per-position survival at block 16 fitted to the paper's tau (geometric, see geometric_profile):
+# MT-Bench 4.24, GSM8K 6.54, and 6.35 / 8.09.
+SURVIVAL_PROFILES = {f"geometric-tau{t}": geometric_profile(t) for t in (4.24, 6.54, 6.35, 8.09)}
+
+
+def simulate(survival: tuple[float, ...], keys) -> jax.Array:
+    """Benchmark only: each row's accepted drafts drawn from a survival profile (P(a > p) =
+    survival[p]): [B] int32 from keys [B]."""
+    s = jnp.asarray(survival, jnp.float32)                                     # [S-1], non-increasing
+    u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)                    # [B]
+    return jnp.sum(u[:, None] < s[None], axis=1).astype(jnp.int32)

@@ -1,0 +1,284 @@
+"""Adaptive verify width (issue 37): the target verifies the last token plus the first W drafts, W
+chosen per iteration inside one compiled program (dflash_jax.width, loop.iterate).
+
+Oracles: HF transformers' greedy decoding of the target (every width is lossless), the reference
+`dflash_generate` (the full width is today's loop: same tokens and acceptance lengths), the exact
+joint distribution by enumeration (sampling at a prefix width, as tests/test_sampling.py), and a
+numpy restatement of the width rule (the choice is a deterministic function of its statistics)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tests.checkpoints import load_torch_pair, reference_generate
+
+from dflash_jax import decode, generate, load_draft, load_target, loop, width
+
+CAPACITY = 128
+
+
+@pytest.fixture(scope="module")
+def pair(trained_small_vocab_pair):
+    p = trained_small_vocab_pair
+    hf, ref_draft = load_torch_pair(p["target_path"], p["draft_path"])
+    target = load_target(p["target_path"], dtype="float32")
+    return dict(p, hf=hf, ref_draft=ref_draft, target=target,
+                draft=load_draft(p["draft_path"], target=target, dtype="float32"))
+
+
+def _hf_greedy(hf, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
+    """W = 0 is plain decoding (one token per iteration), W = 7 (block 8's full width) is the
+    reference loop token for token and iteration for iteration, 1 / 3 / auto are lossless and
+    never accept past their width; one program serves every width."""
+    prompts = pair["eval_prompts"][:3]
+    n = 24
+    want = [_hf_greedy(pair["hf"], p, n) for p in prompts]
+    ref = [reference_generate(pair["ref_draft"], pair["hf"], p, n, block_size=8) for p in prompts]
+    kw = dict(max_new_tokens=n, capacity=CAPACITY)
+    res = {vw: None for vw in (7, 0, 1, 3, "auto")}
+    for vw in res:
+        res[vw] = generate(pair["target"], pair["draft"], prompts, verify_width=vw, **kw)
+        if vw == 7:
+            compiles = decode.compile_count()
+    assert decode.compile_count() == compiles          # no recompile when W changes
+    for vw, r in res.items():
+        assert r.tokens == want, vw
+    assert res[7].acceptance_lengths == [list(r.acceptance_lengths) for r in ref]
+    assert all(a == 1 for row in res[0].acceptance_lengths for a in row)
+    for vw in (1, 3):
+        seen = {a for row in res[vw].acceptance_lengths for a in row}
+        assert max(seen) == vw + 1, (vw, seen)        # accepted up to the width, never past it
+    assert res[7].mean_tau > 2.0                       # the pair really accepts (a real test of the prefixes)
+
+
+def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch):
+    """Simulated acceptance (tau 3 at block 8) and fixed costs that make W = 3 the best tokens per
+    cost (E = 1, 1.67, 2.42, 3.0 over costs 1, 1.6, 1.8, 2.4): after the full-width warm-up the loop
+    collects statistics and settles on W = 3 (accepts never exceed 4 tokens again)."""
+    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray([1.0, 1.6, 1.8, 2.4], np.float32))
+    prompts = pair["eval_prompts"][:4]
+    with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
+        res, s = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=80, capacity=CAPACITY)
+    stats = np.asarray(s.width_stats)
+    assert stats[0, 0] > width.WARMUP_EVIDENCE and stats[0, 6] > 0          # full width seen, then counted
+    assert int(s.width) == 2, stats                                           # W = 3
+    tails = [a for row in res.acceptance_lengths for a in row[6:]]
+    assert max(tails) <= 4 and max(a for row in res.acceptance_lengths for a in row[:3]) > 4
+
+
+@pytest.mark.slow
+def test_plain_width_is_plain_decoding_and_keeps_the_draft_context(pair):
+    """W = 0 for a stretch, then the whole block: the draft's context written during the plain
+    iterations must be complete, so the full-width iterations accept exactly as the reference,
+    which never skipped: compare the tail's acceptance with a run at full width from the same
+    point (same committed prefix, same draft context => same acceptance)."""
+    prompt = pair["eval_prompts"][3]
+    n = 30
+    plain = generate(pair["target"], None, [prompt], max_new_tokens=n, capacity=CAPACITY)
+    w0 = generate(pair["target"], pair["draft"], [prompt], max_new_tokens=n, capacity=CAPACITY, verify_width=0)
+    assert w0.tokens == plain.tokens and w0.num_iterations == plain.num_iterations
+    # 10 plain iterations (11 tokens with the prefill's), then full width: the plain steps wrote
+    # their context into the draft cache, so the rest equals a fresh full-width run from the longer prompt
+    head = plain.tokens[0][:10]                        # the fresh run's prefill commits token 11
+    mixed = _mixed_run(pair, prompt, n, plain_iters=10)
+    fresh = generate(pair["target"], pair["draft"], [prompt + head], max_new_tokens=n - 10, capacity=CAPACITY,
+                     verify_width=7)
+    assert mixed["tokens"] == plain.tokens[0]
+    assert mixed["tail_accept"] == fresh.acceptance_lengths[0]
+
+
+def _mixed_run(pair, prompt, n, plain_iters):
+    """One program driven by hand: `plain_iters` iterations forced to W = 0, then full width."""
+    st, tstate, dstate, p, _, lens = decode._static_and_params(pair["target"], pair["draft"], [prompt],
+                                                              stream=False, max_new_tokens=n, capacity=CAPACITY)
+    target, draft = loop.merge_models(st, tstate, dstate)
+    step = jax.jit(lambda p, s: loop.iterate(st, target, draft, p, s)[0])
+    s = jax.jit(lambda p: loop.prefill(st, target, draft, p))(p)
+    for _ in range(plain_iters):
+        s = step(p.replace(verify_width=jnp.asarray(0, jnp.int32)), s)
+    tail_from = int(s.iters[0])
+    full = p.replace(verify_width=jnp.asarray(len(st.widths) - 1, jnp.int32))
+    while not bool(s.done[0]):
+        s = step(full, s)
+    toks = np.asarray(s.tokens[0, lens[0]: int(s.lens[0]) + 1]).tolist()
+    return dict(tokens=toks, tail_accept=np.asarray(s.accept_log[0, tail_from:int(s.iters[0])]).tolist())
+
+
+@pytest.mark.slow
+def test_sampling_at_a_prefix_width_matches_the_exact_distribution(pair):
+    """T = 1 at W = 1: the first iteration verifies one draft, so positions 2 and 3 of the joint
+    come from the prefix acceptance (accepted draft + bonus, or the correction)."""
+    from tests.test_sampling import ROWS, SEEDS, _chi_square_p, _exact_joint
+    prompt = pair["eval_prompts"][0]
+    expected = _exact_joint(pair["hf"], prompt, 1.0, 1.0, 0)
+    counts, n, acc = {}, 0, []
+    for seed in range(SEEDS):
+        res = generate(pair["target"], pair["draft"], [prompt] * ROWS, max_new_tokens=3, temperature=1.0,
+                       seed=seed, capacity=CAPACITY, verify_width=1)
+        for row in res.tokens:
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+            n += 1
+        acc += [a for r in res.acceptance_lengths for a in r]
+    assert max(acc) == 2                                # drafts were accepted at the prefix
+    assert _chi_square_p(counts, expected, n) > 1e-4
+
+
+# ------------------------------------------------------------------------------- the width rule
+def _numpy_choose(stats, cost, current, step, force, widths):
+    """The rule of width.choose restated: conditional acceptance per position with a weak prior,
+    survival = their running product, E(W) = 1 + sum_{p<W} s_p, most E per cost with hysteresis;
+    full width in the warm-up (little evidence, still at full width) and on probe steps; a forced
+    width wins."""
+    if force >= 0:
+        return force
+    full = len(widths) - 1
+    if (stats[0, 0] < width.WARMUP_EVIDENCE and current == full) or step % width.PROBE_EVERY == width.PROBE_EVERY - 1:
+        return full
+    cond = np.clip((stats[1] + 0.05) / (stats[0] + 0.1), 0, 1)
+    surv = np.cumprod(cond)
+    e = np.concatenate([[1.0], 1.0 + np.cumsum(surv)])
+    score = np.array([e[w] for w in widths]) / cost
+    best = int(np.argmax(score))
+    return best if score[best] > width.HYSTERESIS * score[current] else current
+
+
+def test_the_choice_is_a_deterministic_function_of_the_statistics():
+    widths = width.widths_for(16)
+    assert widths == (0, 1, 3, 7, 15) and width.widths_for(8) == (0, 1, 3, 7)
+    rng = np.random.default_rng(0)
+    choose = jax.jit(lambda *a: width.choose(*a, widths))
+    for _ in range(40):
+        seen = rng.uniform(0, 60, 15).astype(np.float32)
+        seen = np.sort(seen)[::-1].copy()
+        passed = (seen * rng.uniform(0.3, 1.0, 15)).astype(np.float32)
+        stats = np.stack([seen, passed])
+        cost = np.sort(rng.uniform(1, 6, 5)).astype(np.float32)
+        current, step = int(rng.integers(0, 5)), int(rng.integers(0, 300))
+        force = int(rng.choice([-1, -1, -1, 2]))
+        got = [int(choose(jnp.asarray(stats), jnp.asarray(cost), jnp.int32(current), jnp.int32(step),
+                          jnp.int32(force))) for _ in range(2)]
+        assert got[0] == got[1] == _numpy_choose(stats, cost, current, step, force, widths)
+    # a cheap plain step and low acceptance: plain; costly plain relative to a block: the block
+    low = np.stack([np.full(15, 100.0), np.full(15, 10.0)]).astype(np.float32)
+    high = np.stack([np.full(15, 100.0), np.full(15, 95.0)]).astype(np.float32)
+    cost = jnp.asarray([1.0, 1.3, 1.4, 1.6, 2.0])
+    assert int(choose(jnp.asarray(low), cost, jnp.int32(4), jnp.int32(1), jnp.int32(-1))) == 0
+    assert int(choose(jnp.asarray(high), cost, jnp.int32(0), jnp.int32(1), jnp.int32(-1))) == 4
+    # hysteresis: a near tie keeps the current width
+    flat = jnp.asarray(np.stack([np.full(15, 100.0), np.zeros(15)]).astype(np.float32))
+    assert int(choose(flat, jnp.asarray([1.0, 1.01, 1.02, 1.03, 1.04]), jnp.int32(1), jnp.int32(1),
+                      jnp.int32(-1))) == 1
+
+
+def test_statistics_are_censored_at_the_verified_width():
+    stats = jnp.zeros((2, 7), jnp.float32)
+    accepted = jnp.asarray([3, 0, 1, 3])       # rows verified 3 drafts: 3 = all accepted
+    active = jnp.asarray([True, True, True, False])
+    got = np.asarray(width.update(stats, accepted, jnp.int32(3), active))
+    # reached p: rows with accepted >= p among active ones, only p < 3 counted
+    np.testing.assert_array_equal(got[0], [3, 2, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(got[1], [2, 1, 1, 0, 0, 0, 0])
+    again = np.asarray(width.update(jnp.asarray(got), accepted, jnp.int32(3), active))
+    np.testing.assert_allclose(again, width.DECAY * got + got)
+
+
+def test_simulated_acceptance_draws_the_profile():
+    prof = width.geometric_profile(6.54)
+    assert abs(1 + sum(prof) - 6.54) < 1e-6 and all(b <= a for a, b in zip(prof, prof[1:]))
+    keys = jax.random.split(jax.random.key(0), 20000)
+    a = np.asarray(width.simulate(jnp.asarray(prof), keys))
+    assert abs(1 + a.mean() - 6.54) < 0.1
+    for p in (0, 4, 10):
+        assert abs((a > p).mean() - prof[p]) < 0.015
+
+
+# ------------------------------------------------------------------------------- user paths
+def test_bad_widths_are_one_line_errors(pair):
+    for bad, msg in ((2, r"one of \[0, 1, 3, 7\]"), ("fast", "'auto' or one of"), (8, "one of"), (True, "one of")):
+        with pytest.raises(ValueError, match=msg):
+            generate(pair["target"], pair["draft"], [[1, 2, 3]], max_new_tokens=4, verify_width=bad)
+    with pytest.raises(ValueError, match="needs a draft"):
+        generate(pair["target"], None, [[1, 2, 3]], max_new_tokens=4, verify_width=3)
+
+
+def test_the_simulated_acceptance_cannot_be_set_from_user_paths():
+    """Benchmark only: not a generate() keyword, not a flag of the generate / benchmark / serve
+    CLIs; only loop._simulated_acceptance turns it on, and programs built outside it are real."""
+    from dflash_jax import serve
+    from dflash_jax.cli import benchmark as cli_bench, generate as cli_gen
+    assert not [f for f in decode.GenerateOptions.__dataclass_fields__ if "sim" in f]
+    for parser in (cli_gen.build_parser(), cli_bench.build_parser(), serve.build_parser()):
+        flags = [s for a in parser._actions for s in a.option_strings]
+        assert not [f for f in flags if "sim" in f or "survival" in f], flags
+    assert "--verify-width" in [s for a in cli_gen.build_parser()._actions for s in a.option_strings]
+    assert loop._SIMULATE[0] is None
+    with loop._simulated_acceptance(width.geometric_profile(4.0, 8)):
+        assert loop._SIMULATE[0] is not None
+    assert loop._SIMULATE[0] is None
+    with pytest.raises(TypeError, match="unexpected"):
+        generate(None, None, [[1]], simulate=True)
+
+
+def test_verify_width_flag_is_checked_against_the_block(pair, capsys):
+    from dflash_jax.cli import generate as cli_gen
+    p = cli_gen.build_parser()
+    assert p.parse_args(["--verify-width", "3", "x"]).verify_width == 3
+    assert p.parse_args(["x"]).verify_width == "auto"
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--verify-width", "wide", "x"])
+    assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------- mesh = one device
+MESH_CHILD = r"""
+import numpy as np, jax
+from dflash_jax import DraftConfig, TargetConfig, decode, init_draft, init_target, loop, sharding, width
+t = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rope_theta=10000.0)
+d = DraftConfig.for_target(t, num_layers=1, block_size=8, mask_token_id=127)
+loop.width_costs = lambda key, fn, n: np.asarray([1.0, 1.6, 1.8, 2.4], np.float32)   # the same on both
+decode.width_costs = loop.width_costs
+prompts = [[1, 2, 3, 4], [5, 6, 7], [9] * 9, [3, 1]]
+out = []
+with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
+    for mesh in (None, "data=2,model=2"):
+        tg, dr = init_target(t, seed=0, dtype="float32"), init_draft(d, seed=1, dtype="float32")
+        if mesh is not None:
+            m = sharding.as_mesh(mesh)
+            tg, dr = sharding.shard_model(tg, m), sharding.shard_model(dr, m)
+        r = decode.generate(tg, dr, prompts, max_new_tokens=60, capacity=128)
+        out.append((r.tokens, r.acceptance_lengths))
+assert out[0] == out[1], out
+acc = [a for row in out[0][1] for a in row]
+assert len(set(acc)) > 2, acc
+print("MESH-OK", sorted(set(acc)))
+"""
+
+
+@pytest.mark.slow
+def test_a_mesh_takes_the_one_device_decisions():
+    """Simulated acceptance (drawn per row from its own keys) and fixed costs: the widths chosen
+    per iteration, hence the acceptance lengths and tokens, are the same on a 2 x 2 mesh of virtual
+    CPU devices as on one device (every replica decides from replicated statistics)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", MESH_CHILD], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "MESH-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
