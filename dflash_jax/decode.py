@@ -86,7 +86,7 @@ class GenerateOptions:
     mesh: Any = None
     slots: int | None = None
     step_buckets: Any = "auto"
-    verify_width: Any = "auto"
+    verify_width: Any = "block"
 
     def program(self) -> dict:
         """The keywords that decide the one-shot program and its inputs (every field but the
@@ -127,10 +127,10 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
         S = 1
     if S == 1:
         draft = None
-    if draft is None and o.verify_width not in ("auto", 0):
+    if draft is None and o.verify_width not in ("auto", "block", 0):
         raise ValueError(f"verify_width={o.verify_width!r} needs a draft and a block size above 1 "
                          f"(plain decoding verifies no drafts: 'auto' or 0)")
-    if draft is not None:
+    if draft is not None and o.verify_width != "block":
         width.width_index(width.widths_for(S), o.verify_width)       # a one-line error for a bad width
     stop = validation.check_stop_ids(o.stop_token_ids, cfg.vocab_size)
     longest = max(len(r) for r in rows)
@@ -154,7 +154,7 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = make_static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
                      prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh,
-                     adaptive=True)
+                     adaptive=o.verify_width != "block")
     p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                **row_settings([dict(max_new=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      stop_ids=stop, seed=seed, rng_row=i) for i in range(B)]),
@@ -244,9 +244,11 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit. On a
     mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
-    `verify_width`: drafts the target verifies per iteration, "auto" (default: chosen per iteration
-    on the device from measured per-width costs and the acceptance seen, docs/adaptive-width.md) or
-    one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the whole block). Lossless at every width.
+    `verify_width`: drafts the target verifies per iteration: "block" (default: the whole block, a
+    program with one verify width), "auto" (chosen per iteration on the device from measured
+    per-width costs and the acceptance seen, docs/adaptive-width.md; its program holds every width
+    and compiles several times longer) or one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the
+    whole block, in the adaptive program). Lossless at every width.
     With `slots`, "auto" runs the engine's whole-block step programs (a number runs the adaptive ones).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(GenerateOptions)}
@@ -335,7 +337,7 @@ def _generate_slots(target, draft, prompts, o: GenerateOptions):
     eng = Slots(target, draft if st.draft_def is not None else None, slots=int(o.slots), capacity=st.capacity,
                 block_size=st.block_size, kernels=st.kernels, step_buckets=o.step_buckets,
                 steps=offline_defaults(platform_of(nnx.state(target)))["steps"],
-                verify_width=None if st.draft_def is None or o.verify_width == "auto" else o.verify_width)
+                verify_width=None if st.draft_def is None or o.verify_width in ("auto", "block") else o.verify_width)
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(o.max_new_tokens),
                        temperature=float(o.temperature), top_k=int(o.top_k), top_p=float(o.top_p),
                        stop_ids=tuple(stop), seed=int(o.seed), rng_row=i) for i, r in enumerate(prompts)]

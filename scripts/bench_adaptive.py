@@ -242,7 +242,7 @@ def cpu_pair_mode(run: Run):
     run.R["settings"] = dict(pair=os.path.basename(tdir), prompts=[r["id"] for r in rows], max_new=max_new,
                              acceptance="real (the demo pair, greedy)")
     res = {}
-    for name, d, kw in (("plain", None, {}), ("fixed16", draft, dict(verify_width=15)), ("auto", draft, {})):
+    for name, d, kw in (("plain", None, {}), ("fixed16", draft, dict(verify_width=15)), ("auto", draft, dict(verify_width="auto"))):
         if not run.fits(name, 5.0):
             break
         toks = secs = 0.0

@@ -74,7 +74,8 @@ def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch)
     monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray([1.0, 1.6, 1.8, 2.4], np.float32))
     prompts = pair["eval_prompts"][:4]
     with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
-        res, s = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=80, capacity=CAPACITY)
+        res, s = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=80, capacity=CAPACITY,
+                                   verify_width="auto")
     stats = np.asarray(s.width_stats)
     assert stats[0, 0] > width.WARMUP_EVIDENCE and stats[0, 6] > 0          # full width seen, then counted
     assert int(s.width) == 2, stats                                           # W = 3
@@ -239,7 +240,7 @@ def test_verify_width_flag_is_checked_against_the_block(pair, capsys):
     from dflash_jax.cli import generate as cli_gen
     p = cli_gen.build_parser()
     assert p.parse_args(["--verify-width", "3", "x"]).verify_width == 3
-    assert p.parse_args(["x"]).verify_width == "auto"
+    assert p.parse_args(["x"]).verify_width == "block"
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--verify-width", "wide", "x"])
     assert e.value.code == 2
@@ -262,7 +263,7 @@ with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
         if mesh is not None:
             m = sharding.as_mesh(mesh)
             tg, dr = sharding.shard_model(tg, m), sharding.shard_model(dr, m)
-        r = decode.generate(tg, dr, prompts, max_new_tokens=60, capacity=128)
+        r = decode.generate(tg, dr, prompts, max_new_tokens=60, capacity=128, verify_width="auto")
         out.append((r.tokens, r.acceptance_lengths))
 assert out[0] == out[1], out
 acc = [a for row in out[0][1] for a in row]

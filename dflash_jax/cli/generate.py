@@ -136,22 +136,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _verify_width_arg(text: str):
     t = text.strip().lower()
-    if t == "auto":
-        return "auto"
+    if t in ("auto", "block"):
+        return t
     try:
         v = int(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a number of drafts, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected block, auto or a number of drafts, got {text!r}") from None
     if v < 0:
-        raise argparse.ArgumentTypeError(f"must be auto or >= 0, got {v}")
+        raise argparse.ArgumentTypeError(f"must be block, auto or >= 0, got {v}")
     return v
 
 
 def add_width_args(p: argparse.ArgumentParser) -> None:
     """--verify-width (generate and benchmark): drafts the target verifies per iteration."""
-    p.add_argument("--verify-width", default="auto", type=_verify_width_arg, metavar="{auto,0,1,3,7,15}",
-                   help="drafts the target verifies per iteration: auto (default: chosen per iteration from "
-                        "measured costs and acceptance, docs/adaptive-width.md) or a fixed one of 0, 1, 3, 7, "
+    p.add_argument("--verify-width", default="block", type=_verify_width_arg, metavar="{block,auto,0,1,3,7,15}",
+                   help="drafts the target verifies per iteration: block (default: the whole block, one verify "
+                        "width compiled), auto (chosen per iteration from measured costs and acceptance, "
+                        "docs/adaptive-width.md; compiles every width) or a fixed one of 0, 1, 3, 7, "
                         "... up to block size - 1 (0 = plain decoding, block size - 1 = the whole block)")
 
 
@@ -159,7 +160,7 @@ def check_verify_width(parser, args: argparse.Namespace, draft) -> None:
     """--verify-width against the run's block size (exit 2 with the allowed widths)."""
     from dflash_jax import width
     block = effective_block_size(args, draft)
-    if args.verify_width == "auto" or (block < 2 and args.verify_width == 0):
+    if args.verify_width in ("auto", "block") or (block < 2 and args.verify_width == 0):
         return
     if block < 2:
         parser.error(f"--verify-width {args.verify_width} needs a draft and a block size above 1")
