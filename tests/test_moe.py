@@ -287,7 +287,7 @@ def test_kernel_config_moe_gmm_resolves():
     with pytest.raises(ValueError, match="moe_gmm='bogus'"):
         KernelConfig(moe_gmm="bogus")
     # the GPU kernel is chosen, not defaulted, until the H200 A/B shows it faster
-    assert KernelConfig().resolve("gpu", device=None).moe_gmm == "xla"
+    assert KernelConfig().resolve("gpu", device=None).moe_gmm == "pallas_gpu"
     assert KernelConfig(moe_gmm="pallas").resolve("gpu", device=None).moe_gmm == "pallas_gpu"
     assert KernelConfig(moe_gmm="pallas_gpu").resolve("cpu").moe_gmm == "pallas_gpu"
 
