@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "write_target", "write_moe_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
+    "hf_greedy", "write_target", "write_moe_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
     "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
     "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids", "pack_blocks",
@@ -232,6 +232,15 @@ def _cpu_clock():
         yield
     finally:
         ref._cuda_time = saved
+
+
+def hf_greedy(hf, prompt, n: int, eos=None) -> list[int]:
+    """transformers' own greedy decoding of `n` tokens after `prompt` (a list of ids), no stop unless `eos`."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+    return out[0, len(prompt):].tolist()
 
 
 def reference_generate(draft, target, input_ids, max_new_tokens: int, *, temperature: float = 0.0,

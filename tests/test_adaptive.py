@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.checkpoints import load_torch_pair, reference_generate
+from tests.checkpoints import hf_greedy, load_torch_pair, reference_generate
 
 from dflash_jax import decode, generate, load_draft, load_target, loop, width
 
@@ -34,12 +34,6 @@ def pair(trained_small_vocab_pair):
                 draft=load_draft(p["draft_path"], target=target, dtype="float32"))
 
 
-def _hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
@@ -48,7 +42,7 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
     never accept past their width; one program serves every width."""
     prompts = pair["eval_prompts"][:3]
     n = 24
-    want = [_hf_greedy(pair["hf"], p, n) for p in prompts]
+    want = [hf_greedy(pair["hf"], p, n) for p in prompts]
     ref = [reference_generate(pair["ref_draft"], pair["hf"], p, n, block_size=8) for p in prompts]
     kw = dict(max_new_tokens=n, capacity=CAPACITY)
     res = {vw: None for vw in (7, 0, 1, 3, "auto")}

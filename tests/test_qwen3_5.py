@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
-from tests.checkpoints import random_prompts
+from tests.checkpoints import hf_greedy, random_prompts
 from tests.doubles import truth_proposer
 
 from dflash_jax import DraftConfig, generate, init_draft, init_target, load_target
@@ -249,19 +249,13 @@ def _with_form(model, form):
     return clone
 
 
-def _hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.slow
 def test_greedy_matches_transformers(pair):
     hf, ours = pair
     prompts = random_prompts(3, 128, min_len=3, max_len=12, seed=7)
-    expected = [_hf_greedy(hf, p, 20) for p in prompts]
+    expected = [hf_greedy(hf, p, 20) for p in prompts]
     res = generate(ours, None, prompts, max_new_tokens=20)
     assert res.tokens == expected
 
@@ -269,7 +263,7 @@ def test_greedy_matches_transformers(pair):
 def _dflash_case(pair, n=24):
     hf, ours = pair
     prompts = random_prompts(2, 128, min_len=4, max_len=12, seed=9)
-    expected = [_hf_greedy(hf, p, n) for p in prompts]
+    expected = [hf_greedy(hf, p, n) for p in prompts]
     draft = init_draft(DraftConfig.for_target(ours.config, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
                        seed=1, dtype="float32")
     truth = np.zeros((len(prompts), 64), np.int32)

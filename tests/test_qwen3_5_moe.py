@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
-from tests.checkpoints import random_prompts
+from tests.checkpoints import hf_greedy, random_prompts
 from tests.doubles import truth_proposer
 
 from dflash_jax import PRESETS, DraftConfig, generate, init_draft, init_target, load_target
@@ -119,12 +119,6 @@ def test_stacked_experts_and_language_model_prefix_load_the_same_weights(tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.slow
@@ -134,7 +128,7 @@ def test_greedy_and_dflash_greedy_match_transformers(pair):
     hf, ours = pair
     n = 16
     prompts = random_prompts(2, 128, min_len=3, max_len=10, seed=7)
-    expected = [_hf_greedy(hf, p, n) for p in prompts]
+    expected = [hf_greedy(hf, p, n) for p in prompts]
     assert generate(ours, None, prompts, max_new_tokens=n).tokens == expected
     draft = init_draft(DraftConfig.for_target(ours.config, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
                        seed=1, dtype="float32")

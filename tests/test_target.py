@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
-from tests.checkpoints import load_torch_pair, random_prompts, write_target
+from tests.checkpoints import hf_greedy, load_torch_pair, random_prompts, write_target
 
 from dflash_jax import ConfigError, TargetConfig, generate, init_target, load_target
 from dflash_jax import decode
@@ -76,24 +76,18 @@ def test_decode_through_cache_matches_transformers(variant):
         np.testing.assert_allclose(np.asarray(target.logits(h))[:, 0], ref[:, t], atol=1e-4, rtol=0)
 
 
-def _hf_greedy(hf, prompt, n, eos=None):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          eos_token_id=eos, pad_token_id=0 if eos is None else eos)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("with_stop", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_greedy_generate_matches_transformers(variant, with_stop):
     path, hf, target = variant
     prompts = random_prompts(3, 128, min_len=3, max_len=20, seed=7)
-    expected = [_hf_greedy(hf, p, 24) for p in prompts]
+    expected = [hf_greedy(hf, p, 24) for p in prompts]
     stop = None
     if with_stop:  # a token that the first row emits mid-way: that row stops there, inclusive
         cut = next(i for i, t in enumerate(expected[0]) if i >= 2 and t not in expected[0][:i])
         stop = [expected[0][cut]]
-        expected = [_hf_greedy(hf, p, 24, eos=stop[0]) for p in prompts]
+        expected = [hf_greedy(hf, p, 24, eos=stop[0]) for p in prompts]
         assert len(expected[0]) == cut + 1
     res = generate(target, None, prompts, max_new_tokens=24, stop_token_ids=stop)
     assert res.tokens == expected
