@@ -101,7 +101,8 @@ def test_plain_width_is_plain_decoding_and_keeps_the_draft_context(pair):
 def _mixed_run(pair, prompt, n, plain_iters):
     """One program driven by hand: `plain_iters` iterations forced to W = 0, then full width."""
     st, tstate, dstate, p, _, lens = decode._static_and_params(pair["target"], pair["draft"], [prompt],
-                                                              stream=False, max_new_tokens=n, capacity=CAPACITY)
+                                                              stream=False, max_new_tokens=n, capacity=CAPACITY,
+                                                              verify_width="auto")
     target, draft = loop.merge_models(st, tstate, dstate)
     step = jax.jit(lambda p, s: loop.iterate(st, target, draft, p, s)[0])
     s = jax.jit(lambda p: loop.prefill(st, target, draft, p))(p)
