@@ -46,10 +46,10 @@ def _pow2(x: int) -> bool:
 
 def block_supported(T: int, hk: int, hv: int, dk: int, dv: int, kernel: int, block_v: int = 0) -> bool:
     """Whether `gdn_block` tiles this shape: T a power of two <= 64, power-of-two head dims of at
-    least 16, the conv kernel 4 (or 2), v-heads a multiple of k-heads, bv (0: dv) dividing dv."""
+    any size, the conv kernel 4 (or 2), v-heads a multiple of k-heads, bv (0: dv) dividing dv."""
     bv = block_v or dv
-    return (_pow2(T) and T <= MAX_T and _pow2(dk) and _pow2(dv) and dk >= 16 and dv >= 16
-            and kernel in (2, 4) and hv % hk == 0 and _pow2(bv) and bv >= 16 and dv % bv == 0)
+    return (_pow2(T) and T <= MAX_T and _pow2(dk) and _pow2(dv)
+            and kernel in (2, 4) and hv % hk == 0 and _pow2(bv) and dv % bv == 0)
 
 
 def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
@@ -67,7 +67,7 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
         return [cw_ref[pl.ds(col, n), j].astype(f32) for j in range(K)]          # tap j: [n]
 
     def window(col, n):
-        return [win_ref[r, pl.ds(col, n)].astype(f32) for r in range(K - 1)]
+        return tuple(win_ref[r, pl.ds(col, n)].astype(f32) for r in range(K - 1))
 
     def conv(rows, w):
         """SiLU(conv) of the last K inputs, rounded to the model dtype as XLA rounds it, float32."""
@@ -79,25 +79,23 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
     def l2(x):
         return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
 
-    # the conv's inputs roll through the block: only the last K rows of each slice are live
+    # the conv's inputs roll through the block: the last K-1 rows of each slice are carried
     wq, wk, wv = taps(q0, dk), taps(k0, dk), taps(v0, bv)
-    xq, xk, xv = window(q0, dk), window(k0, dk), window(v0, bv)
     neg_a = -jnp.exp(alog_ref[h].astype(f32))
     dtb = dtb_ref[h].astype(f32)
-    S = s_ref[...].astype(f32)                                                   # [dk, bv]
+    nw = nw_ref[...].astype(f32)
     tt = lax.broadcasted_iota(jnp.int32, (T,), 0)
-    G_vec = jnp.zeros((T,), f32)
-    G = jnp.zeros((), f32)
-    for t in range(T):
-        xq = xq[-(K - 1):] + [p_ref[t, pl.ds(q0, dk)].astype(f32)]
-        xk = xk[-(K - 1):] + [p_ref[t, pl.ds(k0, dk)].astype(f32)]
-        xv = xv[-(K - 1):] + [p_ref[t, pl.ds(v0, bv)].astype(f32)]
+
+    def step(t, carry):
+        S, G, G_vec, xq, xk, xv = carry
+        xq = xq + (p_ref[t, pl.ds(q0, dk)].astype(f32),)
+        xk = xk + (p_ref[t, pl.ds(k0, dk)].astype(f32),)
+        xv = xv + (p_ref[t, pl.ds(v0, bv)].astype(f32),)
         q = l2(conv(xq, wq)) * (dk ** -0.5)
         k = l2(conv(xk, wk))
         v = conv(xv, wv)
-        b = p_ref[t, C + vd + h].astype(f32)
+        beta = jax.nn.sigmoid(p_ref[t, C + vd + h].astype(f32))
         a = p_ref[t, C + vd + HV + h].astype(f32) + dtb
-        beta = jax.nn.sigmoid(b)
         g = neg_a * (jnp.maximum(a, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(a))))   # softplus
         G = G + g
         G_vec = jnp.where(tt == t, G, G_vec)
@@ -110,11 +108,16 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
         if fuse_norm:
             of = o.astype(dt).astype(f32)
             r = lax.rsqrt(jnp.sum(of * of) / dv + norm_eps)
-            y = (nw_ref[...].astype(f32) * (of * r).astype(dt).astype(f32)).astype(dt).astype(f32)
+            y = (nw * (of * r).astype(dt).astype(f32)).astype(dt).astype(f32)
             z = p_ref[t, pl.ds(C + h * dv, dv)].astype(f32)
             o_ref[t, :] = (y * (z * jax.nn.sigmoid(z))).astype(o_ref.dtype)
         else:
             o_ref[t, :] = o
+        return S, G, G_vec, xq[1:], xk[1:], xv[1:]
+
+    carry = (s_ref[...].astype(f32), jnp.zeros((), f32), jnp.zeros((T,), f32),
+             window(q0, dk), window(k0, dk), window(v0, bv))
+    _, _, G_vec, *_ = lax.fori_loop(0, T, step, carry)
     g_out[...] = G_vec
 
 
