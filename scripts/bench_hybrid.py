@@ -147,7 +147,7 @@ def entry_ops(compiled_text: str) -> dict:
     body = compiled_text[compiled_text.index("ENTRY"):]
     body = body[:body.index("\n}")]
     free = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
-    ops = re.findall(r"= [^ ]+ ([a-z][a-z0-9-]*)\(", body)
+    ops = re.findall(r"= (?:\([^)]*\)|\S+) ([a-z][a-z0-9-]*)\(", body)
     counts: dict = {}
     for op in ops:
         if op not in free:
@@ -279,7 +279,7 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
                 floor_ms=floor_s * 1e3, x_floor=per_iter / floor_s, floor_bytes=fl,
                 gdn=str(st.kernels.gdn), gdn_block_v=int(st.kernels.gdn_block_v),
                 state_bytes_per_request=state_bytes(c, tgt.dtype),
-                record_bytes_per_request=record_bytes(c, S, tgt.dtype), device=str(jax.devices()[0].device_kind),
+                record_bytes_per_request=record_bytes(c, S, tgt.dtype, kernel=st.kernels.gdn != "xla"), device=str(jax.devices()[0].device_kind),
                 **extra)
 
 
@@ -398,7 +398,7 @@ def main():
         moe = model == "35b-a3b"
         shapes = (TINY_MOE if moe else TINY) if a.smoke else (None if moe else QWEN35_9B)
         batches = [int(x) for x in (a.moe_batches if moe and a.moe_batches else a.batches).split(",")]
-        target = draft = None
+        target = draft = tgt = None
         # rows in priority order: per batch, the DFlash iteration then the plain step, each path
         for B in batches:
             for S in (a.block, 1):
@@ -423,7 +423,7 @@ def main():
                              row_s=round(time.perf_counter() - t0, 1))
                     emit(r)
                     slowest = max(slowest, time.perf_counter() - t0)
-        del target, draft
+        target = draft = tgt = None     # the next model's weights need the memory
     if out:
         out.close()
 

@@ -488,13 +488,16 @@ def state_bytes(config: Qwen35Config, dtype=jnp.bfloat16) -> int:
     return n * (rec + conv)
 
 
-def record_bytes(config: Qwen35Config, block: int, dtype=jnp.bfloat16) -> int:
+def record_bytes(config: Qwen35Config, block: int, dtype=jnp.bfloat16, kernel: bool = False) -> int:
     """Bytes of one request's verify records (the rollback's transient working set) for a block:
-    the chunk form's solved terms (k, G, u, w on the v-heads) or the rule's inputs (k on the
-    k-heads, v, g, beta), and the conv inputs with their window."""
+    the chunk form's solved terms (k, G, u, w on the v-heads), the rule's inputs (k on the
+    k-heads, v, g, beta) or, kernel=True, the GPU kernel's (k, G, delta on the v-heads), and the
+    conv inputs with their window."""
     c = config
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    if c.verify_form == "chunk":
+    if kernel:
+        per_token = 4 * hv * (dk + dv + 1)
+    elif c.verify_form == "chunk":
         per_token = 4 * hv * (2 * dk + dv + 1)
     else:
         per_token = 4 * (c.linear_num_key_heads * dk + hv * (dv + 2))

@@ -99,10 +99,10 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
         g = neg_a * (jnp.maximum(a, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(a))))   # softplus
         G = G + g
         G_vec = jnp.where(tt == t, G, G_vec)
-        S = S * jnp.exp(g)
-        delta = (v - jnp.sum(S * k[:, None], axis=0)) * beta                      # [bv]
-        S = S + k[:, None] * delta[None, :]
-        o = jnp.sum(S * q[:, None], axis=0)                                      # [bv]
+        S = S * jnp.exp(g)                                                       # S^T [bv, dk]
+        delta = (v - jnp.sum(S * k[None, :], axis=1)) * beta                      # [bv]
+        S = S + delta[:, None] * k[None, :]
+        o = jnp.sum(S * q[None, :], axis=1)                                      # [bv]
         k_out[t, :] = k
         d_out[t, :] = delta
         if fuse_norm:
@@ -115,7 +115,9 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
             o_ref[t, :] = o
         return S, G, G_vec, xq[1:], xk[1:], xv[1:]
 
-    carry = (s_ref[...].astype(f32), jnp.zeros((), f32), jnp.zeros((T,), f32),
+    # the state block transposed, [bv, dk]: the per-token reductions over dk run along the last
+    # axis (within a warp in Triton's layout) rather than across warps
+    carry = (s_ref[...].astype(f32).T, jnp.zeros((), f32), jnp.zeros((T,), f32),
              window(q0, dk), window(k0, dk), window(v0, bv))
     _, _, G_vec, *_ = lax.fori_loop(0, T, step, carry)
     g_out[...] = G_vec
