@@ -160,12 +160,12 @@ def layer_counts(c: Qwen35Config, paths: list, dtype, batches=(1,), blocks=(16, 
     output norm, out projection) over a block, then its commit (the fold and the conv window), per
     --paths entry, B and T. Compiled for this backend from abstract weights (no memory). On a
     backend without the Triton kernel (CPU) the kernel is replaced by a stand-in custom call of
-    its shapes (one launch), so the counts around it are the compiler's own."""
+    its shapes (one launch; the fold kernel likewise), so the counts around them are the compiler's own."""
     from dflash_jax.models.qwen3_5 import GatedDeltaNet
     import pallas_kernels.gated_delta.gpu as kgpu
     gdef, abstract = nnx.split(nnx.eval_shape(lambda: GatedDeltaNet(c, jnp.dtype(dtype), nnx.Rngs(0))))
     on_gpu = jax.default_backend() == "gpu"
-    real = kgpu.gdn_block
+    real, real_fold = kgpu.gdn_block, kgpu.fold_deltas
     rows = []
     for name in paths:
         form, _, _ = path_spec(name)
@@ -185,9 +185,13 @@ def layer_counts(c: Qwen35Config, paths: list, dtype, batches=(1,), blocks=(16, 
                 res = jax.pure_callback(lambda *a: tuple(np.zeros(x.shape, x.dtype) for x in outs), outs,
                                         p, window, conv_w, A_log, dt_bias, norm_w, state)
                 return res[0], tuple(res[1:])
-            kgpu_fn = stand_in
+
+            def fold_stand_in(k, G, delta, state, n, **kw):
+                out = jax.ShapeDtypeStruct(state.shape, jnp.float32)
+                return jax.pure_callback(lambda *a: np.zeros(out.shape, out.dtype), out, k, G, delta, state, n)
+            kgpu_fn, fold_fn = stand_in, fold_stand_in
         else:
-            kgpu_fn = real
+            kgpu_fn, fold_fn = real, real_fold
         for B in batches:
             for T in blocks:
                 def fn(st, h, state, window, n):
@@ -201,13 +205,12 @@ def layer_counts(c: Qwen35Config, paths: list, dtype, batches=(1,), blocks=(16, 
                                               c.linear_value_head_dim), jnp.float32),
                         jax.ShapeDtypeStruct((B, c.linear_conv_kernel_dim - 1, c.conv_dim), jnp.dtype(dtype)),
                         jax.ShapeDtypeStruct((B,), jnp.int32))
-                kgpu.gdn_block = kgpu_fn          # read while tracing only
+                import pallas_kernels.gated_delta as pkg
+                pkg.gdn_block, pkg.fold_deltas = kgpu_fn, fold_fn       # read while tracing only
                 try:
-                    import pallas_kernels.gated_delta as pkg
-                    saved, pkg.gdn_block = pkg.gdn_block, kgpu_fn
                     text = jax.jit(fn).lower(*args).compile().as_text()
                 finally:
-                    kgpu.gdn_block, pkg.gdn_block = real, saved
+                    pkg.gdn_block, pkg.fold_deltas = real, real_fold
                 r = dict(kind="gdn layer counts", path=name, batch=B, block=T, backend=jax.default_backend(),
                          kernel_stand_in=not on_gpu and kc.gdn != "xla", **entry_ops(text))
                 print(json.dumps(r), flush=True)

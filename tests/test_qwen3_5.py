@@ -333,14 +333,15 @@ def test_gdn_kernel_interpreted_equals_the_xla_block_and_its_fold(pair):
     """pallas_kernels.gated_delta (the Triton kernel, interpreted on CPU) on the transformers
     checkpoint's GDN layer, from a non-zero state and conv window: its outputs = the XLA block
     path's (float32), and its records fold to the XLA fold's state and window for every row's
-    count; the value dims split over two programs (the gated norm then in XLA)."""
+    count (through the fold kernel, interpreted; counts 0 and 3 of 4); the value dims split over two
+    programs (the gated norm then in XLA)."""
     _, ours = pair
     m = ours.layers[0].mixer
     r = np.random.RandomState(4)
     h = jnp.asarray(r.randn(2, 4, 64), jnp.float32)
     state = jnp.asarray(r.randn(2, 4, 16, 8) * 0.3, jnp.float32)
     window = jnp.asarray(r.randn(2, 3, m.conv_dim), jnp.float32)
-    n = jnp.asarray([1, 4], jnp.int32)
+    n = jnp.asarray([0, 3], jnp.int32)
     ref, rec = m(h, state, window, False)
     ref_state, ref_window = m.advance(state, rec, n)
     for bv in (4,):     # value dims split over 2 programs (the whole head: the DFlash test below)
@@ -358,10 +359,10 @@ def test_gdn_kernel_interpreted_equals_the_xla_block_and_its_fold(pair):
 
 def test_gdn_kernel_lowers_for_cuda_at_qwen3_5_9b_shapes():
     """The kernel at Qwen3.5-9B's GDN shapes (HK 16, HV 32, dk = dv = 128, conv 8192), a verify
-    block (16) and a decode step (1), whole and split value dims: lowered to Triton and exported
-    for CUDA from this CPU host (no GPU here), one kernel call each."""
+    block (16) and a decode step (1), whole and split value dims, and the fold kernel: lowered
+    to Triton and exported for CUDA from this CPU host (no GPU here), one kernel call each."""
     from jax import export
-    from pallas_kernels.gated_delta import gdn_block
+    from pallas_kernels.gated_delta import fold_deltas, gdn_block
     HK, HV, d, bf = 16, 32, 128, jnp.bfloat16
     C = 2 * HK * d + HV * d
     for T, bv in ((16, 0), (1, 32)):
@@ -374,6 +375,12 @@ def test_gdn_kernel_lowers_for_cuda_at_qwen3_5_9b_shapes():
         assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
         o = exp.out_avals[0]
         assert o.shape == ((1, T, HV * d) if bv == 0 else (1, T, HV, d))
+    # the fold kernel (the commit of the kernel's records) at the same shapes, a verify block
+    f32 = jnp.float32
+    args = [jax.ShapeDtypeStruct(s, f32) for s in ((1, HV, 16, d), (1, HV, 16), (1, HV, 16, d), (1, HV, d, d))]
+    exp = export.export(jax.jit(lambda *a: fold_deltas(*a)), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args, jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1 and exp.out_avals[0].shape == (1, HV, d, d)
 
 
 @pytest.mark.slow

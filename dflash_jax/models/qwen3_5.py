@@ -244,6 +244,10 @@ class Records:
     # what terms are: "inputs" (k, v, g, beta), "chunk" (gated_delta.block's k, G, u, w) or
     # "deltas" (the GPU kernel's k, G, delta: pallas_kernels/gated_delta)
     kind: str = struct.field(pytree_node=False)
+    # "deltas" records: how the commit folds them ("" the XLA fold, else KernelConfig.gdn: the
+    # fold kernel compiled or interpreted) and the kernel's value dims per program
+    fold: str = struct.field(pytree_node=False, default="")
+    block_v: int = struct.field(pytree_node=False, default=0)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -313,7 +317,8 @@ class GatedDeltaNet(nnx.Module):
             z = p[..., self.conv_dim:self.conv_dim + vd].reshape(B, T, self.hv, self.dv)
             o = self.gated_norm(o, z, h.dtype)
         xx = jnp.concatenate([window.astype(h.dtype), p[..., :self.conv_dim]], axis=1)
-        return o @ self.out[...], Records(terms=terms, xx=xx, kind="deltas")
+        return o @ self.out[...], Records(terms=terms, xx=xx, kind="deltas", fold=kernels.gdn,
+                                          block_v=kernels.gdn_block_v)
 
     def gated_norm(self, o, z, dtype):
         """weight * norm(o) in the model dtype, times silu(z) in float32: [B, T, HV * dv]."""
@@ -346,6 +351,10 @@ class GatedDeltaNet(nnx.Module):
         """(state, conv window) after the first n[b] tokens of the records' block."""
         if records.kind == "chunk":
             state = gd.fold_block(records.terms, state, n)
+        elif records.kind == "deltas" and records.fold:      # the fold kernel
+            from pallas_kernels.gated_delta import fold_deltas
+            state = fold_deltas(*records.terms, state, n, block_v=records.block_v,
+                                interpret=records.fold == "pallas_gpu_interpret")
         elif records.kind == "deltas":
             state = gd.fold_deltas(*records.terms, state, n)
         else:

@@ -3,6 +3,6 @@ GPU path's fused block kernel (conv, gates, l2 norms, the per-token delta-rule u
 verify or decode block, the gated output norm, the fold's records) in `gpu.py`.
 KernelConfig.gdn picks it; dflash_jax/models/qwen3_5.py calls it."""
 
-from pallas_kernels.gated_delta.gpu import block_supported, gdn_block
+from pallas_kernels.gated_delta.gpu import block_supported, fold_deltas, gdn_block
 
-__all__ = ["gdn_block", "block_supported"]
+__all__ = ["gdn_block", "fold_deltas", "block_supported"]

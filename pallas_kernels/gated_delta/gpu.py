@@ -176,3 +176,49 @@ def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: 
             name="dflash_gdn_block",
         )(p, window.astype(p.dtype), conv_w, A_log, dt_bias, norm_w, state.astype(f32))
     return o, (k, G, d)
+
+
+def _fold_kernel(n_ref, k_ref, g_ref, d_ref, s_ref, o_ref, *, T: int):
+    f32 = jnp.float32
+    nb = n_ref[pl.program_id(0)]
+    tt = lax.broadcasted_iota(jnp.int32, (T,), 0)
+    G = g_ref[...]                                                               # [T]
+    Gn = jnp.sum(jnp.where(tt == nb - 1, G, 0.0))                               # 0 when nb == 0
+
+    def step(t, S):
+        coef = jnp.exp(Gn - jnp.sum(jnp.where(tt == t, G, 0.0)))
+        return S + (coef * k_ref[t, :])[:, None] * d_ref[t, :][None, :]
+
+    o_ref[...] = lax.fori_loop(0, nb, step, s_ref[...].astype(f32) * jnp.exp(Gn))
+
+
+def fold_deltas(k, G, delta, state, n, *, block_v: int = 0, num_warps: int = 0, interpret: bool = False):
+    """The state after the first n[b] tokens of a `gdn_block`'s records, as one kernel (the XLA
+    form is dflash_jax.models.gated_delta.fold_deltas): per (row, v-head, value block) program,
+    S_n = e^(G_n) S + sum_{i<n} e^(G_n - G_i) k_i delta_i^T with the n[b] rank-1 updates in
+    registers. k [B, HV, T, dk], G [B, HV, T], delta [B, HV, T, dv], state [B, HV, dk, dv] float32
+    (its buffer reused for the result), n [B] int32 in [0, T]."""
+    B, HV, T, dk = k.shape
+    dv = delta.shape[-1]
+    bv = block_v or dv
+    if (state.shape != (B, HV, dk, dv) or G.shape != (B, HV, T) or delta.shape != (B, HV, T, dv)
+            or not (_pow2(T) and _pow2(dk) and _pow2(bv) and dv % bv == 0)):
+        raise Unsupported(f"fold_deltas: k {k.shape}, delta {delta.shape}, state {state.shape}, block_v {block_v}")
+    num_warps = num_warps or (4 if dk * bv <= 128 * 64 else 8)
+    blk = lambda shape, f: pl.BlockSpec(shape, f)
+    with quiet_triton():
+        return pl.pallas_call(
+            functools.partial(_fold_kernel, T=T),
+            out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
+            grid=(B, HV, dv // bv),
+            in_specs=[pl.BlockSpec((B,), lambda b, h, j: (0,)),
+                      blk((None, None, T, dk), lambda b, h, j: (b, h, 0, 0)),
+                      blk((None, None, T), lambda b, h, j: (b, h, 0)),
+                      blk((None, None, T, bv), lambda b, h, j: (b, h, 0, j)),
+                      blk((None, None, dk, bv), lambda b, h, j: (b, h, 0, j))],
+            out_specs=blk((None, None, dk, bv), lambda b, h, j: (b, h, 0, j)),
+            input_output_aliases={4: 0},
+            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name="dflash_gdn_fold",
+        )(n.astype(jnp.int32), k, G, delta, state.astype(jnp.float32))
