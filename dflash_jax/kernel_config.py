@@ -45,8 +45,8 @@ moe_gmm (the grouped matmul of MoE targets' expert layers, pallas_kernels/moe):
 gdn (the Gated DeltaNet layers' short blocks, decode and verify, of Qwen3.5 hybrid targets):
   "auto"        "xla" on every backend until the GPU kernel is measured faster on the H200
   "xla"         models/gated_delta.py's XLA forms (the verify form the target's config names)
-  "pallas"      the fused Triton block kernel (pallas_kernels/gated_delta) on GPU; on CPU the same
-                kernel interpreted; on TPU "xla"
+  "pallas"      the fused Triton block kernel and the commit's fold kernel (pallas_kernels/
+                gated_delta) on GPU; on CPU the same kernels interpreted; on TPU "xla"
   "pallas_gpu"  force the Triton kernel (a CUDA export from a CPU host)
   resolved only (tests): "pallas_gpu_interpret"
 gdn_block_v       value dims per kernel program (0: all of a head's, the gated output norm fused

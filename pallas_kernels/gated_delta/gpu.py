@@ -20,7 +20,8 @@ the value dims) does, for its head:
            [B, HV, T, dk], the cumulative log decay G [B, HV, T], the deltas [B, HV, T, dv]:
            S_n = e^(G_n) S + sum_{i<n} e^(G_n - G_i) k_i delta_i^T (models/gated_delta.fold_deltas).
 
-The state is read, never written: the loop's commit folds the accepted prefix (docs/hybrid-targets.md).
+The state is read, never written: the loop's commit folds the accepted prefix (docs/hybrid-targets.md),
+on this path with `fold_deltas`, a second kernel (the n[b] rank-1 updates on the state block).
 The value dims are independent columns of the rule, so bv < dv splits a head over programs (more
 programs at B = 1: HV = 32 heads are 32 programs on 132 SMs) at the price of the unfused norm.
 """
