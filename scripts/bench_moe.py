@@ -61,6 +61,13 @@ def expected_distinct(E: int, k: int, T: int) -> float:
     return E * (1 - (1 - k / E) ** T)
 
 
+def kv_capacity(n: int) -> int:
+    """A KV capacity of at least n entries that the GPU attention kernel tiles (a multiple of 128 covers
+    every block_k it picks; session 24's 536 and 648 were not multiples of 16 and fell back to XLA
+    attention, as `generate`'s own default capacity, rounded to 1024, never does)."""
+    return -(-n // 128) * 128
+
+
 def param_bytes(module) -> int:
     import jax
     from flax import nnx
@@ -240,7 +247,7 @@ class MoeBench:
         from flax import nnx
         from dflash_jax.models import moe
         tgt, E = self.target, self.tcfg.num_experts
-        C = 512 + T + 16
+        C = kv_capacity(512 + T + 16)
         graph, state = nnx.split(tgt)     # weights as arguments: a closure would bake them in as constants
 
         @jax.jit
@@ -282,7 +289,7 @@ class MoeBench:
         a = self.args
         rng = np.random.RandomState(B)
         prompts = [rng.randint(0, self.tcfg.vocab_size, a.prompt).tolist() for _ in range(B)]
-        C = a.prompt + a.n2 + 2 * a.block + 64
+        C = kv_capacity(a.prompt + a.n2 + 2 * a.block + 64)
         kw = dict(block_size=a.block if draft is not None else None, capacity=C, kernels=self.kernels(gmm))
 
         def run(n):
@@ -346,7 +353,7 @@ class MoeBench:
                 floor = 1e3 * self._floor_s(got, False)
                 row = dict(batch=B, width=w, distinct=got, floor_ms=floor,
                            independent=expected_distinct(c.num_experts, c.num_experts_per_tok, B * w))
-                C = ctx + w + 16
+                C = kv_capacity(ctx + w + 16)
                 cache = tgt.new_cache(B, C)
                 pos = jnp.broadcast_to(jnp.arange(ctx, ctx + w, dtype=jnp.int32), (B, w))
                 tokens = jax.random.randint(jax.random.key(w), (B, w), 0, c.vocab_size)

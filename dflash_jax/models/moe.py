@@ -35,7 +35,12 @@ from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.models.layers import _init
 
-__all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
+__all__ = ["MoE", "route", "experts", "distinct_experts", "recording", "LEAN_ROWS"]
+
+# The GPU kernel's small-T path (pallas_kernels.moe.gpu.experts_small: two kernels per layer, no
+# sort of the rows) serves up to this many (token, choice) rows: 4 tokens x top-8. Past it, tokens
+# that share an expert would read its weights once each, and the grouped path's sort pays.
+LEAN_ROWS = 32
 
 # Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
 # choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
@@ -74,9 +79,14 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     N, k = idx.shape
     El = gate_up.shape[0]
     # a token's choices in ascending expert order: the order its outputs are added in (HF's)
-    order = jnp.argsort(idx, axis=-1)
-    idx = jnp.take_along_axis(idx, order, axis=-1)
-    weights = jnp.take_along_axis(weights, order, axis=-1)
+    idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
+    if (gmm_impl in ("pallas_gpu", "pallas_gpu_interpret") and N * k <= LEAN_ROWS
+            and isinstance(first_expert, int) and first_expert == 0):
+        from pallas_kernels.moe import gpu
+        if gpu.small_supported(x.shape[1], down.shape[1], down.shape[2], x.dtype) and x.dtype == down.dtype:
+            # a few tokens: two kernels, no sort of the rows by expert (the ids are all local: one shard)
+            return gpu.experts_small(x, idx, weights.astype(x.dtype), gate_up, down,
+                                     interpret=gmm_impl == "pallas_gpu_interpret")
     local = idx - first_expert
     mine = (local >= 0) & (local < El)                                           # [N, k]
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
