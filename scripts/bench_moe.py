@@ -217,12 +217,14 @@ class MoeBench:
             distinct = int(moe.distinct_experts(idx, E))
             floor_us = 1e6 * distinct * self.expert_bytes / self._bandwidth()
             row = dict(tokens=T, rows=T * k, distinct=distinct, floor_us=floor_us)
-            for g in self.gmms:
+            for g in self.layer_gmms():
+                impl, lean = (g.split(":")[0], 0) if g.endswith(":grouped") else (g, moe.LEAN_ROWS)
+
                 @jax.jit
-                def many(x, w, idx, gate_up, down, g=g):
+                def many(x, w, idx, gate_up, down, impl=impl, lean=lean):
                     def body(_, y):
                         for gu, dn in zip(gate_up, down):        # distinct weights each layer
-                            y = y + moe.experts(y, w, idx, gu, dn, gmm_impl=g) * 0.01
+                            y = y + moe.experts(y, w, idx, gu, dn, gmm_impl=impl, lean_rows=lean) * 0.01
                         return y
                     return jax.lax.fori_loop(0, a.inner, body, x)
 
@@ -231,21 +233,30 @@ class MoeBench:
                     return 1e6 * _median_time(lambda: jax.block_until_ready(many(x, w, idx, gate_up, down)),
                                               a.repeats) / (a.inner * a.layer_copies)
                 us = self.budget.run(f"layer {g}", f"layer T={T} {g}", measure)
+                self.save()
                 row[g] = us
                 if us is not None:
                     log(f"layer     T={T:<4} {g:<22} {us:9.1f} us   floor {floor_us:8.1f} us "
                         f"({distinct} experts; {us / floor_us:5.2f}x)")
             rows.append(row)
         self.results["layer"] = rows
-        head = ["T", "rows", "experts touched", "floor us"] + [f"{g} us (x floor)" for g in self.gmms]
-        table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype})", head, [
+        head = ["T", "rows", "experts touched", "floor us"] + [f"{g} us (x floor)" for g in self.layer_gmms()]
+        table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype}; ':grouped' = the GPU kernel "
+              f"without its small-T path, which takes <= {moe.LEAN_ROWS} rows)", head, [
             [r["tokens"], r["rows"], r["distinct"], r["floor_us"]]
-            + [_cell(r[g], r["floor_us"], 1) for g in self.gmms] for r in rows])
+            + [_cell(r[g], r["floor_us"], 1) for g in self.layer_gmms()] for r in rows])
+
+    def layer_gmms(self) -> list[str]:
+        """The grouped matmuls, with the GPU kernel also forced onto its grouped path (the small-T
+        path's A/B at a few tokens)."""
+        return [x for g in self.gmms for x in ([g, g + ":grouped"] if g.startswith("pallas_gpu") else [g])]
 
     def touched(self, B: int, T: int) -> float:
         """Mean over MoE layers of the distinct experts B x T random tokens at positions
-        [512, 512 + T) route to (a forward over a fresh cache; the routing of a token depends on
-        its context only through attention, random weights route ~uniformly anyway)."""
+        [512, 512 + T) route to (a forward over a fresh cache; random weights route ~uniformly).
+        One forward of max(T, block) tokens per row counts every narrower width too: attention is
+        causal, so the first w tokens of a wider forward route exactly as a w-token forward would
+        (one compile per B instead of one per width)."""
         if (B, T) in self._touched:
             return self._touched[(B, T)]
         import jax
@@ -253,19 +264,24 @@ class MoeBench:
         from flax import nnx
         from dflash_jax.models import moe
         tgt, E = self.target, self.tcfg.num_experts
-        C = kv_capacity(512 + T + 16)
+        W = max(T, self.args.block)
+        widths = sorted({w for w in [T, W, 1, *self.args.widths] if w <= W})
+        C = kv_capacity(512 + W + 16)
         graph, state = nnx.split(tgt)     # weights as arguments: a closure would bake them in as constants
 
         @jax.jit
         def count(state, tokens):
             model = nnx.merge(graph, state)
-            pos = jnp.broadcast_to(jnp.arange(512, 512 + T, dtype=jnp.int32), (B, T))
+            pos = jnp.broadcast_to(jnp.arange(512, 512 + W, dtype=jnp.int32), (B, W))
             with moe.recording() as rec:
                 model(tokens, pos, model.new_cache(B, C), pos + 1)
-            return jnp.stack([moe.distinct_experts(idx, E) for idx in rec])
+            return jnp.stack([jnp.stack([moe.distinct_experts(idx.reshape(B, W, -1)[:, :w], E) for idx in rec])
+                              for w in widths])                                     # [widths, layers]
 
-        tokens = jax.random.randint(jax.random.key(B * 100 + T), (B, T), 0, self.tcfg.vocab_size)
-        self._touched[(B, T)] = float(jnp.mean(count(state, tokens)))
+        tokens = jax.random.randint(jax.random.key(B * 100 + W), (B, W), 0, self.tcfg.vocab_size)
+        got = jnp.mean(count(state, tokens).astype(jnp.float32), axis=1)
+        for w, n in zip(widths, got.tolist()):
+            self._touched.setdefault((B, w), float(n))
         return self._touched[(B, T)]
 
     def touched_section(self):
@@ -418,6 +434,9 @@ class MoeBench:
             got = self.budget.run("touched", f"touched B={B} T={T}", lambda: self.touched(B, T))
             if got is None:
                 continue
+            if "distinct" not in row:
+                log(f"touched   B={B:<3} T={T:<3} {got:6.1f} experts/layer counted "
+                    f"(independent routing {row['independent']:6.1f})")
             row["distinct"] = got
             self._floors(row, got, dflash)
         self.save()

@@ -70,17 +70,19 @@ def route(x, router, top_k: int, norm_topk_prob: bool):
     return top.astype(x.dtype), idx.astype(jnp.int32)
 
 
-def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0):
+def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0,
+            lean_rows: int = LEAN_ROWS):
     """The chosen experts' outputs summed per token: x [N, H], weights/idx [N, k] (global expert
     ids), gate_up [El, H, 2I], down [El, I, H] holding experts [first_expert, first_expert + El)
     -> [N, H] in x's dtype. Choices of other experts contribute zero (expert parallelism: another
-    shard computes them)."""
+    shard computes them). lean_rows: the most (token, choice) rows the GPU kernels' small-T path
+    takes (benchmarks A/B it; 0: always the grouped path)."""
     from pallas_kernels.moe import gmm, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
     # a token's choices in ascending expert order: the order its outputs are added in (HF's)
     idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
-    if (gmm_impl in ("pallas_gpu", "pallas_gpu_interpret") and N * k <= LEAN_ROWS
+    if (gmm_impl in ("pallas_gpu", "pallas_gpu_interpret") and N * k <= lean_rows
             and isinstance(first_expert, int) and first_expert == 0):
         from pallas_kernels.moe import gpu
         if gpu.small_supported(x.shape[1], down.shape[1], down.shape[2], x.dtype) and x.dtype == down.dtype:
