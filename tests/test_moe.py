@@ -120,7 +120,7 @@ def test_small_t_gpu_kernels_match_the_grouped_path(dtype):
 
 def test_small_t_path_lowers_for_cuda_as_two_kernels():
     """Qwen3-Coder-30B-A3B at 1 token (a B = 1 decode step): the MoE block through the Triton
-    lowering is the router, two sorts (top-k, the choices' order) and exactly the two small-T
+    lowering is the router, top-k and exactly the two small-T
     kernels: no gather, scatter or grouped-matmul kernel; at 8 tokens (64 rows) the grouped path."""
     import re
     from jax import export
@@ -143,7 +143,7 @@ def test_small_t_path_lowers_for_cuda_as_two_kernels():
     assert small.count("stablehlo.custom_call") == 2
     for op in ("gather", "scatter"):
         assert f"stablehlo.{op}" not in small and f"stablehlo.{op}" in grouped
-    assert small.count("stablehlo.sort") == 2 and "dflash_gmm_gpu" in grouped
+    assert small.count("stablehlo.sort") <= 1 and "dflash_gmm_gpu" in grouped     # top-k only
 
 
 def test_group_metadata_schedules_only_non_empty_groups():
@@ -216,8 +216,11 @@ def test_logits_and_routing_match_transformers(moe_target):
 @pytest.mark.slow
 def test_decode_step_through_small_t_kernels_matches_transformers(moe_target):
     """A decode step (2 rows x 1 token: the small-T GPU kernels, interpreted) after a 12-token
-    prefill = transformers' logits at the 13th position."""
+    prefill = transformers' logits at the 13th position. One variant (k = 3: the kernel's [4, bn]
+    order tile padded; one sparse layer), to keep the interpreter's time down."""
     path, hf, target = moe_target
+    if target.config.num_experts_per_tok != 3:
+        pytest.skip("the k = 3 variant only (interpreter time)")
     ids = np.random.RandomState(1).randint(0, 128, (2, 13))
     with torch.no_grad():
         want = hf(torch.tensor(ids)).logits.numpy()[:, 12:]

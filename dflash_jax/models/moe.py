@@ -80,15 +80,16 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     from pallas_kernels.moe import gmm, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
-    # a token's choices in ascending expert order: the order its outputs are added in (HF's)
-    idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
     if (gmm_impl in ("pallas_gpu", "pallas_gpu_interpret") and N * k <= lean_rows
             and isinstance(first_expert, int) and first_expert == 0):
         from pallas_kernels.moe import gpu
         if gpu.small_supported(x.shape[1], down.shape[1], down.shape[2], x.dtype) and x.dtype == down.dtype:
-            # a few tokens: two kernels, no sort of the rows by expert (the ids are all local: one shard)
+            # a few tokens: two kernels, no sort at all (the ids are all local: one shard); the
+            # down kernel adds a token's outputs in ascending expert order itself
             return gpu.experts_small(x, idx, weights.astype(x.dtype), gate_up, down,
                                      interpret=gmm_impl == "pallas_gpu_interpret")
+    # a token's choices in ascending expert order: the order its outputs are added in (HF's)
+    idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
     local = idx - first_expert
     mine = (local >= 0) & (local < El)                                           # [N, k]
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import Unsupported, precision, pltriton, quiet_triton
+from pallas_kernels._common import Unsupported, next_pow2, precision, pltriton, quiet_triton
 
 __all__ = ["gmm", "group_list", "choose_tiles", "supported", "experts_small", "small_supported"]
 
@@ -173,8 +173,9 @@ def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, b
 # in their own order: each row reads its expert id and weight from small int/float arrays (Triton
 # has no scalar prefetch; a scalar load per program), so nothing is sorted or gathered in XLA.
 #   swiglu_rows: grid (rows, I / bn): a[r] = silu(x[r // k] @ gate[e_r]) * (x[r // k] @ up[e_r])
-#   down_combine: grid (tokens, H / bn): out[t] = sum over its k choices, in the order given (the
-#                caller sorts each token's choices by expert id: transformers' order), of
+#   down_combine: grid (tokens, H / bn): out[t] = sum over its k choices, in ascending expert id
+#                (transformers' order; each choice's rank counted from the k ids with scalar
+#                loads, its result kept in row `rank` of a [k, bn] register tile), of
 #                (a[t k + s] @ down[e]) * w, each product and each partial sum rounded to the
 #                input dtype as the unfused path rounds them (the combine is the kernel's epilogue).
 # With one row per program these are GEMVs (a broadcast multiply and a reduction, f32, no 16-row
@@ -203,14 +204,17 @@ def _swiglu_rows_kernel(ids_ref, x_ref, w_ref, o_ref, *, k: int, bn: int, bk: in
     o_ref[r, pl.ds(n0, bn)] = y.astype(o_ref.dtype)
 
 
-def _down_combine_kernel(ids_ref, wts_ref, a_ref, w_ref, o_ref, *, k: int, bn: int, bk: int, K: int):
+def _down_combine_kernel(ids_ref, wts_ref, a_ref, w_ref, o_ref, *, k: int, kp: int, bn: int, bk: int, K: int):
     t, j = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
     dt = o_ref.dtype
+    slot = lax.broadcasted_iota(jnp.int32, (kp, 1), 0)                                     # [kp, 1]
 
-    def choice(s, out):
+    def choice(s, ys):
         r = t * k + s
         e = ids_ref[r]
+        # this choice's place in the token's ascending expert order (its k ids are distinct)
+        rank = lax.fori_loop(0, k, lambda q, n: n + (ids_ref[t * k + q] < e).astype(jnp.int32), 0)
 
         def k_step(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
@@ -220,18 +224,23 @@ def _down_combine_kernel(ids_ref, wts_ref, a_ref, w_ref, o_ref, *, k: int, bn: i
 
         y = lax.fori_loop(0, K // bk, k_step, jnp.zeros((bn,), jnp.float32))
         y = y.astype(dt).astype(jnp.float32) * wts_ref[r].astype(jnp.float32)             # weight after down
-        return (out + y.astype(dt).astype(jnp.float32)).astype(dt).astype(jnp.float32)
+        return jnp.where(slot == rank, y.astype(dt).astype(jnp.float32)[None, :], ys)      # row `rank`
 
-    out = lax.fori_loop(0, k, choice, jnp.zeros((bn,), jnp.float32))
+    ys = lax.fori_loop(0, k, choice, jnp.zeros((kp, bn), jnp.float32))
+    out = jnp.zeros((bn,), jnp.float32)
+    for q in range(k):                       # the combine: ascending expert order, rounded as it adds
+        out = (out + jnp.sum(jnp.where(slot == q, ys, 0.0), axis=0)).astype(dt).astype(jnp.float32)
     o_ref[t, pl.ds(n0, bn)] = out.astype(dt)
 
 
-def _small_tiles(rows_or_tokens: int, N: int, bn: int | None, bk: int | None, K: int):
-    """Column tiles of 64 when rows x N / 64 programs fill the SMs, else narrower (down to 16);
-    K steps of up to 128 ([bk, bn] f32 products stay in registers)."""
+def _small_tiles(programs_per_tile: int, N: int, bn: int | None, bk: int | None, K: int, itemsize: int):
+    """Column tiles of 64 when programs x N / 64 fill the SMs, else 32 (a [bk, bn] weight tile's rows
+    stay >= 64 bytes: narrower rows waste DRAM bursts; 16 only for f32 or when nothing wider
+    divides N); K steps of up to 128 ([bk, bn] f32 products stay in registers)."""
     if bn is None:
-        bn = next((b for b in (64, 32, 16) if N % b == 0 and rows_or_tokens * (N // b) >= _FILL), None)
-        bn = bn or _pick(N, (16, 32, 64))
+        options = (64, 32) if itemsize == 2 else (64, 32, 16)
+        bn = next((b for b in options if N % b == 0 and programs_per_tile * (N // b) >= _FILL), None)
+        bn = bn or _pick(N, options[::-1] + (16, 64))
     bk = bk or _pick(K, (128, 64, 32, 16))
     return bn, bk
 
@@ -245,8 +254,8 @@ def small_supported(K: int, I: int, H: int, dtype) -> bool:
 def experts_small(x, ids, wts, gate_up, down, *, bn: int | None = None, bk: int | None = None,
                   num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """The whole expert block of a few tokens, no sort: x [N, H], ids / wts [N, k] (each token's
-    choices in the order its outputs are added: ascending expert id for transformers' order; ids in
-    [0, E)), gate_up [E, H, 2I] (gate columns first), down [E, I, H] -> [N, H] in x's dtype:
+    choices in any order, distinct, in [0, E): their outputs are added in ascending expert id,
+    transformers' order), gate_up [E, H, 2I] (gate columns first), down [E, I, H] -> [N, H] in x's dtype:
     sum_s (silu(x @ gate[e_s]) * (x @ up[e_s])) @ down[e_s] * w_s, each product rounded to x's dtype
     as the unfused path (experts() over gmm_swiglu and gmm) rounds it."""
     N, H = x.shape
@@ -261,8 +270,9 @@ def experts_small(x, ids, wts, gate_up, down, *, bn: int | None = None, bk: int 
     ids = ids.reshape(R).astype(jnp.int32)
     wts = wts.reshape(R).astype(x.dtype)
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    bn1, bk1 = _small_tiles(R, I, bn, bk, K)
-    bn2, bk2 = _small_tiles(N, H, bn, bk, I)
+    item = jnp.dtype(x.dtype).itemsize
+    bn1, bk1 = _small_tiles(R, I, bn, bk, K, item)
+    bn2, bk2 = _small_tiles(N, H, bn, bk, I, item)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))     # noqa: E731
     with quiet_triton():
         a = pl.pallas_call(
@@ -274,7 +284,7 @@ def experts_small(x, ids, wts, gate_up, down, *, bn: int | None = None, bk: int 
             compiler_params=params, interpret=interpret, name="dflash_moe_swiglu_rows",
         )(ids, x, gate_up)
         return pl.pallas_call(
-            functools.partial(_down_combine_kernel, k=k, bn=bn2, bk=bk2, K=I),
+            functools.partial(_down_combine_kernel, k=k, kp=next_pow2(k), bn=bn2, bk=bk2, K=I),
             out_shape=jax.ShapeDtypeStruct((N, H), x.dtype),
             grid=(N, H // bn2),
             in_specs=[whole((R,)), whole((R,)), whole((R, I)), whole((E, I, H))],
