@@ -3,7 +3,8 @@
 measurement with every grouped matmul of `--moe-gmms` (xla = ragged_dot, pallas_gpu = the Pallas
 GPU kernel over the touched experts only), ratios side by side.
 
-    python scripts/bench_moe.py --budget-s 240 --out $OUT   # the H200 run (see docs/moe.md)
+    timeout 350 python scripts/bench_moe.py --sections loop,widths --batches 1,8,32 --width-batches 1,8 \
+        --moe-gmms pallas_gpu,xla --budget-s 300 --out $OUT   # session 25's H200 call (docs/moe.md)
     python scripts/bench_moe.py --sections layer            # one section
     python scripts/bench_moe.py --smoke                     # tiny shapes on CPU (the GPU kernel interpreted)
 
@@ -11,11 +12,13 @@ Sections (run in this order; each measurement is skipped, and listed as skipped,
 would pass --budget-s by the time the slowest one of its kind took):
   bw       device copy bandwidth (bytes read + written of a 1 GiB bf16 x * 2). The floors divide
            by --floor-tbs (default 4.23 TB/s on GPU, the figure of BENCHMARKS.md's other rows) or,
-           when 0, by this copy figure.
+           when 0, by this copy figure; the loop and width rows give the copy-figure floor too.
   layer    one expert layer (route given: the rows' sort, fused gate|up + SwiGLU, down, combine) at
            T = --layer-tokens tokens x top-8 with uniform random routing, in us, against the floor
            of the distinct experts those rows touch (experts x 3 H I x 2 B / bandwidth). Timed over
            --layer-copies distinct layers' weights per pass (so L2 holds no expert between passes).
+           The GPU kernel runs twice: as `pallas_gpu` (its small-T path at <= moe.LEAN_ROWS rows)
+           and as `pallas_gpu:grouped` (the grouped path always): the A/B that sets LEAN_ROWS.
   loop     plain ms per step and DFlash ms per iteration (z-lab Coder draft shape: 8 layers, block
            16) at B = 1, 8, 32 (prompt 512), against floors from the experts actually touched and
            from the independent-routing expectation: (non-expert weights + experts x bytes of one
@@ -27,6 +30,13 @@ would pass --budget-s by the time the slowest one of its kind took):
   touched  distinct experts per MoE layer (mean over layers) of a plain step (B tokens) and of a
            16-token verify (B x 16 tokens), counted from the random model's routing, next to the
            independent-routing expectation E (1 - (1 - k/E)^T) (mostly counted already by loop).
+
+The loop and width rows run in priority order, not section order: the first --moe-gmms entry's
+loop rows (B = 1 plain, DFlash, then B = 8, B = 32), its width curve, the distinct-expert counts of
+the floors, then the next entry's loop and width rows; each row prints as measured (with the
+independent-routing floor; the tables at the end use the counted experts) and the JSON is rewritten
+after every row, so a run killed by its time limit keeps what it measured. KV capacities are rounded
+up to multiples of 128 (the GPU attention kernel's tiles; others fell back to XLA attention).
 
 --layers cuts the target to its first L layers (every Coder layer is the same MoE layer): compiles
 of the unrolled 48-layer loop take most of a 4-minute budget, so the default run measures a 12-layer
@@ -101,6 +111,7 @@ class Budget:
         self.deadline = time.perf_counter() + seconds
         self.took: dict[str, float] = {}
         self.skipped: list[str] = []
+        self.failed: list[str] = []
 
     def run(self, kind: str, what: str, fn, family: str | None = None):
         """fn() unless the time left is less than the slowest `kind` so far (or, before the first of
@@ -112,7 +123,13 @@ class Budget:
             log(f"skipped   {what} (budget: {left:.0f}s left, it takes ~{need:.0f}s)")
             return None
         t = time.perf_counter()
-        out = fn()
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - one failed row (a kernel that does not compile) spares the rest
+            traceback.print_exc(limit=3)
+            self.failed.append(what)
+            log(f"FAILED    {what}: {type(e).__name__}: {str(e)[:300]}")
+            return None
         took = time.perf_counter() - t
         self.took[kind] = max(self.took.get(kind, 0.0), took)
         if family:
@@ -485,6 +502,7 @@ class MoeBench:
         """The JSON so far (a run killed by its time limit keeps the rows it measured)."""
         if self.args.out:
             self.results["skipped"] = self.budget.skipped
+            self.results["failed_rows"] = self.budget.failed
             os.makedirs(self.args.out, exist_ok=True)
             with open(os.path.join(self.args.out, self.args.json), "w") as f:
                 json.dump(self.results, f, indent=1)
@@ -509,6 +527,9 @@ def main():
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--width-batches", default="1,8")
     ap.add_argument("--layer-tokens", default="1,16,128")
+    ap.add_argument("--lean-rows", type=int, default=None,
+                    help="moe.LEAN_ROWS for this run: the most rows the GPU kernel's small-T path takes "
+                         "(0: never; default: the library's)")
     ap.add_argument("--layer-copies", type=int, default=4, help="distinct expert layers per timed pass")
     ap.add_argument("--draft-layers", type=int, default=8, help="the z-lab Coder-30B-A3B draft has 8")
     ap.add_argument("--draft-taps", type=int, default=5, help="target layers the draft reads (z-lab: 5)")
@@ -543,11 +564,16 @@ def main():
     if bad:
         ap.error(f"unknown sections {sorted(bad)}; known: {', '.join(SECTIONS)}")
     sections = [s for s in SECTIONS if s in sections]
+    if args.lean_rows is not None:       # fixed for the whole process, before anything is traced
+        from dflash_jax.models import moe
+        moe.LEAN_ROWS = args.lean_rows
     import jax
     machine = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
     log(f"# bench_moe on {machine}")
     b = MoeBench(args)
     b.results["machine"] = machine
+    from dflash_jax.models import moe
+    b.results["lean_rows"] = moe.LEAN_ROWS
     failed = []
     if ("loop" in sections or "widths" in sections) and "bw" not in sections and not args.smoke:
         sections.insert(0, "bw")              # the copy figure: the second floor of every row
@@ -567,6 +593,8 @@ def main():
         log(f"# {s} took {time.perf_counter() - t:.1f}s")
     if b.budget.skipped:
         log(f"# skipped for the budget: {', '.join(b.budget.skipped)}")
+    if b.budget.failed:
+        log(f"# failed rows: {', '.join(b.budget.failed)}")
     b.save()
     if failed:
         sys.exit(f"failed sections: {', '.join(failed)}")

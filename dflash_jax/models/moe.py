@@ -71,7 +71,7 @@ def route(x, router, top_k: int, norm_topk_prob: bool):
 
 
 def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0,
-            lean_rows: int = LEAN_ROWS):
+            lean_rows: int | None = None):
     """The chosen experts' outputs summed per token: x [N, H], weights/idx [N, k] (global expert
     ids), gate_up [El, H, 2I], down [El, I, H] holding experts [first_expert, first_expert + El)
     -> [N, H] in x's dtype. Choices of other experts contribute zero (expert parallelism: another
@@ -80,6 +80,7 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     from pallas_kernels.moe import gmm, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
+    lean_rows = LEAN_ROWS if lean_rows is None else lean_rows
     if (gmm_impl in ("pallas_gpu", "pallas_gpu_interpret") and N * k <= lean_rows
             and isinstance(first_expert, int) and first_expert == 0):
         from pallas_kernels.moe import gpu
