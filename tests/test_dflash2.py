@@ -324,24 +324,53 @@ def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_pair
     assert max(a for row in res.acceptance_lengths for a in row) >= 3, res.acceptance_lengths
 
 
-@pytest.mark.parametrize("kv_splits", [pytest.param(1, marks=pytest.mark.slow), 3])
-def test_key_start_in_the_gpu_kernel_interpret(kv_splits):
-    """The Triton kernel (interpreter) with a per-row first key: a window's rows, ragged, one with
-    no key, split KV = the reference."""
-    import pallas_kernels
-    from pallas_kernels.attention import gpu
-    rs = np.random.RandomState(6)
-    B, T, Hq, Hkv, D, C = 2, 8, 4, 2, 64, 256
+def _ring(cache, top, size):
+    """The ring of `size` slots a windowed layer keeps of a plain cache [B, Hkv, C, D] whose rows
+    were written up to top [B] (exclusive): slot s holds the last position < top that is s mod
+    size; slots no position reached hold noise (a real ring's stale or zero rows)."""
+    B = cache.shape[0]
+    s = np.arange(size)
+    pos = top[:, None] - 1 - np.mod(top[:, None] - 1 - s, size)                   # [B, size]
+    rows = np.take_along_axis(np.asarray(cache), np.maximum(pos, 0)[:, None, :, None], axis=2)
+    noise = np.random.RandomState(99).randn(*rows.shape).astype(rows.dtype) * 100
+    return jnp.asarray(np.where((pos >= 0)[:, None, :, None], rows, noise)), B
+
+
+def _window_case(seed, B, T, Hq, Hkv, D, C, pos0, window, tops):
+    """q, k, v over a plain cache of C rows, and rows at positions pos0[b] + t seeing
+    [p - window + 1, min(p + 5, top)): a non-causal window (one row empty)."""
+    rs = np.random.RandomState(seed)
     q = jnp.asarray(rs.randn(B, T, Hq, D).astype(np.float32))
     k, v = (jnp.asarray(rs.randn(B, Hkv, C, D).astype(np.float32)) for _ in range(2))
-    pos = np.array([[150], [40]]) + np.arange(T)
-    end = np.minimum(pos + 5, np.array([[158], [48]])).astype(np.int32)
+    pos = np.array(pos0)[:, None] + np.arange(T)
+    end = np.minimum(pos + 5, np.array(tops)[:, None]).astype(np.int32)
     end[1, 7] = 0
-    start = np.maximum(pos - 70 + 1, 0).astype(np.int32)
+    start = np.maximum(pos - window + 1, 0).astype(np.int32)
+    return q, k, v, end, start
+
+
+@pytest.mark.parametrize("kv_splits,ring", [pytest.param(1, False, marks=pytest.mark.slow),
+                                             pytest.param(3, False, marks=pytest.mark.slow), (3, True)])
+def test_key_start_in_the_gpu_kernel_interpret(kv_splits, ring):
+    """The Triton kernel (interpreter) with a per-row first key: a window's rows, ragged, one with
+    no key, split KV = the reference over the plain cache; ring: the same rows over a ring of 128
+    slots that has wrapped twice (keys by absolute position, tiles read mod 128)."""
+    import pallas_kernels
+    from pallas_kernels.attention import gpu
+    tops = np.array([308, 48])
+    q, k, v, end, start = _window_case(6, 2, 8, 4, 2, 64, 512, [300, 40], 70, tops)
     want = pallas_kernels.reference_block_attention(q, k, v, jnp.asarray(end), k_start=jnp.asarray(start))
+    if ring:
+        k, _ = _ring(k, tops, 128)
+        v, _ = _ring(v, tops, 128)
     got = gpu.block_attention(q, k, v, jnp.asarray(end), interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, k_start=jnp.asarray(start))
+                              min_chunk=32, k_start=jnp.asarray(start), ring=ring)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    if ring:   # the XLA paths (chunked: 64-key chunks, dense) and the reference take the same ring
+        for chunk in (64, 0):
+            got = pallas_kernels.xla_block_attention(q, k, v, jnp.asarray(end), kv_chunk=chunk,
+                                                     k_start=jnp.asarray(start), ring=True)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
 def test_key_start_gpu_kernel_lowers_for_cuda():
@@ -375,24 +404,25 @@ def test_export_round_trip_through_the_reference(pairs, tmp_path):
     assert ref.config.sliding_window == WINDOW and ref.layers[0].self_attn.is_causal is False
 
 
-@pytest.mark.parametrize("D,Hq,block_k", [pytest.param(128, 4, 128, marks=pytest.mark.slow), (128, 4, 256),
-                                          pytest.param(64, 2, 128, marks=pytest.mark.slow)])
-def test_key_start_in_the_tpu_kernel_interpret(D, Hq, block_k):
+@pytest.mark.parametrize("D,Hq,block_k,ring", [pytest.param(128, 4, 128, False, marks=pytest.mark.slow),
+                                               pytest.param(128, 4, 256, False, marks=pytest.mark.slow),
+                                               pytest.param(64, 2, 128, False, marks=pytest.mark.slow),
+                                               (128, 4, 128, True),
+                                               pytest.param(64, 2, 128, True, marks=pytest.mark.slow)])
+def test_key_start_in_the_tpu_kernel_interpret(D, Hq, block_k, ring):
     """The TPU kernel (TPU interpreter; token-major tiles, and the folded layout at G·D 64) with a
     per-row first key: blocks before the tile's first key skipped, ragged rows, an empty row = the
-    reference."""
+    reference; ring: over a ring of 256 slots, wrapped, the tile's keys [101, 308) starting
+    mid-tile (3 absolute tiles of a 2-tile ring)."""
     import pallas_kernels
     from jax.experimental.pallas import tpu as pltpu
     from pallas_kernels.attention import tpu
-    rs = np.random.RandomState(8)
-    B, T, Hkv, C = 2, 8, 2, 512
-    q = jnp.asarray(rs.randn(B, T, Hq, D).astype(np.float32))
-    k, v = (jnp.asarray(rs.randn(B, Hkv, C, D).astype(np.float32)) for _ in range(2))
-    pos = np.array([[300], [40]]) + np.arange(T)
-    end = np.minimum(pos + 5, np.array([[308], [48]])).astype(np.int32)
-    end[1, 7] = 0
-    start = np.maximum(pos - 150 + 1, 0).astype(np.int32)
+    tops = np.array([308, 48])
+    q, k, v, end, start = _window_case(8, 2, 8, Hq, 2, D, 512, [300, 40], 200, tops)
     want = pallas_kernels.reference_block_attention(q, k, v, jnp.asarray(end), k_start=jnp.asarray(start))
+    if ring:
+        k, _ = _ring(k, tops, 256)
+        v, _ = _ring(v, tops, 256)
     got = tpu.block_attention(q, k, v, jnp.asarray(end), interpret=pltpu.InterpretParams(), block_k=block_k,
-                              k_start=jnp.asarray(start))
+                              k_start=jnp.asarray(start), ring=ring)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
