@@ -191,17 +191,37 @@ def test_softcap_and_multiplier_enter_the_unary_logits(pairs, tmp_path):
 @pytest.mark.parametrize("name", ["dflash2", "v1_mixed"])
 def test_generate_is_identical_to_the_reference(pairs, name):
     """Tokens and acceptance lengths = dflash_generate's (whose greedy tokens are the target's own),
-    over prompts longer than the window, a partial last block and two batch rows."""
-    prompts = random_prompts(2, 127, min_len=7, max_len=15, seed=11)
+    over prompts longer than the window, a partial last block and two batch rows. The sliding
+    layers keep rings of 16 slots (window 5 + block 8, rounded) that wrap 3 times over these
+    lengths, the prompt bucket of 32 wider than the ring; full layers keep the whole capacity."""
+    from dflash_jax import decode
+    prompts = random_prompts(2, 127, min_len=9, max_len=20, seed=11)
+    assert max(map(len, prompts)) > 16
     draft = pairs[name]["draft"]
-    res = generate(pairs["target"], draft, prompts, max_new_tokens=21)
+    res, state = decode._generate(pairs["target"], draft, prompts, max_new_tokens=30)
     for i, p in enumerate(prompts):
-        r = reference_generate(pairs[name]["ref"], pairs["hf"], p, 21)
+        r = reference_generate(pairs[name]["ref"], pairs["hf"], p, 30)
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
         assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
+    C = state.target_cache.k[0].shape[2]
+    rows = [16 if draft.config.layer_window(i) else C for i in range(draft.config.num_layers)]
+    assert [k.shape[2] for k in state.draft_cache.k] == [k.shape[2] for k in state.draft_cache.v] == rows
+    assert C >= 1024 and 16 in rows
     if name == "dflash2":   # the slot engine (continuous batching, one slot) runs the same iterations
-        eng = generate(pairs["target"], draft, prompts, max_new_tokens=21, slots=1)
+        eng = generate(pairs["target"], draft, prompts, max_new_tokens=30, slots=1)
         assert eng.tokens == res.tokens and eng.acceptance_lengths == res.acceptance_lengths
+
+
+def test_draft_cache_of_a_window_layer_is_a_ring_of_window_plus_block_rows(pairs):
+    """O(W) bytes per sliding layer whatever the capacity: W + S rounded to 16 (to 128 past 128),
+    never more than the capacity; full layers keep the capacity."""
+    from dflash_jax.drafts.dflash2 import ring_rows
+    v1 = pairs["v1_mixed"]["draft"]
+    for cap in (64, 4096, 32768):
+        c = v1.new_cache(2, cap)
+        assert [k.shape for k in c.k] == [(2, 2, 16, 16), (2, 2, cap, 16), (2, 2, 16, 16)]
+    assert [k.shape[2] for k in v1.new_cache(1, 8).k] == [8, 8, 8]
+    assert (ring_rows(5, 8), ring_rows(120, 8), ring_rows(2048, 8), ring_rows(4096, 16)) == (16, 128, 2176, 4224)
 
 
 def test_bad_dflash2_configs_are_one_line_errors(pairs, tmp_path):

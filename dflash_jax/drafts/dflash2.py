@@ -19,7 +19,10 @@ the block's keys at most up to p (causal) or p + W (non-causal sliding); full no
 everything, as DFlash-1. The window travels as a per-row first key (`attention.attend(k_start=)`).
 A DFlash-1 draft whose layers slide or are causal runs here too (no conv, no selector).
 
-The draft cache keeps every context row (capacity C); the window only masks.
+A sliding layer's draft cache is a ring of `ring_rows(W, S)` slots (window + block, rounded up;
+at most the capacity): position p lives in slot p mod that size, and its attention masks by absolute
+position (`attention.attend(ring=True)`): the rows a block can see, (p - W, block end], always fit
+the ring, so the cache never grows with the capacity. Full layers keep every row.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import attend
-from dflash_jax.cache import KVCache, write_kv_rows
+from dflash_jax.cache import KVCache, write_kv_rows, write_ring_kv_rows, write_ring_rows, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft
@@ -39,7 +42,15 @@ from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init,
 from dflash_jax.sharding import argmax
 
 __all__ = ["DFlash2Draft", "GroupedDynamicConv", "CandidateSelector", "grouped_dynamic_conv",
-           "layer_key_range", "needs_dflash2"]
+           "layer_key_range", "needs_dflash2", "ring_rows"]
+
+
+def ring_rows(window: int, block_size: int) -> int:
+    """Slots of a sliding layer's ring cache: W + S rounded up to 16 (to 128 past 128, the TPU
+    kernel's tile; the Triton kernel's 32 / 64 divide both). A block row at position p reads keys
+    from p - W + 1 while the block writes up to p + S - 1: W + S - 1 rows must be live at once."""
+    n = window + block_size
+    return -(-n // (16 if n <= 128 else 128)) * (16 if n <= 128 else 128)
 
 
 def needs_dflash2(config: DraftConfig) -> bool:
@@ -134,9 +145,12 @@ class DFlash2Layer(DecoderLayer):
             m = self.mlp_conv.finish(m, mlp_taps, block_size)
         return x + m
 
-    def block(self, x, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig):
+    def block(self, x, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig,
+              ring: bool = False):
         """x [B, S, H] block rows at positions [B, S]; context: DraftContext or None (its rows'
-        K/V written first); k_start (or None), k_end [B, S]. Returns (x, k_cache, v_cache)."""
+        K/V written first); k_start (or None), k_end [B, S]; ring: the caches are this layer's
+        rings (a sliding layer's: slot = position mod their size). Returns (x, k_cache, v_cache)."""
+        write = write_ring_kv_rows if ring else lambda kc, vc, k, v, s: write_kv_rows(kc, vc, k, v, s, kernels)
         T = x.shape[1]
         h, attn_taps = self.attention_input(x, T)
         hin, k_pos = h, positions
@@ -146,11 +160,10 @@ class DFlash2Layer(DecoderLayer):
         q, k, v = self._heads(self._project(hin), positions, k_pos)
         if context is not None:
             Tc = context.feats.shape[1]
-            k_cache, v_cache = write_kv_rows(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0],
-                                             kernels)
+            k_cache, v_cache = write(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0])
             k, v = k[:, Tc:], v[:, Tc:]
-        k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, positions[:, 0], kernels)
-        o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start)               # [B, S, Hq, D]
+        k_cache, v_cache = write(k_cache, v_cache, k, v, positions[:, 0])
+        o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start, ring=ring)      # [B, S, Hq, D]
         return self.attention_output(x, o, attn_taps, T), k_cache, v_cache
 
 
@@ -286,7 +299,25 @@ class DFlash2Draft(nnx.Module):
 
     # the context path is DFlash-1's (fc + hidden_norm, each layer's k/v of the context rows)
     context = DFlashDraft.context
-    write_context = DFlashDraft.write_context
+
+    def _ring(self, i: int) -> bool:
+        return self.config.layer_window(i) is not None
+
+    def write_context(self, feats, positions, cache: KVCache, valid=None) -> KVCache:
+        """Project taps [B, T, n·H] at positions [B, T] (contiguous per row) into the draft cache:
+        full layers' rows [positions[:, 0], + T), sliding layers' rings (write_ring_rows). valid
+        [B] (the prefill's prompt lengths): rows at or past it are the bucket's padding, which a
+        ring must not let overwrite the rows its window still needs."""
+        ctx = self.context(feats)
+        start = positions[:, 0]
+        ks, vs = list(cache.k), list(cache.v)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, positions)
+            if self._ring(i):
+                ks[i], vs[i] = write_ring_rows(ks[i], k, start, valid), write_ring_rows(vs[i], v, start, valid)
+            else:
+                ks[i], vs[i] = write_rows(ks[i], k, start), write_rows(vs[i], v, start)
+        return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
 
     def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, block_end,
                  *, kernels: KernelConfig | str | None = None):
@@ -300,7 +331,8 @@ class DFlash2Draft(nnx.Module):
         for i, layer in enumerate(self.layers):
             k_start, k_end = layer_key_range(self.config, i, positions, block_end)
             with jax.named_scope(f"draft_layer{i}"):
-                x, ks[i], vs[i] = layer.block(x, positions, ks[i], vs[i], context, k_start, k_end, kernels)
+                x, ks[i], vs[i] = layer.block(x, positions, ks[i], vs[i], context, k_start, k_end, kernels,
+                                              ring=self._ring(i))
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs), lens=positions[:, 0])
 
     def unary_logits(self, target, hidden):
@@ -339,9 +371,17 @@ class DFlash2Draft(nnx.Module):
             return path, cache
         return path, cache, (cand, q)
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
+    def cache_rows(self, capacity: int) -> tuple[int, ...]:
+        """Rows of each layer's draft cache: the capacity, or a sliding layer's ring (at most it)."""
         c = self.config
-        return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
+        return tuple(capacity if c.layer_window(i) is None else min(capacity, ring_rows(c.layer_window(i), c.block_size))
+                     for i in range(c.num_layers))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        # kv heads from the layers (under TP with fewer kv heads than shards the layers hold copies)
+        shapes = [(batch, self.layers[0].num_kv_heads, n, self.config.head_dim) for n in self.cache_rows(capacity)]
+        return KVCache(k=tuple(jnp.zeros(s, self.dtype) for s in shapes),
+                       v=tuple(jnp.zeros(s, self.dtype) for s in shapes), lens=jnp.zeros((batch,), jnp.int32))
 
 
 # DFlash2 tensors beside the z-lab DFlash ones: the convs in each layer, the selector at the top (the
