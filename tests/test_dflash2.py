@@ -446,3 +446,47 @@ def test_key_start_in_the_tpu_kernel_interpret(D, Hq, block_k, ring):
     got = tpu.block_attention(q, k, v, jnp.asarray(end), interpret=pltpu.InterpretParams(), block_k=block_k,
                               k_start=jnp.asarray(start), ring=ring)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+_MESH_CHILD = """
+import json, sys
+import jax
+from dflash_jax import generate, load_draft, load_target, sharding
+tp, dp, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = []
+for mesh in (None, sharding.make_mesh("1x2", devices=jax.devices()[:2])):
+    t = load_target(tp, dtype="float32", mesh=mesh)
+    d = load_draft(dp, target=t, dtype="float32", mesh=mesh)
+    r = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla")
+    out.append([r.tokens, r.acceptance_lengths, [k.shape[2] for k in d.new_cache(1, 1024).k], d.layers[0].qkv_groups])
+# the selector's top-K over vocab shards = lax.top_k, ties (to the lowest id) across shards included
+import jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+x = jnp.asarray(np.random.RandomState(0).randint(0, 6, (2, 3, 128)).astype(np.float32))
+with sharding.active(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, None, "model")))
+    got = jax.jit(lambda v: sharding.top_k(v, 8))(xs)
+want = jax.lax.top_k(x, 8)
+out.append([np.array_equal(got[0], want[0]), np.array_equal(got[1], want[1])])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_dflash2_on_a_mesh_matches_one_device(pairs):
+    """The DFlash2 draft (conv, selector, sliding layers with ring caches) loaded onto a 2-device
+    TP mesh (8 virtual CPU devices in a child process, as tests/test_sharding.py): its layers in
+    the fused layout, the selector's top-K over the vocab-sharded head per shard; tokens and
+    acceptance lengths = one device's."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    prompts = random_prompts(2, 127, min_len=9, max_len=20, seed=11)
+    r = subprocess.run([sys.executable, "-c", _MESH_CHILD, pairs["target_path"], pairs["dflash2"]["path"],
+                        json.dumps(prompts)], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    one, two, top = json.loads(r.stdout.strip().splitlines()[-1])
+    assert one[:3] == two[:3] and one[2] == [16, 16] and (one[3], two[3]) == (1, 2)
+    assert top == [True, True]

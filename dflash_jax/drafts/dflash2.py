@@ -39,7 +39,7 @@ from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft
 from dflash_jax.drafts.variant import Variant
 from dflash_jax.models import qwen3
 from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, gated_silu
-from dflash_jax.sharding import argmax
+from dflash_jax.sharding import argmax, top_k
 
 __all__ = ["DFlash2Draft", "GroupedDynamicConv", "CandidateSelector", "grouped_dynamic_conv",
            "layer_key_range", "needs_dflash2", "ring_rows"]
@@ -203,8 +203,7 @@ class CandidateSelector(nnx.Module):
     def candidates(self, logits):
         """(unary scores [..., K] float32, candidate ids [..., K] int32): the top-K of the unary
         logits [..., V] (the order of lax.top_k: descending, lowest id first on ties)."""
-        unary, cand = jax.lax.top_k(logits.astype(jnp.float32), self.top_k)
-        return unary, cand.astype(jnp.int32)
+        return top_k(logits.astype(jnp.float32), self.top_k)   # over a vocab-sharded head: per shard
 
     def lattice(self, hidden, logits, anchor):
         """hidden [B, L, H] (the draft's rows for slots 1..L), logits [B, L, V] float32 (the unary
