@@ -124,10 +124,18 @@ def _ref_forward(ref, hf, ctx, block):
                    position_ids=torch.arange(T + block.shape[1])[None]).numpy()
 
 
-@pytest.mark.parametrize("name", ["dflash2", "v1_mixed"])
-def test_draft_hidden_states_match_the_reference(pairs, name):
+@pytest.mark.parametrize("name,kernels", [("dflash2", None), ("v1_mixed", None),
+                                          pytest.param("dflash2", "gpu_fused", marks=pytest.mark.slow)])
+def test_draft_hidden_states_match_the_reference(pairs, name, kernels):
     """The block's hidden states through conv + windowed layers = the reference's, with the
-    context written at prefill or arriving as pending rows (12 context rows, window 5)."""
+    context written at prefill or arriving as pending rows (12 context rows, window 5; the
+    sliding layers' rings of 16 slots wrap). gpu_fused: the GPU path in the interpreter (the
+    Triton attention over the ring, the residual adds and norms as the fused add + RMSNorm kernel)."""
+    from dflash_jax import KernelConfig
+    from dflash_jax.attention import fused_add_norm
+    if kernels == "gpu_fused":
+        kernels = KernelConfig(attention="pallas_gpu_interpret", fused_layer=True).resolve()
+        assert fused_add_norm(kernels, S, 64)
     draft, ref, target = pairs[name]["draft"], pairs[name]["ref"], pairs["target"]
     nH, T = 2 * 64, 12
     ctx = np.random.RandomState(0).randn(1, T, nH).astype(np.float32)
@@ -138,8 +146,9 @@ def test_draft_hidden_states_match_the_reference(pairs, name):
     cache = draft.write_context(jnp.asarray(ctx[:, :8]), jnp.arange(8, dtype=jnp.int32)[None], draft.new_cache(1, 64))
     pending = np.zeros((1, S, nH), np.float32)
     pending[:, :4] = ctx[:, 8:]
-    got, _ = draft(emb, pos, jnp.asarray(pending), jnp.arange(8, 8 + S, dtype=jnp.int32)[None], cache,
-                   jnp.array([T + S], jnp.int32))
+    got, _ = jax.jit(lambda *a: draft(*a, kernels=kernels))(emb, pos, jnp.asarray(pending),
+                                                            jnp.arange(8, 8 + S, dtype=jnp.int32)[None], cache,
+                                                            jnp.array([T + S], jnp.int32))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
 
 

@@ -38,7 +38,7 @@ from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft
 from dflash_jax.drafts.variant import Variant
 from dflash_jax.models import qwen3
-from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, gated_silu
+from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, add_norm, gated_silu
 from dflash_jax.sharding import argmax, top_k
 
 __all__ = ["DFlash2Draft", "GroupedDynamicConv", "CandidateSelector", "grouped_dynamic_conv",
@@ -125,34 +125,41 @@ class DFlash2Layer(DecoderLayer):
         """The attention sublayer's input: (input_layernorm(x), convolved when the layer has a conv;
         the finish taps or None). x [B, N·S, H] holds N whole blocks of block_size rows (inference:
         one block; training: the packed blocks), each convolved on its own."""
-        h = self.input_layernorm(x)
-        if self.attention_conv is None:
-            return h, None
-        return self.attention_conv.prepare(h, block_size)
+        return _conv_in(self.attention_conv, self.input_layernorm(x), block_size)
 
     def attention_output(self, x, o, taps, block_size: int):
         """The rest of the layer after attention: x + finish(o_proj(o)), then the (convolved) MLP
         with its residual. o [B, N·S, Hq, D]."""
-        a = self._o_proj(o)
-        if self.attention_conv is not None:
-            a = self.attention_conv.finish(a, taps, block_size)
-        x = x + a
-        h = self.post_attention_layernorm(x)
-        if self.mlp_conv is not None:
-            h, mlp_taps = self.mlp_conv.prepare(h, block_size)
-        m = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
-        if self.mlp_conv is not None:
-            m = self.mlp_conv.finish(m, mlp_taps, block_size)
-        return x + m
+        x = x + self._attention_out(o, taps, block_size)
+        return x + self._mlp_out(self.post_attention_layernorm(x), block_size)
 
-    def block(self, x, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig,
+    def _attention_out(self, o, taps, block_size: int):
+        """finish(o_proj(o)): the attention sublayer's output before its residual add."""
+        a = self._o_proj(o)
+        return a if self.attention_conv is None else self.attention_conv.finish(a, taps, block_size)
+
+    def _mlp_out(self, h, block_size: int):
+        """The (convolved) MLP of the post-attention normed rows h, before its residual add."""
+        h, taps = _conv_in(self.mlp_conv, h, block_size)
+        m = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
+        return m if self.mlp_conv is None else self.mlp_conv.finish(m, taps, block_size)
+
+    def block(self, x, residual, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig,
               ring: bool = False):
-        """x [B, S, H] block rows at positions [B, S]; context: DraftContext or None (its rows'
-        K/V written first); k_start (or None), k_end [B, S]; ring: the caches are this layer's
-        rings (a sliding layer's: slot = position mod their size). Returns (x, k_cache, v_cache)."""
+        """x [B, S, H] block rows at positions [B, S], residual: the previous layer's MLP output
+        not yet added (or None); context: DraftContext or None (its rows' K/V written first);
+        k_start (or None), k_end [B, S]; ring: the caches are this layer's rings (a sliding
+        layer's: slot = position mod their size). Returns (x, its MLP output to add, k_cache,
+        v_cache). Each residual add and the RMSNorm after it are one `layers.add_norm` (one Pallas
+        kernel on the fused GPU path, the MLP's add deferred into the next norm as DFlash-1's
+        layers do); the convs and the rest are XLA ops around the attention kernel."""
         write = write_ring_kv_rows if ring else lambda kc, vc, k, v, s: write_kv_rows(kc, vc, k, v, s, kernels)
         T = x.shape[1]
-        h, attn_taps = self.attention_input(x, T)
+        if residual is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = add_norm(x, residual, self.input_layernorm, kernels)
+        h, attn_taps = _conv_in(self.attention_conv, h, T)
         hin, k_pos = h, positions
         if context is not None:
             hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)         # [B, Tc+S, H]
@@ -164,7 +171,13 @@ class DFlash2Layer(DecoderLayer):
             k, v = k[:, Tc:], v[:, Tc:]
         k_cache, v_cache = write(k_cache, v_cache, k, v, positions[:, 0])
         o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start, ring=ring)      # [B, S, Hq, D]
-        return self.attention_output(x, o, attn_taps, T), k_cache, v_cache
+        x, h = add_norm(x, self._attention_out(o, attn_taps, T), self.post_attention_layernorm, kernels)
+        return x, self._mlp_out(h, T), k_cache, v_cache
+
+
+def _conv_in(conv, h, block_size: int):
+    """(prepare-convolved h and the finish taps) of a sublayer's conv, or (h, None) without one."""
+    return (h, None) if conv is None else conv.prepare(h, block_size)
 
 
 def layer_key_range(config: DraftConfig, i: int, positions, block_end):
@@ -325,14 +338,14 @@ class DFlash2Draft(nnx.Module):
         (hidden [B, S, H] final-normed, cache)."""
         kernels = resolved(kernels)
         context = DraftContext(feats=self.context(pending_feats), positions=pending_positions)
-        x = block_embeds.astype(self.dtype)
+        x, res = block_embeds.astype(self.dtype), None
         ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):
             k_start, k_end = layer_key_range(self.config, i, positions, block_end)
             with jax.named_scope(f"draft_layer{i}"):
-                x, ks[i], vs[i] = layer.block(x, positions, ks[i], vs[i], context, k_start, k_end, kernels,
-                                              ring=self._ring(i))
-        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs), lens=positions[:, 0])
+                x, res, ks[i], vs[i] = layer.block(x, res, positions, ks[i], vs[i], context, k_start, k_end,
+                                                   kernels, ring=self._ring(i))
+        return add_norm(x, res, self.norm, kernels)[1], KVCache(k=tuple(ks), v=tuple(vs), lens=positions[:, 0])
 
     def unary_logits(self, target, hidden):
         """The target's LM head on hidden [B, L, H], times output_multiplier, then the softcap:
