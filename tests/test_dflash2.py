@@ -403,16 +403,19 @@ def test_key_start_in_the_gpu_kernel_interpret(kv_splits, ring):
 
 
 def test_key_start_gpu_kernel_lowers_for_cuda():
+    """The Triton kernel with k_start lowers for CUDA, over a flat cache and over a ring of 2176
+    slots (window 2048 + block 8, rounded: a multiple of the kernel's 64-key tiles)."""
     from dflash_jax.attention import attend
     from dflash_jax.kernel_config import resolved
     S_ = jax.ShapeDtypeStruct
-    B, T, Hq, Hkv, D, C = 1, 8, 32, 8, 128, 4096
-    fn = lambda q, k, v, e, s: attend(q, k, v, e, resolved("pallas_gpu"), k_start=s)   # noqa: E731
-    args = (S_((B, T, Hq, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16),
-            S_((B, T), jnp.int32), S_((B, T), jnp.int32))
-    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+    B, T, Hq, Hkv, D = 1, 8, 32, 8, 128
+    for C, ring in ((4096, False), (2176, True)):
+        fn = lambda q, k, v, e, s: attend(q, k, v, e, resolved("pallas_gpu"), k_start=s, ring=ring)   # noqa: E731
+        args = (S_((B, T, Hq, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16),
+                S_((B, T), jnp.int32), S_((B, T), jnp.int32))
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
 def test_export_round_trip_through_the_reference(pairs, tmp_path):
