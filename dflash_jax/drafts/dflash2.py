@@ -152,7 +152,9 @@ class DFlash2Layer(DecoderLayer):
         layer's: slot = position mod their size). Returns (x, its MLP output to add, k_cache,
         v_cache). Each residual add and the RMSNorm after it are one `layers.add_norm` (one Pallas
         kernel on the fused GPU path, the MLP's add deferred into the next norm as DFlash-1's
-        layers do); the convs and the rest are XLA ops around the attention kernel."""
+        layers do). A full layer's q/k norm, RoPE, cache writes and attention take DecoderLayer's
+        kernel path (the fused GPU prologue, the TPU fused-q kernels); a sliding layer's are XLA
+        ops around the attention kernel over its ring. The convs are XLA ops."""
         write = write_ring_kv_rows if ring else lambda kc, vc, k, v, s: write_kv_rows(kc, vc, k, v, s, kernels)
         T = x.shape[1]
         if residual is None:
@@ -160,17 +162,22 @@ class DFlash2Layer(DecoderLayer):
         else:
             x, h = add_norm(x, residual, self.input_layernorm, kernels)
         h, attn_taps = _conv_in(self.attention_conv, h, T)
-        hin, k_pos = h, positions
+        hin, k_pos, Tc = h, positions, 0
         if context is not None:
             hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)         # [B, Tc+S, H]
             k_pos = jnp.concatenate([context.positions, positions], axis=1)
-        q, k, v = self._heads(self._project(hin), positions, k_pos)
-        if context is not None:
             Tc = context.feats.shape[1]
-            k_cache, v_cache = write(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0])
-            k, v = k[:, Tc:], v[:, Tc:]
-        k_cache, v_cache = write(k_cache, v_cache, k, v, positions[:, 0])
-        o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start, ring=ring)      # [B, S, Hq, D]
+        qkv = self._project(hin)                                                       # [B, Tc+S, W]
+        if k_start is None:   # a full layer (flat cache, keys from 0): DecoderLayer's kernel paths
+            o, k_cache, v_cache = self.attention_path(kernels, T, Tc, k_cache, qkv, False)(
+                self, qkv, positions, k_pos, Tc, k_cache, v_cache, k_end, kernels, False)
+        else:
+            q, k, v = self._heads(qkv, positions, k_pos)
+            if Tc:
+                k_cache, v_cache = write(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0])
+                k, v = k[:, Tc:], v[:, Tc:]
+            k_cache, v_cache = write(k_cache, v_cache, k, v, positions[:, 0])
+            o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start, ring=ring)  # [B, S, Hq, D]
         x, h = add_norm(x, self._attention_out(o, attn_taps, T), self.post_attention_layernorm, kernels)
         return x, self._mlp_out(h, T), k_cache, v_cache
 
