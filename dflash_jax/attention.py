@@ -83,10 +83,13 @@ def add_rmsnorm(x, y, weight, eps: float, kernels: KernelConfig):
     return sharding.per_data_shard(fn, x, y, weight)
 
 
-def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | None = None, k_start=None):
+def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | None = None, k_start=None,
+           ring: bool = False):
     """q [B,T,Hq,D] over cache [B,Hkv,C,D]; row t of batch b sees keys [k_start[b,t], k_end[b,t])
     (k_start None: from 0). kernels: a resolved KernelConfig. A per-row k_start (a sliding-window
-    draft layer) runs in the Pallas kernels on one device, else on the XLA path.
+    draft layer) runs in the Pallas kernels on one device, else on the XLA path. ring (with
+    k_start): the cache is a ring of C slots holding key p in slot p mod C, and k_start / k_end are
+    absolute positions, k_end - k_start <= C (a windowed draft layer's cache, cache.write_ring_rows).
 
     Returns [B,T,Hq,D] in q.dtype (float32 accumulation); a row with k_end == 0 gives zeros.
     """
@@ -94,13 +97,16 @@ def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | 
     if k_start is not None:
         if path == "pallas_gpu" and sharding.current_mesh() is None:
             return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="gpu", scale=scale,
-                                                  interpret=kernels.interpret, k_start=k_start,
+                                                  interpret=kernels.interpret, k_start=k_start, ring=ring,
                                                   **kernels.gpu_attention_tuning())
         if path in ("pallas_tpu", "pallas_interpret") and sharding.current_mesh() is None:
             return pallas_kernels.block_attention(q, k_cache, v_cache, k_end, impl="tpu", scale=scale,
-                                                  interpret=path == "pallas_interpret", k_start=k_start)
+                                                  interpret=path == "pallas_interpret", k_start=k_start,
+                                                  ring=ring)
         return pallas_kernels.xla_block_attention(q, k_cache, v_cache, k_end, scale=scale,
-                                                  kv_chunk=kernels.xla_kv_chunk, k_start=k_start)
+                                                  kv_chunk=kernels.xla_kv_chunk, k_start=k_start, ring=ring)
+    if ring:
+        raise ValueError("attend(ring=True) needs k_start")
     if path == "xla":   # sharded through jit's propagation (heads and batch stay local)
         return pallas_kernels.xla_block_attention(q, k_cache, v_cache, k_end, scale=scale,
                                                   kv_chunk=kernels.xla_kv_chunk)

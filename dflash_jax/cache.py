@@ -65,3 +65,32 @@ def write_kv_rows(k_cache, v_cache, k, v, start, kernels=None):
         except Unsupported:
             pass
     return write_rows(k_cache, k, start), write_rows(v_cache, v, start)
+
+
+def write_ring_rows(cache, new, start, valid=None):
+    """A ring cache [B, Hkv, R, D] (a windowed draft layer's: position p in slot p mod R) ←
+    new [B, T, Hkv, D], the rows at positions [start[b], start[b] + T) of each batch row.
+
+    valid [B] (or None: every row): rows at positions >= valid are a prompt bucket's padding and
+    are left out. T <= R with no padding: a scatter of T distinct slots (in place in the loop).
+    Otherwise (a prefill of more rows than the ring) each slot takes the last row written to it:
+    the position e - 1 - ((e - 1 - s) mod R), e = min(valid, start + T), when that is >= start;
+    slots no row reaches keep their old entry."""
+    B, T = new.shape[:2]
+    R = cache.shape[2]
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)                        # [B, Hkv, T, D]
+    if T <= R and valid is None:
+        slots = jnp.mod(start[:, None] + jnp.arange(T, dtype=start.dtype), R)   # [B, T] distinct
+        return jax.vmap(lambda c, u, s: c.at[:, s].set(u, unique_indices=True))(cache, new, slots)
+    end = start + T if valid is None else jnp.minimum(valid, start + T)       # [B]
+    s = jnp.arange(R, dtype=start.dtype)
+    pos = end[:, None] - 1 - jnp.mod(end[:, None] - 1 - s, R)                  # [B, R]
+    ok = (pos >= start[:, None])[:, None, :, None]                             # [B, 1, R, 1]
+    rows = jnp.take_along_axis(new, jnp.clip(pos - start[:, None], 0, T - 1)[:, None, :, None], axis=2)
+    return jnp.where(ok, rows, cache)
+
+
+def write_ring_kv_rows(k_cache, v_cache, k, v, start, valid=None):
+    """write_ring_rows for a layer's K and V rings together (XLA ops on every path: the TPU row
+    writer writes one contiguous range, and a ring's write may wrap)."""
+    return write_ring_rows(k_cache, k, start, valid), write_ring_rows(v_cache, v, start, valid)

@@ -199,7 +199,7 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
-            dcache = draft.write_context(feats, positions, _on_mesh(st, draft.new_cache(B, C)))
+            dcache = draft.write_context(feats, positions, _on_mesh(st, draft.new_cache(B, C)), valid=p.prompt_lens)
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
     tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = ["AXES", "make_mesh", "parse_mesh", "RULES", "spec_for", "shard_model", "shard_cache",
            "cache_specs", "check_sharded", "FusedLayout", "fused_layout", "qkv_permutation",
-           "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax",
+           "gate_up_permutation", "split_qkv", "split_gate_up", "sharded_argmax", "top_k",
            "model_axis_size",
            "data_axis_size", "as_mesh", "mesh_of", "active", "current_mesh", "argmax",
            "attention_specs", "per_shard", "abstract_on_mesh", "fused_layout_fits"]
@@ -236,6 +236,10 @@ RULES: tuple[tuple[str, P], ...] = (
     (r"layers/\d+/mlp/gate_up_bias", P("model")),         # [2I] as gate_up's columns
     (r"layers/\d+/(o_bias|mlp/down_bias)", P()),          # [H] added after the rows' all-reduce
     (r"fc", P()),                                         # draft [n·H, H] replicated (see module doc)
+    # DFlash2: the convs act on whole rows of H (replicated like the norms); the selector's
+    # codebooks [V, R] are gathered by token id and small next to the LM head: replicated
+    (r"layers/\d+/(attention_conv|mlp_conv)/(base_kernel|kernel_projection)", P()),
+    (r"candidate_selector/(predecessor_codebook|successor_codebook|hidden_projection)", P()),
     (r"(layers/\d+/)?(input_layernorm|post_attention_layernorm|q_norm|k_norm|norm|hidden_norm)/weight", P()),
 )
 
@@ -521,6 +525,28 @@ def sharded_argmax(logits, mesh: Mesh):
     out_spec = P(*tuple(spec)[:-1])
     return jax.shard_map(argmax_over_shards, mesh=mesh, in_specs=spec, out_specs=out_spec,
                          check_vma=False)(logits)
+
+
+def top_k(logits, k: int):
+    """jax.lax.top_k(logits, k) as (values, int32 ids); under an active mesh that shards the
+    vocabulary (last axis) each shard's top k, all-gathered ([..., TP·k]), then the top k of
+    those: the same values, ids and order (ties to the lowest id: the gathered list runs in shard
+    order, each shard's ties lowest id first), the logits never gathered."""
+    mesh = vocab_mesh(logits)
+    if mesh is None or k > logits.shape[-1] // model_axis_size(mesh):
+        v, i = jax.lax.top_k(logits, k)
+        return v, i.astype(jnp.int32)
+    spec = logit_spec(logits.ndim, logits.shape[0], mesh)
+
+    def local(x):
+        v, i = jax.lax.top_k(x, k)
+        gi = (i + jax.lax.axis_index("model") * x.shape[-1]).astype(jnp.int32)
+        vs = jax.lax.all_gather(v, "model", axis=v.ndim - 1, tiled=True)             # [..., TP·k]
+        gis = jax.lax.all_gather(gi, "model", axis=gi.ndim - 1, tiled=True)
+        v2, j = jax.lax.top_k(vs, k)
+        return v2, jnp.take_along_axis(gis, j, axis=-1)
+    out = P(*tuple(spec)[:-1], None)
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=(out, out), check_vma=False)(logits)
 
 
 def argmax_over_shards(x, axis: str = "model"):

@@ -211,13 +211,14 @@ def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None)
     if target is not None:
         config.check_fits(target.config)
     m = sharding.as_mesh(mesh)
-    if m is not None and var is not drafts.VARIANTS["DFlashDraftModel"]:
-        raise ValueError(f"draft {path_or_hub_id}: DFlash2 / sliding-window drafts do not load onto a mesh yet")
-    if m is not None:
+    if m is not None and var is drafts.VARIANTS["DFlashDraftModel"]:
         return load_draft_sharded(d, m, dtype)
     model = nnx.eval_shape(lambda: var.model(config, dt, rngs=nnx.Rngs(0)))
-    return _fill(model, _iter_tensors(d), dict(var.top_weights), var.layer_weights, dt,
-                 f"draft {path_or_hub_id}", var.skip)
+    model = _fill(model, _iter_tensors(d), dict(var.top_weights), var.layer_weights, dt,
+                  f"draft {path_or_hub_id}", var.skip)
+    # DFlash2 / windowed drafts (small; their codebooks have two spellings) load whole, then are
+    # placed by the same rules and fused layout as a DFlash draft
+    return model if m is None else sharding.shard_model(model, m)
 
 
 def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16"):

@@ -22,8 +22,8 @@ class TruthProposer(nnx.Module):
     def new_cache(self, batch: int, capacity: int):
         return self.draft.new_cache(batch, capacity)
 
-    def write_context(self, feats, positions, cache):
-        return self.draft.write_context(feats, positions, cache)
+    def write_context(self, feats, positions, cache, valid=None):
+        return self.draft.write_context(feats, positions, cache, valid)
 
     def propose(self, target, current, lens, *args, **kwargs):
         drafts, cache = self.draft.propose(target, current, lens, *args, **kwargs)

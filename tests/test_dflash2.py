@@ -125,9 +125,10 @@ def _ref_forward(ref, hf, ctx, block):
 
 
 @pytest.mark.parametrize("name", ["dflash2", "v1_mixed"])
-def test_draft_hidden_states_match_the_reference(pairs, name):
+def test_draft_hidden_states_match_the_reference(pairs, name, kernels=None):
     """The block's hidden states through conv + windowed layers = the reference's, with the
-    context written at prefill or arriving as pending rows (12 context rows, window 5)."""
+    context written at prefill or arriving as pending rows (12 context rows, window 5; the
+    sliding layers' rings of 16 slots wrap)."""
     draft, ref, target = pairs[name]["draft"], pairs[name]["ref"], pairs["target"]
     nH, T = 2 * 64, 12
     ctx = np.random.RandomState(0).randn(1, T, nH).astype(np.float32)
@@ -138,9 +139,43 @@ def test_draft_hidden_states_match_the_reference(pairs, name):
     cache = draft.write_context(jnp.asarray(ctx[:, :8]), jnp.arange(8, dtype=jnp.int32)[None], draft.new_cache(1, 64))
     pending = np.zeros((1, S, nH), np.float32)
     pending[:, :4] = ctx[:, 8:]
-    got, _ = draft(emb, pos, jnp.asarray(pending), jnp.arange(8, 8 + S, dtype=jnp.int32)[None], cache,
-                   jnp.array([T + S], jnp.int32))
+    got, _ = jax.jit(lambda *a: draft(*a, kernels=kernels))(emb, pos, jnp.asarray(pending),
+                                                            jnp.arange(8, 8 + S, dtype=jnp.int32)[None], cache,
+                                                            jnp.array([T + S], jnp.int32))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_gpu_fused_draft_pass_matches_xla(pairs):
+    """A DFlash2 draft of head_dim 64 (one sliding layer, one full layer) on the GPU path in the
+    interpreter = its XLA path: the Triton attention over the sliding layer's wrapped ring, the
+    full layer's fused prologue with its context rows, the residual adds and norms as the add +
+    RMSNorm kernel (XLA path = the reference: test_draft_hidden_states_match_the_reference)."""
+    import dataclasses
+    from dflash_jax import KernelConfig, init_draft
+    from dflash_jax.attention import fused_add_norm, fused_prologue
+    cfg = dataclasses.replace(pairs["dflash2"]["draft"].config, head_dim=64,
+                              layer_types=("sliding_attention", "full_attention"))
+    draft = init_draft(cfg, seed=5, dtype="float32")
+    kernels = KernelConfig(attention="pallas_gpu_interpret", fused_layer=True).resolve()
+    assert fused_add_norm(kernels, S, 64) and fused_prologue(kernels, S, 64)
+    assert [k.shape[2] for k in draft.new_cache(2, 64).k] == [16, 64]
+    rs = np.random.RandomState(9)
+    nH = 2 * 64
+    ctx = jnp.asarray(rs.randn(2, 16, nH).astype(np.float32))
+    cache = draft.write_context(ctx, jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16)), draft.new_cache(2, 64),
+                                valid=jnp.array([12, 16], jnp.int32))
+    lens = jnp.array([15, 19], jnp.int32)                     # pending rows [12, 15) / [16, 19)
+    pos = lens[:, None] + jnp.arange(S, dtype=jnp.int32)
+    pend = (lens - 3)[:, None] + jnp.arange(S, dtype=jnp.int32)
+    emb = jnp.asarray(rs.randn(2, S, 64).astype(np.float32))
+    feats = jnp.asarray(rs.randn(2, S, nH).astype(np.float32))
+    outs = [jax.jit(lambda *a, k=k: draft(*a, kernels=k))(emb, pos, feats, pend, cache, lens + S)
+            for k in ("xla", kernels)]
+    (h0, c0), (h1, c1) = outs
+    np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), atol=1e-4, rtol=1e-4)
+    for a, b in zip(c1.k + c1.v, c0.k + c0.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
 def test_conv_matches_the_reference_module(pairs):
@@ -191,17 +226,37 @@ def test_softcap_and_multiplier_enter_the_unary_logits(pairs, tmp_path):
 @pytest.mark.parametrize("name", ["dflash2", "v1_mixed"])
 def test_generate_is_identical_to_the_reference(pairs, name):
     """Tokens and acceptance lengths = dflash_generate's (whose greedy tokens are the target's own),
-    over prompts longer than the window, a partial last block and two batch rows."""
-    prompts = random_prompts(2, 127, min_len=7, max_len=15, seed=11)
+    over prompts longer than the window, a partial last block and two batch rows. The sliding
+    layers keep rings of 16 slots (window 5 + block 8, rounded) that wrap 3 times over these
+    lengths, the prompt bucket of 32 wider than the ring; full layers keep the whole capacity."""
+    from dflash_jax import decode
+    prompts = random_prompts(2, 127, min_len=9, max_len=20, seed=11)
+    assert max(map(len, prompts)) > 16
     draft = pairs[name]["draft"]
-    res = generate(pairs["target"], draft, prompts, max_new_tokens=21)
+    res, state = decode._generate(pairs["target"], draft, prompts, max_new_tokens=30)
     for i, p in enumerate(prompts):
-        r = reference_generate(pairs[name]["ref"], pairs["hf"], p, 21)
+        r = reference_generate(pairs[name]["ref"], pairs["hf"], p, 30)
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
         assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
+    C = state.target_cache.k[0].shape[2]
+    rows = [16 if draft.config.layer_window(i) else C for i in range(draft.config.num_layers)]
+    assert [k.shape[2] for k in state.draft_cache.k] == [k.shape[2] for k in state.draft_cache.v] == rows
+    assert C >= 1024 and 16 in rows
     if name == "dflash2":   # the slot engine (continuous batching, one slot) runs the same iterations
-        eng = generate(pairs["target"], draft, prompts, max_new_tokens=21, slots=1)
+        eng = generate(pairs["target"], draft, prompts, max_new_tokens=30, slots=1)
         assert eng.tokens == res.tokens and eng.acceptance_lengths == res.acceptance_lengths
+
+
+def test_draft_cache_of_a_window_layer_is_a_ring_of_window_plus_block_rows(pairs):
+    """O(W) bytes per sliding layer whatever the capacity: W + S rounded to 16 (to 128 past 128),
+    never more than the capacity; full layers keep the capacity."""
+    from dflash_jax.drafts.dflash2 import ring_rows
+    v1 = pairs["v1_mixed"]["draft"]
+    for cap in (64, 4096, 32768):
+        c = v1.new_cache(2, cap)
+        assert [k.shape for k in c.k] == [(2, 2, 16, 16), (2, 2, cap, 16), (2, 2, 16, 16)]
+    assert [k.shape[2] for k in v1.new_cache(1, 8).k] == [8, 8, 8]
+    assert (ring_rows(5, 8), ring_rows(120, 8), ring_rows(2048, 8), ring_rows(4096, 16)) == (16, 128, 2176, 4224)
 
 
 def test_bad_dflash2_configs_are_one_line_errors(pairs, tmp_path):
@@ -324,37 +379,69 @@ def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_pair
     assert max(a for row in res.acceptance_lengths for a in row) >= 3, res.acceptance_lengths
 
 
-@pytest.mark.parametrize("kv_splits", [pytest.param(1, marks=pytest.mark.slow), 3])
-def test_key_start_in_the_gpu_kernel_interpret(kv_splits):
-    """The Triton kernel (interpreter) with a per-row first key: a window's rows, ragged, one with
-    no key, split KV = the reference."""
-    import pallas_kernels
-    from pallas_kernels.attention import gpu
-    rs = np.random.RandomState(6)
-    B, T, Hq, Hkv, D, C = 2, 8, 4, 2, 64, 256
+def _ring(cache, top, size):
+    """The ring of `size` slots a windowed layer keeps of a plain cache [B, Hkv, C, D] whose rows
+    were written up to top [B] (exclusive): slot s holds the last position < top that is s mod
+    size; slots no position reached hold noise (a real ring's stale or zero rows)."""
+    B = cache.shape[0]
+    s = np.arange(size)
+    pos = top[:, None] - 1 - np.mod(top[:, None] - 1 - s, size)                   # [B, size]
+    rows = np.take_along_axis(np.asarray(cache), np.maximum(pos, 0)[:, None, :, None], axis=2)
+    noise = np.random.RandomState(99).randn(*rows.shape).astype(rows.dtype) * 100
+    return jnp.asarray(np.where((pos >= 0)[:, None, :, None], rows, noise)), B
+
+
+def _window_case(seed, B, T, Hq, Hkv, D, C, pos0, window, tops):
+    """q, k, v over a plain cache of C rows, and rows at positions pos0[b] + t seeing
+    [p - window + 1, min(p + 5, top)): a non-causal window (one row empty)."""
+    rs = np.random.RandomState(seed)
     q = jnp.asarray(rs.randn(B, T, Hq, D).astype(np.float32))
     k, v = (jnp.asarray(rs.randn(B, Hkv, C, D).astype(np.float32)) for _ in range(2))
-    pos = np.array([[150], [40]]) + np.arange(T)
-    end = np.minimum(pos + 5, np.array([[158], [48]])).astype(np.int32)
+    pos = np.array(pos0)[:, None] + np.arange(T)
+    end = np.minimum(pos + 5, np.array(tops)[:, None]).astype(np.int32)
     end[1, 7] = 0
-    start = np.maximum(pos - 70 + 1, 0).astype(np.int32)
+    start = np.maximum(pos - window + 1, 0).astype(np.int32)
+    return q, k, v, end, start
+
+
+@pytest.mark.parametrize("kv_splits,ring", [pytest.param(1, False, marks=pytest.mark.slow),
+                                             pytest.param(3, False, marks=pytest.mark.slow), (3, True)])
+def test_key_start_in_the_gpu_kernel_interpret(kv_splits, ring):
+    """The Triton kernel (interpreter) with a per-row first key: a window's rows, ragged, one with
+    no key, split KV = the reference over the plain cache; ring: the same rows over a ring of 128
+    slots that has wrapped twice (keys by absolute position, tiles read mod 128)."""
+    import pallas_kernels
+    from pallas_kernels.attention import gpu
+    tops = np.array([308, 48])
+    q, k, v, end, start = _window_case(6, 2, 8, 4, 2, 64, 512, [300, 40], 70, tops)
     want = pallas_kernels.reference_block_attention(q, k, v, jnp.asarray(end), k_start=jnp.asarray(start))
+    if ring:
+        k, _ = _ring(k, tops, 128)
+        v, _ = _ring(v, tops, 128)
     got = gpu.block_attention(q, k, v, jnp.asarray(end), interpret=True, kv_splits=kv_splits, block_k=32,
-                              min_chunk=32, k_start=jnp.asarray(start))
+                              min_chunk=32, k_start=jnp.asarray(start), ring=ring)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    if ring:   # the XLA paths (chunked: 64-key chunks, dense) and the reference take the same ring
+        for chunk in (64, 0):
+            got = pallas_kernels.xla_block_attention(q, k, v, jnp.asarray(end), kv_chunk=chunk,
+                                                     k_start=jnp.asarray(start), ring=True)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
 def test_key_start_gpu_kernel_lowers_for_cuda():
+    """The Triton kernel with k_start lowers for CUDA, over a flat cache and over a ring of 2176
+    slots (window 2048 + block 8, rounded: a multiple of the kernel's 64-key tiles)."""
     from dflash_jax.attention import attend
     from dflash_jax.kernel_config import resolved
     S_ = jax.ShapeDtypeStruct
-    B, T, Hq, Hkv, D, C = 1, 8, 32, 8, 128, 4096
-    fn = lambda q, k, v, e, s: attend(q, k, v, e, resolved("pallas_gpu"), k_start=s)   # noqa: E731
-    args = (S_((B, T, Hq, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16),
-            S_((B, T), jnp.int32), S_((B, T), jnp.int32))
-    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+    B, T, Hq, Hkv, D = 1, 8, 32, 8, 128
+    for C, ring in ((4096, False), (2176, True)):
+        fn = lambda q, k, v, e, s: attend(q, k, v, e, resolved("pallas_gpu"), k_start=s, ring=ring)   # noqa: E731
+        args = (S_((B, T, Hq, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16), S_((B, Hkv, C, D), jnp.bfloat16),
+                S_((B, T), jnp.int32), S_((B, T), jnp.int32))
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
 def test_export_round_trip_through_the_reference(pairs, tmp_path):
@@ -375,24 +462,69 @@ def test_export_round_trip_through_the_reference(pairs, tmp_path):
     assert ref.config.sliding_window == WINDOW and ref.layers[0].self_attn.is_causal is False
 
 
-@pytest.mark.parametrize("D,Hq,block_k", [pytest.param(128, 4, 128, marks=pytest.mark.slow), (128, 4, 256),
-                                          pytest.param(64, 2, 128, marks=pytest.mark.slow)])
-def test_key_start_in_the_tpu_kernel_interpret(D, Hq, block_k):
+@pytest.mark.parametrize("D,Hq,block_k,ring", [pytest.param(128, 4, 128, False, marks=pytest.mark.slow),
+                                               pytest.param(128, 4, 256, False, marks=pytest.mark.slow),
+                                               pytest.param(64, 2, 128, False, marks=pytest.mark.slow),
+                                               (128, 4, 128, True),
+                                               pytest.param(64, 2, 128, True, marks=pytest.mark.slow)])
+def test_key_start_in_the_tpu_kernel_interpret(D, Hq, block_k, ring):
     """The TPU kernel (TPU interpreter; token-major tiles, and the folded layout at G·D 64) with a
     per-row first key: blocks before the tile's first key skipped, ragged rows, an empty row = the
-    reference."""
+    reference; ring: over a ring of 256 slots, wrapped, the tile's keys [101, 308) starting
+    mid-tile (3 absolute tiles of a 2-tile ring)."""
     import pallas_kernels
     from jax.experimental.pallas import tpu as pltpu
     from pallas_kernels.attention import tpu
-    rs = np.random.RandomState(8)
-    B, T, Hkv, C = 2, 8, 2, 512
-    q = jnp.asarray(rs.randn(B, T, Hq, D).astype(np.float32))
-    k, v = (jnp.asarray(rs.randn(B, Hkv, C, D).astype(np.float32)) for _ in range(2))
-    pos = np.array([[300], [40]]) + np.arange(T)
-    end = np.minimum(pos + 5, np.array([[308], [48]])).astype(np.int32)
-    end[1, 7] = 0
-    start = np.maximum(pos - 150 + 1, 0).astype(np.int32)
+    tops = np.array([308, 48])
+    q, k, v, end, start = _window_case(8, 2, 8, Hq, 2, D, 512, [300, 40], 200, tops)
     want = pallas_kernels.reference_block_attention(q, k, v, jnp.asarray(end), k_start=jnp.asarray(start))
+    if ring:
+        k, _ = _ring(k, tops, 256)
+        v, _ = _ring(v, tops, 256)
     got = tpu.block_attention(q, k, v, jnp.asarray(end), interpret=pltpu.InterpretParams(), block_k=block_k,
-                              k_start=jnp.asarray(start))
+                              k_start=jnp.asarray(start), ring=ring)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+_MESH_CHILD = """
+import json, sys
+import jax
+from dflash_jax import generate, load_draft, load_target, sharding
+tp, dp, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = []
+for mesh in (None, sharding.make_mesh("1x2", devices=jax.devices()[:2])):
+    t = load_target(tp, dtype="float32", mesh=mesh)
+    d = load_draft(dp, target=t, dtype="float32", mesh=mesh)
+    r = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla")
+    out.append([r.tokens, r.acceptance_lengths, [k.shape[2] for k in d.new_cache(1, 1024).k], d.layers[0].qkv_groups])
+# the selector's top-K over vocab shards = lax.top_k, ties (to the lowest id) across shards included
+import jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+x = jnp.asarray(np.random.RandomState(0).randint(0, 6, (2, 3, 128)).astype(np.float32))
+with sharding.active(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, None, "model")))
+    got = jax.jit(lambda v: sharding.top_k(v, 8))(xs)
+want = jax.lax.top_k(x, 8)
+out.append([np.array_equal(got[0], want[0]), np.array_equal(got[1], want[1])])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_dflash2_on_a_mesh_matches_one_device(pairs):
+    """The DFlash2 draft (conv, selector, sliding layers with ring caches) loaded onto a 2-device
+    TP mesh (8 virtual CPU devices in a child process, as tests/test_sharding.py): its layers in
+    the fused layout, the selector's top-K over the vocab-sharded head per shard; tokens and
+    acceptance lengths = one device's."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    prompts = random_prompts(2, 127, min_len=9, max_len=20, seed=11)
+    r = subprocess.run([sys.executable, "-c", _MESH_CHILD, pairs["target_path"], pairs["dflash2"]["path"],
+                        json.dumps(prompts)], cwd=root, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    one, two, top = json.loads(r.stdout.strip().splitlines()[-1])
+    assert one[:3] == two[:3] and one[2] == [16, 16] and (one[3], two[3]) == (1, 2)
+    assert top == [True, True]

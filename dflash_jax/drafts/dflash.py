@@ -36,9 +36,10 @@ class DFlashDraft(nnx.Module):
         """Target taps [B, T, n·H] → context features [B, T, H]."""
         return self.hidden_norm(feats.astype(self.dtype) @ self.fc[...])
 
-    def write_context(self, feats, positions, cache: KVCache) -> KVCache:
+    def write_context(self, feats, positions, cache: KVCache, valid=None) -> KVCache:
         """Prefill: project the prompt's taps [B, T, n·H] at positions [B, T] into the draft cache
-        rows [positions[:, 0], positions[:, 0] + T)."""
+        rows [positions[:, 0], positions[:, 0] + T). valid [B] (the prompt lengths at prefill):
+        rows past it are padding, stale entries here (a ring cache must leave them out)."""
         ctx = self.context(feats)
         start = positions[:, 0]
         ks, vs = list(cache.k), list(cache.v)

@@ -19,7 +19,10 @@ the block's keys at most up to p (causal) or p + W (non-causal sliding); full no
 everything, as DFlash-1. The window travels as a per-row first key (`attention.attend(k_start=)`).
 A DFlash-1 draft whose layers slide or are causal runs here too (no conv, no selector).
 
-The draft cache keeps every context row (capacity C); the window only masks.
+A sliding layer's draft cache is a ring of `ring_rows(W, S)` slots (window + block, rounded up;
+at most the capacity): position p lives in slot p mod that size, and its attention masks by absolute
+position (`attention.attend(ring=True)`): the rows a block can see, (p - W, block end], always fit
+the ring, so the cache never grows with the capacity. Full layers keep every row.
 """
 
 from __future__ import annotations
@@ -29,17 +32,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import attend
-from dflash_jax.cache import KVCache, write_kv_rows
+from dflash_jax.cache import KVCache, write_kv_rows, write_ring_kv_rows, write_ring_rows, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft
 from dflash_jax.drafts.variant import Variant
 from dflash_jax.models import qwen3
-from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, gated_silu
-from dflash_jax.sharding import argmax
+from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, add_norm, gated_silu
+from dflash_jax.sharding import argmax, top_k
 
 __all__ = ["DFlash2Draft", "GroupedDynamicConv", "CandidateSelector", "grouped_dynamic_conv",
-           "layer_key_range", "needs_dflash2"]
+           "layer_key_range", "needs_dflash2", "ring_rows"]
+
+
+def ring_rows(window: int, block_size: int) -> int:
+    """Slots of a sliding layer's ring cache: W + S rounded up to 16 (to 128 past 128, the TPU
+    kernel's tile; the Triton kernel's 32 / 64 divide both). A block row at position p reads keys
+    from p - W + 1 while the block writes up to p + S - 1: W + S - 1 rows must be live at once."""
+    n = window + block_size
+    return -(-n // (16 if n <= 128 else 128)) * (16 if n <= 128 else 128)
 
 
 def needs_dflash2(config: DraftConfig) -> bool:
@@ -114,44 +125,66 @@ class DFlash2Layer(DecoderLayer):
         """The attention sublayer's input: (input_layernorm(x), convolved when the layer has a conv;
         the finish taps or None). x [B, N·S, H] holds N whole blocks of block_size rows (inference:
         one block; training: the packed blocks), each convolved on its own."""
-        h = self.input_layernorm(x)
-        if self.attention_conv is None:
-            return h, None
-        return self.attention_conv.prepare(h, block_size)
+        return _conv_in(self.attention_conv, self.input_layernorm(x), block_size)
 
     def attention_output(self, x, o, taps, block_size: int):
         """The rest of the layer after attention: x + finish(o_proj(o)), then the (convolved) MLP
         with its residual. o [B, N·S, Hq, D]."""
-        a = self._o_proj(o)
-        if self.attention_conv is not None:
-            a = self.attention_conv.finish(a, taps, block_size)
-        x = x + a
-        h = self.post_attention_layernorm(x)
-        if self.mlp_conv is not None:
-            h, mlp_taps = self.mlp_conv.prepare(h, block_size)
-        m = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
-        if self.mlp_conv is not None:
-            m = self.mlp_conv.finish(m, mlp_taps, block_size)
-        return x + m
+        x = x + self._attention_out(o, taps, block_size)
+        return x + self._mlp_out(self.post_attention_layernorm(x), block_size)
 
-    def block(self, x, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig):
-        """x [B, S, H] block rows at positions [B, S]; context: DraftContext or None (its rows'
-        K/V written first); k_start (or None), k_end [B, S]. Returns (x, k_cache, v_cache)."""
+    def _attention_out(self, o, taps, block_size: int):
+        """finish(o_proj(o)): the attention sublayer's output before its residual add."""
+        a = self._o_proj(o)
+        return a if self.attention_conv is None else self.attention_conv.finish(a, taps, block_size)
+
+    def _mlp_out(self, h, block_size: int):
+        """The (convolved) MLP of the post-attention normed rows h, before its residual add."""
+        h, taps = _conv_in(self.mlp_conv, h, block_size)
+        m = gated_silu(h @ self.mlp.gate_up[...], self.qkv_groups) @ self.mlp.down[...]
+        return m if self.mlp_conv is None else self.mlp_conv.finish(m, taps, block_size)
+
+    def block(self, x, residual, positions, k_cache, v_cache, context, k_start, k_end, kernels: KernelConfig,
+              ring: bool = False):
+        """x [B, S, H] block rows at positions [B, S], residual: the previous layer's MLP output
+        not yet added (or None); context: DraftContext or None (its rows' K/V written first);
+        k_start (or None), k_end [B, S]; ring: the caches are this layer's rings (a sliding
+        layer's: slot = position mod their size). Returns (x, its MLP output to add, k_cache,
+        v_cache). Each residual add and the RMSNorm after it are one `layers.add_norm` (one Pallas
+        kernel on the fused GPU path, the MLP's add deferred into the next norm as DFlash-1's
+        layers do). A full layer's q/k norm, RoPE, cache writes and attention take DecoderLayer's
+        kernel path (the fused GPU prologue, the TPU fused-q kernels); a sliding layer's are XLA
+        ops around the attention kernel over its ring. The convs are XLA ops."""
+        write = write_ring_kv_rows if ring else lambda kc, vc, k, v, s: write_kv_rows(kc, vc, k, v, s, kernels)
         T = x.shape[1]
-        h, attn_taps = self.attention_input(x, T)
-        hin, k_pos = h, positions
+        if residual is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = add_norm(x, residual, self.input_layernorm, kernels)
+        h, attn_taps = _conv_in(self.attention_conv, h, T)
+        hin, k_pos, Tc = h, positions, 0
         if context is not None:
             hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)         # [B, Tc+S, H]
             k_pos = jnp.concatenate([context.positions, positions], axis=1)
-        q, k, v = self._heads(self._project(hin), positions, k_pos)
-        if context is not None:
             Tc = context.feats.shape[1]
-            k_cache, v_cache = write_kv_rows(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0],
-                                             kernels)
-            k, v = k[:, Tc:], v[:, Tc:]
-        k_cache, v_cache = write_kv_rows(k_cache, v_cache, k, v, positions[:, 0], kernels)
-        o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start)               # [B, S, Hq, D]
-        return self.attention_output(x, o, attn_taps, T), k_cache, v_cache
+        qkv = self._project(hin)                                                       # [B, Tc+S, W]
+        if k_start is None:   # a full layer (flat cache, keys from 0): DecoderLayer's kernel paths
+            o, k_cache, v_cache = self.attention_path(kernels, T, Tc, k_cache, qkv, False)(
+                self, qkv, positions, k_pos, Tc, k_cache, v_cache, k_end, kernels, False)
+        else:
+            q, k, v = self._heads(qkv, positions, k_pos)
+            if Tc:
+                k_cache, v_cache = write(k_cache, v_cache, k[:, :Tc], v[:, :Tc], context.positions[:, 0])
+                k, v = k[:, Tc:], v[:, Tc:]
+            k_cache, v_cache = write(k_cache, v_cache, k, v, positions[:, 0])
+            o = attend(q, k_cache, v_cache, k_end, kernels, k_start=k_start, ring=ring)  # [B, S, Hq, D]
+        x, h = add_norm(x, self._attention_out(o, attn_taps, T), self.post_attention_layernorm, kernels)
+        return x, self._mlp_out(h, T), k_cache, v_cache
+
+
+def _conv_in(conv, h, block_size: int):
+    """(prepare-convolved h and the finish taps) of a sublayer's conv, or (h, None) without one."""
+    return (h, None) if conv is None else conv.prepare(h, block_size)
 
 
 def layer_key_range(config: DraftConfig, i: int, positions, block_end):
@@ -190,8 +223,7 @@ class CandidateSelector(nnx.Module):
     def candidates(self, logits):
         """(unary scores [..., K] float32, candidate ids [..., K] int32): the top-K of the unary
         logits [..., V] (the order of lax.top_k: descending, lowest id first on ties)."""
-        unary, cand = jax.lax.top_k(logits.astype(jnp.float32), self.top_k)
-        return unary, cand.astype(jnp.int32)
+        return top_k(logits.astype(jnp.float32), self.top_k)   # over a vocab-sharded head: per shard
 
     def lattice(self, hidden, logits, anchor):
         """hidden [B, L, H] (the draft's rows for slots 1..L), logits [B, L, V] float32 (the unary
@@ -286,7 +318,25 @@ class DFlash2Draft(nnx.Module):
 
     # the context path is DFlash-1's (fc + hidden_norm, each layer's k/v of the context rows)
     context = DFlashDraft.context
-    write_context = DFlashDraft.write_context
+
+    def _ring(self, i: int) -> bool:
+        return self.config.layer_window(i) is not None
+
+    def write_context(self, feats, positions, cache: KVCache, valid=None) -> KVCache:
+        """Project taps [B, T, n·H] at positions [B, T] (contiguous per row) into the draft cache:
+        full layers' rows [positions[:, 0], + T), sliding layers' rings (write_ring_rows). valid
+        [B] (the prefill's prompt lengths): rows at or past it are the bucket's padding, which a
+        ring must not let overwrite the rows its window still needs."""
+        ctx = self.context(feats)
+        start = positions[:, 0]
+        ks, vs = list(cache.k), list(cache.v)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, positions)
+            if self._ring(i):
+                ks[i], vs[i] = write_ring_rows(ks[i], k, start, valid), write_ring_rows(vs[i], v, start, valid)
+            else:
+                ks[i], vs[i] = write_rows(ks[i], k, start), write_rows(vs[i], v, start)
+        return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
 
     def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, block_end,
                  *, kernels: KernelConfig | str | None = None):
@@ -295,13 +345,14 @@ class DFlash2Draft(nnx.Module):
         (hidden [B, S, H] final-normed, cache)."""
         kernels = resolved(kernels)
         context = DraftContext(feats=self.context(pending_feats), positions=pending_positions)
-        x = block_embeds.astype(self.dtype)
+        x, res = block_embeds.astype(self.dtype), None
         ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):
             k_start, k_end = layer_key_range(self.config, i, positions, block_end)
             with jax.named_scope(f"draft_layer{i}"):
-                x, ks[i], vs[i] = layer.block(x, positions, ks[i], vs[i], context, k_start, k_end, kernels)
-        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs), lens=positions[:, 0])
+                x, res, ks[i], vs[i] = layer.block(x, res, positions, ks[i], vs[i], context, k_start, k_end,
+                                                   kernels, ring=self._ring(i))
+        return add_norm(x, res, self.norm, kernels)[1], KVCache(k=tuple(ks), v=tuple(vs), lens=positions[:, 0])
 
     def unary_logits(self, target, hidden):
         """The target's LM head on hidden [B, L, H], times output_multiplier, then the softcap:
@@ -339,9 +390,17 @@ class DFlash2Draft(nnx.Module):
             return path, cache
         return path, cache, (cand, q)
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
+    def cache_rows(self, capacity: int) -> tuple[int, ...]:
+        """Rows of each layer's draft cache: the capacity, or a sliding layer's ring (at most it)."""
         c = self.config
-        return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
+        return tuple(capacity if c.layer_window(i) is None else min(capacity, ring_rows(c.layer_window(i), c.block_size))
+                     for i in range(c.num_layers))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        # kv heads from the layers (under TP with fewer kv heads than shards the layers hold copies)
+        shapes = [(batch, self.layers[0].num_kv_heads, n, self.config.head_dim) for n in self.cache_rows(capacity)]
+        return KVCache(k=tuple(jnp.zeros(s, self.dtype) for s in shapes),
+                       v=tuple(jnp.zeros(s, self.dtype) for s in shapes), lens=jnp.zeros((batch,), jnp.int32))
 
 
 # DFlash2 tensors beside the z-lab DFlash ones: the convs in each layer, the selector at the top (the

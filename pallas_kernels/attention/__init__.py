@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
 import numpy as np
@@ -43,20 +44,24 @@ XLA_CHUNKED_MAX_T = 64
 XLA_KV_CHUNK = 512
 
 
-def _xla_dense(q, k_cache, v_cache, k_end, scale, k_start=None):
+def _xla_dense(q, k_cache, v_cache, k_end, scale, k_start=None, ring=False):
     """The oracle's own math (its P.V einsum is batch-major, so bf16 batches also run on XLA:CPU)."""
-    return reference_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start)
+    return reference_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start, ring=ring)
 
 
-def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
+def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None, ring=False):
     """Online softmax over KV chunks [i*K, (i+1)*K) for min(k_start) // K <= i < ceil(max(k_end) / K):
-    the work follows the rows' key ranges, not the capacity. Requires K <= C."""
+    the work follows the rows' key ranges, not the capacity. Requires K <= C. ring: i counts
+    absolute key positions and chunk i is read from slots (i*K) mod C (K divides C)."""
     B, T, Hq, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
     G, K = Hq // Hkv, kv_chunk
     scale = D ** -0.5 if scale is None else scale
     qg = q.reshape(B, T, Hkv, G, D)
-    n_chunks = jnp.clip((jnp.max(k_end) + K - 1) // K, 0, -(-C // K))     # traced trip count
+    if ring:      # absolute chunks: no clip to the capacity
+        n_chunks = jnp.maximum((jnp.max(k_end) + K - 1) // K, 0)
+    else:
+        n_chunks = jnp.clip((jnp.max(k_end) + K - 1) // K, 0, -(-C // K))     # traced trip count
     first = 0 if k_start is None else jnp.clip(jnp.min(k_start) // K, 0, n_chunks)
 
     def chunk(i, carry):
@@ -64,10 +69,10 @@ def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
         lo = i * K
         # The tail chunk of a capacity that is no multiple of K slides back to end at C; the keys
         # it shares with the chunk before (pos < lo) are masked so none is counted twice.
-        start = jnp.minimum(lo, C - K)
+        start = lax.rem(lo, C) if ring else jnp.minimum(lo, C - K)
         kc = lax.dynamic_slice_in_dim(k_cache, start, K, axis=2)            # [B, Hkv, K, D]
         vc = lax.dynamic_slice_in_dim(v_cache, start, K, axis=2)            # [B, Hkv, K, D]
-        pos = start + jnp.arange(K)                                         # [K]
+        pos = (lo if ring else start) + jnp.arange(K)                       # [K] key positions
         visible = (pos >= lo)[None, None, :] & (pos[None, None, :] < k_end[:, :, None])   # [B, T, K]
         if k_start is not None:   # a sliding-window layer's rows start at their own key
             visible &= pos[None, None, :] >= k_start[:, :, None]
@@ -94,19 +99,19 @@ def _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
 # chunked path therefore differentiates through the dense oracle (same value, same gradient), so any
 # caller that takes gradients (a short prompt's prefill inside training) still can. The long-query
 # (prefill) path never uses the loop: training differentiates through the target's prefill forward.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
-    return _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 7))
+def _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None, ring=False):
+    return _chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start, ring)
 
 
-def _xla_chunked_fwd(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None):
-    return (_chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start),
+def _xla_chunked_fwd(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start=None, ring=False):
+    return (_chunked_forward(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start, ring),
             (q, k_cache, v_cache, k_end, k_start))
 
 
-def _xla_chunked_bwd(scale, kv_chunk, res, g):
+def _xla_chunked_bwd(scale, kv_chunk, ring, res, g):
     q, k_cache, v_cache, k_end, k_start = res
-    _, vjp = jax.vjp(lambda q_, k_, v_: _xla_dense(q_, k_, v_, k_end, scale, k_start), q, k_cache, v_cache)
+    _, vjp = jax.vjp(lambda q_, k_, v_: _xla_dense(q_, k_, v_, k_end, scale, k_start, ring), q, k_cache, v_cache)
     return (*vjp(g), None, None if k_start is None else np.zeros(k_start.shape, jax.dtypes.float0))
 
 
@@ -114,7 +119,8 @@ _xla_chunked.defvjp(_xla_chunked_fwd, _xla_chunked_bwd)
 
 
 def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None,
-                        q_tile: int | None = None, kv_chunk: int | None = None, k_start=None):
+                        q_tile: int | None = None, kv_chunk: int | None = None, k_start=None,
+                        ring: bool = False):
     """The reference in XLA ops, sized to the work rather than the buffers.
 
     Short query blocks (T <= XLA_CHUNKED_MAX_T) attend in chunks of `kv_chunk` keys (default
@@ -123,7 +129,9 @@ def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = Non
     Longer queries (prefill) are processed in tiles (lax.map) so B*tile*Hq*C scores stay bounded:
     a 32k prompt over a 32k cache would otherwise build a [B, Hq, 32k, 32k] f32 score tensor.
     k_start [B, T] (or None): each row's first key, for sliding-window draft layers (block-sized
-    queries only: the chunked or the dense path).
+    queries only: the chunked or the dense path). ring: the cache is a ring of C slots (key p in
+    slot p mod C) and k_start / k_end are absolute positions (reference.block_attention); the
+    chunks then divide C (gcd(C, kv_chunk) keys each).
     """
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
@@ -131,12 +139,16 @@ def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = Non
     kv_chunk = XLA_KV_CHUNK if kv_chunk is None else int(kv_chunk)
     if kv_chunk < 0:
         raise ValueError(f"kv_chunk must be >= 0 (0: dense over the whole capacity), got {kv_chunk}")
+    if ring:
+        if k_start is None:
+            raise ValueError("ring=True needs k_start (absolute first keys)")
+        kv_chunk = math.gcd(C, kv_chunk) if kv_chunk else 0
     if T <= XLA_CHUNKED_MAX_T and 0 < kv_chunk < C and q_tile is None:
-        return _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start)
+        return _xla_chunked(q, k_cache, v_cache, k_end, scale, kv_chunk, k_start, ring)
     if k_start is not None:
         if T > XLA_CHUNKED_MAX_T or q_tile is not None:
             raise ValueError(f"k_start is for block-sized queries (T <= {XLA_CHUNKED_MAX_T}), got T={T}")
-        return _xla_dense(q, k_cache, v_cache, k_end, scale, k_start)
+        return _xla_dense(q, k_cache, v_cache, k_end, scale, k_start, ring)
     if q_tile is None:
         if B * T * Hq * C <= _XLA_SCORE_BUDGET:
             return _xla_dense(q, k_cache, v_cache, k_end, scale)
@@ -165,11 +177,12 @@ def default_impl(interpret=False) -> str:
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: float | None = None,
-                    interpret=False, k_start=None, **tuning):
+                    interpret=False, k_start=None, ring: bool = False, **tuning):
     """Dispatch to a kernel. interpret: False, True, or a pltpu.InterpretParams for the TPU kernel.
 
     tuning: block sizes etc. forwarded to the chosen kernel (benchmarks); ignored by "xla".
-    k_start [B, T] or None: each row's first key (sliding-window draft layers).
+    k_start [B, T] or None: each row's first key (sliding-window draft layers). ring: the cache is
+    a ring of C slots holding key p at slot p mod C, k_start / k_end absolute (reference.py).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
@@ -183,12 +196,12 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
                 from jax.experimental.pallas import tpu as pltpu
                 interpret = pltpu.InterpretParams()
             return tpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
-                                       interpret=interpret, k_start=k_start, **tuning)
+                                       interpret=interpret, k_start=k_start, ring=ring, **tuning)
         if impl == "gpu":
             from pallas_kernels.attention import gpu
             return gpu.block_attention(q, k_cache, v_cache, k_end, scale=scale,
-                                       interpret=bool(interpret), k_start=k_start, **tuning)
+                                       interpret=bool(interpret), k_start=k_start, ring=ring, **tuning)
     except Unsupported as e:
         warn_once(_log, f"{impl}: {e}", "pallas %s kernel cannot take q%s cache%s (%s): using the XLA path "
                   "(said once per reason)", impl, q.shape, k_cache.shape, e)
-    return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start)
+    return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start, ring=ring)

@@ -151,7 +151,7 @@ def _visible(k0, cols, kend, kstart):
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int, has_start: bool = False):
+            min_chunk: int, decode_rows: int, G: int, has_start: bool = False, ring: bool = False):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -164,6 +164,9 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv
     k_ref/v_ref [C, D]: the whole head; tiles are sliced in the loop.
     has_start (tiled mode only): refs[0] is kstart [bt], each row's first key (a sliding-window
     draft layer): the KV range starts at the tile's lowest start, every tile masked.
+    ring (with has_start): k_start / k_end are absolute key positions and the cache a ring of C
+    slots: the loop walks absolute tiles and reads tile k0 from slots k0 mod C (C a multiple of
+    block_k, so a tile never wraps).
     """
     kstart_ref, out_refs = (refs[0], refs[1:]) if has_start else (None, refs)
     s_idx = pl.program_id(3)
@@ -213,9 +216,10 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv
         def body(it, carry):
             acc, m, l = carry
             k0 = pl.multiple_of(start + it * block_k, block_k)
-            k = k_ref[pl.ds(k0, block_k), :]                                  # [bk, D]
+            slot = pl.multiple_of(lax.rem(k0, k_ref.shape[0]), block_k) if ring else k0
+            k = k_ref[pl.ds(slot, block_k), :]                                # [bk, D]
             m, l, acc = online_softmax_step(
-                q, k, lambda: v_ref[pl.ds(k0, block_k), :], m, l, acc, scale=scale2, exp=exp,
+                q, k, lambda: v_ref[pl.ds(slot, block_k), :], m, l, acc, scale=scale2, exp=exp,
                 visible=(_visible(k0, cols, kend, kstart if has_start else None)) if masked else None)
             return acc, m, l
         return body
@@ -259,12 +263,14 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                     num_stages: int | None = None, min_chunk: int | None = None,
                     merge_kernel: bool | None = None,
                     merge_rows: int | None = None, merge_cols: int | None = None,
-                    n_sms: int | None = None, k_start=None):
+                    n_sms: int | None = None, k_start=None, ring: bool = False):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
     merge_kernel: split partials merged by `merge_splits` (a Pallas kernel) instead of XLA's fusion
     of `_merge`; None: as default_config says. n_sms: the GPU's SM count (None: `sm_count()`).
-    k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end)); blocks only."""
+    k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end)); blocks only.
+    ring: the cache is a ring of C slots (key p in slot p mod C), k_start / k_end absolute
+    (pallas_kernels.attention.reference)."""
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
     _, Hkv, C, _ = k_cache.shape
@@ -285,7 +291,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
                               merge_kernel=merge_kernel, merge_rows=merge_rows,
                               merge_cols=merge_cols, n_sms=n_sms,
-                              k_start=None if k_start is None else jnp.pad(k_start, ((0, 0), (0, Tp - T))))
+                              k_start=None if k_start is None else jnp.pad(k_start, ((0, 0), (0, Tp - T))),
+                              ring=ring)
         return out[:, :T]
     n_sms = sm_count() if n_sms is None else n_sms
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
@@ -306,13 +313,16 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     decode_rows = 16 if (T == 1 and G < 16) else 0
     if k_start is not None and decode_rows:
         raise Unsupported("k_start in the decode layout (T == 1)")
+    if ring and k_start is None:
+        raise ValueError("ring=True needs k_start (absolute first keys)")
     if not decode_rows:
         if bt < 1 or bt & (bt - 1) or T % bt:
             raise Unsupported(f"block_t={bt} must be a power of two dividing T={T}")
         if bt * G < 16:
             raise Unsupported(f"row tile {bt}x{G} < 16 rows (Triton dots need 16)")
     scale = D ** -0.5 if scale is None else float(scale)
-    k_end = jnp.clip(k_end.astype(jnp.int32), 0, C)
+    # absolute positions in a ring may pass C; a plain cache's ends are clipped to it
+    k_end = jnp.maximum(k_end.astype(jnp.int32), 0) if ring else jnp.clip(k_end.astype(jnp.int32), 0, C)
     # Triton cannot do two dtypes in one dot: keep K/V and q alike (the contract has them equal).
     k_cache = k_cache.astype(q.dtype)
     v_cache = v_cache.astype(q.dtype)
@@ -348,10 +358,11 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
                                min_chunk=min_chunk, decode_rows=decode_rows, G=G,
-                               has_start=k_start is not None)
+                               has_start=k_start is not None, ring=ring)
     extra_in, extra_spec = (), []
     if k_start is not None:
-        extra_in, extra_spec = (jnp.clip(k_start.astype(jnp.int32), 0, C),), [kend_spec]
+        ks = k_start.astype(jnp.int32)
+        extra_in, extra_spec = (jnp.maximum(ks, 0) if ring else jnp.clip(ks, 0, C),), [kend_spec]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(

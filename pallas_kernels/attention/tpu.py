@@ -70,7 +70,8 @@ def choose_blocks(R: int, C: int, D: int, dtype, *, block_q: int | None = None,
 
 
 def _kernel(tmax_ref, tmin_ref, *refs, scale: float, block_k: int,
-            n_q_tiles: int, groups: int = 0, prologue: bool = False, eps: float = 0.0, has_start: bool = False):
+            n_q_tiles: int, groups: int = 0, prologue: bool = False, eps: float = 0.0, has_start: bool = False,
+            ring: bool = False):
     # folded (groups == 0): q_ref [bq, D], o_ref [bq, D]
     # token-major (groups == G): q_ref [bt, G*D], o_ref [bt, G*D], q_sc [G*bt, D] (rows (g, t)); bq = G*bt
     # prologue (token-major only): cos_ref, sin_ref [bt, D] f32 (sin signed: [-sin | sin]), w_ref
@@ -78,6 +79,8 @@ def _kernel(tmax_ref, tmin_ref, *refs, scale: float, block_k: int,
     # k_ref/v_ref [bk, D], kend_ref [bq, 1] int32, m_sc/l_sc [bq, 1] f32, acc_sc [bq, D] f32
     # has_start: a third scalar (the tile's lowest k_start over live rows) and kstart_ref [bq, 1]
     # after kend_ref: rows attend [k_start, k_end) (sliding-window draft layers); every tile masked
+    # ring (with has_start): k_start / k_end absolute, grid step j is the absolute KV tile
+    # (first // bk + j), read from the ring's slot tile of that mod its tile count (kv_map)
     if has_start:
         tstart_ref, q_ref, k_ref, v_ref, kend_ref, kstart_ref, *refs = refs
     else:
@@ -90,8 +93,8 @@ def _kernel(tmax_ref, tmin_ref, *refs, scale: float, block_k: int,
     tile = b * n_q_tiles + i
     hi = tmax_ref[tile]            # max k_end over this row tile
     lo = tmin_ref[tile]            # min k_end over the tile's live rows (k_end > 0)
-    k0 = j * block_k
     first = tstart_ref[tile] if has_start else 0
+    k0 = (first // block_k + j) * block_k if ring else j * block_k
 
     @pl.when(j == 0)
     def _init():
@@ -200,13 +203,18 @@ def token_tile(T: int, G: int, D: int, dtype, *, block_q: int | None = None) -> 
 
 
 def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, k_start=None,
-                    interpret=False, block_q: int | None = None, block_k: int | None = None):
+                    interpret=False, block_q: int | None = None, block_k: int | None = None,
+                    ring: bool = False):
     """Pallas TPU block attention. interpret: False, or pltpu.InterpretParams() to run on CPU.
-    k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end))."""
+    k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end)). ring: the cache
+    is a ring of C slots (key p in slot p mod C), k_start / k_end absolute
+    (pallas_kernels.attention.reference)."""
     check_shapes(q, k_cache, v_cache, k_end)
+    if ring and k_start is None:
+        raise ValueError("ring=True needs k_start (absolute first keys)")
     B, T, Hq, D = q.shape
     return _attention(q, None, k_cache, v_cache, k_end, B=B, T=T, Hq=Hq, D=D, t0=0, scale=scale,
-                      interpret=interpret, block_q=block_q, block_k=block_k, k_start=k_start)
+                      interpret=interpret, block_q=block_q, block_k=block_k, k_start=k_start, ring=ring)
 
 
 def fused_q_supported(T: int, t0: int, Hq: int, Hkv: int, D: int, C: int, dtype) -> bool:
@@ -253,7 +261,7 @@ def block_attention_qkv(qkv, cos, sin, q_norm_weight, eps: float, k_cache, v_cac
 
 
 def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, interpret,
-               block_q=None, block_k=None, k_start=None):
+               block_q=None, block_k=None, k_start=None, ring=False):
     """q: [B, T, Hq, D] (prologue None), or the [B, t0 + T, N] projection output (prologue: cos,
     sin, weight, eps; token-major tiles only)."""
     _, Hkv, C, _ = k_cache.shape
@@ -264,14 +272,17 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
     bq, bk = choose_blocks(R, C, D, q.dtype, block_q=G * bt if bt else block_q, block_k=block_k)
     R_pad = _round_up(R, bq)
     n_q, n_k = R_pad // bq, C // bk
+    # a ring row's range (<= C keys) may start mid-tile and so touch n_k + 1 absolute tiles
+    n_steps = n_k + 1 if ring else n_k
+    lo_clip = lambda e: jnp.maximum(e, 0) if ring else jnp.clip(e, 0, C)      # noqa: E731
 
     def per_row(e):
         """k_end / k_start [B, T] as the kernel's rows and per tile: (rows, tiles [B*n_q, rows])."""
         if bt:  # per-row values of each token tile, rows (g, t): [B, n_q, G*bt, 1]
-            ke = jnp.clip(e.astype(jnp.int32), 0, C).reshape(B, n_q, 1, bt)
+            ke = lo_clip(e.astype(jnp.int32)).reshape(B, n_q, 1, bt)
             return jnp.broadcast_to(ke, (B, n_q, G, bt)).reshape(B, n_q, G * bt, 1), ke.reshape(B * n_q, bt)
         _, r = fold_queries(q, e, G, R_pad)                                    # [B, R_pad]
-        r = jnp.clip(r, 0, C)
+        r = lo_clip(r)
         return r[:, :, None], r.reshape(B * n_q, bq)
 
     kr, tiles = per_row(k_end)
@@ -286,12 +297,15 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
     scalars = [tmax, tmin]
     if k_start is not None:
         ks_rows, ks_tiles = per_row(k_start)
-        scalars.append(jnp.min(jnp.where(tiles > 0, ks_tiles, C), axis=1))   # the tile's first key
+        scalars.append(jnp.min(jnp.where(tiles > 0, ks_tiles, 0 if ring else C), axis=1))   # the tile's first key
 
     def kv_map(b, h, i, j, tmax_ref, tmin_ref, *start_ref):
         # Past the tile's last needed KV block, keep pointing at it: no new DMA is issued; before
         # its first (a window's start), point at that one.
         last = jnp.maximum(pl.cdiv(tmax_ref[b * n_q + i], bk) - 1, 0)
+        if ring:   # grid step j: absolute tile first + j, in the ring's slot tile (mod n_k)
+            first = start_ref[0][b * n_q + i] // bk
+            return (b, h, lax.rem(jnp.minimum(first + j, jnp.maximum(last, first)), n_k), 0)
         first = jnp.minimum(start_ref[0][b * n_q + i] // bk, last) if start_ref else 0
         return (b, h, jnp.clip(j, first, last), 0)
 
@@ -319,14 +333,14 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, n_q_tiles=n_q, groups=G if bt else 0,
                                prologue=prologue is not None,
                                eps=prologue[3] if prologue is not None else 0.0,
-                               has_start=k_start is not None)
+                               has_start=k_start is not None, ring=ring)
     itemsize = jnp.dtype(q.dtype).itemsize
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
-            grid=(B, Hkv, n_q, n_k),
+            grid=(B, Hkv, n_q, n_steps),
             in_specs=[
                 q_spec,
                 pl.BlockSpec((None, None, bk, D), kv_map),
