@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["widths_for", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "simulate", "geometric_profile",
+__all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "simulate", "geometric_profile",
            "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "PROBE_EVERY"]
 
 # Decay of the acceptance statistics per iteration (the window is ~1 / (1 - DECAY) iterations).
@@ -46,6 +46,22 @@ def widths_for(block_size: int) -> tuple[int, ...]:
     """The verify widths (drafts verified) of a block: 0, then 2^k - 1 below S - 1, then S - 1."""
     full = block_size - 1
     return tuple(sorted({0, full} | {(1 << k) - 1 for k in range(1, 16) if (1 << k) - 1 < full}))
+
+
+def program_widths(block_size: int, verify_width="auto") -> tuple[int, ...]:
+    """The widths compiled into an adaptive program: 0 (plain), the middle width whose rows are
+    ~sqrt(S) (3 at block 16, 1 at block 8: where a large batch is compute-bound, a few verified
+    rows are what pays) and the full block (where verifying is memory-bound); plus a forced
+    `verify_width` outside that set. Each width is one more target verify body in the program, and
+    its compile time grows with them (docs/adaptive-width.md, "Compile time": five widths compiled
+    2.9x as long as the one-width program, these three 1.9x); the other widths of `widths_for` win
+    too rarely to pay that."""
+    full = block_size - 1
+    mid = (1 << (max(block_size, 1).bit_length() - 1) // 2) - 1
+    ws = {0, full} | ({mid} if 0 < mid < full else set())
+    if isinstance(verify_width, (int, np.integer)) and not isinstance(verify_width, bool):
+        ws.add(int(verify_width))
+    return tuple(sorted(ws))
 
 
 def width_index(widths: tuple[int, ...], verify_width) -> int:
