@@ -74,21 +74,12 @@ def _hf(path):
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
 
 
-def _hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = hf(ids, attention_mask=torch.ones_like(ids)).logits[0, -1].argmax()
-            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist()
-
-
 if not CHILD:
     import jax
     import jax.numpy as jnp
 
     from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
-    from tests.checkpoints import random_prompts, reference_generate
+    from tests.checkpoints import hf_greedy, random_prompts, reference_generate
 
     from dflash_jax import ConfigError, DraftConfig, TargetConfig, generate, init_draft, init_target, load_draft, load_target
 
@@ -111,7 +102,7 @@ if not CHILD:
                                        out.hidden_states[layer + 1].numpy(), atol=1e-4, rtol=0)
         prompts = [ids[0, :9].tolist(), ids[1, :14].tolist()]
         res = generate(target, None, prompts, max_new_tokens=12)
-        assert res.tokens == [_hf_greedy(hf, p, 12) for p in prompts]
+        assert res.tokens == [hf_greedy(hf, p, 12) for p in prompts]
 
     def test_llama3_scaling_matters_at_these_positions(tmp_path):
         """The same weights read without rope scaling give other logits: the tests above see it."""

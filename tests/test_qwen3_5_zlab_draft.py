@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
-from tests.test_qwen3_5 import TINY, _hf_greedy, write_qwen3_5
+from tests.checkpoints import hf_greedy
+from tests.test_qwen3_5 import TINY, write_qwen3_5
 
 from dflash_jax import generate, load_draft, load_target
 
@@ -105,5 +106,5 @@ def test_taps_and_windowed_block_match_the_reference(setup):
 def test_dflash_greedy_with_the_zlab_draft_matches_transformers(setup):
     hf, _, target, draft = setup
     prompts = [[5, 9, 77, 3, 21, 8, 60], [11, 2, 4, 90]]
-    expected = [_hf_greedy(hf, p, 16) for p in prompts]
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
     assert generate(target, draft, prompts, max_new_tokens=16).tokens == expected
