@@ -172,6 +172,8 @@ def _numpy_choose(stats, cost, current, step, force, widths):
 def test_the_choice_is_a_deterministic_function_of_the_statistics():
     widths = width.widths_for(16)
     assert widths == (0, 1, 3, 7, 15) and width.widths_for(8) == (0, 1, 3, 7)
+    # compiled into the adaptive program: plain, the middle width, the block; a forced other one too
+    assert width.program_widths(16) == (0, 3, 15) and width.program_widths(8, 3) == (0, 1, 3, 7)
     rng = np.random.default_rng(0)
     choose = jax.jit(lambda *a: width.choose(*a, widths))
     for _ in range(40):
