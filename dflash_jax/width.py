@@ -2,8 +2,9 @@
 
 The draft always proposes its whole block (cutting it would change its non-causal context); the
 target verifies the last token plus the first W drafts, W from a small set whose row counts W + 1
-are powers of two (`widths`: 0, 1, 3, 7, 15 for block 16). W = 0 is plain decoding (no draft pass;
-the draft context is still written). Verifying a prefix is lossless: acceptance stops at W at the
+are powers of two (`widths_for`: 0, 1, 3, 7, 15 for block 16; an adaptive program compiles the
+`program_widths`, 0, 3, 15). W = 0 is plain decoding (no draft pass; its taps still reach the
+draft context). Verifying a prefix is lossless: acceptance stops at W at the
 latest and the bonus / correction comes from slot a <= W, exactly as a shorter block's would.
 
 The choice runs on the device inside the loop, from values every replica holds (so every replica
@@ -53,8 +54,8 @@ def program_widths(block_size: int, verify_width="auto") -> tuple[int, ...]:
     ~sqrt(S) (3 at block 16, 1 at block 8: where a large batch is compute-bound, a few verified
     rows are what pays) and the full block (where verifying is memory-bound); plus a forced
     `verify_width` outside that set. Each width is one more target verify body in the program, and
-    its compile time grows with them (docs/adaptive-width.md, "Compile time": five widths compiled
-    2.9x as long as the one-width program, these three 1.9x); the other widths of `widths_for` win
+    its compile time grows with them (docs/adaptive-width.md, "Compile time": five widths took
+    3.2x the one-width program's CPU seconds at Qwen3-8B shapes, these three 2.1x); the other widths of `widths_for` win
     too rarely to pay that."""
     full = block_size - 1
     mid = (1 << (max(block_size, 1).bit_length() - 1) // 2) - 1
