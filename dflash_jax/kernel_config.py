@@ -42,6 +42,16 @@ moe_gmm (the grouped matmul of MoE targets' expert layers, pallas_kernels/moe):
   "pallas_gpu"  force the Triton GPU kernel (pallas_kernels/moe/gpu.py; a CUDA export from a CPU host)
   resolved only (tests): "pallas_tpu_interpret", "pallas_gpu_interpret" (a kernel on CPU)
 
+gdn (the Gated DeltaNet layers' short blocks, decode and verify, of Qwen3.5 hybrid targets):
+  "auto"        "xla" on every backend until the GPU kernel is measured faster on the H200
+  "xla"         models/gated_delta.py's XLA forms (the verify form the target's config names)
+  "pallas"      the fused Triton block kernel and the commit's fold kernel (pallas_kernels/
+                gated_delta) on GPU; on CPU the same kernels interpreted; on TPU "xla"
+  "pallas_gpu"  force the Triton kernel (a CUDA export from a CPU host)
+  resolved only (tests): "pallas_gpu_interpret"
+gdn_block_v       value dims per kernel program (0: all of a head's, the gated output norm fused
+                  into the kernel; smaller: more programs, the norm left to XLA)
+
 The TPU path's (ignored, and reset by resolve(), elsewhere):
   tpu_mlp           the SwiGLU MLP of blocks up to 1024 rows as one Pallas kernel
                     (pallas_kernels/fused_layer/tpu_mlp.py) that keeps the [rows, I] intermediate in
@@ -74,6 +84,8 @@ GPU_TUNING = {
 }
 MOE_GMM = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 RESOLVED_MOE_GMM = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
+GDN = ("auto", "xla", "pallas", "pallas_gpu")
+RESOLVED_GDN = ("xla", "pallas_gpu", "pallas_gpu_interpret")
 ATTENTION_TUNING_NAMES = ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
                           "merge_kernel", "merge_rows", "merge_cols")
 
@@ -95,12 +107,18 @@ class KernelConfig:
     xla_kv_chunk: int = 512
     tpu_mlp: bool | None = None      # None: on for pallas_tpu (off in the interpreter, where it is slow)
     moe_gmm: str = "auto"            # MoE experts' grouped matmul (MOE_GMM; module doc)
+    gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
+    gdn_block_v: int = 0             # value dims per GDN kernel program (0: the head's dv)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_BACKENDS}")
         if self.moe_gmm not in MOE_GMM + RESOLVED_MOE_GMM:
             raise ValueError(f"moe_gmm={self.moe_gmm!r}; expected one of {MOE_GMM}")
+        if self.gdn not in GDN + RESOLVED_GDN:
+            raise ValueError(f"gdn={self.gdn!r}; expected one of {GDN}")
+        if not isinstance(self.gdn_block_v, int) or self.gdn_block_v < 0:
+            raise ValueError(f"gdn_block_v must be an integer >= 0 (0: the head's value dims), got {self.gdn_block_v!r}")
         if not isinstance(self.xla_kv_chunk, int) or self.xla_kv_chunk < 0:
             raise ValueError(f"xla_kv_chunk must be an integer >= 0 (0: dense), got {self.xla_kv_chunk!r}")
         if self.n_sms is not None and (not isinstance(self.n_sms, int) or self.n_sms < 1):
@@ -136,8 +154,14 @@ class KernelConfig:
             moe_gmm = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "xla"
         elif moe_gmm == "pallas":
             moe_gmm = "pallas_tpu" if on_tpu else "pallas_gpu" if on_gpu else "pallas_tpu_interpret"
+        gdn = self.gdn
+        if gdn == "auto":
+            gdn = "xla"
+        elif gdn == "pallas":
+            gdn = "pallas_gpu" if on_gpu else "xla" if on_tpu else "pallas_gpu_interpret"
+        gdn_block_v = self.gdn_block_v if gdn != "xla" else 0
         if attention not in GPU_PATHS:
-            return KernelConfig(attention=attention, fused_layer=False, sampling_kernels=False,
+            return KernelConfig(gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
                                          else bool(self.tpu_mlp) and attention in TPU_PATHS),
@@ -153,7 +177,7 @@ class KernelConfig:
         return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
-                            xla_kv_chunk=512, moe_gmm=moe_gmm)
+                            xla_kv_chunk=512, moe_gmm=moe_gmm, gdn=gdn, gdn_block_v=gdn_block_v)
 
     # ---- what the resolved config means for the code that traces the program
 

@@ -5,6 +5,14 @@ and the rollback's (commit's) share of an iteration.
     python scripts/bench_hybrid.py                       # Qwen3.5-9B shapes, B = 1 and 32, S = 16
     python scripts/bench_hybrid.py --smoke               # tiny shapes on CPU (checks the script runs)
     python scripts/bench_hybrid.py --model 35b-a3b       # Qwen3.5-35B-A3B shapes (MoE, bf16 ~70 GB)
+    python scripts/bench_hybrid.py --paths xla-chunk,kernel --models 9b,35b-a3b --budget-s 330   # A/B
+
+--paths names how the GDN layers run their short blocks (decode, verify): xla-chunk / xla-recurrent
+(models/gated_delta.py's forms) or kernel / kernel-bvN (pallas_kernels/gated_delta, the whole head
+per program or N value dims per program; KernelConfig.gdn="pallas"). --layer-counts first prints
+the launch-level op counts of ONE GDN layer's block forward + fold per path (on GPU: the real
+fusions and kernels; on CPU the kernel is a stand-in custom call). --budget-s skips the rows that
+would not finish in time (each row is estimated from the slowest row so far).
 
 Each figure is the median per-iteration time of K iterations of `loop.iterate` run inside one
 jitted fori_loop (as the while loop runs them), the loop state donated. The draft is a random
@@ -114,13 +122,110 @@ def hlo_stats(compiled_text: str) -> dict:
                 copy=count("copy"), while_loops=count("while"))
 
 
-def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stats: bool = False) -> dict:
+PATHS = {"xla-chunk": ("chunk", "xla", 0), "xla-recurrent": ("recurrent", "xla", 0), "kernel": ("chunk", "pallas", 0)}
+
+
+def path_spec(name: str) -> tuple:
+    """(verify_form, KernelConfig.gdn, gdn_block_v) of a --paths entry (kernel-bvN: N value dims)."""
+    if name in PATHS:
+        return PATHS[name]
+    if name.startswith("kernel-bv") and name[9:].isdigit():
+        return ("chunk", "pallas", int(name[9:]))
+    raise SystemExit(f"--paths: unknown path {name!r}; expected {sorted(PATHS)} or kernel-bvN")
+
+
+def path_kernels(name: str):
+    from dflash_jax.kernel_config import KernelConfig
+    _, gdn, bv = path_spec(name)
+    return KernelConfig(gdn=gdn, gdn_block_v=bv)
+
+
+def entry_ops(compiled_text: str) -> dict:
+    """Op counts of the ENTRY computation of an optimised HLO module (what a GPU launches: each
+    fusion, custom call (a Pallas kernel, a cuBLAS gemm), unfused op), free ops left out."""
+    import re
+    body = compiled_text[compiled_text.index("ENTRY"):]
+    body = body[:body.index("\n}")]
+    free = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+    ops = re.findall(r"= (?:\([^)]*\)|\S+) ([a-z][a-z0-9-]*)\(", body)
+    counts: dict = {}
+    for op in ops:
+        if op not in free:
+            counts[op] = counts.get(op, 0) + 1
+    return dict(launches=sum(counts.values()), **dict(sorted(counts.items())))
+
+
+def layer_counts(c: Qwen35Config, paths: list, dtype, batches=(1,), blocks=(16, 1)) -> list:
+    """Launch-level op counts of ONE GDN layer (9B widths: projections, conv, gates, the rule, the
+    output norm, out projection) over a block, then its commit (the fold and the conv window), per
+    --paths entry, B and T. Compiled for this backend from abstract weights (no memory). On a
+    backend without the Triton kernel (CPU) the kernel is replaced by a stand-in custom call of
+    its shapes (one launch; the fold kernel likewise), so the counts around them are the compiler's own."""
+    from dflash_jax.models.qwen3_5 import GatedDeltaNet
+    import pallas_kernels.gated_delta.gpu as kgpu
+    gdef, abstract = nnx.split(nnx.eval_shape(lambda: GatedDeltaNet(c, jnp.dtype(dtype), nnx.Rngs(0))))
+    on_gpu = jax.default_backend() == "gpu"
+    real, real_fold = kgpu.gdn_block, kgpu.fold_deltas
+    rows = []
+    for name in paths:
+        form, _, _ = path_spec(name)
+        kc = path_kernels(name).resolve()
+        if not on_gpu and kc.gdn != "xla":      # the stand-in: the kernel's outputs from one host call
+            import dataclasses as dc
+            kc = dc.replace(kc, gdn="pallas_gpu_interpret")
+
+            def stand_in(p, window, conv_w, A_log, dt_bias, norm_w, state, **kw):
+                B, T = p.shape[:2]
+                HV, dk, dv = state.shape[1], state.shape[2], state.shape[3]
+                bv = kw.get("block_v") or dv
+                o = jax.ShapeDtypeStruct((B, T, HV * dv), p.dtype) if bv == dv else \
+                    jax.ShapeDtypeStruct((B, T, HV, dv), jnp.float32)
+                outs = (o, jax.ShapeDtypeStruct((B, HV, T, dk), jnp.float32),
+                        jax.ShapeDtypeStruct((B, HV, T), jnp.float32), jax.ShapeDtypeStruct((B, HV, T, dv), jnp.float32))
+                res = jax.pure_callback(lambda *a: tuple(np.zeros(x.shape, x.dtype) for x in outs), outs,
+                                        p, window, conv_w, A_log, dt_bias, norm_w, state)
+                return res[0], tuple(res[1:])
+
+            def fold_stand_in(k, G, delta, state, n, **kw):
+                out = jax.ShapeDtypeStruct(state.shape, jnp.float32)
+                return jax.pure_callback(lambda *a: np.zeros(out.shape, out.dtype), out, k, G, delta, state, n)
+            kgpu_fn, fold_fn = stand_in, fold_stand_in
+        else:
+            kgpu_fn, fold_fn = real, real_fold
+        for B in batches:
+            for T in blocks:
+                def fn(st, h, state, window, n):
+                    m = nnx.merge(gdef, st)
+                    m.verify_form = form
+                    out, rec = m(h, state, window, False, kc)
+                    new_state, new_window = m.advance(state, rec, n)
+                    return out, new_state, new_window
+                args = (abstract, jax.ShapeDtypeStruct((B, T, c.hidden_size), jnp.dtype(dtype)),
+                        jax.ShapeDtypeStruct((B, c.linear_num_value_heads, c.linear_key_head_dim,
+                                              c.linear_value_head_dim), jnp.float32),
+                        jax.ShapeDtypeStruct((B, c.linear_conv_kernel_dim - 1, c.conv_dim), jnp.dtype(dtype)),
+                        jax.ShapeDtypeStruct((B,), jnp.int32))
+                import pallas_kernels.gated_delta as pkg
+                pkg.gdn_block, pkg.fold_deltas = kgpu_fn, fold_fn       # read while tracing only
+                try:
+                    text = jax.jit(fn).lower(*args).compile().as_text()
+                finally:
+                    pkg.gdn_block, pkg.fold_deltas = real, real_fold
+                r = dict(kind="gdn layer counts", path=name, batch=B, block=T, backend=jax.default_backend(),
+                         kernel_stand_in=not on_gpu and kc.gdn != "xla", **entry_ops(text))
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+    return rows
+
+
+def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stats: bool = False,
+            kernels=None, fold: bool = True, commit_alone: bool = True) -> dict:
     c = target.config
     prompts = [[int(x) for x in np.random.RandomState(b).randint(0, c.vocab_size, ctx)] for b in range(B)]
     d = draft if S > 1 else None
     st, tstate, dstate, p, _, _ = decode._static_and_params(
         target, d, prompts, stream=False, max_new_tokens=iters * S * (2 * reps + 4) + S,
-        block_size=S if S > 1 else None)
+        block_size=S if S > 1 else None, kernels=kernels)
 
     def models(ts, ds):
         return nnx.merge(st.target_def, ts), (None if st.draft_def is None else nnx.merge(st.draft_def, ds))
@@ -151,30 +256,33 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
 
     k_main = k_iters_fn(loop._commit)
     extra = {}
-    if stats:   # one iteration's program (a 1-iteration fori_loop is unrolled away: no loop op)
-        one = jax.jit(lambda ts, ds, p, s: loop.iterate(st, *models(ts, ds), p, s)[0])
-        extra["hlo_per_iteration"] = hlo_stats(one.lower(tstate, dstate, p, holder[0]).compile().as_text())
+    if stats:   # the K-iteration program's counts (the loop body is one iteration)
+        k_main = k_main.lower(tstate, dstate, p, holder[0]).compile()
+        extra["hlo_k_iterations"] = hlo_stats(k_main.as_text())
     per_iter = timed(k_main)
-    # the same iterations with the fold left out (records dropped, states never advanced): the
-    # difference is the rollback's cost inside the compiled loop
-    no_fold = timed(k_iters_fn(lambda target, cache, n: cache.replace(records=None)))
-    # the rollback alone: the commit of one block's records (a forward's cache), timed apart
+    if fold:
+        # the same iterations with the fold left out (records dropped, states never advanced): the
+        # difference is the rollback's cost inside the compiled loop
+        no_fold = timed(k_iters_fn(lambda target, cache, n: cache.replace(records=None)))
+        extra.update(ms_without_fold=no_fold * 1e3, fold_share=(per_iter - no_fold) / per_iter)
     tgt = nnx.merge(st.target_def, tstate)
-    pos = holder[0].lens[:, None] + jnp.arange(S, dtype=jnp.int32)
-    block = jnp.zeros((st.batch, S), jnp.int32)
-    fwd = jax.jit(lambda ts, c_, b, q: nnx.merge(st.target_def, ts)(b, q, c_, q + 1)[2])
-    with_records = fwd(tstate, holder[0].target_cache, block, pos)
-    n = jnp.full((st.batch,), S // 2, jnp.int32)
-    commit = jax.jit(lambda ts, c_, n: nnx.merge(st.target_def, ts).commit(c_, n))
-    t_commit = _time(lambda: commit(tstate, with_records, n).state, reps * 4)
+    if commit_alone:
+        # the rollback alone: the commit of one block's records (a forward's cache), timed apart
+        pos = holder[0].lens[:, None] + jnp.arange(S, dtype=jnp.int32)
+        block = jnp.zeros((st.batch, S), jnp.int32)
+        fwd = jax.jit(lambda ts, c_, b, q: nnx.merge(st.target_def, ts)(b, q, c_, q + 1, kernels=st.kernels)[2])
+        with_records = fwd(tstate, holder[0].target_cache, block, pos)
+        n = jnp.full((st.batch,), S // 2, jnp.int32)
+        commit = jax.jit(lambda ts, c_, n: nnx.merge(st.target_def, ts).commit(c_, n))
+        t_commit = _time(lambda: commit(tstate, with_records, n).state, reps * 4)
+        extra.update(commit_ms=t_commit * 1e3, commit_share=t_commit / per_iter)
     fl = floor_bytes(tgt, d, c, st.batch, ctx, S)
     floor_s = fl["total"] / COPY_TBPS
     return dict(batch=B, ctx=ctx, block=S, verify_form=c.verify_form, ms_per_iteration=per_iter * 1e3,
-                floor_ms=floor_s * 1e3, x_floor=per_iter / floor_s, commit_ms=t_commit * 1e3,
-                commit_share=t_commit / per_iter, ms_without_fold=no_fold * 1e3,
-                fold_share=(per_iter - no_fold) / per_iter, floor_bytes=fl,
+                floor_ms=floor_s * 1e3, x_floor=per_iter / floor_s, floor_bytes=fl,
+                gdn=str(st.kernels.gdn), gdn_block_v=int(st.kernels.gdn_block_v),
                 state_bytes_per_request=state_bytes(c, tgt.dtype),
-                record_bytes_per_request=record_bytes(c, S, tgt.dtype), device=str(jax.devices()[0].device_kind),
+                record_bytes_per_request=record_bytes(c, S, tgt.dtype, kernel=st.kernels.gdn != "xla"), device=str(jax.devices()[0].device_kind),
                 **extra)
 
 
@@ -223,7 +331,20 @@ def main():
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--ctx", type=int, default=512, help="prompt tokens before the timed iterations")
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--forms", default="chunk,recurrent", help="verify forms of the GDN rule to compare")
+    ap.add_argument("--forms", default="chunk,recurrent", help="verify forms of the GDN rule to compare "
+                    "(the XLA paths; --paths supersedes it)")
+    ap.add_argument("--paths", default=None,
+                    help="GDN block paths to A/B: xla-chunk, xla-recurrent, kernel, kernel-bvN (default: --forms)")
+    ap.add_argument("--models", default=None, help="comma list of --model values, run in order (one call)")
+    ap.add_argument("--moe-batches", default=None, help="batches for the 35b-a3b model (default: --batches)")
+    ap.add_argument("--layer-counts", action="store_true",
+                    help="first: one GDN layer's launch-level op counts per path (9B widths, B = 1)")
+    ap.add_argument("--only-layer-counts", action="store_true", help="--layer-counts, then stop (CPU: no model)")
+    ap.add_argument("--no-fold-share", dest="fold_share", action="store_false",
+                    help="skip the loop without the fold (one compile less per DFlash row)")
+    ap.add_argument("--commit-alone", action="store_true", help="also time the commit as its own program")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="wall-clock budget: skip rows that would not finish in it (0: none)")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model", default="9b", choices=("9b", "35b-a3b"),
@@ -239,8 +360,13 @@ def main():
     moe = a.model == "35b-a3b"
     shapes, dtype = ((TINY_MOE if moe else TINY), "float32") if a.smoke else \
         ((None if moe else QWEN35_9B), "bfloat16")
+    if a.models:
+        bad = set(a.models.split(",")) - {"9b", "35b-a3b"}
+        if bad:
+            raise SystemExit(f"--models: unknown {sorted(bad)}; expected 9b, 35b-a3b")
     if a.smoke:
-        a.ctx, a.iters, a.reps, a.batches = min(a.ctx, 16), 2, 1, "1,2"
+        a.ctx, a.iters, a.reps, a.batches = min(a.ctx, 16), 2, 1, "1"
+        a.moe_batches, a.fold_share = None, False
         a.capacity = min(a.capacity, 64)
     if a.tpu_aot:
         rows = tpu_aot(a, shapes, moe)
@@ -249,23 +375,73 @@ def main():
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
         return
     rows = []
-    for form in a.forms.split(","):
-        c = config(shapes, form, moe)
-        target = init_target(c, seed=0, dtype=dtype)
-        draft = init_draft(DraftConfig.for_target(c, num_layers=5 if not a.smoke else 1, block_size=a.block),
-                           seed=1, dtype=dtype)
-        for B in (int(x) for x in a.batches.split(",")):
-            for S in ((1, a.block) if form == a.forms.split(",")[0] else (a.block,)):
-                r = run_one(target, draft, B, a.ctx, S, a.iters, a.reps, a.hlo_stats)
-                r["kind"] = "plain step" if S == 1 else "dflash iteration"
-                r["model"] = "smoke-" + a.model if a.smoke else "qwen3.5-" + a.model
-                print(json.dumps(r), flush=True)
-                rows.append(r)
-        del target, draft
-    if a.out:
-        with open(a.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    out = open(a.out, "w") if a.out else None
+
+    def emit(r):
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        if out:
+            out.write(json.dumps(r) + "\n")
+            out.flush()
+
+    t_start, slowest = time.perf_counter(), 0.0
+    paths = a.paths.split(",") if a.paths else ["xla-" + f for f in a.forms.split(",")]
+    for name in paths:
+        path_spec(name)
+    if a.layer_counts or a.only_layer_counts:
+        c9 = config(TINY if a.smoke else QWEN35_9B, "chunk")
+        for r in layer_counts(c9, paths, dtype, blocks=(a.block, 1)):
+            r["model"] = "smoke" if a.smoke else "qwen3.5-9b"
+            if out:
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+            rows.append(r)
+    models = [] if a.only_layer_counts else a.models.split(",") if a.models else [a.model]
+    for model in models:
+        moe = model == "35b-a3b"
+        shapes = (TINY_MOE if moe else TINY) if a.smoke else (None if moe else QWEN35_9B)
+        batches = [int(x) for x in (a.moe_batches if moe and a.moe_batches else a.batches).split(",")]
+        target = draft = tgt = None
+        # rows in priority order: per batch, the DFlash iteration then the plain step, each path
+        for B in batches:
+            for S in (a.block, 1):
+                for name in paths:
+                    form = path_spec(name)[0]
+                    left = a.budget_s - (time.perf_counter() - t_start)
+                    if a.budget_s and left < max(slowest, 1.0) * 1.1:
+                        print(json.dumps(dict(skipped=True, model=model, path=name, batch=B, block=S,
+                                              budget_left_s=round(left, 1))), flush=True)
+                        continue
+                    t0 = time.perf_counter()
+                    c = config(shapes, form, moe)
+                    if target is None:
+                        target = init_target(c, seed=0, dtype=dtype)
+                        draft = init_draft(DraftConfig.for_target(c, num_layers=5 if not a.smoke else 1,
+                                                                  block_size=a.block), seed=1, dtype=dtype)
+                    tgt = _with_form(target, form)
+                    r = run_one(tgt, draft, B, a.ctx, S, a.iters, a.reps, a.hlo_stats, kernels=path_kernels(name),
+                                fold=a.fold_share and S > 1, commit_alone=a.commit_alone)
+                    r.update(kind="plain step" if S == 1 else "dflash iteration", path=name,
+                             model="smoke-" + model if a.smoke else "qwen3.5-" + model,
+                             row_s=round(time.perf_counter() - t0, 1))
+                    emit(r)
+                    slowest = max(slowest, time.perf_counter() - t0)
+        target = draft = tgt = None     # the next model's weights need the memory
+    if out:
+        out.close()
+
+
+def _with_form(model, form: str):
+    """The target with its GDN layers' verify form set (one weight set for every path)."""
+    if model.config.verify_form == form:
+        return model
+    gdef, state = nnx.split(model)
+    clone = nnx.merge(gdef, state)
+    for layer in clone.layers:
+        if layer.kind != "full_attention":
+            layer.mixer.verify_form = form
+    clone.config = dataclasses.replace(model.config, verify_form=form)
+    return clone
 
 
 if __name__ == "__main__":

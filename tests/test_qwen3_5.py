@@ -319,3 +319,79 @@ def test_block_terms_fold_to_every_prefix():
             want = gd.recurrent(q[b:b + 1, :m], k[b:b + 1, :m], v[b:b + 1, :m], g[b:b + 1, :m],
                                 beta[b:b + 1, :m], s0[b:b + 1])[1] if m else s0[b:b + 1]
             np.testing.assert_allclose(np.asarray(got[b:b + 1]), np.asarray(want), atol=2e-5)
+
+
+# ------------------------------------------------------------- the GPU block kernel (interpreted)
+
+def _kernel_config(block_v=0):
+    from dflash_jax.kernel_config import KernelConfig
+    return KernelConfig(attention="xla", gdn="pallas", gdn_block_v=block_v).resolve("cpu")
+
+
+@pytest.mark.slow      # the Triton interpreter's compile: ~8 s of CPU
+def test_gdn_kernel_interpreted_equals_the_xla_block_and_its_fold(pair):
+    """pallas_kernels.gated_delta (the Triton kernel, interpreted on CPU) on the transformers
+    checkpoint's GDN layer, from a non-zero state and conv window: its outputs = the XLA block
+    path's (float32), and its records fold to the XLA fold's state and window for every row's
+    count (through the fold kernel, interpreted; counts 0 and 3 of 4); the value dims split over two
+    programs (the gated norm then in XLA)."""
+    _, ours = pair
+    m = ours.layers[0].mixer
+    r = np.random.RandomState(4)
+    h = jnp.asarray(r.randn(2, 4, 64), jnp.float32)
+    state = jnp.asarray(r.randn(2, 4, 16, 8) * 0.3, jnp.float32)
+    window = jnp.asarray(r.randn(2, 3, m.conv_dim), jnp.float32)
+    n = jnp.asarray([0, 3], jnp.int32)
+    ref, rec = m(h, state, window, False)
+    ref_state, ref_window = m.advance(state, rec, n)
+    for bv in (4,):     # value dims split over 2 programs (the whole head: the DFlash test below)
+        kc = _kernel_config(bv)
+        assert kc.gdn == "pallas_gpu_interpret" and m.use_kernel(4, kc, False)
+        out, krec = jax.jit(lambda h, s, w: m(h, s, w, False, kc))(h, state, window)
+        assert krec.kind == "deltas"
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+        got_state, got_window = m.advance(state, krec, n)
+        np.testing.assert_allclose(np.asarray(got_state), np.asarray(ref_state), atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(got_window), np.asarray(ref_window))
+    assert not m.use_kernel(4, _kernel_config(), True)           # prefill keeps the chunked form
+    assert not m.use_kernel(3, _kernel_config(), False)          # T not a power of two: XLA
+
+
+def test_gdn_kernel_lowers_for_cuda_at_qwen3_5_9b_shapes():
+    """The kernel at Qwen3.5-9B's GDN shapes (HK 16, HV 32, dk = dv = 128, conv 8192), a verify
+    block (16) and a decode step (1), whole and split value dims, and the fold kernel: lowered
+    to Triton and exported for CUDA from this CPU host (no GPU here), one kernel call each."""
+    from jax import export
+    from pallas_kernels.gated_delta import fold_deltas, gdn_block
+    HK, HV, d, bf = 16, 32, 128, jnp.bfloat16
+    C = 2 * HK * d + HV * d
+    for T, bv in ((16, 0), (1, 32)):
+        args = [jax.ShapeDtypeStruct(s, t) for s, t in (((1, T, C + HV * d + 2 * HV), bf), ((1, 3, C), bf),
+                                                        ((C, 4), bf), ((HV,), bf), ((HV,), bf), ((d,), bf),
+                                                        ((1, HV, d, d), jnp.float32))]
+        fn = jax.jit(lambda *a: gdn_block(*a, num_k_heads=HK, key_dim=d, value_dim=d, norm_eps=1e-6, block_v=bv))
+        exp = export.export(fn, platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+        assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
+        o = exp.out_avals[0]
+        assert o.shape == ((1, T, HV * d) if bv == 0 else (1, T, HV, d))
+    # the fold kernel (the commit of the kernel's records) at the same shapes, a verify block
+    f32 = jnp.float32
+    args = [jax.ShapeDtypeStruct(s, f32) for s in ((1, HV, 16, d), (1, HV, 16), (1, HV, 16, d), (1, HV, d, d))]
+    exp = export.export(jax.jit(lambda *a: fold_deltas(*a)), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args, jax.ShapeDtypeStruct((1,), jnp.int32))
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1 and exp.out_avals[0].shape == (1, HV, d, d)
+
+
+@pytest.mark.slow
+def test_dflash_greedy_through_the_gdn_kernel_matches_transformers(pair):
+    """The whole loop with every decode step and verify block of the GDN layers in the kernel
+    (interpreted), blocks cut after their second draft (the state rolled back from the kernel's
+    records every iteration; each head whole in one program, the gated norm in the kernel):
+    transformers' greedy tokens."""
+    ours, prompts, expected, draft, truth, n = _dflash_case(pair)
+    from dflash_jax.kernel_config import KernelConfig
+    res = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n,
+                   kernels=KernelConfig(attention="xla", gdn="pallas"))
+    assert res.tokens == expected
+    assert all(a == 3 for row in res.acceptance_lengths for a in row[:-1])

@@ -540,20 +540,14 @@ def test_the_embedded_pair_runs_the_gpu_kernels_without_a_fallback(caplog):
 
 
 @pytest.mark.slow
-def test_bad_input_batteries_are_all_clean(tmp_path):
-    """The two batteries of issue 33 on this checkout: every server case is a clean 400 / 413, and the
-    loaders' block_size cases (the ones that hung before) are clean one-line errors (the whole
-    loaders battery runs 41 processes: scripts/bad_input_battery.py; counts in docs/perf-log.md)."""
+def test_server_bad_input_battery_is_all_clean():
+    """Issue 33's server battery on this checkout: every one of its 53 cases is a clean 400 / 413. (The
+    loaders' battery, 41 processes, is scripts/bad_input_battery.py: its cases are this file's tests
+    above, one by one; counts in docs/perf-log.md.)"""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
     r = subprocess.run([sys.executable, os.path.join(root, "scripts", "serve_bad_input_battery.py")], cwd=root,
-                       env=env, capture_output=True, text=True, timeout=600)
+                       env=env, capture_output=True, text=True, timeout=420)
     assert r.stdout.strip().splitlines()[-1] == '{"clean": 53} of 53', r.stdout[-3000:] + r.stderr[-2000:]
-    out = str(tmp_path / "loaders.json")
-    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "bad_input_battery.py"), "-k", "block_size",
-                        "--timeout", "300", "--json", out], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=1800)
-    counts = json.load(open(out))["counts"]
-    assert counts["clean"] >= 3 and counts["clean"] == sum(counts.values()), r.stdout[-3000:] + r.stderr[-2000:]

@@ -148,6 +148,19 @@ def fold_block(terms, state, n):
     return state * jnp.exp(Gn)[..., None] + jnp.einsum("bhlk,bhlv->bhkv", kc * coef[..., None], v_new)
 
 
+def fold_deltas(k, G, delta, state, n):
+    """The state after the first n[b] tokens of a block run token by token (the GPU kernel's
+    records, pallas_kernels/gated_delta): k [B, HV, T, dk] l2-normed, G [B, HV, T] the cumulative
+    log decay, delta [B, HV, T, dv] the per-token updates beta (v - S^T k). Unrolling the recurrence,
+    S_n = exp(G_n) S + sum_{i<n} exp(G_n - G_i) k_i delta_i^T (fold_block with its v_new given)."""
+    T = G.shape[-1]
+    keep = jnp.arange(T)[None, None, :] < n[:, None, None]                      # [B, 1, T]
+    Gn = jnp.take_along_axis(G, jnp.broadcast_to(jnp.maximum(n - 1, 0)[:, None, None], G.shape[:2] + (1,)), axis=-1)
+    Gn = jnp.where(n[:, None, None] > 0, Gn, 0.0)                               # [B, HV, 1]
+    coef = jnp.where(keep, jnp.exp(Gn - G), 0.0)                                # [B, HV, T]
+    return state * jnp.exp(Gn)[..., None] + jnp.einsum("bhlk,bhlv->bhkv", k * coef[..., None], delta)
+
+
 def causal_conv(x, window, weight):
     """Depthwise causal conv + SiLU. x [B, T, C] new inputs, window [B, K-1, C] the K-1 inputs
     before them, weight [C, K]. Returns (SiLU(conv) [B, T, C] in x's dtype, the inputs with their

@@ -241,7 +241,13 @@ class Records:
     and the conv inputs with the window before them xx [B, K-1+T, C]."""
     terms: tuple
     xx: jax.Array
-    block: bool = struct.field(pytree_node=False)
+    # what terms are: "inputs" (k, v, g, beta), "chunk" (gated_delta.block's k, G, u, w) or
+    # "deltas" (the GPU kernel's k, G, delta: pallas_kernels/gated_delta)
+    kind: str = struct.field(pytree_node=False)
+    # "deltas" records: how the commit folds them ("" the XLA fold, else KernelConfig.gdn: the
+    # fold kernel compiled or interpreted) and the kernel's value dims per program
+    fold: str = struct.field(pytree_node=False, default="")
+    block_v: int = struct.field(pytree_node=False, default=0)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -288,32 +294,69 @@ class GatedDeltaNet(nnx.Module):
         rep = self.hv // self.hk
         return x if rep == 1 else jnp.repeat(x, rep, axis=2)
 
-    def __call__(self, h, state, window, prefill: bool):
+    def use_kernel(self, T: int, kernels: KernelConfig | None, prefill: bool) -> bool:
+        """Whether this block runs as the fused GPU kernel (pallas_kernels/gated_delta): a
+        resolved KernelConfig with gdn on a Pallas path, a short block (not prefill) of a shape
+        the kernel tiles, and no mesh (the kernel sees whole arrays; meshes keep the XLA forms)."""
+        if kernels is None or kernels.gdn == "xla" or prefill or sharding.current_mesh() is not None:
+            return False
+        from pallas_kernels.gated_delta import block_supported
+        return block_supported(T, self.hk, self.hv, self.dk, self.dv, self.kernel, kernels.gdn_block_v)
+
+    def kernel_block(self, h, state, window, kernels: KernelConfig):
+        """The block through the fused GPU kernel: (out [B, T, H], Records of kind "deltas")."""
+        from pallas_kernels.gated_delta import gdn_block
+        B, T, _ = h.shape
+        p = h @ self.in_proj[...]
+        o, terms = gdn_block(p, window, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
+                             state, num_k_heads=self.hk, key_dim=self.dk, value_dim=self.dv,
+                             norm_eps=self.norm_eps, block_v=kernels.gdn_block_v,
+                             interpret=kernels.gdn == "pallas_gpu_interpret")
+        if o.ndim == 4:     # value dims split over programs: the gated output norm in XLA
+            vd = self.hv * self.dv
+            z = p[..., self.conv_dim:self.conv_dim + vd].reshape(B, T, self.hv, self.dv)
+            o = self.gated_norm(o, z, h.dtype)
+        xx = jnp.concatenate([window.astype(h.dtype), p[..., :self.conv_dim]], axis=1)
+        return o @ self.out[...], Records(terms=terms, xx=xx, kind="deltas", fold=kernels.gdn,
+                                          block_v=kernels.gdn_block_v)
+
+    def gated_norm(self, o, z, dtype):
+        """weight * norm(o) in the model dtype, times silu(z) in float32: [B, T, HV * dv]."""
+        B, T = o.shape[:2]
+        of = o.astype(dtype).astype(jnp.float32)
+        of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.norm_eps)
+        o = (self.norm[...] * of.astype(dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        return o.astype(dtype).reshape(B, T, self.hv * self.dv)
+
+    def __call__(self, h, state, window, prefill: bool, kernels: KernelConfig | None = None):
         """h [B, T, H] normed rows; state [B, HV, dk, dv] float32 and window [B, K-1, C] before
         them (left unchanged). Returns (out [B, T, H], the records that `advance` folds into the
-        state (Records)."""
+        state (Records). kernels: a resolved KernelConfig (its `gdn` picks the short blocks' path)."""
         B, T, _ = h.shape
+        if self.use_kernel(T, kernels, prefill):
+            return self.kernel_block(h, state, window, kernels)
         q, k, v, g, beta, z, xx = self.inputs(h, window)
         qe, ke = self.expand(q), self.expand(k)
-        rec = Records(terms=(k, v, g, beta), xx=xx, block=False)
+        rec = Records(terms=(k, v, g, beta), xx=xx, kind="inputs")
         if prefill:
             o, _ = gd.chunked(qe, ke, v, g, beta, state, self.prefill_chunk)
         elif T == 1 or self.verify_form == "recurrent":
             o, _ = gd.recurrent(qe, ke, v, g, beta, state)
         else:   # one chunk; its solved terms are the records (the fold reuses them)
             o, terms = gd.block(qe, ke, v, g, beta, state)
-            rec = Records(terms=terms, xx=xx, block=True)
-        # the gated output norm: weight * norm(o) in the model dtype, times silu(z) in float32
-        of = o.astype(h.dtype).astype(jnp.float32)
-        of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.norm_eps)
-        o = (self.norm[...] * of.astype(h.dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        o = o.astype(h.dtype).reshape(B, T, self.hv * self.dv)
-        return o @ self.out[...], rec
+            rec = Records(terms=terms, xx=xx, kind="chunk")
+        return self.gated_norm(o, z, h.dtype) @ self.out[...], rec
 
     def advance(self, state, records, n):
         """(state, conv window) after the first n[b] tokens of the records' block."""
-        if records.block:
+        if records.kind == "chunk":
             state = gd.fold_block(records.terms, state, n)
+        elif records.kind == "deltas" and records.fold:      # the fold kernel
+            from pallas_kernels.gated_delta import fold_deltas
+            state = fold_deltas(*records.terms, state, n, block_v=records.block_v,
+                                interpret=records.fold == "pallas_gpu_interpret")
+        elif records.kind == "deltas":
+            state = gd.fold_deltas(*records.terms, state, n)
         else:
             k, v, g, beta = records.terms
             state = gd.fold(self.expand(k), v, g, beta, state, n, self.prefill_chunk)
@@ -409,7 +452,7 @@ class Qwen35(CausalLM):
                     mixed, ks[ia], vs[ia] = layer.mixer(h, positions, ks[ia], vs[ia], k_end, kernels, prefill)
                     ia += 1
                 else:
-                    mixed, rec = layer.mixer(h, cache.state[il], cache.conv[il], prefill)
+                    mixed, rec = layer.mixer(h, cache.state[il], cache.conv[il], prefill, kernels)
                     records.append(rec)
                     il += 1
                 x = layer.finish(x, mixed, kernels)
@@ -454,13 +497,16 @@ def state_bytes(config: Qwen35Config, dtype=jnp.bfloat16) -> int:
     return n * (rec + conv)
 
 
-def record_bytes(config: Qwen35Config, block: int, dtype=jnp.bfloat16) -> int:
+def record_bytes(config: Qwen35Config, block: int, dtype=jnp.bfloat16, kernel: bool = False) -> int:
     """Bytes of one request's verify records (the rollback's transient working set) for a block:
-    the chunk form's solved terms (k, G, u, w on the v-heads) or the rule's inputs (k on the
-    k-heads, v, g, beta), and the conv inputs with their window."""
+    the chunk form's solved terms (k, G, u, w on the v-heads), the rule's inputs (k on the
+    k-heads, v, g, beta) or, kernel=True, the GPU kernel's (k, G, delta on the v-heads), and the
+    conv inputs with their window."""
     c = config
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    if c.verify_form == "chunk":
+    if kernel:
+        per_token = 4 * hv * (dk + dv + 1)
+    elif c.verify_form == "chunk":
         per_token = 4 * hv * (2 * dk + dv + 1)
     else:
         per_token = 4 * (c.linear_num_key_heads * dk + hv * (dv + 2))
