@@ -372,7 +372,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON ($OUT)")
     ap.add_argument("--json", default="bench_adaptive.json")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting measurements past this")
-    ap.add_argument("--batches", default="", metavar="64,1,32,128,8")
+    ap.add_argument("--batches", default="", metavar="64,1,8,32,128")
     ap.add_argument("--taus", default="4.24,6.54")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--n1", type=int, default=16)
