@@ -154,7 +154,7 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = make_static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
                      prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh,
-                     adaptive=o.verify_width != "block")
+                     adaptive=o.verify_width != "block", verify_width=o.verify_width)
     p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                **row_settings([dict(max_new=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                      stop_ids=stop, seed=seed, rng_row=i) for i in range(B)]),
@@ -246,9 +246,10 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
     `verify_width`: drafts the target verifies per iteration: "block" (default: the whole block, a
     program with one verify width), "auto" (chosen per iteration on the device from measured
-    per-width costs and the acceptance seen, docs/adaptive-width.md; its program holds every width
-    and compiles several times longer) or one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the
-    whole block, in the adaptive program). Lossless at every width.
+    per-width costs and the acceptance seen, docs/adaptive-width.md; its program holds the widths
+    of width.program_widths, 0, 3 and 15 at block 16, and compiles ~2x as long) or one of 0, 1, 3,
+    7, ... S-1 (0: plain decoding; S-1: the whole block; a width outside that set is compiled into
+    the program too). Lossless at every width.
     With `slots`, "auto" runs the engine's whole-block step programs (a number runs the adaptive ones).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(GenerateOptions)}

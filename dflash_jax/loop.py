@@ -50,7 +50,7 @@ __all__ = ["Static", "Params", "LoopState", "prefill", "iterate", "iteration", "
            "compile_count", "clear_compiled", "stream_sink", "make_static", "buckets", "row_settings", "idle_params",
            "params_on_mesh", "param_specs", "loop_specs", "resolve_mesh", "merge_models", "to_host", "row_keys",
            "pow2", "round_up", "MAX_STOP_IDS", "GLOBAL_FIELDS", "rows_only", "with_globals", "width_costs",
-           "width_params", "pick_width"]
+           "width_params", "pick_width", "flush_pending", "pending_room"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Static:
     kernels: KernelConfig     # resolved
     stream: bool
     mesh: Any = None          # jax.sharding.Mesh ('data', 'model') the program runs on; None: one device
-    # the verify widths (drafts verified) one iteration may pick from (width.widths_for); None: the
+    # the verify widths (drafts verified) one iteration may pick from (width.program_widths); None: the
     # whole block every iteration, no width choice in the program
     widths: Any = None
     # benchmark only (_simulated_acceptance): each row's acceptance drawn from Params.sim_survival
@@ -226,12 +226,35 @@ def iteration(st: Static, target: CausalLM, draft, p: Params, s: LoopState) -> L
     return iterate(st, target, draft, p, s)[0]
 
 
-def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int):
+def _write_pending(draft, s: LoopState):
+    """The draft cache with the pending taps (s.pending_count rows ending at s.lens) written as
+    context; the rows past the count land at/after lens, where a later write or block overwrites them."""
+    j = jnp.arange(s.pending.shape[1], dtype=jnp.int32)
+    with jax.named_scope("draft_context"):
+        pend_pos = (s.lens - s.pending_count)[:, None] + j
+        return dataclasses.replace(draft.write_context(s.pending, pend_pos, s.draft_cache), lens=s.lens)
+
+
+def flush_pending(draft, s: LoopState) -> LoopState:
+    """s with its pending taps written into the draft cache and none left pending (the W = 0
+    loops run this when a row's pending buffer is full, see pending_room)."""
+    return s.replace(draft_cache=_write_pending(draft, s), pending_count=jnp.zeros_like(s.pending_count))
+
+
+def pending_room(s: LoopState) -> jax.Array:
+    """[] bool: every running row can append one more row of pending taps (an appending W = 0
+    iteration may run)."""
+    return jnp.all(s.done | (s.pending_count < s.pending.shape[1]))
+
+
+def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int, append: bool = False):
     """Draft (W > 0), verify the last token + the first W drafts, accept. Returns (block [B, S]
     zero-padded past W + 1, a [B] drafts accepted (<= W), next [B] the bonus / correction, feats
     [B, S, n_taps·H] zero-padded (None without a draft), target cache, draft cache). W = 0 with a
-    draft is a plain step that still writes last iteration's context into the draft cache, so the
-    draft's context stays complete for the next block."""
+    draft is a plain step whose context must still reach the draft cache: with `append` it leaves
+    the draft cache alone (the caller appends its one row of taps to the pending ones, written when
+    the buffer fills or by the next draft pass: ~1 row of context per plain step); without, it
+    writes last iteration's pending taps (up to S rows) now, as a one-iteration-alone caller needs."""
     B, S = st.batch, st.block_size
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
@@ -253,9 +276,8 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
         block = jnp.concatenate([current, drafts[:, :W]], axis=1)                  # [B, W+1]
     elif draft is not None:
         taps = st.taps
-        with jax.named_scope("draft_context"):
-            pend_pos = (lens - s.pending_count)[:, None] + j
-            dcache = dataclasses.replace(draft.write_context(s.pending, pend_pos, s.draft_cache), lens=lens)
+        if not append:
+            dcache = _write_pending(draft, s)
     with jax.named_scope("verify"):
         h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
                                   kernels=st.kernels)
@@ -291,19 +313,24 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
     """One draft-verify-accept-commit iteration: (the next loop state, commit [B, S] the tokens each
     row committed, produced [B] how many of them). The one-shot loop and the engine's step both run it.
     With Static.widths: k (a Python int) runs width index k (run and the slot step call it so, from
-    one while loop per width); None chooses it first and runs that width's branch of a lax.switch
-    (one iteration alone, e.g. `iteration`; inside a loop the switch copies the caches, see run)."""
+    one while loop per width; at W = 0 it appends its taps to the pending ones, so it may run only
+    while `pending_room`, with `flush_pending` before it otherwise); None chooses it first and runs
+    that width's branch of a lax.switch (one iteration alone, e.g. `iteration`; inside a loop the
+    switch copies the caches, see run)."""
     B, S, C = st.batch, st.block_size, st.capacity
     j = jnp.arange(S, dtype=jnp.int32)
     lens = s.lens
     limit = p.prompt_lens + p.max_new
     remaining = limit - lens                                                    # >= 2 on active rows
     wstats, wsel = s.width_stats, s.width
+    append = False
     if st.widths is None or draft is None:
         block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, S - 1 if draft is not None else 0)
     elif k is not None:
         wsel = jnp.asarray(k, jnp.int32)
-        block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, st.widths[k])
+        # a W = 0 loop appends its taps (its caller runs it only under pending_room, see run)
+        append = st.widths[k] == 0
+        block, a, nxt, feats, tcache, dcache = _verify(st, target, draft, p, s, st.widths[k], append=append)
     else:
         with jax.named_scope("choose_width"):
             wsel = pick_width(st, p, s)
@@ -336,8 +363,13 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
         if st.stream:   # on_commit asked to stop (or raised): every row still running stops here
             halt = _stream(p, commit, produced)
             stopped, done = s.stopped | (halt & ~done), done | halt
+    pending, pending_count = feats, produced
+    if append:   # this row's taps after the pending ones (a done row's count stays; a full row never runs here)
+        at = (j[None, :] == s.pending_count[:, None])[..., None]                 # [B, S, 1]
+        pending = jnp.where(at, feats[:, :1], s.pending)
+        pending_count = s.pending_count + produced
     return _placed(st, LoopState(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
-                                 draft_cache=dcache, pending=feats, pending_count=produced,
+                                 draft_cache=dcache, pending=pending, pending_count=pending_count,
                                  done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32),
                                  step=s.step + 1, width_stats=wstats, width=wsel)), commit, produced
 
@@ -389,10 +421,19 @@ def run(st: Static, target_state, draft_state, p: Params):
         # one of them). A lax.switch over the widths would do the same with one loop, but XLA then
         # copies every KV-cache buffer into each branch per iteration (in-place updates inside
         # conditional branches); a while loop carries them in place (docs/adaptive-width.md).
+        # W = 0 appends each step's one row of taps to the pending ones instead of writing them
+        # (a plain step's cost, not S rows of draft context): its loop runs while every row has
+        # room, and a flush loop before it writes a full buffer out (once per S plain steps).
         def visit(s):
-            for k in range(len(st.widths)):
-                s = jax.lax.while_loop(lambda s, k=k: running(s) & (pick_width(st, p, s) == k),
-                                       lambda s, k=k: iterate(st, target, draft, p, s, k)[0], s)
+            for k, W in enumerate(st.widths):
+                on = lambda s, k=k: running(s) & (pick_width(st, p, s) == k)          # noqa: E731
+                if W == 0:
+                    s = jax.lax.while_loop(lambda s, on=on: on(s) & ~pending_room(s),
+                                           lambda s: flush_pending(draft, s), s)
+                    cond = lambda s, on=on: on(s) & pending_room(s)                   # noqa: E731
+                else:
+                    cond = on
+                s = jax.lax.while_loop(cond, lambda s, k=k: iterate(st, target, draft, p, s, k)[0], s)
             return s
         s = jax.lax.while_loop(running, visit, s)
     return s
@@ -459,11 +500,12 @@ def buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity:
 
 
 def make_static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            kernels, stream=False, mesh=None, adaptive=False) -> Static:
+            kernels, stream=False, mesh=None, adaptive=False, verify_width="auto") -> Static:
     """The compile key. adaptive: the program picks its verify width per iteration (Static.widths;
-    only with a draft and a block of more than one token)."""
+    only with a draft and a block of more than one token) from width.program_widths(block_size,
+    verify_width): a width forced outside the default set is compiled in too."""
     has_draft = draft_def is not None
-    widths = width.widths_for(block_size) if adaptive and has_draft and block_size > 1 else None
+    widths = width.program_widths(block_size, verify_width) if adaptive and has_draft and block_size > 1 else None
     return Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    batch=batch,

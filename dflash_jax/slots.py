@@ -34,7 +34,8 @@ from dflash_jax.kernel_config import kernels_from
 from dflash_jax import width
 from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
                              merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings,
-                             pick_width, rows_only, width_costs, width_params, with_globals)
+                             pick_width, rows_only, width_costs, width_params, with_globals,
+                             flush_pending, pending_room)
 
 __all__ = ["Slots", "Pipeline", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
@@ -149,9 +150,16 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
             return s, commits.at[i].set(commit), produced.at[i].set(n)
         return body
 
-    def visit(c):
-        for k in range(len(st.widths)):
-            c = jax.lax.while_loop(lambda c, k=k: left(c) & (pick_width(st, params, c[0]) == k), one(k), c)
+    def visit(c):   # W = 0 appends its taps while every row has room (loop.run)
+        for k, W in enumerate(st.widths):
+            on = lambda c, k=k: left(c) & (pick_width(st, params, c[0]) == k)                  # noqa: E731
+            if W == 0:
+                c = jax.lax.while_loop(lambda c, on=on: on(c) & ~pending_room(c[0]),
+                                       lambda c: (flush_pending(draft, c[0]),) + c[1:], c)
+                cond = lambda c, on=on: on(c) & pending_room(c[0])                             # noqa: E731
+            else:
+                cond = on
+            c = jax.lax.while_loop(cond, one(k), c)
         return c
     loop, commits, produced = jax.lax.while_loop(left, visit, out)
     return slots.replace(loop=loop), commits, produced, loop.done
@@ -316,7 +324,8 @@ class Slots:
         return make_static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                            block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
                            capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh,
-                           adaptive=self.verify_width is not None)
+                           adaptive=self.verify_width is not None,
+                           verify_width=self.verify_width if self.verify_width is not None else "auto")
 
     def _check_buckets(self, buckets) -> tuple[int, ...]:
         """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""

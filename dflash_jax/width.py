@@ -2,8 +2,9 @@
 
 The draft always proposes its whole block (cutting it would change its non-causal context); the
 target verifies the last token plus the first W drafts, W from a small set whose row counts W + 1
-are powers of two (`widths`: 0, 1, 3, 7, 15 for block 16). W = 0 is plain decoding (no draft pass;
-the draft context is still written). Verifying a prefix is lossless: acceptance stops at W at the
+are powers of two (`widths_for`: 0, 1, 3, 7, 15 for block 16; an adaptive program compiles the
+`program_widths`, 0, 3, 15). W = 0 is plain decoding (no draft pass; its taps still reach the
+draft context). Verifying a prefix is lossless: acceptance stops at W at the
 latest and the bonus / correction comes from slot a <= W, exactly as a shorter block's would.
 
 The choice runs on the device inside the loop, from values every replica holds (so every replica
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["widths_for", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "simulate", "geometric_profile",
+__all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "simulate", "geometric_profile",
            "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "PROBE_EVERY"]
 
 # Decay of the acceptance statistics per iteration (the window is ~1 / (1 - DECAY) iterations).
@@ -46,6 +47,22 @@ def widths_for(block_size: int) -> tuple[int, ...]:
     """The verify widths (drafts verified) of a block: 0, then 2^k - 1 below S - 1, then S - 1."""
     full = block_size - 1
     return tuple(sorted({0, full} | {(1 << k) - 1 for k in range(1, 16) if (1 << k) - 1 < full}))
+
+
+def program_widths(block_size: int, verify_width="auto") -> tuple[int, ...]:
+    """The widths compiled into an adaptive program: 0 (plain), the middle width whose rows are
+    ~sqrt(S) (3 at block 16, 1 at block 8: where a large batch is compute-bound, a few verified
+    rows are what pays) and the full block (where verifying is memory-bound); plus a forced
+    `verify_width` outside that set. Each width is one more target verify body in the program, and
+    its compile time grows with them (docs/adaptive-width.md, "Compile time": five widths took
+    3.2x the one-width program's CPU seconds at Qwen3-8B shapes, these three 2.1x); the other widths of `widths_for` win
+    too rarely to pay that."""
+    full = block_size - 1
+    mid = (1 << (max(block_size, 1).bit_length() - 1) // 2) - 1
+    ws = {0, full} | ({mid} if 0 < mid < full else set())
+    if isinstance(verify_width, (int, np.integer)) and not isinstance(verify_width, bool):
+        ws.add(int(verify_width))
+    return tuple(sorted(ws))
 
 
 def width_index(widths: tuple[int, ...], verify_width) -> int:

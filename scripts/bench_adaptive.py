@@ -1,26 +1,35 @@
 #!/usr/bin/env python
 """Adaptive verify width (issue 37): tokens/s of plain decoding, fixed block 16 and "auto" per batch.
 
-    python scripts/bench_adaptive.py --out DIR              # H200: Qwen3-8B shapes, random bf16 weights
-    python scripts/bench_adaptive.py --smoke                # tiny shapes on CPU: proves it runs
-    JAX_PLATFORMS=cpu python scripts/bench_adaptive.py --cpu-pair   # the embedded demo pair on CPU
+    python scripts/bench_adaptive.py --out DIR --budget-s 400    # H200: Qwen3-8B shapes, random bf16
+    python scripts/bench_adaptive.py --smoke                     # tiny shapes on CPU: proves it runs
+    JAX_PLATFORMS=cpu python scripts/bench_adaptive.py --cpu-pair      # the embedded demo pair on CPU
+    JAX_PLATFORMS=cpu python scripts/bench_adaptive.py --compile-only  # compile seconds, no weights
 
 GPU mode: a random bf16 Qwen3-8B target and a z-lab-shaped 5-layer draft (scripts/bench_gpu.py's
 Settings), prompt 256, SIMULATED ACCEPTANCE: every row's accepted drafts are drawn from a geometric
 survival profile s_p = r^(p+1) (r solved so 1 + sum s_p = tau; dflash_jax.width.geometric_profile),
 at tau 4.24 (MT-Bench) and 6.54 (GSM8K) at block 16, so random weights pay every real cost at a
 realistic tau (benchmark only: loop._simulated_acceptance, no user path reaches it). One compiled
-program per batch serves all three columns (the verify width is a traced value): "plain" there is
-W = 0 (no draft pass; the draft context is still written), "fixed" W = 15, "auto" the loop's choice
-from the costs it profiled. "true plain" is decoding without a draft (its own program), when the
-budget allows. tokens/s = (tokens of an N2 run - tokens of an N1 run) / (time difference): steady
-state, prefill and the auto warm-up cancel.
+program per batch (widths 0, 3, 15: width.program_widths) serves all three columns (the verify width
+is a traced value): "plain" there is W = 0 (no draft pass; its taps are appended to the pending
+context, written once per 16 steps), measured once per batch, "fixed 16" W = 15, "auto" the loop's
+choice from the costs it profiled. "true plain" is decoding without a draft (its own program), for
+--true-plain-batches only, after every adaptive row. tokens/s = (tokens of an N2 run - tokens of an
+N1 run) / (time difference): steady state, prefill and the auto warm-up cancel.
 
-Batches run in priority order (64, 1, 32, 128, 8: the issue's goals first) and the run stops
-starting new measurements when --budget-s is near; the table prints what it has. JSON to --out.
+Batches run in priority order (64, 1, 8, 32, 128). Programs compile ONE at a time, in that order, in
+one background thread, so batch k+1's program compiles while batch k is measured (session 24's
+pool of four concurrent compiles took 228-252 s per program). The run stops starting new work
+when --budget-s is near, prints each row as it is measured and the table of what it has; JSON to
+--out after every row (a killed run keeps its rows; SIGTERM prints the table).
 
 CPU pair mode: the embedded demo pair (dflash_jax.assets, real acceptance, float32), B = 1, a few
-GSM8K / HumanEval prompts: plain (no draft) vs verify width 15 vs auto, tokens/s over the whole runs.
+GSM8K / HumanEval prompts: plain (no draft), W = 0, W = 15 and auto, tokens/s over whole runs in
+interleaved rounds, and one step of plain vs W = 0 by the difference of two run lengths.
+
+Compile-only mode: lower + compile (abstract parameters, no weights) of the one-width program and the
+adaptive ones at the GPU mode's shapes, one at a time: wall and CPU seconds, ratios.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ for d in (REPO, HERE):
     if d not in sys.path:
         sys.path.insert(0, d)
 
-PRIORITY = (64, 1, 32, 128, 8)
+PRIORITY = (64, 1, 8, 32, 128)
 
 
 def log(*a):
@@ -94,8 +103,10 @@ def gpu_mode(run: Run):
     prompt = a.prompt_len or (32 if a.smoke else 256)
     n1, n2 = (4, 20) if a.smoke else (a.n1, a.n2)
     cap = -(-(prompt + n2 + 2 * s.block + 8) // 512) * 512
+    ws = width.program_widths(16)
     run.R["settings"] = dict(preset="qwen3-8b" if not a.smoke else "tiny", block=16, prompt=prompt, n1=n1, n2=n2,
-                             capacity=cap, taus=taus, reps=a.reps, batches=order,
+                             capacity=cap, taus=taus, reps=a.reps, batches=order, widths=ws,
+                             true_plain_batches=a.true_plain_batches,
                              profiles={t: width.geometric_profile(t) for t in taus},
                              acceptance="simulated (geometric survival, r^(p+1))")
     t = time.perf_counter()
@@ -115,8 +126,9 @@ def gpu_mode(run: Run):
         if not run.fits(key, guess_s):
             return None
         t1, t2, tok, taus_seen = [], [], None, []
-        if kw.get("verify_width") == "auto":
-            gen(b, d, n1, **kw)   # the first call of an auto program profiles its widths
+        # a first run of a program is slower (buffers, first launches), and an auto program's
+        # first call profiles its widths: one untimed call first
+        gen(b, d, n1, **kw)
         for _ in range(a.reps):
             r1, r2 = gen(b, d, n1, **kw), gen(b, d, n2, **kw)
             t1.append(r1.run_time_s)
@@ -131,75 +143,143 @@ def gpu_mode(run: Run):
     sim0 = width.geometric_profile(taus[0])
     import concurrent.futures as cf
     with loop._simulated_acceptance(sim0):
-        # compile in the background, in priority order (one adaptive program per batch, then the
-        # true-plain ones), while the main thread measures what is compiled
+        # ONE compile at a time (a single background thread, in priority order: the adaptive
+        # program of each batch, then the true-plain ones), so the next batch's program compiles
+        # while this one is measured; a concurrent pool made each compile 3x as long (session 24)
         def compile_one(b, dfl):
-            # the simulation context is module-wide: the outer one covers these threads (only its
+            # the simulation context is module-wide: the outer one covers this thread (only its
             # being on matters to the compile key; the main thread's tau contexts nest inside it)
+            if elapsed() > a.budget_s - 10:
+                raise TimeoutError("budget spent before this compile started")
             dt = decode.precompile(target, draft if dfl else None, prompts[b], max_new_tokens=n2,
-                                   capacity=cap, block_size=16 if dfl else None, seed=0)
-            log(f"compiled B={b} {'adaptive' if dfl else 'plain'} in {dt:.1f}s")
+                                   capacity=cap, block_size=16 if dfl else None, seed=0,
+                                   **({"verify_width": "auto"} if dfl else {}))
+            log(f"compiled B={b} {'adaptive ' + str(ws) if dfl else 'plain'} in {dt:.1f}s")
             run.R.setdefault("compile_s", {})[f"B{b}_{'adaptive' if dfl else 'plain'}"] = dt
             return dt
-        plan = [(b, True) for b in order] + ([(b, False) for b in order] if a.true_plain else [])
-        ex = cf.ThreadPoolExecutor(max_workers=max(1, a.compile_workers))
-        futs = {it: ex.submit(compile_one, *it) for it in plan}
+        tp = [int(x) for x in a.true_plain_batches.split(",") if x] if a.true_plain_batches else []
+        plan = [(b, True) for b in order] + [(b, False) for b in order if b in tp]
+        ex = cf.ThreadPoolExecutor(max_workers=1)
+        futs = {}
+        if a.compile_ahead:
+            futs = {it: ex.submit(compile_one, *it) for it in plan}
 
         def ready(b, dfl) -> bool:
-            f = futs[(b, dfl)]
+            f = futs.get((b, dfl))
             try:
-                f.result(timeout=max(1.0, a.budget_s - elapsed() - 20))
+                if f is None:        # --no-compile-ahead: compile now, in this thread
+                    compile_one(b, dfl)
+                else:
+                    f.result(timeout=max(1.0, a.budget_s - elapsed() - 5))
                 return True
-            except cf.TimeoutError:
+            except (cf.TimeoutError, TimeoutError):
                 run.R["skipped"].append(f"B{b}_{'adaptive' if dfl else 'plain'} (not compiled within the budget)")
             except Exception as e:   # noqa: BLE001
                 run.R["errors"][f"compile_B{b}_{dfl}"] = f"{type(e).__name__}: {e}"[:400]
                 log(f"compile B={b} failed: {type(e).__name__}: {str(e)[:300]}")
             return False
+
+        def measure(row, key, name, b, d, guess_s, **kw):
+            try:
+                r = rate(key, b, d, guess_s, **kw)
+            except Exception as e:   # noqa: BLE001
+                run.R["errors"][key] = f"{type(e).__name__}: {e}"[:400]
+                log(f"  {key} failed: {traceback.format_exc()[-600:]}")
+                r = None
+            if r is not None:
+                row[name] = r
+                guess[b] = max(3.0, (1 + 2 * a.reps + 1) * r["dt_s"] * (n1 + n2) / max(n2 - n1, 1) + 2)
+                run.save()
+            return r
         guess = {}
         for b in order:
             row = run.R["rows"].setdefault(str(b), {})
             if not ready(b, True):
                 continue
+            g0 = 20.0 if not a.smoke else 2.0
+            # W = 0 accepts nothing at any tau: measured once per batch
+            measure(row, f"B{b}_plain_w0", "plain_w0", b, draft, guess.get(b, g0), verify_width=0)
             for tau in taus:
                 with loop._simulated_acceptance(width.geometric_profile(tau)):
-                    for name, vw in (("plain_w0", 0), ("fixed16", 15), ("auto", "auto")):
-                        key = f"B{b}_tau{tau}_{name}"
-                        try:
-                            r = rate(key, b, draft, guess.get(b, 20.0 if not a.smoke else 2.0), verify_width=vw)
-                        except Exception as e:   # noqa: BLE001
-                            run.R["errors"][key] = f"{type(e).__name__}: {e}"[:400]
-                            log(f"  {key} failed: {traceback.format_exc()[-600:]}")
-                            r = None
-                        if r is not None:
-                            row[f"tau{tau}_{name}"] = r
-                            guess[b] = max(5.0, (1 + 2 * a.reps + 1) * r["dt_s"] * (n1 + n2) / max(n2 - n1, 1) + 3)
-                            run.save()
+                    for name, vw in (("fixed16", 15), ("auto", "auto")):
+                        measure(row, f"B{b}_tau{tau}_{name}", f"tau{tau}_{name}", b, draft, guess.get(b, g0),
+                                verify_width=vw)
             st_costs = [(k, v) for k, v in loop._WIDTH_COSTS.items() if k.batch == b and k.simulate]
             if st_costs:
                 costs = st_costs[-1][1]
                 run.R["costs_ms"][str(b)] = [round(1000 * float(c), 3) for c in costs]
                 for tau in taus:
                     e = np.concatenate([[1.0], 1.0 + np.cumsum(width.geometric_profile(tau))])   # E(W)
-                    ws = width.widths_for(16)
                     score = [e[w] / costs[i] for i, w in enumerate(ws)]
                     row[f"tau{tau}_predicted_W"] = ws[int(np.argmax(score))]
-            if a.true_plain and ready(b, False):
-                try:
-                    r = rate(f"B{b}_true_plain", b, None, guess.get(b, 20.0))
-                    if r is not None:
-                        row["true_plain"] = r
-                except Exception as e:   # noqa: BLE001
-                    run.R["errors"][f"B{b}_true_plain"] = f"{type(e).__name__}: {e}"[:400]
             run.save()
+        for b in order:   # true plain (no draft) last: W = 0 of the adaptive program stands in for it
+            if b in tp and ready(b, False):
+                measure(run.R["rows"].setdefault(str(b), {}), f"B{b}_true_plain", "true_plain", b, None,
+                        guess.get(b, 20.0))
         ex.shutdown(wait=False, cancel_futures=True)
     table(run, order, taus)
+
+
+# ------------------------------------------------------------------------------------- compile only
+def compile_mode(run: Run):
+    """Lower + compile (no weights: abstract parameters) the one-width program ("block") and the
+    adaptive programs (the default width set, and every width of widths_for) at the GPU mode's
+    shapes, one at a time; seconds and ratios to the one-width program."""
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from bench_gpu import Settings
+    from dflash_jax import init_draft, init_target, loop, width
+    from dflash_jax.kernel_config import KernelConfig
+    a = run.args
+    s = Settings(a.smoke)
+    s.block = 16
+    tcfg = s.target_config()
+    dcfg = s.draft_config(tcfg)
+    tdef, tst = nnx.split(nnx.eval_shape(lambda: init_target(tcfg, seed=0, dtype="bfloat16")))
+    ddef, dst = nnx.split(nnx.eval_shape(lambda: init_draft(dcfg, seed=0, dtype="bfloat16")))
+    prompt = a.prompt_len or (32 if a.smoke else 256)
+    cap = -(-(prompt + (20 if a.smoke else a.n2) + 2 * s.block + 8) // 512) * 512
+    kern = KernelConfig().resolve()
+    variants = a.variants.split(",")
+    batches = [int(b) for b in a.batches.split(",")] if a.batches else [4 if a.smoke else 64]
+    run.R["settings"] = dict(preset="qwen3-8b" if not a.smoke else "tiny", prompt=prompt, capacity=cap,
+                             backend=jax.default_backend(), cpus=os.cpu_count(), variants=variants)
+    for b in batches:
+        row = run.R["rows"].setdefault(str(b), {})
+        for v in variants:
+            st = loop.make_static(tdef, ddef, dcfg, block_size=16, batch=b, prompt_bucket=prompt, capacity=cap,
+                                  mode="greedy", kernels=kern, adaptive=v != "block")
+            if v == "all":
+                st = dataclasses.replace(st, widths=width.widths_for(16))
+            elif v not in ("block", "auto"):
+                st = dataclasses.replace(st, widths=tuple(int(x) for x in v.split("-")))
+            p = loop.Params(prompt=jnp.zeros((b, prompt), jnp.int32), prompt_lens=jnp.full((b,), prompt, jnp.int32),
+                            active=jnp.ones((b,), bool),
+                            **loop.row_settings([dict(max_new=a.n2, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[],
+                                                      seed=0, rng_row=i) for i in range(b)]),
+                            **loop.width_params(st, "auto"))
+            c0, t0 = time.process_time(), time.perf_counter()
+            low = jax.jit(loop.run, static_argnums=(0,)).lower(st, tst, dst, p)
+            t1 = time.perf_counter()
+            low.compile()
+            t2, c2 = time.perf_counter(), time.process_time()
+            # CPU seconds (every thread of this process): robust to a host shared with other work
+            row[v] = dict(widths=st.widths, lower_s=t1 - t0, compile_s=t2 - t1, total_s=t2 - t0, cpu_s=c2 - c0)
+            base = row.get("block", {})
+            log(f"B={b} {v} widths={st.widths}: lower {t1 - t0:.1f}s compile {t2 - t1:.1f}s, CPU {c2 - c0:.1f}s"
+                + (f" ({(t2 - t0) / base['total_s']:.2f}x the one-width program's wall, "
+                   f"{(c2 - c0) / base['cpu_s']:.2f}x its CPU)" if base else ""))
+            run.save()
 
 
 def table(run: Run, order, taus):
     rows = run.R["rows"]
     print("\nSIMULATED ACCEPTANCE (geometric survival s_p = r^(p+1) fitted to tau at block 16); tokens/s, "
-          "ratio to plain (W = 0 of the same program); true plain = no draft")
+          "ratio to plain (W = 0 of the same program, measured once per B);\n"
+          "true plain = no draft (its own program; only for --true-plain-batches)")
     head = f"{'B':>4} {'tau':>5} | {'plain W0':>9} {'fixed 16':>9} {'auto':>9} | {'fixed/pl':>8} {'auto/pl':>8} " \
            f"{'auto/fix':>8} | {'true plain':>10} {'auto/true':>9} | pred W"
     print(head)
@@ -208,12 +288,13 @@ def table(run: Run, order, taus):
         row = rows.get(str(b), {})
         for tau in taus:
             g = lambda k: row.get(f"tau{tau}_{k}", {}).get("tok_s", float("nan"))   # noqa: E731
-            p0, f16, au = g("plain_w0"), g("fixed16"), g("auto")
+            p0, f16, au = row.get("plain_w0", {}).get("tok_s", float("nan")), g("fixed16"), g("auto")
             tp = row.get("true_plain", {}).get("tok_s", float("nan"))
             print(f"{b:>4} {tau:>5} | {p0:9.1f} {f16:9.1f} {au:9.1f} | {f16 / p0:8.2f} {au / p0:8.2f} {au / f16:8.2f} | "
                   f"{tp:10.1f} {au / tp:9.2f} | {row.get(f'tau{tau}_predicted_W', '-')}")
     if run.R["costs_ms"]:
-        print("\nmeasured iteration cost (ms) at W = 0, 1, 3, 7, 15 (the auto program's own profile):")
+        ws = run.R["settings"].get("widths", "?")
+        print(f"\nmeasured iteration cost (ms) at W = {ws} (the auto program's own profile):")
         for b, c in sorted(run.R["costs_ms"].items(), key=lambda x: int(x[0])):
             print(f"  B={b}: {c}")
     if run.R["skipped"]:
@@ -241,26 +322,47 @@ def cpu_pair_mode(run: Run):
     max_new = 24 if a.smoke else a.cpu_new
     run.R["settings"] = dict(pair=os.path.basename(tdir), prompts=[r["id"] for r in rows], max_new=max_new,
                              acceptance="real (the demo pair, greedy)")
+    cols = (("plain", None, {}), ("w0", draft, dict(verify_width=0)), ("fixed16", draft, dict(verify_width=15)),
+            ("auto", draft, dict(verify_width="auto")))
+    gen = lambda d, p, n, kw, stop=stop: decode.generate(target, d, [p], max_new_tokens=n,   # noqa: E731
+                                                         stop_token_ids=stop, **kw)
+    for name, d, kw in cols:    # compile (and profile auto's widths) before any timing
+        gen(d, prompts[0], max_new, kw)
+    # rounds interleave the columns (a shared host's load hits them alike); a column's time is its
+    # fastest round over all prompts
+    secs = {c[0]: [] for c in cols}
     res = {}
-    for name, d, kw in (("plain", None, {}), ("fixed16", draft, dict(verify_width=15)), ("auto", draft, dict(verify_width="auto"))):
-        if not run.fits(name, 5.0):
+    for rnd in range(a.cpu_rounds):
+        if not run.fits(f"round {rnd}", 10.0):
             break
-        toks = secs = 0.0
-        taus = []
-        for p in prompts:
-            decode.generate(target, d, [p], max_new_tokens=max_new, stop_token_ids=stop, **kw)   # compile, profile
-            r = decode.generate(target, d, [p], max_new_tokens=max_new, stop_token_ids=stop, **kw)
-            toks += r.num_new_tokens
-            secs += r.run_time_s
-            taus.append(r.mean_tau)
-        res[name] = dict(tok_s=toks / secs, tokens=toks, run_s=secs, mean_tau=statistics.mean(taus))
-        log(f"  {name}: {res[name]['tok_s']:.1f} tok/s, tau {res[name]['mean_tau']:.2f}")
+        for name, d, kw in cols:
+            out = [gen(d, p, max_new, kw) for p in prompts]
+            secs[name].append(sum(r.run_time_s for r in out))
+            toks = sum(r.num_new_tokens for r in out)
+            best = min(secs[name])
+            res[name] = dict(tok_s=toks / best, tokens=toks, run_s=best, rounds=len(secs[name]),
+                             mean_tau=statistics.mean(r.mean_tau for r in out))
+        log(f"round {rnd}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in res.items()))
         run.R["rows"] = res
         run.save()
-    print("\nCPU, embedded demo pair, float32, B = 1 (real acceptance): tokens/s")
+    # one step of plain and of W = 0 by the difference of a short and a long run (no stop token)
+    n1, n2 = (4, 12) if a.smoke else (8, 72)
+    step = {}
+    for rnd in range(a.cpu_rounds):
+        for name, d, kw in cols[:2]:
+            r1, r2 = gen(d, prompts[0], n1, kw, []), gen(d, prompts[0], n2, kw, [])
+            ms = 1000 * (r2.run_time_s - r1.run_time_s) / max(r2.num_iterations - r1.num_iterations, 1)
+            step[name] = min(step.get(name, float("inf")), ms)
+    run.R["step_ms"] = step
+    print("\nCPU, embedded demo pair, float32, B = 1 (real acceptance): tokens/s (fastest of "
+          f"{a.cpu_rounds} interleaved rounds)")
     base = res.get("plain", {}).get("tok_s", float("nan"))
     for k, v in res.items():
         print(f"  {k:8s} {v['tok_s']:8.1f} tok/s  {v['tok_s'] / base:5.2f}x plain  tau {v['mean_tau']:.2f}")
+    if len(step) == 2:
+        print(f"one step (difference of {n1}- and {n2}-token runs, fastest of {a.cpu_rounds}): plain "
+              f"{step['plain']:.2f} ms, W = 0 of the adaptive program {step['w0']:.2f} ms "
+              f"({step['w0'] / step['plain']:.2f} plain steps)")
 
 
 def main():
@@ -270,28 +372,37 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON ($OUT)")
     ap.add_argument("--json", default="bench_adaptive.json")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting measurements past this")
-    ap.add_argument("--batches", default="", metavar="64,1,32,128,8")
+    ap.add_argument("--batches", default="", metavar="64,1,8,32,128")
     ap.add_argument("--taus", default="4.24,6.54")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--n1", type=int, default=16)
     ap.add_argument("--n2", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--compile-workers", type=int, default=4)
-    ap.add_argument("--no-true-plain", dest="true_plain", action="store_false")
+    ap.add_argument("--no-compile-ahead", dest="compile_ahead", action="store_false",
+                    help="compile each program in the main thread when its batch comes (default: one background "
+                         "thread compiles the next program while this one is measured; never two at once)")
+    ap.add_argument("--true-plain-batches", default="64,1", metavar="B,B",
+                    help="batches that also run true plain decoding (no draft, its own program), after every "
+                         "adaptive row; '' for none")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="lower + compile only (abstract weights): the one-width vs the adaptive programs")
+    ap.add_argument("--variants", default="block,auto,all", help="--compile-only: programs to compile: block "
+                    "(one width), auto (the default width set), all (every width), or widths as 0-3-15")
     ap.add_argument("--cpu-prompts", type=int, default=2, help="prompts per dataset in --cpu-pair")
     ap.add_argument("--cpu-new", type=int, default=128)
+    ap.add_argument("--cpu-rounds", type=int, default=3, help="interleaved rounds in --cpu-pair")
     args = ap.parse_args()
     run = Run(args)
 
     def on_term(*_):
         log("SIGTERM: the table of what was measured")
-        if not args.cpu_pair:
+        if not args.cpu_pair and not args.compile_only:
             table(run, [int(b) for b in run.R["rows"]], [float(t) for t in args.taus.split(",")])
         run.save()
         os._exit(124)
     signal.signal(signal.SIGTERM, on_term)
     try:
-        cpu_pair_mode(run) if args.cpu_pair else gpu_mode(run)
+        cpu_pair_mode(run) if args.cpu_pair else (compile_mode(run) if args.compile_only else gpu_mode(run))
     finally:
         run.save()
         log("done")

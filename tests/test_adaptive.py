@@ -38,14 +38,15 @@ def pair(trained_small_vocab_pair):
 
 def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
     """W = 0 is plain decoding (one token per iteration), W = 7 (block 8's full width) is the
-    reference loop token for token and iteration for iteration, 1 / 3 / auto are lossless and
-    never accept past their width; one program serves every width."""
+    reference loop token for token and iteration for iteration, 1 / auto are lossless and never
+    accept past their width; one program serves every width of its set (0, 1, 7 at block 8)."""
     prompts = pair["eval_prompts"][:3]
     n = 24
     want = [hf_greedy(pair["hf"], p, n) for p in prompts]
     ref = [reference_generate(pair["ref_draft"], pair["hf"], p, n, block_size=8) for p in prompts]
     kw = dict(max_new_tokens=n, capacity=CAPACITY)
-    res = {vw: None for vw in (7, 0, 1, 3, "auto")}
+    assert width.program_widths(8) == (0, 1, 7)
+    res = {vw: None for vw in (7, 0, 1, "auto")}
     for vw in res:
         res[vw] = generate(pair["target"], pair["draft"], prompts, verify_width=vw, **kw)
         if vw == 7:
@@ -55,26 +56,26 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
         assert r.tokens == want, vw
     assert res[7].acceptance_lengths == [list(r.acceptance_lengths) for r in ref]
     assert all(a == 1 for row in res[0].acceptance_lengths for a in row)
-    for vw in (1, 3):
+    for vw in (1,):
         seen = {a for row in res[vw].acceptance_lengths for a in row}
         assert max(seen) == vw + 1, (vw, seen)        # accepted up to the width, never past it
     assert res[7].mean_tau > 2.0                       # the pair really accepts (a real test of the prefixes)
 
 
 def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch):
-    """Simulated acceptance (tau 3 at block 8) and fixed costs that make W = 3 the best tokens per
-    cost (E = 1, 1.67, 2.42, 3.0 over costs 1, 1.6, 1.8, 2.4): after the full-width warm-up the loop
-    collects statistics and settles on W = 3 (accepts never exceed 4 tokens again)."""
-    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray([1.0, 1.6, 1.8, 2.4], np.float32))
+    """Simulated acceptance (tau 3 at block 8) and fixed costs that make W = 1 the best tokens per
+    cost (E = 1, 1.68, 3.0 over costs 1, 1.2, 2.4 at W = 0, 1, 7): after the full-width warm-up the
+    loop collects statistics and settles on W = 1 (accepts never exceed 2 tokens again)."""
+    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray([1.0, 1.2, 2.4], np.float32))
     prompts = pair["eval_prompts"][:4]
     with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
         res, s = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=80, capacity=CAPACITY,
                                    verify_width="auto")
     stats = np.asarray(s.width_stats)
     assert stats[0, 0] > width.WARMUP_EVIDENCE and stats[0, 6] > 0          # full width seen, then counted
-    assert int(s.width) == 2, stats                                           # W = 3
+    assert int(s.width) == 1, stats                                           # W = 1
     tails = [a for row in res.acceptance_lengths for a in row[6:]]
-    assert max(tails) <= 4 and max(a for row in res.acceptance_lengths for a in row[:3]) > 4
+    assert max(tails) <= 2 and max(a for row in res.acceptance_lengths for a in row[:3]) > 2
 
 
 @pytest.mark.slow
@@ -82,38 +83,52 @@ def test_plain_width_is_plain_decoding_and_keeps_the_draft_context(pair):
     """W = 0 for a stretch, then the whole block: the draft's context written during the plain
     iterations must be complete, so the full-width iterations accept exactly as the reference,
     which never skipped: compare the tail's acceptance with a run at full width from the same
-    point (same committed prefix, same draft context => same acceptance)."""
+    point (same committed prefix, same draft context => same acceptance). Both W = 0 paths: the
+    loops' (each step appends its taps to the pending ones; a full buffer is flushed: 20 plain
+    steps at block 8 flush twice) and one iteration alone (writes the pending taps each step)."""
     prompt = pair["eval_prompts"][3]
     n = 30
     plain = generate(pair["target"], None, [prompt], max_new_tokens=n, capacity=CAPACITY)
     w0 = generate(pair["target"], pair["draft"], [prompt], max_new_tokens=n, capacity=CAPACITY, verify_width=0)
     assert w0.tokens == plain.tokens and w0.num_iterations == plain.num_iterations
-    # 10 plain iterations (11 tokens with the prefill's), then full width: the plain steps wrote
+    # k plain iterations (k + 1 tokens with the prefill's), then full width: the plain steps wrote
     # their context into the draft cache, so the rest equals a fresh full-width run from the longer prompt
-    head = plain.tokens[0][:10]                        # the fresh run's prefill commits token 11
-    mixed = _mixed_run(pair, prompt, n, plain_iters=10)
-    fresh = generate(pair["target"], pair["draft"], [prompt + head], max_new_tokens=n - 10, capacity=CAPACITY,
-                     verify_width=7)
-    assert mixed["tokens"] == plain.tokens[0]
-    assert mixed["tail_accept"] == fresh.acceptance_lengths[0]
+    for plain_iters, loops in ((20, True), (10, False)):
+        head = plain.tokens[0][:plain_iters]           # the fresh run's prefill commits token k + 1
+        mixed = _mixed_run(pair, prompt, n, plain_iters, loops)
+        fresh = generate(pair["target"], pair["draft"], [prompt + head], max_new_tokens=n - plain_iters,
+                         capacity=CAPACITY, verify_width=7)
+        assert mixed["tokens"] == plain.tokens[0]
+        assert mixed["tail_accept"] == fresh.acceptance_lengths[0], loops
+        assert mixed["flushes"] == (2 if loops else 0)
 
 
-def _mixed_run(pair, prompt, n, plain_iters):
-    """One program driven by hand: `plain_iters` iterations forced to W = 0, then full width."""
+def _mixed_run(pair, prompt, n, plain_iters, loops):
+    """One program driven by hand: `plain_iters` iterations forced to W = 0, then full width.
+    loops: W = 0 as loop.run's loops run it (width index 0: append, flush_pending when a row's
+    buffer is full); else one iteration alone (no index: lax.switch, the pending taps written)."""
     st, tstate, dstate, p, _, lens = decode._static_and_params(pair["target"], pair["draft"], [prompt],
                                                               stream=False, max_new_tokens=n, capacity=CAPACITY,
                                                               verify_width="auto")
     target, draft = loop.merge_models(st, tstate, dstate)
-    step = jax.jit(lambda p, s: loop.iterate(st, target, draft, p, s)[0])
+    k0 = 0 if loops else None
+    step = jax.jit(lambda p, s: loop.iterate(st, target, draft, p, s, k0)[0])
+    kfull = len(st.widths) - 1
+    full_step = jax.jit(lambda p, s: loop.iterate(st, target, draft, p, s, kfull)[0]) if loops else step
+    flush = jax.jit(lambda s: loop.flush_pending(draft, s))
     s = jax.jit(lambda p: loop.prefill(st, target, draft, p))(p)
+    flushes = 0
     for _ in range(plain_iters):
+        if loops and not bool(loop.pending_room(s)):
+            s, flushes = flush(s), flushes + 1
         s = step(p.replace(verify_width=jnp.asarray(0, jnp.int32)), s)
     tail_from = int(s.iters[0])
     full = p.replace(verify_width=jnp.asarray(len(st.widths) - 1, jnp.int32))
     while not bool(s.done[0]):
-        s = step(full, s)
+        s = full_step(full, s)
     toks = np.asarray(s.tokens[0, lens[0]: int(s.lens[0]) + 1]).tolist()
-    return dict(tokens=toks, tail_accept=np.asarray(s.accept_log[0, tail_from:int(s.iters[0])]).tolist())
+    return dict(tokens=toks, tail_accept=np.asarray(s.accept_log[0, tail_from:int(s.iters[0])]).tolist(),
+                flushes=flushes)
 
 
 @pytest.mark.slow
@@ -157,6 +172,8 @@ def _numpy_choose(stats, cost, current, step, force, widths):
 def test_the_choice_is_a_deterministic_function_of_the_statistics():
     widths = width.widths_for(16)
     assert widths == (0, 1, 3, 7, 15) and width.widths_for(8) == (0, 1, 3, 7)
+    # compiled into the adaptive program: plain, the middle width, the block; a forced other one too
+    assert width.program_widths(16) == (0, 3, 15) and width.program_widths(8, 3) == (0, 1, 3, 7)
     rng = np.random.default_rng(0)
     choose = jax.jit(lambda *a: width.choose(*a, widths))
     for _ in range(40):
@@ -248,7 +265,7 @@ from dflash_jax import DraftConfig, TargetConfig, decode, init_draft, init_targe
 t = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                  head_dim=16, rope_theta=10000.0)
 d = DraftConfig.for_target(t, num_layers=1, block_size=8, mask_token_id=127)
-loop.width_costs = lambda key, fn, n: np.asarray([1.0, 1.6, 1.8, 2.4], np.float32)   # the same on both
+loop.width_costs = lambda key, fn, n: np.asarray([1.0, 1.6, 2.4], np.float32)   # the same on both
 decode.width_costs = loop.width_costs
 prompts = [[1, 2, 3, 4], [5, 6, 7], [9] * 9, [3, 1]]
 out = []

@@ -152,7 +152,7 @@ def add_width_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-width", default="block", type=_verify_width_arg, metavar="{block,auto,0,1,3,7,15}",
                    help="drafts the target verifies per iteration: block (default: the whole block, one verify "
                         "width compiled), auto (chosen per iteration from measured costs and acceptance, "
-                        "docs/adaptive-width.md; compiles every width) or a fixed one of 0, 1, 3, 7, "
+                        "docs/adaptive-width.md; compiles widths 0, 3 and 15 at block 16) or a fixed one of 0, 1, 3, 7, "
                         "... up to block size - 1 (0 = plain decoding, block size - 1 = the whole block)")
 
 
