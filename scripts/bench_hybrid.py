@@ -45,7 +45,7 @@ from flax import nnx  # noqa: E402
 
 from dflash_jax import DraftConfig, decode, init_draft, loop  # noqa: E402
 from dflash_jax import init_target  # noqa: E402
-from dflash_jax.models.qwen3_5 import Qwen35Config, record_bytes, state_bytes  # noqa: E402
+from dflash_jax.models.qwen3_5 import Qwen35Config, record_bytes, state_bytes, with_verify_form  # noqa: E402
 from dflash_jax.models.qwen3_5_moe import PRESET_35B_A3B, Qwen35MoeConfig  # noqa: E402
 
 # Qwen3.5-9B text model (transformers' Qwen3_5TextConfig defaults are these shapes): 32 layers,
@@ -418,7 +418,7 @@ def main():
                         target = init_target(c, seed=0, dtype=dtype)
                         draft = init_draft(DraftConfig.for_target(c, num_layers=5 if not a.smoke else 1,
                                                                   block_size=a.block), seed=1, dtype=dtype)
-                    tgt = _with_form(target, form)
+                    tgt = with_verify_form(target, form)
                     r = run_one(tgt, draft, B, a.ctx, S, a.iters, a.reps, a.hlo_stats, kernels=path_kernels(name),
                                 fold=a.fold_share and S > 1, commit_alone=a.commit_alone)
                     r.update(kind="plain step" if S == 1 else "dflash iteration", path=name,
@@ -429,19 +429,6 @@ def main():
         target = draft = tgt = None     # the next model's weights need the memory
     if out:
         out.close()
-
-
-def _with_form(model, form: str):
-    """The target with its GDN layers' verify form set (one weight set for every path)."""
-    if model.config.verify_form == form:
-        return model
-    gdef, state = nnx.split(model)
-    clone = nnx.merge(gdef, state)
-    for layer in clone.layers:
-        if layer.kind != "full_attention":
-            layer.mixer.verify_form = form
-    clone.config = dataclasses.replace(model.config, verify_form=form)
-    return clone
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from dflash_jax import DraftConfig, generate, init_draft, init_target, load_targ
 from dflash_jax.config import ConfigError
 from dflash_jax.kernel_config import resolved
 from dflash_jax.models import gated_delta as gd
-from dflash_jax.models.qwen3_5 import Qwen35Config, load_qwen3_5
+from dflash_jax.models.qwen3_5 import Qwen35Config, load_qwen3_5, with_verify_form
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hfm  # noqa: E402
@@ -208,7 +208,7 @@ def test_padded_prefill_then_blocks_with_rollback_match_transformers(pair, form)
     then 4-token blocks of which only n[b] tokens are committed (the rest rejected): every
     committed position's logits = the HF full-sequence forward."""
     hf, ours = pair
-    ours = _with_form(ours, form)
+    ours = with_verify_form(ours, form)
     seqs = np.random.RandomState(4).randint(0, 128, (2, 24))
     ref = [_hf(hf, seqs[b:b + 1]).logits.numpy()[0] for b in range(2)]
     lens = np.array([6, 10])
@@ -233,22 +233,6 @@ def test_padded_prefill_then_blocks_with_rollback_match_transformers(pair, form)
             ok = n[b] if b == 0 else 4                          # row 1's block is the true sequence
             np.testing.assert_allclose(np.asarray(logits)[b, :ok], ref[b][lens[b]:lens[b] + ok], atol=1e-4)
         lens = lens + np.asarray(n)
-
-
-def _with_form(model, form):
-    from flax import nnx
-    import dataclasses
-    if model.config.verify_form == form:
-        return model
-    gdef, state = nnx.split(model)
-    clone = nnx.merge(gdef, state)
-    for layer in clone.layers:
-        if layer.kind != "full_attention":
-            layer.mixer.verify_form = form
-    clone.config = dataclasses.replace(model.config, verify_form=form)
-    return clone
-
-
 
 
 @pytest.mark.slow

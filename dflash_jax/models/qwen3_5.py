@@ -48,7 +48,7 @@ from dflash_jax.models.family import Family
 from dflash_jax.models.layers import MLP, _init, rope
 from dflash_jax.models.stack import CausalLM
 
-__all__ = ["Qwen35Config", "Qwen35", "HybridCache", "load_qwen3_5", "init_qwen3_5"]
+__all__ = ["Qwen35Config", "Qwen35", "HybridCache", "load_qwen3_5", "init_qwen3_5", "with_verify_form"]
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 VERIFY_FORMS = ("chunk", "recurrent")
@@ -625,6 +625,20 @@ def _fill_layer(model_cls, layer: HybridLayer, c: Qwen35Config, t: dict, put) ->
         put(m.A_log, t[a + "A_log"])
         put(m.norm, t[a + "norm.weight"])
         put(m.out, t[a + "out_proj.weight"].T)
+
+
+def with_verify_form(model: Qwen35, form: str) -> Qwen35:
+    """The same weights with the GDN layers' verify form set to `form` (a new module sharing the
+    arrays; `model` itself when it already has it): A/B of the forms on one weight set."""
+    if model.config.verify_form == form:
+        return model
+    gdef, state = nnx.split(model)
+    clone = nnx.merge(gdef, state)
+    for layer in clone.layers:
+        if layer.kind != "full_attention":
+            layer.mixer.verify_form = form
+    clone.config = dataclasses.replace(model.config, verify_form=form)
+    return clone
 
 
 def init_qwen3_5(config: Qwen35Config, seed: int = 0, dtype="bfloat16") -> Qwen35:
