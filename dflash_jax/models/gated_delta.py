@@ -39,6 +39,29 @@ def recurrent(q, k, v, g, beta, state):
     return jnp.stack(outs, axis=1), state
 
 
+def _substitute(a, rhs):
+    """(I + a) x = rhs by forward substitution, a [..., L, L] strictly lower: row i of x is rhs_i
+    minus a_i . x, where x's rows >= i are still zero (a fori_loop over the L rows)."""
+    def row(i, x):
+        a_i = jax.lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=False)                  # [..., L]
+        r_i = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=False)                # [..., D]
+        return jax.lax.dynamic_update_index_in_dim(x, r_i - jnp.einsum("...j,...jd->...d", a_i, x), i, axis=-2)
+    return jax.lax.fori_loop(0, a.shape[-1], row, jnp.zeros_like(rhs))
+
+
+def _trsm(a, rhs):
+    eye = jnp.eye(a.shape[-1], dtype=a.dtype)
+    return jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
+
+
+def unit_lower_solve(a, rhs):
+    """x with (I + a) x = rhs, a [..., L, L] strictly lower triangular, rhs [..., L, D]. On CPU by
+    forward substitution: jaxlib's CPU triangular solve (LAPACK trsm) splits its batch over the
+    thread pool it runs on and waits for the pieces, so two of them running at once on a 2-thread
+    pool (a 2-core machine) deadlock; elsewhere the backend's triangular solve."""
+    return jax.lax.platform_dependent(a, rhs, cpu=_substitute, default=_trsm)
+
+
 def _chunk_terms(k, v, g, beta):
     """The within-chunk quantities of the chunked form, inputs [B, HV, N, L, .] (N chunks of L):
     (cumulative log decay G [B, HV, N, L], u, w) with u = (I + A)^-1 (beta v) and
@@ -49,9 +72,8 @@ def _chunk_terms(k, v, g, beta):
     decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))   # strictly lower
     kb = k * beta[..., None]
     a = jnp.einsum("...ik,...jk->...ij", kb, k) * decay
-    eye = jnp.eye(L, dtype=jnp.float32)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(G)[..., None]], axis=-1)
-    sol = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
+    sol = unit_lower_solve(a, rhs)
     dv = v.shape[-1]
     return G, sol[..., :dv], sol[..., dv:]
 
