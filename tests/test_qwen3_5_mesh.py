@@ -33,8 +33,11 @@ def test_on_4_devices():
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
+# The MoE variant only: its layers are the dense variant's plus the experts on 'model' (the dense
+# case added ~2 minutes of CI for no path the MoE case does not run; tests/test_qwen3_5.py keeps the
+# dense model's one-device oracles)
 @child
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [True])
 def test_2x2_mesh_generates_the_one_device_tokens(tmp_path, moe):
     from dflash_jax import DraftConfig, generate, init_draft, load_target
     from dflash_jax import sharding as sh
