@@ -17,8 +17,6 @@ would pass --budget-s by the time the slowest one of its kind took):
            T = --layer-tokens tokens x top-8 with uniform random routing, in us, against the floor
            of the distinct experts those rows touch (experts x 3 H I x 2 B / bandwidth). Timed over
            --layer-copies distinct layers' weights per pass (so L2 holds no expert between passes).
-           The GPU kernel runs twice: as `pallas_gpu` (its small-T path at <= moe.LEAN_ROWS rows)
-           and as `pallas_gpu:grouped` (the grouped path always): the A/B that sets LEAN_ROWS.
   loop     plain ms per step and DFlash ms per iteration (z-lab Coder draft shape: 8 layers, block
            16) at B = 1, 8, 32 (prompt 512), against floors from the experts actually touched and
            from the independent-routing expectation: (non-expert weights + experts x bytes of one
@@ -234,14 +232,12 @@ class MoeBench:
             distinct = int(moe.distinct_experts(idx, E))
             floor_us = 1e6 * distinct * self.expert_bytes / self._bandwidth()
             row = dict(tokens=T, rows=T * k, distinct=distinct, floor_us=floor_us)
-            for g in self.layer_gmms():
-                impl, lean = (g.split(":")[0], 0) if g.endswith(":grouped") else (g, moe.LEAN_ROWS)
-
+            for g in self.gmms:
                 @jax.jit
-                def many(x, w, idx, gate_up, down, impl=impl, lean=lean):
+                def many(x, w, idx, gate_up, down, impl=g):
                     def body(_, y):
                         for gu, dn in zip(gate_up, down):        # distinct weights each layer
-                            y = y + moe.experts(y, w, idx, gu, dn, gmm_impl=impl, lean_rows=lean) * 0.01
+                            y = y + moe.experts(y, w, idx, gu, dn, gmm_impl=impl) * 0.01
                         return y
                     return jax.lax.fori_loop(0, a.inner, body, x)
 
@@ -257,16 +253,10 @@ class MoeBench:
                         f"({distinct} experts; {us / floor_us:5.2f}x)")
             rows.append(row)
         self.results["layer"] = rows
-        head = ["T", "rows", "experts touched", "floor us"] + [f"{g} us (x floor)" for g in self.layer_gmms()]
-        table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype}; ':grouped' = the GPU kernel "
-              f"without its small-T path, which takes <= {moe.LEAN_ROWS} rows)", head, [
+        head = ["T", "rows", "experts touched", "floor us"] + [f"{g} us (x floor)" for g in self.gmms]
+        table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype})", head, [
             [r["tokens"], r["rows"], r["distinct"], r["floor_us"]]
-            + [_cell(r[g], r["floor_us"], 1) for g in self.layer_gmms()] for r in rows])
-
-    def layer_gmms(self) -> list[str]:
-        """The grouped matmuls, with the GPU kernel also forced onto its grouped path (the small-T
-        path's A/B at a few tokens)."""
-        return [x for g in self.gmms for x in ([g, g + ":grouped"] if g.startswith("pallas_gpu") else [g])]
+            + [_cell(r[g], r["floor_us"], 1) for g in self.gmms] for r in rows])
 
     def touched(self, B: int, T: int) -> float:
         """Mean over MoE layers of the distinct experts B x T random tokens at positions
@@ -527,9 +517,6 @@ def main():
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--width-batches", default="1,8")
     ap.add_argument("--layer-tokens", default="1,16,128")
-    ap.add_argument("--lean-rows", type=int, default=None,
-                    help="moe.LEAN_ROWS for this run: the most rows the GPU kernel's small-T path takes "
-                         "(0: never; default: the library's)")
     ap.add_argument("--layer-copies", type=int, default=4, help="distinct expert layers per timed pass")
     ap.add_argument("--draft-layers", type=int, default=8, help="the z-lab Coder-30B-A3B draft has 8")
     ap.add_argument("--draft-taps", type=int, default=5, help="target layers the draft reads (z-lab: 5)")
@@ -564,16 +551,11 @@ def main():
     if bad:
         ap.error(f"unknown sections {sorted(bad)}; known: {', '.join(SECTIONS)}")
     sections = [s for s in SECTIONS if s in sections]
-    if args.lean_rows is not None:       # fixed for the whole process, before anything is traced
-        from dflash_jax.models import moe
-        moe.LEAN_ROWS = args.lean_rows
     import jax
     machine = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
     log(f"# bench_moe on {machine}")
     b = MoeBench(args)
     b.results["machine"] = machine
-    from dflash_jax.models import moe
-    b.results["lean_rows"] = moe.LEAN_ROWS
     failed = []
     if ("loop" in sections or "widths" in sections) and "bw" not in sections and not args.smoke:
         sections.insert(0, "bw")              # the copy figure: the second floor of every row

@@ -35,12 +35,7 @@ from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.models.layers import _init
 
-__all__ = ["MoE", "route", "experts", "distinct_experts", "recording", "LEAN_ROWS"]
-
-# The GPU kernel's small-T path (pallas_kernels.moe.gpu.experts_small: two kernels per layer, no
-# sort of the rows) serves up to this many (token, choice) rows: 4 tokens x top-8. Past it, tokens
-# that share an expert would read its weights once each, and the grouped path's sort pays.
-LEAN_ROWS = 32
+__all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
 
 # Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
 # choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
@@ -70,25 +65,14 @@ def route(x, router, top_k: int, norm_topk_prob: bool):
     return top.astype(x.dtype), idx.astype(jnp.int32)
 
 
-def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0,
-            lean_rows: int | None = None):
+def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0):
     """The chosen experts' outputs summed per token: x [N, H], weights/idx [N, k] (global expert
     ids), gate_up [El, H, 2I], down [El, I, H] holding experts [first_expert, first_expert + El)
     -> [N, H] in x's dtype. Choices of other experts contribute zero (expert parallelism: another
-    shard computes them). lean_rows: the most (token, choice) rows the GPU kernels' small-T path
-    takes (benchmarks A/B it; 0: always the grouped path)."""
+    shard computes them)."""
     from pallas_kernels.moe import gmm, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
-    lean_rows = LEAN_ROWS if lean_rows is None else lean_rows
-    if (gmm_impl in ("pallas_gpu", "pallas_gpu_interpret") and N * k <= lean_rows
-            and isinstance(first_expert, int) and first_expert == 0):
-        from pallas_kernels.moe import gpu
-        if gpu.small_supported(x.shape[1], down.shape[1], down.shape[2], x.dtype) and x.dtype == down.dtype:
-            # a few tokens: two kernels, no sort at all (the ids are all local: one shard); the
-            # down kernel adds a token's outputs in ascending expert order itself
-            return gpu.experts_small(x, idx, weights.astype(x.dtype), gate_up, down,
-                                     interpret=gmm_impl == "pallas_gpu_interpret")
     # a token's choices in ascending expert order: the order its outputs are added in (HF's)
     idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
     local = idx - first_expert
