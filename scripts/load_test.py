@@ -382,7 +382,8 @@ def main(argv=None) -> int:
         log = args.server_log and args.server_log + (".plain" if plain else "")
         server = None if args.url else Server(argv_s, args.startup_timeout, log)
         url = args.url or server.url
-        title = ("plain decoding" if plain else "DFlash") + f": {args.requests} requests a run, prompts " \
+        no_draft = plain or (args.draft or "").lower() == "none"
+        title = ("plain decoding" if no_draft else "DFlash") + f": {args.requests} requests a run, prompts " \
                 f"{args.prompt_lo}..{args.prompt_hi} tokens, max_tokens {lo}..{hi}, " \
                 f"{args.slots} slots, capacity {args.capacity}, K {args.engine_steps}"
         runs, all_recs = [], []
