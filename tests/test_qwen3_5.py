@@ -341,6 +341,20 @@ def test_gdn_kernel_interpreted_equals_the_xla_block_and_its_fold(pair):
     assert not m.use_kernel(3, _kernel_config(), False)          # T not a power of two: XLA
 
 
+def test_kernel_config_gdn_resolves():
+    """The default "auto": the Triton block kernel with 32 value dims per program on GPU (the H200 A/B), the XLA
+    forms on CPU and TPU; a block_v at or past dv is the whole head (the norm fused)."""
+    from dflash_jax import KernelConfig
+    from pallas_kernels.gated_delta import block_supported
+    gpu = KernelConfig().resolve("gpu", device=None)
+    assert (gpu.gdn, gpu.gdn_block_v) == ("pallas_gpu", 32)
+    for backend in ("cpu", "tpu"):
+        assert KernelConfig().resolve(backend).gdn == "xla"
+    assert KernelConfig(gdn="pallas").resolve("cpu").gdn == "pallas_gpu_interpret"
+    assert block_supported(16, 2, 4, 8, 8, 4, 32) and block_supported(16, 2, 4, 8, 64, 4, 32)
+    assert not block_supported(16, 2, 4, 8, 64, 4, 24)
+
+
 def test_gdn_kernel_lowers_for_cuda_at_qwen3_5_9b_shapes():
     """The kernel at Qwen3.5-9B's GDN shapes (HK 16, HV 32, dk = dv = 128, conv 8192), a verify
     block (16) and a decode step (1), whole and split value dims, and the fold kernel: lowered
