@@ -338,7 +338,7 @@ def _generate_slots(target, draft, prompts, o: GenerateOptions):
     eng = Slots(target, draft if st.draft_def is not None else None, slots=int(o.slots), capacity=st.capacity,
                 block_size=st.block_size, kernels=st.kernels, step_buckets=o.step_buckets,
                 steps=offline_defaults(platform_of(nnx.state(target)))["steps"],
-                verify_width=None if st.draft_def is None or o.verify_width in ("auto", "block") else o.verify_width)
+                verify_width=None if st.draft_def is None or o.verify_width == "block" else o.verify_width)
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(o.max_new_tokens),
                        temperature=float(o.temperature), top_k=int(o.top_k), top_p=float(o.top_p),
                        stop_ids=tuple(stop), seed=int(o.seed), rng_row=i) for i, r in enumerate(prompts)]

@@ -656,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loop iterations per engine step between admissions (--slots > 1)")
     g.add_argument("--insert-width", type=int, default=None,
                    help="most arrivals prefilled in one call (--slots > 1; default min(slots, 8))")
+    from dflash_jax.cli.generate import add_width_args
+    add_width_args(g)     # --verify-width: the slot engine's (--slots > 1), per step
     g.add_argument("--engine-pipeline", type=int, default=1,
                    help="engine steps dispatched ahead of the one whose tokens are read (0: wait for each)")
     g.add_argument("--step-buckets", default="auto", metavar="auto|none|N,N,...",
@@ -722,6 +724,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--insert-width must be >= 1, got {args.insert_width}")
     if args.engine_pipeline < 0:
         parser.error(f"--engine-pipeline must be >= 0, got {args.engine_pipeline}")
+    if args.verify_width != "block" and args.slots < 2:
+        parser.error(f"--verify-width {args.verify_width} needs the slot engine (--slots > 1)")
     try:
         lo, _, hi = str(args.warmup_prompt_len).rpartition(":")
         args.warmup_prompt_len = (int(lo), int(hi)) if lo else int(hi)
@@ -962,13 +966,15 @@ def _serve(parser, args, sock) -> int:
     block = None if draft is None else (args.block_size or draft.config.block_size)
     mesh = _cli().get_mesh(parser, args)
     _check_memory(parser, args, target, draft, 1 if mesh is None else mesh.devices.size)
+    _cli().check_verify_width(parser, args, draft)
     try:
         if args.slots > 1:
             engine = SlotEngine(target, draft, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
                                 eos_token_ids=eos, block_size=block, attention_impl=args.attention,
                                 steps=args.engine_steps, insert_width=args.insert_width,
                                 pipeline=args.engine_pipeline, warmup_prompt_len=0,
-                                step_buckets=args.step_buckets)
+                                step_buckets=args.step_buckets,
+                                verify_width=None if args.verify_width == "block" else args.verify_width)
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)

@@ -79,6 +79,23 @@ def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch)
 
 
 @pytest.mark.slow
+def test_slot_engine_with_auto_width_is_lossless(pair):
+    """generate(slots=2, verify_width="auto"): the slot engine's adaptive step programs (what
+    `serve --slots N --verify-width auto` runs), 3 requests through 2 slots (a refill), each row =
+    transformers' greedy; and a fixed W = 1 never accepts past its width."""
+    prompts = pair["eval_prompts"][:3]
+    n = 20
+    want = [hf_greedy(pair["hf"], p, n) for p in prompts]
+    got = generate(pair["target"], pair["draft"], prompts, max_new_tokens=n, capacity=CAPACITY, slots=2,
+                   verify_width="auto")
+    assert got.tokens == want
+    one = generate(pair["target"], pair["draft"], prompts, max_new_tokens=n, capacity=CAPACITY, slots=2,
+                   verify_width=1)
+    assert one.tokens == want
+    assert max(a for row in one.acceptance_lengths for a in row) <= 2
+
+
+@pytest.mark.slow
 def test_plain_width_is_plain_decoding_and_keeps_the_draft_context(pair):
     """W = 0 for a stretch, then the whole block: the draft's context written during the plain
     iterations must be complete, so the full-width iterations accept exactly as the reference,

@@ -530,7 +530,9 @@ def test_cli_refuses_bad_flags(capsys, monkeypatch):
                       (["--random-init", "qwen3-0.6b", "--warmup-prompt-len", "a:b"], "--warmup-prompt-len"),
                       (["--random-init", "qwen3-0.6b", "--engine-pipeline", "-1"], "--engine-pipeline"),
                       (["--random-init", "qwen3-0.6b", "--insert-width", "0"], "--insert-width"),
-                      (["--random-init", "qwen3-0.6b", "--step-buckets", "1,x"], "--step-buckets")):
+                      (["--random-init", "qwen3-0.6b", "--step-buckets", "1,x"], "--step-buckets"),
+                      (["--random-init", "qwen3-0.6b", "--verify-width", "auto"], "--verify-width auto needs the slot"),
+                      (["--random-init", "qwen3-0.6b", "--slots", "2", "--verify-width", "x"], "--verify-width")):
         with pytest.raises(SystemExit) as e:
             serve.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
