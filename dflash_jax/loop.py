@@ -186,7 +186,7 @@ def _commit(target, cache, n):
 def prefill(st: Static, target: CausalLM, draft, p: Params):
     B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
-    tcache = _on_mesh(st, target.new_cache(B, C))
+    tcache = _on_mesh(st, target.new_cache(B, cache_rows(C)))
     with jax.named_scope("prefill_target"):
         h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
                                   kernels=st.kernels, prefill=True)
@@ -199,7 +199,8 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
-            dcache = draft.write_context(feats, positions, _on_mesh(st, draft.new_cache(B, C)), valid=p.prompt_lens)
+            dcache = draft.write_context(feats, positions, _on_mesh(st, draft.new_cache(B, cache_rows(C))),
+                                       valid=p.prompt_lens)
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
     tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
@@ -482,6 +483,13 @@ def compile_count() -> int:
 
 def pow2(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def cache_rows(capacity: int) -> int:
+    """KV rows allocated for a capacity: rounded up to 16, the GPU attention kernel's smallest key
+    tile (a user's capacity of 1000 would otherwise send every layer to XLA's attention). The
+    capacity itself still bounds the tokens (_finished); the extra rows are never written."""
+    return round_up(int(capacity), 16)
 
 
 def round_up(n: int, m: int) -> int:

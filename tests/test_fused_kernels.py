@@ -163,7 +163,7 @@ def test_fused_dispatch():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
-def test_gpu_path_forward_and_loop_match_xla(fused):
+def test_gpu_path_forward_and_loop_match_xla(fused, caplog):
     """The whole GPU layer path in the interpreter (attention kernel; with `fused` the fused
     prologue, add + norm and residuals deferred across layers into the next norm, without it the
     layers' XLA ops around the attention kernel) against the XLA path: the target's verify and decode forwards (hidden
@@ -208,6 +208,14 @@ def test_gpu_path_forward_and_loop_match_xla(fused):
     got = generate(target, draft, prompts, max_new_tokens=12, kernels=kernels).tokens
     assert got == want
     if not fused:   # the sampling kernels do not depend on fused_layer: one run of them is enough
+        # a capacity that is no multiple of the kernel's key tile (100: 16 rows at most per tile)
+        # still takes the kernels (the cache is allocated to 112 rows), and stops where 100 says
+        import logging
+        caplog.set_level(logging.WARNING, logger="pallas_kernels.attention")
+        got = generate(target, draft, prompts, max_new_tokens=200, kernels=kernels, capacity=100)
+        want = generate(target, draft, prompts, max_new_tokens=200, attention_impl="xla", capacity=100)
+        assert got.tokens == want.tokens and set(got.finish_reasons) == {"capacity"}
+        assert "using the XLA path" not in caplog.text
         return
     # sampling with top-k and top-p: the search's passes in the count kernel, same seed, same tokens
     kw = dict(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=5)
