@@ -638,7 +638,7 @@ class _Timing:
 
 # ----------------------------------------------------------------------------------------- command
 def build_parser() -> argparse.ArgumentParser:
-    from dflash_jax.cli.generate import add_model_args
+    from dflash_jax.cli.generate import add_model_args, add_width_args
 
     p = argparse.ArgumentParser(
         prog="python -m dflash_jax.serve",
@@ -656,7 +656,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loop iterations per engine step between admissions (--slots > 1)")
     g.add_argument("--insert-width", type=int, default=None,
                    help="most arrivals prefilled in one call (--slots > 1; default min(slots, 8))")
-    from dflash_jax.cli.generate import add_width_args
     add_width_args(g)     # --verify-width: the slot engine's (--slots > 1), per step
     g.add_argument("--engine-pipeline", type=int, default=1,
                    help="engine steps dispatched ahead of the one whose tokens are read (0: wait for each)")

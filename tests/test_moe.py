@@ -94,8 +94,8 @@ def test_gmm_gpu_kernel_lowers_for_cuda():
     for M in (128, 4096):
         for K, N, sw in ((2048, 1536, True), (768, 2048, False)):
             for dt in (jnp.bfloat16, jnp.float32):
-                bm, bn, bk = gpu.choose_tiles(M, K, N // 2 if sw else N, slots=min(128, M))
-                bk = gpu.fit_bk(bm, bn, bk, K, jnp.dtype(dt).itemsize, sw, 3)
+                bm, bn, bk = gpu.plan_tiles(M, K, N // 2 if sw else N, jnp.dtype(dt).itemsize, sw, 3,
+                                            slots=min(128, M))
                 assert gpu.smem_bytes(bm, bn, bk, jnp.dtype(dt).itemsize, sw, 3) <= 227 * 1024 - 32 * 1024
             exp = export.export(jax.jit(lambda x, w, g: gpu.gmm(x, w, g, swiglu=sw)), platforms=["cuda"],
                                 disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(

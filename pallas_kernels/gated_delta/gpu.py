@@ -45,10 +45,15 @@ def _pow2(x: int) -> bool:
     return x >= 1 and not (x & (x - 1))
 
 
+def value_block(block_v: int, dv: int) -> int:
+    """Value dims per program: block_v, or the whole head's dv when block_v is 0 or >= dv."""
+    return min(block_v, dv) if block_v else dv
+
+
 def block_supported(T: int, hk: int, hv: int, dk: int, dv: int, kernel: int, block_v: int = 0) -> bool:
     """Whether `gdn_block` tiles this shape: T a power of two <= 64, power-of-two head dims of at
     any size, the conv kernel 4 (or 2), v-heads a multiple of k-heads, bv (0 or >= dv: dv) dividing dv."""
-    bv = min(block_v, dv) if block_v else dv
+    bv = value_block(block_v, dv)
     return (_pow2(T) and T <= MAX_T and _pow2(dk) and _pow2(dv)
             and kernel in (2, 4) and hv % hk == 0 and _pow2(bv) and dv % bv == 0)
 
@@ -139,7 +144,7 @@ def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: 
     HK, dk, dv = num_k_heads, key_dim, value_dim
     Cw, K = conv_w.shape
     HV = state.shape[1]
-    bv = min(block_v, dv) if block_v else dv
+    bv = value_block(block_v, dv)
     C = 2 * HK * dk + HV * dv
     if (Cw != C or F != C + HV * dv + 2 * HV or window.shape != (B, K - 1, C)
             or state.shape != (B, HV, dk, dv) or not block_supported(T, HK, HV, dk, dv, K, block_v)):
@@ -201,7 +206,7 @@ def fold_deltas(k, G, delta, state, n, *, block_v: int = 0, num_warps: int = 0, 
     (its buffer reused for the result), n [B] int32 in [0, T]."""
     B, HV, T, dk = k.shape
     dv = delta.shape[-1]
-    bv = min(block_v, dv) if block_v else dv
+    bv = value_block(block_v, dv)
     if (state.shape != (B, HV, dk, dv) or G.shape != (B, HV, T) or delta.shape != (B, HV, T, dv)
             or not (_pow2(T) and _pow2(dk) and _pow2(bv) and dv % bv == 0)):
         raise Unsupported(f"fold_deltas: k {k.shape}, delta {delta.shape}, state {state.shape}, block_v {block_v}")

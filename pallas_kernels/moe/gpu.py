@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, precision, pltriton, quiet_triton
 
-__all__ = ["gmm", "group_list", "choose_tiles", "supported"]
+__all__ = ["gmm", "group_list", "choose_tiles", "plan_tiles", "supported"]
 
 
 def group_list(group_sizes, slots: int):
@@ -89,6 +89,17 @@ def fit_bk(bm: int, bn: int, bk: int, K: int, itemsize: int, swiglu: bool, num_s
            and K % (bk // 2) == 0):
         bk //= 2
     return bk
+
+
+def plan_tiles(M: int, K: int, N: int, itemsize: int, swiglu: bool, num_stages: int, bm: int | None = None,
+               bn: int | None = None, bk: int | None = None, slots: int | None = None):
+    """gmm's (bm, bn, bk): choose_tiles, then an automatic bk fitted to shared memory (fit_bk); a
+    bk the caller gave is kept. bn or bk None: no tiling."""
+    auto_bk = bk is None
+    bm, bn, bk = choose_tiles(M, K, N, bm, bn, bk, slots)
+    if auto_bk and bn is not None and bk is not None and K % bk == 0:
+        bk = fit_bk(bm, bn, bk, K, itemsize, swiglu, num_stages)
+    return bm, bn, bk
 
 
 def supported(M: int, K: int, N: int, dtype, swiglu: bool = False) -> bool:
@@ -157,12 +168,9 @@ def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, b
         raise Unsupported(f"gmm: rhs {rhs.shape} / lhs {lhs.shape} past int32 element offsets")
     half = N // 2 if swiglu else N
     slots = max(1, min(G, M))
-    auto_bk = bk is None
-    bm, bn, bk = choose_tiles(M, K, half, bm, bn, bk, slots)
+    bm, bn, bk = plan_tiles(M, K, half, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages, bm, bn, bk, slots)
     if bn is None or bk is None or half % bn or K % bk:
         raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
-    if auto_bk:
-        bk = fit_bk(bm, bn, bk, K, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages)
     meta = group_list(group_sizes, slots)
     x = jnp.pad(lhs, ((0, bm), (0, 0)))
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu)
