@@ -29,7 +29,8 @@ would not fit the time budget is skipped and named at the end, so `--sections` c
              (weights + KV bytes at 32k).
   dflash2    (only when named) B=1, prompt 512: a DFlash2 draft (5 layers, block 8, conv 2 x 16,
              selector rank 256 / top-k 16, every layer sliding with window 2048, non-causal), the same
-             without windows (conv + selector alone), against a DFlash-1 draft at block 8 and 16.
+             without windows (conv + selector alone), against a DFlash-1 draft at block 8 and 16;
+             then without its selector and without its convs (each one's share of the iteration).
 
 How a loop iteration is timed: `generate` is one dispatch (prefill + while_loop), so the time of one
 iteration is a difference: the same compiled program (same `capacity=`) runs max_new_tokens=N1 and
@@ -812,6 +813,9 @@ class Bench:
             "dflash2_b8_nowindow": dataclasses.replace(dcfg, block_size=8, **d2),
             "v1_b8": dataclasses.replace(dcfg, block_size=8),
             "v1_b16": dataclasses.replace(dcfg, block_size=16),
+            # the share split: DFlash2 without its selector (argmax drafts), without its convs
+            "dflash2_b8_noselector": dataclasses.replace(dcfg, block_size=8, **dict(d2, selector_top_k=0)),
+            "dflash2_b8_noconv": dataclasses.replace(dcfg, block_size=8, **dict(d2, conv_kernel_size=0)),
         }
         res = {}
         saved = self.models
@@ -836,6 +840,9 @@ class Bench:
             res["dflash2_over_v1_b8"] = res["dflash2_b8"] / res["v1_b8"]
         if "dflash2_b8_nowindow" in res and "v1_b8" in res:
             res["conv_selector_share"] = 1 - res["v1_b8"] / res["dflash2_b8_nowindow"]
+            for part, without in (("selector", "noselector"), ("conv", "noconv")):
+                if f"dflash2_b8_{without}" in res:
+                    res[f"{part}_share"] = 1 - res[f"dflash2_b8_{without}"] / res["dflash2_b8_nowindow"]
         log(f"  dflash2 section (ms/iter): {res}")
         self.R["sections"]["dflash2"] = res
         self.save()

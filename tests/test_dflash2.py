@@ -309,6 +309,34 @@ def test_walk_draws_from_q_with_gumbel_max():
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(walk(scores[:2], cand[:2])[0]))
 
 
+def test_walk_equals_a_sequential_walk_and_runs_no_device_loop():
+    """The parallel lattice argmax + unrolled gathers = the walk slot by slot (a NumPy oracle with
+    the same per-slot Gumbel noise, ties included), and the greedy walk compiles without a while
+    loop (a device loop is one host round trip per slot on XLA:GPU)."""
+    rs = np.random.RandomState(5)
+    B, L, K = 4, 7, 8
+    scores = np.round(rs.randn(B, L, K, K).astype(np.float32) * 2) / 2          # ties on purpose
+    cand = rs.randint(0, 500, (B, L, K)).astype(np.int32)
+    T = np.array([0.0, 0.6, 1.0, 1.7], np.float32)
+    keys = jax.random.split(jax.random.key(3), B)
+    noise = np.asarray(jax.vmap(lambda k: jax.vmap(lambda t: jax.random.gumbel(jax.random.fold_in(k, t), (K,)))(
+        jnp.arange(L, dtype=jnp.uint32)))(keys))
+    for temp in (None, T):
+        path, q = walk(jnp.asarray(scores), jnp.asarray(cand), None if temp is None else jnp.asarray(temp), keys)
+        for b in range(B):
+            prev = 0
+            for t in range(L):
+                row = scores[b, t, prev]
+                sampled = temp is not None and temp[b] > 0
+                pick = int(np.argmax(row / temp[b] + noise[b, t] if sampled else row))
+                assert path[b, t] == cand[b, t, pick]
+                if temp is not None:
+                    z = row / (temp[b] if temp[b] > 0 else 1.0)
+                    np.testing.assert_allclose(q[b, t], np.exp(z - z.max()) / np.exp(z - z.max()).sum(), atol=1e-6)
+                prev = pick
+    assert "while" not in jax.jit(walk).lower(jnp.asarray(scores), jnp.asarray(cand)).as_text()
+
+
 @pytest.mark.slow
 def test_sampling_with_the_selector_is_in_distribution(tmp_path):
     """T = 1: the joint of the first three generated tokens (prefill token + one verify chain with

@@ -248,27 +248,34 @@ def walk(scores, cand, temperature=None, keys=None):
     slot 0 (the anchor), each slot takes a candidate given the previous pick: argmax (lowest index
     on ties), or with temperature [B] > 0 and keys [B] a Gumbel-max draw from q = softmax(S / T)
     (a row with temperature 0 takes the argmax). Returns (path [B, L] int32, q [B, L, K] float32 of
-    each slot's row given its predecessor, or None at T = 0)."""
+    each slot's row given its predecessor, or None at T = 0).
+
+    Only the walk is sequential: a slot's Gumbel noise does not depend on its predecessor, so every
+    row's pick (`follow` [B, L, K]: the candidate slot t takes after candidate a of slot t-1) is one
+    parallel argmax over the lattice, and the walk is L gathers of one index each, unrolled (a scan
+    here is a device loop: on XLA:GPU one host round trip per slot, docs/perf-log.md)."""
     B, L, K, _ = scores.shape
     rows = jnp.arange(B)
-
-    def step(prev, xs):
-        s_t, t = xs                                                                     # [B, K, K]
-        row = s_t[rows, prev]                                                           # [B, K]
-        if temperature is None:
-            pick = jnp.argmax(row, axis=-1).astype(jnp.int32)
-            return pick, (pick, row)
-        t_ = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        z = row / t_
-        g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, t), (K,), jnp.float32))(keys)
-        pick = jnp.argmax(jnp.where(temperature[:, None] > 0, z + g, row), axis=-1).astype(jnp.int32)
-        return pick, (pick, jax.nn.softmax(z, axis=-1))
-
-    _, (idx, q) = jax.lax.scan(step, jnp.zeros((B,), jnp.int32),
-                               (jnp.moveaxis(scores, 1, 0), jnp.arange(L, dtype=jnp.uint32)))
-    idx, q = idx.T, jnp.moveaxis(q, 0, 1)                                               # [B, L], [B, L, K]
+    if temperature is None:
+        z = noisy = scores
+    else:
+        z = scores / jnp.where(temperature > 0, temperature, 1.0)[:, None, None, None]
+        slots = jnp.arange(L, dtype=jnp.uint32)
+        g = jax.vmap(lambda k: jax.vmap(lambda t: jax.random.gumbel(jax.random.fold_in(k, t), (K,), jnp.float32))(
+            slots))(keys)                                                               # [B, L, K]
+        noisy = jnp.where(temperature[:, None, None, None] > 0, z + g[:, :, None, :], scores)
+    follow = jnp.argmax(noisy, axis=-1).astype(jnp.int32)                              # [B, L, K]
+    picks, prev = [], jnp.zeros((B,), jnp.int32)
+    for t in range(L):
+        prev = follow[rows, t, prev]
+        picks.append(prev)
+    idx = jnp.stack(picks, axis=1)                                                     # [B, L]
     path = jnp.take_along_axis(cand, idx[..., None], axis=-1)[..., 0]
-    return path, (None if temperature is None else q)
+    if temperature is None:
+        return path, None
+    before = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), idx[:, :-1]], axis=1)     # each slot's predecessor
+    row = jnp.take_along_axis(z, before[:, :, None, None], axis=2)[:, :, 0]            # [B, L, K]
+    return path, jax.nn.softmax(row, axis=-1)
 
 
 class DFlash2Draft(nnx.Module):
