@@ -6,7 +6,8 @@
     JAX_PLATFORMS=cpu python scripts/bench_adaptive.py --cpu-pair      # the embedded demo pair on CPU
     JAX_PLATFORMS=cpu python scripts/bench_adaptive.py --compile-only  # compile seconds, no weights
 
-GPU mode: a random bf16 Qwen3-8B target and a z-lab-shaped 5-layer draft (scripts/bench_gpu.py's
+GPU mode: a random bf16 Qwen3-8B target (--preset: another TargetConfig preset, e.g. the MoE
+qwen3-coder-30b-a3b at --taus 8.09) and a z-lab-shaped 5-layer draft (scripts/bench_gpu.py's
 Settings), prompt 256, SIMULATED ACCEPTANCE: every row's accepted drafts are drawn from a geometric
 survival profile s_p = r^(p+1) (r solved so 1 + sum s_p = tau; dflash_jax.width.geometric_profile),
 at tau 4.24 (MT-Bench) and 6.54 (GSM8K) at block 16, so random weights pay every real cost at a
@@ -92,7 +93,7 @@ def gpu_mode(run: Run):
     from bench_gpu import Settings
     from dflash_jax import decode, init_draft, init_target, loop, width
     a = run.args
-    s = Settings(a.smoke)
+    s = Settings(a.smoke, a.preset)
     s.block = 16
     tcfg = s.target_config()
     dcfg = s.draft_config(tcfg)
@@ -104,7 +105,7 @@ def gpu_mode(run: Run):
     n1, n2 = (4, 20) if a.smoke else (a.n1, a.n2)
     cap = -(-(prompt + n2 + 2 * s.block + 8) // 512) * 512
     ws = width.program_widths(16)
-    run.R["settings"] = dict(preset="qwen3-8b" if not a.smoke else "tiny", block=16, prompt=prompt, n1=n1, n2=n2,
+    run.R["settings"] = dict(preset=a.preset if not a.smoke else "tiny", block=16, prompt=prompt, n1=n1, n2=n2,
                              capacity=cap, taus=taus, reps=a.reps, batches=order, widths=ws,
                              true_plain_batches=a.true_plain_batches,
                              profiles={t: width.geometric_profile(t) for t in taus},
@@ -234,7 +235,7 @@ def compile_mode(run: Run):
     from dflash_jax import init_draft, init_target, loop, width
     from dflash_jax.kernel_config import KernelConfig
     a = run.args
-    s = Settings(a.smoke)
+    s = Settings(a.smoke, a.preset)
     s.block = 16
     tcfg = s.target_config()
     dcfg = s.draft_config(tcfg)
@@ -373,6 +374,8 @@ def main():
     ap.add_argument("--json", default="bench_adaptive.json")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting measurements past this")
     ap.add_argument("--batches", default="", metavar="64,1,8,32,128")
+    ap.add_argument("--preset", default="qwen3-8b", help="the target's shapes (TargetConfig.preset; e.g. "
+                    "qwen3-coder-30b-a3b, the MoE issue's, at --taus 8.09)")
     ap.add_argument("--taus", default="4.24,6.54")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--n1", type=int, default=16)

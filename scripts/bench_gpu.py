@@ -164,6 +164,10 @@ class Settings:
             tiny = TargetConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=8,
                                 num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e6)
             real = TargetConfig.preset(self.preset)   # the preset's family and RoPE at tiny shapes
+            if hasattr(real, "num_experts"):           # an MoE family: its own config class, 8 tiny experts
+                return dataclasses.replace(real, **{f: getattr(tiny, f) for f in (
+                    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim")}, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
             return dataclasses.replace(tiny, model_type=real.model_type, rope_scaling=real.rope_scaling,
                                        rms_norm_eps=real.rms_norm_eps, rope_theta=real.rope_theta)
         return TargetConfig.preset(self.preset)

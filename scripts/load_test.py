@@ -81,13 +81,16 @@ def server_argv(args, draft_none: bool = False) -> list[str]:
 class Server:
     """`python -m dflash_jax.serve` in a subprocess on 127.0.0.1; stopped with SIGTERM."""
 
-    def __init__(self, argv: list[str], startup_timeout: float, log_path: str | None):
+    def __init__(self, argv: list[str], startup_timeout: float, log_path: str | None, simulated_tau=None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", *argv, "--host", "127.0.0.1",
+        # benchmark only: scripts/serve_simulated.py (the server with a simulated acceptance)
+        cmd = (["-m", "dflash_jax.serve"] if simulated_tau is None else
+               [os.path.join(REPO, "scripts", "serve_simulated.py"), "--tau", str(simulated_tau)])
+        self.proc = subprocess.Popen([sys.executable, *cmd, *argv, "--host", "127.0.0.1",
                                       "--port", str(self.port)], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         t0 = time.perf_counter()
@@ -338,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", default=None, help="MIN,MAX per request, uniform (default 8,48)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--simulated-tau", type=float, default=None, metavar="TAU",
+                   help="BENCHMARK ONLY: start the server through scripts/serve_simulated.py, whose adaptive "
+                        "programs draw each row's acceptance at this tau (random weights at real shapes; a "
+                        "--draft none server decodes plainly as ever); tables say SIMULATED ACCEPTANCE")
     p.add_argument("--check", action="store_true", help="compare every response with one-shot generate")
     p.add_argument("--json", help="write every run's numbers here")
     return p
@@ -356,6 +363,8 @@ def main(argv=None) -> int:
         if not args.preset:
             p.error("--random needs --preset (its shapes) or --random SHAPE")
         args.random = args.preset
+    if args.simulated_tau is not None and (args.url or args.check):
+        p.error("--simulated-tau starts its own server and cannot --check (its acceptance is drawn)")
     if args.url and args.check:
         p.error("--check needs the server started here (its models are built from the same flags)")
     if not (args.url or args.random or args.model):
@@ -380,10 +389,13 @@ def main(argv=None) -> int:
     for plain in ([False, True] if args.compare_plain else [False]):
         argv_s = server_argv(args, draft_none=plain)
         log = args.server_log and args.server_log + (".plain" if plain else "")
-        server = None if args.url else Server(argv_s, args.startup_timeout, log)
+        server = None if args.url else Server(argv_s, args.startup_timeout, log,
+                                              None if plain else args.simulated_tau)
         url = args.url or server.url
         no_draft = plain or (args.draft or "").lower() == "none"
-        title = ("plain decoding" if no_draft else "DFlash") + f": {args.requests} requests a run, prompts " \
+        sim = "" if no_draft or args.simulated_tau is None else \
+            f" (SIMULATED ACCEPTANCE: geometric survival at tau {args.simulated_tau})"
+        title = ("plain decoding" if no_draft else "DFlash" + sim) + f": {args.requests} requests a run, prompts " \
                 f"{args.prompt_lo}..{args.prompt_hi} tokens, max_tokens {lo}..{hi}, " \
                 f"{args.slots} slots, capacity {args.capacity}, K {args.engine_steps}"
         runs, all_recs = [], []
