@@ -811,11 +811,11 @@ class Bench:
         rank, window = (16, 16) if s.smoke else (256, 2048)
         d2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16, selector_rank=rank,
                   selector_top_k=16)
-        variants = {   # DFlash2 first: the smoke's budget reaches it
-            "dflash2_b8": dataclasses.replace(dcfg, block_size=8, layer_types=("sliding_attention",) * L,
-                                              sliding_window=window, is_causal=False, **d2),
+        variants = {   # the share's two rows first, then its split, then the windowed and block-16 rows
             "dflash2_b8_nowindow": dataclasses.replace(dcfg, block_size=8, **d2),
             "v1_b8": dataclasses.replace(dcfg, block_size=8),
+            "dflash2_b8": dataclasses.replace(dcfg, block_size=8, layer_types=("sliding_attention",) * L,
+                                              sliding_window=window, is_causal=False, **d2),
             "v1_b16": dataclasses.replace(dcfg, block_size=16),
             # the share split: DFlash2 without its selector (argmax drafts), without its convs
             "dflash2_b8_noselector": dataclasses.replace(dcfg, block_size=8, **dict(d2, selector_top_k=0)),
