@@ -814,12 +814,12 @@ class Bench:
         variants = {   # the share's two rows first, then its split, then the windowed and block-16 rows
             "dflash2_b8_nowindow": dataclasses.replace(dcfg, block_size=8, **d2),
             "v1_b8": dataclasses.replace(dcfg, block_size=8),
-            "dflash2_b8": dataclasses.replace(dcfg, block_size=8, layer_types=("sliding_attention",) * L,
-                                              sliding_window=window, is_causal=False, **d2),
-            "v1_b16": dataclasses.replace(dcfg, block_size=16),
             # the share split: DFlash2 without its selector (argmax drafts), without its convs
             "dflash2_b8_noselector": dataclasses.replace(dcfg, block_size=8, **dict(d2, selector_top_k=0)),
             "dflash2_b8_noconv": dataclasses.replace(dcfg, block_size=8, **dict(d2, conv_kernel_size=0)),
+            "dflash2_b8": dataclasses.replace(dcfg, block_size=8, layer_types=("sliding_attention",) * L,
+                                              sliding_window=window, is_causal=False, **d2),
+            "v1_b16": dataclasses.replace(dcfg, block_size=16),
         }
         res = {}
         saved = self.models
