@@ -184,7 +184,7 @@ def _profile_widths(st, fn, tstate, dstate, p: Params):
     def time_width(i):
         base = timed(forced(i, 1))[0]            # the prefill alone, next to each timed run
         t, iters = timed(forced(i, 17))
-        return max(t - base, 0.0) / max(iters, 1)
+        return t, base, iters
     costs = width_costs(st, time_width, len(st.widths))
     return p.replace(width_cost=params_on_mesh(p.replace(width_cost=costs), st.mesh).width_cost
                      if st.mesh is not None else jnp.asarray(costs))

@@ -459,17 +459,20 @@ _WIDTH_COSTS: dict = {}
 
 
 def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
-    """[n] float32 seconds per iteration at each width index of the program `key`, measured once by
-    time_width(index) -> seconds (the caller runs its program forced to that width) and cached:
-    `rounds` interleaved rounds over the widths after one warm-up call, the fastest of each kept
-    (robust to a busy host), then made non-decreasing in the width (more verified rows never cost
-    less; the measured order can only be noise)."""
+    """[n] float32 seconds per iteration at each width index of the program `key`, measured once and
+    cached. time_width(index) -> (seconds of a run forced to that width, seconds of the same run's
+    fixed part to subtract (0.0 when none), iterations it ran). `rounds` interleaved rounds over the
+    widths after one warm-up call; the fastest run and the fastest fixed part are kept SEPARATELY
+    (the fastest difference would be a spike: one slow fixed-part run made a B = 1 MoE plain step
+    cost ~0 on the H200, and "auto" then decoded plainly at a third of the block's speed), then the
+    costs are made non-decreasing in the width (more verified rows never cost less; the measured
+    order can only be noise)."""
     costs = _WIDTH_COSTS.get(key)
     if costs is None:
         time_width(n - 1)
-        costs = np.full((n,), np.inf)
-        for _ in range(rounds):
-            costs = np.minimum(costs, [time_width(i) for i in range(n)])
+        got = [[time_width(i) for i in range(n)] for _ in range(rounds)]
+        costs = np.asarray([max(min(r[i][0] for r in got) - min(r[i][1] for r in got), 0.0) / max(got[0][i][2], 1)
+                            for i in range(n)])
         costs = np.maximum.accumulate(np.maximum(costs, 1e-3 * max(float(costs.max()), 1e-9)))
         costs = costs.astype(np.float32)
         _WIDTH_COSTS[key] = costs

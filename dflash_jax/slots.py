@@ -428,7 +428,7 @@ class Slots:
             self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
                                              self._width_params(mode, n, i), *idx)
             jax.block_until_ready(commits)
-            return (time.perf_counter() - t0) / self.steps
+            return time.perf_counter() - t0, 0.0, self.steps
         width_costs(key, time_width, len(st.widths))
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:

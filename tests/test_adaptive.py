@@ -228,6 +228,25 @@ def test_statistics_are_censored_at_the_verified_width():
     np.testing.assert_allclose(again, width.DECAY * got + got)
 
 
+def test_width_costs_survive_a_slow_fixed_part():
+    """One slow prefill-only run (the fixed part subtracted) must not make a width look free: the
+    fastest run and the fastest fixed part are kept apart (a fastest difference measured a B = 1 MoE
+    plain step at ~0 ms on the H200, and "auto" then decoded plainly at 0.33x the block)."""
+    per_iter = [0.006, 0.0027, 0.0061]           # seconds per iteration at widths 0, 3, 15
+    calls = []
+
+    def time_width(i):
+        calls.append(i)
+        first_of_width = calls.count(i) == (2 if i == 2 else 1)
+        base = 0.2 if i == 0 and first_of_width else 0.03      # the first W = 0 fixed part is slow
+        return 0.03 + 16 * per_iter[i], base, 16
+
+    loop._WIDTH_COSTS.pop("spike-test", None)
+    costs = loop.width_costs("spike-test", time_width, 3)
+    loop._WIDTH_COSTS.pop("spike-test", None)
+    np.testing.assert_allclose(costs, [0.006, 0.006, 0.0061], rtol=1e-5)   # non-decreasing in the width
+
+
 def test_simulated_acceptance_draws_the_profile():
     prof = width.geometric_profile(6.54)
     assert abs(1 + sum(prof) - 6.54) < 1e-6 and all(b <= a for a, b in zip(prof, prof[1:]))
