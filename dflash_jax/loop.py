@@ -341,7 +341,8 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
         ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
         wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
         force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
-        wsel = width.kept(wsel, s.width, s.step, force)
+        cost = p.width_cost if p.width_cost is not None else jnp.ones((len(st.widths),), jnp.float32)
+        wsel = width.kept(wsel, s.width, s.step, force, cost)
     with jax.named_scope("accept"):
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]

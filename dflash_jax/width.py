@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "simulate", "geometric_profile",
+__all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "probe_period", "simulate", "geometric_profile",
            "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "PROBE_EVERY"]
 
 # Decay of the acceptance statistics per iteration (the window is ~1 / (1 - DECAY) iterations).
@@ -37,7 +37,9 @@ HYSTERESIS = 1.03
 # at full width: the warm-up. Once it has left full width, fading evidence does not bring it back
 # (the estimates are ratios, kept by the decay); the probes below refresh them.
 WARMUP_EVIDENCE = 8.0
-# One full-width iteration every this many iterations keeps the tail positions' estimates current.
+# One full-width iteration every this many iterations keeps the tail positions' estimates current,
+# at full width's cost: away from it the period grows with what a probe costs in iterations of the
+# current width (probe_period), so probes always take ~1/PROBE_EVERY of the time.
 PROBE_EVERY = 128
 # Prior of a position's conditional acceptance (pseudo-counts): weak, only for unseen positions.
 _PRIOR_PASS, _PRIOR_SEEN = 0.05, 0.1
@@ -103,7 +105,7 @@ def update(stats, accepted, verified: jax.Array, active) -> jax.Array:
 
 def choose(stats, cost, current, step, force, widths: tuple[int, ...]) -> jax.Array:
     """The width index of the next iteration (a [] int32): force (>= 0) when given; else full width
-    during the warm-up (low evidence while still at full width) and every PROBE_EVERY-th step; else the width of most expected tokens per
+    during the warm-up (low evidence while still at full width) and on probe steps (is_probe); else the width of most expected tokens per
     cost (cost [n] per iteration at each width), kept at `current` unless another beats it by
     HYSTERESIS. Deterministic in its inputs (all replicated on a mesh)."""
     full = len(widths) - 1
@@ -111,19 +113,29 @@ def choose(stats, cost, current, step, force, widths: tuple[int, ...]) -> jax.Ar
     best = jnp.argmax(score).astype(jnp.int32)
     pick = jnp.where(score[best] > HYSTERESIS * score[current], best, current)
     warmup = (stats[0, 0] < WARMUP_EVIDENCE) & (current == full)
-    pick = jnp.where(warmup | is_probe(step), full, pick)
+    pick = jnp.where(warmup | is_probe(step, cost, current), full, pick)
     return jnp.where(force >= 0, force, pick).astype(jnp.int32)
 
 
-def is_probe(step) -> jax.Array:
+def probe_period(cost, current) -> jax.Array:
+    """Iterations between full-width probes while at width index `current`: PROBE_EVERY times the
+    probe's cost in iterations of the current width (rounded up, at most 64x). At B = 128 on the
+    H200 a block-16 probe costs 8.7 plain steps, and one every 128 steps held "auto" at 0.96x the
+    plain steps it had chosen (docs/perf-log.md, session 27)."""
+    ratio = jnp.ceil(cost[-1] / cost[current])
+    return PROBE_EVERY * jnp.clip(ratio, 1, 64).astype(jnp.int32)
+
+
+def is_probe(step, cost, current) -> jax.Array:
     """Whether iteration `step` is a full-width probe (its width is not kept as the current one)."""
-    return step % PROBE_EVERY == PROBE_EVERY - 1
+    period = probe_period(cost, current)
+    return step % period == period - 1
 
 
-def kept(chosen, current, step, force) -> jax.Array:
+def kept(chosen, current, step, force, cost) -> jax.Array:
     """The width index an iteration leaves as `current` for the next choice: the chosen one, except
     on an auto probe step (the choice before it stands)."""
-    return jnp.where(is_probe(step) & (force < 0), current, chosen).astype(jnp.int32)
+    return jnp.where(is_probe(step, cost, current) & (force < 0), current, chosen).astype(jnp.int32)
 
 
 def geometric_profile(tau: float, block_size: int = 16) -> tuple[float, ...]:

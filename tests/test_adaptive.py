@@ -176,7 +176,8 @@ def _numpy_choose(stats, cost, current, step, force, widths):
     if force >= 0:
         return force
     full = len(widths) - 1
-    if (stats[0, 0] < width.WARMUP_EVIDENCE and current == full) or step % width.PROBE_EVERY == width.PROBE_EVERY - 1:
+    period = width.PROBE_EVERY * int(np.clip(np.ceil(np.float32(cost[-1]) / np.float32(cost[current])), 1, 64))
+    if (stats[0, 0] < width.WARMUP_EVIDENCE and current == full) or step % period == period - 1:
         return full
     cond = np.clip((stats[1] + 0.05) / (stats[0] + 0.1), 0, 1)
     surv = np.cumprod(cond)
@@ -200,6 +201,9 @@ def test_the_choice_is_a_deterministic_function_of_the_statistics():
         stats = np.stack([seen, passed])
         cost = np.sort(rng.uniform(1, 6, 5)).astype(np.float32)
         current, step = int(rng.integers(0, 5)), int(rng.integers(0, 300))
+        if _ % 4 == 0:   # a probe step of the current width's period (longer away from full width)
+            period = int(width.probe_period(jnp.asarray(cost), jnp.int32(current)))
+            step = period * int(rng.integers(1, 3)) - 1
         force = int(rng.choice([-1, -1, -1, 2]))
         got = [int(choose(jnp.asarray(stats), jnp.asarray(cost), jnp.int32(current), jnp.int32(step),
                           jnp.int32(force))) for _ in range(2)]
@@ -210,6 +214,11 @@ def test_the_choice_is_a_deterministic_function_of_the_statistics():
     cost = jnp.asarray([1.0, 1.3, 1.4, 1.6, 2.0])
     assert int(choose(jnp.asarray(low), cost, jnp.int32(4), jnp.int32(1), jnp.int32(-1))) == 0
     assert int(choose(jnp.asarray(high), cost, jnp.int32(0), jnp.int32(1), jnp.int32(-1))) == 4
+    # probes: every PROBE_EVERY steps at full width; at plain, as often in time (8.7x costlier: 9x rarer)
+    probe = jnp.asarray([7.285, 26.95, 63.101])
+    assert [int(width.probe_period(probe, jnp.int32(c))) for c in (2, 1, 0)] == [128, 384, 1152]
+    assert int(choose(jnp.asarray(low), cost, jnp.int32(0), jnp.int32(127), jnp.int32(-1))) == 0
+    assert int(choose(jnp.asarray(low), cost, jnp.int32(0), jnp.int32(255), jnp.int32(-1))) == 4
     # hysteresis: a near tie keeps the current width
     flat = jnp.asarray(np.stack([np.full(15, 100.0), np.zeros(15)]).astype(np.float32))
     assert int(choose(flat, jnp.asarray([1.0, 1.01, 1.02, 1.03, 1.04]), jnp.int32(1), jnp.int32(1),
