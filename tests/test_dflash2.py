@@ -309,6 +309,24 @@ def test_walk_draws_from_q_with_gumbel_max():
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(walk(scores[:2], cand[:2])[0]))
 
 
+def test_two_stage_top_k_equals_lax_top_k():
+    """The GPU's two-stage top k (chunks, then their candidates) = lax.top_k: values, ids and order,
+    ties to the lowest id across chunk edges, -inf entries before the padding, a ragged last chunk."""
+    from dflash_jax import sharding
+    rs = np.random.RandomState(6)
+    V = 4 * sharding.TOP_K_CHUNK + 37
+    x = rs.randn(3, 2, V).astype(np.float32)
+    x[0, 0, sharding.TOP_K_CHUNK - 5:sharding.TOP_K_CHUNK + 30] = 9.0      # a tie over a chunk edge
+    x[1, 1] = -np.inf
+    x[1, 1, [7, V - 1]] = 1.0                                               # two finite, the rest -inf
+    x[2, 0] = np.round(x[2, 0])                                             # many ties
+    for k in (1, 16, 40):
+        want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+        got_v, got_i = jax.jit(lambda a, k=k: sharding._chunked_top_k(a, k))(jnp.asarray(x))
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
 def test_walk_equals_a_sequential_walk_and_runs_no_device_loop():
     """The parallel lattice argmax + unrolled gathers = the walk slot by slot (a NumPy oracle with
     the same per-slot Gumbel noise, ties included), and the greedy walk compiles without a while
