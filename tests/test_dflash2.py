@@ -309,20 +309,23 @@ def test_walk_draws_from_q_with_gumbel_max():
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(walk(scores[:2], cand[:2])[0]))
 
 
-def test_two_stage_top_k_equals_lax_top_k():
-    """The GPU's two-stage top k (chunks, then their candidates) = lax.top_k: values, ids and order,
-    ties to the lowest id across chunk edges, -inf entries before the padding, a ragged last chunk."""
+def test_staged_top_k_equals_lax_top_k():
+    """The GPU's staged top k (each chunk's top k, in stages, then the rest's) = lax.top_k: values,
+    ids and order, ties to the lowest id across chunk edges, -inf entries before the padding,
+    ragged last chunks."""
     from dflash_jax import sharding
     rs = np.random.RandomState(6)
-    V = 4 * sharding.TOP_K_CHUNK + 37
+    L = sharding.TOP_K_STAGES[0]
+    V = 9 * L + 37
     x = rs.randn(3, 2, V).astype(np.float32)
-    x[0, 0, sharding.TOP_K_CHUNK - 5:sharding.TOP_K_CHUNK + 30] = 9.0      # a tie over a chunk edge
+    x[0, 0, L - 5:3 * L + 30] = 9.0                                         # ties over chunk edges
     x[1, 1] = -np.inf
     x[1, 1, [7, V - 1]] = 1.0                                               # two finite, the rest -inf
     x[2, 0] = np.round(x[2, 0])                                             # many ties
-    for k in (1, 16, 40):
+    for k, stages in [(1, sharding.TOP_K_STAGES), (16, sharding.TOP_K_STAGES), (40, sharding.TOP_K_STAGES),
+                      (16, (1024,)), (16, (256, 64, 32))]:
         want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
-        got_v, got_i = jax.jit(lambda a, k=k: sharding._chunked_top_k(a, k))(jnp.asarray(x))
+        got_v, got_i = jax.jit(lambda a, k=k, s=stages: sharding._staged_top_k(a, k, s))(jnp.asarray(x))
         np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
         np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
 
