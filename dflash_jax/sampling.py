@@ -351,10 +351,8 @@ def accept(block, logits, key, temperature, top_k, top_p, mode: str, kernels: Ke
     if mode == "greedy":
         return a_greedy, next_greedy
     mesh = sharding.vocab_mesh(logits)
-    if mesh is not None and proposal is not None:
-        raise ValueError("sampled DFlash2 proposals are not supported over a vocab-sharded LM head yet")
     if mesh is not None:
-        a, nxt = _accept_sharded(drafts, logits, key, temperature, top_k, top_p, mode, mesh)
+        a, nxt = _accept_sharded(drafts, logits, key, temperature, top_k, top_p, mode, mesh, proposal)
         greedy = _greedy_rows(temperature, top_k, (B,))
         return jnp.where(greedy, a_greedy, a), jnp.where(greedy, next_greedy, nxt)
     lp = log_probs(logits, temperature, top_k, top_p, mode, kernels)                # [B, S, V]
@@ -431,30 +429,51 @@ def _select_sharded(logits, key, temperature, top_k, top_p, mode: str, mesh):
                          check_vma=False)(logits, g, *_rows(temperature, top_k, top_p, B=B))
 
 
-def _accept_sharded(drafts, logits, key, temperature, top_k, top_p, mode: str, mesh):
-    """accept's sampling branch per vocab shard: (a [B], next token [B])."""
+def _accept_sharded(drafts, logits, key, temperature, top_k, top_p, mode: str, mesh, proposal=None):
+    """accept's sampling branch per vocab shard: (a [B], next token [B]); with a proposal
+    (candidates, q [B, S-1, K], replicated over the shards) _accept_proposal's rule, the residual
+    max(p - q, 0) formed per shard from the candidates that fall in its slice."""
     B, S, V = logits.shape
     spec = sharding.logit_spec(3, B, mesh)                                       # [B, S, V]
     row = P(spec[0])
     k_accept, k_next = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(key), 1, 0)
     u = jax.vmap(lambda k: jax.random.uniform(k, (S - 1,)))(k_accept)           # [B, S-1]
     g = _noise(k_next, V, logits.dtype, P(spec[0], "model"), mesh)               # [B, V]
+    has_q = proposal is not None
+    cand, q = proposal if has_q else (jnp.zeros((B, S - 1, 1), jnp.int32), jnp.zeros((B, S - 1, 1), jnp.float32))
 
-    def local(x, drafts, u, g, t, k, p):                                         # x [b, S, V/TP]
+    def local(x, drafts, u, g, cand, q, t, k, p):                                # x [b, S, V/TP]
         vocab = _Vocab(V, "model")
         lp = log_probs(x, t, k, p, mode, vocab=vocab)
-        ids = vocab.ids(x.shape[-1])                                             # [V/TP] global ids
+        n = x.shape[-1]
+        ids = vocab.ids(n)                                                       # [V/TP] global ids
         # p(d_i): a one-hot pick, exact (one shard holds d_i, the others add zeros)
         pick = vocab.sum(jnp.where(ids == drafts[..., None], lp[:, :-1], 0.0), axis=-1)     # [b, S-1]
-        a = jnp.sum(jnp.cumprod(u < jnp.exp(pick), axis=1), axis=1).astype(jnp.int32)
+        if has_q:
+            q_draft = jnp.sum(jnp.where(cand == drafts[..., None], q, 0.0), axis=-1)        # [b, S-1]
+            a = jnp.sum(jnp.cumprod(u * q_draft < jnp.exp(pick), axis=1), axis=1).astype(jnp.int32)
+        else:
+            a = jnp.sum(jnp.cumprod(u < jnp.exp(pick), axis=1), axis=1).astype(jnp.int32)
         row_lp = jnp.take_along_axis(lp, a[:, None, None], axis=1)[:, 0]         # [b, V/TP]
-        rejected = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), a[:, None], axis=1)
-        residual = jnp.where((a < S - 1)[:, None] & (ids[None] == rejected), -jnp.inf, row_lp)
-        alive = vocab.sum(jnp.isfinite(residual).astype(jnp.int32), axis=-1) > 0      # [b]
-        residual = jnp.where(alive[:, None], residual, row_lp)
+        if has_q:
+            at = jnp.minimum(a, S - 2)[:, None, None]
+            c_a = jnp.take_along_axis(cand, at, axis=1)[:, 0] - ids[0]            # [b, K] local ids
+            q_a = jnp.take_along_axis(q, at, axis=1)[:, 0] * (a < S - 1)[:, None]   # no q on the bonus slot
+            c_a = jnp.where((c_a >= 0) & (c_a < n), c_a, n)                      # other shards' candidates: dropped
+            q_loc = jax.vmap(lambda c, w: jnp.zeros((n,), jnp.float32).at[c].add(w, mode="drop"))(c_a, q_a)
+            res = jnp.maximum(jnp.exp(row_lp) - q_loc, 0.0)
+            alive = vocab.sum(res, axis=-1) > 0                                  # [b]
+            residual = jnp.where(alive[:, None], jnp.log(res), row_lp)
+        else:
+            rejected = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1))), a[:, None], axis=1)
+            residual = jnp.where((a < S - 1)[:, None] & (ids[None] == rejected), -jnp.inf, row_lp)
+            alive = vocab.sum(jnp.isfinite(residual).astype(jnp.int32), axis=-1) > 0      # [b]
+            residual = jnp.where(alive[:, None], residual, row_lp)
         return a, sharding.argmax_over_shards(g + residual)
 
+    rows3 = P(spec[0], None, None)
     return jax.shard_map(local, mesh=mesh,
-                         in_specs=(spec, P(spec[0], None), P(spec[0], None), P(spec[0], "model"), row, row, row),
+                         in_specs=(spec, P(spec[0], None), P(spec[0], None), P(spec[0], "model"), rows3, rows3,
+                                   row, row, row),
                          out_specs=(row, row), check_vma=False)(
-        logits, drafts, u, g, *_rows(temperature, top_k, top_p, B=B))
+        logits, drafts, u, g, cand, q, *_rows(temperature, top_k, top_p, B=B))

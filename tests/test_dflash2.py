@@ -545,7 +545,10 @@ for mesh in (None, sharding.make_mesh("1x2", devices=jax.devices()[:2])):
     t = load_target(tp, dtype="float32", mesh=mesh)
     d = load_draft(dp, target=t, dtype="float32", mesh=mesh)
     r = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla")
-    out.append([r.tokens, r.acceptance_lengths, [k.shape[2] for k in d.new_cache(1, 1024).k], d.layers[0].qkv_groups])
+    # sampled: the selector's q over candidates from per-shard top-K, accepted per vocab shard
+    s = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla", temperature=1.0, seed=5)
+    out.append([r.tokens, r.acceptance_lengths, [k.shape[2] for k in d.new_cache(1, 1024).k], d.layers[0].qkv_groups,
+                s.tokens, s.acceptance_lengths])
 # the selector's top-K over vocab shards = lax.top_k, ties (to the lowest id) across shards included
 import jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -564,7 +567,7 @@ def test_dflash2_on_a_mesh_matches_one_device(pairs):
     """The DFlash2 draft (conv, selector, sliding layers with ring caches) loaded onto a 2-device
     TP mesh (8 virtual CPU devices in a child process, as tests/test_sharding.py): its layers in
     the fused layout, the selector's top-K over the vocab-sharded head per shard; tokens and
-    acceptance lengths = one device's."""
+    acceptance lengths = one device's, greedy and sampled (the selector's q accepted per shard)."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -576,4 +579,5 @@ def test_dflash2_on_a_mesh_matches_one_device(pairs):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     one, two, top = json.loads(r.stdout.strip().splitlines()[-1])
     assert one[:3] == two[:3] and one[2] == [16, 16] and (one[3], two[3]) == (1, 2)
+    assert one[4:] == two[4:] and one[4] != one[0]      # sampled DFlash2 over the sharded head = one device
     assert top == [True, True]
