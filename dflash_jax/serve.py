@@ -656,7 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loop iterations per engine step between admissions (--slots > 1)")
     g.add_argument("--insert-width", type=int, default=None,
                    help="most arrivals prefilled in one call (--slots > 1; default min(slots, 8))")
-    add_width_args(g)     # --verify-width: the slot engine's (--slots > 1), per step
+    # --verify-width: the slot engine's (--slots > 1), per step; its default is auto there (_check)
+    add_width_args(g, default=None, default_help="auto with the slot engine (--slots > 1), else block")
     g.add_argument("--engine-pipeline", type=int, default=1,
                    help="engine steps dispatched ahead of the one whose tokens are read (0: wait for each)")
     g.add_argument("--step-buckets", default="auto", metavar="auto|none|N,N,...",
@@ -723,7 +724,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--insert-width must be >= 1, got {args.insert_width}")
     if args.engine_pipeline < 0:
         parser.error(f"--engine-pipeline must be >= 0, got {args.engine_pipeline}")
-    if args.verify_width != "block" and args.slots < 2:
+    if args.verify_width is None:
+        # the server's default: the slot engine picks its verify width per step ("auto": >= the whole
+        # block at every batch on the H200, 1.4-2.3x it from B = 32 up, docs/adaptive-width.md; a
+        # server compiles once, so the adaptive program's 2.1x compile is paid once); one slot: block
+        args.verify_width = "auto" if args.slots > 1 else "block"
+    elif args.verify_width != "block" and args.slots < 2:
         parser.error(f"--verify-width {args.verify_width} needs the slot engine (--slots > 1)")
     try:
         lo, _, hi = str(args.warmup_prompt_len).rpartition(":")

@@ -303,6 +303,25 @@ def test_verify_width_flag_is_checked_against_the_block(pair, capsys):
     assert e.value.code == 2
 
 
+def test_the_server_defaults_to_auto_with_the_slot_engine():
+    """serve: "auto" by default when the slot engine runs (--slots > 1), the block with one slot;
+    an explicit width is kept, and one other than the block with one slot is a usage error."""
+    from dflash_jax import serve
+    p = serve.build_parser()
+
+    def checked(*argv):
+        args = p.parse_args(["--random-init", "qwen3-0.6b", *argv])
+        serve._check(p, args)
+        return args.verify_width
+    assert checked("--slots", "8") == "auto"
+    assert checked("--slots", "1") == "block"
+    assert checked("--slots", "8", "--verify-width", "block") == "block"
+    assert checked("--slots", "8", "--verify-width", "3") == 3
+    with pytest.raises(SystemExit) as e:
+        checked("--slots", "1", "--verify-width", "auto")
+    assert e.value.code == 2
+
+
 # ------------------------------------------------------------------------------- mesh = one device
 MESH_CHILD = r"""
 import numpy as np, jax

@@ -147,13 +147,15 @@ def _verify_width_arg(text: str):
     return v
 
 
-def add_width_args(p: argparse.ArgumentParser) -> None:
-    """--verify-width (generate and benchmark): drafts the target verifies per iteration."""
-    p.add_argument("--verify-width", default="block", type=_verify_width_arg, metavar="{block,auto,0,1,3,7,15}",
-                   help="drafts the target verifies per iteration: block (default: the whole block, one verify "
-                        "width compiled), auto (chosen per iteration from measured costs and acceptance, "
+def add_width_args(p: argparse.ArgumentParser, default: str | None = "block", default_help: str = "block") -> None:
+    """--verify-width (generate, benchmark, serve): drafts the target verifies per iteration.
+    default None: the caller resolves it (serve: auto with the slot engine)."""
+    p.add_argument("--verify-width", default=default, type=_verify_width_arg, metavar="{block,auto,0,1,3,7,15}",
+                   help="drafts the target verifies per iteration: block (the whole block, one verify width "
+                        "compiled), auto (chosen per iteration from measured costs and acceptance, "
                         "docs/adaptive-width.md; compiles widths 0, 3 and 15 at block 16) or a fixed one of 0, 1, 3, 7, "
-                        "... up to block size - 1 (0 = plain decoding, block size - 1 = the whole block)")
+                        "... up to block size - 1 (0 = plain decoding, block size - 1 = the whole block); "
+                        f"default: {default_help}")
 
 
 def check_verify_width(parser, args: argparse.Namespace, draft) -> None:
