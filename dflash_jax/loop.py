@@ -303,10 +303,16 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
     return block, a.astype(jnp.int32), nxt.astype(jnp.int32), feats, tcache, dcache
 
 
-def pick_width(st: Static, p: Params, s: LoopState):
-    """The width index of the next iteration (width.choose over replicated values)."""
+def _width_inputs(st: Static, p: Params):
+    """(forced width index or -1, per-width costs, ones until measured) of an adaptive program."""
     force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
     cost = p.width_cost if p.width_cost is not None else jnp.ones((len(st.widths),), jnp.float32)
+    return force, cost
+
+
+def pick_width(st: Static, p: Params, s: LoopState):
+    """The width index of the next iteration (width.choose over replicated values)."""
+    force, cost = _width_inputs(st, p)
     return width.choose(s.width_stats, cost, s.width, s.step, force, st.widths)
 
 
@@ -340,8 +346,7 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
     if wstats is not None:
         ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
         wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
-        force = p.verify_width if p.verify_width is not None else jnp.asarray(-1, jnp.int32)
-        cost = p.width_cost if p.width_cost is not None else jnp.ones((len(st.widths),), jnp.float32)
+        force, cost = _width_inputs(st, p)
         wsel = width.kept(wsel, s.width, s.step, force, cost)
     with jax.named_scope("accept"):
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)

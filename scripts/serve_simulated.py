@@ -32,8 +32,7 @@ def main(argv=None) -> int:
         profile = width.geometric_profile(args.tau)
     except ValueError as e:
         ap.error(f"--tau: {e}")
-    draft_none = any(a in ("--draft=none",) for a in rest) or any(
-        a == "--draft" and i + 1 < len(rest) and rest[i + 1].lower() == "none" for i, a in enumerate(rest))
+    draft_none = "--draft=none" in rest or any(a == "--draft" and b.lower() == "none" for a, b in zip(rest, rest[1:]))
     if not draft_none and not any(a.startswith("--verify-width") for a in rest):
         rest = [*rest, "--verify-width", "auto"]
     print(f"[serve_simulated] SIMULATED ACCEPTANCE: geometric survival at tau {args.tau} (block 16)", flush=True)
