@@ -74,6 +74,52 @@ def test_gmm_gpu_kernel_matches_ragged_dot(sizes, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gmm_rows_gpu_kernel_matches_each_rows_matrix(dtype):
+    """gmm_rows (every row its own group: the one-token decode path) through the Triton kernel,
+    interpreted, and through the gather fallback = each row times its own group's matrix: a group
+    chosen twice, a skipped row (-1: zero), plain and fused gate|up + SwiGLU."""
+    from pallas_kernels.moe import gmm_rows, gmm_swiglu
+    rng = np.random.RandomState(3)
+    x = jnp.asarray(rng.randn(8, 64), dtype)
+    w = jnp.asarray(rng.randn(8, 64, 128) * 0.2, dtype)
+    group = jnp.asarray([5, 0, -1, 7, 5, 2, 3, 1], jnp.int32)
+    want = np.stack([np.zeros(128, np.float32) if g < 0 else
+                     np.asarray(x[r].astype(jnp.float32) @ w[g].astype(jnp.float32))
+                     for r, g in enumerate(group.tolist())])
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == jnp.float32 else dict(atol=5e-2, rtol=5e-2)
+    for impl in ("pallas_gpu_interpret", "xla"):
+        got = gmm_rows(x, w, group, impl)
+        assert got.shape == (8, 128) and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol)
+        assert not np.asarray(got, np.float32)[2].any()
+        # fused SwiGLU = the grouped path's, row by row (one row per group)
+        sw = np.asarray(gmm_rows(x, w, group, impl, swiglu=True), np.float32)
+        for r, g in enumerate(group.tolist()):
+            if g >= 0:
+                ref = gmm_swiglu(x[r:r + 1], w[g:g + 1], jnp.asarray([1], jnp.int32), "xla")
+                np.testing.assert_allclose(sw[r], np.asarray(ref, np.float32)[0], **tol)
+        assert not sw[2].any()
+
+
+@pytest.mark.parametrize("first_expert", [0, 4])
+def test_one_token_experts_equal_the_grouped_path(first_expert):
+    """One token (a B = 1 decode step) on the GPU kernel takes the no-sort path (a row per choice);
+    its output = the grouped path's (ragged_dot), also on an expert-parallel shard holding experts
+    [first_expert, first_expert + 8) of 16, where some choices belong to another shard (zero)."""
+    from dflash_jax.models.moe import experts
+    rng = np.random.RandomState(first_expert)
+    x = jnp.asarray(rng.randn(1, 32), jnp.float32)
+    gate_up = jnp.asarray(rng.randn(8, 32, 96) * 0.2, jnp.float32)
+    down = jnp.asarray(rng.randn(8, 48, 32) * 0.2, jnp.float32)
+    idx = jnp.asarray([[9, 2, 5, 14]], jnp.int32)
+    w = jnp.asarray([[0.4, 0.3, 0.2, 0.1]], jnp.float32)
+    got = experts(x, w, idx, gate_up, down, gmm_impl="pallas_gpu_interpret", first_expert=first_expert)
+    want = experts(x, w, idx, gate_up, down, gmm_impl="xla", first_expert=first_expert)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(want)).sum() > 0
+
+
 def test_gmm_gpu_grid_is_touched_experts_only():
     """The slots walk only the non-empty groups: their ids, first rows and sizes, and the count
     the kernel stops at (the grid has min(G, M) slots)."""
@@ -101,6 +147,11 @@ def test_gmm_gpu_kernel_lowers_for_cuda():
                                 disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
                 S((M, K), jnp.bfloat16), S((128, K, N), jnp.bfloat16), S((128,), jnp.int32))
             assert "dflash_gmm_gpu" in exp.mlir_module()
+    for K, N, sw in ((2048, 1536, True), (768, 2048, False)):     # the one-token path: 8 rows, 8 groups
+        exp = export.export(jax.jit(lambda x, w, g: gpu.gmm_rows(x, w, g, swiglu=sw)), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            S((8, K), jnp.bfloat16), S((128, K, N), jnp.bfloat16), S((8,), jnp.int32))
+        assert "dflash_gmm_gpu" in exp.mlir_module()
 
 
 def test_group_metadata_schedules_only_non_empty_groups():
@@ -172,7 +223,8 @@ def test_logits_and_routing_match_transformers(moe_target):
 
 @pytest.mark.slow
 def test_decode_step_through_gpu_kernels_matches_transformers(moe_target):
-    """A decode step (2 rows x 1 token: the GPU grouped-matmul kernels, interpreted) after a
+    """A decode step (2 rows x 1 token: the GPU grouped-matmul kernels, interpreted; then 1 row: the
+    one-token path) after a
     12-token prefill = transformers' logits at the 13th position. One variant (k = 3, one sparse
     layer), to keep the interpreter's time down."""
     path, hf, target = moe_target
@@ -186,6 +238,10 @@ def test_decode_step_through_gpu_kernels_matches_transformers(moe_target):
     gpu = KernelConfig(attention="xla", moe_gmm="pallas_gpu_interpret").resolve("cpu")
     h, _, _ = target(jnp.asarray(ids[:, 12:]), pos[:, 12:], cache, pos[:, 12:] + 1, kernels=gpu)
     np.testing.assert_allclose(np.asarray(target.logits(h)), want, atol=1e-4, rtol=0)
+    # one row (B = 1: one token, the no-sort path)
+    one = jax.tree.map(lambda a: a[:1] if getattr(a, "ndim", 0) and a.shape[0] == 2 else a, cache)
+    h, _, _ = target(jnp.asarray(ids[:1, 12:]), pos[:1, 12:], one, pos[:1, 12:] + 1, kernels=gpu)
+    np.testing.assert_allclose(np.asarray(target.logits(h)), want[:1], atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -9,7 +9,10 @@ Numerics follow transformers' Qwen3MoeSparseMoeBlock (greedy losslessness is com
     (HF adds them expert by expert into a zero tensor).
 Dropless: every (token, choice) row is computed; the rows are sorted by expert and go through a
 grouped matmul (`pallas_kernels.moe.gmm`, implementation from `KernelConfig.moe_gmm`), so shapes are
-static whatever the routing and no capacity exists to overflow.
+static whatever the routing and no capacity exists to overflow. One token (a B = 1 decode step) on
+the GPU kernel skips the sort: its k choices are k distinct experts, so each (token, choice) row is
+its own group (`gmm_rows`) and the outputs come back in place (no argsort, bincount, scatter or
+inverse permutation: ~6 fewer launches a layer).
 
 Expert parallelism: the stacked expert weights [E, ...] are split over the mesh's 'model' axis
 (sharding.RULES). Tokens are replicated over 'model' already (attention's o projection ends in an
@@ -39,6 +42,10 @@ __all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
 
 # Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
 # choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
+# The one-token path (module doc); False sends one token through the sort like any N (bench_moe.py's
+# A/B of the two paths: temporary, the slower one is deleted after the H200 measures them).
+ONE_TOKEN_ROWS = True
+
 _RECORD: contextvars.ContextVar = contextvars.ContextVar("dflash_moe_record", default=None)
 
 
@@ -70,13 +77,21 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     ids), gate_up [El, H, 2I], down [El, I, H] holding experts [first_expert, first_expert + El)
     -> [N, H] in x's dtype. Choices of other experts contribute zero (expert parallelism: another
     shard computes them)."""
-    from pallas_kernels.moe import gmm, gmm_swiglu
+    from pallas_kernels.moe import gmm, gmm_rows, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
     # a token's choices in ascending expert order: the order its outputs are added in (HF's)
     idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
     local = idx - first_expert
     mine = (local >= 0) & (local < El)                                           # [N, k]
+    if N == 1 and ONE_TOKEN_ROWS and gmm_impl in ("pallas_gpu", "pallas_gpu_interpret"):
+        group = jnp.where(mine, local, -1).reshape(k)                            # a row per choice
+        a = gmm_rows(jnp.broadcast_to(x, (k, x.shape[1])), gate_up, group, gmm_impl, swiglu=True)
+        y = gmm_rows(a, down, group, gmm_impl) * jnp.where(mine, weights, 0).reshape(k, 1)
+        out = y[0:1]
+        for j in range(1, k):
+            out = out + y[j:j + 1]
+        return out
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
     rows = jnp.argsort(flat, stable=True)                                        # grouped by expert
     sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)             # [El]

@@ -8,7 +8,8 @@
                 touched expert), with the gate|up projection and SwiGLU fused
 
 `gmm(lhs, rhs, group_sizes, impl=)` and `gmm_swiglu` (the experts' first projection and SwiGLU)
-dispatch on the resolved `KernelConfig.moe_gmm`. A shape a kernel cannot tile falls back to XLA
+dispatch on the resolved `KernelConfig.moe_gmm`; `gmm_rows` (every row its own group: a one-token
+decode, no sort) runs the GPU kernel on the GPU and gathers the rows' matrices elsewhere. A shape a kernel cannot tile falls back to XLA
 (logged once)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pallas_kernels._common import Unsupported, warn_once
 from pallas_kernels.moe.reference import gmm_reference
 from pallas_kernels.moe.xla import gmm_xla
 
-__all__ = ["gmm", "gmm_swiglu", "gmm_reference", "gmm_xla", "GMM_IMPLS"]
+__all__ = ["gmm", "gmm_swiglu", "gmm_rows", "gmm_reference", "gmm_xla", "GMM_IMPLS"]
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +63,22 @@ def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla"):
             impl = "xla"
     gate, up = jnp.split(gmm(lhs, gate_up, group_sizes, impl), 2, axis=-1)
     return jax.nn.silu(gate) * up
+
+
+def gmm_rows(lhs, rhs, row_group, impl: str = "xla", swiglu: bool = False):
+    """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (-1: a zero row) ->
+    out[r] = lhs[r] @ rhs[row_group[r]] [M, N], or with swiglu silu(gate) * up [M, N / 2] as
+    gmm_swiglu. Meant for few rows (a one-token decode's k experts): the GPU kernel lists the rows
+    as its groups (no sort, no counts); elsewhere the rows' matrices are gathered."""
+    if impl in ("pallas_gpu", "pallas_gpu_interpret"):
+        from pallas_kernels.moe import gpu
+        try:
+            return gpu.gmm_rows(lhs, rhs, row_group, swiglu=swiglu, interpret=impl == "pallas_gpu_interpret")
+        except Unsupported as e:
+            warn_once(log, f"gmm_rows {lhs.shape} {rhs.shape}", "MoE gmm on XLA: %s", e)
+    w = jnp.take(rhs, jnp.maximum(row_group, 0), axis=0)                         # [M, K, N]
+    out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
+    if swiglu:
+        gate, up = jnp.split(out, 2, axis=-1)
+        out = jax.nn.silu(gate) * up
+    return jnp.where((row_group >= 0)[:, None], out, 0)

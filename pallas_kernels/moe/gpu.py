@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, precision, pltriton, quiet_triton
 
-__all__ = ["gmm", "group_list", "choose_tiles", "plan_tiles", "supported"]
+__all__ = ["gmm", "gmm_rows", "group_list", "choose_tiles", "plan_tiles", "supported"]
 
 
 def group_list(group_sizes, slots: int):
@@ -148,30 +148,28 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, K: int,
         lax.fori_loop(0, pl.cdiv(size, bm), row_tile, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu", "bm", "bn", "bk", "num_warps", "num_stages",
-                                             "interpret"))
-def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
-        bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (sum <= M) -> [M, N] in lhs's dtype (f32
-    accumulation), or with swiglu [M, N / 2] = silu(lhs @ rhs[..., :N/2]) * (lhs @ rhs[..., N/2:]);
-    rows past sum(group_sizes) are zero. interpret=True runs the kernel on CPU (tests)."""
+def _check(lhs, rhs, swiglu: bool):
     M, K = lhs.shape
     G, K2, N = rhs.shape
-    if K2 != K or group_sizes.shape != (G,) or lhs.dtype != rhs.dtype:
-        raise Unsupported(f"gmm: lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype}, "
-                          f"group_sizes {group_sizes.shape} do not agree")
+    if K2 != K or lhs.dtype != rhs.dtype:
+        raise Unsupported(f"gmm: lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype} do not agree")
     if jnp.dtype(lhs.dtype).itemsize not in (2, 4):
         raise Unsupported(f"gmm: dtype {lhs.dtype} (float32 or a 16-bit float)")
     if swiglu and N % 2:
         raise Unsupported(f"gmm: swiglu needs gate|up columns, got N={N}")
     if G * K * N >= 2 ** 31 or (M + 16) * max(K, N) >= 2 ** 31:
         raise Unsupported(f"gmm: rhs {rhs.shape} / lhs {lhs.shape} past int32 element offsets")
+
+
+def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_stages, interpret):
+    """The kernel over the group list `meta` [4, slots] (group_list's layout) -> [M, N or N / 2];
+    rows no listed group covers are left unwritten (the callers zero them)."""
+    M, K = lhs.shape
+    G, _, N = rhs.shape
     half = N // 2 if swiglu else N
-    slots = max(1, min(G, M))
     bm, bn, bk = plan_tiles(M, K, half, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages, bm, bn, bk, slots)
     if bn is None or bk is None or half % bn or K % bk:
         raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
-    meta = group_list(group_sizes, slots)
     x = jnp.pad(lhs, ((0, bm), (0, 0)))
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu)
     with quiet_triton():
@@ -189,5 +187,42 @@ def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, b
             interpret=interpret,
             name="dflash_gmm_gpu",
         )(meta, x, rhs)
-    total = jnp.sum(group_sizes)
-    return jnp.where(jnp.arange(M)[:, None] < total, out[:M], 0)
+    return out[:M]
+
+
+_STATIC = ("swiglu", "bm", "bn", "bk", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
+        bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+    """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (sum <= M) -> [M, N] in lhs's dtype (f32
+    accumulation), or with swiglu [M, N / 2] = silu(lhs @ rhs[..., :N/2]) * (lhs @ rhs[..., N/2:]);
+    rows past sum(group_sizes) are zero. interpret=True runs the kernel on CPU (tests)."""
+    _check(lhs, rhs, swiglu)
+    M, G = lhs.shape[0], rhs.shape[0]
+    if group_sizes.shape != (G,):
+        raise Unsupported(f"gmm: group_sizes {group_sizes.shape} for {G} groups")
+    slots = max(1, min(G, M))
+    out = _launch(lhs, rhs, group_list(group_sizes, slots), slots, swiglu=swiglu, bm=bm, bn=bn, bk=bk,
+                  num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return jnp.where(jnp.arange(M)[:, None] < jnp.sum(group_sizes), out, 0)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def gmm_rows(lhs, rhs, row_group, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
+             bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+    """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (the group of row r,
+    or -1: no group, a zero row) -> [M, N] (or [M, N / 2] with swiglu), out[r] = lhs[r] @
+    rhs[row_group[r]]. The group list is row_group itself (no sort, no counts: a one-token decode's
+    k choices are k distinct experts), so the grid is M x N tiles and only the rows' experts are read."""
+    _check(lhs, rhs, swiglu)
+    M = lhs.shape[0]
+    if row_group.shape != (M,):
+        raise Unsupported(f"gmm_rows: row_group {row_group.shape} for {M} rows")
+    g = row_group.astype(jnp.int32)
+    meta = jnp.stack([jnp.maximum(g, 0), jnp.arange(M, dtype=jnp.int32), (g >= 0).astype(jnp.int32),
+                      jnp.full((M,), M, jnp.int32)])
+    out = _launch(lhs, rhs, meta, M, swiglu=swiglu, bm=bm, bn=bn, bk=bk, num_warps=num_warps,
+                  num_stages=num_stages, interpret=interpret)
+    return jnp.where((g >= 0)[:, None], out, 0)
