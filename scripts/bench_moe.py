@@ -232,23 +232,17 @@ class MoeBench:
             distinct = int(moe.distinct_experts(idx, E))
             floor_us = 1e6 * distinct * self.expert_bytes / self._bandwidth()
             row = dict(tokens=T, rows=T * k, distinct=distinct, floor_us=floor_us)
-            for g in self.layer_gmms():
-                impl, one_token = (g.split(":")[0], False) if g.endswith(":grouped") else (g, moe.ONE_TOKEN_ROWS)
-
+            for g in self.gmms:
                 @jax.jit
-                def many(x, w, idx, gate_up, down, impl=impl):
+                def many(x, w, idx, gate_up, down, impl=g):
                     def body(_, y):
                         for gu, dn in zip(gate_up, down):        # distinct weights each layer
                             y = y + moe.experts(y, w, idx, gu, dn, gmm_impl=impl) * 0.01
                         return y
                     return jax.lax.fori_loop(0, a.inner, body, x)
 
-                def measure(one_token=one_token):
-                    before, moe.ONE_TOKEN_ROWS = moe.ONE_TOKEN_ROWS, one_token      # read while tracing
-                    try:
-                        jax.block_until_ready(many(x, w, idx, gate_up, down))
-                    finally:
-                        moe.ONE_TOKEN_ROWS = before
+                def measure():
+                    jax.block_until_ready(many(x, w, idx, gate_up, down))
                     return 1e6 * _median_time(lambda: jax.block_until_ready(many(x, w, idx, gate_up, down)),
                                               a.repeats) / (a.inner * a.layer_copies)
                 us = self.budget.run(f"layer {g}", f"layer T={T} {g}", measure)
@@ -259,15 +253,10 @@ class MoeBench:
                         f"({distinct} experts; {us / floor_us:5.2f}x)")
             rows.append(row)
         self.results["layer"] = rows
-        head = ["T", "rows", "experts touched", "floor us"] + [f"{g} us (x floor)" for g in self.layer_gmms()]
-        table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype}; ':grouped' = the GPU kernel "
-              "with one token sorted like any other count, not on its no-sort path)", head, [
+        head = ["T", "rows", "experts touched", "floor us"] + [f"{g} us (x floor)" for g in self.gmms]
+        table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype})", head, [
             [r["tokens"], r["rows"], r["distinct"], r["floor_us"]]
-            + [_cell(r[g], r["floor_us"], 1) for g in self.layer_gmms()] for r in rows])
-
-    def layer_gmms(self) -> list[str]:
-        """The grouped matmuls, the GPU kernel also without its one-token path (the A/B at T = 1)."""
-        return [x for g in self.gmms for x in ([g, g + ":grouped"] if g.startswith("pallas_gpu") else [g])]
+            + [_cell(r[g], r["floor_us"], 1) for g in self.gmms] for r in rows])
 
     def touched(self, B: int, T: int) -> float:
         """Mean over MoE layers of the distinct experts B x T random tokens at positions
@@ -537,9 +526,6 @@ def main():
     ap.add_argument("--n2", type=int, default=40, help="max_new_tokens of the long run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--inner", type=int, default=10, help="passes per dispatch in the layer and widths sections")
-    ap.add_argument("--grouped-one-token", action="store_true",
-                    help="send one token through the sort like any count (moe.ONE_TOKEN_ROWS off for the "
-                         "whole run: the loop's A/B of the one-token path, in its own process)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--json", default="bench_moe.json")
     args = ap.parse_args()
@@ -566,13 +552,10 @@ def main():
         ap.error(f"unknown sections {sorted(bad)}; known: {', '.join(SECTIONS)}")
     sections = [s for s in SECTIONS if s in sections]
     import jax
-    from dflash_jax.models import moe
-    moe.ONE_TOKEN_ROWS = not args.grouped_one_token          # before anything is traced
     machine = f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-    log(f"# bench_moe on {machine}; one token {'sorted (grouped)' if args.grouped_one_token else 'on its no-sort path'}")
+    log(f"# bench_moe on {machine}")
     b = MoeBench(args)
     b.results["machine"] = machine
-    b.results["one_token_rows"] = moe.ONE_TOKEN_ROWS
     failed = []
     if ("loop" in sections or "widths" in sections) and "bw" not in sections and not args.smoke:
         sections.insert(0, "bw")              # the copy figure: the second floor of every row

@@ -12,7 +12,8 @@ grouped matmul (`pallas_kernels.moe.gmm`, implementation from `KernelConfig.moe_
 static whatever the routing and no capacity exists to overflow. One token (a B = 1 decode step) on
 the GPU kernel skips the sort: its k choices are k distinct experts, so each (token, choice) row is
 its own group (`gmm_rows`) and the outputs come back in place (no argsort, bincount, scatter or
-inverse permutation: ~6 fewer launches a layer).
+inverse permutation). H200, Coder-30B-A3B shapes: one layer at T = 1 39.2 us against 44.1 sorted, a
+12-layer B = 1 plain step 1.375 ms against 1.590 (docs/perf-log.md, session 28).
 
 Expert parallelism: the stacked expert weights [E, ...] are split over the mesh's 'model' axis
 (sharding.RULES). Tokens are replicated over 'model' already (attention's o projection ends in an
@@ -42,10 +43,6 @@ __all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
 
 # Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
 # choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
-# The one-token path (module doc); False sends one token through the sort like any N (bench_moe.py's
-# A/B of the two paths: temporary, the slower one is deleted after the H200 measures them).
-ONE_TOKEN_ROWS = True
-
 _RECORD: contextvars.ContextVar = contextvars.ContextVar("dflash_moe_record", default=None)
 
 
@@ -84,7 +81,7 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
     local = idx - first_expert
     mine = (local >= 0) & (local < El)                                           # [N, k]
-    if N == 1 and ONE_TOKEN_ROWS and gmm_impl in ("pallas_gpu", "pallas_gpu_interpret"):
+    if N == 1 and gmm_impl in ("pallas_gpu", "pallas_gpu_interpret"):
         group = jnp.where(mine, local, -1).reshape(k)                            # a row per choice
         a = gmm_rows(jnp.broadcast_to(x, (k, x.shape[1])), gate_up, group, gmm_impl, swiglu=True)
         y = gmm_rows(a, down, group, gmm_impl) * jnp.where(mine, weights, 0).reshape(k, 1)
