@@ -372,8 +372,13 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
             stopped, done = s.stopped | (halt & ~done), done | halt
     pending, pending_count = feats, produced
     if append:   # this row's taps after the pending ones (a done row's count stays; a full row never runs here)
-        at = (j[None, :] == s.pending_count[:, None])[..., None]                 # [B, S, 1]
-        pending = jnp.where(at, feats[:, :1], s.pending)
+        # one row written in place per batch row (a select over the whole [B, S, taps] buffer cost
+        # 35 us of a 6.3 ms B = 64 step on the H200, session 28)
+        def put_row(pend, row, n):
+            at = jnp.minimum(n, S - 1)
+            old = jax.lax.dynamic_slice_in_dim(pend, at, 1, axis=0)
+            return jax.lax.dynamic_update_slice_in_dim(pend, jnp.where(n < S, row, old), at, axis=0)
+        pending = jax.vmap(put_row)(s.pending, feats[:, :1], s.pending_count)
         pending_count = s.pending_count + produced
     return _placed(st, LoopState(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                                  draft_cache=dcache, pending=pending, pending_count=pending_count,
