@@ -313,7 +313,7 @@ def _width_inputs(st: Static, p: Params):
 def pick_width(st: Static, p: Params, s: LoopState):
     """The width index of the next iteration (width.choose over replicated values)."""
     force, cost = _width_inputs(st, p)
-    return width.choose(s.width_stats, cost, s.width, s.step, force, st.widths)
+    return width.choose(s.width_stats, cost, s.width, s.step, force, st.widths, horizon=jnp.max(p.max_new))
 
 
 def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int | None = None):

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "probe_period", "simulate", "geometric_profile",
-           "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "PROBE_EVERY"]
+           "warmup_steps", "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "WARMUP_SHARE",
+           "PROBE_EVERY"]
 
 # Decay of the acceptance statistics per iteration (the window is ~1 / (1 - DECAY) iterations).
 DECAY = 0.98
@@ -37,6 +38,10 @@ HYSTERESIS = 1.03
 # at full width: the warm-up. Once it has left full width, fading evidence does not bring it back
 # (the estimates are ratios, kept by the decay); the probes below refresh them.
 WARMUP_EVIDENCE = 8.0
+# ... and for at most the iterations whose extra cost over plain steps is this share of a plain run
+# of the horizon (the longest row's max_new_tokens): `warmup_steps`. On 2 CPU cores a block-16
+# iteration of the demo pair costs 6.1 plain steps, and 8 of them were a third of a 128-token run.
+WARMUP_SHARE = 0.1
 # One full-width iteration every this many iterations keeps the tail positions' estimates current,
 # at full width's cost: away from it the period grows with what a probe costs in iterations of the
 # current width (probe_period), so probes always take ~1/PROBE_EVERY of the time.
@@ -103,16 +108,29 @@ def update(stats, accepted, verified: jax.Array, active) -> jax.Array:
     return DECAY * stats + new
 
 
-def choose(stats, cost, current, step, force, widths: tuple[int, ...]) -> jax.Array:
+def warmup_steps(cost, horizon) -> jax.Array:
+    """The most warm-up iterations a run of `horizon` plain steps pays for: WARMUP_SHARE of its
+    plain cost over a full-width iteration's extra cost (cost [n] per width, W = 0 first), at least
+    one; unbounded while the costs are unmeasured (all equal)."""
+    extra = cost[-1] - cost[0]
+    n = jnp.floor(WARMUP_SHARE * horizon * cost[0] / jnp.maximum(extra, 1e-6 * cost[0]))
+    n = jnp.where(extra > 0, jnp.minimum(n, 2 ** 30), 2 ** 30)
+    return jnp.maximum(n, 1).astype(jnp.int32)
+
+
+def choose(stats, cost, current, step, force, widths: tuple[int, ...], horizon=None) -> jax.Array:
     """The width index of the next iteration (a [] int32): force (>= 0) when given; else full width
-    during the warm-up (low evidence while still at full width) and on probe steps (is_probe); else the width of most expected tokens per
-    cost (cost [n] per iteration at each width), kept at `current` unless another beats it by
-    HYSTERESIS. Deterministic in its inputs (all replicated on a mesh)."""
+    during the warm-up (low evidence while still at full width, for at most warmup_steps(cost,
+    horizon) iterations when a horizon is given) and on probe steps (is_probe); else the width of
+    most expected tokens per cost (cost [n] per iteration at each width), kept at `current` unless
+    another beats it by HYSTERESIS. Deterministic in its inputs (all replicated on a mesh)."""
     full = len(widths) - 1
     score = expected_tokens(stats)[jnp.asarray(widths)] / cost                # [n]
     best = jnp.argmax(score).astype(jnp.int32)
     pick = jnp.where(score[best] > HYSTERESIS * score[current], best, current)
     warmup = (stats[0, 0] < WARMUP_EVIDENCE) & (current == full)
+    if horizon is not None:
+        warmup = warmup & (step < warmup_steps(cost, horizon))
     pick = jnp.where(warmup | is_probe(step, cost, current), full, pick)
     return jnp.where(force >= 0, force, pick).astype(jnp.int32)
 

@@ -225,6 +225,25 @@ def test_the_choice_is_a_deterministic_function_of_the_statistics():
                       jnp.int32(-1))) == 1
 
 
+def test_the_warm_up_is_priced_by_the_costs_and_the_horizon():
+    """Full width while evidence is low, but no longer than WARMUP_SHARE of the run's plain cost
+    pays for: a block at 6.1 plain steps (2 CPU cores) over 128 tokens warms up for 2 iterations, a
+    block at 1.25 (the H200 at B = 1) for its whole evidence; unmeasured costs leave it unbounded."""
+    widths = (0, 3, 15)
+    choose = jax.jit(lambda st, c, cur, step, h: width.choose(st, c, cur, step, jnp.int32(-1), widths, horizon=h))
+    no_evidence = jnp.zeros((2, 15), jnp.float32)
+    cpu = jnp.asarray([5.53, 24.5, 33.7])
+    gpu = jnp.asarray([4.33, 5.41, 5.41])
+    assert int(width.warmup_steps(cpu, 128)) == 2 and int(width.warmup_steps(cpu, 2)) == 1
+    assert int(width.warmup_steps(gpu, 256)) == 102
+    assert int(width.warmup_steps(jnp.ones(3), 128)) >= 2 ** 30     # not measured yet
+    got = [int(choose(no_evidence, cpu, jnp.int32(2), jnp.int32(t), jnp.int32(128))) for t in range(4)]
+    assert got == [2, 2, 0, 0]           # two full-width iterations, then the costs decide (plain)
+    assert [int(choose(no_evidence, gpu, jnp.int32(2), jnp.int32(t), jnp.int32(128))) for t in range(4)] == [2] * 4
+    # no horizon: the evidence alone (the rule of test_the_choice_is_a_deterministic_function...)
+    assert int(width.choose(no_evidence, cpu, jnp.int32(2), jnp.int32(3), jnp.int32(-1), widths)) == 2
+
+
 def test_statistics_are_censored_at_the_verified_width():
     stats = jnp.zeros((2, 7), jnp.float32)
     accepted = jnp.asarray([3, 0, 1, 3])       # rows verified 3 drafts: 3 = all accepted
