@@ -26,7 +26,7 @@ from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax import width
 from dflash_jax.loop import (MAX_STOP_IDS, Params, buckets, clear_compiled, compile_count, compiled, iteration,
                              loop_specs, make_static, merge_models, param_specs, params_on_mesh, pow2, prefill,
-                             resolve_mesh, round_up, row_settings, run, stream_sink, to_host, width_costs,
+                             resolve_mesh, round_up, row_settings, run, stream_sink, to_host, width_costs, width_history,
                              width_params)
 from dflash_jax import drafts, models
 from dflash_jax.models.stack import CausalLM
@@ -294,8 +294,16 @@ def _generate(target, draft, prompts, *, on_commit=None, **options):
                                                              **options)
     max_new_tokens = GenerateOptions(**options).max_new_tokens
     fn, compile_time = compiled(st, tstate, dstate, p)
-    if st.widths is not None and GenerateOptions(**options).verify_width == "auto":
+    auto = st.widths is not None and GenerateOptions(**options).verify_width == "auto"
+    if auto:
         p = _profile_widths(st, fn, tstate, dstate, p)
+        seen = width_history(st)
+        if seen is not None and st.mesh is not None:     # a warm start from this program's last "auto" call
+            q = params_on_mesh(p.replace(width_stats0=seen[0], width0=seen[1], width_step0=seen[2]), st.mesh)
+            p = p.replace(width_stats0=q.width_stats0, width0=q.width0, width_step0=q.width_step0)
+        elif seen is not None:
+            p = p.replace(width_stats0=jnp.asarray(seen[0]), width0=jnp.asarray(seen[1]),
+                          width_step0=jnp.asarray(seen[2]))
 
     def run_once():
         t0 = time.perf_counter()
@@ -314,6 +322,8 @@ def _generate(target, draft, prompts, *, on_commit=None, **options):
             stopped = np.asarray(to_host(state.stopped))
         if sink.error is not None:
             raise sink.error
+    if auto:
+        width_history(st, state, p)
     tokens, out_lens, log, iters, step = out
     rows = [tokens[i, lens[i]: out_lens[i] + 1].tolist() for i in range(n_rows)]
     stops = set(np.asarray(p.stop_ids[0]).tolist()) - {-1}

@@ -96,6 +96,9 @@ class Params:
     width_cost: Any = None     # [n_widths] float32: measured cost of an iteration at each width
     width_profile: Any = None  # [] bool: accept nothing (host profiling of width_cost: one token per iteration)
     sim_survival: Any = None   # [S-1] float32: benchmark only (Static.simulate), the drawn acceptance's survival
+    width_stats0: Any = None   # [2, S-1] float32: the statistics the loop starts from (a warm start, width_history)
+    width0: Any = None         # [] int32: the width index it starts at
+    width_step0: Any = None    # [] int32: iterations its program ran before (width_step)
 
 
 @struct.dataclass
@@ -211,8 +214,8 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     tcache = dataclasses.replace(tcache, lens=lens)
     wstats = wsel = None
     if st.widths is not None and draft is not None:
-        wstats = jnp.zeros((2, S - 1), jnp.float32)
-        wsel = jnp.asarray(len(st.widths) - 1, jnp.int32)
+        wstats = p.width_stats0 if p.width_stats0 is not None else jnp.zeros((2, S - 1), jnp.float32)
+        wsel = p.width0 if p.width0 is not None else jnp.asarray(len(st.widths) - 1, jnp.int32)
     stopped = None
     if st.stream:  # the prefill token is the first committed token
         halt = _stream(p, first[:, None], p.active.astype(jnp.int32))
@@ -310,10 +313,18 @@ def _width_inputs(st: Static, p: Params):
     return force, cost
 
 
+def width_step(p: Params, s: LoopState):
+    """The iteration count the width rule's warm-up and probes run on: this call's steps after the
+    earlier calls' of its program (p.width_step0, a warm start), so a run of short calls still
+    probes and warms up once."""
+    return s.step if p.width_step0 is None else s.step + p.width_step0
+
+
 def pick_width(st: Static, p: Params, s: LoopState):
     """The width index of the next iteration (width.choose over replicated values)."""
     force, cost = _width_inputs(st, p)
-    return width.choose(s.width_stats, cost, s.width, s.step, force, st.widths, horizon=jnp.max(p.max_new))
+    return width.choose(s.width_stats, cost, s.width, width_step(p, s), force, st.widths,
+                        horizon=jnp.max(p.max_new))
 
 
 def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int | None = None):
@@ -347,7 +358,7 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
         ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
         wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
         force, cost = _width_inputs(st, p)
-        wsel = width.kept(wsel, s.width, s.step, force, cost)
+        wsel = width.kept(wsel, s.width, width_step(p, s), force, cost)
     with jax.named_scope("accept"):
         shifted = jnp.concatenate([block[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         commit = jnp.where(j < a[:, None], shifted, nxt[:, None])                 # [B, S]
@@ -463,6 +474,7 @@ def clear_compiled() -> None:
     and the verify-width costs measured on them."""
     _COMPILED.clear()
     _WIDTH_COSTS.clear()
+    _WIDTH_HISTORY.clear()
 
 
 # Measured cost of an iteration at each verify width, per program (key: its cache key), seconds
@@ -488,6 +500,25 @@ def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
         costs = costs.astype(np.float32)
         _WIDTH_COSTS[key] = costs
     return costs
+
+
+# The statistics and width an "auto" generation of each program ended with (key: its cache key):
+# the next call of that program starts from them instead of an empty warm-up (width_history).
+_WIDTH_HISTORY: dict = {}
+
+
+def width_history(key, state=None, p: Params | None = None):
+    """The (statistics [2, S-1], width index, iterations so far) the last "auto" call of program
+    `key` ended with, or None; with `state` (a finished LoopState) and its params `p`, store its own
+    first. generate() pays the full-width warm-up once per program, not once per call (on 2 CPU
+    cores, where no width beats plain decoding, two warm-up iterations were ~10% of a 128-token
+    call), and the probes' schedule runs on over the calls (width_step)."""
+    if state is not None:
+        before = 0 if p is None or p.width_step0 is None else int(to_host(p.width_step0))
+        _WIDTH_HISTORY[key] = (np.asarray(to_host(state.width_stats), np.float32),
+                               np.asarray(to_host(state.width), np.int32),
+                               np.asarray(min(before + int(to_host(state.step)), 2 ** 30), np.int32))
+    return _WIDTH_HISTORY.get(key)
 
 
 def compile_count() -> int:
@@ -650,7 +681,9 @@ def width_params(st: Static, verify_width="auto", costs=None) -> dict:
     put = (lambda x: x) if st.mesh is None else (lambda x: jax.device_put(x, NamedSharding(st.mesh, P())))
     costs = np.ones((len(st.widths),), np.float32) if costs is None else np.asarray(costs, np.float32)
     out = dict(verify_width=put(jnp.asarray(width.width_index(st.widths, verify_width), jnp.int32)),
-               width_cost=put(jnp.asarray(costs)), width_profile=put(jnp.asarray(False)))
+               width_cost=put(jnp.asarray(costs)), width_profile=put(jnp.asarray(False)),
+               width_stats0=put(jnp.zeros((2, st.block_size - 1), jnp.float32)),
+               width0=put(jnp.asarray(len(st.widths) - 1, jnp.int32)), width_step0=put(jnp.zeros((), jnp.int32)))
     if st.simulate:
         if _SIMULATE[0] is None:
             raise RuntimeError("a simulated-acceptance program needs loop._simulated_acceptance active")

@@ -39,7 +39,8 @@ def pair(trained_small_vocab_pair):
 def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
     """W = 0 is plain decoding (one token per iteration), W = 7 (block 8's full width) is the
     reference loop token for token and iteration for iteration, 1 / auto are lossless and never
-    accept past their width; one program serves every width of its set (0, 1, 7 at block 8)."""
+    accept past their width (auto also when it starts from its last call's statistics); one program
+    serves every width of its set (0, 1, 7 at block 8)."""
     prompts = pair["eval_prompts"][:3]
     n = 24
     want = [hf_greedy(pair["hf"], p, n) for p in prompts]
@@ -51,7 +52,9 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
         res[vw] = generate(pair["target"], pair["draft"], prompts, verify_width=vw, **kw)
         if vw == 7:
             compiles = decode.compile_count()
+    warm = generate(pair["target"], pair["draft"], prompts, verify_width="auto", **kw)   # from auto's statistics
     assert decode.compile_count() == compiles          # no recompile when W changes
+    assert warm.tokens == want
     for vw, r in res.items():
         assert r.tokens == want, vw
     assert res[7].acceptance_lengths == [list(r.acceptance_lengths) for r in ref]
@@ -65,17 +68,25 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
 def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch):
     """Simulated acceptance (tau 3 at block 8) and fixed costs that make W = 1 the best tokens per
     cost (E = 1, 1.68, 3.0 over costs 1, 1.2, 2.4 at W = 0, 1, 7): after the full-width warm-up the
-    loop collects statistics and settles on W = 1 (accepts never exceed 2 tokens again)."""
+    loop collects statistics and settles on W = 1 (accepts never exceed 2 tokens again); a second
+    call of the same program starts there (loop.width_history). (Simulated acceptance accepts what it
+    draws, so its tokens are not the target's: losslessness is the real-acceptance tests'.)"""
     monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray([1.0, 1.2, 2.4], np.float32))
+    monkeypatch.setattr(loop, "_WIDTH_HISTORY", {})          # no earlier call's statistics
     prompts = pair["eval_prompts"][:4]
     with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
         res, s = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=80, capacity=CAPACITY,
                                    verify_width="auto")
-    stats = np.asarray(s.width_stats)
-    assert stats[0, 0] > width.WARMUP_EVIDENCE and stats[0, 6] > 0          # full width seen, then counted
-    assert int(s.width) == 1, stats                                           # W = 1
-    tails = [a for row in res.acceptance_lengths for a in row[6:]]
-    assert max(tails) <= 2 and max(a for row in res.acceptance_lengths for a in row[:3]) > 2
+        stats = np.asarray(s.width_stats)
+        assert stats[0, 0] > width.WARMUP_EVIDENCE and stats[0, 6] > 0      # full width seen, then counted
+        assert int(s.width) == 1, stats                                       # W = 1
+        tails = [a for row in res.acceptance_lengths for a in row[6:]]
+        assert max(tails) <= 2 and max(a for row in res.acceptance_lengths for a in row[:3]) > 2
+        # the next call of the program starts from these statistics: at W = 1, no warm-up
+        again, s2 = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=80,
+                                     capacity=CAPACITY, verify_width="auto")
+    assert max(a for row in again.acceptance_lengths for a in row) <= 2 and int(s2.width) == 1
+    assert np.asarray(s2.width_stats)[0, 0] > stats[0, 0] * width.DECAY ** len(res.acceptance_lengths[0])
 
 
 @pytest.mark.slow
