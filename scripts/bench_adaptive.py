@@ -17,7 +17,9 @@ is a traced value): "plain" there is W = 0 (no draft pass; its taps are appended
 context, written once per 16 steps), measured once per batch, "fixed 16" W = 15, "auto" the loop's
 choice from the costs it profiled. "true plain" is decoding without a draft (its own program), for
 --true-plain-batches only, after every adaptive row. tokens/s = (tokens of an N2 run - tokens of an
-N1 run) / (time difference): steady state, prefill and the auto warm-up cancel.
+N1 run) / (time difference): steady state, prefill and the auto warm-up cancel. (Since session 28
+an auto call starts from its program's last call's statistics, loop.width_history: every timed run
+follows an untimed one, so none has a warm-up.)
 
 Batches run in priority order (64, 1, 8, 32, 128). Programs compile ONE at a time, in that order, in
 one background thread, so batch k+1's program compiles while batch k is measured (session 24's
@@ -27,7 +29,9 @@ when --budget-s is near, prints each row as it is measured and the table of what
 
 CPU pair mode: the embedded demo pair (dflash_jax.assets, real acceptance, float32), B = 1, a few
 GSM8K / HumanEval prompts: plain (no draft), W = 0, W = 15 and auto, tokens/s over whole runs in
-interleaved rounds, and one step of plain vs W = 0 by the difference of two run lengths.
+interleaved rounds, and one step of plain vs W = 0 by the difference of two run lengths. Auto's
+first, untimed call learns; the timed ones start from what the previous call ended with (the warm
+start a library user's repeated calls get).
 
 Compile-only mode: lower + compile (abstract parameters, no weights) of the one-width program and the
 adaptive ones at the GPU mode's shapes, one at a time: wall and CPU seconds, ratios.
