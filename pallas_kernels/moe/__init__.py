@@ -9,8 +9,8 @@
 
 `gmm(lhs, rhs, group_sizes, impl=)` and `gmm_swiglu` (the experts' first projection and SwiGLU)
 dispatch on the resolved `KernelConfig.moe_gmm`; `gmm_rows` (every row its own group: a one-token
-decode, no sort) runs the GPU kernel on the GPU and gathers the rows' matrices elsewhere. A shape a kernel cannot tile falls back to XLA
-(logged once)."""
+decode, no sort) runs the GPU kernel on the GPU and gathers the rows' matrices elsewhere. A shape a
+kernel cannot tile falls back to XLA (logged once)."""
 
 from __future__ import annotations
 
