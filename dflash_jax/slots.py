@@ -655,14 +655,18 @@ class Pipeline:
 
     def read(self, stepped: bool) -> None:
         """Read back what is due: after a step was dispatched, everything but the last `depth`
-        steps (and the inserts between them); when none was, the oldest dispatch alone."""
+        steps, and the inserts before the first of those (a request's first token as soon as its
+        prefill is done: the device has the dispatched step to run meanwhile); when none was, the
+        oldest dispatch alone."""
         n_steps = sum(e[0] == "step" for e in self._inflight)
         while self._inflight and (n_steps > self.depth or not stepped):
             entry = self._inflight.popleft()
             n_steps -= entry[0] == "step"
             self._read(entry)
             if not stepped:
-                break
+                return
+        while self._inflight and self._inflight[0][0] == "insert":
+            self._read(self._inflight.popleft())
 
     def steps_in_flight(self, slot: int, owner) -> int:
         """Steps dispatched for `owner` in `slot` and not read yet."""

@@ -65,6 +65,29 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
     assert res[7].mean_tau > 2.0                       # the pair really accepts (a real test of the prefixes)
 
 
+def test_a_prefix_proposal_runs_the_head_on_its_rows_and_keeps_their_drafts(pair):
+    """propose(heads=W) (a W-wide verify's draft pass) gives the whole block's first W drafts, 0
+    past them, the same draft cache, and an LM head over W rows (its logits' shape in the jaxpr)."""
+    target, draft = pair["target"], pair["draft"]
+    S, B, cap = draft.config.block_size, 2, 64
+    H = target.config.hidden_size * len(draft.config.target_layer_ids)
+    rng = np.random.default_rng(0)
+    current = jnp.asarray(rng.integers(0, target.config.vocab_size, (B, 1)), jnp.int32)
+    lens = jnp.asarray([5, 9], jnp.int32)
+    pending = jnp.asarray(rng.normal(size=(B, S, H)), jnp.float32)
+    args = (target, current, lens, lens + 40, pending, jnp.asarray([3, 1], jnp.int32), draft.new_cache(B, cap))
+    full, cache = draft.propose(*args, block_size=S, kernels=None)
+    for W in (1, 3):
+        cut, cache_w = draft.propose(*args, block_size=S, kernels=None, heads=W)
+        np.testing.assert_array_equal(np.asarray(cut[:, :W]), np.asarray(full[:, :W]))
+        assert not np.asarray(cut[:, W:]).any()
+        for a, b in zip(jax.tree.leaves(cache_w), jax.tree.leaves(cache)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        jaxpr = str(jax.make_jaxpr(lambda *a: draft.propose(*a, block_size=S, kernels=None, heads=W))(*args))
+        assert f"[{B},{W},{target.config.vocab_size}]" in jaxpr.replace(" ", "")
+        assert f"[{B},{S - 1},{target.config.vocab_size}]" not in jaxpr.replace(" ", "")
+
+
 def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch):
     """Simulated acceptance (tau 3 at block 8) and fixed costs that make W = 1 the best tokens per
     cost (E = 1, 1.68, 3.0 over costs 1, 1.2, 2.4 at W = 0, 1, 7): after the full-width warm-up the

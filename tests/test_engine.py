@@ -168,6 +168,33 @@ def test_insert_widths_and_pipeline_give_the_same_tokens(pair):
     assert [len(r.tokens) for r in b] == ns
 
 
+def test_a_first_token_is_read_once_its_step_is_dispatched():
+    """Pipeline depth 1: an insert at the head of what is in flight is read as soon as a step is
+    dispatched behind it (the request's first token does not wait for the next step's dispatch,
+    which with an adaptive step program blocks until the step has run: TTFT), while the step
+    itself is still read one behind; reads keep dispatch order."""
+    from dflash_jax.slots import Pipeline
+
+    class FakeSlots:
+        def insert_async(self, items):
+            return [([slot for slot, _ in items], np.asarray([7] * len(items)), np.zeros(len(items), bool))]
+
+        def step_async(self, busy):
+            return (np.zeros((1, 4, 2), np.int32), np.ones((1, 4), np.int32), np.zeros(4, bool))
+
+    seen = []
+    pipe = Pipeline(FakeSlots(), 1, lambda slot, who, tok, done: seen.append(("first", slot, tok)),
+                    lambda slot, who, rows, done: seen.append(("step", slot)))
+    pipe.insert([(0, None, "a")])
+    pipe.step({0: "a"})
+    pipe.read(stepped=True)
+    assert seen == [("first", 0, 7)] and len(pipe) == 1            # the step stays one behind
+    pipe.insert([(1, None, "b")])
+    pipe.step({0: "a", 1: "b"})
+    pipe.read(stepped=True)
+    assert seen == [("first", 0, 7), ("step", 0), ("first", 1, 7)] and len(pipe) == 1
+
+
 def test_refill_ahead_changes_no_token_and_saves_steps(pair):
     """Under pipeline 1 a slot whose request must end in the step in flight is refilled right
     behind it (refill_ahead): every request's tokens and acceptance lengths are those of waiting for

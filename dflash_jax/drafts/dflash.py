@@ -22,6 +22,17 @@ from dflash_jax.models import qwen3
 from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, run_layers
 
 
+def head_rows(block_size: int, heads: int | None) -> int:
+    """The end (exclusive) of the block rows whose drafts a `propose(heads=)` wants: row 0 is the
+    last committed token, rows 1..heads its drafts (all S - 1 when heads is None)."""
+    return block_size if heads is None else 1 + max(0, min(int(heads), block_size - 1))
+
+
+def pad_drafts(drafts, block_size: int):
+    """drafts [B, n] -> [B, S-1]: the drafts nobody verifies are 0."""
+    return jnp.pad(drafts, ((0, 0), (0, block_size - 1 - drafts.shape[1])))
+
+
 class DFlashDraft(nnx.Module):
     def __init__(self, config: DraftConfig, dtype=jnp.bfloat16, *, rngs: nnx.Rngs):
         self.config = config
@@ -61,14 +72,17 @@ class DFlashDraft(nnx.Module):
         return h, KVCache(k=ks, v=vs, lens=positions[:, 0])
 
     def propose(self, target, current, lens, limit, pending, pending_count, cache: KVCache, *,
-                block_size: int, kernels: KernelConfig):
+                block_size: int, kernels: KernelConfig, heads: int | None = None):
         """The S-1 draft tokens after each row's last token, and the new draft cache.
 
         target: the Qwen3 target (its embedding and LM head); current [B, 1] the last committed
         token, at position lens [B]; limit [B] the row's length limit (prompt + max_new_tokens);
         pending [B, S, n·H] the target taps of the tokens committed last iteration (pending_count
         [B] of them, ending at lens); cache: the draft's KV cache. Greedy drafts (argmax of the
-        target's LM head on the block's hidden states). Returns (drafts [B, S-1] int32, cache)."""
+        target's LM head on the block's hidden states). heads: only the first `heads` drafts are
+        wanted (a verify of a prefix of the block, loop._verify): the LM head runs on those rows
+        alone and the rest are 0 (the block is still drafted whole: its non-causal context).
+        Returns (drafts [B, S-1] int32, cache)."""
         B, S = current.shape[0], block_size
         j = jnp.arange(S, dtype=jnp.int32)
         positions = lens[:, None] + j                                               # [B, S]
@@ -83,8 +97,8 @@ class DFlashDraft(nnx.Module):
                              kernels=kernels)
         with jax.named_scope("draft_lm_head"):
             # sharding.argmax: jnp.argmax, or over a vocab-sharded head without gathering the logits
-            drafts = argmax(target.logits(dh[:, 1:]))                                  # [B, S-1]
-        return drafts, cache
+            drafts = argmax(target.logits(dh[:, 1:head_rows(S, heads)]))               # [B, <= S-1]
+        return pad_drafts(drafts, S), cache
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         # kv heads from the layers: under TP with fewer kv heads than shards the layers hold copies

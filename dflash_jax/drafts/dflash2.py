@@ -35,7 +35,7 @@ from dflash_jax.attention import attend
 from dflash_jax.cache import KVCache, write_kv_rows, write_ring_kv_rows, write_ring_rows, write_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
-from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft
+from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft, head_rows, pad_drafts
 from dflash_jax.drafts.variant import Variant
 from dflash_jax.models import qwen3
 from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, add_norm, gated_silu
@@ -373,8 +373,10 @@ class DFlash2Draft(nnx.Module):
         return logits
 
     def propose(self, target, current, lens, limit, pending, pending_count, cache: KVCache, *,
-                block_size: int, kernels: KernelConfig, temperature=None, keys=None):
-        """As DFlashDraft.propose: (drafts [B, S-1] int32, cache). With temperature [B] and keys [B]
+                block_size: int, kernels: KernelConfig, temperature=None, keys=None, heads: int | None = None):
+        """As DFlashDraft.propose: (drafts [B, S-1] int32, cache); `heads` cuts the LM head to the
+        drafts wanted without a candidate selector (the selector's lattice still covers the block:
+        its walk's first steps are not checked against a cut one). With temperature [B] and keys [B]
         (sampling) the selector draws its path and the result is (drafts, cache, (candidates
         [B, S-1, K], q [B, S-1, K])) for the acceptance (sampling.accept's `proposal`)."""
         B, S = current.shape[0], block_size
@@ -388,7 +390,7 @@ class DFlash2Draft(nnx.Module):
                              kernels=kernels)
         with jax.named_scope("draft_lm_head"):
             if self.candidate_selector is None:
-                return argmax(self.unary_logits(target, dh[:, 1:])), cache
+                return pad_drafts(argmax(self.unary_logits(target, dh[:, 1:head_rows(S, heads)])), S), cache
             logits = self.unary_logits(target, dh[:, 1:])                               # [B, S-1, V]
         with jax.named_scope("draft_selector"):
             scores, cand = self.candidate_selector.lattice(dh[:, 1:], logits, current[:, 0])
