@@ -56,6 +56,18 @@ gdn_block_v       value dims per kernel program (default 32; 0 or >= the head's 
                   left to XLA). 32 measured faster than the whole head (128) at every H200 point:
                   B = 1 iteration 6.49 against 8.80 ms, B = 32 23.75 against 39.51
 
+while_graphs (CUDA only; resolve() sets it False on every other backend, where it means nothing):
+  None (default) -> True on CUDA: the program is compiled with XLA's CUDA-graph command buffers
+                    extended to while loops and conditionals (compile option
+                    xla_gpu_enable_command_buffer = XLA's default types + WHILE, CONDITIONAL), so a
+                    loop whose trip count the device decides (the one-shot generation, the adaptive
+                    widths' loops, the slot engine's adaptive steps) runs as a graph with a device-side
+                    condition instead of the host reading each iteration's predicate. H200, Qwen3-8B
+                    shapes, simulated tau 6.54 (docs/perf-log.md, session 29): B = 64 auto 12,653 ->
+                    13,334 tok/s (+5.4%), its W = 0 +8.2%; B = 128 W = 0 +1.8%; plain decoding
+                    +-1% (B = 1, session 10: a tie)
+  False             XLA's own command-buffer types (a while loop's predicate read by the host)
+
 The TPU path's (ignored, and reset by resolve(), elsewhere):
   tpu_mlp           the SwiGLU MLP of blocks up to 1024 rows as one Pallas kernel
                     (pallas_kernels/fused_layer/tpu_mlp.py) that keeps the [rows, I] intermediate in
@@ -101,6 +113,12 @@ def _gpu_tuning(device_kind: str | None) -> dict:
     return GPU_TUNING["default"]
 
 
+# XLA's default command-buffer types in jaxlib 0.10.2 and 0.11.2 (their DebugOptions defaults;
+# reading them at run time through jaxlib's private proto view crashed a process that had libtpu
+# loaded), to which while_graphs adds WHILE.
+COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION", "CONDITIONAL")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     attention: str = "auto"
@@ -113,6 +131,7 @@ class KernelConfig:
     moe_gmm: str = "auto"            # MoE experts' grouped matmul (MOE_GMM; module doc)
     gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
     gdn_block_v: int = 32            # value dims per GDN kernel program (0: the head's dv)
+    while_graphs: bool | None = None  # CUDA: while loops / conditionals in command buffers (module doc)
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
@@ -121,6 +140,8 @@ class KernelConfig:
             raise ValueError(f"moe_gmm={self.moe_gmm!r}; expected one of {MOE_GMM}")
         if self.gdn not in GDN + RESOLVED_GDN:
             raise ValueError(f"gdn={self.gdn!r}; expected one of {GDN}")
+        if self.while_graphs not in (None, True, False):
+            raise ValueError(f"while_graphs must be None (auto), True or False, got {self.while_graphs!r}")
         if not isinstance(self.gdn_block_v, int) or self.gdn_block_v < 0:
             raise ValueError(f"gdn_block_v must be an integer >= 0 (0: the head's value dims), got {self.gdn_block_v!r}")
         if not isinstance(self.xla_kv_chunk, int) or self.xla_kv_chunk < 0:
@@ -164,8 +185,9 @@ class KernelConfig:
         elif gdn == "pallas":
             gdn = "pallas_gpu" if on_gpu else "xla" if on_tpu else "pallas_gpu_interpret"
         gdn_block_v = self.gdn_block_v if gdn != "xla" else 0
+        while_graphs = on_gpu and (self.while_graphs is None or bool(self.while_graphs))
         if attention not in GPU_PATHS:
-            return KernelConfig(gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,
+            return KernelConfig(while_graphs=while_graphs, gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
                                          else bool(self.tpu_mlp) and attention in TPU_PATHS),
@@ -181,7 +203,14 @@ class KernelConfig:
         return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
-                            xla_kv_chunk=512, moe_gmm=moe_gmm, gdn=gdn, gdn_block_v=gdn_block_v)
+                            xla_kv_chunk=512, moe_gmm=moe_gmm, gdn=gdn, gdn_block_v=gdn_block_v,
+                            while_graphs=while_graphs)
+
+    def compiler_options(self) -> dict:
+        """The XLA compile options of a program built with this (resolved) config."""
+        if not self.while_graphs:
+            return {}
+        return {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_TYPES + ("WHILE",))}
 
     # ---- what the resolved config means for the code that traces the program
 

@@ -665,7 +665,8 @@ def compiled(st: Static, tstate, dstate, p) -> tuple[Any, float]:
     if fn is not None:
         return fn, 0.0
     t0 = time.perf_counter()
-    fn = jax.jit(run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile()
+    fn = jax.jit(run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile(
+        compiler_options=st.kernels.compiler_options())
     _COMPILES[0] += 1
     _COMPILED[st] = fn
     return fn, time.perf_counter() - t0
@@ -706,10 +707,12 @@ def idle_params(batch: int, prompt_bucket: int) -> Params:
 
 def cached_program(key, fn, static: tuple, args, donate=()):
     """The cached executable of fn(*static, *args) (counted by compile_count); key: everything its
-    program depends on beyond the argument values (static, and the slot state's shape)."""
+    program depends on beyond the argument values (static, and the slot state's shape). static[0]
+    is the program's Static (its kernels' compile options)."""
     prog = _COMPILED.get(key)
     if prog is None:
-        prog = jax.jit(functools.partial(fn, *static), donate_argnums=donate).lower(*args).compile()
+        prog = jax.jit(functools.partial(fn, *static), donate_argnums=donate).lower(*args).compile(
+            compiler_options=static[0].kernels.compiler_options())
         _COMPILES[0] += 1
         _COMPILED[key] = prog
     return prog

@@ -292,6 +292,25 @@ def test_kernel_config_resolves_on_cpu():
         KernelConfig(attention_tuning=(("warps", 8),))
 
 
+def test_while_graphs_are_a_cuda_compile_option_xla_accepts():
+    """while_graphs resolves on for a GPU backend only (part of the compile key), and its compile
+    option (XLA's default command-buffer types + WHILE, CONDITIONAL) is one XLA parses: a while
+    loop compiled with it here runs (the option is a no-op off CUDA)."""
+    assert KernelConfig().resolve("cpu").while_graphs is False
+    assert KernelConfig(attention="pallas_tpu").resolve("tpu").while_graphs is False
+    on = KernelConfig().resolve("gpu")
+    assert on.while_graphs is True and KernelConfig(while_graphs=False).resolve("gpu").while_graphs is False
+    assert on != KernelConfig(while_graphs=False).resolve("gpu")                       # two programs
+    assert KernelConfig().resolve("cpu").compiler_options() == {}
+    types = on.compiler_options()["xla_gpu_enable_command_buffer"].split(",")
+    assert {"FUSION", "CUBLAS", "WHILE", "CONDITIONAL"} <= set(types) and len(types) == len(set(types))
+    loop = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] * 2), (0, x)))
+    out = loop.lower(jnp.ones(3)).compile(compiler_options=on.compiler_options())(jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(out[1]), np.full(3, 32.0))
+    with pytest.raises(ValueError, match="while_graphs"):
+        KernelConfig(while_graphs="yes")
+
+
 @pytest.mark.slow
 def test_unsupported_shapes_fall_back():
     # head_dim 96 tiles on neither kernel; capacity 1100 is not a multiple of 128 and too big
