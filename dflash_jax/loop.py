@@ -323,11 +323,17 @@ def width_step(p: Params, s: LoopState):
     return s.step if p.width_step0 is None else s.step + p.width_step0
 
 
-def pick_width(st: Static, p: Params, s: LoopState):
-    """The width index of the next iteration (width.choose over replicated values)."""
+def pick_width(st: Static, p: Params, s: LoopState, one_shot: bool = False):
+    """The width index of the next iteration (width.choose over replicated values). one_shot: the
+    batch ends with its slowest row (run's loop; the slot engine refills rows), so the choice
+    weighs the running rows' spread (width.batch_tokens)."""
     force, cost = _width_inputs(st, p)
+    batch = None
+    if one_shot:
+        left = jnp.where(s.done, 0, p.prompt_lens + p.max_new - s.lens)
+        batch = (jnp.max(left), jnp.sum(~s.done))
     return width.choose(s.width_stats, cost, s.width, width_step(p, s), force, st.widths,
-                        horizon=jnp.max(p.max_new))
+                        horizon=jnp.max(p.max_new), batch=batch)
 
 
 def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int | None = None):
@@ -452,7 +458,7 @@ def run(st: Static, target_state, draft_state, p: Params):
         # room, and a flush loop before it writes a full buffer out (once per S plain steps).
         def visit(s):
             for k, W in enumerate(st.widths):
-                on = lambda s, k=k: running(s) & (pick_width(st, p, s) == k)          # noqa: E731
+                on = lambda s, k=k: running(s) & (pick_width(st, p, s, one_shot=True) == k)  # noqa: E731
                 if W == 0:
                     s = jax.lax.while_loop(lambda s, on=on: on(s) & ~pending_room(s),
                                            lambda s: flush_pending(draft, s), s)

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.scipy.special import ndtri
 import numpy as np
 
 __all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "probe_period", "simulate", "geometric_profile",
+           "survival", "batch_tokens",
            "warmup_steps", "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "WARMUP_SHARE",
            "PROBE_EVERY"]
 
@@ -85,15 +87,43 @@ def width_index(widths: tuple[int, ...], verify_width) -> int:
     return widths.index(int(verify_width))
 
 
-def expected_tokens(stats) -> jax.Array:
-    """[S] expected tokens per iteration at W = 0 .. S-1 drafts verified, from stats [2, S-1]
-    (row 0: decayed count of rows that reached position p in an iteration verifying it; row 1:
-    of those, how many accepted draft p+1). Conditional acceptance per position, then survival as
-    their running product (non-increasing by construction)."""
+def survival(stats) -> jax.Array:
+    """[S-1] estimated P(draft p+1 accepted), from stats [2, S-1] (row 0: decayed count of rows
+    that reached position p in an iteration verifying it; row 1: of those, how many accepted draft
+    p+1): conditional acceptance per position, then their running product (non-increasing)."""
     seen, passed = stats[0], stats[1]
     cond = (passed + _PRIOR_PASS) / (seen + _PRIOR_SEEN)                      # [S-1]
-    survival = jnp.cumprod(jnp.clip(cond, 0.0, 1.0))
-    return 1.0 + jnp.concatenate([jnp.zeros((1,), survival.dtype), jnp.cumsum(survival)])
+    return jnp.cumprod(jnp.clip(cond, 0.0, 1.0))
+
+
+def expected_tokens(stats) -> jax.Array:
+    """[S] expected tokens per iteration at W = 0 .. S-1 drafts verified (1 + sum_{p<W} s_p)."""
+    s = survival(stats)
+    return 1.0 + jnp.concatenate([jnp.zeros((1,), s.dtype), jnp.cumsum(s)])
+
+
+def batch_tokens(stats, widths: tuple[int, ...], remaining, rows) -> jax.Array:
+    """[n] tokens per iteration at each width as a one-shot batch sees them: the rate at which its
+    slowest row covers `remaining` tokens (the most any running row still has to produce) when
+    `rows` rows draw their acceptance independently. A row's tokens after m iterations have mean
+    m·mu and variance m·var (mu = E(W), var from the same survival: E[A^2] = sum_{p<W} (2p+1) s_p);
+    the slowest of `rows` trails by z·sqrt(m·var) (z the expected maximum of `rows` standard
+    normals, Blom's approximation; 0 for one row), so it needs m = x^2 iterations with
+    mu·x^2 - z·sd·x = remaining. With one row (or var 0, W = 0) this is E(W). Why: the batch ends
+    with its slowest row, and at B = 128 on the H200 (simulated tau 6.54) W = 3 beat W = 0 by 3% in
+    tokens per cost but ran the batch 6% slower (docs/perf-log.md, session 29)."""
+    s = survival(stats)
+    p = jnp.arange(s.shape[0], dtype=s.dtype)
+    zero = jnp.zeros((1,), s.dtype)
+    mean_a = jnp.concatenate([zero, jnp.cumsum(s)])[jnp.asarray(widths)]
+    sq_a = jnp.concatenate([zero, jnp.cumsum((2 * p + 1) * s)])[jnp.asarray(widths)]
+    mu = 1.0 + mean_a
+    sd = jnp.sqrt(jnp.maximum(sq_a - mean_a ** 2, 0.0))
+    n = jnp.maximum(jnp.asarray(rows, jnp.float32), 1.0)
+    z = jnp.maximum(ndtri((n - 0.375) / (n + 0.25)), 0.0)
+    r = jnp.maximum(jnp.asarray(remaining, jnp.float32), 1.0)
+    x = (z * sd + jnp.sqrt((z * sd) ** 2 + 4.0 * mu * r)) / (2.0 * mu)
+    return r / (x * x)
 
 
 def update(stats, accepted, verified: jax.Array, active) -> jax.Array:
@@ -118,14 +148,17 @@ def warmup_steps(cost, horizon) -> jax.Array:
     return jnp.maximum(n, 1).astype(jnp.int32)
 
 
-def choose(stats, cost, current, step, force, widths: tuple[int, ...], horizon=None) -> jax.Array:
+def choose(stats, cost, current, step, force, widths: tuple[int, ...], horizon=None, batch=None) -> jax.Array:
     """The width index of the next iteration (a [] int32): force (>= 0) when given; else full width
     during the warm-up (low evidence while still at full width, for at most warmup_steps(cost,
     horizon) iterations when a horizon is given) and on probe steps (is_probe); else the width of
     most expected tokens per cost (cost [n] per iteration at each width), kept at `current` unless
-    another beats it by HYSTERESIS. Deterministic in its inputs (all replicated on a mesh)."""
+    another beats it by HYSTERESIS. batch = (remaining, rows) for a one-shot batch, which ends with
+    its slowest row: its tokens are batch_tokens' (the slot engine refills rows: mean tokens).
+    Deterministic in its inputs (all replicated on a mesh)."""
     full = len(widths) - 1
-    score = expected_tokens(stats)[jnp.asarray(widths)] / cost                # [n]
+    tokens = expected_tokens(stats)[jnp.asarray(widths)] if batch is None else batch_tokens(stats, widths, *batch)
+    score = tokens / cost                                                     # [n]
     best = jnp.argmax(score).astype(jnp.int32)
     pick = jnp.where(score[best] > HYSTERESIS * score[current], best, current)
     warmup = (stats[0, 0] < WARMUP_EVIDENCE) & (current == full)

@@ -259,6 +259,43 @@ def test_the_choice_is_a_deterministic_function_of_the_statistics():
                       jnp.int32(-1))) == 1
 
 
+def _stats_of(survival_profile, seen=1e6):
+    """Statistics whose survival estimate is the profile (many observations, every position seen)."""
+    s = np.asarray(survival_profile, np.float64)
+    cond = s / np.concatenate([[1.0], s[:-1]])
+    return jnp.asarray(np.stack([np.full_like(s, seen), cond * seen]), jnp.float32)
+
+
+def test_a_one_shot_batch_weighs_its_slowest_row():
+    """width.batch_tokens: with one row it is E(W); with many it is the slowest row's rate, which a
+    Monte Carlo batch of simulated rows reproduces; and the H200's B = 128 profile (session 29:
+    W = 3 ran the batch 6% slower than W = 0) now picks W = 0 while B = 64's keeps W = 3."""
+    prof = width.geometric_profile(6.54)
+    stats, widths = _stats_of(prof), (0, 3, 15)
+    mean = np.asarray(width.expected_tokens(stats))[list(widths)]
+    np.testing.assert_allclose(np.asarray(width.batch_tokens(stats, widths, 256, 1)), mean, rtol=1e-5)
+    # Monte Carlo: rows drawing acceptance from the profile at W = 3 until each has 256 tokens
+    rng = np.random.default_rng(0)
+    rows, need, sims = 128, 256, 40
+    iters = []
+    for _ in range(sims):
+        got, m = np.zeros(rows), 0
+        while got.min() < need:
+            a = (rng.random((rows, 3)) < np.asarray(prof[:3]) / np.concatenate([[1.0], prof[:2]])).cumprod(1).sum(1)
+            got += 1 + a
+            m += 1
+        iters.append(m)
+    slow = need / np.mean(iters)
+    got = float(width.batch_tokens(stats, widths, need, rows)[1])
+    assert abs(got - slow) / slow < 0.03, (got, slow)
+    assert got < 0.95 * mean[1]
+    pick = lambda cost, rows: int(width.choose(stats, jnp.asarray(cost, jnp.float32), 1, 1000, -1, widths,  # noqa: E731
+                                               batch=(256, rows)))
+    b128, b64 = [7.474, 23.433, 62.542], [6.822, 14.52, 32.814]     # ms, the H200 profiles of call 2
+    assert int(width.choose(stats, jnp.asarray(b128), 1, 1000, -1, widths)) == 1   # mean tokens: W = 3
+    assert pick(b128, 128) == 0 and pick(b64, 64) == 1
+
+
 def test_the_warm_up_is_priced_by_the_costs_and_the_horizon():
     """Full width while evidence is low, but no longer than WARMUP_SHARE of the run's plain cost
     pays for: a block at 6.1 plain steps (2 CPU cores) over 128 tokens warms up for 2 iterations, a
