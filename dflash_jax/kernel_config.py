@@ -65,7 +65,8 @@ while_graphs (CUDA only; resolve() sets it False on every other backend, where i
                     condition instead of the host reading each iteration's predicate. H200, Qwen3-8B
                     shapes, simulated tau 6.54 (docs/perf-log.md, session 29): B = 64 auto 12,653 ->
                     13,334 tok/s (+5.4%), its W = 0 +8.2%; B = 128 W = 0 +1.8%; plain decoding
-                    +-1% (B = 1, session 10: a tie)
+                    +-1% (B = 1, session 10: a tie). Greedy tokens equal plain decoding's on the
+                    H200 (the embedded pair, auto and block)
   False             XLA's own command-buffer types (a while loop's predicate read by the host)
 
 The TPU path's (ignored, and reset by resolve(), elsewhere):
@@ -113,9 +114,10 @@ def _gpu_tuning(device_kind: str | None) -> dict:
     return GPU_TUNING["default"]
 
 
-# XLA's default command-buffer types in jaxlib 0.10.2 and 0.11.2 (their DebugOptions defaults;
-# reading them at run time through jaxlib's private proto view crashed a process that had libtpu
-# loaded), to which while_graphs adds WHILE.
+# XLA's default command-buffer types (jaxlib 0.10.2's DebugOptions defaults, read on this project's
+# CPU host; jaxlib's private proto view that shows them crashed a process with libtpu loaded and
+# the H200's jax 0.11.2, so they are not read at run time), to which while_graphs adds WHILE. The
+# H200 A/B of session 29 (call 1, XLA_FLAGS) set exactly this list + WHILE.
 COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION", "CONDITIONAL")
 
 
