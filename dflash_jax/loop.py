@@ -329,7 +329,7 @@ def pick_width(st: Static, p: Params, s: LoopState, one_shot: bool = False):
     weighs the running rows' spread (width.batch_tokens)."""
     force, cost = _width_inputs(st, p)
     batch = None
-    if one_shot:
+    if one_shot and st.batch > 1:   # one row: batch_tokens is E(W); skip its per-step ops
         left = jnp.where(s.done, 0, p.prompt_lens + p.max_new - s.lens)
         batch = (jnp.max(left), jnp.sum(~s.done))
     return width.choose(s.width_stats, cost, s.width, width_step(p, s), force, st.widths,
