@@ -317,6 +317,9 @@ class Slots:
                                       _slots_specs(st, self.state), self.state,
                                       is_leaf=lambda x: isinstance(x, P))
         self._release = np.zeros((self.slots,), bool)
+        self._programs: dict = {}     # (mode, rows) -> step program, ("insert", ...) -> insert program
+        self._wps: dict = {}          # (mode, rows) -> the step's verify-width fields (_width_params)
+        self._small: dict = {}        # small host arrays -> their device copies (_put_cached)
         self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
         self.platform = platform_of(self.state)
 
@@ -377,11 +380,17 @@ class Slots:
         return jax.device_put(np.asarray(x), NamedSharding(self.mesh, P() if spec is None else spec))
 
     def _insert_program(self, bucket: int, mode: str, width: int):
-        st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
-        p = params_on_mesh(idle_params(width, bucket), self.mesh)
-        rows = self._put(np.full((width,), self.slots, np.int32))
-        return cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
-                              (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
+        """The prefill program of `width` requests of prompt bucket `bucket` (kept on the engine as
+        _step_program's: a request's first token must not wait for host work)."""
+        prog = self._programs.get(("insert", bucket, mode, width))
+        if prog is None:
+            st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
+            p = params_on_mesh(idle_params(width, bucket), self.mesh)
+            rows = self._put(np.full((width,), self.slots, np.int32))
+            prog = cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
+                                  (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
+            self._programs[("insert", bucket, mode, width)] = prog
+        return prog
 
     def _step_key(self, mode: str, rows: int | None):
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
@@ -389,28 +398,57 @@ class Slots:
         return st, (("engine_step", st, self.steps) if full else ("engine_step_rows", st, self.steps, rows))
 
     def _step_program(self, mode: str, rows: int | None = None):
-        """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them)."""
+        """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them).
+        Kept per (mode, rows) on the engine as well: finding it in the shared cache hashes its
+        Static (the models' graph definitions), a few ms of host time per step on the hot path."""
+        rows = self.slots if rows is None else int(rows)
+        prog = self._programs.get((mode, rows))
+        if prog is not None:
+            return prog
         st, key = self._step_key(mode, rows)
         wp = width_params(st)
-        if rows is None or rows == self.slots:
-            return cached_program(key, _slots_step, (st, self.steps),
+        if rows == self.slots:
+            prog = cached_program(key, _slots_step, (st, self.steps),
                                   (self._tstate, self._dstate, self.state, self._put(self._release), wp), donate=(2,))
-        idx = self._put(np.arange(rows, dtype=np.int32))
-        return cached_program(key, _slots_step_rows, (st, self.steps),
-                              (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx), donate=(2,))
+        else:
+            idx = self._put(np.arange(rows, dtype=np.int32))
+            prog = cached_program(key, _slots_step_rows, (st, self.steps),
+                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx),
+                                  donate=(2,))
+        self._programs[(mode, rows)] = prog
+        return prog
 
     def _width_params(self, mode: str, rows: int | None, profile_width: int | None = None) -> dict:
         """The verify-width fields of a step's Params: this engine's verify_width, the costs profiled
         for that step program (warmup; none yet: ones, so "auto" keeps the whole block), or a
-        profiling step forced to width index profile_width with nothing accepted."""
+        profiling step forced to width index profile_width with nothing accepted. The step's own
+        (profile_width None) are built once per program and kept until profile_widths measures its
+        costs: building them is ~10 small device arrays, which a step must not pay each time."""
+        rows = self.slots if rows is None else int(rows)
+        if profile_width is None and (mode, rows) in self._wps:
+            return self._wps[(mode, rows)]
         st, key = self._step_key(mode, rows)
         if st.widths is None:
-            return {}
-        if profile_width is not None:
+            wp = {}
+        elif profile_width is not None:
             wp = width_params(st, st.widths[profile_width])
             return dict(wp, width_profile=self._put(np.bool_(True), P()))
-        from dflash_jax.loop import _WIDTH_COSTS
-        return width_params(st, self.verify_width, _WIDTH_COSTS.get(key))
+        else:
+            from dflash_jax.loop import _WIDTH_COSTS
+            wp = width_params(st, self.verify_width, _WIDTH_COSTS.get(key))
+        self._wps[(mode, rows)] = wp
+        return wp
+
+    def _put_cached(self, x: np.ndarray):
+        """A small host array on the device, the same device array for equal contents (a step's
+        release flags are almost always all clear and its rows the same busy set)."""
+        k = (x.dtype.str, x.shape, x.tobytes())
+        out = self._small.get(k)
+        if out is None:
+            if len(self._small) >= 256:
+                self._small.clear()
+            out = self._small[k] = self._put(x)
+        return out
 
     def profile_widths(self, mode: str = "greedy", rows: int | None = None) -> None:
         """Measure the step program's iteration cost at each verify width (for "auto"), once per
@@ -430,6 +468,7 @@ class Slots:
             jax.block_until_ready(commits)
             return time.perf_counter() - t0, 0.0, self.steps
         width_costs(key, time_width, len(st.widths))
+        self._wps.pop((mode, n), None)            # the step's width fields now carry these costs
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
         """Compile the insert programs of these prompt lengths' buckets (every insert width) and the
@@ -508,17 +547,18 @@ class Slots:
         if busy and not 0 <= busy[0] <= busy[-1] < self.slots:
             raise ValueError(f"busy slots must be in [0, {self.slots}), got {busy}")
         n = self.step_bucket(len(busy))
-        prog = self._step_program(union_mode(self.modes[b] for b in busy), n)
+        mode = union_mode(self.modes[b] for b in busy)
+        prog = self._step_program(mode, n)
         self.bucket_steps[n] += 1
-        wp = self._width_params(union_mode(self.modes[b] for b in busy), n)
+        wp = self._width_params(mode, n)
+        release = self._put_cached(self._release)
         if n == self.slots:
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release),
-                                                       wp)
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp)
         else:
             taken = set(busy)
             idx = busy + [b for b in range(self.slots) if b not in taken][:n - len(busy)]
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, self._put(self._release),
-                                                       wp, self._put(np.asarray(idx, np.int32)))
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp,
+                                                       self._put_cached(np.asarray(idx, np.int32)))
         self._release[:] = False
         return commits, produced, done
 

@@ -113,13 +113,52 @@ def main(argv=None) -> int:
     p.add_argument("--refill-min", default="", help="Slots.run refill_min: free slots a refill waits for (comma list; default: offline_defaults)")
     p.add_argument("--breakdown", action="store_true",
                    help="time the engine's step and insert programs against generate's loop instead")
+    p.add_argument("--breakdown-rows", type=int, default=None,
+                   help="--breakdown: the step bucket timed against generate at that many rows (default slots / 2); "
+                        "with --trace, that bucket and generate at its rows are traced instead of the full width")
     p.add_argument("--trace", metavar="DIR", help="trace a static and an engine run into DIR and print the device timeline")
+    p.add_argument("--verify-width", default="block",
+                   help="block (default: the whole block, the engine's fixed-trip step), auto, or a width (0, 1, 3, 7, 15): "
+                        "generate's verify_width and the engine's (the adaptive programs)")
+    p.add_argument("--simulated-tau", type=float, default=None, metavar="TAU",
+                   help="BENCHMARK ONLY: each row's acceptance drawn from a geometric survival profile at TAU "
+                        "(adaptive programs: a --verify-width other than block); tables say SIMULATED ACCEPTANCE")
     args = p.parse_args(argv)
     if not (args.tiny or args.default or args.random_init or args.model):
         p.error("give --tiny, --default, --random-init (with --preset) or --model/--draft")
     if not 1 <= args.min_new <= args.max_new:
         p.error(f"--min-new {args.min_new} must be in [1, --max-new {args.max_new}]")
     args.dtype = args.dtype or ("float32" if args.tiny or args.default else "bfloat16")
+    vw = args.verify_width
+    if vw not in ("block", "auto"):
+        try:
+            vw = int(vw)
+        except ValueError:
+            p.error(f"--verify-width: give block, auto or a width, got {vw!r}")
+    args.verify_width = vw
+    if args.simulated_tau is not None and vw == "block":
+        p.error("--simulated-tau needs --verify-width auto or a width (only the adaptive programs simulate)")
+    if args.simulated_tau is not None and args.breakdown:
+        p.error("--breakdown counts iterations: it accepts nothing (tau 1) in the adaptive programs; drop --simulated-tau")
+    from dflash_jax import loop, width
+    if args.breakdown and vw != "block":
+        # the adaptive programs accept no draft: every iteration verifies the width and commits one
+        # token, so the two lengths differenced run exactly the iterations asked for
+        profile = (0.0,) * ((args.block or 16) - 1)
+    elif args.simulated_tau is not None:
+        try:
+            profile = width.geometric_profile(args.simulated_tau)
+        except ValueError as e:
+            p.error(f"--simulated-tau: {e}")
+        print(f"[bench_engine] SIMULATED ACCEPTANCE: geometric survival at tau {args.simulated_tau} (block 16)",
+              file=sys.stderr, flush=True)
+    else:
+        return run(p, args)
+    with loop._simulated_acceptance(profile):
+        return run(p, args)
+
+
+def run(p, args) -> int:
     ints = lambda s: [int(x) for x in str(s).split(",") if x]             # noqa: E731
     steps, pipelines, widths = ints(args.steps), ints(args.pipeline), ints(args.insert_width)
     mins = ints(args.refill_min)
@@ -151,7 +190,7 @@ def main(argv=None) -> int:
 
     # static batches: each call runs until its longest row
     batches = [list(range(i, min(i + args.slots, len(ps)))) for i in range(0, len(ps), args.slots)]
-    kw = dict(capacity=C, block_size=S)
+    kw = dict(capacity=C, block_size=S, verify_width=args.verify_width if draft is not None else "block")
     for b in batches:                           # warm-up: every program the timed run uses
         generate(target, draft, [ps[i] for i in b], max_new_tokens=max(ns[i] for i in b), **kw)
     t0 = time.perf_counter()
@@ -165,6 +204,8 @@ def main(argv=None) -> int:
         timelines.append(("static batches", traced(args.trace, "static", lambda: [
             generate(target, draft, [ps[i] for i in b], max_new_tokens=max(ns[i] for i in b), **kw) for b in batches])))
 
+    if args.simulated_tau is not None:
+        print(f"SIMULATED ACCEPTANCE (geometric survival at tau {args.simulated_tau}), verify width {args.verify_width}")
     print(f"| run | tokens | wall s | tokens/s | speed-up | mean TTFT ms | mean TPOT ms | tau | compiles |")
     print(f"|---|---|---|---|---|---|---|---|---|")
     base = useful / static_s
@@ -175,7 +216,7 @@ def main(argv=None) -> int:
         n0 = loop.compile_count()
         t0 = time.perf_counter()
         eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=K,
-                    insert_width=min(W, args.slots), step_buckets=sb)
+                    insert_width=min(W, args.slots), step_buckets=sb, verify_width=engine_width(args, draft))
         eng.warmup([len(x) for x in ps], ["greedy"])
         sb_name = "/".join(map(str, eng.step_buckets)) or "off"
         print(f"[bench_engine] engine K={K}, insert width {eng.insert_width}, step buckets {sb_name}: "
@@ -213,6 +254,11 @@ def main(argv=None) -> int:
     if timelines:
         print_timelines(timelines)
     return 0
+
+
+def engine_width(args, draft):
+    """Slots' verify_width for --verify-width: None (the fixed-trip step) for block or no draft."""
+    return None if draft is None or args.verify_width == "block" else args.verify_width
 
 
 def traced(root: str, name: str, fn) -> dict:
@@ -281,13 +327,15 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
     def gen(rows):
         def fn(n):
             t0 = time.perf_counter()
-            r = generate(target, draft, P[:rows], max_new_tokens=n + 1, capacity=C, block_size=S, stop_token_ids=[])
+            r = generate(target, draft, P[:rows], max_new_tokens=n + 1, capacity=C, block_size=S, stop_token_ids=[],
+                         verify_width=args.verify_width if draft is not None else "block")
             assert r.num_iterations == n, (r.num_iterations, n)
             return time.perf_counter() - t0
         return fn
 
-    eng = Slots(target, draft, slots=B, capacity=C, block_size=S, steps=K, insert_width=min(W, B), step_buckets=sb)
-    half = eng.step_bucket(B // 2)
+    eng = Slots(target, draft, slots=B, capacity=C, block_size=S, steps=K, insert_width=min(W, B), step_buckets=sb,
+                verify_width=engine_width(args, draft))
+    half = eng.step_bucket(args.breakdown_rows or B // 2)
 
     def step(rows, bucketed=True):
         def fn(n):
@@ -314,7 +362,7 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
         return (time.perf_counter() - t0) / reps * 1e3
 
     print(f"[bench_engine] breakdown on {jax.devices()[0].device_kind}: slots {B}, K {K}, capacity {C}, "
-          f"prompt {L}, iterations {n1}..{n2}", file=sys.stderr, flush=True)
+          f"prompt {L}, iterations {n1}..{n2}, verify width {args.verify_width}", file=sys.stderr, flush=True)
     g_full, g_half = per_iter(gen(B)), per_iter(gen(half))
     e_full, e_half, e_half_full = per_iter(step(B)), per_iter(step(half)), per_iter(step(half, bucketed=False))
     print("| program | rows | ms per iteration | / generate's |")
@@ -328,8 +376,12 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
         print(f"| insert (prefill of {w}, prompt bucket {eng.prompt_bucket(L)}) | {w} | {insert(w):.3f} ms per call | |")
     if args.trace:       # the same n2 iterations of generate's loop and of full-width steps, traced
         from bench_gpu import _family                       # kernel name, digits as '#'
-        runs = [("generate's loop", traced(args.trace, "generate", lambda: gen(B)(n2))),
-                ("engine step, full width", traced(args.trace, "step", lambda: step(B)(n2)))]
+        if args.breakdown_rows:      # the bucket against generate at its rows
+            runs = [(f"generate's loop, {half} rows", traced(args.trace, "generate", lambda: gen(half)(n2))),
+                    (f"engine step, bucket {half}", traced(args.trace, "step", lambda: step(half)(n2)))]
+        else:
+            runs = [("generate's loop", traced(args.trace, "generate", lambda: gen(B)(n2))),
+                    ("engine step, full width", traced(args.trace, "step", lambda: step(B)(n2)))]
         print_timelines(runs)
         print(f"\nkernels whose time differs most, ms per iteration ({n2} iterations traced each):")
         print("| kernel (digits as #) | generate's loop | engine step | difference | launches per iteration (gen / step) |")
