@@ -138,7 +138,9 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     if longest + 1 + S > C or Tb > C:
         raise ValueError(f"prompt of {longest} tokens (bucket {Tb}) plus a block of {S} does not fit the "
                          f"KV-cache capacity {C}; raise capacity or shorten the prompt")
-    mesh = resolve_mesh(o.mesh, target, draft)
+    tdef, tstate = nnx.split(target)
+    ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
+    mesh = resolve_mesh(o.mesh, tstate, dstate)
     # a power of two, and a multiple of the data axis (every data shard gets whole rows; the
     # padding rows are inactive)
     B = round_up(pow2(len(rows), 1), 1 if mesh is None else sharding.data_axis_size(mesh))
@@ -150,8 +152,6 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     active = np.arange(B) < len(rows)
     kernels = kernels_from(o.kernels, o.attention_impl).resolve()
     mode = sampling.mode_for(temperature, top_p, top_k)
-    tdef, tstate = nnx.split(target)
-    ddef, dstate = nnx.split(draft) if draft is not None else (None, None)
     st = make_static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
                      prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh,
                      adaptive=o.verify_width != "block", verify_width=o.verify_width)

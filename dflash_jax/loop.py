@@ -72,6 +72,15 @@ class Static:
     # benchmark only (_simulated_acceptance): each row's acceptance drawn from Params.sim_survival
     simulate: bool = False
 
+    def __hash__(self) -> int:
+        # Computed once per key: hashing a 36-layer target's GraphDef walks every node (~7 ms of
+        # host time), and one generate() call looks its key up in several caches.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 @struct.dataclass
 class Params:
@@ -599,15 +608,16 @@ def _simulated_acceptance(survival):
 
 def resolve_mesh(mesh, target, draft):
     """The program's mesh: `mesh` (a Mesh or a make_mesh spec) or, when None, the one the target's
-    parameters are on. Both models must sit on it (one-line errors otherwise)."""
+    parameters are on. Both models must sit on it (one-line errors otherwise). target and draft
+    may be the models or their nnx.States (sharding.mesh_of)."""
     on = sharding.mesh_of(target)
     mesh = on if mesh is None else sharding.as_mesh(mesh)
     hint = "load it with load_target/load_draft(..., mesh=) or place it with sharding.shard_model"
     if on != mesh:
         raise ValueError(f"the target's parameters are on {_mesh_name(on)}, generate was given {_mesh_name(mesh)}; {hint}")
-    if draft is not None and sharding.mesh_of(draft) != mesh:
-        raise ValueError(f"the draft's parameters are on {_mesh_name(sharding.mesh_of(draft))}, the target's on "
-                         f"{_mesh_name(mesh)}; {hint}")
+    d = None if draft is None else sharding.mesh_of(draft)
+    if draft is not None and d != mesh:
+        raise ValueError(f"the draft's parameters are on {_mesh_name(d)}, the target's on {_mesh_name(mesh)}; {hint}")
     return mesh
 
 

@@ -105,10 +105,14 @@ def as_mesh(mesh) -> Mesh | None:
 
 def mesh_of(model) -> Mesh | None:
     """The ('data', 'model') mesh `model`'s parameters are placed on (None: not on one). Every
-    parameter must be on the same mesh."""
+    parameter must be on the same mesh. `model` may also be its nnx.State (from an nnx.split the
+    caller made anyway: walking a 36-layer model's graph again costs tens of ms of host time)."""
     from flax import nnx
     meshes = set()
-    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
+    for _, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Param):
+            continue
         sh = getattr(var.get_value(), "sharding", None)
         meshes.add(sh.mesh if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == AXES else None)
     if len(meshes) > 1:

@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--requests", type=int, default=None, help="requests per run (default 200)")
     w.add_argument("--requests-at-1", type=int, default=None, help="requests of the concurrency-1 run")
-    w.add_argument("--concurrency", default=None, help="comma list (default 1,8,16,32)")
+    w.add_argument("--concurrency", default=None,
+                   help="comma list of C (default 1,8,16,32), or CxN for C concurrent over N requests (default --requests)")
     w.add_argument("--rates", default=None, help="comma list of Poisson arrival rates, requests/s (default none)")
     w.add_argument("--prompt-len", default=None, help="MIN,MAX prompt tokens (default 16,60)")
     w.add_argument("--max-tokens", default=None, help="MIN,MAX per request, uniform (default 8,48)")
@@ -376,14 +377,21 @@ def main(argv=None) -> int:
     args.dtype = args.dtype or ("bfloat16" if args.random or args.preset else "float32")
     args.prompt_lo, args.prompt_hi = _pair(args.prompt_len)
     lo, hi = _pair(args.max_tokens)
-    conc = [int(x) for x in str(args.concurrency).split(",") if x]
+    try:     # C, or CxN: concurrency C over N requests (a longer run beside a short one on one server)
+        conc = [tuple(int(y) for y in x.split("x")) if "x" in x else (int(x),)
+                for x in str(args.concurrency).split(",") if x]
+    except ValueError:
+        p.error(f"--concurrency: give a comma list of C or CxN (N requests), got {args.concurrency!r}")
+    if any(len(c) not in (1, 2) or min(c) < 1 for c in conc):
+        p.error(f"--concurrency: give a comma list of C or CxN with C, N >= 1, got {args.concurrency!r}")
     rates = [float(x) for x in str(args.rates).split(",") if x]
     if not 1 <= args.prompt_lo <= args.prompt_hi or not 1 <= lo <= hi or args.requests < 1:
         p.error("--prompt-len and --max-tokens need 1 <= MIN <= MAX, --requests >= 1")
 
-    prompts = make_prompts(args, args.requests)
+    n_jobs = max([args.requests] + [c[1] for c in conc if len(c) == 2])
+    prompts = make_prompts(args, n_jobs)
     rng = np.random.RandomState(args.seed + 2)
-    jobs = [(pr, int(n)) for pr, n in zip(prompts, rng.randint(lo, hi + 1, size=args.requests))]
+    jobs = [(pr, int(n)) for pr, n in zip(prompts, rng.randint(lo, hi + 1, size=n_jobs))]
     report = dict(settings={k: v for k, v in vars(args).items() if k != "server_arg"}, servers=[])
     failed = False
     for plain in ([False, True] if args.compare_plain else [False]):
@@ -402,15 +410,17 @@ def main(argv=None) -> int:
         try:
             model = json.loads(_get(url, "/v1/models"))["data"][0]["id"]
             one_request(url, model, jobs[0][0], min(jobs[0][1], 4), args.timeout)     # warm the HTTP path
-            loads = [("concurrency", c) for c in conc] + [("rate", r) for r in rates]
-            for kind, v in loads:
-                n = args.requests_at_1 if kind == "concurrency" and v == 1 and args.requests_at_1 else args.requests
+            loads = [("concurrency", c) for c in conc] + [("rate", (r,)) for r in rates]
+            for kind, (v, *given) in loads:
+                n = given[0] if given else (
+                    args.requests_at_1 if kind == "concurrency" and v == 1 and args.requests_at_1 else args.requests)
                 c0 = _compiles(url)
                 recs, wall = run_load(url, model, jobs[:n], concurrency=int(v) if kind == "concurrency" else None,
                                       rate=v if kind == "rate" else None, seed=args.seed, timeout=args.timeout)
                 c1 = _compiles(url)
                 s = summarize(recs, wall)
-                s.update(load=f"concurrency {int(v)}" if kind == "concurrency" else f"Poisson {v:g}/s",
+                s.update(load=(f"concurrency {int(v)}" + (f", {n} requests" if given else "")) if kind == "concurrency"
+                         else f"Poisson {v:g}/s",
                          compiles=None if c0 is None else int(c1 - c0))
                 runs.append(s)
                 all_recs.append(recs)
