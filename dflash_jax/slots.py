@@ -479,6 +479,7 @@ class Slots:
             for n in self.step_buckets or (self.slots,):
                 self._step_program(m, n)
                 self.profile_widths(m, n)
+                self._width_params(m, n)          # built now, not on a request's first step
             for n in sorted({self.prompt_bucket(n) for n in prompt_lengths}):
                 for w in self.insert_widths():
                     self._insert_program(n, m, w)

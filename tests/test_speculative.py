@@ -182,6 +182,22 @@ def test_speculative_loop_compiles_once_and_is_one_dispatch(random_pair, monkeyp
     assert len(calls) == 3  # one device dispatch per generation
 
 
+@pytest.mark.parametrize("verify_width", ["block", "auto"])
+def test_a_call_hashes_each_graph_definition_once(random_pair, monkeypatch, verify_width):
+    """One generate() call hashes the target's and the draft's graph definitions once each (a
+    36-layer target's hash walks every node, ~7 ms of host time; the call looks its compile key up
+    in several caches) and its tokens are unchanged."""
+    from flax.nnx import graphlib
+    target, draft = random_pair["target"], random_pair["draft"]
+    want = generate(target, draft, [[4, 5, 6]], max_new_tokens=12, block_size=8, verify_width=verify_width)
+    hashes = []
+    real = graphlib.GraphDef.__hash__
+    monkeypatch.setattr(graphlib.GraphDef, "__hash__", lambda self: hashes.append(1) or real(self))
+    got = generate(target, draft, [[4, 5, 6]], max_new_tokens=12, block_size=8, verify_width=verify_width)
+    assert got.tokens == want.tokens
+    assert len(hashes) <= 2, f"{len(hashes)} graph-definition hashes in one call"
+
+
 def test_block_size_one_is_plain_decoding(random_pair):
     prompts = random_prompts(2, 127, seed=5)
     a = generate(random_pair["target"], random_pair["draft"], prompts, max_new_tokens=12, block_size=1)
