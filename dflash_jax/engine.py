@@ -474,7 +474,7 @@ class SlotEngine(_EngineCore):
 
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
-                 steps: int = 4, insert_width: int | None = None, kernels=None,
+                 steps: int | str = 4, insert_width: int | None = None, kernels=None,
                  warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto",
                  verify_width=None):
         if not isinstance(max_queue, int) or max_queue < 0:

@@ -637,6 +637,16 @@ class _Timing:
 
 
 # ----------------------------------------------------------------------------------------- command
+def _engine_steps(text: str):
+    """--engine-steps: an integer or auto (argparse type: a bad value is a one-line error)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give an integer >= 1 or auto, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dflash_jax.cli.generate import add_model_args, add_width_args
 
@@ -652,8 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", help="the model id clients send (default: --model)")
     g.add_argument("--slots", type=int, default=1,
                    help="requests decoded at once (> 1: the continuous-batching slot engine; 1: one at a time)")
-    g.add_argument("--engine-steps", type=int, default=4,
-                   help="loop iterations per engine step between admissions (--slots > 1)")
+    g.add_argument("--engine-steps", type=_engine_steps, default="auto", metavar="{N,auto}",
+                   help="loop iterations per engine step between admissions (--slots > 1); auto (default): 4 in a "
+                        "step over fewer than 16 rows, 2 over more")
     g.add_argument("--insert-width", type=int, default=None,
                    help="most arrivals prefilled in one call (--slots > 1; default min(slots, 8))")
     # --verify-width: the slot engine's (--slots > 1), per step; its default is auto there (_check)
@@ -716,8 +727,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     cli.check_args(parser, args)
     if args.slots < 1:
         parser.error(f"--slots must be >= 1, got {args.slots}")
-    if args.engine_steps < 1:
-        parser.error(f"--engine-steps must be >= 1, got {args.engine_steps}")
+    if args.engine_steps != "auto" and args.engine_steps < 1:
+        parser.error(f"--engine-steps must be >= 1 or auto, got {args.engine_steps}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.insert_width is not None and args.insert_width < 1:

@@ -246,6 +246,21 @@ def platform_of(tree) -> str:
     return next(iter(jax.tree.leaves(tree)[0].devices())).platform
 
 
+# steps="auto": iterations per step by the step program's row count. Served on the H200 (Qwen3-8B
+# shapes, simulated tau 6.35, docs/perf-log.md session 30): one busy row ran fastest at K = 4 (831
+# tok/s against 798 at 2 and 766 at 1); 32 concurrent requests at K = 2 (6,606 against 5,854 at 4 and
+# 5,530 at 1): with many rows a row that ends mid-step idles, and an arrival waits, for the rest of it.
+STEPS_AUTO_WIDE = 16     # step programs over this many rows or more run 2 iterations a step, others 4
+
+
+def steps_for_rows(steps, rows: int) -> int:
+    """Iterations per step of a step program over `rows` rows: `steps` itself, or for "auto" 4
+    below STEPS_AUTO_WIDE rows and 2 from it up."""
+    if steps == "auto":
+        return 2 if rows >= STEPS_AUTO_WIDE else 4
+    return int(steps)
+
+
 def offline_defaults(platform: str) -> dict:
     """An offline job's engine settings by platform, measured (BENCHMARKS.md): K (iterations per
     step) 8 and refills of >= 3 slots on an accelerator, K 4 and immediate refills on CPU."""
@@ -256,7 +271,8 @@ class Slots:
     """The device side of continuous batching: `slots` rows of loop state, each a request or free.
 
     insert(items) prefills requests into free slots (grouped by prompt bucket, up to `insert_width`
-    rows per prefill program, default min(slots, 8)), step() runs `steps` iterations over all slots, release(slot) frees
+    rows per prefill program, default min(slots, 8)), step() runs `steps` iterations over all slots ("auto": 4 in a step over
+    fewer than STEPS_AUTO_WIDE rows, 2 over more; steps_for), release(slot) frees
     a slot at the next step. Every program is compiled once per (slots, capacity, block, sampling
     mode, prompt bucket / insert width, step bucket) and cached with generate's programs
     (compile_count counts them). capacity: KV entries per slot; a request needs prompt + max_new
@@ -272,11 +288,13 @@ class Slots:
     """
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
-                 steps: int = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
+                 steps: int | str = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
                  step_buckets="auto", verify_width=None):
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
             insert_width = min(slots, 8) if validation.is_int(slots) else 1
-        for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2), ("steps", steps, 1),
+        if steps != "auto" and (not validation.is_int(steps) or steps < 1):
+            raise ValueError(f"steps must be an integer >= 1 or 'auto', got {steps!r}")
+        for name, v, lo in (("slots", slots, 1), ("capacity", capacity, 2),
                             ("insert_width", insert_width, 1)):
             if not validation.is_int(v) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -297,7 +315,8 @@ class Slots:
         self.verify_width = verify_width if draft is not None else None
         self.target, self.draft = target, draft
         self.slots, self.capacity, self.block_size = int(slots), int(capacity), S
-        self.steps, self.insert_width = int(steps), int(insert_width)
+        self.steps = steps if steps == "auto" else int(steps)   # iterations per step (steps_for)
+        self.insert_width = int(insert_width)
         self.max_model_len = self.capacity - S
         self.kernels = kernels_from(kernels, attention_impl).resolve()
         # the models' mesh (both must be on the same one): slots on 'data', the model on 'model'
@@ -354,6 +373,10 @@ class Slots:
                              f"gathered across data shards; pass step_buckets=None there")
         return tuple(sorted({int(b) for b in values} | {self.slots}))
 
+    def steps_for(self, rows: int) -> int:
+        """Iterations one step over `rows` rows (a step bucket) runs (steps_for_rows)."""
+        return steps_for_rows(self.steps, rows)
+
     def step_bucket(self, n_busy: int) -> int:
         """The row count a step over n_busy busy slots runs (the smallest bucket >= n_busy)."""
         return next((b for b in self.step_buckets if b >= n_busy), self.slots)
@@ -395,7 +418,8 @@ class Slots:
     def _step_key(self, mode: str, rows: int | None):
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
         full = rows is None or rows == self.slots
-        return st, (("engine_step", st, self.steps) if full else ("engine_step_rows", st, self.steps, rows))
+        K = self.steps_for(self.slots if rows is None else rows)
+        return st, (("engine_step", st, K) if full else ("engine_step_rows", st, K, rows))
 
     def _step_program(self, mode: str, rows: int | None = None):
         """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them).
@@ -408,11 +432,11 @@ class Slots:
         st, key = self._step_key(mode, rows)
         wp = width_params(st)
         if rows == self.slots:
-            prog = cached_program(key, _slots_step, (st, self.steps),
+            prog = cached_program(key, _slots_step, (st, self.steps_for(rows)),
                                   (self._tstate, self._dstate, self.state, self._put(self._release), wp), donate=(2,))
         else:
             idx = self._put(np.arange(rows, dtype=np.int32))
-            prog = cached_program(key, _slots_step_rows, (st, self.steps),
+            prog = cached_program(key, _slots_step_rows, (st, self.steps_for(rows)),
                                   (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx),
                                   donate=(2,))
         self._programs[(mode, rows)] = prog
@@ -466,7 +490,7 @@ class Slots:
             self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
                                              self._width_params(mode, n, i), *idx)
             jax.block_until_ready(commits)
-            return time.perf_counter() - t0, 0.0, self.steps
+            return time.perf_counter() - t0, 0.0, self.steps_for(n)
         width_costs(key, time_width, len(st.widths))
         self._wps.pop((mode, n), None)            # the step's width fields now carry these costs
 
@@ -640,7 +664,7 @@ class Slots:
             for slot, i in list(owner.items()):
                 if slot in free or i not in toks or len(free) >= len(waiting):
                     continue
-                if toks[i] and requests[i].max_new - len(toks[i]) <= self.steps * pipe.steps_in_flight(slot, i):
+                if toks[i] and requests[i].max_new - len(toks[i]) <= pipe.iterations_in_flight(slot, i):
                     free.append(slot)
 
         while waiting or owner or pipe:
@@ -712,6 +736,10 @@ class Pipeline:
     def steps_in_flight(self, slot: int, owner) -> int:
         """Steps dispatched for `owner` in `slot` and not read yet."""
         return sum(1 for kind, _, who in self._inflight if kind == "step" and who.get(slot) == owner)
+
+    def iterations_in_flight(self, slot: int, owner) -> int:
+        """Iterations of those steps (each step's own K: its commits' first dimension)."""
+        return sum(arrays[0].shape[0] for kind, arrays, who in self._inflight if kind == "step" and who.get(slot) == owner)
 
     def clear(self) -> None:
         """Forget what is in flight (nobody waits for it, or a program failed)."""

@@ -43,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRESETS = {
     "qwen3-8b": dict(requests=96, requests_at_1=24, concurrency="1,8,32", rates="8,24", prompt_len="65,128",
-                     max_tokens="64,128", slots=32, capacity=1024, engine_steps=4),
+                     max_tokens="64,128", slots=32, capacity=1024, engine_steps="auto"),
 }
 
 
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mesh")
     g.add_argument("--slots", type=int, default=None, help="default 8 (preset: its own)")
     g.add_argument("--capacity", type=int, default=None, help="default 512 (preset: its own)")
-    g.add_argument("--engine-steps", type=int, default=None, help="default 4")
+    g.add_argument("--engine-steps", default=None, help="iterations per engine step: N or auto (the server's default)")
     g.add_argument("--insert-width", type=int, default=None, help="most arrivals per prefill (server default)")
     g.add_argument("--step-buckets", help="the server's --step-buckets (auto, none, 1,2,4,...; server default)")
     g.add_argument("--server-arg", action="append", help="one more flag for the server (repeatable)")
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     pre = PRESETS.get(args.preset, {})
     d = dict(requests=200, requests_at_1=None, concurrency="1,8,16,32", rates="", prompt_len="16,60",
-             max_tokens="8,48", slots=8, capacity=512, engine_steps=4, **{})
+             max_tokens="8,48", slots=8, capacity=512, engine_steps="auto", **{})
     for k, v in {**d, **pre}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -165,6 +165,27 @@ def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(pair, monke
         assert r.tokens == generate(pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
 
 
+def test_auto_steps_run_4_iterations_over_few_rows_and_2_over_many(pair, monkeypatch):
+    """steps="auto": a step over fewer than STEPS_AUTO_WIDE rows runs 4 iterations, one over more
+    runs 2 (the threshold lowered to 2 rows here, so 3 slots show both); refilling ahead counts
+    each step's own iterations, and every request's tokens equal plain decoding's."""
+    import dflash_jax.slots as slots_mod
+    monkeypatch.setattr(slots_mod, "STEPS_AUTO_WIDE", 2)
+    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps="auto")
+    assert [eng.steps_for(n) for n in (1, 2, 3)] == [4, 2, 2]
+    eng.insert([(0, RowRequest(prompt=(5, 6, 7), max_new=30))])
+    assert np.asarray(eng.step_async([0])[0]).shape[0] == 4          # bucket 1
+    assert np.asarray(eng.step_async()[0]).shape[0] == 2             # every slot
+    eng.release(0)
+    ps, ns = prompts(7, seed=8), [5, 17, 9, 3, 12, 2, 8]
+    out = eng.run(rows(ps, ns), refill_ahead=True)
+    assert {1, 3} <= set(eng.bucket_steps), eng.bucket_steps
+    for p, n, r in zip(ps, ns, out):
+        assert r.tokens == generate(pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
+    with pytest.raises(ValueError, match="steps must be an integer >= 1 or 'auto'"):
+        Slots(*pair, slots=SLOTS, capacity=CAP, steps="fast")
+
+
 def test_union_mode():
     assert union_mode(["greedy", "greedy"]) == "greedy"
     assert union_mode(["greedy", "sample"]) == "sample"

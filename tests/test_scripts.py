@@ -87,6 +87,14 @@ def test_bench_engine_table_and_breakdown_smoke(tmp_path):
     # --trace: both programs traced, their device timelines and the kernels that differ
     assert "| generate's loop |" in out and "kernels whose time differs most" in out, out
     assert "jit__slots_step" in out, out
+    # adaptive programs: the engine at a simulated acceptance, and the breakdown of one step bucket
+    out = _run(["scripts/bench_engine.py", "--tiny", "--prompts", "4", "--slots", "2", "--steps", "2", "--min-new", "4",
+                "--max-new", "12", "--max-prompt", "24", "--verify-width", "auto", "--simulated-tau", "2.5"], tmp_path)
+    assert "SIMULATED ACCEPTANCE (geometric survival at tau 2.5), verify width auto" in out, out
+    assert sum(line.startswith("| engine, K=2") for line in out.splitlines()) == 1, out
+    out = _run(["scripts/bench_engine.py", "--tiny", "--breakdown", "--breakdown-rows", "1", "--verify-width", "7",
+                "--prompts", "2", "--slots", "2", "--steps", "2", "--max-prompt", "24"], tmp_path)
+    assert "| engine step, bucket 1 | 1 |" in out, out
 
 
 def test_bench_moe_smoke(tmp_path):
