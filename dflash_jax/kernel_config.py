@@ -51,12 +51,10 @@ gdn (the Gated DeltaNet layers' short blocks, decode and verify, of Qwen3.5 hybr
                 gated_delta) on GPU; on CPU the same kernels interpreted; on TPU "xla"
   "pallas_gpu"  force the Triton kernel (a CUDA export from a CPU host)
   resolved only (tests): "pallas_gpu_interpret"
-gdn_block_v       value dims per kernel program (default 16; 0 or >= the head's dv: all of a head's,
+gdn_block_v       value dims per kernel program (default 32; 0 or >= the head's dv: all of a head's,
                   the gated output norm fused into the kernel; smaller: more programs, the norm
                   left to XLA). 32 measured faster than the whole head (128) at every H200 point:
-                  B = 1 iteration 6.49 against 8.80 ms, B = 32 23.75 against 39.51 (session 26);
-                  16 with the verify block's warps of gated_delta.gpu.warps_for: see
-                  docs/hybrid-targets.md, session 31
+                  B = 1 iteration 6.49 against 8.80 ms, B = 32 23.75 against 39.51
 
 while_graphs (CUDA only; resolve() sets it False on every other backend, where it means nothing):
   None (default) -> True on CUDA: the program is compiled with XLA's CUDA-graph command buffers
@@ -134,7 +132,7 @@ class KernelConfig:
     tpu_mlp: bool | None = None      # None: on for pallas_tpu (off in the interpreter, where it is slow)
     moe_gmm: str = "auto"            # MoE experts' grouped matmul (MOE_GMM; module doc)
     gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
-    gdn_block_v: int = 16            # value dims per GDN kernel program (0: the head's dv)
+    gdn_block_v: int = 32            # value dims per GDN kernel program (0: the head's dv)
     while_graphs: bool | None = None  # CUDA: while loops / conditionals in command buffers (module doc)
 
     def __post_init__(self):

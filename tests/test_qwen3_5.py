@@ -342,12 +342,12 @@ def test_gdn_kernel_interpreted_equals_the_xla_block_and_its_fold(pair):
 
 
 def test_kernel_config_gdn_resolves():
-    """The default "auto": the Triton block kernel with 16 value dims per program on GPU (the H200 A/Bs), the XLA
+    """The default "auto": the Triton block kernel with 32 value dims per program on GPU (the H200 A/B), the XLA
     forms on CPU and TPU; a block_v at or past dv is the whole head (the norm fused)."""
     from dflash_jax import KernelConfig
     from pallas_kernels.gated_delta import block_supported
     gpu = KernelConfig().resolve("gpu", device=None)
-    assert (gpu.gdn, gpu.gdn_block_v) == ("pallas_gpu", 16)
+    assert (gpu.gdn, gpu.gdn_block_v) == ("pallas_gpu", 32)
     for backend in ("cpu", "tpu"):
         assert KernelConfig().resolve(backend).gdn == "xla"
     assert KernelConfig(gdn="pallas").resolve("cpu").gdn == "pallas_gpu_interpret"

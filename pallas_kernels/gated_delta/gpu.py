@@ -129,18 +129,6 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
     g_out[...] = G_vec
 
 
-def warps_for(T: int, dk: int, bv: int) -> int:
-    """Warps per program of `gdn_block`: a decode step (T = 1) 4 for state blocks up to 128 x 64,
-    else 8; a verify block walks its T tokens in order, each a reduction over dk, so fewer warps
-    (less cross-warp reduction per token) win: one per 128 x 16 of state, 1 to 4. H200, Qwen3.5-9B
-    widths, B = 1, T = 16, us per layer (scripts/bench_gdn_kernel.py, session 31): bv 16 with 1 /
-    2 / 4 / 8 warps 38.7 / 40.1 / 45.2 / 54.5, bv 32 49.9 / 43.3 / 46.1 / 52.4, bv 128 893 / 225 /
-    56.7 / 140; T = 1 within +-2 us of each other from 2 warps up at bv 16-64."""
-    if T == 1:
-        return 4 if dk * bv <= 128 * 64 else 8
-    return max(1, min(4, dk * bv // (128 * 16)))
-
-
 def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int, key_dim: int,
               value_dim: int, norm_eps: float, block_v: int = 0, num_warps: int = 0, interpret: bool = False):
     """One GDN layer's mixing of a block from its projection output.
@@ -148,7 +136,7 @@ def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: 
     p [B, T, C + HV dv + 2 HV] the fused input projection (conv channels q | k | v, then z, b, a),
     window [B, K-1, C] the conv inputs before the block, conv_w [C, K], A_log / dt_bias [HV],
     norm_w [dv] (the gated output norm), state [B, HV, dk, dv] float32 (read only).
-    num_warps: 0 picks `warps_for(T, dk, bv)`.
+    num_warps: 0 picks 4 for state blocks up to 128 x 64, else 8.
     Returns (o, records): o [B, T, HV dv] in p's dtype (block_v 0 or dv: the gated norm applied)
     or [B, T, HV, dv] float32 (block_v < dv: before the norm); records (k [B, HV, T, dk] l2-normed,
     G [B, HV, T] cumulative log decay, delta [B, HV, T, dv]), all float32."""
@@ -163,7 +151,7 @@ def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: 
         raise Unsupported(f"gdn_block: p {p.shape}, window {window.shape}, conv {conv_w.shape}, "
                           f"state {state.shape}, HK {HK}, block_v {block_v}")
     fuse = bv == dv
-    num_warps = num_warps or warps_for(T, dk, bv)
+    num_warps = num_warps or (4 if dk * bv <= 128 * 64 else 8)   # the state block: <= 64 f32 per thread
     nv = dv // bv
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, j: (0,) * len(shape))
     if fuse:
