@@ -86,7 +86,7 @@ class GenerateOptions:
     mesh: Any = None
     slots: int | None = None
     step_buckets: Any = "auto"
-    verify_width: Any = "block"
+    verify_width: Any = "auto"
 
     def program(self) -> dict:
         """The keywords that decide the one-shot program and its inputs (every field but the
@@ -244,12 +244,13 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit. On a
     mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
-    `verify_width`: drafts the target verifies per iteration: "block" (default: the whole block, a
-    program with one verify width), "auto" (chosen per iteration on the device from measured
-    per-width costs and the acceptance seen, docs/adaptive-width.md; its program holds the widths
-    of width.program_widths, 0, 3 and 15 at block 16, and compiles ~2x as long) or one of 0, 1, 3,
-    7, ... S-1 (0: plain decoding; S-1: the whole block; a width outside that set is compiled into
-    the program too). Lossless at every width.
+    `verify_width`: drafts the target verifies per iteration: "auto" (default: chosen per iteration
+    on the device from measured per-width costs and the acceptance seen, docs/adaptive-width.md;
+    its program holds the widths of width.program_widths, 0, 3 and 15 at block 16, compiles ~2x as
+    long as one width and times each width once per program before its first call), "block" (the
+    whole block, a program with one verify width: the acceptance lengths the paper and the
+    reference report) or one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the whole block; a
+    width outside that set is compiled into the program too). Lossless at every width.
     With `slots`, "auto" runs the engine's whole-block step programs (a number runs the adaptive ones).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(GenerateOptions)}

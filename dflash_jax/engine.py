@@ -438,7 +438,8 @@ class SimpleEngine(_EngineCore):
         res = self._generate(self.target, self.draft, [list(r.prompt)], max_new_tokens=r.max_tokens,
                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                              stop_token_ids=stops or None, block_size=self.block_size, seed=r.seed,
-                             attention_impl=self.attention_impl, capacity=self.capacity, on_commit=on_commit)
+                             attention_impl=self.attention_impl, capacity=self.capacity, on_commit=on_commit,
+                             verify_width="block")   # one slot verifies whole blocks (serve --verify-width)
         if h.cancelled:
             return
         final = [int(t) for t in res.tokens[0]]

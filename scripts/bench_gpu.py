@@ -337,12 +337,12 @@ class Bench:
         kw.setdefault("block_size", self.s.block if draft is not None else None)
         try:
             return generate(target, draft, prompts, max_new_tokens=n_new, capacity=capacity,
-                            stop_token_ids=None, seed=0, **kw)
+                            stop_token_ids=None, seed=0, **kw, verify_width="block")
         except TypeError as e:
             if "capacity" not in str(e):
                 raise
             log("generate() takes no capacity=: timing without it (N1/N2 may compile apart)")
-            return generate(target, draft, prompts, max_new_tokens=n_new, stop_token_ids=None, seed=0, **kw)
+            return generate(target, draft, prompts, max_new_tokens=n_new, stop_token_ids=None, seed=0, **kw, verify_width="block")
 
     def time_loop(self, key: str, *, dflash: bool, batch: int, prompt_len: int, n1: int, n2: int,
                   reps: int | None = None, **kw) -> dict:
@@ -462,7 +462,7 @@ class Bench:
         def one(item):
             key, dfl, b, pl, n2, kw = item
             args, kwargs = self._generate_args(dfl, b, pl, n2, kw)
-            return key, decode.precompile(*args, **kwargs)
+            return key, decode.precompile(*args, **kwargs, verify_width="block")
 
         res = {}
         t0 = time.perf_counter()
@@ -507,7 +507,7 @@ class Bench:
         for impl in impls:
             for name, d in (("plain", None), ("dflash", draft)):
                 r = generate(target, d, prompts, max_new_tokens=n, capacity=1024,
-                             **self.with_kernels(dict(attention_impl=impl)))
+                             **self.with_kernels(dict(attention_impl=impl)), verify_width="block")
                 outs[(name, impl)] = r.tokens
         res = {}
 
@@ -1079,7 +1079,7 @@ class Bench:
         try:
             from dflash_jax import decode
             args, kwargs = self._generate_args(True, 1, s.prompt, s.n2, {})
-            names = hlo_op_names(decode.compiled_program(*args, **kwargs)[0].as_text())
+            names = hlo_op_names(decode.compiled_program(*args, **kwargs, verify_width="block")[0].as_text())
             ph, sc, unmapped = {}, {}, 0.0
             for hlo in set(a["by_hlo"]) | set(b["by_hlo"]):
                 us = (b["by_hlo"].get(hlo, 0.0) - a["by_hlo"].get(hlo, 0.0)) / di

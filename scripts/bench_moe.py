@@ -331,7 +331,7 @@ class MoeBench:
             ts, iters = [], None
             for _ in range(a.repeats):
                 t = time.perf_counter()
-                r = generate(self.target, draft, prompts, max_new_tokens=n, **kw)
+                r = generate(self.target, draft, prompts, max_new_tokens=n, **kw, verify_width="block")
                 ts.append(time.perf_counter() - t)
                 iters = max(len(x) for x in r.acceptance_lengths)
             return statistics.median(ts), iters

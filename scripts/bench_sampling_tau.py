@@ -47,9 +47,9 @@ def main() -> int:
     rows = []
     for name, temp, top_p, top_k in SETTINGS:
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=temp, top_p=top_p, top_k=top_k)
-        generate(target, draft, prompts[:args.batch], seed=0, **kw)               # compile
-        res = generate(target, draft, prompts[:args.batch], seed=1, **kw)
-        short = generate(target, draft, prompts[:args.batch], seed=1, **{**kw, "max_new_tokens": 8})
+        generate(target, draft, prompts[:args.batch], seed=0, **kw, verify_width="block")               # compile
+        res = generate(target, draft, prompts[:args.batch], seed=1, **kw, verify_width="block")
+        short = generate(target, draft, prompts[:args.batch], seed=1, **{**kw, "max_new_tokens": 8}, verify_width="block")
         ms_iter = 1000 * (res.run_time_s - short.run_time_s) / max(1, res.num_iterations - short.num_iterations)
         per_req = [np.mean(a) for a in res.acceptance_lengths if a]
         ref_lengths = []

@@ -55,14 +55,14 @@ def main() -> int:
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stop, block_size=args.block_size,
               kernels=KernelConfig(xla_kv_chunk=args.kv_chunk))
-    decode.generate(target, draft, [prompts[0]], **kw)          # compile outside the trace
+    decode.generate(target, draft, [prompts[0]], **kw, verify_width="block")          # compile outside the trace
     out = tempfile.mkdtemp(prefix="cpu_profile_")
     iters, run_s, tokens = 0, 0.0, 0
     with jax.profiler.trace(out, create_perfetto_trace=True):
         for p in prompts:
-            r = decode.generate(target, draft, [p], **kw)
+            r = decode.generate(target, draft, [p], **kw, verify_width="block")
             iters, run_s, tokens = iters + r.num_iterations, run_s + r.run_time_s, tokens + len(r.tokens[0])
-    fn, _ = decode.compiled_program(target, draft, [prompts[0]], **kw)
+    fn, _ = decode.compiled_program(target, draft, [prompts[0]], **kw, verify_width="block")
     defs = {}
     for line in fn.as_text().splitlines():
         m = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (\S+).*?(?:op_name=\"([^\"]*)\")?", line)

@@ -291,7 +291,7 @@ def check(args, argv: list[str], jobs, all_recs: list[list[dict]]) -> list[str]:
     target, draft, _, _, _ = serve._load(sp, a)
     problems = []
     want = [generate(target, draft, [p], max_new_tokens=n, capacity=a.capacity, block_size=a.block_size,
-                     attention_impl=a.attention).tokens[0] for p, n in jobs]
+                     attention_impl=a.attention, verify_width="block").tokens[0] for p, n in jobs]
     for recs in all_recs:
         for i, r in enumerate(recs):
             if r["error"] is not None:

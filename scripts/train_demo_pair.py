@@ -968,7 +968,7 @@ def reference_check(run: Run, sets: dict) -> dict:
             r = dflash_generate(rd, hf, torch.tensor([p], dtype=torch.long), REFERENCE_NEW_TOKENS, None,
                                 temperature=0.0, block_size=S, return_stats=True)
             theirs, their_acc = r.output_ids[0, len(p):].tolist(), [int(a) for a in r.acceptance_lengths]
-            o = dj.generate(target, draft, [p], max_new_tokens=REFERENCE_NEW_TOKENS, block_size=S, temperature=0.0)
+            o = dj.generate(target, draft, [p], max_new_tokens=REFERENCE_NEW_TOKENS, block_size=S, temperature=0.0, verify_width="block")
             ours, our_acc = list(o.tokens[0]), [int(a) for a in o.acceptance_lengths[0]]
             rows.append(dict(prompt_tokens=len(p), identical_tokens=ours == theirs,
                              identical_acceptance=our_acc == their_acc, tau_ours=round(float(np.mean(our_acc)), 3),
@@ -1004,7 +1004,7 @@ def stage_eval(run: Run) -> dict:
                 continue
             kw = dict(max_new_tokens=s["eval_new_tokens"], temperature=temp, stop_token_ids=stops, seed=run.seed)
             if draft is not None:
-                res = dj.generate(target, draft, prompts, **kw)
+                res = dj.generate(target, draft, prompts, **kw, verify_width="block")
                 row[f"tau_{key}"] = round(res.mean_tau, 3)
             if name not in s["timing_sets"]:
                 continue
@@ -1017,8 +1017,8 @@ def stage_eval(run: Run) -> dict:
                 for p in prompts[:s["timing_prompts"]]:
                     if run.remaining() < EVAL_RESERVE_S and outs:
                         break
-                    dj.generate(target, d, [p], **kw)  # compile (and warm) this prompt's program
-                    r = dj.generate(target, d, [p], **kw)
+                    dj.generate(target, d, [p], **kw, verify_width="block")  # compile (and warm) this prompt's program
+                    r = dj.generate(target, d, [p], **kw, verify_width="block")
                     toks, secs = toks + r.num_new_tokens, secs + r.run_time_s
                     outs.append(r.tokens[0])
                 timing[mode] = (toks / secs if secs else float("nan"), outs)
@@ -1038,7 +1038,7 @@ def stage_eval(run: Run) -> dict:
             raise SystemExit(f"--reference-check on: {out['reference']['skipped']}")
     if sets["humaneval"] and run.remaining() > EVAL_RESERVE_S:
         sample = dj.generate(target, draft, [sets["humaneval"][0]], max_new_tokens=s["eval_new_tokens"],
-                             temperature=0.0, stop_token_ids=stops)
+                             temperature=0.0, stop_token_ids=stops, verify_width="block")
         out["sample_humaneval_0"] = tok.decode(sample.tokens[0], skip_special_tokens=True)
     print(eval_table(out), flush=True)
     return out
@@ -1073,7 +1073,7 @@ def stage_eval_dflash2(run: Run) -> dict:
                     log(f"eval: deadline near, {name} {key} {dname} skipped")
                     row[f"skipped_{key}_{dname}"] = "deadline"
                     continue
-                row[f"tau_{key}_{dname}"] = round(dj.generate(target, d, prompts, **kw).mean_tau, 3)
+                row[f"tau_{key}_{dname}"] = round(dj.generate(target, d, prompts, **kw, verify_width="block").mean_tau, 3)
         out["sets"][name] = row
         log(f"eval {name}: {row}")
     for name in s["timing_sets"]:
@@ -1087,8 +1087,8 @@ def stage_eval_dflash2(run: Run) -> dict:
                 for p in prompts[:s["timing_prompts"]]:
                     if run.remaining() < EVAL_RESERVE_S:
                         break
-                    dj.generate(target, d, [p], **kw)  # compile (and warm) this prompt's program
-                    r = dj.generate(target, d, [p], **kw)
+                    dj.generate(target, d, [p], **kw, verify_width="block")  # compile (and warm) this prompt's program
+                    r = dj.generate(target, d, [p], **kw, verify_width="block")
                     toks, secs = toks + r.num_new_tokens, secs + r.run_time_s
                     outs.append(r.tokens[0])
                 if outs:

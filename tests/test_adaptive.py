@@ -40,7 +40,7 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
     """W = 0 is plain decoding (one token per iteration), W = 7 (block 8's full width) is the
     reference loop token for token and iteration for iteration, 1 / auto are lossless and never
     accept past their width (auto also when it starts from its last call's statistics); one program
-    serves every width of its set (0, 1, 7 at block 8)."""
+    serves every width of its set (0, 1, 7 at block 8), and a call that names no width runs it."""
     prompts = pair["eval_prompts"][:3]
     n = 24
     want = [hf_greedy(pair["hf"], p, n) for p in prompts]
@@ -53,8 +53,9 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
         if vw == 7:
             compiles = decode.compile_count()
     warm = generate(pair["target"], pair["draft"], prompts, verify_width="auto", **kw)   # from auto's statistics
+    default = generate(pair["target"], pair["draft"], prompts, **kw)       # the default is auto's program
     assert decode.compile_count() == compiles          # no recompile when W changes
-    assert warm.tokens == want
+    assert warm.tokens == want and default.tokens == want
     for vw, r in res.items():
         assert r.tokens == want, vw
     assert res[7].acceptance_lengths == [list(r.acceptance_lengths) for r in ref]
@@ -387,7 +388,9 @@ def test_verify_width_flag_is_checked_against_the_block(pair, capsys):
     from dflash_jax.cli import generate as cli_gen
     p = cli_gen.build_parser()
     assert p.parse_args(["--verify-width", "3", "x"]).verify_width == 3
-    assert p.parse_args(["x"]).verify_width == "block"
+    assert p.parse_args(["x"]).verify_width == "auto"
+    from dflash_jax.cli import benchmark as cli_bench       # the tau tool verifies whole blocks
+    assert cli_bench.build_parser().parse_args([]).verify_width == "block"
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--verify-width", "wide", "x"])
     assert e.value.code == 2

@@ -243,7 +243,7 @@ def test_cpu_pipeline_end_to_end(tmp_path):
     draft = None
     if not man["stages"]["draft"].get("skipped"):
         draft = dj.load_draft(str(pair / "draft"), target=target, dtype="float32")
-    res = dj.generate(target, draft, [prompt], max_new_tokens=32, stop_token_ids=[2, 0])
+    res = dj.generate(target, draft, [prompt], max_new_tokens=32, stop_token_ids=[2, 0], verify_width="block")
     assert len(res.tokens[0]) > 0
     if draft is not None:
         assert res.mean_tau > 1.0

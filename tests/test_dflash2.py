@@ -233,7 +233,7 @@ def test_generate_is_identical_to_the_reference(pairs, name):
     prompts = random_prompts(2, 127, min_len=9, max_len=20, seed=11)
     assert max(map(len, prompts)) > 16
     draft = pairs[name]["draft"]
-    res, state = decode._generate(pairs["target"], draft, prompts, max_new_tokens=30)
+    res, state = decode._generate(pairs["target"], draft, prompts, max_new_tokens=30, verify_width="block")
     for i, p in enumerate(prompts):
         r = reference_generate(pairs[name]["ref"], pairs["hf"], p, 30)
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
@@ -243,7 +243,7 @@ def test_generate_is_identical_to_the_reference(pairs, name):
     assert [k.shape[2] for k in state.draft_cache.k] == [k.shape[2] for k in state.draft_cache.v] == rows
     assert C >= 1024 and 16 in rows
     if name == "dflash2":   # the slot engine (continuous batching, one slot) runs the same iterations
-        eng = generate(pairs["target"], draft, prompts, max_new_tokens=30, slots=1)
+        eng = generate(pairs["target"], draft, prompts, max_new_tokens=30, slots=1, verify_width="block")
         assert eng.tokens == res.tokens and eng.acceptance_lengths == res.acceptance_lengths
 
 
@@ -374,7 +374,7 @@ def test_sampling_with_the_selector_is_in_distribution(tmp_path):
     expected = _exact_joint(hf, prompt, 1.0, 1.0, 0)
     counts, n, acc = {}, 0, []
     for seed in range(4):
-        res = generate(target, draft, [prompt] * 512, max_new_tokens=3, temperature=1.0, seed=seed, capacity=64)
+        res = generate(target, draft, [prompt] * 512, max_new_tokens=3, temperature=1.0, seed=seed, capacity=64, verify_width="block")
         for row in res.tokens:
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
             n += 1
@@ -420,7 +420,7 @@ def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_pair
     target = load_target(tp, dtype="float32")
     draft = load_draft(path, target=target, dtype="float32")
     prompts = trained_pair["eval_prompts"][:4]
-    res = generate(target, draft, prompts, max_new_tokens=30)
+    res = generate(target, draft, prompts, max_new_tokens=30, verify_width="block")
     for i, p in enumerate(prompts):
         r = reference_generate(ref, hf, p, 30)
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()

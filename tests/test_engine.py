@@ -44,7 +44,7 @@ def rows(ps, max_new, **kw):
 
 
 def one_shot(pair, p, n, **kw):
-    return generate(*pair, [p], max_new_tokens=n, capacity=CAP, **kw)
+    return generate(*pair, [p], max_new_tokens=n, capacity=CAP, **kw, verify_width="block")
 
 
 @pytest.mark.slow
@@ -65,8 +65,8 @@ def test_greedy_tokens_independent_of_slot_mates_and_arrival(pair):
 def test_generate_with_slots_equals_one_shot_and_stops(pair):
     ps = prompts(5, seed=1)
     stop = [ps[0][0] % 128, 20]
-    full = generate(*pair, ps, max_new_tokens=14, capacity=CAP, stop_token_ids=stop)
-    via = generate(*pair, ps, max_new_tokens=14, capacity=CAP, stop_token_ids=stop, slots=2)
+    full = generate(*pair, ps, max_new_tokens=14, capacity=CAP, stop_token_ids=stop, verify_width="block")
+    via = generate(*pair, ps, max_new_tokens=14, capacity=CAP, stop_token_ids=stop, slots=2, verify_width="block")
     assert via.tokens == full.tokens and via.finish_reasons == full.finish_reasons
     assert via.acceptance_lengths == full.acceptance_lengths
 
@@ -83,8 +83,8 @@ def test_seeded_samples_independent_of_slot_and_mates(pair):
         [RowRequest(prompt=(1, 2), max_new=3, seed=1, **kw)] * (i % SLOTS) +      # occupy slots 0..i-1
         [RowRequest(prompt=tuple(p), max_new=12, seed=7 + i, **kw)])[-1] for i, p in enumerate(ps)]
     assert [r.tokens for r in a] == [r.tokens for r in alone]
-    full = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20)
-    via = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2)
+    full = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, verify_width="block")
+    via = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2, verify_width="block")
     assert via.tokens == full.tokens
 
 
@@ -378,9 +378,9 @@ def test_step_buckets_seeded_samples_same_in_any_bucket(pair):
     b = Slots(*pair, slots=4, capacity=CAP, steps=2, step_buckets=None).run(reqs)
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert [on.run([r])[0].tokens for r in reqs] == [r.tokens for r in a]
-    via = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2)
+    via = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2, verify_width="block")
     assert via.tokens == generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9,
-                                  top_k=20).tokens
+                                  top_k=20, verify_width="block").tokens
 
 
 # ------------------------------------------------------------------------------- on a mesh
@@ -426,15 +426,15 @@ def test_slots_mesh_child_greedy_equals_one_device(spec):
     mesh = sh.make_mesh(spec, devices=jax.devices()[:d * m])
     ps, ns = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [9, 10, 11, 12], [5], [6, 7]], [5, 12, 3, 9, 7, 10]
     kw = dict(capacity=CAP, attention_impl="xla")
-    one = [generate(*models(None), [p], max_new_tokens=n, **kw) for p, n in zip(ps, ns)]
+    one = [generate(*models(None), [p], max_new_tokens=n, **kw, verify_width="block") for p, n in zip(ps, ns)]
     eng = Slots(*models(mesh), slots=4, steps=2, **kw)
     # step buckets: on with a data axis of 1 (the rows of a bucket stay on their shard), off beyond
     assert eng.step_buckets == ((1, 2, 4) if d == 1 else ())
     out = eng.run(rows(ps, ns))
     assert [o.tokens for o in out] == [w.tokens[0] for w in one]
     assert [o.acceptance_lengths for o in out] == [w.acceptance_lengths[0] for w in one]
-    via = generate(*models(mesh), ps, max_new_tokens=8, slots=2 * d, **kw)
-    assert via.tokens == generate(*models(None), ps, max_new_tokens=8, **kw).tokens
+    via = generate(*models(mesh), ps, max_new_tokens=8, slots=2 * d, **kw, verify_width="block")
+    assert via.tokens == generate(*models(None), ps, max_new_tokens=8, **kw, verify_width="block").tokens
     # the server's engine on the mesh (serve --mesh): the handles get the same tokens
     eng = SlotEngine(*models(mesh), slots=2 * d, capacity=CAP, attention_impl="xla", max_queue=8)
     hs = [eng.submit(Request(prompt=tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(ps[:3], ns[:3])]

@@ -204,23 +204,23 @@ def test_gpu_path_forward_and_loop_match_xla(fused, caplog):
     for a, b in zip(c1.k + c1.v, c0.k + c0.v):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
-    want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla").tokens
-    got = generate(target, draft, prompts, max_new_tokens=12, kernels=kernels).tokens
+    want = generate(target, draft, prompts, max_new_tokens=12, attention_impl="xla", verify_width="block").tokens
+    got = generate(target, draft, prompts, max_new_tokens=12, kernels=kernels, verify_width="block").tokens
     assert got == want
     if not fused:   # the sampling kernels do not depend on fused_layer: one run of them is enough
         # a capacity that is no multiple of the kernel's key tile (100: 16 rows at most per tile)
         # still takes the kernels (the cache is allocated to 112 rows), and stops where 100 says
         import logging
         caplog.set_level(logging.WARNING, logger="pallas_kernels.attention")
-        got = generate(target, draft, prompts, max_new_tokens=200, kernels=kernels, capacity=100)
-        want = generate(target, draft, prompts, max_new_tokens=200, attention_impl="xla", capacity=100)
+        got = generate(target, draft, prompts, max_new_tokens=200, kernels=kernels, capacity=100, verify_width="block")
+        want = generate(target, draft, prompts, max_new_tokens=200, attention_impl="xla", capacity=100, verify_width="block")
         assert got.tokens == want.tokens and set(got.finish_reasons) == {"capacity"}
         assert "using the XLA path" not in caplog.text
         return
     # sampling with top-k and top-p: the search's passes in the count kernel, same seed, same tokens
     kw = dict(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=5)
-    want = generate(target, draft, prompts, attention_impl="xla", **kw).tokens
-    got = generate(target, draft, prompts, kernels=kernels, **kw).tokens
+    want = generate(target, draft, prompts, attention_impl="xla", **kw, verify_width="block").tokens
+    got = generate(target, draft, prompts, kernels=kernels, **kw, verify_width="block").tokens
     assert got == want
 
 
@@ -374,15 +374,15 @@ def test_two_kernel_configs_in_one_process_are_two_programs():
     on = KernelConfig(attention="pallas_gpu_interpret")
     off = KernelConfig(attention="pallas_gpu_interpret", fused_layer=False)
     before = decode.compile_count()
-    texts = [decode.compiled_program(target, draft, prompts, kernels=k, **kw)[0].as_text() for k in (on, off)]
+    texts = [decode.compiled_program(target, draft, prompts, kernels=k, **kw, verify_width="block")[0].as_text() for k in (on, off)]
     assert decode.compile_count() == before + 2
     assert "dflash_add_rmsnorm" in texts[0] and "dflash_add_rmsnorm" not in texts[1]
     assert "dflash_qk_norm_rope_write" in texts[0] and "dflash_qk_norm_rope_write" not in texts[1]
     assert "dflash_block_attention_gpu" in texts[1]          # the attention kernel stays in both
-    want = generate(target, draft, prompts, kernels=KernelConfig(attention="xla"), **kw).tokens
+    want = generate(target, draft, prompts, kernels=KernelConfig(attention="xla"), **kw, verify_width="block").tokens
     for k in (on, off):
-        res = generate(target, draft, prompts, kernels=k, **kw)
+        res = generate(target, draft, prompts, kernels=k, **kw, verify_width="block")
         assert res.tokens == want and res.compile_time_s == 0.0
     assert decode.compile_count() == before + 3              # the XLA program; no recompiles
     with pytest.raises(ValueError, match="disagrees"):
-        generate(target, draft, prompts, kernels=on, attention_impl="xla", **kw)
+        generate(target, draft, prompts, kernels=on, attention_impl="xla", **kw, verify_width="block")

@@ -133,7 +133,7 @@ if not CHILD:
         assert (draft.config.block_size, draft.config.target_layer_ids) == (8, (0, 2))
         assert draft.config.rope_scaling is not None and draft.layers[0].q_norm is not None
         prompts = random_prompts(3, 127, min_len=3, max_len=21, seed=4)
-        res = generate(llama_pair["target"], draft, prompts, max_new_tokens=23)
+        res = generate(llama_pair["target"], draft, prompts, max_new_tokens=23, verify_width="block")
         assert res.tokens == generate(llama_pair["target"], None, prompts, max_new_tokens=23).tokens
         ref = [reference_generate(llama_pair["ref"], llama_pair["hf"], p, 23, block_size=8) for p in prompts]
         assert res.tokens == [r.output_ids[0, len(p):].tolist() for r, p in zip(ref, prompts)]
@@ -253,9 +253,9 @@ else:
         one = load_target(path, dtype="float32")
         draft = init_draft(DraftConfig.for_target(one.config, num_layers=1, block_size=4), seed=2, dtype="float32")
         prompts = random_prompts(2, 127, min_len=3, max_len=12, seed=1)
-        want = generate(one, draft, prompts, max_new_tokens=10)
+        want = generate(one, draft, prompts, max_new_tokens=10, verify_width="block")
         on_mesh = load_target(path, dtype="float32", mesh="2x2")
         assert on_mesh.layers[0].qkv_groups == 2
         from dflash_jax import sharding
-        got = generate(on_mesh, sharding.shard_model(draft, sharding.as_mesh("2x2")), prompts, max_new_tokens=10)
+        got = generate(on_mesh, sharding.shard_model(draft, sharding.as_mesh("2x2")), prompts, max_new_tokens=10, verify_width="block")
         assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths

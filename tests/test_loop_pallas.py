@@ -35,8 +35,8 @@ def test_pallas_interpret_loop_gives_the_xla_tokens(d64_pair):
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
     proposer = truth_proposer(draft, truth, 2, 128)   # partial acceptance: 2 drafts + bonus per iteration
-    xla = generate(target, proposer, prompts, max_new_tokens=n, attention_impl="xla")
-    pallas = generate(target, proposer, prompts, max_new_tokens=n, attention_impl="pallas")
+    xla = generate(target, proposer, prompts, max_new_tokens=n, attention_impl="xla", verify_width="block")
+    pallas = generate(target, proposer, prompts, max_new_tokens=n, attention_impl="pallas", verify_width="block")
     assert pallas.tokens == xla.tokens == [t[:n] for t in plain.tokens]
     assert pallas.acceptance_lengths == xla.acceptance_lengths
     assert max(a for row in xla.acceptance_lengths for a in row) == 3

@@ -268,7 +268,7 @@ def test_dflash_with_moe_target_equals_reference(tmp_path):
     target = load_target(tp, "float32")
     draft = load_draft(dp, target=target, dtype="float32")
     prompts = random_prompts(2, 127, min_len=3, max_len=12, seed=1)
-    res = generate(target, draft, prompts, max_new_tokens=20, block_size=8)
+    res = generate(target, draft, prompts, max_new_tokens=20, block_size=8, verify_width="block")
     assert res.tokens == generate(target, None, prompts, max_new_tokens=20).tokens
     for p, toks, acc in zip(prompts, res.tokens, res.acceptance_lengths):
         r = reference_generate(ref_draft, hf, p, 20, block_size=8)

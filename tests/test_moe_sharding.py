@@ -95,7 +95,7 @@ def test_generate_with_moe_target_on_mesh_matches_one_device(spec):
         draft = init_draft(dcfg, dtype="float32")
         if m is not None:
             sh.shard_model(draft, m)
-        out.append(decode.generate(_target(m), truth_proposer(draft, truth, 1, 128), prompts, mesh=m, **kw))
+        out.append(decode.generate(_target(m), truth_proposer(draft, truth, 1, 128), prompts, mesh=m, **kw, verify_width="block"))
     assert out[0].tokens == plain.tokens
     assert out[1].tokens == out[0].tokens
     assert out[1].acceptance_lengths == out[0].acceptance_lengths

@@ -260,7 +260,7 @@ def _dflash_case(pair, n=24):
 def test_dflash_greedy_random_draft_matches_transformers(pair):
     """A random draft: nearly every block is rejected at its first draft."""
     ours, prompts, expected, draft, _, n = _dflash_case(pair)
-    assert generate(ours, draft, prompts, max_new_tokens=n).tokens == expected
+    assert generate(ours, draft, prompts, max_new_tokens=n, verify_width="block").tokens == expected
 
 
 @pytest.mark.slow
@@ -269,7 +269,7 @@ def test_dflash_greedy_full_and_cut_blocks_match_transformers(pair, corrupt):
     """The truth proposer: every block accepted whole (None), or cut after its second draft (2),
     so the state is rolled back to the middle of every block: the target's greedy tokens each time."""
     ours, prompts, expected, draft, truth, n = _dflash_case(pair)
-    res = generate(ours, truth_proposer(draft, truth, corrupt, 128), prompts, max_new_tokens=n)
+    res = generate(ours, truth_proposer(draft, truth, corrupt, 128), prompts, max_new_tokens=n, verify_width="block")
     assert res.tokens == expected
     want = 4 if corrupt is None else 3
     assert all(a == want for row in res.acceptance_lengths for a in row[:-1])
@@ -286,7 +286,7 @@ def test_slot_engine_serves_a_hybrid_target_as_one_shot_generate(pair):
     out = Slots(ours, draft, slots=2, capacity=64, steps=2).run(
         [RowRequest(prompt=tuple(p), max_new=n, rng_row=0) for p, n in zip(ps, ns)])
     for p, n, r in zip(ps, ns, out):
-        want = generate(ours, draft, [p], max_new_tokens=n, capacity=64)
+        want = generate(ours, draft, [p], max_new_tokens=n, capacity=64, verify_width="block")
         assert r.tokens == want.tokens[0] and r.acceptance_lengths == want.acceptance_lengths[0]
 
 
@@ -390,6 +390,6 @@ def test_dflash_greedy_through_the_gdn_kernel_matches_transformers(pair):
     ours, prompts, expected, draft, truth, n = _dflash_case(pair)
     from dflash_jax.kernel_config import KernelConfig
     res = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n,
-                   kernels=KernelConfig(attention="xla", gdn="pallas"))
+                   kernels=KernelConfig(attention="xla", gdn="pallas"), verify_width="block")
     assert res.tokens == expected
     assert all(a == 3 for row in res.acceptance_lengths for a in row[:-1])

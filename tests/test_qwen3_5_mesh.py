@@ -55,7 +55,7 @@ def test_2x2_mesh_generates_the_one_device_tokens(tmp_path, moe):
     draft_on_mesh = sh.shard_model(init_draft(draft.config, seed=1, dtype="float32"), mesh)
     prompts = random_prompts(3, 128, min_len=3, max_len=10, seed=11)
     for d1, dm in ((None, None), (draft, draft_on_mesh)):
-        want = generate(one, d1, prompts, max_new_tokens=12, capacity=64)
-        got = generate(on_mesh, dm, prompts, max_new_tokens=12, capacity=64)
+        want = generate(one, d1, prompts, max_new_tokens=12, capacity=64, verify_width="block")
+        got = generate(on_mesh, dm, prompts, max_new_tokens=12, capacity=64, verify_width="block")
         assert got.tokens == want.tokens
         assert got.acceptance_lengths == want.acceptance_lengths

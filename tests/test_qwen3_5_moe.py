@@ -132,10 +132,10 @@ def test_greedy_and_dflash_greedy_match_transformers(pair):
     assert generate(ours, None, prompts, max_new_tokens=n).tokens == expected
     draft = init_draft(DraftConfig.for_target(ours.config, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
                        seed=1, dtype="float32")
-    assert generate(ours, draft, prompts, max_new_tokens=n).tokens == expected
+    assert generate(ours, draft, prompts, max_new_tokens=n, verify_width="block").tokens == expected
     truth = np.zeros((2, 64), np.int32)
     for i, (p, e) in enumerate(zip(prompts, expected)):
         truth[i, :len(p) + n] = p + e
-    res = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n)
+    res = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n, verify_width="block")
     assert res.tokens == expected
     assert all(a == 3 for row in res.acceptance_lengths for a in row[:-1])

@@ -68,7 +68,7 @@ def _sample(target, draft):
     counts, acc = {}, []
     for seed in range(SEEDS):
         res = generate(target, draft, [PROMPT] * ROWS, max_new_tokens=POSITIONS, temperature=TEMPERATURE,
-                       top_k=TOP_K, seed=seed, capacity=32)
+                       top_k=TOP_K, seed=seed, capacity=32, verify_width="block")
         for row in res.tokens:
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
         if draft is not None:

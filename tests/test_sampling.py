@@ -72,7 +72,7 @@ def _sample_joint(pair, prompt, temperature, top_p, top_k, use_draft=True):
     for seed in range(SEEDS):
         res = generate(pair["target"], pair["draft"] if use_draft else None, [prompt] * ROWS,
                        max_new_tokens=POSITIONS, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                       capacity=CAPACITY)
+                       capacity=CAPACITY, verify_width="block")
         for row in res.tokens:
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
             n += 1
@@ -137,22 +137,22 @@ def test_a_biased_rule_would_be_caught(pair):
 @pytest.mark.slow
 def test_top_k_one_and_tiny_temperature_equal_greedy(pair):
     prompts = pair["eval_prompts"][:3]
-    greedy = generate(pair["target"], pair["draft"], prompts, max_new_tokens=24).tokens
-    assert generate(pair["target"], pair["draft"], prompts, max_new_tokens=24, temperature=1.0, top_k=1).tokens == greedy
-    assert generate(pair["target"], pair["draft"], prompts, max_new_tokens=24, temperature=1e-4, seed=5).tokens == greedy
+    greedy = generate(pair["target"], pair["draft"], prompts, max_new_tokens=24, verify_width="block").tokens
+    assert generate(pair["target"], pair["draft"], prompts, max_new_tokens=24, temperature=1.0, top_k=1, verify_width="block").tokens == greedy
+    assert generate(pair["target"], pair["draft"], prompts, max_new_tokens=24, temperature=1e-4, seed=5, verify_width="block").tokens == greedy
 
 
 @pytest.mark.slow
 def test_seeds_reproduce_and_differ(pair):
     prompts = pair["eval_prompts"][:4]
     kw = dict(max_new_tokens=32, temperature=1.0)
-    a = generate(pair["target"], pair["draft"], prompts, seed=1, **kw)
-    b = generate(pair["target"], pair["draft"], prompts, seed=1, **kw)
-    c = generate(pair["target"], pair["draft"], prompts, seed=2, **kw)
+    a = generate(pair["target"], pair["draft"], prompts, seed=1, **kw, verify_width="block")
+    b = generate(pair["target"], pair["draft"], prompts, seed=1, **kw, verify_width="block")
+    c = generate(pair["target"], pair["draft"], prompts, seed=2, **kw, verify_width="block")
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
     assert a.tokens != c.tokens
     # a row's stream depends on (seed, row index, position), not on the other rows of the batch
-    d = generate(pair["target"], pair["draft"], prompts[:1] + [[1, 2, 3]], seed=1, **kw)
+    d = generate(pair["target"], pair["draft"], prompts[:1] + [[1, 2, 3]], seed=1, **kw, verify_width="block")
     assert d.tokens[0] == a.tokens[0]
 
 
@@ -178,7 +178,7 @@ def test_invalid_sampling_values_are_clear_errors(pair):
     for kw, word in ((dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
                      (dict(top_p=1.01), "top_p"), (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k")):
         with pytest.raises(ValueError, match=word):
-            generate(pair["target"], pair["draft"], [[1, 2]], **kw)
+            generate(pair["target"], pair["draft"], [[1, 2]], **kw, verify_width="block")
 
 
 @pytest.mark.slow

@@ -113,7 +113,7 @@ def oracle(m, ids, max_tokens, stop=None, **kw) -> list[int]:
 
     stops = sorted(set(m.eos) | set(stop or []))
     res = dflash_jax.generate(m.target, m.draft, [list(ids)], max_new_tokens=max_tokens, stop_token_ids=stops,
-                              capacity=CAPACITY, attention_impl="xla", on_commit=lambda rows: None, **kw)
+                              capacity=CAPACITY, attention_impl="xla", on_commit=lambda rows: None, **kw, verify_width="block")
     return res.tokens[0]
 
 

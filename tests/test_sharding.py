@@ -338,7 +338,7 @@ def _same_on_mesh(spec, prompts, proposers, **kw):
         for m in (None, mesh):
             target, draft = _models(m)
             prop = None if kind is None else draft if kind == "draft" else truth_proposer(draft, truth, 1, 128)
-            out.append(decode.generate(target, prop, prompts, mesh=m, **{**KW, **kw}))
+            out.append(decode.generate(target, prop, prompts, mesh=m, **{**KW, **kw}, verify_width="block"))
         one, many = out
         if kw.get("temperature", 0) == 0:
             assert one.tokens == plain.tokens, kind
@@ -392,11 +392,11 @@ def test_mesh_errors_are_one_line():
     from dflash_jax import decode
     target, draft = _models(_mesh("1x2"))
     with pytest.raises(ValueError, match=r"the target's parameters are on mesh data=1,model=2, generate was given mesh data=2,model=4"):
-        decode.generate(target, draft, PROMPTS, mesh="2x4", **KW)
+        decode.generate(target, draft, PROMPTS, mesh="2x4", **KW, verify_width="block")
     with pytest.raises(ValueError, match=r"the draft's parameters are on one device"):
-        decode.generate(target, _models(None)[1], PROMPTS, **KW)
+        decode.generate(target, _models(None)[1], PROMPTS, **KW, verify_width="block")
     with pytest.raises(ValueError, match="needs 16 devices, there are 8"):
-        decode.generate(target, draft, PROMPTS, mesh="data=4,model=4", **KW)
+        decode.generate(target, draft, PROMPTS, mesh="data=4,model=4", **KW, verify_width="block")
 
 
 def _collective_ops(hlo: str, largest: bool = False):
@@ -449,9 +449,9 @@ def test_streaming_on_mesh():
     from dflash_jax import decode
     target, draft = _models(_mesh("2x4"))
     seen = []
-    res = decode.generate(target, draft, PROMPTS[:2], on_commit=lambda rows: seen.append(rows), **KW)
+    res = decode.generate(target, draft, PROMPTS[:2], on_commit=lambda rows: seen.append(rows), **KW, verify_width="block")
     assert [sum((r[i] for r in seen), []) for i in range(2)] == res.tokens
-    assert res.tokens == decode.generate(*_models(None), PROMPTS[:2], **KW).tokens
+    assert res.tokens == decode.generate(*_models(None), PROMPTS[:2], **KW, verify_width="block").tokens
 
 
 if CHILD:
@@ -494,7 +494,7 @@ def test_fused_gpu_kernels_on_mesh_match_one_device(spec, monkeypatch):
     for m in (None, mesh):
         calls.clear()
         target, draft = models(m)
-        res = [decode.generate(target, prop, prompts, kernels=kernels, mesh=m, **kw)
+        res = [decode.generate(target, prop, prompts, kernels=kernels, mesh=m, **kw, verify_width="block")
                for prop in (None, truth_proposer(draft, truth, 1, 128))]
         if m is not None:   # (the one-device program may be compiled already, by another spec)
             assert {"qk_norm_rope_write", "add_rmsnorm"} <= set(calls), (spec, calls)

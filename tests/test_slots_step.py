@@ -35,7 +35,7 @@ def iterations_run(eng: Slots) -> int:
 def test_a_step_of_done_rows_runs_no_iteration_and_tokens_equal_one_shot(pair, draft):
     target, d = pair[0], (pair[1] if draft == "dflash" else None)
     prompt, n = [5, 17, 3, 99, 42], 11
-    want = generate(target, d, [prompt], max_new_tokens=n, capacity=CAP)
+    want = generate(target, d, [prompt], max_new_tokens=n, capacity=CAP, verify_width="block")
     eng = Slots(target, d, slots=SLOTS, capacity=CAP, steps=K)
     first, done = eng.insert([(1, RowRequest(prompt=tuple(prompt), max_new=n))])[1]
     tokens, accepted, live_steps = [first], [], 0
@@ -65,7 +65,7 @@ def test_served_request_runs_no_step_past_its_end_and_equals_one_shot(pair):
     dispatched ahead of the read that ended it ran no iteration)."""
     target, draft = pair
     prompt, n = [7, 1, 30, 2], 17
-    want = generate(target, draft, [prompt], max_new_tokens=n, capacity=CAP)
+    want = generate(target, draft, [prompt], max_new_tokens=n, capacity=CAP, verify_width="block")
     eng = SlotEngine(target, draft, slots=2, capacity=CAP, steps=K, pipeline=1)
     try:
         h = eng.submit(Request(prompt=tuple(prompt), max_tokens=n, ignore_eos=True))

@@ -78,7 +78,7 @@ def _reference_run(pair, prompts, n, S, stop=None):
 @pytest.mark.parametrize("S", [pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow), 16])
 def test_random_pair_is_lossless_and_identical_to_reference(random_pair, S):
     prompts = random_prompts(3, 127, min_len=3, max_len=21, seed=S)
-    res = generate(random_pair["target"], random_pair["draft"], prompts, max_new_tokens=23, block_size=S)
+    res = generate(random_pair["target"], random_pair["draft"], prompts, max_new_tokens=23, block_size=S, verify_width="block")
     plain = generate(random_pair["target"], None, prompts, max_new_tokens=23)
     assert res.tokens == plain.tokens
     ref = _reference_run(random_pair, prompts, 23, S)
@@ -91,7 +91,7 @@ def test_random_pair_is_lossless_and_identical_to_reference(random_pair, S):
 def test_trained_pair_is_lossless_identical_to_reference_and_accepts(trained, S):
     prompts = trained["eval_prompts"]  # all 8: a partial block somewhere must not hinge on one seed
     stop = None
-    res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S)
+    res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S, verify_width="block")
     plain = generate(trained["target"], None, prompts, max_new_tokens=40)
     assert res.tokens == plain.tokens
     ref = _reference_run(trained, prompts, 40, S, stop)
@@ -108,7 +108,7 @@ def test_trained_pair_with_stop_tokens_matches_reference(trained):
     prompts = trained["eval_prompts"][4:7]
     first = generate(trained["target"], None, prompts[:1], max_new_tokens=30).tokens[0]
     stop = [first[9]]
-    res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=30, stop_token_ids=stop)
+    res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=30, stop_token_ids=stop, verify_width="block")
     ref = _reference_run(trained, prompts, 30, trained["block_size"], stop)
     assert res.tokens == [t for t, _ in ref]
     assert res.acceptance_lengths == [a for _, a in ref]
@@ -127,7 +127,7 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
         truth[i, :len(p) + len(t)] = p + t
     res, st = decode._generate(target, truth_proposer(draft, truth, corrupt, 128), prompts,
                                **decode._generate_defaults(dict(max_new_tokens=n, block_size=S)),
-                               on_commit=None)
+                               on_commit=None, verify_width="block")
     assert res.tokens == [t[:n] for t in plain.tokens]
     expect = S if corrupt is None else corrupt + 1
     for row in res.acceptance_lengths:
@@ -161,7 +161,7 @@ def test_kv_chunks_and_a_generous_capacity_keep_the_tokens(trained, kv_chunk, ca
     prompts, S = trained["eval_prompts"][:4], 8
     kernels = KernelConfig(attention="xla", xla_kv_chunk=kv_chunk)
     res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S,
-                   capacity=capacity, kernels=kernels)
+                   capacity=capacity, kernels=kernels, verify_width="block")
     plain = generate(trained["target"], None, prompts, max_new_tokens=40, capacity=capacity, kernels=kernels)
     ref = _reference_run(trained, prompts, 40, S)
     assert res.tokens == plain.tokens == [t for t, _ in ref]
@@ -171,13 +171,13 @@ def test_kv_chunks_and_a_generous_capacity_keep_the_tokens(trained, kv_chunk, ca
 
 def test_speculative_loop_compiles_once_and_is_one_dispatch(random_pair, monkeypatch):
     target, draft = random_pair["target"], random_pair["draft"]
-    generate(target, draft, [[1, 2, 3]], max_new_tokens=20, block_size=8)
+    generate(target, draft, [[1, 2, 3]], max_new_tokens=20, block_size=8, verify_width="block")
     before = decode.compile_count()
     calls = []
     real_call = jax.stages.Compiled.__call__
     monkeypatch.setattr(jax.stages.Compiled, "__call__", lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
     for prompt, n, stop in (([4, 5, 6, 7, 8, 9], 17, None), ([9] * 16, 33, [1, 2]), ([3], 9, [7])):
-        generate(target, draft, [prompt], max_new_tokens=n, block_size=8, stop_token_ids=stop)
+        generate(target, draft, [prompt], max_new_tokens=n, block_size=8, stop_token_ids=stop, verify_width="block")
     assert decode.compile_count() == before
     assert len(calls) == 3  # one device dispatch per generation
 
@@ -200,7 +200,7 @@ def test_a_call_hashes_each_graph_definition_once(random_pair, monkeypatch, veri
 
 def test_block_size_one_is_plain_decoding(random_pair):
     prompts = random_prompts(2, 127, seed=5)
-    a = generate(random_pair["target"], random_pair["draft"], prompts, max_new_tokens=12, block_size=1)
+    a = generate(random_pair["target"], random_pair["draft"], prompts, max_new_tokens=12, block_size=1, verify_width="block")
     b = generate(random_pair["target"], None, prompts, max_new_tokens=12)
     assert a.tokens == b.tokens and a.block_size == 1
 
@@ -233,7 +233,7 @@ def test_mismatched_drafts_are_refused(random_pair, tmp_path):
     with pytest.raises(ValueError, match="shape"):
         load_draft(variant("heads", num_key_value_heads=4), target=target)
     with pytest.raises(ValueError, match="block_size"):
-        generate(target, random_pair["draft"], [[1, 2]], block_size=17)
+        generate(target, random_pair["draft"], [[1, 2]], block_size=17, verify_width="block")
     # per-layer attention the reference cannot run either (tests/test_dflash2.py runs the good ones)
     with pytest.raises(ConfigError, match="is_causal"):
         DraftConfig.from_dict({**cfg, "is_causal": "yes"})
@@ -272,7 +272,7 @@ def test_on_commit_true_stops_the_loop_with_partial_tokens(random_pair):
     returns what was committed (a prefix of the full run), finish reason "stopped"."""
     target, draft = random_pair["target"], random_pair["draft"]
     prompts = random_prompts(2, 127, min_len=4, max_len=12, seed=21)
-    full = generate(target, draft, prompts, max_new_tokens=40, block_size=4)
+    full = generate(target, draft, prompts, max_new_tokens=40, block_size=4, verify_width="block")
     seen, calls = [[], []], []
 
     def on_commit(rows):
@@ -280,7 +280,7 @@ def test_on_commit_true_stops_the_loop_with_partial_tokens(random_pair):
         for s, r in zip(seen, rows):
             s.extend(r)
         return len(calls) == 3            # the prefill, then two loop iterations
-    res = generate(target, draft, prompts, max_new_tokens=40, block_size=4, on_commit=on_commit)
+    res = generate(target, draft, prompts, max_new_tokens=40, block_size=4, on_commit=on_commit, verify_width="block")
     assert len(calls) == 3 and res.tokens == seen
     assert res.finish_reasons == ["stopped", "stopped"]
     for got, want in zip(res.tokens, full.tokens):
@@ -300,7 +300,7 @@ def test_on_commit_exception_reaches_the_caller(random_pair):
         if len(calls) == 2:
             raise Halt("user stop")
     with pytest.raises(Halt, match="user stop"):
-        generate(target, draft, [[3, 4, 5]], max_new_tokens=30, block_size=4, on_commit=on_commit)
+        generate(target, draft, [[3, 4, 5]], max_new_tokens=30, block_size=4, on_commit=on_commit, verify_width="block")
     assert len(calls) == 2                 # the loop stopped at the iteration that raised
 
 
@@ -311,13 +311,13 @@ def test_streaming_calls_run_in_threads_with_one_program(random_pair):
     import threading
     target, draft = random_pair["target"], random_pair["draft"]
     prompts = [[[7, 8, 9]], [[1, 2, 3, 4, 5]]]
-    generate(target, draft, prompts[0], max_new_tokens=12, block_size=4, on_commit=lambda rows: None)
+    generate(target, draft, prompts[0], max_new_tokens=12, block_size=4, on_commit=lambda rows: None, verify_width="block")
     before = decode.compile_count()
     seen, results = [[], []], [None, None]
 
     def run(i):
         results[i] = generate(target, draft, prompts[i], max_new_tokens=12, block_size=4,
-                              on_commit=lambda rows: seen[i].extend(rows[0]))
+                              on_commit=lambda rows: seen[i].extend(rows[0]), verify_width="block")
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
@@ -326,4 +326,4 @@ def test_streaming_calls_run_in_threads_with_one_program(random_pair):
     assert decode.compile_count() == before
     for i in range(2):
         assert seen[i] == results[i].tokens[0]
-        assert results[i].tokens == generate(target, draft, prompts[i], max_new_tokens=12, block_size=4).tokens
+        assert results[i].tokens == generate(target, draft, prompts[i], max_new_tokens=12, block_size=4, verify_width="block").tokens

@@ -117,8 +117,8 @@ def test_loop_with_the_tpu_mlp_gives_the_xla_tokens(tmp_path):
     target = load_target(tp, dtype="float32")
     draft = load_draft(dp, target=target, dtype="float32")
     prompts = random_prompts(2, 127, min_len=3, max_len=11, seed=2)
-    xla = generate(target, draft, prompts, max_new_tokens=10, kernels=KernelConfig(attention="xla"))
+    xla = generate(target, draft, prompts, max_new_tokens=10, kernels=KernelConfig(attention="xla"), verify_width="block")
     fused = generate(target, draft, prompts, max_new_tokens=10,
-                     kernels=KernelConfig(attention="pallas", tpu_mlp=True))
+                     kernels=KernelConfig(attention="pallas", tpu_mlp=True), verify_width="block")
     assert fused.tokens == xla.tokens
     assert fused.acceptance_lengths == xla.acceptance_lengths

@@ -133,7 +133,7 @@ def test_a_dflash2_draft_grown_from_v1_generates_as_v1(target):
     from dflash_jax import generate
     v1, d2 = _grown()
     prompts = [[5, 17, 3, 40, 2], [9, 1, 33]]
-    r1, r2 = (generate(target, d, prompts, max_new_tokens=12, block_size=S, attention_impl="xla") for d in (v1, d2))
+    r1, r2 = (generate(target, d, prompts, max_new_tokens=12, block_size=S, attention_impl="xla", verify_width="block") for d in (v1, d2))
     assert r1.tokens == r2.tokens and r1.acceptance_lengths == r2.acceptance_lengths
 
 
@@ -227,7 +227,7 @@ def test_cli_trains_exports_and_the_reference_loads_it(tmp_path):
     hf, _ = ck.load_torch_pair(tp)
     ref = DFlash2DraftModel.from_pretrained(out, dtype=torch.float32).eval().requires_grad_(False)
     prompts = ck.random_prompts(2, 63, min_len=7, max_len=10, seed=3)
-    res = generate(target, draft, prompts, max_new_tokens=16)
+    res = generate(target, draft, prompts, max_new_tokens=16, verify_width="block")
     for i, p in enumerate(prompts):
         r = ck.reference_generate(ref, hf, p, 16)
         assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
@@ -243,6 +243,6 @@ def test_the_slot_engine_runs_a_dflash2_draft_as_generate(target, temperature):
     draft = _randomised(DFlash2Draft(_v2_config(3, False), jnp.float32, rngs=nnx.Rngs(0)), seed=4)
     prompts = [[5, 17, 3, 40, 2, 8], [9, 1, 33, 4, 4, 12, 60], [7, 7, 21]]
     kw = dict(max_new_tokens=14, temperature=temperature, seed=3, attention_impl="xla")
-    one = generate(target, draft, prompts, **kw)
-    eng = generate(target, draft, prompts, slots=2, **kw)
+    one = generate(target, draft, prompts, **kw, verify_width="block")
+    eng = generate(target, draft, prompts, slots=2, **kw, verify_width="block")
     assert eng.tokens == one.tokens and eng.acceptance_lengths == one.acceptance_lengths

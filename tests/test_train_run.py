@@ -135,7 +135,7 @@ def test_resume_is_exact_and_contract_checked(tmp_path):
 
 
 def _mean_tau(target, draft, prompts, n):
-    res = generate(target, draft, prompts, max_new_tokens=n, attention_impl="xla")
+    res = generate(target, draft, prompts, max_new_tokens=n, attention_impl="xla", verify_width="block")
     lengths = [x for row in res.acceptance_lengths for x in row]
     return float(np.mean(lengths))
 

@@ -307,7 +307,7 @@ def test_generate_text_helper(loaded):
     assert len(out.texts) == 2 and out.finish_reasons[0] in ("stop", "length")
     assert out.texts[0] == tok.decode(out.tokens[0], skip_special_tokens=True)
     ref = dj.generate(target, draft, [data.apply_chat_template(tok, "Tell me a story.")], max_new_tokens=12,
-                      stop_token_ids=[tc.IM_END])
+                      stop_token_ids=[tc.IM_END], verify_width="block")
     assert out.tokens[0] == ref.tokens[0]
     cut = out.texts[0][2:4]
     if cut:

@@ -44,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: python -m dflash_jax.benchmark --model Qwen/Qwen3-8B --draft "
                "z-lab/Qwen3-8B-DFlash-b16 --dataset gsm8k --max-samples 128 --output report.json")
     cli.add_model_args(p)
-    cli.add_width_args(p)
+    # block by default: this tool reports the draft's acceptance length, which the paper and the
+    # reference define over whole blocks (a narrower verify caps it); --verify-width auto measures
+    # the adaptive program's speed instead
+    cli.add_width_args(p, default="block", default_help="block (the paper's tau)")
     # 2048 new tokens is the paper's setting; τ on long reasoning answers differs from short ones.
     cli.add_sampling_args(p, max_new_tokens=2048)
     d = p.add_argument_group("prompts")

@@ -147,7 +147,7 @@ def _verify_width_arg(text: str):
     return v
 
 
-def add_width_args(p: argparse.ArgumentParser, default: str | None = "block", default_help: str = "block") -> None:
+def add_width_args(p: argparse.ArgumentParser, default: str | None = "auto", default_help: str = "auto") -> None:
     """--verify-width (generate, benchmark, serve): drafts the target verifies per iteration.
     default None: the caller resolves it (serve: auto with the slot engine)."""
     p.add_argument("--verify-width", default=default, type=_verify_width_arg, metavar="{block,auto,0,1,3,7,15}",
@@ -879,7 +879,7 @@ def _main(argv: Sequence[str] | None) -> int:
                 tau_histogram=hist, acceptance_lengths=acc,
                 num_iterations=sum(res.num_iterations for res, _ in done), tokens_per_s=tps,
                 run_time_s=run_s, compile_time_s=compile_s, temperature=args.temperature, dtype=args.dtype,
-                attention=args.attention)
+                attention=args.attention, verify_width=args.verify_width if block > 1 else None)
             if len(prompts) > 1:
                 summary["index"] = i
             print(json.dumps(summary))
@@ -894,7 +894,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
     interrupted = cancel.is_set()
     if not args.json:
-        print(f"[dflash] {n_new} new tokens | mean tau {mean_tau:.2f} (block size {block}) | "
+        widths = f", verify width {args.verify_width}" if block > 1 else ""
+        print(f"[dflash] {n_new} new tokens | mean tau {mean_tau:.2f} (block size {block}{widths}) | "
               f"{tps:.1f} tok/s ({run_s:.3f} s) | compile {compile_s:.1f} s"
               + (" | interrupted" if interrupted else ""), file=sys.stderr)
     return EXIT_INTERRUPTED if interrupted else 0

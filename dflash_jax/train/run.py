@@ -129,7 +129,7 @@ def eval_tau(target: CausalLM, draft: DFlashDraft, prompts, max_new_tokens: int,
     """Mean acceptance length of our real speculative loop (greedy) on `prompts`."""
     from dflash_jax.decode import generate
     res = generate(target, draft, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
-                   attention_impl=attention_impl)
+                   attention_impl=attention_impl, verify_width="block")   # tau over whole blocks, as the paper
     lengths = [x for row in res.acceptance_lengths for x in row]
     return float(np.mean(lengths)) if lengths else float("nan")
 
