@@ -218,14 +218,39 @@ def layer_counts(c: Qwen35Config, paths: list, dtype, batches=(1,), blocks=(16, 
     return rows
 
 
+def trace_breakdown(step, iters: int, trace_dir: str, top: int = 30) -> dict:
+    """One more run of `step` (iters iterations) under jax.profiler: device time per iteration by
+    kernel family and by named scope (bench_gpu's trace readers), the busy and idle share."""
+    from bench_gpu import _device_events, _family, _find_trace, summarize_trace, trace_timeline
+    jax.block_until_ready(step())
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(step())
+    loaded = _device_events(_find_trace(trace_dir))
+    sm, tl = summarize_trace(None, loaded), trace_timeline(None, loaded=loaded)
+    fam: dict = {}
+    for name, (t, n) in sm["by_name"].items():
+        f = fam.setdefault(_family(name), [0.0, 0])
+        f[0] += t
+        f[1] += n
+    per = lambda us: round(us / iters, 1)                                                   # noqa: E731
+    families = sorted(fam.items(), key=lambda kv: -kv[1][0])[:top]
+    scopes = sorted(sm["by_scope"].items(), key=lambda kv: -kv[1])[:top]
+    return dict(trace_busy_ms_per_iteration=round(sm["busy_ms"] / iters, 3),
+                trace_span_ms_per_iteration=round(tl["span_ms"] / iters, 3),
+                trace_idle_ms_per_iteration=round(tl["idle_ms"] / iters, 3),
+                trace_kernels_per_iteration=round(sm["n_events"] / iters, 1),
+                trace_top_families_us=[(k, per(t), round(n / iters, 1)) for k, (t, n) in families],
+                trace_top_scopes_us=[(k, per(t)) for k, t in scopes])
+
+
 def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stats: bool = False,
-            kernels=None, fold: bool = True, commit_alone: bool = True) -> dict:
+            kernels=None, fold: bool = True, commit_alone: bool = True, trace_dir: str | None = None) -> dict:
     c = target.config
     prompts = [[int(x) for x in np.random.RandomState(b).randint(0, c.vocab_size, ctx)] for b in range(B)]
     d = draft if S > 1 else None
     st, tstate, dstate, p, _, _ = decode._static_and_params(
         target, d, prompts, stream=False, max_new_tokens=iters * S * (2 * reps + 4) + S,
-        block_size=S if S > 1 else None, kernels=kernels)
+        block_size=S if S > 1 else None, kernels=kernels, verify_width="block")
 
     def models(ts, ds):
         return nnx.merge(st.target_def, ts), (None if st.draft_def is None else nnx.merge(st.draft_def, ds))
@@ -260,6 +285,11 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
         k_main = k_main.lower(tstate, dstate, p, holder[0]).compile()
         extra["hlo_k_iterations"] = hlo_stats(k_main.as_text())
     per_iter = timed(k_main)
+    if trace_dir:
+        def once():
+            holder[0] = k_main(tstate, dstate, p, holder[0])
+            return holder[0].lens
+        extra.update(trace_breakdown(once, iters, trace_dir))
     if fold:
         # the same iterations with the fold left out (records dropped, states never advanced): the
         # difference is the rollback's cost inside the compiled loop
@@ -355,6 +385,9 @@ def main():
                     help="compile for one chip of this TPU (on a CPU host, libtpu) and report bytes vs floor")
     ap.add_argument("--layers", type=int, default=0, help="with --tpu-aot: the first N layers only (0: all)")
     ap.add_argument("--capacity", type=int, default=1024, help="with --tpu-aot: the KV capacity")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="also profile each row's iterations once (jax.profiler, into DIR/<row>): device time "
+                         "per iteration by kernel family and named scope, busy and idle")
     ap.add_argument("--out", default=None, help="JSON lines file")
     a = ap.parse_args()
     moe = a.model == "35b-a3b"
@@ -420,7 +453,8 @@ def main():
                                                                   block_size=a.block), seed=1, dtype=dtype)
                     tgt = with_verify_form(target, form)
                     r = run_one(tgt, draft, B, a.ctx, S, a.iters, a.reps, a.hlo_stats, kernels=path_kernels(name),
-                                fold=a.fold_share and S > 1, commit_alone=a.commit_alone)
+                                fold=a.fold_share and S > 1, commit_alone=a.commit_alone,
+                                trace_dir=os.path.join(a.trace, f"{model}_{name}_b{B}_s{S}") if a.trace else None)
                     r.update(kind="plain step" if S == 1 else "dflash iteration", path=name,
                              model="smoke-" + model if a.smoke else "qwen3.5-" + model,
                              row_s=round(time.perf_counter() - t0, 1))
