@@ -507,7 +507,9 @@ def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
     (the fastest difference would be a spike: one slow fixed-part run made a B = 1 MoE plain step
     cost ~0 on the H200, and "auto" then decoded plainly at a third of the block's speed), then the
     costs are made non-decreasing in the width (more verified rows never cost less; the measured
-    order can only be noise)."""
+    order can only be noise). Over several processes (a multi-host mesh) every process uses process
+    0's costs: each host times the same runs, but its own clock would give each its own width choices,
+    and replicas of one program must take the same branch."""
     costs = _WIDTH_COSTS.get(key)
     if costs is None:
         time_width(n - 1)
@@ -516,6 +518,9 @@ def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
                             for i in range(n)])
         costs = np.maximum.accumulate(np.maximum(costs, 1e-3 * max(float(costs.max()), 1e-9)))
         costs = costs.astype(np.float32)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            costs = np.asarray(multihost_utils.broadcast_one_to_all(costs), np.float32)
         _WIDTH_COSTS[key] = costs
     return costs
 

@@ -34,10 +34,12 @@ def pair(tmp_path_factory):
     return t, write_draft(str(root / "d"), t, num_layers=2, block_size=4)
 
 
-def _cmd(pair, *extra):
+def _cmd(pair, *extra, width: str = "block"):
+    """The CLI's command; whole blocks unless `width` says otherwise (acceptance lengths compare only
+    between runs that verify the same widths: "auto" chooses from each run's own timings)."""
     return [sys.executable, "-m", "dflash_jax.generate", "--model", pair[0], "--draft", pair[1],
             "--dtype", "float32", "--attention", "xla", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12",
-            "--json", *extra]
+            "--verify-width", width, "--json", *extra]
 
 
 def _result(stdout: str) -> dict | None:
@@ -87,9 +89,12 @@ def _free_port() -> int:
 def test_two_processes_one_mesh_over_eight_devices(pair, one_device):
     """jax.distributed.initialize from the environment (the CLI's init_distributed), 2 processes x
     4 CPU devices, mesh data=2,model=4 over all 8: the batch rows and the vocab/heads both span the
-    two processes. Process 0 prints the result, process 1 nothing."""
+    two processes. Process 0 prints the result, process 1 nothing. The CLI's default verify width,
+    "auto": both processes choose from process 0's measured costs (loop.width_costs), so the program's
+    replicas take the same widths, and the tokens are one device's (the acceptance lengths are the
+    chosen widths', not the block's)."""
     port = _free_port()
-    procs = [subprocess.Popen(_cmd(pair, "--mesh", "data=2,model=4"), cwd=REPO, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(_cmd(pair, "--mesh", "data=2,model=4", width="auto"), cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                                        JAX_PROCESS_ID=str(i)))
@@ -107,5 +112,5 @@ def test_two_processes_one_mesh_over_eight_devices(pair, one_device):
     first, second = (_result(o) for o, _ in outs)
     assert first is not None and second is None, outs[1][0][-2000:]
     assert "[dflash]" not in outs[1][1]                       # process 1's Python output goes nowhere
-    assert first["tokens"] == one_device["tokens"]
-    assert first["acceptance_lengths"] == one_device["acceptance_lengths"]
+    assert first["tokens"] == one_device["tokens"] and first["verify_width"] == "auto"
+    assert all(1 <= a <= 4 for a in first["acceptance_lengths"])
