@@ -544,9 +544,9 @@ out = []
 for mesh in (None, sharding.make_mesh("1x2", devices=jax.devices()[:2])):
     t = load_target(tp, dtype="float32", mesh=mesh)
     d = load_draft(dp, target=t, dtype="float32", mesh=mesh)
-    r = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla")
+    r = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla", verify_width="block")
     # sampled: the selector's q over candidates from per-shard top-K, accepted per vocab shard
-    s = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla", temperature=1.0, seed=5)
+    s = generate(t, d, prompts, max_new_tokens=16, attention_impl="xla", temperature=1.0, seed=5, verify_width="block")
     out.append([r.tokens, r.acceptance_lengths, [k.shape[2] for k in d.new_cache(1, 1024).k], d.layers[0].qkv_groups,
                 s.tokens, s.acceptance_lengths])
 # the selector's top-K over vocab shards = lax.top_k, ties (to the lowest id) across shards included
