@@ -96,7 +96,12 @@ def models(cli_models):
     return cli_models  # conftest.py builds it once for this file, test_user_errors.py and test_serve.py
 
 
-def _run(cli, argv, capsys):
+def _run(cli, argv, capsys, default_width: bool = False):
+    """cli.main(argv): (exit code, stdout, stderr). The generate CLI verifies whole blocks here unless
+    argv names a width or `default_width` asks for its default ("auto", whose program compiles ~2x as
+    long: test_the_generate_cli_defaults_to_auto and the process tests run it)."""
+    if cli.__name__ == "dflash_jax.cli.generate" and not default_width and "--verify-width" not in argv:
+        argv = ["--verify-width", "block", *argv]
     code = cli.main(argv)
     out, err = capsys.readouterr()
     return code, out, err
@@ -282,6 +287,10 @@ def test_generate_defaults_to_the_embedded_pair(models, capsys, monkeypatch):
     pair = json.loads(out)
     code2, out2, _ = _run(gen_cli, ["--model", target, "--draft", draft] + base, capsys)
     explicit = json.loads(out2)
+    code3, out3, err3 = _run(gen_cli, ["--model", target, "--draft", draft] + base, capsys, default_width=True)
+    auto = json.loads(out3)      # the CLI's default verify width: adaptive, the same tokens
+    assert code3 == 0 and auto["verify_width"] == "auto" and auto["tokens"] == explicit["tokens"]
+    assert explicit["verify_width"] == "block"
     assert code == code2 == 0 and pair["block_size"] == 8 and pair["mean_tau"] >= 1
     assert pair["tokens"] == explicit["tokens"] and pair["prompt_tokens"] == explicit["prompt_tokens"]
     code, out, _ = _run(gen_cli, ["--draft", "none"] + base, capsys)  # the pair's target, plain decoding

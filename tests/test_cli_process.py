@@ -38,7 +38,14 @@ def chat_target(tmp_path_factory):
 def test_sigint_stops_the_generation_keeps_the_output_and_exits_130(chat_target):
     cmd = [sys.executable, "-m", "dflash_jax.generate", "--model", chat_target, "--draft", "none",
            "--dtype", "float32", "--max-new-tokens", "500000", "--ignore-eos", "--prompt-ids", "1,2,3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    # the child as a terminal's foreground job gets it: Ctrl-C not ignored. A child inherits an ignored
+    # SIGINT (and Python then installs no KeyboardInterrupt): CI's session 31 run had a pytest worker
+    # left so, and this test's child ran on. A handled SIGINT in this process is the default in the child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     out = bytearray()
     started = threading.Event()
 

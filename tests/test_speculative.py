@@ -126,8 +126,8 @@ def test_full_partial_zero_acceptance_with_a_proposer_double(random_pair, corrup
     for i, (p, t) in enumerate(zip(prompts, plain.tokens)):
         truth[i, :len(p) + len(t)] = p + t
     res, st = decode._generate(target, truth_proposer(draft, truth, corrupt, 128), prompts,
-                               **decode._generate_defaults(dict(max_new_tokens=n, block_size=S)),
-                               on_commit=None, verify_width="block")
+                               **decode._generate_defaults(dict(max_new_tokens=n, block_size=S, verify_width="block")),
+                               on_commit=None)
     assert res.tokens == [t[:n] for t in plain.tokens]
     expect = S if corrupt is None else corrupt + 1
     for row in res.acceptance_lengths:

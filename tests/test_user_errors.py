@@ -10,6 +10,7 @@ import _thread
 import io
 import json
 import os
+import signal
 import threading
 import time
 
@@ -69,9 +70,15 @@ def test_ctrl_c_while_waiting_cancels_and_keeps_the_result():
             time.sleep(0.01)
         return "ran to the end"
 
-    threading.Timer(0.3, _thread.interrupt_main).start()
-    t0 = time.monotonic()
-    out = gen_cli.run_interruptible(work, cancel)
+    # interrupt_main does nothing while SIGINT is ignored or default (CI's session 31 run: some earlier
+    # test in the same worker left it so): Ctrl-C's own handler, Python's, for this test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, _thread.interrupt_main).start()
+        t0 = time.monotonic()
+        out = gen_cli.run_interruptible(work, cancel)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert cancel.is_set() and out.startswith("stopped at") and time.monotonic() - t0 < 10
 
 
@@ -303,7 +310,7 @@ def test_stop_strings_and_stop_ids_cut_the_output(models, capsys):
 def test_generate_text_helper(loaded):
     target, draft, tok = loaded
     out = dj.generate_text(target, draft, tok, ["Tell me a story.", [{"role": "user", "content": "hi"}]],
-                           max_new_tokens=12)
+                           max_new_tokens=12, verify_width="block")
     assert len(out.texts) == 2 and out.finish_reasons[0] in ("stop", "length")
     assert out.texts[0] == tok.decode(out.tokens[0], skip_special_tokens=True)
     ref = dj.generate(target, draft, [data.apply_chat_template(tok, "Tell me a story.")], max_new_tokens=12,
@@ -311,7 +318,7 @@ def test_generate_text_helper(loaded):
     assert out.tokens[0] == ref.tokens[0]
     cut = out.texts[0][2:4]
     if cut:
-        one = dj.generate_text(target, draft, tok, "Tell me a story.", max_new_tokens=12, stop=cut)
+        one = dj.generate_text(target, draft, tok, "Tell me a story.", max_new_tokens=12, stop=cut, verify_width="block")
         assert one.texts[0] == out.texts[0][:out.texts[0].find(cut)] and one.finish_reasons == ["stop"]
 
 
