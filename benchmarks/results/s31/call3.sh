@@ -8,7 +8,7 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 START=$(date +%s); say() { echo "[call3 $(( $(date +%s) - START ))s] $*"; }
 say "hybrid trace"
 timeout 200 python scripts/bench_hybrid.py --paths kernel-bv32 --models 9b --batches 1 --no-fold-share \
-  --trace /tmp/htrace --out "$OUT/hybrid_trace.jsonl" 2>&1 | tee "$OUT/hybrid_trace.log" | cut -c1-400
+  --trace "${TMPDIR:-/tmp}/htrace" --out "$OUT/hybrid_trace.jsonl" 2>&1 | tee "$OUT/hybrid_trace.log" | cut -c1-400
 for vw in block auto; do
   say "one-shot CLI, --verify-width $vw"
   /usr/bin/time -f "wall %e s, max rss %M KB" timeout 170 python -m dflash_jax.generate --random-init qwen3-8b \

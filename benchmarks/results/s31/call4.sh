@@ -9,6 +9,6 @@ for flags in "" "--xla_gpu_enable_triton_gemm=false"; do
   tag=${flags:+cublas}; tag=${tag:-default}
   say "hybrid B = 1, XLA_FLAGS='$flags'"
   XLA_FLAGS="$flags" timeout 240 python scripts/bench_hybrid.py --paths kernel-bv32 --models 9b --batches 1 \
-    --no-fold-share --trace /tmp/htrace_$tag --out "$OUT/hybrid_$tag.jsonl" 2>&1 | cut -c1-300 | tee "$OUT/hybrid_$tag.log"
+    --no-fold-share --trace "${TMPDIR:-/tmp}/htrace_$tag" --out "$OUT/hybrid_$tag.jsonl" 2>&1 | cut -c1-300 | tee "$OUT/hybrid_$tag.log"
 done
 say done

@@ -8,5 +8,5 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 START=$(date +%s); say() { echo "[call5 $(( $(date +%s) - START ))s] $*"; }
 say "hybrid 35B-A3B"
 timeout 440 python scripts/bench_hybrid.py --paths kernel-bv32 --models 35b-a3b --batches 1 --moe-batches 1,8 \
-  --trace /tmp/htrace --out "$OUT/hybrid_35b.jsonl" --budget-s 420 2>&1 | cut -c1-400 | tee "$OUT/hybrid_35b.log"
+  --trace "${TMPDIR:-/tmp}/htrace" --out "$OUT/hybrid_35b.jsonl" --budget-s 420 2>&1 | cut -c1-400 | tee "$OUT/hybrid_35b.log"
 say done
