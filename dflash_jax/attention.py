@@ -142,4 +142,10 @@ def attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels: KernelConfig, *,
         except Exception as e:  # cuDNN refuses the shape (head_dim, ...): our kernel takes it
             pallas_kernels.warn_once(_log, f"cudnn: {type(e).__name__}: {e}", "cuDNN prefill attention "
                                      "refused q%s (%s): using the Pallas kernel", q.shape, e)
+    if kernels.attention == "xla" and T < k_cache.shape[2]:
+        # every key a prompt row sees lies in rows [0, T): the XLA path's prefill is dense over the
+        # keys it is given, and the rest of the capacity would be scored and masked (a 256-token
+        # bucket over a 1,024-row cache: 4x the score work, most of a CPU prefill; perf-log s32).
+        # A static slice, fused into the score dot (the Pallas kernels stop at k_end themselves).
+        k_cache, v_cache = k_cache[:, :, :T], v_cache[:, :, :T]
     return attend(q, k_cache, v_cache, k_end, kernels, scale=scale)

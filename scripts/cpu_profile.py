@@ -79,7 +79,7 @@ def main() -> int:
             count[e["name"]] += 1
     # ops of the loop body run once per iteration or more; prefill's once per call
     body = {n: t / iters for n, t in total.items() if count[n] >= iters}
-    inner = {n for n in body if "/while/body/" in defs[n][1].split("jit(_run)/while/body/", 1)[-1]}
+    inner = {n for n in body if "/while/body/" in defs[n][1].split("jit(run)/while/body/", 1)[-1]}
 
     def group(n):
         shape, scope = defs[n]
@@ -108,7 +108,7 @@ def main() -> int:
     print("top ops:")
     for n, t in sorted(((n, t) for n, t in body.items() if n not in inner), key=lambda x: -x[1])[:args.top]:
         shape, scope = defs[n]
-        print(f"  {t:7.3f} ms/iter  {n:30s} {shape[:28]:28s} {scope.replace('jit(_run)/while/body/', '')[-60:]}")
+        print(f"  {t:7.3f} ms/iter  {n:30s} {shape[:28]:28s} {scope.replace('jit(run)/while/body/', '')[-60:]}")
     return 0
 
 

@@ -257,6 +257,24 @@ def test_xla_path_chunks_queries():
     assert largest <= 1 << 27, largest
 
 
+def test_xla_prefill_scores_only_the_prompt_rows():
+    """attend_prefill on the XLA path reads cache rows [0, T) only: NaN past them never leaks, the
+    result equals the oracle, and no [.., T, C] score tensor is built (a 256-row prompt over a
+    1,024-row cache scored all 1,024 keys: half of a CPU prefill, perf-log session 32)."""
+    from dflash_jax.attention import attend_prefill
+    B, T, Hq, Hkv, C, D = 2, 96, 4, 2, 1024, 16
+    q, k, v = _inputs(B, T, Hq, Hkv, C, D, jnp.float32)
+    k_end = _k_end("prefill", B, T, C)
+    ref = _oracle(q, k[:, :, :T], v[:, :, :T], k_end)
+    kn, vn = k.at[:, :, T:].set(jnp.nan), v.at[:, :, T:].set(jnp.nan)
+    cfg = resolved("xla")
+    fn = jax.jit(lambda q, k, v, e: attend_prefill(q, None, None, k, v, e, cfg))
+    _check(fn(q, kn, vn, k_end), ref, jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda q, k, v, e: attend_prefill(q, None, None, k, v, e, cfg))(q, kn, vn, k_end)
+    shapes = [tuple(x.aval.shape) for eqn in jaxpr.eqns for x in eqn.outvars if hasattr(x.aval, "shape")]
+    assert not any(len(s) >= 2 and s[-1] == C and s[-2] == T for s in shapes), shapes
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas", "auto", "pallas_tpu", "pallas_gpu"])
 def test_attend_dispatch(impl):
     q, k, v = _inputs(2, 16, 8, 2, 256, 128, jnp.float32)
