@@ -329,6 +329,7 @@ def cpu_pair_mode(run: Run):
                              acceptance="real (the demo pair, greedy)")
     cols = (("plain", None, {}), ("w0", draft, dict(verify_width=0)), ("fixed16", draft, dict(verify_width=15)),
             ("auto", draft, dict(verify_width="auto")))
+    cols += tuple((f"w{w}", draft, dict(verify_width=w)) for w in (int(x) for x in a.cpu_widths.split(",") if x))
     gen = lambda d, p, n, kw, stop=stop: decode.generate(target, d, [p], max_new_tokens=n,   # noqa: E731
                                                          stop_token_ids=stop, **kw)
     for name, d, kw in cols:    # compile (and profile auto's widths) before any timing
@@ -398,6 +399,8 @@ def main():
     ap.add_argument("--cpu-prompts", type=int, default=2, help="prompts per dataset in --cpu-pair")
     ap.add_argument("--cpu-new", type=int, default=128)
     ap.add_argument("--cpu-rounds", type=int, default=3, help="interleaved rounds in --cpu-pair")
+    ap.add_argument("--cpu-widths", default="", metavar="3,7", help="--cpu-pair: fixed verify widths timed "
+                    "beside the default columns (each its own program)")
     args = ap.parse_args()
     run = Run(args)
 

@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=1, help="HumanEval prompts profiled (one call each)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--other", action="store_true", help="list only the ops outside the named groups")
     args = ap.parse_args()
 
     import dflash_jax as dj
@@ -106,7 +107,7 @@ def main() -> int:
         print(f"  {t:7.3f} ms/iter  {g}")
     print(f"  {sum(groups.values()):7.3f} ms/iter  sum of ops")
     print("top ops:")
-    for n, t in sorted(((n, t) for n, t in body.items() if n not in inner), key=lambda x: -x[1])[:args.top]:
+    for n, t in sorted(((n, t) for n, t in body.items() if n not in inner and (not args.other or group(n) == "other ops")), key=lambda x: -x[1])[:args.top]:
         shape, scope = defs[n]
         print(f"  {t:7.3f} ms/iter  {n:30s} {shape[:28]:28s} {scope.replace('jit(run)/while/body/', '')[-60:]}")
     return 0
