@@ -246,7 +246,7 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
     `verify_width`: drafts the target verifies per iteration: "auto" (default: chosen per iteration
     on the device from measured per-width costs and the acceptance seen, docs/adaptive-width.md;
-    its program holds the widths of width.program_widths, 0, 3 and 15 at block 16, compiles ~2x as
+    its program holds the widths of width.program_widths, 0, 3 and 15 at block 16 (and 7 on CPU), compiles ~2x as
     long as one width and times each width once per program before its first call), "block" (the
     whole block, a program with one verify width: the acceptance lengths the paper and the
     reference report) or one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the whole block; a

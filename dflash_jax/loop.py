@@ -581,7 +581,10 @@ def make_static(target_def, draft_def, draft_config, *, block_size, batch, promp
     only with a draft and a block of more than one token) from width.program_widths(block_size,
     verify_width): a width forced outside the default set is compiled in too."""
     has_draft = draft_def is not None
-    widths = width.program_widths(block_size, verify_width) if adaptive and has_draft and block_size > 1 else None
+    # on XLA:CPU a verified row costs its compute at any batch: the half block joins the widths
+    platform = (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
+    widths = (width.program_widths(block_size, verify_width, per_row_cost=platform == "cpu")
+              if adaptive and has_draft and block_size > 1 else None)
     return Static(target_def=target_def, draft_def=draft_def,
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    batch=batch,

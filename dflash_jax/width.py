@@ -3,7 +3,7 @@
 The draft always proposes its whole block (cutting it would change its non-causal context); the
 target verifies the last token plus the first W drafts, W from a small set whose row counts W + 1
 are powers of two (`widths_for`: 0, 1, 3, 7, 15 for block 16; an adaptive program compiles the
-`program_widths`, 0, 3, 15). W = 0 is plain decoding (no draft pass; its taps still reach the
+`program_widths`, 0, 3, 15; 0, 3, 7, 15 on CPU). W = 0 is plain decoding (no draft pass; its taps still reach the
 draft context). Verifying a prefix is lossless: acceptance stops at W at the
 latest and the bonus / correction comes from slot a <= W, exactly as a shorter block's would.
 
@@ -58,17 +58,21 @@ def widths_for(block_size: int) -> tuple[int, ...]:
     return tuple(sorted({0, full} | {(1 << k) - 1 for k in range(1, 16) if (1 << k) - 1 < full}))
 
 
-def program_widths(block_size: int, verify_width="auto") -> tuple[int, ...]:
+def program_widths(block_size: int, verify_width="auto", per_row_cost: bool = False) -> tuple[int, ...]:
     """The widths compiled into an adaptive program: 0 (plain), the middle width whose rows are
     ~sqrt(S) (3 at block 16, 1 at block 8: where a large batch is compute-bound, a few verified
     rows are what pays) and the full block (where verifying is memory-bound); plus a forced
     `verify_width` outside that set. Each width is one more target verify body in the program, and
     its compile time grows with them (docs/adaptive-width.md, "Compile time": five widths took
     3.2x the one-width program's CPU seconds at Qwen3-8B shapes, these three 2.1x); the other widths of `widths_for` win
-    too rarely to pay that."""
+    too rarely to pay that, except where every verified row costs its own compute even at one
+    row (per_row_cost: XLA:CPU): there the half block (7 at block 16, 3 at block 8) is added. The
+    embedded pair on 16 CPU cores: W = 7 1.28x plain, W = 3 1.22x, the block 1.11x (perf-log, session 32)."""
     full = block_size - 1
     mid = (1 << (max(block_size, 1).bit_length() - 1) // 2) - 1
     ws = {0, full} | ({mid} if 0 < mid < full else set())
+    if per_row_cost and 0 < block_size // 2 - 1 < full:
+        ws.add(block_size // 2 - 1)
     if isinstance(verify_width, (int, np.integer)) and not isinstance(verify_width, bool):
         ws.add(int(verify_width))
     return tuple(sorted(ws))

@@ -40,14 +40,17 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
     """W = 0 is plain decoding (one token per iteration), W = 7 (block 8's full width) is the
     reference loop token for token and iteration for iteration, 1 / auto are lossless and never
     accept past their width (auto also when it starts from its last call's statistics); one program
-    serves every width of its set (0, 1, 7 at block 8), and a call that names no width runs it."""
+    serves every width of its set (0, 1, 3, 7 at block 8 on CPU, where the half block joins the set),
+    and a call that names no width runs it."""
     prompts = pair["eval_prompts"][:3]
     n = 24
     want = [hf_greedy(pair["hf"], p, n) for p in prompts]
     ref = [reference_generate(pair["ref_draft"], pair["hf"], p, n, block_size=8) for p in prompts]
     kw = dict(max_new_tokens=n, capacity=CAPACITY)
-    assert width.program_widths(8) == (0, 1, 7)
-    res = {vw: None for vw in (7, 0, 1, "auto")}
+    assert width.program_widths(8) == (0, 1, 7) and width.program_widths(8, per_row_cost=True) == (0, 1, 3, 7)
+    st = decode._static_and_params(pair["target"], pair["draft"], prompts, stream=False, **kw)[0]
+    assert st.widths == (0, 1, 3, 7)                   # a CPU program: every verified row costs compute
+    res = {vw: None for vw in (7, 0, 1, 3, "auto")}
     for vw in res:
         res[vw] = generate(pair["target"], pair["draft"], prompts, verify_width=vw, **kw)
         if vw == 7:
@@ -60,7 +63,7 @@ def test_every_width_is_lossless_and_width_changes_never_recompile(pair):
         assert r.tokens == want, vw
     assert res[7].acceptance_lengths == [list(r.acceptance_lengths) for r in ref]
     assert all(a == 1 for row in res[0].acceptance_lengths for a in row)
-    for vw in (1,):
+    for vw in (1, 3):
         seen = {a for row in res[vw].acceptance_lengths for a in row}
         assert max(seen) == vw + 1, (vw, seen)        # accepted up to the width, never past it
     assert res[7].mean_tau > 2.0                       # the pair really accepts (a real test of the prefixes)
@@ -91,11 +94,14 @@ def test_a_prefix_proposal_runs_the_head_on_its_rows_and_keeps_their_drafts(pair
 
 def test_auto_learns_the_acceptance_and_narrows_where_it_pays(pair, monkeypatch):
     """Simulated acceptance (tau 3 at block 8) and fixed costs that make W = 1 the best tokens per
-    cost (E = 1, 1.68, 3.0 over costs 1, 1.2, 2.4 at W = 0, 1, 7): after the full-width warm-up the
+    cost (E = 1, 1.68, 2.48, 3.0 over costs 1, 1.2, 2.0, 2.4 at W = 0, 1, 3, 7; 3 is a CPU program's
+    half block, width.program_widths): after the full-width warm-up the
     loop collects statistics and settles on W = 1 (accepts never exceed 2 tokens again); a second
     call of the same program starts there (loop.width_history). (Simulated acceptance accepts what it
     draws, so its tokens are not the target's: losslessness is the real-acceptance tests'.)"""
-    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray([1.0, 1.2, 2.4], np.float32))
+    costs = {0: 1.0, 1: 1.2, 3: 2.0, 7: 2.4}
+    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray(
+        [costs[w] for w in width.program_widths(8, per_row_cost=n == 4)], np.float32))
     monkeypatch.setattr(loop, "_WIDTH_HISTORY", {})          # no earlier call's statistics
     prompts = pair["eval_prompts"][:4]
     with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
@@ -227,6 +233,7 @@ def test_the_choice_is_a_deterministic_function_of_the_statistics():
     assert widths == (0, 1, 3, 7, 15) and width.widths_for(8) == (0, 1, 3, 7)
     # compiled into the adaptive program: plain, the middle width, the block; a forced other one too
     assert width.program_widths(16) == (0, 3, 15) and width.program_widths(8, 3) == (0, 1, 3, 7)
+    assert width.program_widths(16, per_row_cost=True) == (0, 3, 7, 15)
     rng = np.random.default_rng(0)
     choose = jax.jit(lambda *a: width.choose(*a, widths))
     for _ in range(40):
@@ -422,7 +429,9 @@ from dflash_jax import DraftConfig, TargetConfig, decode, init_draft, init_targe
 t = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                  head_dim=16, rope_theta=10000.0)
 d = DraftConfig.for_target(t, num_layers=1, block_size=8, mask_token_id=127)
-loop.width_costs = lambda key, fn, n: np.asarray([1.0, 1.6, 2.4], np.float32)   # the same on both
+costs = {0: 1.0, 1: 1.6, 3: 2.1, 7: 2.4}      # W = 0, 1, 7; and 3 (the half block) on CPU
+loop.width_costs = lambda key, fn, n: np.asarray(                                 # the same on both
+    [costs[w] for w in width.program_widths(8, per_row_cost=n == 4)], np.float32)
 decode.width_costs = loop.width_costs
 prompts = [[1, 2, 3, 4], [5, 6, 7], [9] * 9, [3, 1]]
 out = []

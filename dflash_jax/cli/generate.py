@@ -153,7 +153,7 @@ def add_width_args(p: argparse.ArgumentParser, default: str | None = "auto", def
     p.add_argument("--verify-width", default=default, type=_verify_width_arg, metavar="{block,auto,0,1,3,7,15}",
                    help="drafts the target verifies per iteration: block (the whole block, one verify width "
                         "compiled), auto (chosen per iteration from measured costs and acceptance, "
-                        "docs/adaptive-width.md; compiles widths 0, 3 and 15 at block 16) or a fixed one of 0, 1, 3, 7, "
+                        "docs/adaptive-width.md; compiles widths 0, 3 and 15 at block 16, and 7 on CPU) or a fixed one of 0, 1, 3, 7, "
                         "... up to block size - 1 (0 = plain decoding, block size - 1 = the whole block); "
                         f"default: {default_help}")
 
