@@ -25,8 +25,10 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
   n_sms             the GPU's streaming multiprocessors (the attention kernel's split counts fill
                     them); None: read from the device, else GPU_TUNING by device kind
   xla_kv_chunk      (the XLA path) keys per chunk of the short-block attention's loop, which stops
-                    at the longest row's k_end, so unused capacity costs nothing; 0: dense over the
-                    whole capacity (benchmarks compare against it)
+                    at the longest row's k_end, so unused capacity costs nothing; None (default):
+                    from the cache's capacity (pallas_kernels.attention.kv_chunk_for: 128 up to
+                    2,048 rows, 256 up to 8,192, 512 beyond); 0: dense over the whole capacity
+                    (benchmarks compare against it)
   attention_tuning  overrides of pallas_kernels.attention.gpu.default_config, as (name, value)
                     pairs (benchmarks' on-device A/B of launch settings)
 
@@ -128,7 +130,7 @@ class KernelConfig:
     sampling_kernels: bool = True
     n_sms: int | None = None
     attention_tuning: tuple = ()     # ((name, int), ...), sorted by resolve()
-    xla_kv_chunk: int = 512
+    xla_kv_chunk: int | None = None  # None: from the capacity (module doc)
     tpu_mlp: bool | None = None      # None: on for pallas_tpu (off in the interpreter, where it is slow)
     moe_gmm: str = "auto"            # MoE experts' grouped matmul (MOE_GMM; module doc)
     gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
@@ -146,8 +148,9 @@ class KernelConfig:
             raise ValueError(f"while_graphs must be None (auto), True or False, got {self.while_graphs!r}")
         if not isinstance(self.gdn_block_v, int) or self.gdn_block_v < 0:
             raise ValueError(f"gdn_block_v must be an integer >= 0 (0: the head's value dims), got {self.gdn_block_v!r}")
-        if not isinstance(self.xla_kv_chunk, int) or self.xla_kv_chunk < 0:
-            raise ValueError(f"xla_kv_chunk must be an integer >= 0 (0: dense), got {self.xla_kv_chunk!r}")
+        if self.xla_kv_chunk is not None and (not isinstance(self.xla_kv_chunk, int) or self.xla_kv_chunk < 0):
+            raise ValueError(f"xla_kv_chunk must be None (from the capacity) or an integer >= 0 (0: dense), "
+                             f"got {self.xla_kv_chunk!r}")
         if self.n_sms is not None and (not isinstance(self.n_sms, int) or self.n_sms < 1):
             raise ValueError(f"n_sms must be a positive integer or None, got {self.n_sms!r}")
         tuning = dict(self.attention_tuning)
@@ -190,7 +193,7 @@ class KernelConfig:
         while_graphs = on_gpu and (self.while_graphs is None or bool(self.while_graphs))
         if attention not in GPU_PATHS:
             return KernelConfig(while_graphs=while_graphs, gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,
-                                xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else 512,
+                                xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else None,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
                                          else bool(self.tpu_mlp) and attention in TPU_PATHS),
                                 moe_gmm=moe_gmm)
@@ -205,7 +208,7 @@ class KernelConfig:
         return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
-                            xla_kv_chunk=512, moe_gmm=moe_gmm, gdn=gdn, gdn_block_v=gdn_block_v,
+                            xla_kv_chunk=None, moe_gmm=moe_gmm, gdn=gdn, gdn_block_v=gdn_block_v,
                             while_graphs=while_graphs)
 
     def compiler_options(self) -> dict:

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--draft", help="draft dir (default: the shipped pair's); 'none': plain decoding")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--block-size", type=int)
-    ap.add_argument("--kv-chunk", type=int, default=512, help="KernelConfig.xla_kv_chunk (0: dense)")
+    ap.add_argument("--kv-chunk", type=int, default=None, help="KernelConfig.xla_kv_chunk (0: dense; default: from the capacity)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=1, help="HumanEval prompts profiled (one call each)")
     ap.add_argument("--top", type=int, default=25)

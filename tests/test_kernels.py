@@ -516,7 +516,8 @@ def test_xla_kv_chunks_only_for_short_query_blocks():
         return text.count("while[")
     assert whiles(16, 4096) == 1 and whiles(1, 4096) == 1 and whiles(64, 4096) == 1
     assert whiles(16, 4096, kv_chunk=0) == 0
-    assert whiles(16, pallas_kernels.attention.XLA_KV_CHUNK) == 0        # one chunk: dense
+    assert whiles(16, 2048, kv_chunk=2048) == 0                           # one chunk: dense
+    assert whiles(16, 128) == 0 and whiles(16, 256) == 1                  # the default chunk: 128 there
     assert whiles(65, 4096) == 0 and whiles(512, 4096) == 0
     with pytest.raises(ValueError, match="kv_chunk"):
         pallas_kernels.xla_block_attention(*_inputs(1, 1, 2, 1, 8, 16, jnp.float32),

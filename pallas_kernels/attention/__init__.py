@@ -39,9 +39,16 @@ _XLA_SCORE_BUDGET = 1 << 26
 # Query blocks up to this length (decode, verify, the draft block: the shapes inside the generation
 # loop) attend in KV chunks up to the longest row's k_end instead of over the whole capacity.
 XLA_CHUNKED_MAX_T = 64
-# Keys per chunk of that loop: large enough that the per-chunk loop overhead stays small next to
-# the chunk's matmuls, small enough that a short row reads little past its end (docs/perf-log.md).
-XLA_KV_CHUNK = 512
+
+
+def kv_chunk_for(capacity: int) -> int:
+    """Keys per chunk of that loop when none is given: large enough that the per-chunk loop overhead
+    stays small next to the chunk's matmuls over the whole capacity, small enough that a short row
+    reads little past its end. XLA:CPU, 2 cores, demo-pair shapes (T = 1 / 16, 8 q and 2 kv heads of
+    64), ms per call at chunks 128 / 256 / 512: a 1,024-row cache with 300 keys used 0.13 / 0.17 /
+    0.30 and 0.55 / 0.75 / 0.69; 4,096 with 4,000 used 1.15 / 0.89 / 1.41 and a tie; 32,768 with
+    30,000 used 7.7 / 6.6 / 5.2 and 41.8 / 40.5 / 37.9 (docs/perf-log.md, session 32)."""
+    return 128 if capacity <= 2048 else 256 if capacity <= 8192 else 512
 
 
 def _xla_dense(q, k_cache, v_cache, k_end, scale, k_start=None, ring=False):
@@ -124,7 +131,7 @@ def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = Non
     """The reference in XLA ops, sized to the work rather than the buffers.
 
     Short query blocks (T <= XLA_CHUNKED_MAX_T) attend in chunks of `kv_chunk` keys (default
-    XLA_KV_CHUNK) up to the longest row's k_end: a generous capacity costs nothing until it is used.
+    kv_chunk_for(C)) up to the longest row's k_end: a generous capacity costs nothing until it is used.
     kv_chunk=0 keeps the dense path over the whole capacity (benchmarks compare against it).
     Longer queries (prefill) are processed in tiles (lax.map) so B*tile*Hq*C scores stay bounded:
     a 32k prompt over a 32k cache would otherwise build a [B, Hq, 32k, 32k] f32 score tensor.
@@ -136,7 +143,7 @@ def xla_block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = Non
     check_shapes(q, k_cache, v_cache, k_end)
     B, T, Hq, D = q.shape
     C = k_cache.shape[2]
-    kv_chunk = XLA_KV_CHUNK if kv_chunk is None else int(kv_chunk)
+    kv_chunk = kv_chunk_for(C) if kv_chunk is None else int(kv_chunk)
     if kv_chunk < 0:
         raise ValueError(f"kv_chunk must be >= 0 (0: dense over the whole capacity), got {kv_chunk}")
     if ring:
