@@ -75,13 +75,11 @@ def qk_norm_rope_write(qkv, cos, sin, q_weight, k_weight, eps: float, k_cache, v
                                        start if ctx_start is None else ctx_start)
 
 
-def add_rmsnorm(x, y, weight, eps: float, kernels: KernelConfig, zero_centred: bool = False):
+def add_rmsnorm(x, y, weight, eps: float, kernels: KernelConfig):
     """pallas_kernels.fused_layer.add_rmsnorm(x, y, weight, eps), per data shard under a mesh
-    (sharding.per_data_shard): the rows are whole, replicated over 'model'. zero_centred: the
-    norm's weight enters as (1 + weight) (Qwen3.5)."""
+    (sharding.per_data_shard): the rows are whole, replicated over 'model'."""
     from pallas_kernels import fused_layer
-    fn = lambda x, y, w: fused_layer.add_rmsnorm(x, y, w, eps, interpret=kernels.interpret,
-                                                 zero_centred=zero_centred)
+    fn = lambda x, y, w: fused_layer.add_rmsnorm(x, y, w, eps, interpret=kernels.interpret)
     return sharding.per_data_shard(fn, x, y, weight)
 
 

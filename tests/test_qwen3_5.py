@@ -235,37 +235,6 @@ def test_padded_prefill_then_blocks_with_rollback_match_transformers(pair, form)
         lens = lens + np.asarray(n)
 
 
-@pytest.mark.slow      # the Triton interpreter: ~10 s of CPU
-def test_fused_add_norm_kernels_equal_the_xla_norms(pair):
-    """The GPU path's add + zero-centred RMSNorm kernel (interpreted): a 4-token block's logits,
-    taps and committed states = the XLA path's (float32) and transformers' logits; every norm after
-    an add (each layer's post-mixer norm, the next layer's input norm with the MLP output deferred
-    into it, the final norm) is one kernel: 2 L of them."""
-    from dflash_jax.kernel_config import KernelConfig
-    hf, ours = pair
-    ids = np.random.RandomState(5).randint(0, 128, (2, 14))
-    ref = _hf(hf, ids).logits.numpy()[:, 10:]
-    pos = _positions(2, 10)
-    _, _, cache = ours(jnp.asarray(ids[:, :10]), pos, ours.new_cache(2, 32), pos + 1, prefill=True)
-    cache = ours.commit(cache, jnp.full((2,), 10, jnp.int32))
-    bpos = _positions(2, 4, 10)
-    fused = KernelConfig(attention="pallas_gpu_interpret", gdn="xla")
-
-    def block(kernels):
-        h, feats, c = ours(jnp.asarray(ids[:, 10:]), bpos, cache, bpos + 1, taps=(0, 2), kernels=kernels)
-        c = ours.commit(c, jnp.asarray([4, 2], jnp.int32))
-        return ours.logits(h), feats, c.state
-    got, want = block(fused), block(KernelConfig(attention="xla"))
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got[0]), ref, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-5)
-    for a, b in zip(got[2], want[2]):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    eqns = jax.make_jaxpr(lambda: block(fused))().eqns
-    calls = [e for e in eqns if e.primitive.name == "pallas_call" and "dflash_add_rmsnorm" in str(e.params)]
-    assert len(calls) == 2 * len(ours.layers)      # the first layer's input norm has no add before it
-
-
 @pytest.mark.slow
 def test_greedy_matches_transformers(pair):
     hf, ours = pair

@@ -39,7 +39,7 @@ from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax import sharding
-from dflash_jax.attention import add_rmsnorm, attend, attend_prefill, fused_add_norm
+from dflash_jax.attention import attend, attend_prefill
 from dflash_jax.cache import write_kv_rows
 from dflash_jax.config import ConfigError, TargetConfig, _positive, read_json
 from dflash_jax.kernel_config import KernelConfig, resolved
@@ -193,17 +193,6 @@ class ZeroCentredRMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-
-    def add_norm(self, x, y, kernels: KernelConfig | None):
-        """(x + y, self(x + y)), y None: (x, self(x)). One Pallas kernel on the fused GPU path
-        (attention.fused_add_norm, blocks of up to 64 tokens), else the XLA ops; the same numbers
-        (the sum rounded to x's dtype, the norm in float32)."""
-        if y is None:
-            return x, self(x)
-        if kernels is not None and fused_add_norm(kernels, x.shape[1], x.shape[-1]) and x.dtype == y.dtype:
-            return add_rmsnorm(x, y, self.weight[...], self.eps, kernels, zero_centred=True)
-        x = x + y
-        return x, self(x)
 
 
 def partial_rope(x, positions, rot: int, theta: float):
@@ -386,10 +375,8 @@ class HybridLayer(nnx.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype, rngs) if mlp is None else mlp
 
     def finish(self, x, mixed, kernels: KernelConfig | None = None):
-        """(x + mixed, the MLP's output): the caller adds the MLP's output to the residual, in the
-        next layer's input norm (RMSNorm.add_norm: one kernel with the add on the fused GPU path)."""
-        x, h = self.post_attention_layernorm.add_norm(x, mixed, kernels)
-        return x, self.mlp(h, 1, kernels)
+        x = x + mixed
+        return x + self.mlp(self.post_attention_layernorm(x), 1, kernels)
 
 
 @struct.dataclass
@@ -458,10 +445,9 @@ class Qwen35(CausalLM):
         ks, vs = list(cache.k), list(cache.v)
         records, tapped = [], {}
         ia = il = 0
-        out = None            # the last layer's MLP output, added in the next norm's kernel
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"target_layer{i}"):
-                x, h = layer.input_layernorm.add_norm(x, out, kernels)
+                h = layer.input_layernorm(x)
                 if layer.kind == "full_attention":
                     mixed, ks[ia], vs[ia] = layer.mixer(h, positions, ks[ia], vs[ia], k_end, kernels, prefill)
                     ia += 1
@@ -469,10 +455,10 @@ class Qwen35(CausalLM):
                     mixed, rec = layer.mixer(h, cache.state[il], cache.conv[il], prefill, kernels)
                     records.append(rec)
                     il += 1
-                x, out = layer.finish(x, mixed, kernels)
+                x = layer.finish(x, mixed, kernels)
             if i in taps:
-                tapped[i] = x + out
-        x, h = self.norm.add_norm(x, out, kernels)
+                tapped[i] = x
+        h = self.norm(x)
         tapped[len(self.layers) - 1] = h      # HF's last hidden_states entry is after the final norm
         feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         cache = HybridCache(k=tuple(ks), v=tuple(vs), state=cache.state, conv=cache.conv,
