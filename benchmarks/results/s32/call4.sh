@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 32, H200 call 4 (issue 38): the hybrid target's residual adds and zero-centred norms as the
 # fused add + RMSNorm kernel (the MLP output deferred into the next layer's norm), A/B in one call:
-# this tree, then the same with models/qwen3_5.py as before the change (qwen3_5_before.py beside
+# this tree, then the same with models/qwen3_5.py as before the change (qwen3_5_before.py.txt beside
 # this script); Qwen3.5-9B shapes, B = 1, traced; then the 35B-A3B B = 1 rows with the change.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -14,7 +14,7 @@ run9b() {
 }
 say "9b, fused norms"; run9b fused
 cp dflash_jax/models/qwen3_5.py /tmp/qwen3_5_after.py
-cp $here/qwen3_5_before.py dflash_jax/models/qwen3_5.py
+cp $here/qwen3_5_before.py.txt dflash_jax/models/qwen3_5.py
 say "9b, before"; run9b before
 cp /tmp/qwen3_5_after.py dflash_jax/models/qwen3_5.py
 say "9b, fused norms again"; run9b fused2
