@@ -144,8 +144,7 @@ def attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels: KernelConfig, *,
                                      "refused q%s (%s): using the Pallas kernel", q.shape, e)
     if kernels.attention == "xla" and T < k_cache.shape[2]:
         # every key a prompt row sees lies in rows [0, T): the XLA path's prefill is dense over the
-        # keys it is given, and the rest of the capacity would be scored and masked (a 256-token
-        # bucket over a 1,024-row cache: 4x the score work, most of a CPU prefill; perf-log s32).
-        # A static slice, fused into the score dot (the Pallas kernels stop at k_end themselves).
+        # keys it is given, so the rest of the capacity would be scored and masked. A static slice,
+        # fused into the score dot (the Pallas kernels stop at k_end themselves).
         k_cache, v_cache = k_cache[:, :, :T], v_cache[:, :, :T]
     return attend(q, k_cache, v_cache, k_end, kernels, scale=scale)

@@ -118,8 +118,8 @@ def _gpu_tuning(device_kind: str | None) -> dict:
 
 # XLA's default command-buffer types (jaxlib 0.10.2's DebugOptions defaults, read on this project's
 # CPU host; jaxlib's private proto view that shows them crashed a process with libtpu loaded and
-# the H200's jax 0.11.2, so they are not read at run time), to which while_graphs adds WHILE. The
-# H200 A/B of session 29 (call 1, XLA_FLAGS) set exactly this list + WHILE.
+# the H200's jax 0.11.2, so they are not read at run time), to which while_graphs adds WHILE (the
+# set measured on the H200: docs/perf-log.md).
 COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION", "CONDITIONAL")
 
 

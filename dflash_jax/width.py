@@ -66,8 +66,8 @@ def program_widths(block_size: int, verify_width="auto", per_row_cost: bool = Fa
     its compile time grows with them (docs/adaptive-width.md, "Compile time": five widths took
     3.2x the one-width program's CPU seconds at Qwen3-8B shapes, these three 2.1x); the other widths of `widths_for` win
     too rarely to pay that, except where every verified row costs its own compute even at one
-    row (per_row_cost: XLA:CPU): there the half block (7 at block 16, 3 at block 8) is added. The
-    embedded pair on 16 CPU cores: W = 7 1.28x plain, W = 3 1.22x, the block 1.11x (perf-log, session 32)."""
+    row (per_row_cost: XLA:CPU): there the half block (7 at block 16, 3 at block 8) is added
+    (docs/adaptive-width.md)."""
     full = block_size - 1
     mid = (1 << (max(block_size, 1).bit_length() - 1) // 2) - 1
     ws = {0, full} | ({mid} if 0 < mid < full else set())

@@ -44,10 +44,8 @@ XLA_CHUNKED_MAX_T = 64
 def kv_chunk_for(capacity: int) -> int:
     """Keys per chunk of that loop when none is given: large enough that the per-chunk loop overhead
     stays small next to the chunk's matmuls over the whole capacity, small enough that a short row
-    reads little past its end. XLA:CPU, 2 cores, demo-pair shapes (T = 1 / 16, 8 q and 2 kv heads of
-    64), ms per call at chunks 128 / 256 / 512: a 1,024-row cache with 300 keys used 0.13 / 0.17 /
-    0.30 and 0.55 / 0.75 / 0.69; 4,096 with 4,000 used 1.15 / 0.89 / 1.41 and a tie; 32,768 with
-    30,000 used 7.7 / 6.6 / 5.2 and 41.8 / 40.5 / 37.9 (docs/perf-log.md, session 32)."""
+    reads little past its end: small caches gain from short chunks, long ones lose to the trips
+    (the sweep behind these bounds: docs/perf-log.md)."""
     return 128 if capacity <= 2048 else 256 if capacity <= 8192 else 512
 
 

@@ -13,10 +13,10 @@ run9b() {
     --trace "${TMPDIR:-/tmp}/htrace_$1" --out "$OUT/hybrid9b_$1.jsonl" 2>&1 | tee "$OUT/hybrid9b_$1.log" | cut -c1-300 | tail -4
 }
 say "9b, fused norms"; run9b fused
-cp dflash_jax/models/qwen3_5.py /tmp/qwen3_5_after.py
+cp dflash_jax/models/qwen3_5.py "$OUT/qwen3_5_after.py.txt"
 cp $here/qwen3_5_before.py.txt dflash_jax/models/qwen3_5.py
 say "9b, before"; run9b before
-cp /tmp/qwen3_5_after.py dflash_jax/models/qwen3_5.py
+cp "$OUT/qwen3_5_after.py.txt" dflash_jax/models/qwen3_5.py
 say "9b, fused norms again"; run9b fused2
 say "35b-a3b, fused norms"
 timeout 240 python scripts/bench_hybrid.py --paths kernel-bv32 --models 35b-a3b --batches 1 --moe-batches 1 \
