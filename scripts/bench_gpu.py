@@ -1458,7 +1458,7 @@ def summarize_trace(path: str, loaded=None) -> dict:
     """Sum the device kernel time of a Chrome-format trace (jax.profiler) by kernel name and scope
     (device events as _device_events selects them; loaded: its result for path, already read)."""
     events, source = loaded or _device_events(path)
-    by_name, by_scope, by_hlo = {}, {}, {}
+    by_name, by_scope, by_hlo, hlo_of_name = {}, {}, {}, {}
     busy = 0.0
     n = 0
     for e in events:
@@ -1471,11 +1471,13 @@ def summarize_trace(path: str, loaded=None) -> dict:
         a = e.get("args") or {}
         hlo = a.get("hlo_op") or name
         by_hlo[hlo] = by_hlo.get(hlo, 0.0) + dur
+        hlo_of_name[name] = hlo
         scope = a.get("tf_op") or a.get("scope") or a.get("name_scope") or a.get("long_name") or ""
         if scope:
             scope = _DIGITS.sub("#", str(scope).split(" ")[0])
             by_scope[scope] = by_scope.get(scope, 0.0) + dur
-    return {"by_name": by_name, "by_scope": by_scope, "by_hlo": by_hlo, "busy_ms": busy / 1000, "n_events": n,
+    return {"by_name": by_name, "by_scope": by_scope, "by_hlo": by_hlo, "hlo_of_name": hlo_of_name,
+            "busy_ms": busy / 1000, "n_events": n,
             "source": source}
 
 

@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Where a plain step's and a DFlash iteration's device time goes, kernel by kernel, each kernel
+named by what its HLO computes (benchmark only; random bf16 weights at a preset's shapes).
+
+    python scripts/profile_step.py --preset qwen3-coder-30b-a3b --layers 12 --batch 1 --out $OUT
+    python scripts/profile_step.py --smoke                      # CPU, tiny shapes: the script runs
+
+Each program (`--kinds`: plain = generate without a draft, dflash = block-wide verify) runs twice
+under jax.profiler (--n1 and --n2 new tokens, the same compiled program); a kernel's time per step
+is the difference of the two traces over the difference of their steps, so the prefill cancels.
+The optimized HLO of the run (XLA's dump, read after the run) names each kernel: its result shape,
+its operands' shapes and the ops of its fused computation. Prints the --top kernels by time per
+step; `--out` also gets the table as JSON (profile_step_<preset>_<kind>_B<batch>.json)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for d in (os.path.dirname(HERE), HERE):
+    if d not in sys.path:
+        sys.path.insert(0, d)
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) (\w[\w\-]*)\((.*)$")
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+
+
+def parse_hlo(text: str):
+    """(instructions {name: (shape, opcode, rest)}, computations {name: [opcodes]}) of HLO text."""
+    instrs, comps, cur = {}, {}, None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("{")[0]:
+            cur = m.group(1)
+            comps[cur] = []
+            continue
+        m = _INSTR.match(line)
+        if m:
+            name, shape, op, rest = m.groups()
+            instrs[name] = (shape, op, rest)
+            if cur is not None:
+                comps[cur].append(op)
+    return instrs, comps
+
+
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "s64": 8, "f64": 8}
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in text (a tuple's parts added)."""
+    tot = 0
+    for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        tot += n * _BYTES.get(dt, 0)
+    return tot
+
+
+def describe(hlo_op: str, instrs: dict, comps: dict) -> str:
+    """One line: result shape, opcode (fusion: its computation's ops), operand shapes, custom target."""
+    got = instrs.get(hlo_op) or instrs.get(hlo_op.replace("_", "."))
+    if got is None:
+        return "?"
+    shape, op, rest = got
+    called = re.search(r"calls=%?([\w.\-]+)", rest)
+    what = op
+    if called and called.group(1) in comps:
+        c = collections.Counter(o for o in comps[called.group(1)] if o not in ("parameter", "constant", "bitcast"))
+        what = f"{op}[" + " ".join(f"{o}x{n}" if n > 1 else o for o, n in c.most_common(8)) + "]"
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    if target:
+        what += f" {target.group(1)}"
+    args = rest.split(")", 1)[0]
+    operands = [instrs[n][0] if n in instrs else "?" for n in re.findall(r"%([\w.\-]+)", args)]
+    shp = lambda s: re.sub(r"\{[^}]*\}", "", s)                                      # noqa: E731
+    return f"{shp(shape)} = {what}(" + ", ".join(shp(o) for o in operands[:4]) + ")"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3-coder-30b-a3b")
+    ap.add_argument("--layers", type=int, default=12, help="cut the target to its first L layers (0: all)")
+    ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--kinds", default="plain,dflash")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--n1", type=int, default=16)
+    ap.add_argument("--n2", type=int, default=80)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    a = ap.parse_args()
+    dump = tempfile.mkdtemp(prefix="profile_step_hlo_")
+    # XLA's dump is a compile option of this benchmark process only (read at backend start)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+                               " --xla_dump_hlo_pass_re=^$").strip()
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from bench_gpu import _find_trace, summarize_trace
+
+    from dflash_jax import decode
+    from dflash_jax.config import PRESETS, DraftConfig, default_target_layer_ids
+    from dflash_jax.weights import init_draft, init_target
+    if a.smoke:
+        from dflash_jax.config import Qwen3MoeConfig
+        tcfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4,
+                              moe_intermediate_size=32, norm_topk_prob=True)
+        prompt, n1, n2, dtype, a.draft_layers = 16, 3, 7, "float32", 1
+    else:
+        if a.preset == "qwen3.5-9b":                   # bench_hybrid's shapes (no preset of ours)
+            from bench_hybrid import QWEN35_9B, config
+            tcfg = config(QWEN35_9B, "chunk")
+        else:
+            tcfg = PRESETS[a.preset]
+        if a.layers:
+            tcfg = dataclasses.replace(tcfg, num_layers=a.layers, **(
+                dict(layer_types=tcfg.layer_types[:a.layers]) if getattr(tcfg, "layer_types", None) else {}))
+        prompt, n1, n2, dtype = a.prompt, a.n1, a.n2, "bfloat16"
+    target = init_target(tcfg, seed=0, dtype=dtype)
+    taps = default_target_layer_ids(tcfg.num_layers, 5) if tcfg.num_layers >= 10 else None
+    dcfg = DraftConfig.for_target(tcfg, num_layers=a.draft_layers, block_size=16 if not a.smoke else 4,
+                                  target_layer_ids=taps)
+    draft = init_draft(dcfg, seed=1, dtype=dtype)
+    cap = -(-(prompt + n2 + 40) // 512) * 512
+    prompts = np.random.default_rng(0).integers(0, tcfg.vocab_size - 2, (a.batch, prompt)).tolist()
+    for kind in a.kinds.split(","):
+        kw = dict(draft=None) if kind == "plain" else dict(draft=draft, block_size=dcfg.block_size,
+                                                           verify_width="block")
+
+        def gen(n, kw=kw):
+            return decode.generate(target, kw["draft"], prompts, max_new_tokens=n, capacity=cap, seed=0,
+                                   **{k: v for k, v in kw.items() if k != "draft"})
+        before = set(glob.glob(os.path.join(dump, "*after_optimizations.txt")))
+        gen(n1)                                                    # compile and warm
+        hlo_files = sorted(set(glob.glob(os.path.join(dump, "*after_optimizations.txt"))) - before,
+                           key=os.path.getsize)
+        instrs, comps = {}, {}
+        for f in hlo_files:
+            i, c = parse_hlo(open(f).read())
+            instrs.update(i)
+            comps.update(c)
+        summ = []
+        for n in (n1, n2):
+            d = tempfile.mkdtemp(prefix=f"profile_step_{kind}_")
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                r = gen(n)
+            sm = summarize_trace(_find_trace(d))
+            sm["steps"] = int(r.num_iterations)
+            sm["run_ms"] = 1000 * r.run_time_s
+            summ.append(sm)
+        x, y = summ
+        ds = max(1, y["steps"] - x["steps"])
+        per = {}
+        for sign, sm in ((-1, x), (1, y)):
+            for k, (t, c) in sm["by_name"].items():
+                p = per.setdefault(k, [0.0, 0.0])
+                p[0] += sign * t / ds
+                p[1] += sign * c / ds
+        hlo_of = {}
+        for sm in (x, y):
+            hlo_of.update(sm.get("hlo_of_name", {}))
+        busy = (y["busy_ms"] - x["busy_ms"]) / ds
+        wall = (y["run_ms"] - x["run_ms"]) / ds
+        kernels = sum(c for _, c in per.values())
+        print(f"\n{a.preset if not a.smoke else 'smoke'} {kind} B={a.batch}: {ds} steps; device busy {busy:.3f} "
+              f"ms/step, wall {wall:.3f} (gaps {wall - busy:.3f}); {kernels:.0f} kernels/step", flush=True)
+        rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+        table = []
+        print(f"{'us':>8} {'n':>6} {'GB/s':>6}  kernel: what it computes (operands + result once: GB/s)")
+        for k, (t, c) in rows[:a.top]:
+            what = describe(hlo_of.get(k, k), instrs, comps)
+            # operands + result over the kernel's time: its memory rate if it read each once
+            gbs = shape_bytes(what) * c / (t * 1e3) if t > 0 and what != "?" else 0.0
+            table.append(dict(kernel=k, us=round(t, 2), count=round(c, 2), gb_s=round(gbs), hlo=what))
+            print(f"{t:8.1f} {c:6.2f} {gbs:6.0f}  {k[:40]}: {what[:200]}")
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            name = f"profile_step_{'smoke' if a.smoke else a.preset}_{kind}_B{a.batch}.json"
+            with open(os.path.join(a.out, name), "w") as f:
+                json.dump(dict(preset=a.preset, layers=tcfg.num_layers, kind=kind, batch=a.batch, steps=ds,
+                               busy_ms=busy, wall_ms=wall, kernels=kernels, top=table), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
