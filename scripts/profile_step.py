@@ -10,7 +10,7 @@ under jax.profiler (--n1 and --n2 new tokens, the same compiled program); a kern
 is the difference of the two traces over the difference of their steps, so the prefill cancels.
 While loops run without CUDA graphs here (`KernelConfig(while_graphs=False)`): the profiler does not
 see the kernels inside a graph. The kernels are the same; the host gaps between steps are not.
-The optimized HLO of the run (XLA's dump, read after the run) names each kernel: its result shape,
+The optimized HLO of the run (the compiled program's `as_text()`) names each kernel: its result shape,
 its operands' shapes and the ops of its fused computation. Prints the --top kernels by time per
 step; `--out` also gets the table as JSON (profile_step_<preset>_<kind>_B<batch>.json)."""
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
 import re
@@ -101,17 +100,13 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
-    dump = tempfile.mkdtemp(prefix="profile_step_hlo_")
-    # XLA's dump is a compile option of this benchmark process only (read at backend start)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
-                               " --xla_dump_hlo_pass_re=^$").strip()
     import dataclasses
 
     import jax
     import numpy as np
     from bench_gpu import _find_trace, summarize_trace
 
-    from dflash_jax import KernelConfig, decode
+    from dflash_jax import KernelConfig, decode, loop
     from dflash_jax.config import PRESETS, DraftConfig, default_target_layer_ids
     from dflash_jax.weights import init_draft, init_target
     if a.smoke:
@@ -147,15 +142,15 @@ def main():
             return decode.generate(target, kw["draft"], prompts, max_new_tokens=n, capacity=cap, seed=0,
                                    kernels=KernelConfig(while_graphs=False),
                                    **{k: v for k, v in kw.items() if k != "draft"})
-        before = set(glob.glob(os.path.join(dump, "*after_optimizations.txt")))
+        before = set(map(id, loop._COMPILED.values()))
         gen(n1)                                                    # compile and warm
-        hlo_files = sorted(set(glob.glob(os.path.join(dump, "*after_optimizations.txt"))) - before,
-                           key=os.path.getsize)
         instrs, comps = {}, {}
-        for f in hlo_files:
-            i, c = parse_hlo(open(f).read())
-            instrs.update(i)
-            comps.update(c)
+        for exe in loop._COMPILED.values():                        # this program's optimized HLO
+            if id(exe) not in before:
+                i, c = parse_hlo(exe.as_text())
+                instrs.update(i)
+                comps.update(c)
+        print(f"# {kind}: {len(instrs)} HLO instructions read", flush=True)
         summ = []
         for n in (n1, n2):
             d = tempfile.mkdtemp(prefix=f"profile_step_{kind}_")

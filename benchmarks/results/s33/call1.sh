@@ -17,8 +17,7 @@ say "9b 8 layers B=1 dflash"
 timeout 150 python scripts/profile_step.py --preset qwen3.5-9b --layers 8 --draft-layers 5 --batch 1 --kinds dflash \
   --top 60 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/q9b_b1.log" | cut -c1-230
 say done
-# (second run of this script, after two fixes: the profile turns while graphs off, whose kernels the
-# profiler does not see, and trace names map to HLO names by their last '_')
+# (run twice: the first saw no kernel inside the while loops, which ran as CUDA graphs; results of the second)
 say "coder-30b-a3b 12 layers B=8"
 timeout 150 python scripts/profile_step.py --preset qwen3-coder-30b-a3b --layers 12 --batch 8 --top 45 \
   --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/coder_b8.log" | cut -c1-230
