@@ -65,10 +65,14 @@ def shape_bytes(text: str) -> int:
     return tot
 
 
+def _sane(name: str) -> str:
+    """An HLO name as kernel names write it: '.' and '-' as '_' (loop_add_fusion.24 -> loop_add_fusion_24)."""
+    return re.sub(r"[.\-]", "_", name)
+
+
 def describe(hlo_op: str, instrs: dict, comps: dict) -> str:
     """One line: result shape, opcode (fusion: its computation's ops), operand shapes, custom target."""
-    # trace names write the instruction's last '.' as '_' (loop_add_fusion.24 -> loop_add_fusion_24)
-    got = instrs.get(hlo_op) or instrs.get(".".join(hlo_op.rsplit("_", 1)))
+    got = instrs.get(hlo_op) or instrs.get(_sane(hlo_op))
     if got is None:
         return "?"
     shape, op, rest = got
@@ -97,6 +101,7 @@ def main():
     ap.add_argument("--n1", type=int, default=16)
     ap.add_argument("--n2", type=int, default=80)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--save-hlo", action="store_true", help="also write the program's HLO text to --out (gzip)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
@@ -147,9 +152,16 @@ def main():
         instrs, comps = {}, {}
         for exe in loop._COMPILED.values():                        # this program's optimized HLO
             if id(exe) not in before:
-                i, c = parse_hlo(exe.as_text())
+                text = exe.as_text()
+                i, c = parse_hlo(text)
                 instrs.update(i)
+                instrs.update({_sane(k): v for k, v in i.items()})
                 comps.update(c)
+                if a.save_hlo and a.out:
+                    import gzip
+                    os.makedirs(a.out, exist_ok=True)
+                    with gzip.open(os.path.join(a.out, f"hlo_{kind}_B{a.batch}.txt.gz"), "wt") as f:
+                        f.write(text)
         print(f"# {kind}: {len(instrs)} HLO instructions read", flush=True)
         summ = []
         for n in (n1, n2):
@@ -190,7 +202,10 @@ def main():
             name = f"profile_step_{'smoke' if a.smoke else a.preset}_{kind}_B{a.batch}.json"
             with open(os.path.join(a.out, name), "w") as f:
                 json.dump(dict(preset=a.preset, layers=tcfg.num_layers, kind=kind, batch=a.batch, steps=ds,
-                               busy_ms=busy, wall_ms=wall, kernels=kernels, top=table), f, indent=1)
+                               busy_ms=busy, wall_ms=wall, kernels=kernels, top=table,
+                               unnamed=[k for k, _ in rows[:a.top] if k not in instrs and hlo_of.get(k, k) not in instrs],
+                               hlo_of_name={k: hlo_of.get(k) for k, _ in rows[:a.top]},
+                               hlo_names_sample=sorted(n for n in instrs if "reduce_fusion" in n)[:40]), f, indent=1)
 
 
 if __name__ == "__main__":
