@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--n1", type=int, default=16)
     ap.add_argument("--n2", type=int, default=80)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--small-dot", type=int, default=None,
+                    help="A/B only: models.layers.SMALL_DOT for this run (0: every one-row dot as written)")
     ap.add_argument("--save-hlo", action="store_true", help="also write the program's HLO text to --out (gzip)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -114,6 +116,9 @@ def main():
     from dflash_jax import KernelConfig, decode, loop
     from dflash_jax.config import PRESETS, DraftConfig, default_target_layer_ids
     from dflash_jax.weights import init_draft, init_target
+    if a.small_dot is not None:
+        from dflash_jax.models import layers
+        layers.SMALL_DOT = a.small_dot                             # read while tracing only
     if a.smoke:
         from dflash_jax.config import Qwen3MoeConfig
         tcfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -193,13 +198,16 @@ def main():
         print(f"{'us':>8} {'n':>6} {'GB/s':>6}  kernel: what it computes (operands + result once: GB/s)")
         for k, (t, c) in rows[:a.top]:
             what = describe(hlo_of.get(k, k), instrs, comps)
+            if what == "?":                      # kernels in a command buffer carry the buffer's name
+                what = describe(k, instrs, comps)
             # operands + result over the kernel's time: its memory rate if it read each once
             gbs = shape_bytes(what) * c / (t * 1e3) if t > 0 and what != "?" else 0.0
             table.append(dict(kernel=k, us=round(t, 2), count=round(c, 2), gb_s=round(gbs), hlo=what))
             print(f"{t:8.1f} {c:6.2f} {gbs:6.0f}  {k[:40]}: {what[:200]}")
         if a.out:
             os.makedirs(a.out, exist_ok=True)
-            name = f"profile_step_{'smoke' if a.smoke else a.preset}_{kind}_B{a.batch}.json"
+            tag = "" if a.small_dot is None else f"_sd{a.small_dot}"
+            name = f"profile_step_{'smoke' if a.smoke else a.preset}_{kind}_B{a.batch}{tag}.json"
             with open(os.path.join(a.out, name), "w") as f:
                 json.dump(dict(preset=a.preset, layers=tcfg.num_layers, kind=kind, batch=a.batch, steps=ds,
                                busy_ms=busy, wall_ms=wall, kernels=kernels, top=table,

@@ -8,6 +8,8 @@ CPU): they are `slow` (.ci/run runs them); the single-kernel checks stay in the 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -386,3 +388,26 @@ def test_two_kernel_configs_in_one_process_are_two_programs():
     assert decode.compile_count() == before + 3              # the XLA program; no recompiles
     with pytest.raises(ValueError, match="disagrees"):
         generate(target, draft, prompts, kernels=on, attention_impl="xla", **kw, verify_width="block")
+
+
+def test_one_row_small_projections_lower_to_a_two_row_dot_on_cuda():
+    """layers.linear: one row times a matrix under SMALL_DOT elements is a [2, K] dot on CUDA (XLA:GPU
+    would rewrite the [K] x [K, N] dot as a multiply writing a [K, N] product and a reduce), of the
+    same value; more rows, a larger matrix or another platform keep the plain dot."""
+    from jax import export
+
+    from dflash_jax.models.layers import SMALL_DOT, _two_rows, linear
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 1, 256), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (256, 96), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(_two_rows(x, w)), np.asarray(x @ w))
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), np.asarray(x @ w))
+
+    def dots(f, *shapes, platform="cuda"):
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+        text = export.export(jax.jit(f), platforms=[platform])(*args).mlir_module()
+        return re.findall(r"stablehlo.dot_general[^\n]*\(tensor<([\dx]+)xbf16>", text)
+
+    assert dots(linear, (1, 1, 4096), (4096, 2048)) == ["2x4096"]                 # o-projection, 8.4M
+    assert dots(linear, (1, 4096), (4096, 2048), platform="cpu") == ["1x4096"]
+    assert dots(linear, (2, 1, 4096), (4096, 2048)) == ["2x1x4096"]               # two rows: as written
+    assert 4096 * 4096 >= SMALL_DOT and dots(linear, (1, 1, 4096), (4096, 4096)) == ["1x1x4096"]

@@ -31,6 +31,30 @@ from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.sharding import split_gate_up, split_qkv
 
 
+# XLA:GPU rewrites a vector x matrix dot whose operands hold fewer than this many elements as a
+# multiply and a reduce (GpuAlgebraicSimplifier's dot strength reduction); the multiply writes the
+# weight-sized [K, N] product to HBM and the reduce reads it back along K. At one row (a B = 1 decode
+# step) that catches every projection under 10M weights (docs/perf-log.md, session 33).
+SMALL_DOT = 10_000_000
+
+
+def _two_rows(x, w):
+    """x [..., K] of one row @ w [K, N] as a two-row dot (the row and a zero row), the second row
+    dropped: a matrix x matrix dot, which XLA:GPU leaves to its GEMM emitters."""
+    x2 = x.reshape(1, -1)
+    y = jnp.concatenate([x2, jnp.zeros_like(x2)]) @ w                                    # [2, N]
+    return y[:1].reshape(*x.shape[:-1], w.shape[1])
+
+
+def linear(x, w):
+    """x [..., K] @ w [K, N]. On CUDA, a single row times a matrix of fewer than SMALL_DOT
+    elements runs as a two-row dot (`_two_rows`) so XLA does not rewrite it as a multiply + reduce;
+    the same value (the zero row adds nothing), any other shape or platform the plain dot."""
+    if math.prod(x.shape[:-1]) != 1 or w.ndim != 2 or w.shape[1] == 1 or x.shape[-1] + w.size >= SMALL_DOT:
+        return x @ w
+    return jax.lax.platform_dependent(x, w, cuda=_two_rows, default=lambda x, w: x @ w)
+
+
 def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
 
@@ -124,7 +148,7 @@ class MLP(nnx.Module):
     def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
         """The MLP of already-normed rows h [..., H] (gate_up in the fused layout of `groups`;
         kernels: unused here, the MoE block's grouped matmul reads it)."""
-        y = gated_silu(_bias(h @ self.gate_up[...], self.gate_up_bias), groups) @ self.down[...]
+        y = linear(gated_silu(_bias(linear(h, self.gate_up[...]), self.gate_up_bias), groups), self.down[...])
         return _bias(y, self.down_bias)
 
 
@@ -179,11 +203,11 @@ class DecoderLayer(nnx.Module):
 
     def _project(self, h):
         """The fused projection h @ qkv (+ its bias)."""
-        return _bias(h @ self.qkv[...], self.qkv_bias)
+        return _bias(linear(h, self.qkv[...]), self.qkv_bias)
 
     def _o_proj(self, o):
         """o [B, T, Hq, D] or [B, T, Hq·D] → o_proj(o) [B, T, H] (+ its bias)."""
-        return _bias(o.reshape(o.shape[0], o.shape[1], -1) @ self.o[...], self.o_bias)
+        return _bias(linear(o.reshape(o.shape[0], o.shape[1], -1), self.o[...]), self.o_bias)
 
     def _split_heads(self, qkv):
         """q [B, T, Hq, D], k, v [B, T, Hkv, D] of the fused projection (its layout: qkv_groups)."""

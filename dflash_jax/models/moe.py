@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
-from dflash_jax.models.layers import _init
+from dflash_jax.models.layers import _init, linear
 
 __all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
 
@@ -61,7 +61,7 @@ def recording():
 def route(x, router, top_k: int, norm_topk_prob: bool):
     """x [N, H], router [H, E] -> (weights [N, k] in x's dtype, experts [N, k] int32), as HF's
     Qwen3MoeTopKRouter."""
-    logits = x @ router                                                          # [N, E] x.dtype
+    logits = linear(x, router)                                                   # [N, E] x.dtype
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, top_k)                                       # [N, k]
     if norm_topk_prob:

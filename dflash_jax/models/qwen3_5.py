@@ -45,7 +45,7 @@ from dflash_jax.config import ConfigError, TargetConfig, _positive, read_json
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.models import gated_delta as gd
 from dflash_jax.models.family import Family
-from dflash_jax.models.layers import MLP, _init, rope
+from dflash_jax.models.layers import MLP, _init, linear, rope
 from dflash_jax.models.stack import CausalLM
 
 __all__ = ["Qwen35Config", "Qwen35", "HybridCache", "load_qwen3_5", "init_qwen3_5", "with_verify_form"]
@@ -218,7 +218,7 @@ class GatedAttention(nnx.Module):
     def __call__(self, h, positions, k_cache, v_cache, k_end, kernels, prefill: bool):
         B, T, _ = h.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = h @ self.qkv[...]
+        qkv = linear(h, self.qkv[...])
         qg = qkv[..., :2 * Hq * D].reshape(B, T, Hq, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, Hq * D)
         k = qkv[..., 2 * Hq * D:(2 * Hq + Hkv) * D].reshape(B, T, Hkv, D)
@@ -231,7 +231,7 @@ class GatedAttention(nnx.Module):
         else:
             o = attend(q, k_cache, v_cache, k_end, kernels)                             # [B, T, Hq, D]
         o = o.reshape(B, T, Hq * D) * jax.nn.sigmoid(gate)
-        return o @ self.o[...], k_cache, v_cache
+        return linear(o, self.o[...]), k_cache, v_cache
 
 
 @struct.dataclass
@@ -276,7 +276,7 @@ class GatedDeltaNet(nnx.Module):
         [B, T, HV, dv] and the conv inputs with their window xx [B, K-1+T, C]."""
         B, T, _ = h.shape
         C, vd = self.conv_dim, self.hv * self.dv
-        p = h @ self.in_proj[...]
+        p = linear(h, self.in_proj[...])
         mixed, z = p[..., :C], p[..., C:C + vd].reshape(B, T, self.hv, self.dv)
         b, a = p[..., C + vd:C + vd + self.hv], p[..., C + vd + self.hv:]
         conv, xx = gd.causal_conv(mixed, window, self.conv[...])
@@ -307,7 +307,7 @@ class GatedDeltaNet(nnx.Module):
         """The block through the fused GPU kernel: (out [B, T, H], Records of kind "deltas")."""
         from pallas_kernels.gated_delta import gdn_block
         B, T, _ = h.shape
-        p = h @ self.in_proj[...]
+        p = linear(h, self.in_proj[...])
         o, terms = gdn_block(p, window, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
                              state, num_k_heads=self.hk, key_dim=self.dk, value_dim=self.dv,
                              norm_eps=self.norm_eps, block_v=kernels.gdn_block_v,
@@ -317,7 +317,7 @@ class GatedDeltaNet(nnx.Module):
             z = p[..., self.conv_dim:self.conv_dim + vd].reshape(B, T, self.hv, self.dv)
             o = self.gated_norm(o, z, h.dtype)
         xx = jnp.concatenate([window.astype(h.dtype), p[..., :self.conv_dim]], axis=1)
-        return o @ self.out[...], Records(terms=terms, xx=xx, kind="deltas", fold=kernels.gdn,
+        return linear(o, self.out[...]), Records(terms=terms, xx=xx, kind="deltas", fold=kernels.gdn,
                                           block_v=kernels.gdn_block_v)
 
     def gated_norm(self, o, z, dtype):
@@ -345,7 +345,7 @@ class GatedDeltaNet(nnx.Module):
         else:   # one chunk; its solved terms are the records (the fold reuses them)
             o, terms = gd.block(qe, ke, v, g, beta, state)
             rec = Records(terms=terms, xx=xx, kind="chunk")
-        return self.gated_norm(o, z, h.dtype) @ self.out[...], rec
+        return linear(self.gated_norm(o, z, h.dtype), self.out[...]), rec
 
     def advance(self, state, records, n):
         """(state, conv window) after the first n[b] tokens of the records' block."""
