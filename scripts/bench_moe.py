@@ -57,7 +57,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-SECTIONS = ("bw", "layer", "loop", "widths", "touched", "tiles")     # run in this order: the brief's priority
+SECTIONS = ("bw", "layer", "loop", "widths", "touched")     # run in this order: the brief's priority
 
 
 def log(*a):
@@ -257,57 +257,6 @@ class MoeBench:
         table(f"(a) one expert layer ({E} experts, H {H}, I {I}, {self.dtype})", head, [
             [r["tokens"], r["rows"], r["distinct"], r["floor_us"]]
             + [_cell(r[g], r["floor_us"], 1) for g in self.gmms] for r in rows])
-
-    def tiles_section(self):
-        """(f) the one-token kernels (gmm_rows: the k chosen experts, gate_up with SwiGLU, then down)
-        alone, over tilings: us per kernel against its experts' bytes at the floor bandwidth."""
-        import itertools
-
-        import jax
-        import jax.numpy as jnp
-        from pallas_kernels.moe import gpu
-        c, a = self.tcfg, self.args
-        E, k, H, I = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
-        dt = jnp.dtype(self.dtype)
-        interpret = jax.default_backend() == "cpu"
-        keys = jax.random.split(jax.random.key(11), 2 * a.layer_copies + 1)
-        idx = jnp.argsort(jax.random.uniform(keys[-1], (E,)))[:k].astype(jnp.int32)
-        rows = []
-        for name, (Kd, Nd, swiglu) in (("gate_up", (H, 2 * I, True)), ("down", (I, H, False))):
-            ws = [(jax.random.normal(keys[i], (E, Kd, Nd), jnp.float32) * Kd ** -0.5).astype(dt)
-                  for i in range(a.layer_copies)]
-            x = jax.random.normal(keys[-1], (k, Kd), jnp.float32).astype(dt)
-            floor_us = 1e6 * k * Kd * Nd * dt.itemsize / self._bandwidth()
-            grid = [(None, None, 4, 3)] + list(itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (3, 4)))
-            for bn, bk, warps, stages in grid:
-                if bk is not None and (Kd % bk or gpu.smem_bytes(16, bn, bk, dt.itemsize, swiglu, stages)
-                                       > gpu.SMEM_BUDGET):
-                    continue
-                tile = dict(bn=bn, bk=bk, num_warps=warps, num_stages=stages)
-
-                @jax.jit
-                def many(x, ws, tile=tile):
-                    def body(_, y):
-                        for w in ws:
-                            y = y + gpu.gmm_rows(x, w, idx, swiglu=swiglu, interpret=interpret, **tile).sum() * 0
-                        return y
-                    return jax.lax.fori_loop(0, a.inner, body, jnp.zeros((), jnp.float32))
-
-                def measure():
-                    jax.block_until_ready(many(x, ws))
-                    return 1e6 * _median_time(lambda: jax.block_until_ready(many(x, ws)),
-                                              a.repeats) / (a.inner * a.layer_copies)
-                us = self.budget.run("tiles", f"tiles {name} {tile}", measure)
-                if us is None:
-                    continue
-                rows.append(dict(kernel=name, us=us, floor_us=floor_us, **tile))
-                log(f"tiles     {name:<8} bn={bn} bk={bk} warps={warps} stages={stages}: {us:7.1f} us "
-                    f"({us / floor_us:5.2f}x the {floor_us:.1f} us floor)")
-                self.results["tiles"] = rows
-                self.save()
-            best = min((r for r in rows if r["kernel"] == name), key=lambda r: r["us"], default=None)
-            if best:
-                log(f"tiles     {name:<8} BEST {best}")
 
     def touched(self, B: int, T: int) -> float:
         """Mean over MoE layers of the distinct experts B x T random tokens at positions
