@@ -105,3 +105,13 @@ def test_bench_moe_smoke(tmp_path):
                  "### (b) loop", "### (c) verify width", "loop      B=1   dflash pallas_gpu_interpret"):
         assert line in out, line
     assert (tmp_path / "bench_moe.json").exists()
+
+
+def test_profile_step_smoke(tmp_path):
+    """scripts/profile_step.py (session 33's per-kernel profiles): tiny MoE shapes, both programs, each
+    kernel named from the compiled program's HLO, the table written as JSON."""
+    out = _run(["scripts/profile_step.py", "--smoke", "--top", "5", "--out", str(tmp_path)], tmp_path)
+    for kind in ("plain", "dflash"):
+        assert f"smoke {kind} B=1:" in out, kind
+        data = __import__("json").loads((tmp_path / f"profile_step_smoke_{kind}_B1.json").read_text())
+        assert data["top"] and any(row["hlo"] != "?" for row in data["top"])
