@@ -89,7 +89,9 @@ def nbytes(tree) -> int:
 
 def floor_bytes(target, draft, c: Qwen35Config, B: int, ctx: int, S: int) -> dict:
     """What one step must move at least: the weights read (embedding is a gather), the full
-    layers' K/V of the context, the GDN state read and written once per request."""
+    layers' K/V of the context, the GDN state read and written once per request; with a draft, its
+    layers and the LM head once more (the draft's logits over the block read the target's head,
+    as bench_gpu's and bench_moe's floors count it)."""
     w = nbytes(nnx.state(target, nnx.Param)) - (0 if c.tie_word_embeddings else nbytes(target.embed.get_value()))
     tot, one = expert_bytes(target)
     if tot:   # MoE: at most the experts B*S*k choices can touch (an upper bound on the floor's weights)
@@ -97,9 +99,11 @@ def floor_bytes(target, draft, c: Qwen35Config, B: int, ctx: int, S: int) -> dic
     kv = B * ctx * len(c.full_layers) * 2 * c.num_kv_heads * c.head_dim * target.dtype.itemsize
     st = 2 * B * state_bytes(c, target.dtype)
     d = 0 if draft is None else nbytes(nnx.state(draft, nnx.Param))
+    head = target.lm_head if target.lm_head is not None else target.embed
+    dh = 0 if draft is None else nbytes(head.get_value())
     dkv = 0 if draft is None else B * ctx * draft.config.num_layers * 2 * draft.config.num_kv_heads * \
         draft.config.head_dim * target.dtype.itemsize
-    return dict(weights=w, kv=kv, state=st, draft=d, draft_kv=dkv, total=w + kv + st + d + dkv)
+    return dict(weights=w, kv=kv, state=st, draft=d, draft_head=dh, draft_kv=dkv, total=w + kv + st + d + dh + dkv)
 
 
 def _time(fn, reps: int) -> float:
@@ -244,7 +248,8 @@ def trace_breakdown(step, iters: int, trace_dir: str, top: int = 30) -> dict:
 
 
 def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stats: bool = False,
-            kernels=None, fold: bool = True, commit_alone: bool = True, trace_dir: str | None = None) -> dict:
+            kernels=None, fold: bool = True, commit_alone: bool = True, trace_dir: str | None = None,
+            compile_options: bool = True) -> dict:
     c = target.config
     prompts = [[int(x) for x in np.random.RandomState(b).randint(0, c.vocab_size, ctx)] for b in range(B)]
     d = draft if S > 1 else None
@@ -279,10 +284,15 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
             return holder[0].lens
         return _time(step, reps) / iters
 
-    k_main = k_iters_fn(loop._commit)
-    extra = {}
+    def compiled(commit):
+        # with the program's compile options, as generate() compiles it (on CUDA: the while loop
+        # as a CUDA graph; without them the host reads the loop's predicate every iteration)
+        opts = st.kernels.compiler_options() if compile_options else {}
+        return k_iters_fn(commit).lower(tstate, dstate, p, holder[0]).compile(compiler_options=opts)
+
+    k_main = compiled(loop._commit)
+    extra = {"compile_options": sorted(st.kernels.compiler_options()) if compile_options else []}
     if stats:   # the K-iteration program's counts (the loop body is one iteration)
-        k_main = k_main.lower(tstate, dstate, p, holder[0]).compile()
         extra["hlo_k_iterations"] = hlo_stats(k_main.as_text())
     per_iter = timed(k_main)
     if trace_dir:
@@ -293,7 +303,7 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
     if fold:
         # the same iterations with the fold left out (records dropped, states never advanced): the
         # difference is the rollback's cost inside the compiled loop
-        no_fold = timed(k_iters_fn(lambda target, cache, n: cache.replace(records=None)))
+        no_fold = timed(compiled(lambda target, cache, n: cache.replace(records=None)))
         extra.update(ms_without_fold=no_fold * 1e3, fold_share=(per_iter - no_fold) / per_iter)
     tgt = nnx.merge(st.target_def, tstate)
     if commit_alone:
@@ -375,6 +385,9 @@ def main():
     ap.add_argument("--commit-alone", action="store_true", help="also time the commit as its own program")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="wall-clock budget: skip rows that would not finish in it (0: none)")
+    ap.add_argument("--no-compile-options", dest="compile_options", action="store_false",
+                    help="A/B only: compile the timed loop without the program's XLA options (KernelConfig."
+                         "compiler_options: while graphs on CUDA), as this script did before session 33")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model", default="9b", choices=("9b", "35b-a3b"),
@@ -454,7 +467,8 @@ def main():
                     tgt = with_verify_form(target, form)
                     r = run_one(tgt, draft, B, a.ctx, S, a.iters, a.reps, a.hlo_stats, kernels=path_kernels(name),
                                 fold=a.fold_share and S > 1, commit_alone=a.commit_alone,
-                                trace_dir=os.path.join(a.trace, f"{model}_{name}_b{B}_s{S}") if a.trace else None)
+                                trace_dir=os.path.join(a.trace, f"{model}_{name}_b{B}_s{S}") if a.trace else None,
+                                compile_options=a.compile_options)
                     r.update(kind="plain step" if S == 1 else "dflash iteration", path=name,
                              model="smoke-" + model if a.smoke else "qwen3.5-" + model,
                              row_s=round(time.perf_counter() - t0, 1))
