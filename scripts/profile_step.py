@@ -103,6 +103,9 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--small-dot", type=int, default=None,
                     help="A/B only: models.layers.SMALL_DOT for this run (0: every one-row dot as written)")
+    ap.add_argument("--time-only", choices=("on", "off"), default=None,
+                    help="no profile: the default program's wall ms per step (median of 3 N1/N2 differences) "
+                         "with while graphs on or off (an A/B of KernelConfig.while_graphs on the user's program)")
     ap.add_argument("--save-hlo", action="store_true", help="also write the program's HLO text to --out (gzip)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -150,8 +153,16 @@ def main():
             # while loops as CUDA graphs hide their kernels from the profiler: off here (the kernels
             # are the same; the host gaps between steps are not the default program's)
             return decode.generate(target, kw["draft"], prompts, max_new_tokens=n, capacity=cap, seed=0,
-                                   kernels=KernelConfig(while_graphs=False),
+                                   kernels=KernelConfig(while_graphs=a.time_only == "on"),
                                    **{k: v for k, v in kw.items() if k != "draft"})
+        if a.time_only:
+            gen(n1)
+            runs = [(gen(n1), gen(n2)) for _ in range(3)]
+            ms = sorted(1e3 * (y.run_time_s - x.run_time_s) / max(1, y.num_iterations - x.num_iterations)
+                        for x, y in runs)
+            print(f"{a.preset} {kind} B={a.batch} while graphs {a.time_only}: {ms[1]:.3f} ms/step "
+                  f"(runs {', '.join(f'{m:.3f}' for m in ms)})", flush=True)
+            continue
         before = set(map(id, loop._COMPILED.values()))
         gen(n1)                                                    # compile and warm
         instrs, comps = {}, {}
