@@ -254,7 +254,7 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
     prompts = [[int(x) for x in np.random.RandomState(b).randint(0, c.vocab_size, ctx)] for b in range(B)]
     d = draft if S > 1 else None
     st, tstate, dstate, p, _, _ = decode._static_and_params(
-        target, d, prompts, stream=False, max_new_tokens=iters * S * (2 * reps + 4) + S,
+        target, d, prompts, stream=False, max_new_tokens=iters * S * (8 * (reps + 1) + 4) + S,
         block_size=S if S > 1 else None, kernels=kernels, verify_width="block")
 
     def models(ts, ds):
@@ -264,12 +264,12 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
 
     def k_iters_fn(commit):
         @functools.partial(jax.jit, donate_argnums=(3,))
-        def k_iters(ts, ds, p, s):
+        def k_iters(ts, ds, p, s, n):
             t, dr = models(ts, ds)
             saved = loop._commit
             loop._commit = commit         # read while tracing only
             try:
-                return jax.lax.fori_loop(0, iters, lambda _, s: loop.iterate(st, t, dr, p, s)[0], s)
+                return jax.lax.fori_loop(0, n, lambda _, s: loop.iterate(st, t, dr, p, s)[0], s)
             finally:
                 loop._commit = saved
         return k_iters
@@ -279,16 +279,22 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
     holder = [s]
 
     def timed(k_iters):
-        def step():
-            holder[0] = k_iters(tstate, dstate, p, holder[0])
-            return holder[0].lens
-        return _time(step, reps) / iters
+        """ms per iteration: runs of iters and 3 x iters iterations (one program, the trip count an
+        argument), their difference over 2 x iters, so a call's own cost (its arguments: the
+        models' thousands of arrays; on CUDA the command buffers' update) cancels."""
+        def run(n):
+            def step():
+                holder[0] = k_iters(tstate, dstate, p, holder[0], n)
+                return holder[0].lens
+            return _time(step, reps)
+        return (run(jnp.int32(3 * iters)) - run(jnp.int32(iters))) / (2 * iters)
 
     def compiled(commit):
         # with the program's compile options, as generate() compiles it (on CUDA: the while loop
         # as a CUDA graph; without them the host reads the loop's predicate every iteration)
         opts = st.kernels.compiler_options() if compile_options else {}
-        return k_iters_fn(commit).lower(tstate, dstate, p, holder[0]).compile(compiler_options=opts)
+        return k_iters_fn(commit).lower(tstate, dstate, p, holder[0], jnp.int32(iters)).compile(
+            compiler_options=opts)
 
     k_main = compiled(loop._commit)
     extra = {"compile_options": sorted(st.kernels.compiler_options()) if compile_options else []}
@@ -297,7 +303,7 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
     per_iter = timed(k_main)
     if trace_dir:
         def once():
-            holder[0] = k_main(tstate, dstate, p, holder[0])
+            holder[0] = k_main(tstate, dstate, p, holder[0], jnp.int32(iters))
             return holder[0].lens
         extra.update(trace_breakdown(once, iters, trace_dir))
     if fold:

@@ -115,3 +115,13 @@ def test_profile_step_smoke(tmp_path):
         assert f"smoke {kind} B=1:" in out, kind
         data = __import__("json").loads((tmp_path / f"profile_step_smoke_{kind}_B1.json").read_text())
         assert data["top"] and any(row["hlo"] != "?" for row in data["top"])
+
+
+def test_bench_hybrid_smoke(tmp_path):
+    """scripts/bench_hybrid.py (issue 38's H200 rows) with tiny hybrid shapes: both rows of a batch,
+    the DFlash floor counting the draft's pass over the LM head."""
+    out = _run(["scripts/bench_hybrid.py", "--smoke", "--paths", "kernel-bv32", "--models", "9b", "--batches", "1",
+                "--out", str(tmp_path / "h.jsonl")], tmp_path)
+    rows = [__import__("json").loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
+    assert [r["block"] for r in rows] == [16, 1] and all(r["ms_per_iteration"] > 0 for r in rows), out[-2000:]
+    assert rows[0]["floor_bytes"]["draft_head"] > 0 and rows[1]["floor_bytes"]["draft_head"] == 0
