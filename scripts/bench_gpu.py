@@ -1481,6 +1481,32 @@ def summarize_trace(path: str, loaded=None) -> dict:
             "source": source}
 
 
+def traced_difference(gen, n1: int, n2: int, prefix: str, key=lambda name: name):
+    """Trace gen(n1) and gen(n2) (generate() calls of one compiled program) and return (per, ds, x, y):
+    per {key(kernel name): [us per step, launches per step]} from the difference of the two traces
+    over the difference of their steps ds (the prefill cancels), x and y the two summaries (with
+    steps and run_ms)."""
+    import jax
+    summ = []
+    for n in (n1, n2):
+        d = tempfile.mkdtemp(prefix=prefix)
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            r = gen(n)
+        sm = summarize_trace(_find_trace(d))
+        sm["steps"] = int(r.num_iterations)
+        sm["run_ms"] = 1000 * r.run_time_s
+        summ.append(sm)
+    x, y = summ
+    ds = max(1, y["steps"] - x["steps"])
+    per: dict = {}
+    for sign, sm in ((-1, x), (1, y)):
+        for k, (t, c) in sm["by_name"].items():
+            p = per.setdefault(key(k), [0.0, 0.0])
+            p[0] += sign * t / ds
+            p[1] += sign * c / ds
+    return per, ds, x, y
+
+
 def _module_of(e) -> str:
     a = e.get("args") or {}
     m = a.get("hlo_module") or a.get("module") or a.get("program") or "?"

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 for d in (os.path.dirname(HERE), HERE):
@@ -114,7 +113,7 @@ def main():
 
     import jax
     import numpy as np
-    from bench_gpu import _find_trace, summarize_trace
+    from bench_gpu import traced_difference
 
     from dflash_jax import KernelConfig, decode, loop
     from dflash_jax.config import PRESETS, DraftConfig, default_target_layer_ids
@@ -179,23 +178,7 @@ def main():
                     with gzip.open(os.path.join(a.out, f"hlo_{kind}_B{a.batch}.txt.gz"), "wt") as f:
                         f.write(text)
         print(f"# {kind}: {len(instrs)} HLO instructions read", flush=True)
-        summ = []
-        for n in (n1, n2):
-            d = tempfile.mkdtemp(prefix=f"profile_step_{kind}_")
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                r = gen(n)
-            sm = summarize_trace(_find_trace(d))
-            sm["steps"] = int(r.num_iterations)
-            sm["run_ms"] = 1000 * r.run_time_s
-            summ.append(sm)
-        x, y = summ
-        ds = max(1, y["steps"] - x["steps"])
-        per = {}
-        for sign, sm in ((-1, x), (1, y)):
-            for k, (t, c) in sm["by_name"].items():
-                p = per.setdefault(k, [0.0, 0.0])
-                p[0] += sign * t / ds
-                p[1] += sign * c / ds
+        per, ds, x, y = traced_difference(gen, n1, n2, f"profile_step_{kind}_")
         hlo_of = {}
         for sm in (x, y):
             hlo_of.update(sm.get("hlo_of_name", {}))

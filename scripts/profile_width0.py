@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 for d in (os.path.dirname(HERE), HERE):
@@ -37,7 +36,7 @@ def main():
     a = ap.parse_args()
     import jax
     import numpy as np
-    from bench_gpu import Settings, _family, _find_trace, summarize_trace
+    from bench_gpu import Settings, _family, traced_difference
     from dflash_jax import decode, init_draft, init_target
     s = Settings(a.smoke, a.preset)
     tcfg = s.target_config()
@@ -53,23 +52,8 @@ def main():
             return decode.generate(target, kw["draft"], prompts, max_new_tokens=n, capacity=cap, seed=0,
                                    **{k: v for k, v in kw.items() if k != "draft"})
         gen(n1)                                                    # compile and warm
-        summ = []
-        for n in (n1, n2):
-            d = tempfile.mkdtemp(prefix=f"w0prof_{name}_")
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                r = gen(n)
-            sm = summarize_trace(_find_trace(d))
-            sm["steps"] = int(r.num_iterations)
-            sm["run_ms"] = 1000 * r.run_time_s
-            summ.append(sm)
-        x, y = summ
-        ds = y["steps"] - x["steps"]
-        fam = {}                      # by kernel family (digits stripped: the two programs number apart)
-        for sign, sm in ((-1, x), (1, y)):
-            for k, (t, c) in sm["by_name"].items():
-                f = fam.setdefault(_family(k), [0.0, 0.0])
-                f[0] += sign * t / ds
-                f[1] += sign * c / ds
+        # by kernel family (digits stripped: the two programs number their fusions apart)
+        fam, ds, x, y = traced_difference(gen, n1, n2, f"w0prof_{name}_", key=_family)
         per_step[name] = fam
         busy = (y["busy_ms"] - x["busy_ms"]) / ds
         wall = (y["run_ms"] - x["run_ms"]) / ds
