@@ -43,6 +43,10 @@ moe_gmm (the grouped matmul of MoE targets' expert layers, pallas_kernels/moe):
   "pallas_tpu"  force the TPU kernel (ahead-of-time compiles for a TPU from a CPU host)
   "pallas_gpu"  force the Triton GPU kernel (pallas_kernels/moe/gpu.py; a CUDA export from a CPU host)
   resolved only (tests): "pallas_tpu_interpret", "pallas_gpu_interpret" (a kernel on CPU)
+moe_route         with the GPU gmm (pallas_gpu, or interpreted): the router's softmax, top-k,
+                  renormalisation and the choices' ascending order as one Triton kernel
+                  (pallas_kernels/moe/gpu.route) instead of XLA's four or five launches; False: XLA's
+                  ops (A/Bs). Off, whatever it says, on the other gmm paths.
 
 gdn (the Gated DeltaNet layers' short blocks, decode and verify, of Qwen3.5 hybrid targets):
   "auto"        "pallas_gpu" on GPU (measured faster on the H200 with gdn_block_v 32: Qwen3.5-9B
@@ -133,6 +137,7 @@ class KernelConfig:
     xla_kv_chunk: int | None = None  # None: from the capacity (module doc)
     tpu_mlp: bool | None = None      # None: on for pallas_tpu (off in the interpreter, where it is slow)
     moe_gmm: str = "auto"            # MoE experts' grouped matmul (MOE_GMM; module doc)
+    moe_route: bool = True           # the GPU gmm path's routing kernel (module doc)
     gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
     gdn_block_v: int = 32            # value dims per GDN kernel program (0: the head's dv)
     while_graphs: bool | None = None  # CUDA: while loops / conditionals in command buffers (module doc)
@@ -190,13 +195,14 @@ class KernelConfig:
         elif gdn == "pallas":
             gdn = "pallas_gpu" if on_gpu else "xla" if on_tpu else "pallas_gpu_interpret"
         gdn_block_v = self.gdn_block_v if gdn != "xla" else 0
+        moe_route = bool(self.moe_route) and moe_gmm in ("pallas_gpu", "pallas_gpu_interpret")
         while_graphs = on_gpu and (self.while_graphs is None or bool(self.while_graphs))
         if attention not in GPU_PATHS:
             return KernelConfig(while_graphs=while_graphs, gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else None,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
                                          else bool(self.tpu_mlp) and attention in TPU_PATHS),
-                                moe_gmm=moe_gmm)
+                                moe_gmm=moe_gmm, moe_route=moe_route)
         n_sms = self.n_sms
         if n_sms is None:
             if device is None and on_gpu:
@@ -208,7 +214,7 @@ class KernelConfig:
         return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
-                            xla_kv_chunk=None, moe_gmm=moe_gmm, gdn=gdn, gdn_block_v=gdn_block_v,
+                            xla_kv_chunk=None, moe_gmm=moe_gmm, moe_route=moe_route, gdn=gdn, gdn_block_v=gdn_block_v,
                             while_graphs=while_graphs)
 
     def compiler_options(self) -> dict:

@@ -105,6 +105,8 @@ def main():
     ap.add_argument("--time-only", choices=("on", "off"), default=None,
                     help="no profile: the default program's wall ms per step (median of 3 N1/N2 differences) "
                          "with while graphs on or off (an A/B of KernelConfig.while_graphs on the user's program)")
+    ap.add_argument("--moe-route", choices=("on", "off"), default="on",
+                    help="A/B: KernelConfig.moe_route (MoE targets' routing kernel on the GPU gmm path)")
     ap.add_argument("--save-hlo", action="store_true", help="also write the program's HLO text to --out (gzip)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -152,14 +154,15 @@ def main():
             # while loops as CUDA graphs hide their kernels from the profiler: off here (the kernels
             # are the same; the host gaps between steps are not the default program's)
             return decode.generate(target, kw["draft"], prompts, max_new_tokens=n, capacity=cap, seed=0,
-                                   kernels=KernelConfig(while_graphs=a.time_only == "on"),
+                                   kernels=KernelConfig(while_graphs=a.time_only == "on",
+                                                        moe_route=a.moe_route == "on"),
                                    **{k: v for k, v in kw.items() if k != "draft"})
         if a.time_only:
             gen(n1)
             runs = [(gen(n1), gen(n2)) for _ in range(3)]
             ms = sorted(1e3 * (y.run_time_s - x.run_time_s) / max(1, y.num_iterations - x.num_iterations)
                         for x, y in runs)
-            print(f"{a.preset} {kind} B={a.batch} while graphs {a.time_only}: {ms[1]:.3f} ms/step "
+            print(f"{a.preset} {kind} B={a.batch} while graphs {a.time_only} moe_route {a.moe_route}: {ms[1]:.3f} ms/step "
                   f"(runs {', '.join(f'{m:.3f}' for m in ms)})", flush=True)
             continue
         before = set(map(id, loop._COMPILED.values()))
@@ -200,7 +203,7 @@ def main():
             print(f"{t:8.1f} {c:6.2f} {gbs:6.0f}  {k[:40]}: {what[:200]}")
         if a.out:
             os.makedirs(a.out, exist_ok=True)
-            tag = "" if a.small_dot is None else f"_sd{a.small_dot}"
+            tag = ("" if a.small_dot is None else f"_sd{a.small_dot}") + ("" if a.moe_route == "on" else "_noroute")
             name = f"profile_step_{'smoke' if a.smoke else a.preset}_{kind}_B{a.batch}{tag}.json"
             with open(os.path.join(a.out, name), "w") as f:
                 json.dump(dict(preset=a.preset, layers=tcfg.num_layers, kind=kind, batch=a.batch, steps=ds,

@@ -100,6 +100,13 @@ def test_gmm_rows_gpu_kernel_matches_each_rows_matrix(dtype):
                 ref = gmm_swiglu(x[r:r + 1], w[g:g + 1], jnp.asarray([1], jnp.int32), "xla")
                 np.testing.assert_allclose(sw[r], np.asarray(ref, np.float32)[0], **tol)
         assert not sw[2].any()
+        # the one-token chain: one shared row, each projection's raw buffer into the next
+        raw = gmm_rows(x[3:4], w, group, impl, swiglu=True, shared=True, raw=True)
+        y = np.asarray(gmm_rows(raw, w[:, :64, :], group, impl, raw=True), np.float32)
+        a1 = gmm_rows(jnp.broadcast_to(x[3:4], (8, 64)), w, group, impl, swiglu=True)
+        y1 = np.asarray(gmm_rows(a1, w[:, :64, :], group, impl), np.float32)
+        live = np.asarray(group) >= 0
+        np.testing.assert_allclose(y[:8][live], y1[live], **tol)
 
 
 @pytest.mark.parametrize("first_expert", [0, 4])
@@ -147,11 +154,21 @@ def test_gmm_gpu_kernel_lowers_for_cuda():
                                 disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
                 S((M, K), jnp.bfloat16), S((128, K, N), jnp.bfloat16), S((128,), jnp.int32))
             assert "dflash_gmm_gpu" in exp.mlir_module()
+    cuda = dict(platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
     for K, N, sw in ((2048, 1536, True), (768, 2048, False)):     # the one-token path: 8 rows, 8 groups
-        exp = export.export(jax.jit(lambda x, w, g: gpu.gmm_rows(x, w, g, swiglu=sw)), platforms=["cuda"],
-                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        exp = export.export(jax.jit(lambda x, w, g: gpu.gmm_rows(x, w, g, swiglu=sw)), **cuda)(
             S((8, K), jnp.bfloat16), S((128, K, N), jnp.bfloat16), S((8,), jnp.int32))
         assert "dflash_gmm_gpu" in exp.mlir_module()
+    # as the one-token layer runs it: routing kernel, a shared row, raw buffers chained
+    def layer(logits, x, gu, dn):
+        w, i = gpu.route(logits, k=8, norm=True)
+        a = gpu.gmm_rows(x, gu, i[0], swiglu=True, shared=True, raw=True)
+        return gpu.gmm_rows(a, dn, i[0], raw=True)[:8] * w[0][:, None]
+    for E in (128, 256):
+        mod = export.export(jax.jit(layer), **cuda)(S((1, E), jnp.bfloat16), S((1, 2048), jnp.bfloat16),
+                                                    S((E, 2048, 1536), jnp.bfloat16), S((E, 768, 2048), jnp.bfloat16)
+                                                    ).mlir_module()
+        assert mod.count("dflash_gmm_gpu") >= 2 and "dflash_moe_route" in mod
 
 
 def test_group_metadata_schedules_only_non_empty_groups():
@@ -169,6 +186,9 @@ def test_group_metadata_schedules_only_non_empty_groups():
 
 @pytest.mark.parametrize("norm", [True, False])
 def test_router_matches_transformers(norm):
+    """XLA's routing (descending, as HF returns it) and the GPU routing kernel, interpreted
+    (ascending ids: the order the experts are added in) = transformers' Qwen3MoeTopKRouter, on 50
+    rows (the kernel's 16-row blocks, the last one partial) and on one row (a B = 1 decode)."""
     from transformers import Qwen3MoeConfig as HFConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
     torch.manual_seed(0)
@@ -177,9 +197,53 @@ def test_router_matches_transformers(norm):
         r.weight.normal_()
         x = torch.randn(50, 32)
         _, w_ref, i_ref = r(x)
-    w, i = route(jnp.asarray(x.numpy()), jnp.asarray(r.weight.detach().numpy().T), 4, norm)
+    xs, rw = jnp.asarray(x.numpy()), jnp.asarray(r.weight.detach().numpy().T)
+    w, i = route(xs, rw, 4, norm)
     np.testing.assert_array_equal(np.asarray(i), i_ref.numpy())
     np.testing.assert_allclose(np.asarray(w), w_ref.numpy(), atol=1e-6, rtol=1e-6)
+    order = np.argsort(i_ref.numpy(), axis=-1)
+    i_asc, w_asc = np.take_along_axis(i_ref.numpy(), order, -1), np.take_along_axis(w_ref.numpy(), order, -1)
+    for rows in (slice(None), slice(7, 8)):
+        w, i = route(xs[rows], rw, 4, norm, ascending=True, kernel="pallas_gpu_interpret")
+        np.testing.assert_array_equal(np.asarray(i), i_asc[rows])
+        np.testing.assert_allclose(np.asarray(w), w_asc[rows], atol=1e-6, rtol=1e-6)
+
+
+def test_routing_kernels_sorting_networks_sort_every_permutation():
+    """The routing kernel puts its k picks in ascending id order with a fixed compare-exchange
+    network: each one sorts every permutation of its k keys."""
+    import itertools
+    from pallas_kernels.moe.gpu import _SORT_NETWORKS
+    for k, net in _SORT_NETWORKS.items():
+        for perm in itertools.permutations(range(k)):
+            a = list(perm)
+            for i, j in net:
+                if a[i] > a[j]:
+                    a[i], a[j] = a[j], a[i]
+            assert a == list(range(k)), (k, perm)
+
+
+@pytest.mark.parametrize("E,k,dtype", [(128, 8, jnp.bfloat16), (256, 8, jnp.bfloat16), (32, 4, jnp.float32)])
+def test_routing_kernel_equals_xla_routing(E, k, dtype):
+    """The GPU routing kernel (interpreted) = XLA's route then a sort by id, at the MoE targets'
+    expert counts (Coder-30B-A3B 128, Qwen3.5-35B-A3B 256), with tied probabilities (equal logits:
+    the lower ids win, as jax.lax.top_k) and rows past a 16-row block; a shape it does not take (a
+    non-power-of-two expert count) falls back to XLA's ops."""
+    from pallas_kernels.moe import route_ascending
+    rng = np.random.RandomState(E)
+    x = jnp.asarray(rng.randn(21, 64), dtype)
+    router = jnp.asarray(rng.randn(64, E), dtype).at[:, 3].set(0).at[:, 11].set(0)
+    x = x.at[0].set(0)                                            # row 0: every logit 0, all tied
+    for norm in (True, False):
+        want_w, want_i = route(x, router, k, norm, ascending=True)
+        got_w, got_i = route(x, router, k, norm, ascending=True, kernel="pallas_gpu_interpret")
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        assert np.asarray(got_i)[0].tolist() == list(range(k))
+        assert (np.diff(np.asarray(got_i), axis=-1) > 0).all()
+        np.testing.assert_allclose(np.asarray(got_w, np.float32), np.asarray(want_w, np.float32),
+                                   rtol=1e-6 if dtype == jnp.float32 else 8e-3, atol=1e-7)
+    assert route_ascending(jnp.zeros((2, 6), jnp.float32), 3, True, "pallas_gpu_interpret") is None
+    assert route_ascending(jnp.zeros((2, 8), jnp.float32), 2, True, "xla") is None
 
 
 # ------------------------------------------------------------------------------- the whole model
@@ -371,6 +435,11 @@ def test_kernel_config_moe_gmm_resolves():
     assert KernelConfig().resolve("gpu", device=None).moe_gmm == "pallas_gpu"
     assert KernelConfig(moe_gmm="pallas").resolve("gpu", device=None).moe_gmm == "pallas_gpu"
     assert KernelConfig(moe_gmm="pallas_gpu").resolve("cpu").moe_gmm == "pallas_gpu"
+    # the routing kernel goes with the GPU gmm only
+    assert KernelConfig().resolve("gpu", device=None).moe_route
+    assert not KernelConfig(moe_route=False).resolve("gpu", device=None).moe_route
+    assert not KernelConfig().resolve("cpu").moe_route and not KernelConfig().resolve("tpu").moe_route
+    assert KernelConfig(moe_gmm="pallas_gpu_interpret").resolve("cpu").moe_route
 
 
 @tpu_aot.requires_libtpu

@@ -58,37 +58,60 @@ def recording():
         _RECORD.reset(tok)
 
 
-def route(x, router, top_k: int, norm_topk_prob: bool):
+def route(x, router, top_k: int, norm_topk_prob: bool, ascending: bool = False, kernel: str | None = None):
     """x [N, H], router [H, E] -> (weights [N, k] in x's dtype, experts [N, k] int32), as HF's
-    Qwen3MoeTopKRouter."""
+    Qwen3MoeTopKRouter: in descending probability, or with `ascending` in ascending expert id (the
+    order experts() adds them in). kernel "pallas_gpu" / "pallas_gpu_interpret": everything after
+    the router's matmul in one GPU kernel (pallas_kernels.moe.route_ascending; ascending only)."""
     logits = linear(x, router)                                                   # [N, E] x.dtype
+    if kernel is not None:
+        if not ascending:
+            raise ValueError("the routing kernel returns the choices in ascending id order only")
+        from pallas_kernels.moe import route_ascending
+        got = route_ascending(logits, top_k, norm_topk_prob, kernel)
+        if got is not None:
+            return got
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, top_k)                                       # [N, k]
     if norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return top.astype(x.dtype), idx.astype(jnp.int32)
+    top, idx = top.astype(x.dtype), idx.astype(jnp.int32)
+    if ascending:
+        idx, top = jax.lax.sort((idx, top), dimension=-1, num_keys=1)
+    return top, idx
 
 
-def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0):
+def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0,
+            ascending: bool = False):
     """The chosen experts' outputs summed per token: x [N, H], weights/idx [N, k] (global expert
-    ids), gate_up [El, H, 2I], down [El, I, H] holding experts [first_expert, first_expert + El)
-    -> [N, H] in x's dtype. Choices of other experts contribute zero (expert parallelism: another
-    shard computes them)."""
+    ids; `ascending`: already in ascending id order per row), gate_up [El, H, 2I], down [El, I, H]
+    holding experts [first_expert, first_expert + El) -> [N, H] in x's dtype. Choices of other
+    experts contribute zero (expert parallelism: another shard computes them); first_expert=None:
+    this call holds every expert the ids name (one device), nothing to mask."""
     from pallas_kernels.moe import gmm, gmm_rows, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
-    # a token's choices in ascending expert order: the order its outputs are added in (HF's)
-    idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
-    local = idx - first_expert
-    mine = (local >= 0) & (local < El)                                           # [N, k]
+    if not ascending:   # a token's choices in ascending expert order: the order its outputs are added in (HF's)
+        idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
+    if first_expert is None:
+        local, mine = idx, None
+    else:
+        local = idx - first_expert
+        mine = (local >= 0) & (local < El)                                       # [N, k]
     if N == 1 and gmm_impl in ("pallas_gpu", "pallas_gpu_interpret"):
-        group = jnp.where(mine, local, -1).reshape(k)                            # a row per choice
-        a = gmm_rows(jnp.broadcast_to(x, (k, x.shape[1])), gate_up, group, gmm_impl, swiglu=True)
-        y = gmm_rows(a, down, group, gmm_impl) * jnp.where(mine, weights, 0).reshape(k, 1)
-        out = y[0:1]
-        for j in range(1, k):
-            out = out + y[j:j + 1]
+        # a row per choice, x never copied (shared), each projection's raw buffer straight into the next
+        group = (local if mine is None else jnp.where(mine, local, -1)).reshape(k)
+        a = gmm_rows(x, gate_up, group, gmm_impl, swiglu=True, shared=True, raw=True)
+        y = gmm_rows(a, down, group, gmm_impl, raw=True)                         # rows [0, k) are the choices'
+        out = None
+        for j in range(k):
+            yj = y[j:j + 1] * weights[:, j:j + 1]
+            if mine is not None:                                                 # raw rows of other shards: undefined
+                yj = jnp.where(mine[:, j:j + 1], yj, 0)
+            out = yj if out is None else out + yj
         return out
+    if mine is None:
+        mine = jnp.ones(idx.shape, jnp.bool_)
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
     rows = jnp.argsort(flat, stable=True)                                        # grouped by expert
     sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)             # [El]
@@ -121,23 +144,26 @@ class MoE(nnx.Module):
         self.experts_down = _init(rngs, (num_experts, inter, hidden), dtype, inter ** -0.5)          # [E, I, H]
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, bool(norm_topk_prob)
 
-    def _local(self, h, router, gate_up, down, gmm_impl: str, first_expert):
+    def _local(self, h, router, gate_up, down, gmm_impl: str, first_expert, route_kernel: bool):
         B, T, H = h.shape
         x = h.reshape(B * T, H)
-        w, idx = route(x, router, self.top_k, self.norm_topk_prob)
+        w, idx = route(x, router, self.top_k, self.norm_topk_prob, ascending=True,
+                       kernel=gmm_impl if route_kernel else None)
         rec = _RECORD.get()
         if rec is not None:
             rec.append(idx)
-        return experts(x, w, idx, gate_up, down, gmm_impl=gmm_impl, first_expert=first_expert).reshape(B, T, H)
+        return experts(x, w, idx, gate_up, down, gmm_impl=gmm_impl, first_expert=first_expert,
+                       ascending=True).reshape(B, T, H)
 
     def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
         """h [B, T, H] already normed -> [B, T, H] (groups: the dense MLP's TP layout, unused: the
         experts are split whole over the mesh instead)."""
         gmm_impl = kernels.moe_gmm if kernels is not None else "xla"
+        route_kernel = kernels is not None and kernels.moe_route
         router, gate_up, down = self.router[...], self.experts_gate_up[...], self.experts_down[...]
         mesh = sharding.current_mesh()
         if mesh is None or sharding.model_axis_size(mesh) == 1:
-            return self._local(h, router, gate_up, down, gmm_impl, 0)
+            return self._local(h, router, gate_up, down, gmm_impl, None, route_kernel)
         ep = sharding.model_axis_size(mesh)
         if self.num_experts % ep:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by the model axis size {ep} "
@@ -148,7 +174,7 @@ class MoE(nnx.Module):
 
         def shard(h, router, gate_up, down):
             first = jax.lax.axis_index("model") * El
-            return jax.lax.psum(self._local(h, router, gate_up, down, gmm_impl, first), "model")
+            return jax.lax.psum(self._local(h, router, gate_up, down, gmm_impl, first, route_kernel), "model")
 
         return jax.shard_map(shard, mesh=mesh, in_specs=(rows, P(), experts_spec, experts_spec),
                              out_specs=rows, check_vma=False)(h, router, gate_up, down)

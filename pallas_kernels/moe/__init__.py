@@ -9,8 +9,9 @@
 
 `gmm(lhs, rhs, group_sizes, impl=)` and `gmm_swiglu` (the experts' first projection and SwiGLU)
 dispatch on the resolved `KernelConfig.moe_gmm`; `gmm_rows` (every row its own group: a one-token
-decode, no sort) runs the GPU kernel on the GPU and gathers the rows' matrices elsewhere. A shape a
-kernel cannot tile falls back to XLA (logged once)."""
+decode, no sort) runs the GPU kernel on the GPU and gathers the rows' matrices elsewhere;
+`route_ascending` is the router's softmax, top-k, renormalisation and ascending order as one GPU
+kernel (`KernelConfig.moe_route`). A shape a kernel cannot tile falls back to XLA (logged once)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pallas_kernels._common import Unsupported, warn_once
 from pallas_kernels.moe.reference import gmm_reference
 from pallas_kernels.moe.xla import gmm_xla
 
-__all__ = ["gmm", "gmm_swiglu", "gmm_rows", "gmm_reference", "gmm_xla", "GMM_IMPLS"]
+__all__ = ["gmm", "gmm_swiglu", "gmm_rows", "route_ascending", "gmm_reference", "gmm_xla", "GMM_IMPLS"]
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +66,40 @@ def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla"):
     return jax.nn.silu(gate) * up
 
 
-def gmm_rows(lhs, rhs, row_group, impl: str = "xla", swiglu: bool = False):
+def gmm_rows(lhs, rhs, row_group, impl: str = "xla", swiglu: bool = False, shared: bool = False,
+             raw: bool = False):
     """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (-1: a zero row) ->
     out[r] = lhs[r] @ rhs[row_group[r]] [M, N], or with swiglu silu(gate) * up [M, N / 2] as
     gmm_swiglu. Meant for few rows (a one-token decode's k experts): the GPU kernel lists the rows
-    as its groups (no sort, no counts); elsewhere the rows' matrices are gathered."""
+    as its groups (no sort, no counts); elsewhere the rows' matrices are gathered.
+    shared: lhs is one row [1, K] for every row. raw: the GPU kernel's [M + bm, N] buffer as it is
+    (rows of group -1 and past M undefined: the caller masks them; elsewhere the [M, N] result)."""
     if impl in ("pallas_gpu", "pallas_gpu_interpret"):
         from pallas_kernels.moe import gpu
         try:
-            return gpu.gmm_rows(lhs, rhs, row_group, swiglu=swiglu, interpret=impl == "pallas_gpu_interpret")
+            return gpu.gmm_rows(lhs, rhs, row_group, swiglu=swiglu, shared=shared, raw=raw,
+                                interpret=impl == "pallas_gpu_interpret")
         except Unsupported as e:
             warn_once(log, f"gmm_rows {lhs.shape} {rhs.shape}", "MoE gmm on XLA: %s", e)
+    M = row_group.shape[0]
+    lhs = jnp.broadcast_to(lhs[:1], (M, lhs.shape[1])) if shared else lhs[:M]
     w = jnp.take(rhs, jnp.maximum(row_group, 0), axis=0)                         # [M, K, N]
     out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
     if swiglu:
         gate, up = jnp.split(out, 2, axis=-1)
         out = jax.nn.silu(gate) * up
     return jnp.where((row_group >= 0)[:, None], out, 0)
+
+
+def route_ascending(logits, k: int, norm: bool, impl: str = "xla"):
+    """The GPU routing kernel (`gpu.route`): an MoE router's (weights [N, k], ids [N, k]) from its
+    logits [N, E], in ascending id order, in one launch; None where it does not apply (another
+    impl, or a shape it does not take): the caller routes in XLA."""
+    if impl not in ("pallas_gpu", "pallas_gpu_interpret"):
+        return None
+    from pallas_kernels.moe import gpu
+    if not gpu.route_supported(logits.shape[-1], k):
+        warn_once(log, f"route {logits.shape} {k}", "MoE routing on XLA: %d experts, top-%d",
+                  logits.shape[-1], k)
+        return None
+    return gpu.route(logits, k=k, norm=norm, interpret=impl == "pallas_gpu_interpret")

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, precision, pltriton, quiet_triton
 
-__all__ = ["gmm", "gmm_rows", "group_list", "choose_tiles", "plan_tiles", "supported"]
+__all__ = ["gmm", "gmm_rows", "route", "route_supported", "group_list", "choose_tiles", "plan_tiles", "supported"]
 
 
 def group_list(group_sizes, slots: int):
@@ -109,14 +109,23 @@ def supported(M: int, K: int, N: int, dtype, swiglu: bool = False) -> bool:
 
 
 def _kernel(meta_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, K: int, half: int,
-            swiglu: bool):
-    # meta_ref [4, slots]; x_ref [M + bm, K], w_ref [G, K, N], o_ref [M + bm, N or N / 2]: whole
-    # arrays, sliced here
+            swiglu: bool, rows_mode: bool = False, shared: bool = False):
+    # meta_ref [4, slots] (group_list's layout), or with rows_mode the row groups [M] (slot i = row
+    # i, its group meta_ref[i], -1: none); x_ref [>= M + bm, K], or with shared one row [1, K] that
+    # every slot multiplies; w_ref [G, K, N], o_ref [M + bm, N or N / 2]: whole arrays, sliced here
     i, j = pl.program_id(0), pl.program_id(1)
+    if rows_mode:
+        g = meta_ref[i]
+        live = g >= 0
+    else:
+        live = i < meta_ref[3, i]
 
-    @pl.when(i < meta_ref[3, i])
+    @pl.when(live)
     def _group():
-        g, start, size = meta_ref[0, i], meta_ref[1, i], meta_ref[2, i]
+        if rows_mode:
+            gg, start, size = g, i, 1
+        else:
+            gg, start, size = meta_ref[0, i], meta_ref[1, i], meta_ref[2, i]
         n0 = pl.multiple_of(j * bn, bn)
         rows = lax.broadcasted_iota(jnp.int32, (bm,), 0)
         prec = precision(x_ref.dtype)
@@ -127,10 +136,13 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, K: int,
 
             def k_step(kk, accs):
                 k0 = pl.multiple_of(kk * bk, bk)
-                x = pltriton.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=ok, other=0.0)  # [bm, bk]
+                if shared:                                                           # [1, bk] -> [bm, bk]
+                    x = jnp.broadcast_to(x_ref[pl.ds(0, 1), pl.ds(k0, bk)], (bm, bk))
+                else:
+                    x = pltriton.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=ok, other=0.0)  # [bm, bk]
                 out = []
                 for acc, c0 in zip(accs, (n0, half + n0) if swiglu else (n0,)):
-                    w = w_ref[g, pl.ds(k0, bk), pl.ds(c0, bn)]                          # [bk, bn]
+                    w = w_ref[gg, pl.ds(k0, bk), pl.ds(c0, bn)]                         # [bk, bn]
                     out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=prec))
                 return tuple(out)
 
@@ -161,25 +173,32 @@ def _check(lhs, rhs, swiglu: bool):
         raise Unsupported(f"gmm: rhs {rhs.shape} / lhs {lhs.shape} past int32 element offsets")
 
 
-def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_stages, interpret):
-    """The kernel over the group list `meta` [4, slots] (group_list's layout) -> [M, N or N / 2];
-    rows no listed group covers are left unwritten (the callers zero them)."""
+def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_stages, interpret,
+            rows: int | None = None, shared: bool = False):
+    """The kernel over the group list `meta` [4, slots] (group_list's layout) -> [M + bm, N or N / 2]
+    (M = lhs's rows); rows no listed group covers, and the bm rows past M, are left unwritten (the
+    callers zero or ignore them). With `rows` (rows_mode), meta is the row groups [rows] and M =
+    rows: lhs holds at least those rows (more, e.g. a previous call's [rows + bm] output, are not
+    read), or with `shared` a single row that every listed row multiplies."""
     M, K = lhs.shape
+    if rows is not None:
+        M = rows
     G, _, N = rhs.shape
     half = N // 2 if swiglu else N
     bm, bn, bk = plan_tiles(M, K, half, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages, bm, bn, bk, slots)
     if bn is None or bk is None or half % bn or K % bk:
         raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
-    x = jnp.pad(lhs, ((0, bm), (0, 0)))
-    kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu)
+    x = lhs if shared or lhs.shape[0] >= M + bm else jnp.pad(lhs, ((0, M + bm - lhs.shape[0]), (0, 0)))
+    kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu,
+                               rows_mode=rows is not None, shared=shared)
     with quiet_triton():
         out = pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct((M + bm, half), lhs.dtype),
             grid=(slots, half // bn),
             in_specs=[
-                pl.BlockSpec((4, slots), lambda i, j: (0, 0)),
-                pl.BlockSpec((M + bm, K), lambda i, j: (0, 0)),
+                pl.BlockSpec(meta.shape, lambda i, j: (0,) * meta.ndim),
+                pl.BlockSpec(x.shape, lambda i, j: (0, 0)),
                 pl.BlockSpec((G, K, N), lambda i, j: (0, 0, 0)),
             ],
             out_specs=pl.BlockSpec((M + bm, half), lambda i, j: (0, 0)),
@@ -187,7 +206,7 @@ def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_st
             interpret=interpret,
             name="dflash_gmm_gpu",
         )(meta, x, rhs)
-    return out[:M]
+    return out
 
 
 _STATIC = ("swiglu", "bm", "bn", "bk", "num_warps", "num_stages", "interpret")
@@ -205,24 +224,108 @@ def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, b
         raise Unsupported(f"gmm: group_sizes {group_sizes.shape} for {G} groups")
     slots = max(1, min(G, M))
     out = _launch(lhs, rhs, group_list(group_sizes, slots), slots, swiglu=swiglu, bm=bm, bn=bn, bk=bk,
-                  num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                  num_warps=num_warps, num_stages=num_stages, interpret=interpret)[:M]
     return jnp.where(jnp.arange(M)[:, None] < jnp.sum(group_sizes), out, 0)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("shared", "raw"))
 def gmm_rows(lhs, rhs, row_group, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
-             bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+             bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
+             shared: bool = False, raw: bool = False):
     """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (the group of row r,
     or -1: no group, a zero row) -> [M, N] (or [M, N / 2] with swiglu), out[r] = lhs[r] @
-    rhs[row_group[r]]. The group list is row_group itself (no sort, no counts: a one-token decode's
-    k choices are k distinct experts), so the grid is M x N tiles and only the rows' experts are read."""
+    rhs[row_group[r]]. The kernel reads row_group itself as its list (no sort, no counts, no
+    metadata: a one-token decode's k choices are k distinct experts), so the grid is M x N tiles and
+    only the rows' experts are read.
+
+    shared: lhs is ONE row [1, K] that every listed row multiplies (a token's k choices; never
+    broadcast in memory). raw: return the kernel's buffer [M + bm, N] as it is: rows of group -1 and
+    the bm rows past M unwritten (undefined); a raw buffer is a valid lhs of the next call (its
+    rows past M are not read), so chained projections need no slice or pad between them."""
     _check(lhs, rhs, swiglu)
-    M = lhs.shape[0]
-    if row_group.shape != (M,):
-        raise Unsupported(f"gmm_rows: row_group {row_group.shape} for {M} rows")
+    M = row_group.shape[0]
+    if row_group.ndim != 1 or lhs.shape[0] < (1 if shared else M):
+        raise Unsupported(f"gmm_rows: row_group {row_group.shape} for lhs {lhs.shape} (shared={shared})")
     g = row_group.astype(jnp.int32)
-    meta = jnp.stack([jnp.maximum(g, 0), jnp.arange(M, dtype=jnp.int32), (g >= 0).astype(jnp.int32),
-                      jnp.full((M,), M, jnp.int32)])
-    out = _launch(lhs, rhs, meta, M, swiglu=swiglu, bm=bm, bn=bn, bk=bk, num_warps=num_warps,
-                  num_stages=num_stages, interpret=interpret)
-    return jnp.where((g >= 0)[:, None], out, 0)
+    out = _launch(lhs, rhs, g, M, swiglu=swiglu, bm=bm, bn=bn, bk=bk, num_warps=num_warps,
+                  num_stages=num_stages, interpret=interpret, rows=M, shared=shared)
+    if raw:
+        return out
+    return jnp.where((g >= 0)[:, None], out[:M], 0)
+
+
+# ------------------------------------------------------------------------------------- routing
+
+def route_supported(E: int, k: int) -> bool:
+    """route's shapes: a power-of-two expert count up to 1024 (Triton's block shapes) and a top-k
+    with a sorting network here (1, 2, 4, 8: Qwen3-MoE and Qwen3.5-MoE take 8, gpt-oss 4)."""
+    return E > 0 and E & (E - 1) == 0 and k in _SORT_NETWORKS and k <= E <= 1024
+
+
+# Batcher's odd-even merge sort of 2, 4 and 8 keys (compare-exchange pairs, in order)
+_SORT_NETWORKS = {
+    1: (),
+    2: ((0, 1),),
+    4: ((0, 1), (2, 3), (0, 2), (1, 3), (1, 2)),
+    8: ((0, 1), (2, 3), (4, 5), (6, 7), (0, 2), (1, 3), (4, 6), (5, 7), (1, 2), (5, 6), (0, 4), (1, 5),
+        (2, 6), (3, 7), (2, 4), (3, 5), (1, 2), (3, 4), (5, 6)),
+}
+
+
+def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm: bool):
+    # one row: l_ref [1, E] router logits; w_ref [1, k] weights, i_ref [1, k] expert ids, out.
+    # A warp per row: every reduction below stays in the warp (shuffles), so the k picks cost k
+    # argmax reductions and nothing else (an XLA top-k is a sort of all E).
+    f32 = jnp.float32
+    l = l_ref[0, :].astype(f32)                                                 # [E]
+    m = jnp.max(l)
+    s = jnp.sum(jnp.exp(l - m))
+    p = jnp.exp(l - m) / s                                                      # softmax over all E
+    col = lax.broadcasted_iota(jnp.int32, (E,), 0)
+    ids = []
+    for _ in range(k):          # the largest left, ties to the lower id (jax.lax.top_k's order)
+        i = jnp.argmax(p).astype(jnp.int32)
+        ids.append(i)
+        p = jnp.where(col == i, -1.0, p)                                        # p >= 0: never again
+    # each pick's probability, recomputed from its logit by the same operations as p's
+    vals = [jnp.exp(l_ref[0, i].astype(f32) - m) / s for i in ids]
+    if norm:
+        tot = vals[0]
+        for v in vals[1:]:
+            tot = tot + v
+        vals = [v / tot for v in vals]
+    for a, b in _SORT_NETWORKS[k]:                                              # ascending ids
+        swap = ids[a] > ids[b]
+        ids[a], ids[b] = jnp.where(swap, ids[b], ids[a]), jnp.where(swap, ids[a], ids[b])
+        vals[a], vals[b] = jnp.where(swap, vals[b], vals[a]), jnp.where(swap, vals[a], vals[b])
+    slot = lax.broadcasted_iota(jnp.int32, (k,), 0)
+    iv, wv = jnp.zeros((k,), jnp.int32), jnp.zeros((k,), f32)
+    for j in range(k):
+        iv = jnp.where(slot == j, ids[j], iv)
+        wv = jnp.where(slot == j, vals[j], wv)
+    w_ref[0, :] = wv.astype(w_ref.dtype)
+    i_ref[0, :] = iv
+
+
+@functools.partial(jax.jit, static_argnames=("k", "norm", "num_warps", "interpret"))
+def route(logits, *, k: int, norm: bool, num_warps: int = 1, interpret: bool = False):
+    """An MoE router's choices from its logits [N, E] in one kernel: softmax over all E in float32,
+    the top k (ties to the lower id), divided by their sum when `norm`, cast to the logits' dtype,
+    returned in ASCENDING expert order per row: (weights [N, k], ids [N, k] int32). The same values
+    as `dflash_jax.models.moe.route` then a sort by id, in one launch of a one-warp program per row
+    where XLA takes four or five (the softmax, top-k's sort of all E, the renormalisation, the
+    choices' sort: ~8 us of a B = 1 Coder-30B-A3B layer)."""
+    N, E = logits.shape
+    if not route_supported(E, k):
+        raise Unsupported(f"route: {E} experts, top-{k} (E a power of two <= 1024; k 1, 2, 4 or 8 <= E)")
+    with quiet_triton():
+        return pl.pallas_call(
+            functools.partial(_route_kernel, E=E, k=k, norm=norm),
+            out_shape=(jax.ShapeDtypeStruct((N, k), logits.dtype), jax.ShapeDtypeStruct((N, k), jnp.int32)),
+            grid=(N,),
+            in_specs=[pl.BlockSpec((1, E), lambda r: (r, 0))],
+            out_specs=[pl.BlockSpec((1, k), lambda r: (r, 0)), pl.BlockSpec((1, k), lambda r: (r, 0))],
+            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name="dflash_moe_route",
+        )(logits)
