@@ -31,6 +31,8 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
                     (benchmarks compare against it)
   attention_tuning  overrides of pallas_kernels.attention.gpu.default_config, as (name, value)
                     pairs (benchmarks' on-device A/B of launch settings)
+  moe_tuning        overrides of the one-token MoE path's gmm launches (the GPU gmm's `gmm_rows`), as
+                    (name, value) pairs: {gate_up,down}_{bn,bk,num_warps,num_stages} (A/Bs)
 
 moe_gmm (the grouped matmul of MoE targets' expert layers, pallas_kernels/moe):
   "auto"        TPU -> "pallas_tpu", GPU -> "pallas_gpu", CPU -> "xla" (on the H200 the GPU kernel
@@ -109,6 +111,7 @@ MOE_GMM = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 RESOLVED_MOE_GMM = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
 GDN = ("auto", "xla", "pallas", "pallas_gpu")
 RESOLVED_GDN = ("xla", "pallas_gpu", "pallas_gpu_interpret")
+MOE_TUNING_NAMES = tuple(f"{p}_{n}" for p in ("gate_up", "down") for n in ("bn", "bk", "num_warps", "num_stages"))
 ATTENTION_TUNING_NAMES = ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
                           "merge_kernel", "merge_rows", "merge_cols")
 
@@ -138,6 +141,7 @@ class KernelConfig:
     tpu_mlp: bool | None = None      # None: on for pallas_tpu (off in the interpreter, where it is slow)
     moe_gmm: str = "auto"            # MoE experts' grouped matmul (MOE_GMM; module doc)
     moe_route: bool = True           # the GPU gmm path's routing kernel (module doc)
+    moe_tuning: tuple = ()           # ((name, int), ...): the one-token gmm launches (module doc)
     gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
     gdn_block_v: int = 32            # value dims per GDN kernel program (0: the head's dv)
     while_graphs: bool | None = None  # CUDA: while loops / conditionals in command buffers (module doc)
@@ -163,6 +167,9 @@ class KernelConfig:
         if bad:
             raise ValueError(f"attention_tuning: unknown settings {sorted(bad)}; "
                              f"expected names from {ATTENTION_TUNING_NAMES}")
+        bad = set(dict(self.moe_tuning)) - set(MOE_TUNING_NAMES)
+        if bad:
+            raise ValueError(f"moe_tuning: unknown settings {sorted(bad)}; expected names from {MOE_TUNING_NAMES}")
 
     @classmethod
     def parse_tuning(cls, spec: str) -> tuple:
@@ -196,13 +203,15 @@ class KernelConfig:
             gdn = "pallas_gpu" if on_gpu else "xla" if on_tpu else "pallas_gpu_interpret"
         gdn_block_v = self.gdn_block_v if gdn != "xla" else 0
         moe_route = bool(self.moe_route) and moe_gmm in ("pallas_gpu", "pallas_gpu_interpret")
+        moe_tuning = (tuple(sorted(dict(self.moe_tuning).items()))
+                      if moe_gmm in ("pallas_gpu", "pallas_gpu_interpret") else ())
         while_graphs = on_gpu and (self.while_graphs is None or bool(self.while_graphs))
         if attention not in GPU_PATHS:
             return KernelConfig(while_graphs=while_graphs, gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else None,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
                                          else bool(self.tpu_mlp) and attention in TPU_PATHS),
-                                moe_gmm=moe_gmm, moe_route=moe_route)
+                                moe_gmm=moe_gmm, moe_route=moe_route, moe_tuning=moe_tuning)
         n_sms = self.n_sms
         if n_sms is None:
             if device is None and on_gpu:
@@ -214,7 +223,7 @@ class KernelConfig:
         return KernelConfig(attention=attention, fused_layer=bool(self.fused_layer),
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
-                            xla_kv_chunk=None, moe_gmm=moe_gmm, moe_route=moe_route, gdn=gdn, gdn_block_v=gdn_block_v,
+                            xla_kv_chunk=None, moe_gmm=moe_gmm, moe_route=moe_route, moe_tuning=moe_tuning, gdn=gdn, gdn_block_v=gdn_block_v,
                             while_graphs=while_graphs)
 
     def compiler_options(self) -> dict:
@@ -244,6 +253,10 @@ class KernelConfig:
     def search_kernels(self) -> bool:
         """Sampling's threshold search as Pallas kernels on this path."""
         return self.gpu and self.sampling_kernels
+
+    def gmm_rows_tiles(self, which: str) -> dict:
+        """Keyword arguments of the one-token path's `gmm_rows` launch `which` ("gate_up", "down")."""
+        return {k[len(which) + 1:]: v for k, v in self.moe_tuning if k.startswith(which + "_")}
 
     def gpu_attention_tuning(self) -> dict:
         """Keyword arguments for the GPU attention kernel: n_sms and the overrides."""

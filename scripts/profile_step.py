@@ -107,6 +107,9 @@ def main():
                          "with while graphs on or off (an A/B of KernelConfig.while_graphs on the user's program)")
     ap.add_argument("--moe-route", choices=("on", "off"), default="on",
                     help="A/B: KernelConfig.moe_route (MoE targets' routing kernel on the GPU gmm path)")
+    ap.add_argument("--moe-tuning", default="",
+                    help="A/B: KernelConfig.moe_tuning, e.g. 'gate_up_bn=16,down_bn=64'; with --time-only a "
+                         "';'-separated list is timed config by config in this one process")
     ap.add_argument("--save-hlo", action="store_true", help="also write the program's HLO text to --out (gzip)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -146,23 +149,26 @@ def main():
     draft = init_draft(dcfg, seed=1, dtype=dtype)
     cap = -(-(prompt + n2 + 40) // 512) * 512
     prompts = np.random.default_rng(0).integers(0, tcfg.vocab_size - 2, (a.batch, prompt)).tolist()
-    for kind in a.kinds.split(","):
+    tunings = [KernelConfig.parse_tuning(t) for t in a.moe_tuning.split(";")] if a.time_only else \
+        [KernelConfig.parse_tuning(a.moe_tuning)]
+    for kind, tuning in [(k, t) for k in a.kinds.split(",") for t in tunings]:
         kw = dict(draft=None) if kind == "plain" else dict(draft=draft, block_size=dcfg.block_size,
                                                            verify_width="block")
 
-        def gen(n, kw=kw):
+        def gen(n, kw=kw, tuning=tuning):
             # while loops as CUDA graphs hide their kernels from the profiler: off here (the kernels
             # are the same; the host gaps between steps are not the default program's)
             return decode.generate(target, kw["draft"], prompts, max_new_tokens=n, capacity=cap, seed=0,
                                    kernels=KernelConfig(while_graphs=a.time_only == "on",
-                                                        moe_route=a.moe_route == "on"),
+                                                        moe_route=a.moe_route == "on", moe_tuning=tuning),
                                    **{k: v for k, v in kw.items() if k != "draft"})
         if a.time_only:
             gen(n1)
             runs = [(gen(n1), gen(n2)) for _ in range(3)]
             ms = sorted(1e3 * (y.run_time_s - x.run_time_s) / max(1, y.num_iterations - x.num_iterations)
                         for x, y in runs)
-            print(f"{a.preset} {kind} B={a.batch} while graphs {a.time_only} moe_route {a.moe_route}: {ms[1]:.3f} ms/step "
+            print(f"{a.preset} {kind} B={a.batch} while graphs {a.time_only} moe_route {a.moe_route}"
+                  f"{' moe_tuning ' + str(dict(tuning)) if tuning else ''}: {ms[1]:.3f} ms/step "
                   f"(runs {', '.join(f'{m:.3f}' for m in ms)})", flush=True)
             continue
         before = set(map(id, loop._COMPILED.values()))

@@ -438,6 +438,12 @@ def test_kernel_config_moe_gmm_resolves():
     assert not KernelConfig(moe_route=False).resolve("gpu", device=None).moe_route
     assert not KernelConfig().resolve("cpu").moe_route and not KernelConfig().resolve("tpu").moe_route
     assert KernelConfig(moe_gmm="pallas_gpu_interpret").resolve("cpu").moe_route
+    # the one-token launches' A/B overrides: kept for the GPU gmm, dropped elsewhere, names checked
+    tuned = KernelConfig(moe_tuning=(("down_bn", 64), ("gate_up_num_stages", 4))).resolve("gpu", device=None)
+    assert tuned.gmm_rows_tiles("gate_up") == {"num_stages": 4} and tuned.gmm_rows_tiles("down") == {"bn": 64}
+    assert KernelConfig(moe_tuning=(("down_bn", 64),)).resolve("cpu").moe_tuning == ()
+    with pytest.raises(ValueError, match="moe_tuning: unknown settings"):
+        KernelConfig(moe_tuning=(("up_bn", 64),))
 
 
 @tpu_aot.requires_libtpu

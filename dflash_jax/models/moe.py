@@ -82,7 +82,7 @@ def route(x, router, top_k: int, norm_topk_prob: bool, ascending: bool = False, 
 
 
 def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expert=0,
-            ascending: bool = False):
+            ascending: bool = False, kernels: KernelConfig | None = None):
     """The chosen experts' outputs summed per token: x [N, H], weights/idx [N, k] (global expert
     ids; `ascending`: already in ascending id order per row), gate_up [El, H, 2I], down [El, I, H]
     holding experts [first_expert, first_expert + El) -> [N, H] in x's dtype. Choices of other
@@ -101,8 +101,9 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     if N == 1 and gmm_impl in ("pallas_gpu", "pallas_gpu_interpret"):
         # a row per choice, x never copied (shared), each projection's raw buffer straight into the next
         group = (local if mine is None else jnp.where(mine, local, -1)).reshape(k)
-        a = gmm_rows(x, gate_up, group, gmm_impl, swiglu=True, shared=True, raw=True)
-        y = gmm_rows(a, down, group, gmm_impl, raw=True)                         # rows [0, k) are the choices'
+        tiles = kernels.gmm_rows_tiles if kernels is not None else (lambda which: None)
+        a = gmm_rows(x, gate_up, group, gmm_impl, swiglu=True, shared=True, raw=True, tiles=tiles("gate_up"))
+        y = gmm_rows(a, down, group, gmm_impl, raw=True, tiles=tiles("down"))    # rows [0, k) are the choices'
         out = None
         for j in range(k):
             yj = y[j:j + 1] * weights[:, j:j + 1]
@@ -144,7 +145,8 @@ class MoE(nnx.Module):
         self.experts_down = _init(rngs, (num_experts, inter, hidden), dtype, inter ** -0.5)          # [E, I, H]
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, bool(norm_topk_prob)
 
-    def _local(self, h, router, gate_up, down, gmm_impl: str, first_expert, route_kernel: bool):
+    def _local(self, h, router, gate_up, down, gmm_impl: str, first_expert, kernels: KernelConfig | None):
+        route_kernel = kernels is not None and kernels.moe_route
         B, T, H = h.shape
         x = h.reshape(B * T, H)
         w, idx = route(x, router, self.top_k, self.norm_topk_prob, ascending=True,
@@ -153,17 +155,16 @@ class MoE(nnx.Module):
         if rec is not None:
             rec.append(idx)
         return experts(x, w, idx, gate_up, down, gmm_impl=gmm_impl, first_expert=first_expert,
-                       ascending=True).reshape(B, T, H)
+                       ascending=True, kernels=kernels).reshape(B, T, H)
 
     def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
         """h [B, T, H] already normed -> [B, T, H] (groups: the dense MLP's TP layout, unused: the
         experts are split whole over the mesh instead)."""
         gmm_impl = kernels.moe_gmm if kernels is not None else "xla"
-        route_kernel = kernels is not None and kernels.moe_route
         router, gate_up, down = self.router[...], self.experts_gate_up[...], self.experts_down[...]
         mesh = sharding.current_mesh()
         if mesh is None or sharding.model_axis_size(mesh) == 1:
-            return self._local(h, router, gate_up, down, gmm_impl, None, route_kernel)
+            return self._local(h, router, gate_up, down, gmm_impl, None, kernels)
         ep = sharding.model_axis_size(mesh)
         if self.num_experts % ep:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by the model axis size {ep} "
@@ -174,7 +175,7 @@ class MoE(nnx.Module):
 
         def shard(h, router, gate_up, down):
             first = jax.lax.axis_index("model") * El
-            return jax.lax.psum(self._local(h, router, gate_up, down, gmm_impl, first, route_kernel), "model")
+            return jax.lax.psum(self._local(h, router, gate_up, down, gmm_impl, first, kernels), "model")
 
         return jax.shard_map(shard, mesh=mesh, in_specs=(rows, P(), experts_spec, experts_spec),
                              out_specs=rows, check_vma=False)(h, router, gate_up, down)

@@ -67,18 +67,19 @@ def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla"):
 
 
 def gmm_rows(lhs, rhs, row_group, impl: str = "xla", swiglu: bool = False, shared: bool = False,
-             raw: bool = False):
+             raw: bool = False, tiles: dict | None = None):
     """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (-1: a zero row) ->
     out[r] = lhs[r] @ rhs[row_group[r]] [M, N], or with swiglu silu(gate) * up [M, N / 2] as
     gmm_swiglu. Meant for few rows (a one-token decode's k experts): the GPU kernel lists the rows
     as its groups (no sort, no counts); elsewhere the rows' matrices are gathered.
     shared: lhs is one row [1, K] for every row. raw: the GPU kernel's [M + bm, N] buffer as it is
-    (rows of group -1 and past M undefined: the caller masks them; elsewhere the [M, N] result)."""
+    (rows of group -1 and past M undefined: the caller masks them; elsewhere the [M, N] result).
+    tiles: the GPU kernel's bn / bk / num_warps / num_stages (KernelConfig.moe_tuning; A/Bs)."""
     if impl in ("pallas_gpu", "pallas_gpu_interpret"):
         from pallas_kernels.moe import gpu
         try:
             return gpu.gmm_rows(lhs, rhs, row_group, swiglu=swiglu, shared=shared, raw=raw,
-                                interpret=impl == "pallas_gpu_interpret")
+                                interpret=impl == "pallas_gpu_interpret", **(tiles or {}))
         except Unsupported as e:
             warn_once(log, f"gmm_rows {lhs.shape} {rhs.shape}", "MoE gmm on XLA: %s", e)
     M = row_group.shape[0]
