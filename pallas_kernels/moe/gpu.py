@@ -20,6 +20,11 @@ columns [I, 2I) (the stacked `experts_gate_up`), a program loads both column til
 is silu(x @ gate) * (x @ up) [M, I], each product rounded to the input dtype first as the unfused
 path rounds them (the [M, 2I] intermediate is never written).
 
+`gmm_rows` is the one-token path (each row its own group, the row groups themselves the list; x
+may be one row shared by every choice and the output the raw [M + bm, N] buffer, which the next
+launch reads as its lhs). `route` is the router after its matmul: softmax, top-k, renormalisation
+and ascending ids in one one-warp program per row (KernelConfig.moe_route).
+
 lhs is padded by bm rows so every row tile's load stays in bounds (the interpreter clamps an
 out-of-range slice instead of masking it); rows past sum(group_sizes) are zeroed by the wrapper.
 """
