@@ -45,8 +45,8 @@ def build(args):
     from dflash_jax.config import TargetConfig
 
     if args.tiny:
-        cfg = TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                           num_kv_heads=2, head_dim=16)
+        cfg = TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=args.tiny_layers,
+                           num_heads=4, num_kv_heads=2, head_dim=16)
         target = dj.init_target(cfg, seed=0, dtype=args.dtype)
         draft = dj.init_draft(dj.DraftConfig.for_target(cfg, num_layers=1, block_size=args.block or 8), seed=1,
                               dtype=args.dtype)
@@ -92,6 +92,9 @@ def prompts(args, vocab: int, tok):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny random pair (CPU smoke run)")
+    p.add_argument("--tiny-layers", type=int, default=4,
+                   help="--tiny: the target's layers (default 4; the test suite's smoke run uses 1: less to trace "
+                        "and compile in every program)")
     p.add_argument("--default", action="store_true", help="the embedded default pair (dflash_jax.assets)")
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--random-init", action="store_true", help="random weights of --preset's shapes")
@@ -126,6 +129,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not (args.tiny or args.default or args.random_init or args.model):
         p.error("give --tiny, --default, --random-init (with --preset) or --model/--draft")
+    if args.tiny_layers < 1:
+        p.error(f"--tiny-layers must be >= 1, got {args.tiny_layers}")
     if not 1 <= args.min_new <= args.max_new:
         p.error(f"--min-new {args.min_new} must be in [1, --max-new {args.max_new}]")
     args.dtype = args.dtype or ("float32" if args.tiny or args.default else "bfloat16")

@@ -2,7 +2,8 @@
 evaluation → shipped files. One command, seeded, resumable per stage, everything under --out.
 
     python scripts/train_demo_pair.py --size gpu --out out/demo_pair --deliver $OUT   # one H200 call, < 10 min
-    python scripts/train_demo_pair.py --size cpu --out out/demo_cpu        # CI: minutes on 2 cores
+    python scripts/train_demo_pair.py --size cpu --out out/demo_cpu        # minutes on 2 CPU cores
+    python scripts/train_demo_pair.py --size ci --out out/demo_ci          # the test suite's: cpu, fewer steps
     # a DFlash2 draft for the shipped pair's target, compared with its DFlash-1 draft (one H200 call)
     python scripts/train_demo_pair.py --size gpu --arch dflash2 --target-from dflash_jax/assets/pair/target \
         --out out/dflash2_pair --deliver $OUT
@@ -121,6 +122,16 @@ SIZES = {
         dflash2=dict(block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=64, selector_top_k=16,
                      sliding_window=None, eval_reserve_s=160)),
 }
+# The test suite's run (tests/test_demo_pair.py): the cpu size's shapes, stages and evaluation with a
+# smaller corpus and fewer training steps, so the whole pipeline stays a couple of minutes of a 2-core
+# CI run, where compiles are most of the time: 20 regeneration prompts (the T = 1 seeds in one batch)
+# of at most 64 tokens (regen_code_tokens: the raw code cuts' lengths; every draft row then fits one
+# trimmed length, one compiled training step), evaluation prompts cut to their last 128 tokens (one
+# prompt bucket: 6 generate programs, not 9). Its draft still beats τ 1 (the weak target repeats
+# itself); the pair is not one to ship.
+SIZES["ci"] = dict(SIZES["cpu"], stdlib_bytes=400_000, gsm8k_rows=600, max_functions=600, max_steps=60, warmup=10,
+                   regen_prompts=20, regen_prompt_tokens=64, regen_code_tokens=(32, 64),
+                   draft=dict(SIZES["cpu"]["draft"], steps=40, num_anchors=16), eval_prompt_tokens=128)
 SHIP_LIMIT_MB = 40.0
 EVAL_RESERVE_S = 25  # kept for the ship stage when a deadline is set
 TAR_PIECE = 15 * 2 ** 20
@@ -609,7 +620,8 @@ def regen_prompts(run: Run, tok, n: int) -> tuple[list[dict], list[dict]]:
     enc = tok.backend_tokenizer.encode_batch([p.pop("text") for p in out], add_special_tokens=False)
     for p, e in zip(out, enc):
         p["ids"] = list(e.ids)[-limit:]  # a long function head keeps its end (the docstring, the turn's close)
-    out += [dict(kind="code", ids=x) for x in code_cuts(rng, tok, c["sources"], counts["code"], 32, 160)]
+    lo, hi = run.size.get("regen_code_tokens", (32, 160))
+    out += [dict(kind="code", ids=x) for x in code_cuts(rng, tok, c["sources"], counts["code"], lo, hi)]
     user = f"{IM_START}user\n"
     seeds = [dict(kind="self-humaneval", ids=tok.encode(f"{user}{HUMANEVAL_WORDING}```python\n",
                                                          add_special_tokens=False))
@@ -891,17 +903,19 @@ def teacher_forced(run: Run, target, res, heldout, train_rows) -> dict:
     tdef, tstate = nnx.split(target)
     jitted = jax.jit(lambda ts, p, t, m, i: loss_and_metrics(p, res.draft_def, nnx.merge(tdef, ts), t, m, i, 0, sc))
     fn = lambda p, t, m, i: jitted(tstate, p, t, m, i)  # noqa: E731 (the target's weights as arguments)
+    # fewer rows than TF_BATCH (the cpu sizes' 8): a batch of that many, not 3/4 padding
+    tf_batch = max(1, min(TF_BATCH, max(len(heldout), len(train_rows))))
     out = {}
     for name, data in (("heldout", heldout), ("train", train_rows)):
         tot = dict(loss_sum=0.0, weight_sum=0.0, tau_sum=0.0, blocks=0.0)
         if getattr(d, "candidate_selector", None) is not None:
             tot.update(sel_tau_sum=0.0, sel_hits=0.0)
-        for b in range(0, len(data), TF_BATCH):
-            idx = np.arange(b, min(b + TF_BATCH, len(data)))
-            pad = TF_BATCH - len(idx)           # one batch shape: pad rows carry no loss mask
+        for b in range(0, len(data), tf_batch):
+            idx = np.arange(b, min(b + tf_batch, len(data)))
+            pad = tf_batch - len(idx)           # one batch shape: pad rows carry no loss mask
             t_ = np.pad(data.tokens[idx], ((0, pad), (0, 0)))
             m_ = np.pad(data.loss_mask[idx], ((0, pad), (0, 0)))
-            _, sums = fn(res.state.params, jnp.asarray(t_), jnp.asarray(m_), jnp.arange(TF_BATCH))
+            _, sums = fn(res.state.params, jnp.asarray(t_), jnp.asarray(m_), jnp.arange(tf_batch))
             for k in tot:
                 tot[k] += float(sums[k])
         out[name] = dict(rows=len(data), tau=round(tot["tau_sum"] / max(tot["blocks"], 1.0), 3),
@@ -930,11 +944,13 @@ def eval_sets(run: Run, tok) -> dict[str, list[list[int]]]:
     for rel, text in read_sources(root, held_rel):
         lines = text.splitlines()
         for f in functions(rel, text):
-            prefix = "\n".join(lines[:f["lineno"] - 1 + f["head"].count("\n") + 1]) + "\n"
-            cands.append(tok.encode(prefix, add_special_tokens=False)[-s["heldout_prompt_tokens"]:])
+            cands.append("\n".join(lines[:f["lineno"] - 1 + f["head"].count("\n") + 1]) + "\n")
     rng = random.Random(run.seed + 2)
-    sets["stdlib-heldout"] = rng.sample(cands, min(n, len(cands)))
-    return sets
+    # the sampled prefixes only are encoded (each is a module up to a function: encoding all took seconds)
+    sets["stdlib-heldout"] = [tok.encode(x, add_special_tokens=False)[-s["heldout_prompt_tokens"]:]
+                              for x in rng.sample(cands, min(n, len(cands)))]
+    cap = s.get("eval_prompt_tokens")      # ci: every prompt's last tokens, one prompt bucket (fewer compiles)
+    return {k: [p[-cap:] for p in v] for k, v in sets.items()} if cap else sets
 
 
 REFERENCE_PROMPTS, REFERENCE_NEW_TOKENS = 3, 48
@@ -1299,7 +1315,9 @@ STAGE_FNS = dict(tokenizer=stage_tokenizer, target=stage_target, regen=stage_reg
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="gpu")
+    p.add_argument("--size", choices=sorted(SIZES), default="gpu",
+                   help="gpu: the shipped pair (one H200 call); cpu: ~1 M parameters, minutes on 2 CPU cores; "
+                        "ci: the test suite's, the cpu size with a smaller corpus and fewer steps")
     p.add_argument("--out", required=True, help="output directory (resumable: finished stages are skipped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")

@@ -4,7 +4,8 @@
 - save_target: what it writes loads in our load_target and in transformers' Qwen3ForCausalLM with
   the same logits (float32), non-unit norms so a misplaced tensor shows;
 - default_pair: None without a shipped pair, the two directories with one;
-- (slow) the whole --size cpu pipeline end to end: acceptance > 1, lossless, identical to the reference.
+- (slow) the whole pipeline end to end (--size ci: the cpu size with fewer steps): acceptance > 1,
+  lossless, identical to the reference.
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ def test_cpu_pipeline_end_to_end(tmp_path):
     rerun skips every stage (resumable), and generate runs on the shipped files."""
     out = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "scripts/train_demo_pair.py", "--size", "cpu", "--out", str(out)]
+    # --size ci: the cpu size's shapes and every stage, with a smaller corpus and fewer steps (CI time)
+    cmd = [sys.executable, "scripts/train_demo_pair.py", "--size", "ci", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| humaneval |" in proc.stdout and "| stdlib-heldout |" in proc.stdout

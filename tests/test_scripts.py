@@ -75,25 +75,35 @@ def test_bench_gpu_longctx_pallas_only_smoke(tmp_path):
 def test_bench_engine_table_and_breakdown_smoke(tmp_path):
     """bench_engine.py: the static row and one engine row per refill setting, float32 tokens the same
     in every row, no compile in a timed run; --breakdown prints the programs against generate's loop
-    (and, with --trace, their traced device timelines)."""
-    out = _run(["scripts/bench_engine.py", "--tiny", "--prompts", "6", "--slots", "2", "--steps", "2",
-                "--min-new", "4", "--max-new", "12", "--max-prompt", "24", "--refill-ahead", "off,on"], tmp_path)
+    (and, with --trace, their traced device timelines).
+
+    CI time (compiles are most of it): a one-layer tiny target (--tiny-layers 1), and the four runs
+    share one persistent XLA compilation cache in this test's directory, so a program the table and
+    the breakdown both use (generate's, the step's, the inserts') is compiled once (every run still
+    traces and counts its own programs: the timed runs' compile count is unchanged). The adaptive runs
+    use block 4 (widths 0, 1, 3, one verify body fewer than block 8's 0, 1, 3, 7); the breakdown's
+    forced width is the full block, as 7 was at block 8."""
+    cache = dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    tiny = ["scripts/bench_engine.py", "--tiny", "--tiny-layers", "1", "--slots", "2", "--steps", "2",
+            "--max-prompt", "24"]
+    out = _run([*tiny, "--prompts", "6", "--min-new", "4", "--max-new", "12", "--refill-ahead", "off,on"], tmp_path,
+               **cache)
     rows = [line for line in out.splitlines() if line.startswith("| engine, K=2")]
     assert "| static batches of 2 |" in out and len(rows) == 2, out
     assert all(line.rstrip().endswith("| 0 |") and "DIFFER" not in line for line in rows), out
-    out = _run(["scripts/bench_engine.py", "--tiny", "--breakdown", "--prompts", "2", "--slots", "2",
-                "--steps", "2", "--max-prompt", "24", "--trace", str(tmp_path / "trace")], tmp_path)
+    out = _run([*tiny, "--breakdown", "--prompts", "2", "--trace", str(tmp_path / "trace")], tmp_path, **cache)
     assert "| engine step, full width | 2 |" in out and "| insert (prefill of 1" in out, out
     # --trace: both programs traced, their device timelines and the kernels that differ
     assert "| generate's loop |" in out and "kernels whose time differs most" in out, out
     assert "jit__slots_step" in out, out
     # adaptive programs: the engine at a simulated acceptance, and the breakdown of one step bucket
-    out = _run(["scripts/bench_engine.py", "--tiny", "--prompts", "4", "--slots", "2", "--steps", "2", "--min-new", "4",
-                "--max-new", "12", "--max-prompt", "24", "--verify-width", "auto", "--simulated-tau", "2.5"], tmp_path)
+    out = _run([*tiny, "--block", "4", "--prompts", "4", "--min-new", "4", "--max-new", "12", "--verify-width", "auto",
+                "--simulated-tau", "2.5"], tmp_path, **cache)
     assert "SIMULATED ACCEPTANCE (geometric survival at tau 2.5), verify width auto" in out, out
     assert sum(line.startswith("| engine, K=2") for line in out.splitlines()) == 1, out
-    out = _run(["scripts/bench_engine.py", "--tiny", "--breakdown", "--breakdown-rows", "1", "--verify-width", "7",
-                "--prompts", "2", "--slots", "2", "--steps", "2", "--max-prompt", "24"], tmp_path)
+    out = _run([*tiny, "--block", "4", "--breakdown", "--breakdown-rows", "1", "--verify-width", "3", "--prompts", "2"],
+               tmp_path, **cache)
     assert "| engine step, bucket 1 | 1 |" in out, out
 
 
