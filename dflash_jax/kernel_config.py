@@ -202,9 +202,9 @@ class KernelConfig:
         elif gdn == "pallas":
             gdn = "pallas_gpu" if on_gpu else "xla" if on_tpu else "pallas_gpu_interpret"
         gdn_block_v = self.gdn_block_v if gdn != "xla" else 0
-        moe_route = bool(self.moe_route) and moe_gmm in ("pallas_gpu", "pallas_gpu_interpret")
-        moe_tuning = (tuple(sorted(dict(self.moe_tuning).items()))
-                      if moe_gmm in ("pallas_gpu", "pallas_gpu_interpret") else ())
+        gpu_gmm = moe_gmm in ("pallas_gpu", "pallas_gpu_interpret")    # the routing kernel and tuning go with it
+        moe_route = bool(self.moe_route) and gpu_gmm
+        moe_tuning = tuple(sorted(dict(self.moe_tuning).items())) if gpu_gmm else ()
         while_graphs = on_gpu and (self.while_graphs is None or bool(self.while_graphs))
         if attention not in GPU_PATHS:
             return KernelConfig(while_graphs=while_graphs, gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,

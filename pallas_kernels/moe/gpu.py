@@ -291,8 +291,9 @@ def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm: bool):
     f32 = jnp.float32
     l = l_ref[0, :].astype(f32)                                                 # [E]
     m = jnp.max(l)
-    s = jnp.sum(jnp.exp(l - m))
-    p = jnp.exp(l - m) / s                                                      # softmax over all E
+    e = jnp.exp(l - m)
+    s = jnp.sum(e)
+    p = e / s                                                                   # softmax over all E
     col = lax.broadcasted_iota(jnp.int32, (E,), 0)
     ids = []
     for _ in range(k):          # the largest left, ties to the lower id (jax.lax.top_k's order)
