@@ -131,7 +131,8 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
 
 def _gdn_chunk_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
                       o_ref, k_out, g_out, d_out, *, T: int, K: int, HK: int, HV: int, dk: int, dv: int,
-                      bv: int, fuse_norm: bool, norm_eps: float):
+                      bv: int, fuse_norm: bool, norm_eps: float, prec: str = "tf32x3", do_conv: bool = True,
+                      do_solve: bool = True):
     """`_gdn_kernel`'s block in its chunked form: every token at once, no sequential walk.
 
     The delta rule over the block, with the state S0 [dk, bv] before it, G the cumulative log decay,
@@ -143,7 +144,7 @@ def _gdn_chunk_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
     conv's shifted rows are [T, T] 0/1 products (exact), the rows before the block from the window."""
     f32 = jnp.float32
     dt = p_ref.dtype
-    hi = lax.Precision.HIGHEST
+    hi = CHUNK_PRECISIONS[prec]
     h, jv = pl.program_id(1), pl.program_id(2)
     hk = h // (HV // HK)
     C = 2 * HK * dk + HV * dv
@@ -157,6 +158,8 @@ def _gdn_chunk_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
         """SiLU(depthwise causal conv) of channels [col, col + n) over the block, [T, n] float32
         rounded to the model dtype as XLA rounds it."""
         x = p_ref[:, pl.ds(col, n)]                                              # [T, n] model dtype
+        if not do_conv:
+            return x.astype(f32)
         acc = x.astype(f32) * cw_ref[pl.ds(col, n), K - 1].astype(f32)[None, :]
         for s in range(1, K):
             shift = (t_i - s == i_i).astype(dt)                                  # row t <- row t - s
@@ -186,7 +189,7 @@ def _gdn_chunk_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
     n_mat = jnp.where(i_i < t_i, -beta * decay * kk, 0.0)                        # N = -diag(β) M
     inv = jnp.where(t_i == i_i, 1.0, 0.0) + n_mat                                # I + N
     p_pow = n_mat
-    span = 2
+    span = 2 if do_solve else T
     while span < T:                                                              # (I + N^2)(I + N^4)...
         p_pow = jnp.dot(p_pow, p_pow, precision=hi, preferred_element_type=f32)
         inv = inv + jnp.dot(inv, p_pow, precision=hi, preferred_element_type=f32)
@@ -208,6 +211,14 @@ def _gdn_chunk_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
         o_ref[...] = o
 
 
+# The chunked form's f32 products: "tf32x3" three TF32 tensor-core passes (~float32 accuracy),
+# "highest" Triton's IEEE float32 dot (no tensor cores: 110 us a 9B layer on the H200 against the
+# walk's 21, session 35), "default" one TF32 pass (12 us; ~1e-3 relative error). The interpreter
+# (CPU) always runs "highest".
+CHUNK_PRECISIONS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "highest": lax.Precision.HIGHEST,
+                    "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6, "default": None}
+
+
 def chunk_supported(T: int, dk: int, bv: int) -> bool:
     """Whether the chunked form compiles for the GPU: Triton's dots need every dim >= 16."""
     return T >= 16 and dk >= 16 and bv >= 16
@@ -215,7 +226,7 @@ def chunk_supported(T: int, dk: int, bv: int) -> bool:
 
 def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int, key_dim: int,
               value_dim: int, norm_eps: float, block_v: int = 0, num_warps: int = 0, interpret: bool = False,
-              form: str = "walk"):
+              form: str = "walk", _diag: tuple = ()):
     """One GDN layer's mixing of a block from its projection output.
 
     p [B, T, C + HV dv + 2 HV] the fused input projection (conv channels q | k | v, then z, b, a),
@@ -251,7 +262,8 @@ def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: 
         o_shape = jax.ShapeDtypeStruct((B, T, HV, dv), jnp.float32)
         o_spec = pl.BlockSpec((None, T, None, bv), lambda b, h, j: (b, 0, h, j))
     kernel = functools.partial(_gdn_chunk_kernel if form == "chunk" else _gdn_kernel, T=T, K=K, HK=HK, HV=HV, dk=dk, dv=dv, bv=bv, fuse_norm=fuse,
-                               norm_eps=float(norm_eps))
+                               norm_eps=float(norm_eps),
+                               **({**dict(_diag), "prec": "highest"} if interpret and form == "chunk" else dict(_diag)))
     f32 = jnp.float32
     with quiet_triton():
         o, k, G, d = pl.pallas_call(
