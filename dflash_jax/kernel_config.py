@@ -63,12 +63,6 @@ gdn_block_v       value dims per kernel program (default 32; 0 or >= the head's 
                   the gated output norm fused into the kernel; smaller: more programs, the norm
                   left to XLA). 32 measured faster than the whole head (128) at every H200 point:
                   B = 1 iteration 6.49 against 8.80 ms, B = 32 23.75 against 39.51
-gdn_form          how the block kernel runs a verify block: "auto" (default) the chunked form where
-                  Triton's dots tile it (T, dk and the value block >= 16; a decode step walks),
-                  "chunk" / "walk" forced (A/Bs; the interpreter runs "chunk" at any size).
-                  "chunk" is every token at once (a triangular solve as a product of log2(T)
-                  factors and [T, dk] x [dk, bv] products), "walk" the tokens in order (16 dependent
-                  rank-1 updates: ~21 us a Qwen3.5-9B layer on the H200, for 4 MB of state)
 
 while_graphs (CUDA only; resolve() sets it False on every other backend, where it means nothing):
   None (default) -> True on CUDA: the program is compiled with XLA's CUDA-graph command buffers
@@ -116,7 +110,6 @@ GPU_TUNING = {
 MOE_GMM = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 RESOLVED_MOE_GMM = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
 GDN = ("auto", "xla", "pallas", "pallas_gpu")
-GDN_FORMS = ("auto", "chunk", "walk")
 RESOLVED_GDN = ("xla", "pallas_gpu", "pallas_gpu_interpret")
 MOE_TUNING_NAMES = tuple(f"{p}_{n}" for p in ("gate_up", "down") for n in ("bn", "bk", "num_warps", "num_stages"))
 ATTENTION_TUNING_NAMES = ("block_t", "block_k", "kv_splits", "num_warps", "num_stages", "min_chunk",
@@ -151,7 +144,6 @@ class KernelConfig:
     moe_tuning: tuple = ()           # ((name, int), ...): the one-token gmm launches (module doc)
     gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
     gdn_block_v: int = 32            # value dims per GDN kernel program (0: the head's dv)
-    gdn_form: str = "auto"           # the GDN kernel's verify form (GDN_FORMS; module doc)
     while_graphs: bool | None = None  # CUDA: while loops / conditionals in command buffers (module doc)
 
     def __post_init__(self):
@@ -161,8 +153,6 @@ class KernelConfig:
             raise ValueError(f"moe_gmm={self.moe_gmm!r}; expected one of {MOE_GMM}")
         if self.gdn not in GDN + RESOLVED_GDN:
             raise ValueError(f"gdn={self.gdn!r}; expected one of {GDN}")
-        if self.gdn_form not in GDN_FORMS:
-            raise ValueError(f"gdn_form={self.gdn_form!r}; expected one of {GDN_FORMS}")
         if self.while_graphs not in (None, True, False):
             raise ValueError(f"while_graphs must be None (auto), True or False, got {self.while_graphs!r}")
         if not isinstance(self.gdn_block_v, int) or self.gdn_block_v < 0:
@@ -212,13 +202,12 @@ class KernelConfig:
         elif gdn == "pallas":
             gdn = "pallas_gpu" if on_gpu else "xla" if on_tpu else "pallas_gpu_interpret"
         gdn_block_v = self.gdn_block_v if gdn != "xla" else 0
-        gdn_form = self.gdn_form if gdn != "xla" else "auto"
         gpu_gmm = moe_gmm in ("pallas_gpu", "pallas_gpu_interpret")    # the routing kernel and tuning go with it
         moe_route = bool(self.moe_route) and gpu_gmm
         moe_tuning = tuple(sorted(dict(self.moe_tuning).items())) if gpu_gmm else ()
         while_graphs = on_gpu and (self.while_graphs is None or bool(self.while_graphs))
         if attention not in GPU_PATHS:
-            return KernelConfig(while_graphs=while_graphs, gdn=gdn, gdn_block_v=gdn_block_v, gdn_form=gdn_form, attention=attention, fused_layer=False, sampling_kernels=False,
+            return KernelConfig(while_graphs=while_graphs, gdn=gdn, gdn_block_v=gdn_block_v, attention=attention, fused_layer=False, sampling_kernels=False,
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else None,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
                                          else bool(self.tpu_mlp) and attention in TPU_PATHS),
@@ -235,7 +224,7 @@ class KernelConfig:
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
                             xla_kv_chunk=None, moe_gmm=moe_gmm, moe_route=moe_route, moe_tuning=moe_tuning, gdn=gdn, gdn_block_v=gdn_block_v,
-                            gdn_form=gdn_form, while_graphs=while_graphs)
+                            while_graphs=while_graphs)
 
     def compiler_options(self) -> dict:
         """The XLA compile options of a program built with this (resolved) config."""

@@ -107,8 +107,6 @@ def main():
                          "with while graphs on or off (an A/B of KernelConfig.while_graphs on the user's program)")
     ap.add_argument("--moe-route", choices=("on", "off"), default="on",
                     help="A/B: KernelConfig.moe_route (MoE targets' routing kernel on the GPU gmm path)")
-    ap.add_argument("--gdn-form", choices=("auto", "chunk", "walk"), default="auto",
-                    help="A/B: KernelConfig.gdn_form (hybrid targets' GDN verify block: chunked or token by token)")
     ap.add_argument("--moe-tuning", default="",
                     help="A/B: KernelConfig.moe_tuning, e.g. 'gate_up_bn=16,down_bn=64'; with --time-only a "
                          "';'-separated list is timed config by config in this one process")
@@ -162,15 +160,14 @@ def main():
             # are the same; the host gaps between steps are not the default program's)
             return decode.generate(target, kw["draft"], prompts, max_new_tokens=n, capacity=cap, seed=0,
                                    kernels=KernelConfig(while_graphs=a.time_only == "on",
-                                                        moe_route=a.moe_route == "on", moe_tuning=tuning,
-                                                        gdn_form=a.gdn_form),
+                                                        moe_route=a.moe_route == "on", moe_tuning=tuning),
                                    **{k: v for k, v in kw.items() if k != "draft"})
         if a.time_only:
             gen(n1)
             runs = [(gen(n1), gen(n2)) for _ in range(3)]
             ms = sorted(1e3 * (y.run_time_s - x.run_time_s) / max(1, y.num_iterations - x.num_iterations)
                         for x, y in runs)
-            print(f"{a.preset} {kind} B={a.batch} while graphs {a.time_only} moe_route {a.moe_route} gdn_form {a.gdn_form}"
+            print(f"{a.preset} {kind} B={a.batch} while graphs {a.time_only} moe_route {a.moe_route}"
                   f"{' moe_tuning ' + str(dict(tuning)) if tuning else ''}: {ms[1]:.3f} ms/step "
                   f"(runs {', '.join(f'{m:.3f}' for m in ms)})", flush=True)
             continue
@@ -212,8 +209,7 @@ def main():
             print(f"{t:8.1f} {c:6.2f} {gbs:6.0f}  {k[:40]}: {what[:200]}")
         if a.out:
             os.makedirs(a.out, exist_ok=True)
-            tag = ("" if a.small_dot is None else f"_sd{a.small_dot}") + ("" if a.moe_route == "on" else "_noroute") + \
-                ("" if a.gdn_form == "auto" else f"_{a.gdn_form}")
+            tag = ("" if a.small_dot is None else f"_sd{a.small_dot}") + ("" if a.moe_route == "on" else "_noroute")
             name = f"profile_step_{'smoke' if a.smoke else a.preset}_{kind}_B{a.batch}{tag}.json"
             with open(os.path.join(a.out, name), "w") as f:
                 json.dump(dict(preset=a.preset, layers=tcfg.num_layers, kind=kind, batch=a.batch, steps=ds,

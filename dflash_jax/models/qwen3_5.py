@@ -306,18 +306,12 @@ class GatedDeltaNet(nnx.Module):
     def kernel_block(self, h, state, window, kernels: KernelConfig):
         """The block through the fused GPU kernel: (out [B, T, H], Records of kind "deltas")."""
         from pallas_kernels.gated_delta import gdn_block
-        from pallas_kernels.gated_delta.gpu import chunk_supported, value_block
         B, T, _ = h.shape
         p = linear(h, self.in_proj[...])
-        # the chunked form where Triton's dots tile it ("chunk": also at any size in the interpreter)
-        interpret = kernels.gdn == "pallas_gpu_interpret"
-        tiles = chunk_supported(T, self.dk, value_block(kernels.gdn_block_v, self.dv))
-        form = "chunk" if tiles or (interpret and kernels.gdn_form == "chunk") else "walk"
-        form = "walk" if kernels.gdn_form == "walk" else form
         o, terms = gdn_block(p, window, self.conv[...], self.A_log[...], self.dt_bias[...], self.norm[...],
                              state, num_k_heads=self.hk, key_dim=self.dk, value_dim=self.dv,
                              norm_eps=self.norm_eps, block_v=kernels.gdn_block_v,
-                             interpret=interpret, form=form)
+                             interpret=kernels.gdn == "pallas_gpu_interpret")
         if o.ndim == 4:     # value dims split over programs: the gated output norm in XLA
             vd = self.hv * self.dv
             z = p[..., self.conv_dim:self.conv_dim + vd].reshape(B, T, self.hv, self.dv)

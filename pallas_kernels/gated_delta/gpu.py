@@ -129,111 +129,14 @@ def _gdn_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
     g_out[...] = G_vec
 
 
-def _gdn_chunk_kernel(p_ref, win_ref, cw_ref, alog_ref, dtb_ref, nw_ref, s_ref,
-                      o_ref, k_out, g_out, d_out, *, T: int, K: int, HK: int, HV: int, dk: int, dv: int,
-                      bv: int, fuse_norm: bool, norm_eps: float, prec: str = "tf32x3", do_conv: bool = True,
-                      do_solve: bool = True):
-    """`_gdn_kernel`'s block in its chunked form: every token at once, no sequential walk.
-
-    The delta rule over the block, with the state S0 [dk, bv] before it, G the cumulative log decay,
-    Δ [T, bv] the deltas: Δ = diag(β) (V - diag(e^G) K S0 - M Δ), M[t, i] = e^(G_t - G_i) k_t·k_i for
-    i < t, i.e. (I + diag(β) M) Δ = diag(β) (V - diag(e^G) K S0), a unit lower-triangular system. Its
-    inverse is a product of log2(T) factors (N = -diag(β) M is nilpotent: (I - N)^-1 = (I + N)(I + N^2)
-    (I + N^4)...), so the block is a few [T, T] and [T, dk] x [dk, bv] products. Outputs
-    O = diag(e^G) Q S0 + (Q K^T ⊙ e^(G_t - G_i), i <= t) Δ; the records are the walk's (k, G, Δ). The
-    conv's shifted rows are [T, T] 0/1 products (exact), the rows before the block from the window."""
-    f32 = jnp.float32
-    dt = p_ref.dtype
-    hi = CHUNK_PRECISIONS[prec]
-    h, jv = pl.program_id(1), pl.program_id(2)
-    hk = h // (HV // HK)
-    C = 2 * HK * dk + HV * dv
-    vd = HV * dv
-    q0, k0, v0 = hk * dk, HK * dk + hk * dk, 2 * HK * dk + h * dv + jv * bv
-    t_i = lax.broadcasted_iota(jnp.int32, (T, T), 0)          # row (t)
-    i_i = lax.broadcasted_iota(jnp.int32, (T, T), 1)          # column (i)
-    rows = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
-
-    def conv(col, n):
-        """SiLU(depthwise causal conv) of channels [col, col + n) over the block, [T, n] float32
-        rounded to the model dtype as XLA rounds it."""
-        x = p_ref[:, pl.ds(col, n)]                                              # [T, n] model dtype
-        if not do_conv:
-            return x.astype(f32)
-        acc = x.astype(f32) * cw_ref[pl.ds(col, n), K - 1].astype(f32)[None, :]
-        for s in range(1, K):
-            shift = (t_i - s == i_i).astype(dt)                                  # row t <- row t - s
-            xs = jnp.dot(shift, x, preferred_element_type=f32)                   # exact: one 1.0 per row
-            for r in range(s):                                                   # rows t < s: the window
-                xs = jnp.where(rows == r, win_ref[K - 1 - s + r, pl.ds(col, n)].astype(f32)[None, :], xs)
-            acc = acc + xs * cw_ref[pl.ds(col, n), K - 1 - s].astype(f32)[None, :]
-        return (acc * jax.nn.sigmoid(acc)).astype(dt).astype(f32)
-
-    def l2(x):
-        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
-
-    q = l2(conv(q0, dk)) * (dk ** -0.5)                                          # [T, dk]
-    k = l2(conv(k0, dk))                                                         # [T, dk]
-    v = conv(v0, bv)                                                             # [T, bv]
-    beta = jax.nn.sigmoid(p_ref[:, pl.ds(C + vd + h, 1)].astype(f32))            # [T, 1]
-    a = p_ref[:, pl.ds(C + vd + HV + h, 1)].astype(f32) + dtb_ref[h].astype(f32)
-    g = -jnp.exp(alog_ref[h].astype(f32)) * (jnp.maximum(a, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(a))))  # [T, 1]
-    lower = i_i <= t_i
-    G = jnp.sum(jnp.where(lower, jnp.broadcast_to(g.reshape(1, T), (T, T)), 0.0), axis=1, keepdims=True)  # [T, 1]
-    Gi = jnp.sum(jnp.where(t_i == i_i, jnp.broadcast_to(G, (T, T)), 0.0), axis=0, keepdims=True)        # [1, T]
-    decay = jnp.exp(jnp.where(lower, G - Gi, 0.0))                               # e^(G_t - G_i), i <= t
-    S0 = s_ref[...].astype(f32)                                                  # [dk, bv]
-    kS = jnp.dot(k, S0, precision=hi, preferred_element_type=f32)                # [T, bv]
-    rhs = beta * (v - jnp.exp(G) * kS)
-    kk = jnp.dot(k, k.T, precision=hi, preferred_element_type=f32)               # [T, T]
-    n_mat = jnp.where(i_i < t_i, -beta * decay * kk, 0.0)                        # N = -diag(β) M
-    inv = jnp.where(t_i == i_i, 1.0, 0.0) + n_mat                                # I + N
-    p_pow = n_mat
-    span = 2 if do_solve else T
-    while span < T:                                                              # (I + N^2)(I + N^4)...
-        p_pow = jnp.dot(p_pow, p_pow, precision=hi, preferred_element_type=f32)
-        inv = inv + jnp.dot(inv, p_pow, precision=hi, preferred_element_type=f32)
-        span *= 2
-    delta = jnp.dot(inv, rhs, precision=hi, preferred_element_type=f32)         # [T, bv]
-    qk = jnp.where(lower, jnp.dot(q, k.T, precision=hi, preferred_element_type=f32) * decay, 0.0)
-    o = (jnp.exp(G) * jnp.dot(q, S0, precision=hi, preferred_element_type=f32)
-         + jnp.dot(qk, delta, precision=hi, preferred_element_type=f32))         # [T, bv]
-    k_out[...] = k
-    d_out[...] = delta
-    g_out[...] = G.reshape(T)
-    if fuse_norm:
-        of = o.astype(dt).astype(f32)
-        r = lax.rsqrt(jnp.sum(of * of, axis=1, keepdims=True) / dv + norm_eps)
-        y = (nw_ref[...].astype(f32)[None, :] * (of * r).astype(dt).astype(f32)).astype(dt).astype(f32)
-        z = p_ref[:, pl.ds(C + h * dv, dv)].astype(f32)
-        o_ref[...] = (y * (z * jax.nn.sigmoid(z))).astype(o_ref.dtype)
-    else:
-        o_ref[...] = o
-
-
-# The chunked form's f32 products: "tf32x3" three TF32 tensor-core passes (~float32 accuracy),
-# "highest" Triton's IEEE float32 dot (no tensor cores: 110 us a 9B layer on the H200 against the
-# walk's 21, session 35), "default" one TF32 pass (12 us; ~1e-3 relative error). The interpreter
-# (CPU) always runs "highest".
-CHUNK_PRECISIONS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "highest": lax.Precision.HIGHEST,
-                    "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6, "default": None}
-
-
-def chunk_supported(T: int, dk: int, bv: int) -> bool:
-    """Whether the chunked form compiles for the GPU: Triton's dots need every dim >= 16."""
-    return T >= 16 and dk >= 16 and bv >= 16
-
-
 def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: int, key_dim: int,
-              value_dim: int, norm_eps: float, block_v: int = 0, num_warps: int = 0, interpret: bool = False,
-              form: str = "walk", _diag: tuple = ()):
+              value_dim: int, norm_eps: float, block_v: int = 0, num_warps: int = 0, interpret: bool = False):
     """One GDN layer's mixing of a block from its projection output.
 
     p [B, T, C + HV dv + 2 HV] the fused input projection (conv channels q | k | v, then z, b, a),
     window [B, K-1, C] the conv inputs before the block, conv_w [C, K], A_log / dt_bias [HV],
     norm_w [dv] (the gated output norm), state [B, HV, dk, dv] float32 (read only).
-    num_warps: 0 picks 4 for state blocks up to 128 x 64, else 8. form: "walk" (the tokens in order,
-    any T) or "chunk" (`_gdn_chunk_kernel`: the block at once; on the GPU T, dk, bv >= 16).
+    num_warps: 0 picks 4 for state blocks up to 128 x 64, else 8.
     Returns (o, records): o [B, T, HV dv] in p's dtype (block_v 0 or dv: the gated norm applied)
     or [B, T, HV, dv] float32 (block_v < dv: before the norm); records (k [B, HV, T, dk] l2-normed,
     G [B, HV, T] cumulative log decay, delta [B, HV, T, dv]), all float32."""
@@ -247,10 +150,6 @@ def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: 
             or state.shape != (B, HV, dk, dv) or not block_supported(T, HK, HV, dk, dv, K, block_v)):
         raise Unsupported(f"gdn_block: p {p.shape}, window {window.shape}, conv {conv_w.shape}, "
                           f"state {state.shape}, HK {HK}, block_v {block_v}")
-    if form not in ("walk", "chunk"):
-        raise ValueError(f"gdn_block: form={form!r}; expected 'walk' or 'chunk'")
-    if form == "chunk" and not interpret and not chunk_supported(T, dk, bv):
-        raise Unsupported(f"gdn_block: the chunked form needs T, dk, bv >= 16 (T {T}, dk {dk}, bv {bv})")
     fuse = bv == dv
     num_warps = num_warps or (4 if dk * bv <= 128 * 64 else 8)   # the state block: <= 64 f32 per thread
     nv = dv // bv
@@ -261,9 +160,8 @@ def gdn_block(p, window, conv_w, A_log, dt_bias, norm_w, state, *, num_k_heads: 
     else:
         o_shape = jax.ShapeDtypeStruct((B, T, HV, dv), jnp.float32)
         o_spec = pl.BlockSpec((None, T, None, bv), lambda b, h, j: (b, 0, h, j))
-    kernel = functools.partial(_gdn_chunk_kernel if form == "chunk" else _gdn_kernel, T=T, K=K, HK=HK, HV=HV, dk=dk, dv=dv, bv=bv, fuse_norm=fuse,
-                               norm_eps=float(norm_eps),
-                               **({**dict(_diag), "prec": "highest"} if interpret and form == "chunk" else dict(_diag)))
+    kernel = functools.partial(_gdn_kernel, T=T, K=K, HK=HK, HV=HV, dk=dk, dv=dv, bv=bv, fuse_norm=fuse,
+                               norm_eps=float(norm_eps))
     f32 = jnp.float32
     with quiet_triton():
         o, k, G, d = pl.pallas_call(
