@@ -136,6 +136,30 @@ def test_gmm_gpu_grid_is_touched_experts_only():
     assert meta[:3, :3].T.tolist() == [[1, 0, 4], [4, 4, 2], [6, 6, 1]]
 
 
+
+@pytest.mark.parametrize("R,G", [(64, 128), (128, 8), (1024, 128), (7, 4), (2048, 128)])
+def test_grouping_by_comparison_equals_a_stable_sort(R, G):
+    """models.moe.group_rows (ranks by an [R, R] compare-and-count up to GROUP_BY_COMPARE rows,
+    the sort past it) = numpy's stable argsort, its inverse and bincount, with the 'not here' id G;
+    group_list's compare-and-count = the non-empty groups in id order, at 128 and 256 groups."""
+    from dflash_jax.models.moe import GROUP_BY_COMPARE, group_rows
+    from pallas_kernels.moe.gpu import group_list
+    r = np.random.RandomState(R)
+    flat = r.randint(0, G + 1, R).astype(np.int32)
+    rows, back, sizes = map(np.asarray, jax.jit(group_rows, static_argnums=1)(jnp.asarray(flat), G))
+    assert (R <= GROUP_BY_COMPARE) == (R < 2048)
+    np.testing.assert_array_equal(rows, np.argsort(flat, kind="stable"))
+    np.testing.assert_array_equal(rows[back], np.arange(R))
+    np.testing.assert_array_equal(sizes, np.bincount(flat, minlength=G + 1)[:G])
+    for groups, slots in ((G, min(G, R)), (256, 128)):
+        sz = (r.randint(1, 4, groups) * (r.rand(groups) < 0.3)).astype(np.int32)
+        meta = np.asarray(group_list(jnp.asarray(sz), slots))
+        live = np.nonzero(sz)[0][:slots]
+        assert (meta[3] == np.count_nonzero(sz)).all() and (meta[0] < groups).all()
+        np.testing.assert_array_equal(meta[0, :len(live)], live)
+        np.testing.assert_array_equal(meta[1, :len(live)], (np.cumsum(sz) - sz)[live])
+        np.testing.assert_array_equal(meta[2, :len(live)], sz[live])
+
 def test_gmm_gpu_kernel_lowers_for_cuda():
     """Qwen3-Coder-30B-A3B shapes (128 experts, H 2048, I 768) through the Triton lowering: the
     fused gate|up and the down projection, at decode (16 tokens) and prefill (512 tokens x top-8:

@@ -114,19 +114,43 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     if mine is None:
         mine = jnp.ones(idx.shape, jnp.bool_)
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
-    rows = jnp.argsort(flat, stable=True)                                        # grouped by expert
-    sizes = jnp.bincount(flat, length=El + 1)[:El].astype(jnp.int32)             # [El]
+    rows, back, sizes = group_rows(flat, El)
     xs = jnp.take(x, rows // k, axis=0)                                          # [N k, H]
     a = gmm_swiglu(xs, gate_up, sizes, gmm_impl)                                 # [N k, I]
     y = gmm(a, down, sizes, gmm_impl)                                            # [N k, H]
     w = jnp.where(mine, weights, 0).reshape(-1)[rows]
     y = jnp.where(jnp.take(mine.reshape(-1), rows)[:, None], y * w[:, None], 0)  # rows of other shards
-    back = jnp.zeros_like(rows).at[rows].set(jnp.arange(rows.shape[0], dtype=rows.dtype))
     y = jnp.take(y, back, axis=0).reshape(N, k, -1)                              # back to [N, k, H]
     out = y[:, 0]
     for j in range(1, k):
         out = out + y[:, j]
     return out
+
+
+# Up to this many (token, choice) rows the grouping ranks rows by comparing every pair (an [R, R]
+# compare-and-count XLA fuses into a few kernels) instead of a sort, a bincount and an inverse
+# permutation's scatter: at a B = 8 decode step (64 rows) those were ~10 launches a layer on the
+# H200 (docs/perf-log.md, session 35). Past it ([R, R] grows as R^2) the sort.
+GROUP_BY_COMPARE = 1024
+
+
+def group_rows(flat, groups: int):
+    """(rows, back, sizes) of flat [R] int32 group ids in [0, groups] (`groups`: none, sorted last):
+    rows [R] the stable order by group (rows[p] = the index at sorted position p), back [R] its
+    inverse (the sorted position of index r), sizes [groups] int32 the rows per group."""
+    R = flat.shape[0]
+    if R > GROUP_BY_COMPARE:
+        rows = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=groups + 1)[:groups].astype(jnp.int32)
+        back = jnp.zeros_like(rows).at[rows].set(jnp.arange(R, dtype=rows.dtype))
+        return rows, back, sizes
+    j = jnp.arange(R, dtype=jnp.int32)
+    e_r, e_c = flat[:, None], flat[None, :]
+    before = (e_c < e_r) | ((e_c == e_r) & (j[None, :] < j[:, None]))           # [R, R]: c sorts before r
+    back = jnp.sum(before, axis=1, dtype=jnp.int32)                              # [R] sorted position of r
+    rows = jnp.sum(jnp.where(back[None, :] == j[:, None], j[None, :], 0), axis=1, dtype=jnp.int32)
+    sizes = jnp.sum(flat[None, :] == jnp.arange(groups, dtype=flat.dtype)[:, None], axis=1, dtype=jnp.int32)
+    return rows, back, sizes
 
 
 def distinct_experts(idx, num_experts: int):

@@ -48,10 +48,15 @@ def group_list(group_sizes, slots: int):
     holding the number of non-empty groups in every column; slots past the count repeat group data
     of no use (the kernel skips them)."""
     sizes = group_sizes.astype(jnp.int32)
+    G = sizes.shape[0]
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    order = jnp.argsort(sizes == 0, stable=True)[:slots].astype(jnp.int32)       # non-empty first, by id
-    count = jnp.sum(sizes > 0).astype(jnp.int32)
+    # slot i: the (i+1)-th non-empty group = how many groups have fewer than i+1 non-empty ones up
+    # to them (a [slots, G] compare-and-count, not a sort of G keys; past the count: the last group)
+    seen = jnp.cumsum((sizes > 0).astype(jnp.int32))                             # [G]
+    i = jnp.arange(slots, dtype=jnp.int32)[:, None]
+    order = jnp.minimum(jnp.sum(seen[None, :] <= i, axis=1, dtype=jnp.int32), G - 1)   # non-empty first, by id
+    count = seen[-1]
     return jnp.stack([order, starts[order], sizes[order], jnp.broadcast_to(count, (slots,))])
 
 
