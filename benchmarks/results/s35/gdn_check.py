@@ -1,4 +1,4 @@
-"""Session 35: the GDN block kernel's chunked form against its walk on the GPU at Qwen3.5-9B
+"""Session 35 (ran at commit 6aa41d4; the chunked form and its `form` / `_diag` arguments were removed after it): the GDN block kernel's chunked form against its walk on the GPU at Qwen3.5-9B
 shapes (bf16 inputs, random, non-zero state): the largest difference of each output, and each
 form's device time alone (a jitted call of 24 layers' distinct states, profiler-free wall)."""
 import time

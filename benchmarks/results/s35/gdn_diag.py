@@ -1,4 +1,4 @@
-"""Session 35: where the chunked GDN kernel's time goes (H200, 9B shapes, kernel alone): variants of
+"""Session 35 (ran at commit 6aa41d4; the chunked form and its `form` / `_diag` arguments were removed after it): where the chunked GDN kernel's time goes (H200, 9B shapes, kernel alone): variants of
 warps, dot precision, without the conv's shift products, without the solve's factors; each a jitted
 call timed over 24 distinct inputs in one program (dispatch amortised), us per kernel."""
 import time

@@ -1,4 +1,4 @@
-"""Session 35: the chunked GDN kernel's dot precision (H200, 9B shapes, kernel alone): us per kernel
+"""Session 35 (ran at commit 6aa41d4; the chunked form and its `form` / `_diag` arguments were removed after it): the chunked GDN kernel's dot precision (H200, 9B shapes, kernel alone): us per kernel
 (24 distinct inputs in one jitted program) and the largest difference from the walk (float32 math
 throughout) of its output o and its deltas, per precision and warps."""
 import time
