@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran at commit bf11076: scripts/bench_skinny.py and the kernel it times were removed after this call.)
 # Session 35, H200 call 1: (1) the 16-row matmuls, XLA's GEMM against a Pallas skinny kernel
 # (pallas_kernels/skinny/gpu.py) at the Qwen3.5-9B projection shapes, device time per matmul vs the
 # bytes floor, with a tile sweep at 16 rows (session 31: the 9B iteration's matmuls take 1.19x their

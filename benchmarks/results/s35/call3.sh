@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran at commit c65305f: --gdn-form and the chunked form were removed after calls 3-5.)
 # Session 35, H200 call 3: the GDN block kernel's chunked form (KernelConfig.gdn_form) against the
 # walk: (1) equality and time of the kernel alone at 9B shapes, (2) the user's program at B = 1,
 # walk then chunk (time-only), (3) the chunk's kernel time in the iteration's profile, (4) B = 32 with

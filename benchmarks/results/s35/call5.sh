@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran at commit 6aa41d4: --gdn-form and the chunked form were removed after this call.)
 # Session 35, H200 call 5: the chunked GDN kernel with tensor-core float32 products (call 4: its
 # IEEE dots took 110 us a 9B layer, one TF32 pass 12 us, the walk 21): (1) precision x warps alone,
 # with the difference from the walk; (2) the user's program at B = 1, walk then chunk (tf32x3, the
