@@ -8,9 +8,9 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 START=$(date +%s); say() { echo "[call6 $(( $(date +%s) - START ))s] $*"; }
-cp dflash_jax/models/moe.py /tmp/new_moe.py; cp pallas_kernels/moe/gpu.py /tmp/new_gpu.py
+keep=$(mktemp -d); cp dflash_jax/models/moe.py "$keep/new_moe.py"; cp pallas_kernels/moe/gpu.py "$keep/new_gpu.py"
 use() { if [ "$1" = old ]; then cp benchmarks/results/s35/old_moe.py.txt dflash_jax/models/moe.py; cp benchmarks/results/s35/old_moe_gpu.py.txt pallas_kernels/moe/gpu.py;
-        else cp /tmp/new_moe.py dflash_jax/models/moe.py; cp /tmp/new_gpu.py pallas_kernels/moe/gpu.py; fi; }
+        else cp "$keep/new_moe.py" dflash_jax/models/moe.py; cp "$keep/new_gpu.py" pallas_kernels/moe/gpu.py; fi; }
 for spec in "new 8 plain,dflash" "old 8 plain,dflash" "new 1 dflash" "old 1 dflash"; do
   set -- $spec
   left=$(( 320 - ($(date +%s) - START) )); [ $left -lt 40 ] && { say "skip $spec"; continue; }
