@@ -125,10 +125,13 @@ class LoopState:
     step: jax.Array            # [] loop iterations
     width_stats: Any = None    # [2, S-1] float32 acceptance statistics (width.update), or None
     width: Any = None          # [] int32 the last iteration's width index, or None
+    # [] bool: run's adaptive loop settled on W = 0 for the rest of its call (width.settled): its
+    # W = 0 steps stop keeping the draft's context and choosing widths. None outside run.
+    retired: Any = None
 
 
 # LoopState fields that are not per row (slot programs keep them out of row gathers and scatters)
-GLOBAL_FIELDS = ("step", "width_stats", "width")
+GLOBAL_FIELDS = ("step", "width_stats", "width", "retired")
 
 
 def rows_only(s: LoopState) -> LoopState:
@@ -375,6 +378,8 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
     if wstats is not None:
         ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
         wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
+        if s.retired is not None:       # retired: the statistics stay as the call settled them
+            wstats = jnp.where(s.retired, s.width_stats, wstats)
         force, cost = _width_inputs(st, p)
         wsel = width.kept(wsel, s.width, width_step(p, s), force, cost)
     with jax.named_scope("accept"):
@@ -409,10 +414,12 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
             return jax.lax.dynamic_update_slice_in_dim(pend, jnp.where(n < S, row, old), at, axis=0)
         pending = jax.vmap(put_row)(s.pending, feats[:, :1], s.pending_count)
         pending_count = s.pending_count + produced
+        if s.retired is not None:       # retired: no more draft context (never flushed, never drafted from)
+            pending_count = jnp.where(s.retired, s.pending_count, pending_count)
     return _placed(st, LoopState(tokens=tokens, lens=new_lens, target_cache=dataclasses.replace(tcache, lens=new_lens),
                                  draft_cache=dcache, pending=pending, pending_count=pending_count,
                                  done=done, stopped=stopped, accept_log=accept_log, iters=s.iters + active.astype(jnp.int32),
-                                 step=s.step + 1, width_stats=wstats, width=wsel)), commit, produced
+                                 step=s.step + 1, width_stats=wstats, width=wsel, retired=s.retired)), commit, produced
 
 
 def loop_specs(st: Static, s: LoopState) -> LoopState:
@@ -430,7 +437,8 @@ def loop_specs(st: Static, s: LoopState) -> LoopState:
                      draft_cache=None if s.draft_cache is None else cache(s.draft_cache),
                      pending=None if s.pending is None else P("data", None, None), pending_count=row, done=row,
                      stopped=None if s.stopped is None else row, accept_log=mat, iters=row, step=P(),
-                     width_stats=None if s.width_stats is None else P(), width=None if s.width is None else P())
+                     width_stats=None if s.width_stats is None else P(), width=None if s.width is None else P(),
+                     retired=None if s.retired is None else P())
 
 
 def _on_mesh(st: Static, cache):
@@ -465,18 +473,31 @@ def run(st: Static, target_state, draft_state, p: Params):
         # W = 0 appends each step's one row of taps to the pending ones instead of writing them
         # (a plain step's cost, not S rows of draft context): its loop runs while every row has
         # room, and a flush loop before it writes a full buffer out (once per S plain steps).
+        # Retirement: when W = 0 is chosen and would stay chosen to the end of the call
+        # (width.settled, checked on entering W = 0 and at each flush: once per S plain steps), the
+        # W = 0 loop runs to the end without appending taps, flushing or choosing: plain decoding's
+        # own step (the draft context is never needed again in this call). 
+        def settled(s):
+            force, cost = _width_inputs(st, p)
+            left = jnp.max(jnp.where(s.done, 0, p.prompt_lens + p.max_new - s.lens))
+            rows = jnp.sum(~s.done) if st.batch > 1 else None
+            return width.settled(s.width_stats, cost, width_step(p, s), force, st.widths, left, rows)
+
         def visit(s):
             for k, W in enumerate(st.widths):
                 on = lambda s, k=k: running(s) & (pick_width(st, p, s, one_shot=True) == k)  # noqa: E731
                 if W == 0:
-                    s = jax.lax.while_loop(lambda s, on=on: on(s) & ~pending_room(s),
+                    s = s.replace(retired=s.retired | (on(s) & settled(s)))
+                    s = jax.lax.while_loop(lambda s, on=on: ~s.retired & on(s) & ~pending_room(s),
                                            lambda s: flush_pending(draft, s), s)
-                    cond = lambda s, on=on: on(s) & pending_room(s)                   # noqa: E731
+                    # the choice is not evaluated once retired (a device-side conditional)
+                    cond = lambda s, on=on: running(s) & jax.lax.cond(                  # noqa: E731
+                        s.retired, lambda: jnp.asarray(True), lambda: on(s) & pending_room(s))
                 else:
                     cond = on
                 s = jax.lax.while_loop(cond, lambda s, k=k: iterate(st, target, draft, p, s, k)[0], s)
             return s
-        s = jax.lax.while_loop(running, visit, s)
+        s = jax.lax.while_loop(running, visit, s.replace(retired=jnp.zeros((), bool)))
     return s
 
 

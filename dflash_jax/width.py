@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.scipy.special import ndtri
 import numpy as np
 
-__all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "update", "expected_tokens", "probe_period", "simulate", "geometric_profile",
+__all__ = ["widths_for", "program_widths", "width_index", "choose", "is_probe", "kept", "settled", "update", "expected_tokens", "probe_period", "simulate", "geometric_profile",
            "survival", "batch_tokens",
            "warmup_steps", "SURVIVAL_PROFILES", "DECAY", "HYSTERESIS", "WARMUP_EVIDENCE", "WARMUP_SHARE",
            "PROBE_EVERY"]
@@ -191,6 +191,35 @@ def kept(chosen, current, step, force, cost) -> jax.Array:
     """The width index an iteration leaves as `current` for the next choice: the chosen one, except
     on an auto probe step (the choice before it stands)."""
     return jnp.where(is_probe(step, cost, current) & (force < 0), current, chosen).astype(jnp.int32)
+
+
+def settled(stats, cost, step, force, widths: tuple[int, ...], left, rows) -> jax.Array:
+    """[] bool: a one-shot loop now at W = 0 (width index 0) would stay there for the rest of its
+    call, so it may decode plainly to the end without keeping the draft's context (loop.run's
+    retirement). True when W = 0 is forced; in "auto" when no full-width probe falls within the
+    `left` iterations the call has at most (a W = 0 iteration commits one token per running row;
+    left = the most tokens a running row still has to produce) and no width beats W = 0 by
+    HYSTERESIS, neither with the statistics as they are nor with them decayed over those `left`
+    iterations (a W = 0 iteration verifies nothing, so its statistics only decay: each position's
+    conditional acceptance moves monotonically towards the prior's, and so does every width's score;
+    if neither end beats W = 0, no point between does). `rows` running rows: the one-shot batch rule
+    (batch_tokens), E(W) for one row."""
+    left = jnp.asarray(left, jnp.int32)
+    period = probe_period(cost, 0)
+    no_probe = (period - 1 - jnp.asarray(step, jnp.int32) % period) >= left
+
+    def stays(st):
+        if rows is None:
+            tokens = expected_tokens(st)[jnp.asarray(widths)]
+        else:
+            tokens = batch_tokens(st, widths, left, rows)
+        score = tokens / cost
+        return jnp.max(score) <= HYSTERESIS * score[0]
+
+    faded = stats * jnp.power(jnp.float32(DECAY), left.astype(jnp.float32))
+    auto = no_probe & stays(stats) & stays(faded)
+    forced_plain = (force >= 0) & (jnp.asarray(widths, jnp.int32)[jnp.maximum(force, 0)] == 0)
+    return jnp.where(force >= 0, forced_plain, auto)
 
 
 def geometric_profile(tau: float, block_size: int = 16) -> tuple[float, ...]:

@@ -323,6 +323,60 @@ def test_the_warm_up_is_priced_by_the_costs_and_the_horizon():
     assert int(width.choose(no_evidence, cpu, jnp.int32(2), jnp.int32(3), jnp.int32(-1), widths)) == 2
 
 
+def test_a_plain_stretch_settles_only_when_nothing_would_leave_it():
+    """width.settled (loop.run's retirement): forced W = 0 settles, another forced width never; in
+    "auto" W = 0 settles when no width beats it (by HYSTERESIS) now or with the evidence faded over
+    the call's remaining iterations, and no full-width probe falls within them."""
+    widths = (0, 3, 15)
+    cost = jnp.asarray([1.0, 4.4, 6.1])                     # 2 CPU cores: W > 0 costs 4-6 plain steps
+    low = _stats_of([0.2 ** (p + 1) for p in range(15)])    # poor acceptance: plain wins
+    settled = lambda st, step=0, left=100, force=-1, rows=None, cost=cost: bool(width.settled(  # noqa: E731
+        st, cost, jnp.int32(step), jnp.int32(force), widths, jnp.int32(left), rows))
+    assert settled(low) and settled(low, rows=jnp.int32(8))
+    assert settled(low, force=0) and settled(_stats_of([1.0] * 15), force=0) and not settled(low, force=2)
+    period = int(width.probe_period(cost, 0))               # 128 x ceil(6.1): 896
+    assert period == 896
+    assert settled(low, step=period - 1 - 100) and not settled(low, step=period - 1 - 99)   # a probe in reach
+    assert settled(low, step=period) and not settled(low, step=period - 1)
+    high = _stats_of(width.geometric_profile(6.54))
+    assert not settled(high, cost=jnp.asarray([1.0, 1.5, 2.0]))      # the block wins now
+    # weak evidence of 10% conditional acceptance: plain wins now, but as it fades to the prior's
+    # (0.05 / 0.1 = 50%) W = 3 (E ~ 1.9 at 1.5 plain steps) would win: settled only for a short rest
+    faint = jnp.asarray(np.stack([np.full(15, 20.0), np.full(15, 2.0)]), jnp.float32)
+    near = jnp.asarray([1.0, 1.5, 6.0])
+    assert settled(faint, left=10, cost=near) and not settled(faint, left=400, cost=near)
+
+
+def test_a_settled_call_retires_to_plain_decoding(pair, monkeypatch):
+    """Costs that price every W > 0 far above its tokens: after its warm-up "auto" settles on W = 0
+    and retires (plain steps without draft context for the rest of the call); tokens = plain
+    decoding's = transformers' greedy. The next call starts settled and retires at once (its
+    statistics untouched since); a forced W = 0 retires at once; a forced W > 0 never does."""
+    costs = {0: 1.0, 1: 6.0, 3: 8.0, 7: 12.0}
+    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.asarray(
+        [costs[w] for w in width.program_widths(8, per_row_cost=n == 4)], np.float32))
+    monkeypatch.setattr(loop, "_WIDTH_HISTORY", {})
+    prompts = pair["eval_prompts"][:2]
+    n = 40
+    want = generate(pair["target"], None, prompts, max_new_tokens=n, capacity=CAPACITY).tokens
+    assert want == [hf_greedy(pair["hf"], p, n) for p in prompts]
+    res, s = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=n, capacity=CAPACITY,
+                              verify_width="auto")
+    assert res.tokens == want and bool(s.retired) and int(s.width) == 0
+    assert float(s.width_stats[0, 0]) > 0                                          # warmed up at full width
+    again, s2 = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=n, capacity=CAPACITY,
+                                 verify_width="auto")
+    assert again.tokens == want and bool(s2.retired)
+    np.testing.assert_array_equal(np.asarray(s2.width_stats), np.asarray(s.width_stats))
+    assert all(a == 1 for row in again.acceptance_lengths for a in row)            # plain steps only
+    w0, s0 = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=n, capacity=CAPACITY,
+                              verify_width=0)
+    assert w0.tokens == want and bool(s0.retired)
+    w7, s7 = decode._generate(pair["target"], pair["draft"], prompts, max_new_tokens=n, capacity=CAPACITY,
+                              verify_width=7)
+    assert w7.tokens == want and not bool(s7.retired)
+
+
 def test_statistics_are_censored_at_the_verified_width():
     stats = jnp.zeros((2, 7), jnp.float32)
     accepted = jnp.asarray([3, 0, 1, 3])       # rows verified 3 drafts: 3 = all accepted
