@@ -40,8 +40,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, precision, pltriton, quiet_triton
 
-__all__ = ["gmm", "gmm_rows", "route", "route_supported", "group_list", "choose_tiles", "plan_tiles", "launch_tiles",
-           "supported"]
+__all__ = ["gmm", "gmm_rows", "route", "route_supported", "group_list", "choose_tiles", "plan_tiles", "supported"]
 
 
 def group_list(group_sizes, slots: int):
@@ -67,12 +66,6 @@ def _pick(n: int, options) -> int | None:
 
 # programs that keep an H100/H200's 132 SMs streaming (two per SM)
 _FILL = 2 * 132
-# The grouped path (gmm) up to 1,024 rows: 128-column tiles once they still give every SM four
-# programs. H200, Coder-30B-A3B shapes, session 36's sweep (scripts/sweep_moe_tiles.py, us a launch):
-# down 49.3 -> 45.1 at 64 rows (1,024 programs), 118.5 -> 110.0 at 1,024 rows; gate_up at 1,024
-# rows (768 programs) 215.9 -> 201.5; gate_up at 64 rows (384 programs) keeps 64 (83.7 against
-# 86.6-87.5 at 128).
-_WIDE_FILL = 4 * 132
 # The one-token path (gmm_rows): column tiles of 64 once they give every SM a program. Its down
 # launch (8 rows x 2048 / 64 = 256 programs) measured a 12-layer Coder-30B-A3B B = 1 step at
 # 0.898 / 0.903 ms against bn 32's 0.926 / 0.928 / 0.921 (H200, two runs in one session-34 call;
@@ -122,19 +115,6 @@ def plan_tiles(M: int, K: int, N: int, itemsize: int, swiglu: bool, num_stages: 
     if auto_bk and bn is not None and bk is not None and K % bk == 0:
         bk = fit_bk(bm, bn, bk, K, itemsize, swiglu, num_stages)
     return bm, bn, bk
-
-
-def launch_tiles(M: int, K: int, half: int, itemsize: int, swiglu: bool, num_stages: int, bm=None, bn=None,
-                 bk=None, slots: int | None = None, rows_mode: bool = False):
-    """The (bm, bn, bk) a launch of M rows x `half` output columns runs with: the one-token path
-    (rows_mode) takes 64-column tiles once M x half / 64 programs fill the SMs (_ROWS_FILL), the
-    grouped path up to 1,024 rows 128-column tiles once slots x half / 128 give every SM four
-    (_WIDE_FILL); then plan_tiles. Tiles the caller gives are kept."""
-    if bn is None and rows_mode and half % 64 == 0 and M * (half // 64) >= _ROWS_FILL:
-        bn = 64
-    if bn is None and not rows_mode and slots and M <= 1024 and half % 128 == 0 and slots * (half // 128) >= _WIDE_FILL:
-        bn = 128
-    return plan_tiles(M, K, half, itemsize, swiglu, num_stages, bm, bn, bk, slots)
 
 
 def supported(M: int, K: int, N: int, dtype, swiglu: bool = False) -> bool:
@@ -220,8 +200,9 @@ def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_st
         M = rows
     G, _, N = rhs.shape
     half = N // 2 if swiglu else N
-    bm, bn, bk = launch_tiles(M, K, half, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages, bm, bn, bk,
-                              slots, rows_mode=rows is not None)
+    if rows is not None and bn is None and half % 64 == 0 and M * (half // 64) >= _ROWS_FILL:
+        bn = 64
+    bm, bn, bk = plan_tiles(M, K, half, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages, bm, bn, bk, slots)
     if bn is None or bk is None or half % bn or K % bk:
         raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
     x = lhs if shared or lhs.shape[0] >= M + bm else jnp.pad(lhs, ((0, M + bm - lhs.shape[0]), (0, 0)))
