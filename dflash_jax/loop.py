@@ -198,7 +198,11 @@ def _commit(target, cache, n):
     return cache if commit is None else commit(cache, n)
 
 
-def prefill(st: Static, target: CausalLM, draft, p: Params):
+def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None):
+    """The prompts through the target (and their taps into the draft's context), the first token
+    committed: the loop's first state. retired ([] bool, run's adaptive loop): the call is settled
+    on plain decoding from its start (`_settled_at_start`), so the draft's context is not written
+    (a fresh cache) and the state starts retired."""
     B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
     tcache = _on_mesh(st, target.new_cache(B, cache_rows(C)))
@@ -214,8 +218,10 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
-            dcache = draft.write_context(feats, positions, _on_mesh(st, draft.new_cache(B, cache_rows(C))),
-                                       valid=p.prompt_lens)
+            fresh = _on_mesh(st, draft.new_cache(B, cache_rows(C)))
+            write = lambda: draft.write_context(feats, positions, fresh, valid=p.prompt_lens)   # noqa: E731
+            # (~6-12 ms of a 128-token call of the demo pair on 2 CPU cores, session 36)
+            dcache = write() if retired is None else jax.lax.cond(retired, lambda: fresh, write)
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
     tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
@@ -235,7 +241,7 @@ def prefill(st: Static, target: CausalLM, draft, p: Params):
     return _placed(st, LoopState(tokens=tokens, lens=lens, target_cache=tcache, draft_cache=dcache, pending=pending,
                                  pending_count=jnp.zeros((B,), jnp.int32), done=done, stopped=stopped,
                                  accept_log=jnp.zeros((B, C), jnp.int32), iters=jnp.zeros((B,), jnp.int32),
-                                 step=jnp.zeros((), jnp.int32), width_stats=wstats, width=wsel))
+                                 step=jnp.zeros((), jnp.int32), width_stats=wstats, width=wsel, retired=retired))
 
 
 def iteration(st: Static, target: CausalLM, draft, p: Params, s: LoopState) -> LoopState:
@@ -377,9 +383,9 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
             wsel, [functools.partial(_verify, st, target, draft, p, s, W) for W in st.widths])
     if wstats is not None:
         ran = ~s.done if p.width_profile is None else ~s.done & ~p.width_profile
+        # (retired W = 0 steps verify nothing: the statistics decay as an unretired W = 0 loop's
+        # would, so the next call of the program starts where it would have without retirement)
         wstats = width.update(s.width_stats, a, jnp.asarray(st.widths, jnp.int32)[wsel], ran)
-        if s.retired is not None:       # retired: the statistics stay as the call settled them
-            wstats = jnp.where(s.retired, s.width_stats, wstats)
         force, cost = _width_inputs(st, p)
         wsel = width.kept(wsel, s.width, width_step(p, s), force, cost)
     with jax.named_scope("accept"):
@@ -456,14 +462,32 @@ def _placed(st: Static, s: LoopState) -> LoopState:
                         loop_specs(st, s), s, is_leaf=lambda x: isinstance(x, P))
 
 
+def _settled_at_start(st: Static, p: Params) -> jax.Array:
+    """[] bool: an adaptive one-shot call that starts at W = 0 (forced, or a warm start there) and
+    is settled (width.settled) before its first step: it decodes plainly throughout, so its
+    prefill need not write the draft's context."""
+    force, cost = _width_inputs(st, p)
+    S = st.block_size
+    stats = p.width_stats0 if p.width_stats0 is not None else jnp.zeros((2, S - 1), jnp.float32)
+    current = p.width0 if p.width0 is not None else jnp.asarray(len(st.widths) - 1, jnp.int32)
+    step = p.width_step0 if p.width_step0 is not None else jnp.asarray(0, jnp.int32)
+    left = jnp.max(jnp.where(p.active, p.max_new, 0))
+    batch = (left, jnp.sum(p.active)) if st.batch > 1 else None
+    first = width.choose(stats, cost, current, step, force, st.widths, horizon=jnp.max(p.max_new), batch=batch)
+    rows = None if batch is None else batch[1]
+    return (first == 0) & width.settled(stats, cost, step, force, st.widths, left, rows)
+
+
 def run(st: Static, target_state, draft_state, p: Params):
     with sharding.active(st.mesh):
         target = nnx.merge(st.target_def, target_state)
         draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
-        s = prefill(st, target, draft, p)
-        running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)                  # noqa: E731
         if st.widths is None or draft is None:
+            s = prefill(st, target, draft, p)
+            running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)              # noqa: E731
             return jax.lax.while_loop(running, lambda s: iteration(st, target, draft, p, s), s)
+        s = prefill(st, target, draft, p, retired=_settled_at_start(st, p))
+        running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)                  # noqa: E731
 
         # One while loop per width, each running while the choice stays on its width, inside an
         # outer loop that visits them in turn (each visit runs >= 1 iteration: the width chosen is
@@ -476,7 +500,7 @@ def run(st: Static, target_state, draft_state, p: Params):
         # Retirement: when W = 0 is chosen and would stay chosen to the end of the call
         # (width.settled, checked on entering W = 0 and at each flush: once per S plain steps), the
         # W = 0 loop runs to the end without appending taps, flushing or choosing: plain decoding's
-        # own step (the draft context is never needed again in this call). 
+        # own step (the draft context is never needed again in this call).
         def settled(s):
             force, cost = _width_inputs(st, p)
             left = jnp.max(jnp.where(s.done, 0, p.prompt_lens + p.max_new - s.lens))
@@ -497,7 +521,7 @@ def run(st: Static, target_state, draft_state, p: Params):
                     cond = on
                 s = jax.lax.while_loop(cond, lambda s, k=k: iterate(st, target, draft, p, s, k)[0], s)
             return s
-        s = jax.lax.while_loop(running, visit, s.replace(retired=jnp.zeros((), bool)))
+        s = jax.lax.while_loop(running, visit, s)
     return s
 
 

@@ -13,8 +13,8 @@ survival profile s_p = r^(p+1) (r solved so 1 + sum s_p = tau; dflash_jax.width.
 at tau 4.24 (MT-Bench) and 6.54 (GSM8K) at block 16, so random weights pay every real cost at a
 realistic tau (benchmark only: loop._simulated_acceptance, no user path reaches it). One compiled
 program per batch (widths 0, 3, 15: width.program_widths) serves all three columns (the verify width
-is a traced value): "plain" there is W = 0 (no draft pass; its taps are appended to the pending
-context, written once per 16 steps), measured once per batch, "fixed 16" W = 15, "auto" the loop's
+is a traced value): "plain" there is W = 0 (forced, so it retires at once: plain steps in the
+adaptive program, no draft context; loop.run), measured once per batch, "fixed 16" W = 15, "auto" the loop's
 choice from the costs it profiled. "true plain" is decoding without a draft (its own program), for
 --true-plain-batches only, after every adaptive row. tokens/s = (tokens of an N2 run - tokens of an
 N1 run) / (time difference): steady state, prefill and the auto warm-up cancel. (Since session 28
