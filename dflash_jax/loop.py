@@ -303,9 +303,12 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
         taps = st.taps
         if not append:
             dcache = _write_pending(draft, s)
+    # a plain step commits one token on every running row (iterate's `produced`): a hybrid target
+    # advances their recurrent states in its forward instead of folding them again after it
+    one_row = dict(commit_rows=~s.done) if W == 0 and getattr(target, "commit", None) is not None else {}
     with jax.named_scope("verify"):
         h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
-                                  kernels=st.kernels)
+                                  kernels=st.kernels, **one_row)
         logits = target.logits(h)                                                   # [B, W+1, V]
     with jax.named_scope("accept"):
         keys = row_keys(p, lens)

@@ -235,6 +235,36 @@ def test_padded_prefill_then_blocks_with_rollback_match_transformers(pair, form)
         lens = lens + np.asarray(n)
 
 
+def test_one_row_steps_that_commit_in_the_forward_match_transformers(pair):
+    """A plain step's forward with commit_rows (the loop passes its running rows): the committing
+    rows' states advance in the forward, a held row (False: a finished one) keeps its state and
+    window whatever token it was given, and every committed position's logits = the HF
+    full-sequence forward; the commit with n = commit_rows only hands the states over."""
+    hf, ours = pair
+    seqs = np.random.RandomState(5).randint(0, 128, (2, 20))
+    ref = [_hf(hf, seqs[b:b + 1]).logits.numpy()[0] for b in range(2)]
+
+    @jax.jit
+    def step(tok, pos, cache, rows):
+        h, _, cache = ours(tok, pos, cache, pos + 1, commit_rows=rows)
+        assert all(r.kind == "committed" for r in cache.records)     # nothing is left to fold
+        return ours.logits(h), ours.commit(cache, rows.astype(jnp.int32))
+
+    pos = _positions(2, 8)
+    _, _, cache = ours(jnp.asarray(seqs[:, :8]), pos, ours.new_cache(2, 32), pos + 1, prefill=True)
+    cache = ours.commit(cache, jnp.full((2,), 8, jnp.int32))
+    lens = np.array([8, 8])
+    for t in range(6):
+        rows = np.array([True, t % 2 == 0])                        # row 1 held every other step
+        tok = np.array([seqs[b, lens[b]] if rows[b] else (seqs[b, lens[b]] + 11) % 128 for b in range(2)])
+        logits, cache = step(jnp.asarray(tok[:, None]), jnp.asarray(lens[:, None], jnp.int32), cache,
+                             jnp.asarray(rows))
+        for b in range(2):
+            if rows[b]:
+                np.testing.assert_allclose(np.asarray(logits)[b, 0], ref[b][lens[b]], atol=1e-4)
+        lens = lens + rows
+
+
 @pytest.mark.slow
 def test_greedy_matches_transformers(pair):
     hf, ours = pair
