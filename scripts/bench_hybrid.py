@@ -334,10 +334,13 @@ def run_one(target, draft, B: int, ctx: int, S: int, iters: int, reps: int, stat
 
 def tpu_aot(a, shapes, moe: bool) -> list:
     """Compile one DFlash iteration (and the plain step) for one chip of a TPU topology on this
-    CPU host (libtpu, no TPU: docs/tpu-bytes.md) and compare the compiler's bytes accessed with
-    the floor (weights + attention KV + the GDN state read and written). --layers cuts the stack
-    (the first N layer types) to keep the compile short on a small host."""
+    CPU host (libtpu, no TPU: docs/tpu-bytes.md) and compare the compiler's bytes accessed and
+    the per-op HBM traffic (scripts/tpu_bytes.py's accounting: Pallas kernels by their BlockSpecs,
+    VMEM operands free) with the floor (weights + attention KV + the GDN state read and written).
+    --layers cuts the stack (the first N layer types) to keep the compile short on a small host."""
     from jax.experimental import topologies
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tpu_bytes
     from dflash_jax.kernel_config import KernelConfig
     topo = {"v6e": "v6e:2x2", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1"}[a.tpu_aot]
     dev = topologies.get_topology_desc(platform="tpu", topology_name=topo).devices[0]
@@ -360,9 +363,11 @@ def tpu_aot(a, shapes, moe: bool) -> list:
                 cost = comp.cost_analysis()
                 cost = cost[0] if isinstance(cost, (list, tuple)) else cost
                 fl = floor_bytes(target, draft if S > 1 else None, c, B, a.capacity, S)
+                hbm = tpu_bytes.breakdown(comp)["hbm_total"]
                 r = dict(chip=a.tpu_aot, layers=c.num_layers, batch=B, block=S, verify_form=form,
                          capacity=a.capacity, bytes_accessed=float(cost.get("bytes accessed", 0)),
                          floor_bytes=fl, x_floor=float(cost.get("bytes accessed", 0)) / fl["total"],
+                         hbm_bytes=hbm, x_floor_hbm=hbm / fl["total"],
                          compile_s=time.perf_counter() - t0,
                          kind="plain step" if S == 1 else "dflash iteration",
                          hlo_per_iteration=hlo_stats(comp.as_text()))

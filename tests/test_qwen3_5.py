@@ -321,13 +321,13 @@ def test_slot_engine_serves_a_hybrid_target_as_one_shot_generate(pair):
 
 
 def test_block_terms_fold_to_every_prefix():
-    """The verify path: a block as one chunk gives the recurrent outputs, and its kept terms fold
-    to the recurrent state after any prefix n (0 .. T), per row."""
+    """The verify path: a block as one chunk gives the recurrent outputs, and its kept terms
+    (k, G, v_new) fold to the recurrent state after any prefix n (0 .. T), per row."""
     q, k, v, g, beta, s0 = _rule_inputs(T=8)
     o, terms = gd.block(q, k, v, g, beta, s0)
     np.testing.assert_allclose(np.asarray(o), np.asarray(gd.recurrent(q, k, v, g, beta, s0)[0]), atol=2e-5)
     for n in ([0, 8], [3, 1], [7, 5]):
-        got = gd.fold_block(terms, s0, jnp.asarray(n, jnp.int32))
+        got = gd.fold_deltas(*terms, s0, jnp.asarray(n, jnp.int32))
         for b in range(2):
             m = n[b]
             want = gd.recurrent(q[b:b + 1, :m], k[b:b + 1, :m], v[b:b + 1, :m], g[b:b + 1, :m],

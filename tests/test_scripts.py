@@ -135,3 +135,15 @@ def test_bench_hybrid_smoke(tmp_path):
     rows = [__import__("json").loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
     assert [r["block"] for r in rows] == [16, 1] and all(r["ms_per_iteration"] > 0 for r in rows), out[-2000:]
     assert rows[0]["floor_bytes"]["draft_head"] > 0 and rows[1]["floor_bytes"]["draft_head"] == 0
+
+
+def test_bench_hybrid_tpu_aot_smoke(tmp_path):
+    """--tpu-aot: tiny hybrid shapes compiled for a v6e chip on this CPU host; each row carries the
+    compiler's bytes and the per-op HBM traffic (tpu_bytes' accounting, never above the compiler's
+    count, which charges VMEM-prefetched operands several times) against the floor."""
+    _run(["scripts/bench_hybrid.py", "--smoke", "--tpu-aot", "v6e", "--forms", "chunk", "--batches", "1",
+          "--out", str(tmp_path / "t.jsonl")], tmp_path)
+    rows = [__import__("json").loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [r["block"] for r in rows] == [1, 16]
+    for r in rows:
+        assert 0 < r["hbm_bytes"] <= r["bytes_accessed"] and r["x_floor_hbm"] > 0.5, r

@@ -141,10 +141,12 @@ def fold(k, v, g, beta, state, n, chunk: int = 64):
 
 
 def block(q, k, v, g, beta, state):
-    """A verify block (T <= 16 or so) as ONE chunk of the chunked form, keeping the chunk's terms
-    for the rollback: (o [B, T, HV, dv] float32, terms) with terms = (k, G, u, w) in chunk layout
-    [B, HV, T, .], which `fold_block` turns into the state after any prefix without solving the
-    triangular system again. The state is read, not advanced."""
+    """A verify block (T <= 16 or so) as ONE chunk of the chunked form, keeping what the rollback
+    needs: (o [B, T, HV, dv] float32, terms) with terms = (k, G, v_new) in chunk layout [B, HV, T, .]:
+    k the keys, G the cumulative log decay and v_new = u - w S the chunk's pseudo-values, which
+    `fold_deltas` turns into the state after any prefix (rows i >= n of the solved system do not
+    enter rows < n: it is lower triangular) in one pass over the state, without the solve or a
+    second product with S. The state is read, not advanced."""
     qc, kc, vc = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))                   # [B, HV, T, d]
     gc, bc = jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1)                   # [B, HV, T]
     G, u, w = _chunk_terms(kc, vc, gc, bc)
@@ -153,28 +155,14 @@ def block(q, k, v, g, beta, state):
     attn = jnp.einsum("bhik,bhjk->bhij", qc, kc) * jnp.exp(jnp.where(incl, G[..., :, None] - G[..., None, :], -jnp.inf))
     v_new = u - jnp.einsum("bhlk,bhkv->bhlv", w, state)
     o = jnp.einsum("bhlk,bhkv->bhlv", qc * jnp.exp(G)[..., None], state) + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
-    return jnp.moveaxis(o, 1, 2), (kc, G, u, w)
-
-
-def fold_block(terms, state, n):
-    """The state after the first n[b] tokens of a `block`'s terms, from the state it read:
-    exp(G_n) S + sum_{i<n} exp(G_n - G_i) k_i (u_i - w_i S)^T (rows i >= n of the solved system do
-    do not enter rows < n: the system is lower triangular)."""
-    kc, G, u, w = terms
-    T = G.shape[-1]
-    keep = jnp.arange(T)[None, None, :] < n[:, None, None]                      # [B, 1, T]
-    Gn = jnp.take_along_axis(G, jnp.broadcast_to(jnp.maximum(n - 1, 0)[:, None, None], G.shape[:2] + (1,)), axis=-1)
-    Gn = jnp.where(n[:, None, None] > 0, Gn, 0.0)                               # [B, HV, 1]
-    coef = jnp.where(keep, jnp.exp(Gn - G), 0.0)                                # [B, HV, T]
-    v_new = u - jnp.einsum("bhlk,bhkv->bhlv", w, state)
-    return state * jnp.exp(Gn)[..., None] + jnp.einsum("bhlk,bhlv->bhkv", kc * coef[..., None], v_new)
+    return jnp.moveaxis(o, 1, 2), (kc, G, v_new)
 
 
 def fold_deltas(k, G, delta, state, n):
     """The state after the first n[b] tokens of a block run token by token (the GPU kernel's
     records, pallas_kernels/gated_delta): k [B, HV, T, dk] l2-normed, G [B, HV, T] the cumulative
     log decay, delta [B, HV, T, dv] the per-token updates beta (v - S^T k). Unrolling the recurrence,
-    S_n = exp(G_n) S + sum_{i<n} exp(G_n - G_i) k_i delta_i^T (fold_block with its v_new given)."""
+    S_n = exp(G_n) S + sum_{i<n} exp(G_n - G_i) k_i delta_i^T (a `block`'s v_new are such deltas)."""
     T = G.shape[-1]
     keep = jnp.arange(T)[None, None, :] < n[:, None, None]                      # [B, 1, T]
     Gn = jnp.take_along_axis(G, jnp.broadcast_to(jnp.maximum(n - 1, 0)[:, None, None], G.shape[:2] + (1,)), axis=-1)

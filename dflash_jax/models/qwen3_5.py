@@ -241,8 +241,8 @@ class Records:
     and the conv inputs with the window before them xx [B, K-1+T, C]."""
     terms: tuple
     xx: jax.Array
-    # what terms are: "inputs" (k, v, g, beta), "chunk" (gated_delta.block's k, G, u, w),
-    # "deltas" (the GPU kernel's k, G, delta: pallas_kernels/gated_delta) or "committed" (a
+    # what terms are: "inputs" (k, v, g, beta), "deltas" (k, G, delta on the v-heads: the GPU
+    # kernel's, pallas_kernels/gated_delta, or gated_delta.block's k, G, v_new) or "committed" (a
     # one-row forward that already advanced its committing rows: (state,), and xx the window)
     kind: str = struct.field(pytree_node=False)
     # "deltas" records: how the commit folds them ("" the XLA fold, else KernelConfig.gdn: the
@@ -355,7 +355,7 @@ class GatedDeltaNet(nnx.Module):
             o, _ = gd.recurrent(qe, ke, v, g, beta, state)
         else:   # one chunk; its solved terms are the records (the fold reuses them)
             o, terms = gd.block(qe, ke, v, g, beta, state)
-            rec = Records(terms=terms, xx=xx, kind="chunk")
+            rec = Records(terms=terms, xx=xx, kind="deltas")
         return linear(self.gated_norm(o, z, h.dtype), self.out[...]), rec
 
     def advance(self, state, records, n):
@@ -363,9 +363,7 @@ class GatedDeltaNet(nnx.Module):
         as the forward left them, for its commit_rows, whose n the caller fixed in advance)."""
         if records.kind == "committed":
             return records.terms[0], records.xx
-        if records.kind == "chunk":
-            state = gd.fold_block(records.terms, state, n)
-        elif records.kind == "deltas" and records.fold:      # the fold kernel
+        if records.kind == "deltas" and records.fold:      # the fold kernel
             from pallas_kernels.gated_delta import fold_deltas
             state = fold_deltas(*records.terms, state, n, block_v=records.block_v,
                                 interpret=records.fold == "pallas_gpu_interpret")
@@ -515,15 +513,12 @@ def state_bytes(config: Qwen35Config, dtype=jnp.bfloat16) -> int:
 
 def record_bytes(config: Qwen35Config, block: int, dtype=jnp.bfloat16, kernel: bool = False) -> int:
     """Bytes of one request's verify records (the rollback's transient working set) for a block:
-    the chunk form's solved terms (k, G, u, w on the v-heads), the rule's inputs (k on the
-    k-heads, v, g, beta) or, kernel=True, the GPU kernel's (k, G, delta on the v-heads), and the
-    conv inputs with their window."""
+    the chunk form's or, kernel=True, the GPU kernel's (k, G, delta on the v-heads), or the rule's
+    inputs (k on the k-heads, v, g, beta), and the conv inputs with their window."""
     c = config
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    if kernel:
+    if kernel or c.verify_form == "chunk":
         per_token = 4 * hv * (dk + dv + 1)
-    elif c.verify_form == "chunk":
-        per_token = 4 * hv * (2 * dk + dv + 1)
     else:
         per_token = 4 * (c.linear_num_key_heads * dk + hv * (dv + 2))
     conv = (c.linear_conv_kernel_dim - 1 + block) * c.conv_dim * jnp.dtype(dtype).itemsize
