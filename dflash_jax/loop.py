@@ -344,15 +344,20 @@ def width_step(p: Params, s: LoopState):
     return s.step if p.width_step0 is None else s.step + p.width_step0
 
 
+def _batch_left(st: Static, p: Params, s: LoopState):
+    """(the most tokens a running row still has to produce, the running rows, or None at one row:
+    there width.batch_tokens is E(W), whose per-step ops are skipped) of a one-shot batch."""
+    left = jnp.max(jnp.where(s.done, 0, p.prompt_lens + p.max_new - s.lens))
+    return left, (jnp.sum(~s.done) if st.batch > 1 else None)
+
+
 def pick_width(st: Static, p: Params, s: LoopState, one_shot: bool = False):
     """The width index of the next iteration (width.choose over replicated values). one_shot: the
     batch ends with its slowest row (run's loop; the slot engine refills rows), so the choice
     weighs the running rows' spread (width.batch_tokens)."""
     force, cost = _width_inputs(st, p)
-    batch = None
-    if one_shot and st.batch > 1:   # one row: batch_tokens is E(W); skip its per-step ops
-        left = jnp.where(s.done, 0, p.prompt_lens + p.max_new - s.lens)
-        batch = (jnp.max(left), jnp.sum(~s.done))
+    left, rows = _batch_left(st, p, s)
+    batch = (left, rows) if one_shot and rows is not None else None
     return width.choose(s.width_stats, cost, s.width, width_step(p, s), force, st.widths,
                         horizon=jnp.max(p.max_new), batch=batch)
 
@@ -485,12 +490,11 @@ def run(st: Static, target_state, draft_state, p: Params):
     with sharding.active(st.mesh):
         target = nnx.merge(st.target_def, target_state)
         draft = None if st.draft_def is None else nnx.merge(st.draft_def, draft_state)
+        running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)                  # noqa: E731
         if st.widths is None or draft is None:
             s = prefill(st, target, draft, p)
-            running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)              # noqa: E731
             return jax.lax.while_loop(running, lambda s: iteration(st, target, draft, p, s), s)
         s = prefill(st, target, draft, p, retired=_settled_at_start(st, p))
-        running = lambda s: jnp.any(~s.done) & (s.step < st.capacity)                  # noqa: E731
 
         # One while loop per width, each running while the choice stays on its width, inside an
         # outer loop that visits them in turn (each visit runs >= 1 iteration: the width chosen is
@@ -506,8 +510,7 @@ def run(st: Static, target_state, draft_state, p: Params):
         # own step (the draft context is never needed again in this call).
         def settled(s):
             force, cost = _width_inputs(st, p)
-            left = jnp.max(jnp.where(s.done, 0, p.prompt_lens + p.max_new - s.lens))
-            rows = jnp.sum(~s.done) if st.batch > 1 else None
+            left, rows = _batch_left(st, p, s)
             return width.settled(s.width_stats, cost, width_step(p, s), force, st.widths, left, rows)
 
         def visit(s):

@@ -152,6 +152,12 @@ def warmup_steps(cost, horizon) -> jax.Array:
     return jnp.maximum(n, 1).astype(jnp.int32)
 
 
+def _tokens(stats, widths: tuple[int, ...], batch) -> jax.Array:
+    """[n] expected tokens per iteration at each width: E(W) for one row (batch None), else the
+    one-shot batch's (remaining, rows) rate, batch_tokens."""
+    return expected_tokens(stats)[jnp.asarray(widths)] if batch is None else batch_tokens(stats, widths, *batch)
+
+
 def choose(stats, cost, current, step, force, widths: tuple[int, ...], horizon=None, batch=None) -> jax.Array:
     """The width index of the next iteration (a [] int32): force (>= 0) when given; else full width
     during the warm-up (low evidence while still at full width, for at most warmup_steps(cost,
@@ -161,8 +167,7 @@ def choose(stats, cost, current, step, force, widths: tuple[int, ...], horizon=N
     its slowest row: its tokens are batch_tokens' (the slot engine refills rows: mean tokens).
     Deterministic in its inputs (all replicated on a mesh)."""
     full = len(widths) - 1
-    tokens = expected_tokens(stats)[jnp.asarray(widths)] if batch is None else batch_tokens(stats, widths, *batch)
-    score = tokens / cost                                                     # [n]
+    score = _tokens(stats, widths, batch) / cost                              # [n]
     best = jnp.argmax(score).astype(jnp.int32)
     pick = jnp.where(score[best] > HYSTERESIS * score[current], best, current)
     warmup = (stats[0, 0] < WARMUP_EVIDENCE) & (current == full)
@@ -209,11 +214,7 @@ def settled(stats, cost, step, force, widths: tuple[int, ...], left, rows) -> ja
     no_probe = (period - 1 - jnp.asarray(step, jnp.int32) % period) >= left
 
     def stays(st):
-        if rows is None:
-            tokens = expected_tokens(st)[jnp.asarray(widths)]
-        else:
-            tokens = batch_tokens(st, widths, left, rows)
-        score = tokens / cost
+        score = _tokens(st, widths, None if rows is None else (left, rows)) / cost
         return jnp.max(score) <= HYSTERESIS * score[0]
 
     faded = stats * jnp.power(jnp.float32(DECAY), left.astype(jnp.float32))
