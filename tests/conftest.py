@@ -25,9 +25,27 @@ import os
 # this the second one fails on libtpu's multi-process lockfile.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+# Set before JAX starts (here, before `import jax`), so the xdist workers and every child process the
+# tests start (mesh children, CLIs, scripts) inherit them:
+# - cheaper XLA:CPU code generation: the tests' programs are tiny and compile time dominates their
+#   run (tests/test_qwen3_5.py on 2 cores: 67 -> 47 s; docs/perf-log.md, session 38). TPU and CUDA
+#   compiles ahead of time are not affected (these flags are XLA:CPU's LLVM pipeline).
+# - one persistent compilation cache for the whole run: a program compiled by one file, worker or
+#   child is read back by the next (each file's programs are dropped when it ends). scripts/test.sh
+#   points it at a fresh folder per run (CI is cold); a plain `pytest` keeps one per user.
+_CHEAP_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+if os.environ.get("DFLASH_TEST_FULL_CODEGEN") != "1":
+    _flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([_flags, *(f for f in _CHEAP_CODEGEN if f.split("=")[0] not in _flags)]).strip()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.expanduser("~"), ".cache", "dflash-jax-tests", "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import hashlib
-import os
 import shutil
+
+import filelock
 
 import jax
 import pytest
@@ -35,6 +53,9 @@ import pytest
 jax.config.update("jax_enable_x64", False)
 
 from tests import checkpoints as ck  # noqa: E402
+from tests.timing import (  # noqa: E402,F401  (pytest reads hooks from this module's names)
+    pytest_collection_modifyitems, pytest_configure, pytest_runtest_logreport, pytest_runtest_makereport,
+    pytest_runtest_setup, pytest_sessionfinish)
 
 # name -> write_target kwargs. GQA 4 uses 8 q / 2 kv heads (not 4 / 1) so a wrong q-head -> kv-head
 # grouping shows; head_dim 32 makes q width (128) differ from hidden (64).
@@ -116,11 +137,14 @@ def _build_pair(tmp_path_factory, name: str, spec: dict) -> dict:
     with open(ck.__file__, "rb") as f:
         key = hashlib.sha256(f.read() + repr((spec, torch.__version__, transformers.__version__)).encode())
     cached = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}")
-    if not os.path.exists(os.path.join(cached, "pair.json")):
-        tmp = cached + f".tmp{os.getpid()}"
-        ck.build_trained_pair(tmp, **spec)
-        shutil.rmtree(cached, ignore_errors=True)
-        os.replace(tmp, cached)
+    os.makedirs(cache, exist_ok=True)
+    # one build per run: the second xdist worker waits for the first's instead of training its own
+    with filelock.FileLock(cached + ".lock"):
+        if not os.path.exists(os.path.join(cached, "pair.json")):
+            tmp = cached + f".tmp{os.getpid()}"
+            ck.build_trained_pair(tmp, **spec)
+            shutil.rmtree(cached, ignore_errors=True)
+            os.replace(tmp, cached)
     shutil.copytree(cached, root, dirs_exist_ok=True)
     return ck.read_pair(root)
 
