@@ -44,6 +44,10 @@ DEFAULT_CAPACITY = 4096
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 # How often a non-streaming request checks that its client is still connected.
 DISCONNECT_POLL_S = 0.1
+# A chat template is a program: a render (the model's template or, with --trust-request-chat-template,
+# a request's own) that runs longer than this or writes more text than this is abandoned with a 400.
+TEMPLATE_TIMEOUT_S = 10.0
+TEMPLATE_MAX_CHARS = 8 << 20
 
 
 # ----------------------------------------------------------------------------------------- request models
@@ -168,6 +172,83 @@ def _bad(param: str, message: str) -> ApiError:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+class _RenderAbandoned(BaseException):
+    """Raised inside an abandoned render thread (BaseException: a template's or jinja2's own
+    `except Exception` does not swallow it)."""
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _stop_thread(th: threading.Thread) -> None:
+    """Make `th` raise _RenderAbandoned at its next bytecode: a template's loops are Python code,
+    so an abandoned render stops instead of spinning on for hours."""
+    import ctypes
+
+    if th.ident is not None and th.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(th.ident), ctypes.py_object(_RenderAbandoned))
+
+
+def _cap_template_output(template, max_chars: int) -> None:
+    """Make the compiled jinja2 template of `template` (transformers caches one environment per
+    template) refuse, while it renders, an output over `max_chars` characters: a loop writing
+    gigabytes fails when it passes the limit, not when memory runs out."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        env = _compile_jinja_template(template).environment
+    except Exception:  # another transformers: the rendered text's length is still checked
+        return
+    if getattr(env.concat, "_max_chars", None) == max_chars:
+        return
+
+    def concat(parts):
+        out, n = [], 0
+        for part in parts:
+            n += len(part)
+            if n > max_chars:
+                raise _TooLong()
+            out.append(part)
+        return "".join(out)
+
+    concat._max_chars = max_chars
+    env.concat = concat
+
+
+async def _abandonable(work, timeout: float):
+    """`work()` in a daemon thread, awaited for at most `timeout` seconds. Past it the thread is
+    stopped (see _stop_thread) and abandoned, and TimeoutError raised: a render that never ends
+    holds neither this request nor, being a daemon, the process's exit."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(ok, value):
+        if not done.done():
+            done.set_result(value) if ok else done.set_exception(value)
+
+    def run():
+        try:
+            ok, value = True, work()
+        except _RenderAbandoned:
+            return
+        except BaseException as e:  # noqa: BLE001 -- handed to the awaiting request
+            ok, value = False, e
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop has closed (the server stopped)
+            pass
+
+    th = threading.Thread(target=run, name="dflash-render", daemon=True)
+    th.start()
+    try:
+        return await asyncio.wait_for(done, timeout)
+    except asyncio.TimeoutError:
+        _stop_thread(th)
+        raise TimeoutError from None
 
 
 def _too_large(limit: int) -> ApiError:
@@ -312,13 +393,15 @@ class _Metrics:
 
 # ----------------------------------------------------------------------------------------- the app
 def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max_tokens: int = 16,
-              trust_request_chat_template: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+              trust_request_chat_template: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              template_timeout_s: float = TEMPLATE_TIMEOUT_S, template_max_chars: int = TEMPLATE_MAX_CHARS):
     """The FastAPI app serving `engine` (see dflash_jax.engine's interface) with `tokenizer` (an HF
     tokenizer, or None: token-id prompts only, token ids rendered as text).
 
     trust_request_chat_template: accept a request's own `chat_template` (a template is code run
     here); refused (400) by default. max_body_bytes: a larger request body is answered 413 before
-    it is read in full."""
+    it is read in full. template_timeout_s / template_max_chars: a chat template's render that runs
+    longer or writes more is abandoned (400)."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -431,16 +514,32 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                 content = "".join(str(p.get("text", "")) for p in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
 
+        too_long = _bad(field if template is not None else "messages",
+                        f"the chat template's output is over this server's limit of {template_max_chars} "
+                        f"characters")
+
         def render() -> list[int]:
+            source = template if template is not None else getattr(tokenizer, "chat_template", None)
+            if isinstance(source, str):
+                _cap_template_output(source, template_max_chars)
             try:
                 text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
                                                      add_generation_prompt=body.add_generation_prompt, **kwargs)
+            except _TooLong:
+                raise too_long from None
             except Exception as e:  # a template's own refusals (roles out of order, ...)
                 raise _bad("messages", f"the chat template refused them: {_one_line(e)}") from None
+            if len(text) > template_max_chars:
+                raise too_long
             # the template already holds every special token; encode must not add BOS again
             return list(tokenizer.encode(text, add_special_tokens=False))
 
-        ids = await _off_loop(render)
+        try:  # a template is a program: its render is bounded in time (and above, in output)
+            ids = await _abandonable(render, template_timeout_s)
+        except TimeoutError:
+            raise _bad(field if template is not None else "messages",
+                       f"the chat template did not finish rendering within this server's limit of "
+                       f"{template_timeout_s:g} s") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, engine.stats().max_model_len - len(ids))

@@ -1,0 +1,59 @@
+"""What a new user hits, round 3 (issue 60): the hang, the out-of-memory kill, the misleading lines
+and the silently ignored inputs, each through the CLIs' `main(argv)` (exit 2, one line) or the
+library / the server (the exception or the 4xx)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+from tests import test_cli as tc
+
+_usage_error, _run = tc._usage_error, tc._run
+
+
+# ----------------------------------------------------------------------------------------- the hang
+def test_a_request_template_that_never_ends_is_a_400_and_its_render_stops(tmp_path_factory):
+    """A trusted request's template of three nested range(100000) loops is answered 400 at the
+    render time limit, its thread stops (and is a daemon: it holds no process exit); a template
+    writing more than the output limit is a 400 too; the server answers on."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from dflash_jax.serve import build_app
+    from tests.test_serve import FakeGenerate, fake_engine, serving
+
+    tokenizer = tc.write_tokenizer(str(tmp_path_factory.mktemp("tok")))
+    eng = fake_engine(FakeGenerate())
+    loop = ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
+            "{% endfor %}{% endfor %}{% endfor %}")
+    big = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}"
+    msgs = [{"role": "user", "content": "hi"}]
+    app = build_app(eng, tokenizer, model_name="tiny", trust_request_chat_template=True, template_timeout_s=1.0,
+                    template_max_chars=10_000)
+    before = set(threading.enumerate())
+    try:
+        with serving(app) as url:
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/chat/completions", json=dict(messages=msgs, max_tokens=2, chat_template=loop),
+                           timeout=20)
+            assert r.status_code == 400 and "within this server's limit of 1 s" in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == "chat_template" and time.monotonic() - t0 < 10
+            r = httpx.post(url + "/v1/chat/completions", json=dict(messages=msgs, max_tokens=2, chat_template=big),
+                           timeout=20)
+            assert r.status_code == 400 and "over this server's limit of 10000 characters" in r.text, r.text
+            r = httpx.post(url + "/v1/chat/completions", json=dict(messages=msgs, max_tokens=2), timeout=20)
+            assert r.status_code == 200, r.text
+            for _ in range(200):  # the abandoned render is stopped, not left spinning
+                left = [t for t in set(threading.enumerate()) - before if t.name == "dflash-render"]
+                if not left:
+                    break
+                time.sleep(0.05)
+            assert not left and all(t.daemon for t in set(threading.enumerate()) - before if "render" in t.name)
+    finally:
+        eng.shutdown()
