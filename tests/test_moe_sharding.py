@@ -23,13 +23,8 @@ parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
 @parent
 @pytest.mark.slow
 def test_on_8_devices():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, DFLASH_MOE_CHILD="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    from tests.children import run_child
+    run_child(__file__, devices=8, env=dict(DFLASH_MOE_CHILD="1"), min_passed=3)
 
 
 if CHILD:

@@ -24,13 +24,8 @@ parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
 @parent
 @pytest.mark.slow
 def test_on_4_devices():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, DFLASH_HYBRID_CHILD="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "",
-                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    from tests.children import run_child
+    run_child(__file__, devices=4, env=dict(DFLASH_HYBRID_CHILD="1"), args=("-m", ""), min_passed=1)
 
 
 # The MoE variant only: its layers are the dense variant's plus the experts on 'model' (the dense
