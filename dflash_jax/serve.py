@@ -927,31 +927,8 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def _free_memory() -> tuple[int | None, str]:
-    """(bytes free for new buffers, where) on the first local device: the accelerator's own memory
-    stats where it has them; host RAM on CPU; (None, ...) where neither is known."""
-    import jax
-
-    dev = jax.local_devices()[0]
-    try:
-        st = dev.memory_stats()
-    except Exception:  # noqa: BLE001  (a backend without memory stats)
-        st = None
-    if st and st.get("bytes_limit"):
-        return int(st["bytes_limit"]) - int(st.get("bytes_in_use", 0)), f"{dev.device_kind} memory"
-    if dev.platform != "cpu":
-        return None, dev.device_kind
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "host RAM (available)"
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM (free)"
-    except (ValueError, OSError, AttributeError):
-        return None, "host RAM"
+# read at each call through this name (tests replace it)
+_free_memory = validation.free_memory
 
 
 def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:

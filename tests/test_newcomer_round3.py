@@ -19,7 +19,7 @@ _usage_error, _run = tc._usage_error, tc._run
 
 
 # ----------------------------------------------------------------------------------------- the hang
-def test_a_request_template_that_never_ends_is_a_400_and_its_render_stops(tmp_path_factory):
+def test_a_request_template_that_never_ends_is_a_400_and_its_render_stops(cli_models):
     """A trusted request's template of three nested range(100000) loops is answered 400 at the
     render time limit, its thread stops (and is a daemon: it holds no process exit); a template
     writing more than the output limit is a 400 too; the server answers on."""
@@ -28,13 +28,15 @@ def test_a_request_template_that_never_ends_is_a_400_and_its_render_stops(tmp_pa
     from dflash_jax.serve import build_app
     from tests.test_serve import FakeGenerate, fake_engine, serving
 
-    tokenizer = tc.write_tokenizer(str(tmp_path_factory.mktemp("tok")))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cli_models[0])
     eng = fake_engine(FakeGenerate())
     loop = ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
             "{% endfor %}{% endfor %}{% endfor %}")
     big = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}"
     msgs = [{"role": "user", "content": "hi"}]
-    app = build_app(eng, tokenizer, model_name="tiny", trust_request_chat_template=True, template_timeout_s=1.0,
+    app = build_app(eng, tokenizer, model_name="tiny", trust_request_chat_template=True, template_timeout_s=0.5,
                     template_max_chars=10_000)
     before = set(threading.enumerate())
     try:
@@ -42,7 +44,7 @@ def test_a_request_template_that_never_ends_is_a_400_and_its_render_stops(tmp_pa
             t0 = time.monotonic()
             r = httpx.post(url + "/v1/chat/completions", json=dict(messages=msgs, max_tokens=2, chat_template=loop),
                            timeout=20)
-            assert r.status_code == 400 and "within this server's limit of 1 s" in r.json()["error"]["message"]
+            assert r.status_code == 400 and "within this server's limit of 0.5 s" in r.json()["error"]["message"]
             assert r.json()["error"]["param"] == "chat_template" and time.monotonic() - t0 < 10
             r = httpx.post(url + "/v1/chat/completions", json=dict(messages=msgs, max_tokens=2, chat_template=big),
                            timeout=20)
@@ -57,3 +59,22 @@ def test_a_request_template_that_never_ends_is_a_400_and_its_render_stops(tmp_pa
             assert not left and all(t.daemon for t in set(threading.enumerate()) - before if "render" in t.name)
     finally:
         eng.shutdown()
+
+
+# ----------------------------------------------------------------------------------------- the OOM kill
+def test_a_selector_rank_past_the_memory_is_one_line_before_any_allocation(cli_models, tmp_path, capsys,
+                                                                            monkeypatch):
+    from dflash_jax import validation
+    from dflash_jax.train.__main__ import main
+
+    tp = cli_models[0]
+    monkeypatch.setattr(validation, "free_memory", lambda: (10 ** 8, "test memory"))
+    common = ["train", "--model", tp, "--dtype", "float32", "--data", str(tmp_path / "none"), "--out",
+              str(tmp_path / "run"), "--draft-layers", "1"]
+    assert main(common + ["--arch", "dflash2", "--selector-rank", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--selector-rank 100000" in err and "test memory has 0.1 GB free" in err, err
+    monkeypatch.setattr(validation, "free_memory", lambda: (10 ** 6, "test memory"))
+    assert main(common + ["--draft-layers", "100"]) == 2   # any flag that sizes the draft: its layers too
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "100 layers" in err and "lower --selector-rank or --draft-layers" in err, err

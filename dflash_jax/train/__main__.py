@@ -186,6 +186,44 @@ def _dflash2_fields(args, target_config) -> dict:
                 selector_top_k=args.selector_top_k)
 
 
+# Bytes per trained parameter: float32 weights, gradients and AdamW's two moments.
+TRAIN_BYTES_PER_PARAM = 16
+
+
+def _check_draft_fits_memory(cfg, args) -> None:
+    """The draft these flags make, counted without allocating it (its parameters' shapes), with its
+    gradients and AdamW state, must fit the device's free memory: a flag that sizes parameters
+    (--selector-rank, --draft-layers, ...) past it is one line at start, not a kill by the kernel."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from dflash_jax import drafts
+    from dflash_jax.validation import free_memory
+
+    model = drafts.variant_of_config(cfg).model
+
+    def count(layers: int) -> int:  # the shapes of a 1- and a 2-layer draft: cheap to trace at any depth
+        c = dataclasses.replace(cfg, num_layers=layers, layer_types=tuple(cfg.layer_types)[:layers])
+        shapes = nnx.eval_shape(lambda: model(c, jax.numpy.float32, rngs=nnx.Rngs(0)))
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(shapes)))
+
+    one = count(1)
+    n = one + (cfg.num_layers - 1) * (count(2) - one)
+    need = n * TRAIN_BYTES_PER_PARAM
+    free, where = free_memory()
+    if free is None or need <= free:
+        return
+    selector = (2 * cfg.vocab_size + cfg.hidden_size) * cfg.selector_rank if cfg.selector_top_k else 0
+    why = (f"{selector / 1e9:.2f} B of them the selector's codebooks, (2 x vocab {cfg.vocab_size} + hidden "
+           f"{cfg.hidden_size}) x --selector-rank {cfg.selector_rank}; " if selector * 2 > n else "")
+    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+    raise UsageError(f"the draft these flags make has {size} parameters ({why}{cfg.num_layers} layers): "
+                     f"training needs {need / 1e9:.1f} GB for them with their gradients and AdamW state, and the "
+                     f"{where} has {free / 1e9:.1f} GB free; lower --selector-rank or --draft-layers")
+
+
 def _window_fields(args, num_layers: int) -> dict:
     if args.sliding_window is None:
         return {}
@@ -216,6 +254,7 @@ def cmd_train(args) -> int:
             cfg = dataclasses.replace(draft.config, block_size=args.block_size or draft.config.block_size,
                                       **_dflash2_fields(args, target.config),
                                       **_window_fields(args, draft.config.num_layers))
+            _check_draft_fits_memory(cfg, args)
             draft = DFlash2Draft.for_training(cfg, seed=args.seed, init=draft)
         elif args.arch == "dflash" and draft.config.is_dflash2:
             raise UsageError(f"--init-draft {args.init_draft} is a DFlash2 draft; give --arch dflash2 to train it")
@@ -229,10 +268,12 @@ def cmd_train(args) -> int:
                                         mask_token_id=mask, target_layer_ids=_taps(args.taps))
         if args.arch == "dflash2":
             cfg = dataclasses.replace(cfg, **_dflash2_fields(args, target.config), **_window_fields(args, layers))
+            _check_draft_fits_memory(cfg, args)
             draft = DFlash2Draft.for_training(cfg, seed=args.seed)
         else:
             if args.sliding_window is not None:
                 cfg = dataclasses.replace(cfg, **_window_fields(args, layers))
+            _check_draft_fits_memory(cfg, args)
             draft = dj.init_draft(cfg, seed=args.seed, dtype="float32", target=target)
     draft.config.check_fits(target.config)
     data = TokenData.from_dir(args.data)
