@@ -100,6 +100,9 @@ def check_prompts(prompts, vocab: int) -> list[np.ndarray]:
         if isinstance(p, (str, bytes)):
             raise ValueError(f"prompt {i} is text ({type(p).__name__}); generate takes token ids "
                              "(use dflash_jax.generate_text for text)")
+        if isinstance(p, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in p):
+            # numpy would read [1, True] as [1, 1]: a bool is no token id
+            raise ValueError(f"prompt {i} holds booleans (True / False), not token ids")
         try:
             a = np.asarray(p)
         except (ValueError, TypeError):  # ragged nesting: numpy refuses the inhomogeneous shape

@@ -78,3 +78,15 @@ def test_a_selector_rank_past_the_memory_is_one_line_before_any_allocation(cli_m
     assert main(common + ["--draft-layers", "100"]) == 2   # any flag that sizes the draft: its layers too
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "100 layers" in err and "lower --selector-rank or --draft-layers" in err, err
+
+
+# ----------------------------------------------------------------------------------------- silently ignored
+def test_bool_prompt_ids_are_refused_by_the_library():
+    import numpy as np
+
+    from dflash_jax import validation
+
+    for prompts in ([[1, True, 2]], [(False, 3)], [np.array([True, False])]):
+        with pytest.raises(ValueError, match="prompt 0 (holds booleans|holds non-integer values \\(bool\\))"):
+            validation.check_prompts(prompts, 320)
+    assert validation.check_prompts([[1, 2]], 320)[0].tolist() == [1, 2]
