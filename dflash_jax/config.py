@@ -272,7 +272,8 @@ def _dflash2_fields(d: Mapping[str, Any], dcfg: Mapping[str, Any], dflash2: bool
     if out["selector_top_k"] > q["vocab_size"]:
         raise ConfigError(f"draft: selector_top_k={out['selector_top_k']} is above vocab_size={q['vocab_size']}")
     return dict(out, architecture="DFlash2DraftModel", output_multiplier=float(mult),
-                final_logit_softcapping=float(cap) if cap else None)
+                final_logit_softcapping=None if cap is None else _float(cap, "final_logit_softcapping", "draft",
+                                                                        positive=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +332,8 @@ class DraftConfig:
 
     def __post_init__(self):
         _check_numbers(self, "draft")
+        if self.final_logit_softcapping is not None:  # 0 would divide by zero, < 0 is no cap: absent means none
+            _float(self.final_logit_softcapping, "final_logit_softcapping", "draft", positive=True)
         try:
             check_block_size(self.block_size)
         except ValueError as e:

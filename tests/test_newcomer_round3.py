@@ -90,3 +90,18 @@ def test_bool_prompt_ids_are_refused_by_the_library():
         with pytest.raises(ValueError, match="prompt 0 (holds booleans|holds non-integer values \\(bool\\))"):
             validation.check_prompts(prompts, 320)
     assert validation.check_prompts([[1, 2]], 320)[0].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("cap", [0, -5.0, float("nan"), "x"])
+def test_a_non_positive_dflash2_softcap_is_refused(cap):
+    from dflash_jax.config import ConfigError, DraftConfig
+
+    d = dict(architectures=["DFlash2DraftModel"], vocab_size=64, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_target_layers=2,
+             layer_types=["full_attention"],
+             dflash_config=dict(mask_token_id=63, conv_kernel_size=2, conv_group_size=16, selector_rank=4,
+                                selector_top_k=2))
+    assert DraftConfig.from_dict(d).final_logit_softcapping is None
+    assert DraftConfig.from_dict({**d, "final_logit_softcapping": 30}).final_logit_softcapping == 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping=.* must be a finite number > 0"):
+        DraftConfig.from_dict({**d, "final_logit_softcapping": cap})
