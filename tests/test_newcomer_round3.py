@@ -105,3 +105,13 @@ def test_a_non_positive_dflash2_softcap_is_refused(cap):
     assert DraftConfig.from_dict({**d, "final_logit_softcapping": 30}).final_logit_softcapping == 30.0
     with pytest.raises(ConfigError, match="final_logit_softcapping=.* must be a finite number > 0"):
         DraftConfig.from_dict({**d, "final_logit_softcapping": cap})
+
+
+def test_dflash2_flags_with_arch_dflash_are_refused(tmp_path, capsys):
+    from dflash_jax.train.__main__ import main
+
+    common = ["train", "--model", str(tmp_path / "never-read"), "--data", str(tmp_path), "--out", str(tmp_path / "r")]
+    for flag, value in (("--conv-kernel-size", "3"), ("--selector-rank", "8"), ("--selector-weight", "0.5")):
+        assert main(common + [flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} is a DFlash2 setting" in err and "--arch dflash2" in err, err

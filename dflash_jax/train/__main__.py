@@ -174,6 +174,23 @@ def _taps(text: str | None):
         raise UsageError(f"--taps {text!r}: expected target layer ids separated by commas, e.g. 1,9,17") from None
 
 
+DFLASH2_DEFAULTS = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16,
+                       selector_weight=1.0)
+
+
+def _dflash2_flags(args) -> None:
+    """DFlash2's flags: refused with --arch dflash (a DFlash-1 draft has no convs or selector, so they
+    would do nothing), else their defaults where not given."""
+    given = [k for k in DFLASH2_DEFAULTS if getattr(args, k) is not None]
+    if args.arch == "dflash" and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"{flag} is a DFlash2 setting and --arch dflash trains a DFlash-1 draft, which has no "
+                         f"convs or selector; give --arch dflash2 or leave {flag} out")
+    for k, v in DFLASH2_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def _dflash2_fields(args, target_config) -> dict:
     """The DraftConfig fields of --arch dflash2 (conv, selector, window), checked: one line each."""
     H, V = target_config.hidden_size, target_config.vocab_size
@@ -237,6 +254,7 @@ def cmd_train(args) -> int:
     from dflash_jax.drafts.dflash2 import DFlash2Draft
     from dflash_jax.train.data import TokenData
     from dflash_jax.train.run import RunConfig, train
+    _dflash2_flags(args)
     target = _target(args)
     if args.init_draft:
         draft = dj.load_draft(args.init_draft, target=target, dtype="float32")
@@ -394,13 +412,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
                    help="dflash2: a DFlash2 draft (convs around every sublayer, candidate selector); from "
                         "--init-draft a DFlash-1 draft it starts as that draft (identity convs, no-op selector)")
-    t.add_argument("--conv-kernel-size", type=POS, default=2, help="dflash2: conv taps per channel")
-    t.add_argument("--conv-group-size", type=POS, default=16, help="dflash2: channels per dynamic-tap group "
-                                                                   "(must divide the hidden size)")
-    t.add_argument("--selector-rank", type=POS, default=256, help="dflash2: the selector's codebook rank")
-    t.add_argument("--selector-top-k", type=_number(int, 2), default=16, help="dflash2: candidates per slot")
-    t.add_argument("--selector-weight", type=_number(float, 0.0), default=1.0,
-                   help="dflash2: loss = block loss + this x the selector's K-way CE")
+    # DFlash2's flags default to None (given or not: --arch dflash refuses them) and to DFLASH2_DEFAULTS
+    d2 = DFLASH2_DEFAULTS
+    t.add_argument("--conv-kernel-size", type=POS,
+                   help=f"dflash2: conv taps per channel (default: {d2['conv_kernel_size']})")
+    t.add_argument("--conv-group-size", type=POS, help=f"dflash2: channels per dynamic-tap group (must divide the "
+                                                       f"hidden size; default: {d2['conv_group_size']})")
+    t.add_argument("--selector-rank", type=POS,
+                   help=f"dflash2: the selector's codebook rank (default: {d2['selector_rank']})")
+    t.add_argument("--selector-top-k", type=_number(int, 2),
+                   help=f"dflash2: candidates per slot (default: {d2['selector_top_k']})")
+    t.add_argument("--selector-weight", type=_number(float, 0.0),
+                   help=f"dflash2: loss = block loss + this x the selector's K-way CE (default: "
+                        f"{d2['selector_weight']})")
     t.add_argument("--sliding-window", type=POS, help="every draft layer a non-causal sliding-window layer "
                                                       "of this window (default: full attention)")
     t.add_argument("--batch-size", type=POS, default=8, help="sequences per step (global)")
