@@ -246,8 +246,9 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     counts (slots.Slots; "auto": powers of two up to `slots`, None: every step over all slots).
     `verify_width`: drafts the target verifies per iteration: "auto" (default: chosen per iteration
     on the device from measured per-width costs and the acceptance seen, docs/adaptive-width.md;
-    its program holds the widths of width.program_widths, 0, 3 and 15 at block 16 (and 7 on CPU), compiles ~2x as
-    long as one width and times each width once per program before its first call), "block" (the
+    its program holds the widths of width.program_widths, 0, 3 and 15 at block 16 (and 7 on CPU), compiles longer
+    than one width (docs/adaptive-width.md, "Compile time") and times each width once per program before its
+    first call), "block" (the
     whole block, a program with one verify width: the acceptance lengths the paper and the
     reference report) or one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the whole block; a
     width outside that set is compiled into the program too). Lossless at every width.
@@ -373,7 +374,7 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     """The static key and abstract arguments of a generation, from configs alone (nothing allocated).
     mesh: a Mesh (e.g. over a TPU topology's devices) or a spec: the weights laid out and placed
     as sharding.shard_model would (fused layout), rows on 'data'."""
-    from dflash_jax.weights import _dtype
+    from dflash_jax.checkpoint_io import dtype_of as _dtype
     if sampling_mode not in sampling.MODES:
         raise ValueError(f"sampling_mode={sampling_mode!r}; expected one of {sampling.MODES}")
     dt = _dtype(dtype)

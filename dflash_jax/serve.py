@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any, Literal, Sequence, Union
 
-from dflash_jax import validation
+from dflash_jax import loading, validation
 from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, SlotEngine,
                                Tokens, parse_step_buckets)
 
@@ -751,7 +751,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="python -m dflash_jax.serve",
-        description="OpenAI-compatible HTTP server for a Qwen3 target with a DFlash draft.",
+        description="OpenAI-compatible HTTP server for a target (Qwen3, Llama-3.x, Qwen3-MoE, Qwen3.5) with a "
+                    "DFlash or DFlash2 draft.",
         epilog="Example: python -m dflash_jax.serve --model Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 "
                "--port 8000")
     add_model_args(p)
@@ -804,7 +805,7 @@ def _default_pair():
 
 
 def _cli():
-    """The generate CLI module (its flag, loading and stop-id helpers)."""
+    """The generate CLI module (its flag helpers; the models load through dflash_jax.loading)."""
     from dflash_jax.cli import generate as cli
     return cli
 
@@ -836,8 +837,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--engine-pipeline must be >= 0, got {args.engine_pipeline}")
     if args.verify_width is None:
         # the server's default: the slot engine picks its verify width per step ("auto": >= the whole
-        # block at every batch on the H200, 1.4-2.3x it from B = 32 up, docs/adaptive-width.md; a
-        # server compiles once, so the adaptive program's 2.1x compile is paid once); one slot: block
+        # block at every batch measured on the H200, well above it from B = 32 up, docs/adaptive-width.md;
+        # a server compiles once, so the adaptive program's longer compile is paid once); one slot: block
         args.verify_width = "auto" if args.slots > 1 else "block"
     elif args.verify_width != "block" and args.slots < 2:
         parser.error(f"--verify-width {args.verify_width} needs the slot engine (--slots > 1)")
@@ -863,9 +864,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.capacity is not None and not 2 <= args.capacity <= validation.INT32_MAX // 2:
         parser.error(f"--capacity must be in [2, {validation.INT32_MAX // 2}] (KV-cache entries), got {args.capacity}")
     # the configs (no weights yet): the capacity against the model's context
-    cfg = cli.resolve_sources(parser, args)
+    cfg = loading.resolve_sources(parser, args)
     args.vocab_size = cfg.vocab_size
-    block = _block_of(cli, args)
+    block = _block_of(args)
     context = cfg.max_position_embeddings
     if args.capacity is None:
         args.capacity = min(DEFAULT_CAPACITY, context + block)
@@ -877,7 +878,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--capacity {args.capacity} leaves no room next to a block of {block}")
 
 
-def _block_of(cli, args) -> int:
+def _block_of(args) -> int:
     """The block size the engine will run (1: plain decoding), from the flags and the draft's config."""
     if args.draft is not None and args.draft.lower() == "none":
         return 1
@@ -887,7 +888,7 @@ def _block_of(cli, args) -> int:
         from dflash_jax import drafts
         from dflash_jax.config import read_json
         return drafts.read_config(read_json(args.draft_dir)).block_size
-    return cli.RANDOM_DRAFT_BLOCK
+    return loading.RANDOM_DRAFT_BLOCK
 
 
 def _check_eos(parser, args, eos: Sequence[int], vocab: int) -> None:
@@ -913,12 +914,10 @@ def _check_eos(parser, args, eos: Sequence[int], vocab: int) -> None:
 
 def _load(parser, args):
     """(target, draft, tokenizer, eos ids, served name) from the flags."""
-    cli = _cli()
-
-    tokenizer = cli.load_tokenizer(parser, args)
-    eos = [] if args.random_init else cli.stop_token_ids(args.model, tokenizer)
+    tokenizer = loading.load_tokenizer(parser, args)
+    eos = [] if args.random_init else loading.stop_token_ids(args.model, tokenizer)
     _check_eos(parser, args, eos, args.vocab_size)
-    target, draft = cli.load_models(parser, args)
+    target, draft = loading.load_models(parser, args)
     name = args.served_model_name or args.model or f"random-init:{args.random_init}"
     return target, draft, tokenizer, eos, name
 
@@ -958,7 +957,6 @@ def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
 def _warm_up(engine, spec) -> None:
     """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI)),
     a progress line per bucket: minutes on a large model, which must not look like a hang."""
-    cli = _cli()
     lo, hi = spec if isinstance(spec, tuple) else (1, spec)
     hi = min(hi, engine.max_model_len - 1)
     slots = engine.slots
@@ -966,10 +964,11 @@ def _warm_up(engine, spec) -> None:
     t0, c0 = time.perf_counter(), engine.stats().compiles
     for i, n in enumerate(lengths):
         what = "the step programs and " if i == 0 else ""
-        cli.progress(f"compiling {what}the prefill programs for prompts of up to {slots.prompt_bucket(n)} tokens "
-                     f"({i + 1}/{len(lengths)}) ...")
+        loading.progress(f"compiling {what}the prefill programs for prompts of up to {slots.prompt_bucket(n)} "
+                         f"tokens ({i + 1}/{len(lengths)}) ...")
         slots.warmup([n], ("greedy",))
-    cli.progress(f"warm-up done: {engine.stats().compiles - c0} programs compiled in {time.perf_counter() - t0:.1f} s")
+    loading.progress(f"warm-up done: {engine.stats().compiles - c0} programs compiled in "
+                     f"{time.perf_counter() - t0:.1f} s")
 
 
 def _bind(parser, host: str, port: int) -> socket.socket:
@@ -1056,7 +1055,7 @@ def _serve(parser, args, sock) -> int:
 
     target, draft, tokenizer, eos, name = _load(parser, args)
     block = None if draft is None else (args.block_size or draft.config.block_size)
-    mesh = _cli().get_mesh(parser, args)
+    mesh = loading.get_mesh(parser, args)
     _check_memory(parser, args, target, draft, 1 if mesh is None else mesh.devices.size)
     _cli().check_verify_width(parser, args, draft)
     try:

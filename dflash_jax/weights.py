@@ -2,14 +2,13 @@
 
 Safetensors only: nothing is unpickled and no remote code is run. Tensors are streamed one at a time
 (cast, transposed to [in, out], fused into qkv / gate_up once a layer's parts are all read) into a
-module built abstractly (`nnx.eval_shape`), so peak host memory stays near one tensor.
+module built abstractly (`nnx.eval_shape`), so peak host memory stays near one tensor. Dtype names,
+model directories (hub id or path) and the tensors themselves come through the loader seam,
+dflash_jax.checkpoint_io, which the families with their own loader use too.
 """
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import re
 
 import jax
@@ -18,73 +17,11 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax import drafts, models, sharding, validation
+from dflash_jax.checkpoint_io import dtype_of, iter_tensors, resolve_model_dir, safetensors_files
 from dflash_jax.config import ConfigError, TargetConfig, read_json
 
 __all__ = ["load_target", "load_draft", "init_target", "init_draft", "resolve_model_dir", "load_target_sharded",
            "load_draft_sharded"]
-
-_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-
-
-def _dtype(dtype):
-    """A dtype from its name (validation.DTYPES or an alias, as on the command line) or a dtype."""
-    if isinstance(dtype, str):
-        return _DTYPES[validation.dtype_name(dtype)]
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"dtype={dtype!r}; expected one of {', '.join(validation.DTYPES)}") from None
-    if dt not in [jnp.dtype(d) for d in _DTYPES.values()]:
-        raise ValueError(f"dtype={dt}; expected one of {', '.join(validation.DTYPES)}")
-    return dt
-
-
-def resolve_model_dir(path_or_hub_id: str) -> str:
-    """A local directory as is; otherwise a hub id fetched (config, safetensors, tokenizer files only).
-
-    Offline (HF_HUB_OFFLINE=1, read by huggingface_hub), a hub id resolves from the local cache alone."""
-    validation.check_source(path_or_hub_id)
-    if os.path.isdir(path_or_hub_id):
-        return path_or_hub_id
-    if os.path.exists(path_or_hub_id) or path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1:
-        raise FileNotFoundError(f"model directory {path_or_hub_id!r} does not exist (and it is not a hub id 'org/name')")
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(path_or_hub_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja"])
-    except Exception as e:  # offline, unknown repo, gated: say which and why
-        raise FileNotFoundError(f"could not fetch {path_or_hub_id!r} from the hub: {type(e).__name__}: {e}") from None
-
-
-def _safetensors_files(d: str) -> list[str]:
-    index = os.path.join(d, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(d, x) for x in files]
-    files = sorted(glob.glob(os.path.join(d, "*.safetensors")))
-    if not files:
-        pickles = [os.path.basename(p) for p in glob.glob(os.path.join(d, "*.bin")) + glob.glob(os.path.join(d, "*.pt")) + glob.glob(os.path.join(d, "*.pth"))]
-        if pickles:
-            raise ValueError(f"{d} holds only pickle weights ({', '.join(sorted(pickles)[:3])}); dflash-jax loads "
-                             "safetensors only and never unpickles. Convert them first, e.g. "
-                             "`model.save_pretrained(dir, safe_serialization=True)` in transformers.")
-        raise FileNotFoundError(f"no *.safetensors weights in {d}")
-    return files
-
-
-def _iter_tensors(d: str):
-    from safetensors import safe_open
-    for path in _safetensors_files(d):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} (listed in the safetensors index) does not exist")
-        try:
-            with safe_open(path, framework="flax") as f:
-                names = list(f.keys())
-                for name in names:
-                    yield name, f.get_tensor(name)
-        except Exception as e:  # noqa: BLE001 - SafetensorError and friends: truncated, empty, not safetensors
-            raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())})") from None
 
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -182,7 +119,7 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None):
     as "data=2,model=4"): placed on it by its family's rules in the fused TP layout, each process
     reading only its devices' slices (load_target_sharded)."""
     m = sharding.as_mesh(mesh)
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     d = resolve_model_dir(path_or_hub_id)
     config = models.read_config(read_json(d))
     fam = models.family(config.model_type)
@@ -193,7 +130,7 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None):
         return load_target_sharded(path_or_hub_id, m, dtype)
     what = f"target {path_or_hub_id}"
     model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
-    stream = _iter_tensors(d) if fam.tensors is None else fam.tensors(config, _iter_tensors(d), what)
+    stream = iter_tensors(d) if fam.tensors is None else fam.tensors(config, iter_tensors(d), what)
     model = _fill(model, stream, fam.top_weights(config), fam.layer_weights(config), dt, what, fam.skip)
     return model if m is None else sharding.shard_model(model, m)
 
@@ -202,7 +139,7 @@ def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None)
     """A draft of a registered variant (dflash_jax.drafts, by config.json's architectures; a z-lab
     DFlash draft by default). With `target`, a draft that does not fit it is refused, naming the
     mismatch. mesh: as load_target (the draft sits on the target's mesh with the same rules)."""
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     d = resolve_model_dir(path_or_hub_id)
     raw = read_json(d)
     drafts.variant(raw.get("architectures") if isinstance(raw, dict) else None)   # a known one
@@ -214,7 +151,7 @@ def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None)
     if m is not None and var is drafts.VARIANTS["DFlashDraftModel"]:
         return load_draft_sharded(d, m, dtype)
     model = nnx.eval_shape(lambda: var.model(config, dt, rngs=nnx.Rngs(0)))
-    model = _fill(model, _iter_tensors(d), dict(var.top_weights), var.layer_weights, dt,
+    model = _fill(model, iter_tensors(d), dict(var.top_weights), var.layer_weights, dt,
                   f"draft {path_or_hub_id}", var.skip)
     # DFlash2 / windowed drafts (small; their codebooks have two spellings) load whole, then are
     # placed by the same rules and fused layout as a DFlash draft
@@ -225,14 +162,14 @@ def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16"):
     """Random weights (for benchmarks on machines without checkpoints). `config` may be a preset name."""
     if isinstance(config, str):
         config = TargetConfig.preset(config)
-    return models.family(config.model_type).model(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    return models.family(config.model_type).model(config, dtype_of(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
 
 
 def init_draft(config, seed: int = 0, dtype="bfloat16", target=None):
     """Random weights of the draft variant whose config class `config` is (a DraftConfig: DFlash)."""
     if target is not None:
         config.check_fits(target.config)
-    return drafts.variant_of_config(config).model(config, _dtype(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    return drafts.variant_of_config(config).model(config, dtype_of(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
 
 
 # ------------------------------------------------------------------ loading slices onto a mesh
@@ -243,7 +180,7 @@ class _Checkpoint:
 
     def __init__(self, d: str):
         from safetensors import safe_open
-        self._files = [safe_open(p, framework="numpy") for p in _safetensors_files(d)]
+        self._files = [safe_open(p, framework="numpy") for p in safetensors_files(d)]
         self._where = {n: f for f in self._files for n in f.keys()}
         for n, f in self._where.items():  # as _fill: int8 / bool / int tensors are not weights
             kind = f.get_slice(n).get_dtype()
@@ -400,7 +337,7 @@ def load_target_sharded(path: str, mesh, dtype="bfloat16", *, fused_layout: bool
     if fam.load is not None or (fam.tensors is not None and fam.sliced is None):
         raise ValueError(f"target {path}: model_type {cfg.model_type!r} is not read slice by slice "
                          "(load_target(..., mesh=) loads it whole and places it)")
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     model = nnx.eval_shape(lambda: fam.model(cfg, dt, rngs=nnx.Rngs(0)))
     return _load_sharded(d, model, mesh, dt, fam.top_weights(cfg), fam.layer_weights(cfg), "model.",
                          fused_layout, fam.rules, fam.sliced)
@@ -412,6 +349,6 @@ def load_draft_sharded(path: str, mesh, dtype="bfloat16", *, fused_layout: bool 
     raw = read_json(d)
     var = drafts.variant(raw.get("architectures"))
     cfg = drafts.read_config(raw)
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     model = nnx.eval_shape(lambda: var.model(cfg, dt, rngs=nnx.Rngs(0)))
     return _load_sharded(d, model, mesh, dt, dict(var.top_weights), var.layer_weights, "", fused_layout)

@@ -21,8 +21,10 @@ import sys
 import time
 from typing import Any, Sequence
 
+from dflash_jax import loading
 from dflash_jax.cli import generate as cli
 from dflash_jax.data import BUNDLED, DATASETS, HUB_ONLY, apply_chat_template, load_prompts, normalize_dataset_name
+from dflash_jax.decode import generate as _generate   # the library function
 
 
 __all__ = ["main", "build_parser", "EXPECTED_TAU", "ACCEPTANCE_TOLERANCE"]
@@ -148,7 +150,7 @@ def _run(target, draft, prompts, args, stops, block_size, bar) -> list[dict[str,
     out = []
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start:start + args.batch_size]
-        res = cli._generate(target, draft, [p["ids"] for p in batch], max_new_tokens=args.max_new_tokens,
+        res = _generate(target, draft, [p["ids"] for p in batch], max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             stop_token_ids=stops or None, block_size=block_size, seed=args.seed,
                             attention_impl=args.attention,
@@ -216,21 +218,21 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    cfg = cli.resolve_sources(parser, args)
-    tokenizer = cli.load_tokenizer(parser, args)
+    cfg = loading.resolve_sources(parser, args)
+    tokenizer = loading.load_tokenizer(parser, args)
     # Prompts and their lengths are checked before the weights load.
     dataset, prompts = _prompts(parser, args, tokenizer, cfg.vocab_size)
     try:
         cli.validation.check_lengths([len(p["ids"]) for p in prompts], args.max_new_tokens,
                                      cfg.max_position_embeddings)
     except ValueError as e:
-        parser.error(cli._flag_message(e))
-    target, draft = cli.load_models(parser, args)
-    block = cli.effective_block_size(args, draft)
+        parser.error(loading.flag_message(e))
+    target, draft = loading.load_models(parser, args)
+    block = loading.effective_block_size(args, draft)
     if draft is None or block < 2:
         parser.error("the benchmark needs a draft and a block size >= 2")
     cli.check_verify_width(parser, args, draft)
-    stops = [] if args.ignore_eos or args.random_init else cli.stop_token_ids(args.model_dir, tokenizer)
+    stops = [] if args.ignore_eos or args.random_init else loading.stop_token_ids(args.model_dir, tokenizer)
     stops = list(dict.fromkeys(stops + args.extra_stop_ids))
 
     from tqdm import tqdm
@@ -242,7 +244,7 @@ def _main(argv: Sequence[str] | None) -> int:
             try:
                 results[name] = _run(target, d, prompts, args, stops, s, bar)
             except ValueError as e:  # the library's refusals (prompt too long for the context, ...)
-                parser.error(cli._flag_message(e))
+                parser.error(loading.flag_message(e))
     wall = time.perf_counter() - t0
 
     spec = results["draft"]
@@ -306,13 +308,13 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"  ({BF16_NOTE.format(dtype=args.dtype, block=block)})")
     failed = False
     for flag, path, write in (("--output", args.output, _write_report), ("--plot", args.plot, _plot)):
-        if path is None or not cli.is_main_process():   # multi-host: process 0 writes
+        if path is None or not loading.is_main_process():   # multi-host: process 0 writes
             continue
         try:
             write(path, report)
             print(f"{'report' if flag == '--output' else 'plot'}: {path}")
         except OSError as e:  # the numbers above are printed; say what was not written
-            print(f"error: {flag} {path} could not be written: {cli._one_line(e)}", file=sys.stderr)
+            print(f"error: {flag} {path} could not be written: {loading.one_line(e)}", file=sys.stderr)
             failed = True
     if check is not None:
         verdict = "PASSED" if check["passed"] else "FAILED"

@@ -8,7 +8,7 @@ TPU MLP kernel where it applies, and `finish_gpu_fused`); each returns the same 
 layer hands the next one `Residual`. `run_layers` is the one layer loop of targets and drafts.
 
 Weight layout (chosen for decode speed, see docs/perf-log.md):
-  - one buffer per layer (no stacked [L, ...] weights: slicing them in a loop costs 3x on GPU);
+  - one buffer per layer (no stacked [L, ...] weights: slicing them in a loop measured slower on GPU);
   - q/k/v fused into one [H, (Hq + 2 Hkv) D] matrix and gate/up into one [H, 2 I] matrix, stored
     [in, out] so activations multiply from the left without transposes.
 The draft reuses `DecoderLayer` unchanged: its context tokens go through the same fused projection
@@ -55,8 +55,12 @@ def linear(x, w):
     return jax.lax.platform_dependent(x, w, cuda=_two_rows, default=lambda x, w: x @ w)
 
 
-def _init(rngs: nnx.Rngs, shape, dtype, scale: float):
+def init_param(rngs: nnx.Rngs, shape, dtype, scale: float):
+    """A parameter of `shape` drawn from N(0, scale^2) (random weights: tests, benchmarks)."""
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
+
+
+_init = init_param   # the drafts' old name (drafts/dflash*.py), until they import init_param
 
 
 class RMSNorm(nnx.Module):
@@ -140,8 +144,8 @@ class MLP(nnx.Module):
     """The MLP's weights: down(gated_silu(x @ gate_up + gate_up_bias)) + down_bias (biases: the
     Llama family's mlp_bias; None elsewhere)."""
     def __init__(self, hidden: int, inter: int, dtype, rngs: nnx.Rngs, bias: bool = False):
-        self.gate_up = _init(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
-        self.down = _init(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
+        self.gate_up = init_param(rngs, (hidden, 2 * inter), dtype, hidden ** -0.5)     # [H, 2I]
+        self.down = init_param(rngs, (inter, hidden), dtype, inter ** -0.5)             # [I, H]
         self.gate_up_bias = nnx.Param(jnp.zeros((2 * inter,), dtype)) if bias else None   # [2I]
         self.down_bias = nnx.Param(jnp.zeros((hidden,), dtype)) if bias else None         # [H]
 
@@ -185,11 +189,11 @@ class DecoderLayer(nnx.Module):
         self.rope_scaling = getattr(cfg, "rope_scaling", None)
         W = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.qkv = _init(rngs, (H, W), dtype, H ** -0.5)
+        self.qkv = init_param(rngs, (H, W), dtype, H ** -0.5)
         self.qkv_bias = nnx.Param(jnp.zeros((W,), dtype)) if attention_bias else None   # [W], qkv's layout
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype) if qk_norm else None
-        self.o = _init(rngs, (cfg.num_heads * D, H), dtype, (cfg.num_heads * D) ** -0.5)
+        self.o = init_param(rngs, (cfg.num_heads * D, H), dtype, (cfg.num_heads * D) ** -0.5)
         self.o_bias = nnx.Param(jnp.zeros((H,), dtype)) if attention_bias else None
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(H, cfg.intermediate_size, dtype, rngs, bias=mlp_bias) if mlp is None else mlp

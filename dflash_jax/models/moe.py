@@ -12,8 +12,8 @@ grouped matmul (`pallas_kernels.moe.gmm`, implementation from `KernelConfig.moe_
 static whatever the routing and no capacity exists to overflow. One token (a B = 1 decode step) on
 the GPU kernel skips the sort: its k choices are k distinct experts, so each (token, choice) row is
 its own group (`gmm_rows`) and the outputs come back in place (no argsort, bincount, scatter or
-inverse permutation). H200, Coder-30B-A3B shapes: one layer at T = 1 39.2 us against 44.1 sorted, a
-12-layer B = 1 plain step 1.375 ms against 1.590 (docs/perf-log.md, session 28).
+inverse permutation). Measured faster than the sorted path on the H200 at Coder-30B-A3B shapes, per
+layer and per plain step (docs/perf-log.md, session 28).
 
 Expert parallelism: the stacked expert weights [E, ...] are split over the mesh's 'model' axis
 (sharding.RULES). Tokens are replicated over 'model' already (attention's o projection ends in an
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
-from dflash_jax.models.layers import _init, linear
+from dflash_jax.models.layers import init_param, linear
 
 __all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
 
@@ -164,9 +164,9 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  dtype, rngs: nnx.Rngs):
-        self.router = _init(rngs, (hidden, num_experts), dtype, hidden ** -0.5)          # [H, E]
-        self.experts_gate_up = _init(rngs, (num_experts, hidden, 2 * inter), dtype, hidden ** -0.5)  # [E, H, 2I]
-        self.experts_down = _init(rngs, (num_experts, inter, hidden), dtype, inter ** -0.5)          # [E, I, H]
+        self.router = init_param(rngs, (hidden, num_experts), dtype, hidden ** -0.5)          # [H, E]
+        self.experts_gate_up = init_param(rngs, (num_experts, hidden, 2 * inter), dtype, hidden ** -0.5)  # [E, H, 2I]
+        self.experts_down = init_param(rngs, (num_experts, inter, hidden), dtype, inter ** -0.5)          # [E, I, H]
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, bool(norm_topk_prob)
 
     def _local(self, h, router, gate_up, down, gmm_impl: str, first_expert, kernels: KernelConfig | None):

@@ -41,12 +41,14 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax import sharding
 from dflash_jax.attention import attend, attend_prefill
 from dflash_jax.cache import write_kv_rows
-from dflash_jax.config import ConfigError, TargetConfig, _positive, read_json
+from dflash_jax.checkpoint_io import dtype_of, iter_tensors, resolve_model_dir
+from dflash_jax.config import ConfigError, TargetConfig, read_json
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.models import gated_delta as gd
 from dflash_jax.models.family import Family
-from dflash_jax.models.layers import MLP, _init, linear, rope
+from dflash_jax.models.layers import MLP, init_param, linear, rope
 from dflash_jax.models.stack import CausalLM
+from dflash_jax.validation import positive_int
 
 __all__ = ["Qwen35Config", "Qwen35", "HybridCache", "load_qwen3_5", "init_qwen3_5", "with_verify_form"]
 
@@ -134,7 +136,10 @@ class Qwen35Config(TargetConfig):
         if missing:
             raise ConfigError(f"target: config.json lacks {', '.join(missing)}")
         for k in cls.NEED:
-            _positive(d, k, "target")
+            try:
+                positive_int(d[k], k, "target")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if d.get("attention_bias"):
             raise ConfigError("target: attention_bias=True is not supported (Qwen3.5 has no attention bias)")
         if d.get("hidden_act", "silu") != "silu":
@@ -210,10 +215,10 @@ class GatedAttention(nnx.Module):
         H, D = c.hidden_size, c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, D
         self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
-        self.qkv = _init(rngs, (H, (2 * c.num_heads + 2 * c.num_kv_heads) * D), dtype, H ** -0.5)
+        self.qkv = init_param(rngs, (H, (2 * c.num_heads + 2 * c.num_kv_heads) * D), dtype, H ** -0.5)
         self.q_norm = ZeroCentredRMSNorm(D, c.rms_norm_eps, dtype)
         self.k_norm = ZeroCentredRMSNorm(D, c.rms_norm_eps, dtype)
-        self.o = _init(rngs, (c.num_heads * D, H), dtype, (c.num_heads * D) ** -0.5)
+        self.o = init_param(rngs, (c.num_heads * D, H), dtype, (c.num_heads * D) ** -0.5)
 
     def __call__(self, h, positions, k_cache, v_cache, k_end, kernels, prefill: bool):
         B, T, _ = h.shape
@@ -262,14 +267,14 @@ class GatedDeltaNet(nnx.Module):
         self.conv_dim, self.kernel = c.conv_dim, c.linear_conv_kernel_dim
         self.verify_form, self.prefill_chunk = c.verify_form, c.prefill_chunk
         vd = self.hv * self.dv
-        self.in_proj = _init(rngs, (H, self.conv_dim + vd + 2 * self.hv), dtype, H ** -0.5)
-        self.conv = _init(rngs, (self.conv_dim, self.kernel), dtype, self.kernel ** -0.5)   # [C, K]
+        self.in_proj = init_param(rngs, (H, self.conv_dim + vd + 2 * self.hv), dtype, H ** -0.5)
+        self.conv = init_param(rngs, (self.conv_dim, self.kernel), dtype, self.kernel ** -0.5)   # [C, K]
         self.dt_bias = nnx.Param(jnp.ones((self.hv,), dtype))
         a = jax.random.uniform(rngs.params(), (self.hv,), jnp.float32, 0.01, 16.0)
         self.A_log = nnx.Param(jnp.log(a).astype(dtype))
         self.norm = nnx.Param(jnp.ones((self.dv,), dtype))      # the gated output norm (plain w)
         self.norm_eps = c.rms_norm_eps
-        self.out = _init(rngs, (vd, H), dtype, vd ** -0.5)
+        self.out = init_param(rngs, (vd, H), dtype, vd ** -0.5)
 
     def inputs(self, h, window):
         """Projections and conv of h [B, T, H] with the conv window [B, K-1, C]: prepared q, k
@@ -336,8 +341,8 @@ class GatedDeltaNet(nnx.Module):
         commit_rows [B] bool, one-row blocks only: the rows whose token the caller commits
         whatever comes of it (a plain step's running rows). The XLA path then advances their state
         and window here, from the state it reads anyway, and the commit only hands them over: the
-        state is read once and written once a step instead of read again by a separate fold (on a
-        v6e, Qwen3.5-9B shapes, B = 32: 3.2 GB of a 23.9 GB step, docs/hybrid-targets.md)."""
+        state is read once and written once a step instead of read again by a separate fold (the
+        fold's share of a v6e step at Qwen3.5-9B shapes: docs/hybrid-targets.md)."""
         B, T, _ = h.shape
         if self.use_kernel(T, kernels, prefill):
             return self.kernel_block(h, state, window, kernels)
@@ -426,11 +431,11 @@ class Qwen35(CausalLM):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         H, V = config.hidden_size, config.vocab_size
-        self.embed = _init(rngs, (V, H), dtype, 1.0)                             # [V, H]
+        self.embed = init_param(rngs, (V, H), dtype, 1.0)                             # [V, H]
         self.layers = nnx.List([HybridLayer(config, t, dtype, rngs, self.make_mlp(config, dtype, rngs))
                                 for t in config.layer_types])
         self.norm = ZeroCentredRMSNorm(H, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)
+        self.lm_head = None if config.tie_word_embeddings else init_param(rngs, (H, V), dtype, H ** -0.5)
 
     def make_mlp(self, config, dtype, rngs):
         """A layer's MLP block: None for the dense one (the MoE variant overrides this)."""
@@ -545,15 +550,14 @@ def _text_name(name: str) -> str | None:
 def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
     """A Qwen3.5 target from a HF directory or hub id (safetensors only). overrides: Qwen35Config
     fields (verify_form, prefill_chunk). `load_target` reaches the same loader through the family."""
-    from dflash_jax.weights import _dtype, resolve_model_dir
     d = resolve_model_dir(path_or_hub_id)
-    return _load(d, Qwen35Config.from_pretrained(d, **overrides), _dtype(dtype), f"target {path_or_hub_id}")
+    return load_checkpoint(d, Qwen35Config.from_pretrained(d, **overrides), dtype_of(dtype), f"target {path_or_hub_id}")
 
 
-def _load(d: str, c: Qwen35Config, dt, what: str, model_cls=None) -> Qwen35:
+def load_checkpoint(d: str, c: Qwen35Config, dt, what: str, model_cls=None) -> Qwen35:
     """The checkpoint in directory d, streamed tensor by tensor; a layer's tensors are fused and
-    placed once all of them are read. model_cls: Qwen35 or a subclass (its own MLP tensors)."""
-    from dflash_jax.weights import _iter_tensors
+    placed once all of them are read. model_cls: Qwen35 or a subclass (its own MLP tensors). The
+    family's `load` (Family.load), which load_target calls."""
     model_cls = Qwen35 if model_cls is None else model_cls
     model = nnx.eval_shape(lambda: model_cls(c, dt, rngs=nnx.Rngs(0)))
     parts: dict[int, dict[str, np.ndarray]] = {}
@@ -568,7 +572,7 @@ def _load(d: str, c: Qwen35Config, dt, what: str, model_cls=None) -> Qwen35:
             raise ValueError(f"{what}: a tensor holds NaN or inf values")
         param.set_value(jnp.asarray(value, dt))
 
-    for raw, tensor in _iter_tensors(d):
+    for raw, tensor in iter_tensors(d):
         name = _text_name(raw)
         if name is None or (name == "lm_head.weight" and c.tie_word_embeddings):
             continue
@@ -654,8 +658,7 @@ def with_verify_form(model: Qwen35, form: str) -> Qwen35:
 
 def init_qwen3_5(config: Qwen35Config, seed: int = 0, dtype="bfloat16") -> Qwen35:
     """Random weights (benchmarks); `init_target(config)` does the same through the family."""
-    from dflash_jax.weights import _dtype
-    return Qwen35(config, _dtype(dtype), rngs=nnx.Rngs(seed))
+    return Qwen35(config, dtype_of(dtype), rngs=nnx.Rngs(seed))
 
 
 # ------------------------------------------------------------------------------ the family's faces
@@ -679,6 +682,6 @@ def shard(model, mesh):
 
 
 FAMILY = Family(model_type="qwen3_5", read_config=Qwen35Config.from_dict, model=Qwen35,
-                layer_weights=_no_table, top_weights=_no_table, rules=RULES, load=_load)
+                layer_weights=_no_table, top_weights=_no_table, rules=RULES, load=load_checkpoint)
 # the text model's own config.json (Qwen3_5ForCausalLM); its configs read as model_type qwen3_5
 TEXT_FAMILY = dataclasses.replace(FAMILY, model_type="qwen3_5_text")

@@ -32,7 +32,7 @@ from flax import nnx
 from dflash_jax.config import ConfigError
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.models import qwen3_5
-from dflash_jax.models.layers import MLP, _init
+from dflash_jax.models.layers import MLP, init_param
 from dflash_jax.models.moe import MoE
 from dflash_jax.models.qwen3_5 import Qwen35, Qwen35Config
 
@@ -80,7 +80,7 @@ class SharedExpertMoE(nnx.Module):
         H = c.hidden_size
         self.experts = MoE(H, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, True, dtype, rngs)
         self.shared = MLP(H, c.shared_expert_intermediate_size, dtype, rngs)
-        self.shared_gate = _init(rngs, (H, 1), dtype, H ** -0.5)                 # [H, 1]
+        self.shared_gate = init_param(rngs, (H, 1), dtype, H ** -0.5)                 # [H, 1]
 
     def __call__(self, h, groups: int = 1, kernels: KernelConfig | None = None):
         routed = self.experts(h, groups, kernels)
@@ -140,5 +140,5 @@ PRESET_35B_A3B = Qwen35MoeConfig(
     num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
 
 FAMILY = dataclasses.replace(qwen3_5.FAMILY, model_type="qwen3_5_moe", read_config=_read, model=Qwen35Moe,
-                             load=partial(qwen3_5._load, model_cls=Qwen35Moe))
+                             load=partial(qwen3_5.load_checkpoint, model_cls=Qwen35Moe))
 TEXT_FAMILY = dataclasses.replace(FAMILY, model_type="qwen3_5_moe_text")

@@ -22,7 +22,7 @@ from flax import nnx
 from dflash_jax.config import ConfigError, Qwen3MoeConfig, dense_fields
 from dflash_jax.models import qwen3
 from dflash_jax.models.family import Family
-from dflash_jax.models.layers import DecoderLayer, RMSNorm, _init
+from dflash_jax.models.layers import DecoderLayer, RMSNorm, init_param
 from dflash_jax.models.moe import MoE
 from dflash_jax.models.stack import CausalLM
 
@@ -73,10 +73,10 @@ class Qwen3Moe(CausalLM):
             return MoE(H, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
                        config.norm_topk_prob, dtype, rngs)
 
-        self.embed = _init(rngs, (V, H), dtype, 1.0)                             # [V, H]
+        self.embed = init_param(rngs, (V, H), dtype, 1.0)                             # [V, H]
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs, mlp=moe(i)) for i in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)  # [H, V]
+        self.lm_head = None if config.tie_word_embeddings else init_param(rngs, (H, V), dtype, H ** -0.5)  # [H, V]
 
 
 # ------------------------------------------------------------------------------------- checkpoints

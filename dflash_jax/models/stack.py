@@ -14,7 +14,7 @@ from flax import nnx
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.cache import KVCache
 from dflash_jax.config import TargetConfig
-from dflash_jax.models.layers import DecoderLayer, RMSNorm, _init, run_layers
+from dflash_jax.models.layers import DecoderLayer, RMSNorm, init_param, run_layers
 
 
 class CausalLM(nnx.Module):
@@ -22,11 +22,11 @@ class CausalLM(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         H, V = config.hidden_size, config.vocab_size
-        self.embed = _init(rngs, (V, H), dtype, 1.0)                             # [V, H]
+        self.embed = init_param(rngs, (V, H), dtype, 1.0)                             # [V, H]
         opts = self.layer_options(config)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs, **opts) for _ in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else _init(rngs, (H, V), dtype, H ** -0.5)  # [H, V]
+        self.lm_head = None if config.tie_word_embeddings else init_param(rngs, (H, V), dtype, H ** -0.5)  # [H, V]
 
     def layer_options(self, config: TargetConfig) -> dict:
         """DecoderLayer's keywords for this family (default: the Qwen3 layer)."""
