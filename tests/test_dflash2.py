@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from tests.checkpoints import _draft_config, _noisy_norms, _seeded, load_torch_pair, random_prompts, \
     reference_generate, write_target
+from tests.pairs import assert_width_result, widths
 
 from dflash_jax import ConfigError, DraftConfig, generate, load_draft, load_target
 from dflash_jax.drafts.dflash2 import DFlash2Draft, walk
@@ -223,21 +224,27 @@ def test_softcap_and_multiplier_enter_the_unary_logits(pairs, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("verify_width", widths(3))
 @pytest.mark.parametrize("name", ["dflash2", "v1_mixed"])
-def test_generate_is_identical_to_the_reference(pairs, name):
+def test_generate_is_identical_to_the_reference(pairs, name, verify_width):
     """Tokens and acceptance lengths = dflash_generate's (whose greedy tokens are the target's own),
     over prompts longer than the window, a partial last block and two batch rows. The sliding
     layers keep rings of 16 slots (window 5 + block 8, rounded) that wrap 3 times over these
-    lengths, the prompt bucket of 32 wider than the ring; full layers keep the whole capacity."""
+    lengths, the prompt bucket of 32 wider than the ring; full layers keep the whole capacity.
+    At "auto" and at W = 3 (the DFlash2 selector's path cut to its first 3 drafts): the same
+    tokens, at most W + 1 an iteration."""
     from dflash_jax import decode
     prompts = random_prompts(2, 127, min_len=9, max_len=20, seed=11)
     assert max(map(len, prompts)) > 16
     draft = pairs[name]["draft"]
-    res, state = decode._generate(pairs["target"], draft, prompts, max_new_tokens=30, verify_width="block")
-    for i, p in enumerate(prompts):
-        r = reference_generate(pairs[name]["ref"], pairs["hf"], p, 30)
-        assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
-        assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
+    res, state = decode._generate(pairs["target"], draft, prompts, max_new_tokens=30, verify_width=verify_width)
+    if "reference_runs" not in pairs[name]:       # once for the widths
+        pairs[name]["reference_runs"] = [reference_generate(pairs[name]["ref"], pairs["hf"], p, 30) for p in prompts]
+    runs = pairs[name]["reference_runs"]
+    assert_width_result(res, [r.output_ids[0, len(p):].tolist() for r, p in zip(runs, prompts)],
+                        [list(r.acceptance_lengths) for r in runs], verify_width, S)
+    if verify_width != "block":
+        return
     C = state.target_cache.k[0].shape[2]
     rows = [16 if draft.config.layer_window(i) else C for i in range(draft.config.num_layers)]
     assert [k.shape[2] for k in state.draft_cache.k] == [k.shape[2] for k in state.draft_cache.v] == rows
@@ -407,25 +414,35 @@ def test_key_start_on_the_xla_paths_matches_a_dense_mask():
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("T", [0.0])
-def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_pair, tmp_path, T):
-    """The trained pair's draft with a (perturbed) conv, a selector and window-6 sliding layers:
-    blocks get accepted, and tokens and acceptance lengths = dflash_generate's."""
+@pytest.fixture(scope="module")
+def trained_dflash2(trained_pair, tmp_path_factory):
+    """The trained pair's draft with a (perturbed) conv, a selector and window-6 sliding layers, its
+    target, 4 eval prompts and dflash_generate's runs on them (shared by the widths)."""
     tp = trained_pair["target_path"]
-    path, ref = _write_reference_draft(str(tmp_path / "d2"), tp, dflash2=True, layer_types=["sliding_attention"] * 2,
-                                       is_causal=False, window=6, seed=13, init_from=trained_pair["draft_path"],
-                                       scale=0.1)
+    path, ref = _write_reference_draft(str(tmp_path_factory.mktemp("d2") / "d2"), tp, dflash2=True,
+                                       layer_types=["sliding_attention"] * 2, is_causal=False, window=6, seed=13,
+                                       init_from=trained_pair["draft_path"], scale=0.1)
     hf, _ = load_torch_pair(tp)
     target = load_target(tp, dtype="float32")
-    draft = load_draft(path, target=target, dtype="float32")
     prompts = trained_pair["eval_prompts"][:4]
-    res = generate(target, draft, prompts, max_new_tokens=30, verify_width="block")
-    for i, p in enumerate(prompts):
-        r = reference_generate(ref, hf, p, 30)
-        assert res.tokens[i] == r.output_ids[0, len(p):].tolist()
-        assert res.acceptance_lengths[i] == list(r.acceptance_lengths)
+    runs = [reference_generate(ref, hf, p, 30) for p in prompts]
+    return dict(target=target, draft=load_draft(path, target=target, dtype="float32"), prompts=prompts,
+                tokens=[r.output_ids[0, len(p):].tolist() for r, p in zip(runs, prompts)],
+                acceptance=[list(r.acceptance_lengths) for r in runs])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verify_width", ["block", pytest.param(3, id="W3")])
+def test_trained_draft_as_dflash2_accepts_and_matches_the_reference(trained_dflash2, verify_width):
+    """Blocks get accepted, and tokens and acceptance lengths = dflash_generate's; at the prefix
+    width W = 3 (the selector's path cut to its first 3 drafts) the same tokens, iterations
+    accepting up to W + 1 = 4 and no more."""
+    d = trained_dflash2
+    res = generate(d["target"], d["draft"], d["prompts"], max_new_tokens=30, verify_width=verify_width)
+    assert_width_result(res, d["tokens"], d["acceptance"], verify_width, S)
     assert max(a for row in res.acceptance_lengths for a in row) >= 3, res.acceptance_lengths
+    if verify_width != "block":
+        assert max(a for row in res.acceptance_lengths for a in row) == verify_width + 1, res.acceptance_lengths
 
 
 def _ring(cache, top, size):

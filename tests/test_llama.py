@@ -80,6 +80,7 @@ if not CHILD:
 
     from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
     from tests.checkpoints import hf_greedy, random_prompts, reference_generate
+    from tests.pairs import assert_width_result, widths
 
     from dflash_jax import ConfigError, DraftConfig, TargetConfig, generate, init_draft, init_target, load_draft, load_target
 
@@ -125,19 +126,25 @@ if not CHILD:
         dp = write_llama_draft(str(root / "draft"), tp, block_size=8, taps=(0, 2))
         from dflash.model import DFlashDraftModel
         target = load_target(tp, dtype="float32")
-        return dict(hf=_hf(tp), ref=DFlashDraftModel.from_pretrained(dp, dtype=torch.float32).eval(),
+        return dict(hf=_hf(tp), ref_draft=DFlashDraftModel.from_pretrained(dp, dtype=torch.float32).eval(),
                     target=target, draft=load_draft(dp, target=target, dtype="float32"))
 
-    def test_dflash_with_a_llama_target_is_the_reference(llama_pair):
+    @pytest.mark.parametrize("verify_width", widths(3))
+    def test_dflash_with_a_llama_target_is_the_reference(llama_pair, verify_width):
+        """Tokens = dflash_generate's at every width (the block, "auto", W = 3); its acceptance
+        lengths at the block, at most W + 1 otherwise."""
         draft = llama_pair["draft"]
         assert (draft.config.block_size, draft.config.target_layer_ids) == (8, (0, 2))
         assert draft.config.rope_scaling is not None and draft.layers[0].q_norm is not None
         prompts = random_prompts(3, 127, min_len=3, max_len=21, seed=4)
-        res = generate(llama_pair["target"], draft, prompts, max_new_tokens=23, verify_width="block")
+        res = generate(llama_pair["target"], draft, prompts, max_new_tokens=23, verify_width=verify_width)
         assert res.tokens == generate(llama_pair["target"], None, prompts, max_new_tokens=23).tokens
-        ref = [reference_generate(llama_pair["ref"], llama_pair["hf"], p, 23, block_size=8) for p in prompts]
-        assert res.tokens == [r.output_ids[0, len(p):].tolist() for r, p in zip(ref, prompts)]
-        assert res.acceptance_lengths == [list(r.acceptance_lengths) for r in ref]
+        if "ref" not in llama_pair:
+            llama_pair["ref"] = [reference_generate(llama_pair["ref_draft"], llama_pair["hf"], p, 23, block_size=8)
+                                 for p in prompts]
+        ref = llama_pair["ref"]
+        assert_width_result(res, [r.output_ids[0, len(p):].tolist() for r, p in zip(ref, prompts)],
+                            [list(r.acceptance_lengths) for r in ref], verify_width, 8)
 
     def test_unsupported_model_type_is_one_line_naming_the_supported(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 8}))
@@ -233,13 +240,8 @@ if not CHILD:
     @pytest.mark.slow
     def test_llama_on_a_2x2_mesh_is_one_device(tmp_path):
         path = write_llama(str(tmp_path / "t"), tie=True, bias=True, seed=13, num_layers=2)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, DFLASH_LLAMA_MESH_CHILD="1", LLAMA_PATH=path, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
-                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True)
-        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+        from tests.children import run_child
+        run_child(__file__, devices=4, env=dict(DFLASH_LLAMA_MESH_CHILD="1", LLAMA_PATH=path), min_passed=1)
 
 else:
     def test_mesh_child():

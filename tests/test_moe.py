@@ -15,6 +15,7 @@ import torch
 
 from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
 from tests.checkpoints import random_prompts, reference_generate, write_draft, write_moe_target
+from tests.pairs import assert_width_result, widths
 
 from dflash_jax import KernelConfig, generate, load_draft, load_target
 from dflash_jax.config import PRESETS, Qwen3MoeConfig
@@ -341,25 +342,34 @@ def test_greedy_equals_transformers_generate(moe_target):
         assert got == want
 
 
-@pytest.mark.slow
-def test_dflash_with_moe_target_equals_reference(tmp_path):
-    """Tokens and acceptance lengths = the reference dflash_generate with Qwen3MoeForCausalLM as the
-    target, and = plain greedy decoding."""
+@pytest.fixture(scope="module")
+def moe_dflash(tmp_path_factory):
+    """A Qwen3-MoE target + reference draft (block 8), their torch twins, and the reference runs."""
     from dflash.model import DFlashDraftModel
     from transformers import Qwen3MoeForCausalLM
-    tp = write_moe_target(str(tmp_path / "t"), norm_topk_prob=True, mlp_only_layers=(1,), num_layers=4, seed=3)
-    dp = write_draft(str(tmp_path / "d"), tp, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=4)
+    root = tmp_path_factory.mktemp("moe_dflash")
+    tp = write_moe_target(str(root / "t"), norm_topk_prob=True, mlp_only_layers=(1,), num_layers=4, seed=3)
+    dp = write_draft(str(root / "d"), tp, num_layers=2, block_size=8, target_layer_ids=[0, 2], seed=4)
     hf = Qwen3MoeForCausalLM.from_pretrained(tp, dtype=torch.float32).eval().requires_grad_(False)
     ref_draft = DFlashDraftModel.from_pretrained(dp, dtype=torch.float32).eval().requires_grad_(False)
     target = load_target(tp, "float32")
-    draft = load_draft(dp, target=target, dtype="float32")
     prompts = random_prompts(2, 127, min_len=3, max_len=12, seed=1)
-    res = generate(target, draft, prompts, max_new_tokens=20, block_size=8, verify_width="block")
+    ref = [reference_generate(ref_draft, hf, p, 20, block_size=8) for p in prompts]
+    return dict(target=target, draft=load_draft(dp, target=target, dtype="float32"), prompts=prompts,
+                tokens=[r.output_ids[0, len(p):].tolist() for r, p in zip(ref, prompts)],
+                acceptance=[list(r.acceptance_lengths) for r in ref])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verify_width", widths(3))
+def test_dflash_with_moe_target_equals_reference(moe_dflash, verify_width):
+    """Tokens = the reference dflash_generate's with Qwen3MoeForCausalLM as the target, and = plain
+    greedy decoding, at every width (the block, "auto", W = 3); acceptance lengths = the
+    reference's at the block, at most W + 1 otherwise."""
+    target, draft, prompts = moe_dflash["target"], moe_dflash["draft"], moe_dflash["prompts"]
+    res = generate(target, draft, prompts, max_new_tokens=20, block_size=8, verify_width=verify_width)
     assert res.tokens == generate(target, None, prompts, max_new_tokens=20).tokens
-    for p, toks, acc in zip(prompts, res.tokens, res.acceptance_lengths):
-        r = reference_generate(ref_draft, hf, p, 20, block_size=8)
-        assert toks == r.output_ids[0, len(p):].tolist()
-        assert acc == list(r.acceptance_lengths)
+    assert_width_result(res, moe_dflash["tokens"], moe_dflash["acceptance"], verify_width, 8)
 
 
 # ------------------------------------------------------------------------------------ the loader
@@ -482,7 +492,9 @@ def test_gmm_kernel_compiles_for_tpu(topology, rows):
         args = (tpu_aot.abstract((rows, K), jnp.bfloat16, dev), tpu_aot.abstract((128, K, N), jnp.bfloat16, dev),
                 tpu_aot.abstract((128,), jnp.int32, dev))
         compiled = tpu_aot.compile_for_tpu(lambda x, w, g: tpu.gmm(x, w, g), *args)
-        assert "dflash_gmm_tpu" in compiled.as_text() or compiled.memory_analysis() is not None
+        # the Pallas kernel itself (not an XLA fallback), its operands whole in HBM: x, w and the group sizes
+        assert "dflash_gmm_tpu" in compiled.as_text()
+        assert compiled.memory_analysis().argument_size_in_bytes == rows * K * 2 + 128 * K * N * 2 + 128 * 4
 
 
 @pytest.mark.slow

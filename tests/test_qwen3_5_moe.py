@@ -122,9 +122,11 @@ def test_stacked_experts_and_language_model_prefix_load_the_same_weights(tmp_pat
 
 
 @pytest.mark.slow
-def test_greedy_and_dflash_greedy_match_transformers(pair):
+@pytest.mark.parametrize("verify_width", ["block", "auto", pytest.param(1, id="W1")])
+def test_greedy_and_dflash_greedy_match_transformers(pair, verify_width):
     """Plain greedy, DFlash with a random draft (blocks rejected early) and with the truth
-    proposer cut after 2 drafts (the state rolled back mid-block every iteration)."""
+    proposer cut after 2 drafts (the state rolled back mid-block every iteration), at the block,
+    at "auto" and at the prefix width W = 1 (block 4: widths 0, 1, 3; 2 tokens an iteration)."""
     hf, ours = pair
     n = 16
     prompts = random_prompts(2, 128, min_len=3, max_len=10, seed=7)
@@ -132,10 +134,16 @@ def test_greedy_and_dflash_greedy_match_transformers(pair):
     assert generate(ours, None, prompts, max_new_tokens=n).tokens == expected
     draft = init_draft(DraftConfig.for_target(ours.config, num_layers=1, block_size=4, target_layer_ids=(1, 2)),
                        seed=1, dtype="float32")
-    assert generate(ours, draft, prompts, max_new_tokens=n, verify_width="block").tokens == expected
+    if verify_width == "block":      # the random draft's blocks (one more program each width) once
+        assert generate(ours, draft, prompts, max_new_tokens=n, verify_width=verify_width).tokens == expected
     truth = np.zeros((2, 64), np.int32)
     for i, (p, e) in enumerate(zip(prompts, expected)):
         truth[i, :len(p) + n] = p + e
-    res = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n, verify_width="block")
+    res = generate(ours, truth_proposer(draft, truth, 2, 128), prompts, max_new_tokens=n, verify_width=verify_width)
     assert res.tokens == expected
-    assert all(a == 3 for row in res.acceptance_lengths for a in row[:-1])
+    if verify_width == "auto":
+        assert all(1 <= a <= 3 for row in res.acceptance_lengths for a in row)
+        assert max(a for row in res.acceptance_lengths for a in row) >= 2
+    else:
+        want = 3 if verify_width == "block" else 2
+        assert all(a == want for row in res.acceptance_lengths for a in row[:-1]), res.acceptance_lengths
