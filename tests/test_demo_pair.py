@@ -103,7 +103,12 @@ def test_regen_mix_and_self_prompts(tdp, tokenizer_dir):
 
     for n in (32, 1000, 32768):
         counts = tdp.mix_counts(tdp.REGEN_MIX, n)
-        assert sum(counts.values()) == n and min(counts.values()) >= 0
+        biggest = max(tdp.REGEN_MIX, key=tdp.REGEN_MIX.get)
+        assert sum(counts.values()) == n and set(counts) == set(tdp.REGEN_MIX)
+        # each kind its floor share, the largest kind the rounding remainder (fewer than one per kind)
+        assert all(counts[k] == int(n * f) for k, f in tdp.REGEN_MIX.items() if k != biggest), counts
+        assert 0 <= counts[biggest] - int(n * tdp.REGEN_MIX[biggest]) < len(tdp.REGEN_MIX), counts
+        assert n < 1000 or min(counts.values()) > 0, counts
     assert abs(sum(tdp.REGEN_MIX.values()) - 1.0) < 1e-9 and set(tdp.REGEN_MIX) == set(tdp.REGEN_KINDS)
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
