@@ -6,7 +6,8 @@
 Every setting that changes the compiled program lives here and nowhere else (no environment
 variables): two configs in one process compile two programs. `resolve()` turns "auto" into the
 concrete path of a backend and fills the GPU tuning from the device; the loop, the layers and the
-sampler only ever see resolved configs.
+sampler only ever see resolved configs. The measurements behind the defaults below ("the table"):
+docs/perf-log.md, "Kernel configuration table (moved from kernel_config.py)".
 
 attention (the backend of every attention in the target and the draft):
   "auto"        TPU/GPU -> the Pallas kernel of that backend, CPU -> "xla"
@@ -36,9 +37,8 @@ The GPU path's other kernels (ignored, and reset by resolve(), on the other path
 
 moe_gmm (the grouped matmul of MoE targets' expert layers, pallas_kernels/moe):
   "auto"        TPU -> "pallas_tpu", GPU -> "pallas_gpu", CPU -> "xla" (on the H200 the GPU kernel
-                took 48 / 228 / 353 us for 1 / 16 / 128 tokens of a Coder-30B-A3B expert layer against
-                ragged_dot's 306 / 409 / 1681, and a 12-layer verify forward 2.1-3.2 ms against 5.0-5.5:
-                docs/perf-log.md, session 24)
+                measured faster than ragged_dot at every token count of a Coder-30B-A3B expert layer
+                and in a 12-layer verify forward: the table)
   "xla"         jax.lax.ragged_dot (portable; on GPU it streams every expert whatever the routing)
   "pallas"      the Pallas kernel of the backend, reading only the experts some token chose: TPU
                 -> "pallas_tpu", GPU -> "pallas_gpu", CPU -> the TPU kernel interpreted
@@ -51,9 +51,8 @@ moe_route         with the GPU gmm (pallas_gpu, or interpreted): the router's so
                   ops (A/Bs). Off, whatever it says, on the other gmm paths.
 
 gdn (the Gated DeltaNet layers' short blocks, decode and verify, of Qwen3.5 hybrid targets):
-  "auto"        "pallas_gpu" on GPU (measured faster on the H200 with gdn_block_v 32: Qwen3.5-9B
-                B = 1 DFlash iteration 6.49 against 7.08 ms, plain step 4.79 against 5.23, B = 32
-                iteration 23.75 against 23.94; docs/hybrid-targets.md), "xla" elsewhere
+  "auto"        "pallas_gpu" on GPU (measured faster than "xla" on the H200 with gdn_block_v 32 at
+                Qwen3.5-9B shapes, B = 1 and B = 32: the table), "xla" elsewhere
   "xla"         models/gated_delta.py's XLA forms (the verify form the target's config names)
   "pallas"      the fused Triton block kernel and the commit's fold kernel (pallas_kernels/
                 gated_delta) on GPU; on CPU the same kernels interpreted; on TPU "xla"
@@ -61,8 +60,8 @@ gdn (the Gated DeltaNet layers' short blocks, decode and verify, of Qwen3.5 hybr
   resolved only (tests): "pallas_gpu_interpret"
 gdn_block_v       value dims per kernel program (default 32; 0 or >= the head's dv: all of a head's,
                   the gated output norm fused into the kernel; smaller: more programs, the norm
-                  left to XLA). 32 measured faster than the whole head (128) at every H200 point:
-                  B = 1 iteration 6.49 against 8.80 ms, B = 32 23.75 against 39.51
+                  left to XLA). 32 measured faster than the whole head (128) at every H200 point
+                  (the table)
 
 while_graphs (CUDA only; resolve() sets it False on every other backend, where it means nothing):
   None (default) -> True on CUDA: the program is compiled with XLA's CUDA-graph command buffers
@@ -70,11 +69,9 @@ while_graphs (CUDA only; resolve() sets it False on every other backend, where i
                     xla_gpu_enable_command_buffer = XLA's default types + WHILE, CONDITIONAL), so a
                     loop whose trip count the device decides (the one-shot generation, the adaptive
                     widths' loops, the slot engine's adaptive steps) runs as a graph with a device-side
-                    condition instead of the host reading each iteration's predicate. H200, Qwen3-8B
-                    shapes, simulated tau 6.54 (docs/perf-log.md, session 29): B = 64 auto 12,653 ->
-                    13,334 tok/s (+5.4%), its W = 0 +8.2%; B = 128 W = 0 +1.8%; plain decoding
-                    +-1% (B = 1, session 10: a tie). Greedy tokens equal plain decoding's on the
-                    H200 (the embedded pair, auto and block)
+                    condition instead of the host reading each iteration's predicate. Measured
+                    faster on the H200 at B = 64 and 128, a tie for plain decoding at B = 1, greedy
+                    tokens unchanged (the table)
   False             XLA's own command-buffer types (a while loop's predicate read by the host)
 
 The TPU path's (ignored, and reset by resolve(), elsewhere):

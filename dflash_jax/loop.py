@@ -73,8 +73,9 @@ class Static:
     simulate: bool = False
 
     def __hash__(self) -> int:
-        # Computed once per key: hashing a 36-layer target's GraphDef walks every node (~7 ms of
-        # host time), and one generate() call looks its key up in several caches.
+        # Computed once per key: hashing a 36-layer target's GraphDef walks every node (milliseconds
+        # of host time: docs/perf-log.md, session 30), and one generate() call looks its key up in
+        # several caches.
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
@@ -220,7 +221,7 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None):
         with jax.named_scope("prefill_draft_context"):
             fresh = _on_mesh(st, draft.new_cache(B, cache_rows(C)))
             write = lambda: draft.write_context(feats, positions, fresh, valid=p.prompt_lens)   # noqa: E731
-            # (~6-12 ms of a 128-token call of the demo pair on 2 CPU cores, session 36)
+            # (a measurable share of a short call on CPU: docs/perf-log.md, session 36)
             dcache = write() if retired is None else jax.lax.cond(retired, lambda: fresh, write)
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
     tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
@@ -420,8 +421,8 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
             stopped, done = s.stopped | (halt & ~done), done | halt
     pending, pending_count = feats, produced
     if append:   # this row's taps after the pending ones (a done row's count stays; a full row never runs here)
-        # one row written in place per batch row (a select over the whole [B, S, taps] buffer cost
-        # 35 us of a 6.3 ms B = 64 step on the H200, session 28)
+        # one row written in place per batch row (a select over the whole [B, S, taps] buffer
+        # measured slower on the H200: docs/perf-log.md, session 28)
         def put_row(pend, row, n):
             at = jnp.minimum(n, S - 1)
             old = jax.lax.dynamic_slice_in_dim(pend, at, 1, axis=0)
@@ -556,7 +557,8 @@ def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
     fixed part to subtract (0.0 when none), iterations it ran). `rounds` interleaved rounds over the
     widths after one warm-up call; the fastest run and the fastest fixed part are kept SEPARATELY
     (the fastest difference would be a spike: one slow fixed-part run made a B = 1 MoE plain step
-    cost ~0 on the H200, and "auto" then decoded plainly at a third of the block's speed), then the
+    cost ~0 on the H200, and "auto" then decoded plainly, far below the block's speed: docs/perf-log.md,
+    session 27), then the
     costs are made non-decreasing in the width (more verified rows never cost less; the measured
     order can only be noise). Over several processes (a multi-host mesh) every process uses process
     0's costs: each host times the same runs, but its own clock would give each its own width choices,
@@ -585,8 +587,9 @@ def width_history(key, state=None, p: Params | None = None):
     """The (statistics [2, S-1], width index, iterations so far) the last "auto" call of program
     `key` ended with, or None; with `state` (a finished LoopState) and its params `p`, store its own
     first. generate() pays the full-width warm-up once per program, not once per call (on 2 CPU
-    cores, where no width beats plain decoding, two warm-up iterations were ~10% of a 128-token
-    call), and the probes' schedule runs on over the calls (width_step)."""
+    cores, where no width beats plain decoding, the warm-up iterations were a visible share of a
+    short call: docs/perf-log.md, session 28), and the probes' schedule runs on over the calls
+    (width_step)."""
     if state is not None:
         before = 0 if p is None or p.width_step0 is None else int(to_host(p.width_step0))
         _WIDTH_HISTORY[key] = (np.asarray(to_host(state.width_stats), np.float32),

@@ -388,7 +388,7 @@ def _place(model, mesh: Mesh, rules, transform=None):
 
 
 def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RULES):
-    """Place `model`'s parameters (a Qwen3 target or a DFlashDraft, in place) on `mesh` by RULES;
+    """Place `model`'s parameters (a target or a draft, in place) on `mesh` by RULES;
     returns the model. fused_layout (None, the default: wherever the heads split over the model
     axis, `fused_layout_fits`) also permutes qkv / gate_up into the per-shard
     layout (qkv_permutation) and records it on each layer (`qkv_groups`, `num_kv_heads`, which
@@ -532,8 +532,8 @@ def sharded_argmax(logits, mesh: Mesh):
 
 
 # Chunk lengths of the staged top k over a vocabulary row on GPU (_staged_top_k): each stage keeps
-# the top k of every chunk of that length. H200, [7, 151936] float32, k 16, net of a 79 us dispatch:
-# lax.top_k 486 us, one stage of 1024 244, of 512 135, stages (512, 128) 92 (session 27).
+# the top k of every chunk of that length. On the H200 (a [7, 151936] float32 row block, k 16) the
+# stages (512, 128) measured fastest, ahead of one stage and of lax.top_k (docs/perf-log.md, session 27).
 TOP_K_STAGES = (512, 128)
 
 
@@ -562,7 +562,8 @@ def _staged_top_k(x, k: int, stages=TOP_K_STAGES):
 
 def _top_k(x, k: int):
     """(values, int32 ids) of lax.top_k over the last axis: the staged form on CUDA where the row
-    is long (_staged_top_k), lax.top_k elsewhere (on CPU one 1024 stage was 3.5x slower)."""
+    is long (_staged_top_k), lax.top_k elsewhere (on CPU the staged form measured slower:
+    docs/perf-log.md, session 27)."""
     def plain(x):
         v, i = jax.lax.top_k(x, k)
         return v, i.astype(jnp.int32)

@@ -247,9 +247,9 @@ def platform_of(tree) -> str:
 
 
 # steps="auto": iterations per step by the step program's row count. Served on the H200 (Qwen3-8B
-# shapes, simulated tau 6.35, docs/perf-log.md session 30): one busy row ran fastest at K = 4 (831
-# tok/s against 798 at 2 and 766 at 1); 32 concurrent requests at K = 2 (6,606 against 5,854 at 4 and
-# 5,530 at 1): with many rows a row that ends mid-step idles, and an arrival waits, for the rest of it.
+# shapes, simulated acceptance), one busy row ran fastest at K = 4 and 32 concurrent requests at
+# K = 2 (measured: docs/perf-log.md, session 30): with many rows a row that ends mid-step idles, and
+# an arrival waits, for the rest of it.
 STEPS_AUTO_WIDE = 16     # step programs over this many rows or more run 2 iterations a step, others 4
 
 

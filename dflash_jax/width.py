@@ -63,11 +63,10 @@ def program_widths(block_size: int, verify_width="auto", per_row_cost: bool = Fa
     ~sqrt(S) (3 at block 16, 1 at block 8: where a large batch is compute-bound, a few verified
     rows are what pays) and the full block (where verifying is memory-bound); plus a forced
     `verify_width` outside that set. Each width is one more target verify body in the program, and
-    its compile time grows with them (docs/adaptive-width.md, "Compile time": five widths took
-    3.2x the one-width program's CPU seconds at Qwen3-8B shapes, these three 2.1x); the other widths of `widths_for` win
-    too rarely to pay that, except where every verified row costs its own compute even at one
-    row (per_row_cost: XLA:CPU): there the half block (7 at block 16, 3 at block 8) is added
-    (docs/adaptive-width.md)."""
+    its compile time grows with them (measured: docs/adaptive-width.md, "Compile time"); the other
+    widths of `widths_for` win too rarely to pay that, except where every verified row costs its
+    own compute even at one row (per_row_cost: XLA:CPU): there the half block (7 at block 16, 3 at
+    block 8) is added (docs/adaptive-width.md)."""
     full = block_size - 1
     mid = (1 << (max(block_size, 1).bit_length() - 1) // 2) - 1
     ws = {0, full} | ({mid} if 0 < mid < full else set())
@@ -114,8 +113,8 @@ def batch_tokens(stats, widths: tuple[int, ...], remaining, rows) -> jax.Array:
     the slowest of `rows` trails by z·sqrt(m·var) (z the expected maximum of `rows` standard
     normals, Blom's approximation; 0 for one row), so it needs m = x^2 iterations with
     mu·x^2 - z·sd·x = remaining. With one row (or var 0, W = 0) this is E(W). Why: the batch ends
-    with its slowest row, and at B = 128 on the H200 (simulated tau 6.54) W = 3 beat W = 0 by 3% in
-    tokens per cost but ran the batch 6% slower (docs/perf-log.md, session 29)."""
+    with its slowest row, and at B = 128 on the H200 W = 3 beat W = 0 in tokens per cost but ran
+    the batch slower (measured: docs/perf-log.md, session 29)."""
     s = survival(stats)
     p = jnp.arange(s.shape[0], dtype=s.dtype)
     zero = jnp.zeros((1,), s.dtype)
@@ -180,8 +179,8 @@ def choose(stats, cost, current, step, force, widths: tuple[int, ...], horizon=N
 def probe_period(cost, current) -> jax.Array:
     """Iterations between full-width probes while at width index `current`: PROBE_EVERY times the
     probe's cost in iterations of the current width (rounded up, at most 64x). At B = 128 on the
-    H200 a block-16 probe costs 8.7 plain steps, and one every 128 steps held "auto" at 0.96x the
-    plain steps it had chosen (docs/perf-log.md, session 27)."""
+    H200 a block-16 probe costs several plain steps, and a fixed period held "auto" below the plain
+    steps it had chosen (measured: docs/perf-log.md, session 27)."""
     ratio = jnp.ceil(cost[-1] / cost[current])
     return PROBE_EVERY * jnp.clip(ratio, 1, 64).astype(jnp.int32)
 

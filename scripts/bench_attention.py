@@ -105,8 +105,9 @@ def device_call_time(f1, args, n_buf: int, reps: int = 3, parts: dict | None = N
     """Seconds of device time per call: the kernels' own durations in a jax.profiler trace of `reps`
     runs of the one-pass chain (every kernel of the op, the split merge included), so host timing
     jitter, dispatch and launch gaps drop out. f1 must be compiled and warm. parts: filled with the
-    seconds per call of each kernel name. The wall-clock difference (`per_call_time`) moved +-30%
-    between rounds at B=1 (call 24); rounds of this agree within 1% (calls 25-31)."""
+    seconds per call of each kernel name. The wall-clock difference (`per_call_time`) moved a lot
+    between rounds at B=1, while rounds of this agree closely (measured: docs/perf-log.md, the
+    attention kernel's calls)."""
     import tempfile
 
     from bench_gpu import _find_trace, summarize_trace   # scripts/ is on sys.path (this script's dir)
@@ -736,7 +737,7 @@ def run(args) -> dict:
             # with --focus also B=1 at 1k (launch-bound: splits against XLA's fused ops)
             order = sorted((r for r in order if r["ctx"] >= 8192 or (args.focus and r["B"] == 1)),
                            key=lambda r: (r["B"] > 8, r["ctx"] < 8192, -r["kv_MB"]))
-            if args.focus:  # the misses first (call 6: B=8 8k 67%, B=1 32k 49%, B=1 8k 33% of 4.23 TB/s)
+            if args.focus:  # the misses first (the points furthest from the copy bandwidth: docs/perf-log.md)
                 rank = {(8, 8192): 0, (1, 32768): 1, (1, 8192): 2, (1, 1024): 3}
                 order.sort(key=lambda r: rank.get((r["B"], r["ctx"]), 9))
         for row in order:

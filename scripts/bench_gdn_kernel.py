@@ -7,8 +7,8 @@ time per layer, not one launch's host dispatch. One JSON line per row.
     python scripts/bench_gdn_kernel.py --block-v 8,16,32,64,128 --warps 0,1,2,4,8   # H200
     python scripts/bench_gdn_kernel.py --smoke                                     # CPU, interpret mode
 
-Why: at B = 1 the hybrid DFlash iteration is 1.58x its floor and its extra time is per-GDN-layer
-work of the 16-row verify (docs/hybrid-targets.md); the kernel's tiling (value dims per program,
+Why: at B = 1 the hybrid DFlash iteration is well above its floor and its extra time is per-GDN-layer
+work of the 16-row verify (measured: docs/hybrid-targets.md, docs/perf-log.md); the kernel's tiling (value dims per program,
 warps) decides how much of the GPU the 32 v-heads of one row occupy.
 """
 

@@ -4,7 +4,7 @@ measurement with every grouped matmul of `--moe-gmms` (xla = ragged_dot, pallas_
 GPU kernel over the touched experts only), ratios side by side.
 
     timeout 350 python scripts/bench_moe.py --sections loop,widths --batches 1,8,32 --width-batches 1,8 \
-        --moe-gmms pallas_gpu,xla --budget-s 300 --out $OUT   # session 25's H200 call (docs/moe.md)
+        --moe-gmms pallas_gpu,xla --budget-s 300 --out $OUT   # an H200 call (docs/moe.md, docs/perf-log.md)
     python scripts/bench_moe.py --sections layer            # one section
     python scripts/bench_moe.py --smoke                     # tiny shapes on CPU (the GPU kernel interpreted)
 
@@ -71,8 +71,9 @@ def expected_distinct(E: int, k: int, T: int) -> float:
 
 def kv_capacity(n: int) -> int:
     """A KV capacity of at least n entries that the GPU attention kernel tiles (a multiple of 128 covers
-    every block_k it picks; session 24's 536 and 648 were not multiples of 16 and fell back to XLA
-    attention, as `generate`'s own default capacity, rounded to 1024, never does)."""
+    every block_k it picks; capacities that are not multiples of 16 fell back to XLA attention in a
+    measured run, docs/perf-log.md, session 24, as `generate`'s own default capacity, rounded to 1024,
+    never does)."""
     return -(-n // 128) * 128
 
 
@@ -341,7 +342,7 @@ class MoeBench:
         t2, i2 = run(a.n2)
         return 1e3 * (t2 - t1) / max(1, i2 - i1)
 
-    # The loop and widths rows are measured in priority order (the brief of session 25): the first
+    # The loop and widths rows are measured in priority order: the first
     # grouped matmul's loop rows (B = 1 plain and DFlash, then B = 8, B = 32), its width curve, the
     # distinct-expert counts of the floors, then the next grouped matmul's loop and widths. Each row
     # prints as it is measured with its independent-routing floor; the counted floor follows.
