@@ -66,19 +66,6 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
-def width_mix(acceptance_lengths, ws) -> dict:
-    """Iterations of a call counted by the narrowest width of `ws` that covers the most tokens any
-    row produced in that iteration (a plain step makes 1, a W-wide one at most W + 1): the widths
-    the loop ran as seen from its output. A lower bound of the wide widths (an iteration whose rows
-    all accepted few counts as narrower), exact where many rows make one likely to go far (B >= 8)."""
-    n = max((len(r) for r in acceptance_lengths), default=0)
-    out = {w: 0 for w in ws}
-    for j in range(n):
-        m = max(r[j] for r in acceptance_lengths if len(r) > j)
-        out[min(w for w in ws if w + 1 >= m)] += 1
-    return out
-
-
 class Run:
     def __init__(self, args):
         self.args = args
@@ -116,18 +103,13 @@ def gpu_mode(run: Run):
     dcfg = s.draft_config(tcfg)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else (
         [1, 2, 4] if a.smoke else list(PRIORITY))
-    # --batches runs in the order given (a call puts its most wanted batch first); else PRIORITY's
-    order = batches if a.batches else [b for b in PRIORITY if b in batches] + [b for b in batches if b not in PRIORITY]
+    order = [b for b in PRIORITY if b in batches] + [b for b in batches if b not in PRIORITY]
     taus = [float(t) for t in a.taus.split(",")]
     prompt = a.prompt_len or (32 if a.smoke else 256)
     n1, n2 = (4, 20) if a.smoke else (a.n1, a.n2)
     cap = -(-(prompt + n2 + 2 * s.block + 8) // 512) * 512
     ws = width.program_widths(16)
-    fixed = [int(w) for w in a.fixed_widths.split(",") if w]
-    bad = [w for w in fixed if w not in ws or w == 0]
-    if bad:
-        raise SystemExit(f"--fixed-widths {bad}: not a non-zero width of the program {ws}")
-    run.R["settings"] = dict(fixed_widths=fixed, preset=a.preset if not a.smoke else "tiny", block=16, prompt=prompt, n1=n1, n2=n2,
+    run.R["settings"] = dict(preset=a.preset if not a.smoke else "tiny", block=16, prompt=prompt, n1=n1, n2=n2,
                              capacity=cap, taus=taus, reps=a.reps, batches=order, widths=ws,
                              true_plain_batches=a.true_plain_batches,
                              profiles={t: width.geometric_profile(t) for t in taus},
@@ -148,7 +130,7 @@ def gpu_mode(run: Run):
         """Tokens/s by the N1/N2 difference (median of reps)."""
         if not run.fits(key, guess_s):
             return None
-        t1, t2, tok, taus_seen, its, mix = [], [], None, [], [], []
+        t1, t2, tok, taus_seen = [], [], None, []
         # a first run of a program is slower (buffers, first launches), and an auto program's
         # first call profiles its widths: one untimed call first
         gen(b, d, n1, **kw)
@@ -158,14 +140,9 @@ def gpu_mode(run: Run):
             t2.append(r2.run_time_s)
             tok = r2.num_new_tokens - r1.num_new_tokens
             taus_seen.append(r2.mean_tau)
-            its.append(r2.num_iterations - r1.num_iterations)
-            mix.append(width_mix(r2.acceptance_lengths, ws))
         dt = statistics.median(t2) - statistics.median(t1)
-        it = statistics.median(its)
-        out = dict(tok_s=tok / dt if dt > 0 else float("nan"), tokens=tok, dt_s=dt, mean_tau=statistics.median(taus_seen),
-                   iterations=it, ms_per_iter=1e3 * dt / it if it > 0 else float("nan"), width_mix=mix[-1])
-        log(f"  {key}: {out['tok_s']:.1f} tok/s (tau {out['mean_tau']:.2f}; {out['ms_per_iter']:.3f} ms an iteration "
-            f"over {it} iterations; iterations by widest accepted run: {out['width_mix']})")
+        out = dict(tok_s=tok / dt if dt > 0 else float("nan"), tokens=tok, dt_s=dt, mean_tau=statistics.median(taus_seen))
+        log(f"  {key}: {out['tok_s']:.1f} tok/s (tau {out['mean_tau']:.2f})")
         return out
 
     sim0 = width.geometric_profile(taus[0])
@@ -229,7 +206,7 @@ def gpu_mode(run: Run):
             measure(row, f"B{b}_plain_w0", "plain_w0", b, draft, guess.get(b, g0), verify_width=0)
             for tau in taus:
                 with loop._simulated_acceptance(width.geometric_profile(tau)):
-                    for name, vw in [(f"fixed{w + 1}", w) for w in fixed] + [("auto", "auto")]:
+                    for name, vw in (("fixed16", 15), ("auto", "auto")):
                         measure(row, f"B{b}_tau{tau}_{name}", f"tau{tau}_{name}", b, draft, guess.get(b, g0),
                                 verify_width=vw)
             st_costs = [(k, v) for k, v in loop._WIDTH_COSTS.items() if k.batch == b and k.simulate]
@@ -240,14 +217,6 @@ def gpu_mode(run: Run):
                     e = np.concatenate([[1.0], 1.0 + np.cumsum(width.geometric_profile(tau))])   # E(W)
                     score = [e[w] / costs[i] for i, w in enumerate(ws)]
                     row[f"tau{tau}_predicted_W"] = ws[int(np.argmax(score))]
-                    # what choose() scores for a one-shot batch (its slowest row) with N2 tokens left:
-                    # statistics of many iterations at full width drawn from the profile
-                    sv = np.asarray(width.geometric_profile(tau), np.float32)
-                    reach = np.concatenate([[1.0], sv[:-1]]) * 1e4
-                    st = np.stack([reach, sv * 1e4])
-                    bt = np.asarray(width.batch_tokens(st, ws, n2, b))
-                    row[f"tau{tau}_batch_rule"] = dict(tokens=[round(float(x), 3) for x in bt],
-                                                       W=ws[int(np.argmax(bt / np.asarray(costs)))])
             run.save()
         for b in order:   # true plain (no draft) last: W = 0 of the adaptive program stands in for it
             if b in tp and ready(b, False):
@@ -313,39 +282,21 @@ def compile_mode(run: Run):
 
 def table(run: Run, order, taus):
     rows = run.R["rows"]
-    fixed = run.R["settings"].get("fixed_widths", [15])
     print("\nSIMULATED ACCEPTANCE (geometric survival s_p = r^(p+1) fitted to tau at block 16); tokens/s, "
           "ratio to plain (W = 0 of the same program, measured once per B);\n"
-          "true plain = no draft (its own program; only for --true-plain-batches); fixed N = verify width "
-          "N - 1 forced; best = the best fixed width (W = 0 included)")
-    fcols = [f"fixed{w + 1}" for w in fixed]
-    head = f"{'B':>4} {'tau':>5} | {'plain W0':>9} " + " ".join(f"{c:>9}" for c in fcols) + \
-        f" {'auto':>9} | {'auto/pl':>7} {'best':>7} {'auto/best':>9} | {'true plain':>10} {'auto/true':>9} | pred W"
+          "true plain = no draft (its own program; only for --true-plain-batches)")
+    head = f"{'B':>4} {'tau':>5} | {'plain W0':>9} {'fixed 16':>9} {'auto':>9} | {'fixed/pl':>8} {'auto/pl':>8} " \
+           f"{'auto/fix':>8} | {'true plain':>10} {'auto/true':>9} | pred W"
     print(head)
     print("-" * len(head))
-    nan = float("nan")
     for b in sorted(order):
         row = rows.get(str(b), {})
         for tau in taus:
-            g = lambda k: row.get(f"tau{tau}_{k}", {}).get("tok_s", nan)   # noqa: E731
-            p0, au = row.get("plain_w0", {}).get("tok_s", nan), g("auto")
-            fx = {c: g(c) for c in fcols}
-            cand = {"fixed1": p0, **fx}
-            best = max((k for k in cand if cand[k] == cand[k]), key=lambda k: cand[k], default=None)
-            bv = cand[best] if best else nan
-            tp = row.get("true_plain", {}).get("tok_s", nan)
-            pb = row.get(f"tau{tau}_batch_rule", {}).get("W", "-")
-            print(f"{b:>4} {tau:>5} | {p0:9.1f} " + " ".join(f"{fx[c]:9.1f}" for c in fcols) +
-                  f" {au:9.1f} | {au / p0:7.2f} {(best or '-'):>7} {au / bv:9.3f} | {tp:10.1f} {au / tp:9.2f} | "
-                  f"E {row.get(f'tau{tau}_predicted_W', '-')}, batch {pb}")
-    print("\nin-loop ms per iteration (time difference / iteration difference of the N1 and N2 runs) and "
-          "auto's iterations by width (widest accepted run; B >= 8 exact):")
-    for b in sorted(order):
-        row = rows.get(str(b), {})
-        for k, v in sorted(row.items()):
-            if isinstance(v, dict) and "ms_per_iter" in v:
-                print(f"  B={b} {k:20s} {v['ms_per_iter']:8.3f} ms x {v['iterations']} its  tau {v['mean_tau']:.2f}"
-                      + (f"  mix {v['width_mix']}" if k.endswith("auto") else ""))
+            g = lambda k: row.get(f"tau{tau}_{k}", {}).get("tok_s", float("nan"))   # noqa: E731
+            p0, f16, au = row.get("plain_w0", {}).get("tok_s", float("nan")), g("fixed16"), g("auto")
+            tp = row.get("true_plain", {}).get("tok_s", float("nan"))
+            print(f"{b:>4} {tau:>5} | {p0:9.1f} {f16:9.1f} {au:9.1f} | {f16 / p0:8.2f} {au / p0:8.2f} {au / f16:8.2f} | "
+                  f"{tp:10.1f} {au / tp:9.2f} | {row.get(f'tau{tau}_predicted_W', '-')}")
     if run.R["costs_ms"]:
         ws = run.R["settings"].get("widths", "?")
         print(f"\nmeasured iteration cost (ms) at W = {ws} (the auto program's own profile):")
@@ -431,8 +382,6 @@ def main():
     ap.add_argument("--preset", default="qwen3-8b", help="the target's shapes (TargetConfig.preset; e.g. "
                     "qwen3-coder-30b-a3b, the MoE issue's, at --taus 8.09)")
     ap.add_argument("--taus", default="4.24,6.54")
-    ap.add_argument("--fixed-widths", default="15", metavar="3,15",
-                    help="verify widths forced at each tau beside auto (columns 'fixed W+1'; widths of the program)")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--n1", type=int, default=16)
     ap.add_argument("--n2", type=int, default=96)
