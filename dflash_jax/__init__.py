@@ -1,4 +1,7 @@
-"""dflash-jax: DFlash block-diffusion speculative decoding for Qwen3 in JAX.
+"""dflash-jax: DFlash block-diffusion speculative decoding in JAX.
+
+Targets: Qwen3, Llama-3.x, Qwen3-MoE and Qwen3.5 hybrids (dense and MoE), chosen by the checkpoint's
+model_type (dflash_jax.models); drafts: DFlash and DFlash2 (dflash_jax.drafts).
 
     from dflash_jax import load_target, load_draft, generate
     target = load_target("Qwen/Qwen3-8B", dtype="bfloat16")
