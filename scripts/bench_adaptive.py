@@ -15,13 +15,15 @@ realistic tau (benchmark only: loop._simulated_acceptance, no user path reaches 
 program per batch (widths 0, 3, 15: width.program_widths) serves all three columns (the verify width
 is a traced value): "plain" there is W = 0 (forced, so it retires at once: plain steps in the
 adaptive program, no draft context; loop.run), measured once per batch, "fixed 16" W = 15, "auto" the loop's
-choice from the costs it profiled. "true plain" is decoding without a draft (its own program), for
---true-plain-batches only, after every adaptive row. tokens/s = (tokens of an N2 run - tokens of an
+choice from the costs it profiled; --fixed-widths 3,15 adds a column per forced width. "true plain" is
+decoding without a draft (its own program), for --true-plain-batches only, after its batch's
+adaptive rows. Each row also gives its in-loop ms per iteration (the N1/N2 difference over the
+iteration difference: compare with the profiled costs) and auto's iterations by width. tokens/s = (tokens of an N2 run - tokens of an
 N1 run) / (time difference): steady state, prefill and the auto warm-up cancel. (An auto call
 starts from its program's last call's statistics, loop.width_history: every timed run follows an
 untimed one, so none has a warm-up.)
 
-Batches run in priority order (64, 1, 8, 32, 128). Programs compile ONE at a time, in that order, in
+Batches run in the order --batches gives, else in priority order (64, 1, 8, 32, 128). Programs compile ONE at a time, in that order, in
 one background thread, so batch k+1's program compiles while batch k is measured (a pool of four
 concurrent compiles was much slower per program: docs/perf-log.md, session 24). The run stops starting new work
 when --budget-s is near, prints each row as it is measured and the table of what it has; JSON to
@@ -66,6 +68,19 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
+def width_mix(acceptance_lengths, ws) -> dict:
+    """Iterations of a call counted by the narrowest width of `ws` that covers the most tokens any
+    row produced in that iteration (a plain step makes 1, a W-wide one at most W + 1): the widths
+    the loop ran as seen from its output. A lower bound of the wide widths (an iteration whose rows
+    all accepted few counts as narrower), exact where many rows make one likely to go far (B >= 8)."""
+    n = max((len(r) for r in acceptance_lengths), default=0)
+    out = {w: 0 for w in ws}
+    for j in range(n):
+        m = max(r[j] for r in acceptance_lengths if len(r) > j)
+        out[min(w for w in ws if w + 1 >= m)] += 1
+    return out
+
+
 class Run:
     def __init__(self, args):
         self.args = args
@@ -103,13 +118,18 @@ def gpu_mode(run: Run):
     dcfg = s.draft_config(tcfg)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else (
         [1, 2, 4] if a.smoke else list(PRIORITY))
-    order = [b for b in PRIORITY if b in batches] + [b for b in batches if b not in PRIORITY]
+    # --batches runs in the order given (a call puts its most wanted batch first); else PRIORITY's
+    order = batches if a.batches else [b for b in PRIORITY if b in batches] + [b for b in batches if b not in PRIORITY]
     taus = [float(t) for t in a.taus.split(",")]
     prompt = a.prompt_len or (32 if a.smoke else 256)
     n1, n2 = (4, 20) if a.smoke else (a.n1, a.n2)
     cap = -(-(prompt + n2 + 2 * s.block + 8) // 512) * 512
-    ws = width.program_widths(16)
-    run.R["settings"] = dict(preset=a.preset if not a.smoke else "tiny", block=16, prompt=prompt, n1=n1, n2=n2,
+    ws = width.program_widths(16, per_row_cost=jax.default_backend() == "cpu")   # as loop.make_static's
+    fixed = [int(w) for w in a.fixed_widths.split(",") if w]
+    bad = [w for w in fixed if w not in ws or w == 0]
+    if bad:
+        raise SystemExit(f"--fixed-widths {bad}: not a non-zero width of the program {ws}")
+    run.R["settings"] = dict(fixed_widths=fixed, preset=a.preset if not a.smoke else "tiny", block=16, prompt=prompt, n1=n1, n2=n2,
                              capacity=cap, taus=taus, reps=a.reps, batches=order, widths=ws,
                              true_plain_batches=a.true_plain_batches,
                              profiles={t: width.geometric_profile(t) for t in taus},
@@ -130,7 +150,7 @@ def gpu_mode(run: Run):
         """Tokens/s by the N1/N2 difference (median of reps)."""
         if not run.fits(key, guess_s):
             return None
-        t1, t2, tok, taus_seen = [], [], None, []
+        t1, t2, tok, taus_seen, its, mix = [], [], None, [], [], []
         # a first run of a program is slower (buffers, first launches), and an auto program's
         # first call profiles its widths: one untimed call first
         gen(b, d, n1, **kw)
@@ -140,9 +160,14 @@ def gpu_mode(run: Run):
             t2.append(r2.run_time_s)
             tok = r2.num_new_tokens - r1.num_new_tokens
             taus_seen.append(r2.mean_tau)
+            its.append(r2.num_iterations - r1.num_iterations)
+            mix.append(width_mix(r2.acceptance_lengths, ws))
         dt = statistics.median(t2) - statistics.median(t1)
-        out = dict(tok_s=tok / dt if dt > 0 else float("nan"), tokens=tok, dt_s=dt, mean_tau=statistics.median(taus_seen))
-        log(f"  {key}: {out['tok_s']:.1f} tok/s (tau {out['mean_tau']:.2f})")
+        it = statistics.median(its)
+        out = dict(tok_s=tok / dt if dt > 0 else float("nan"), tokens=tok, dt_s=dt, mean_tau=statistics.median(taus_seen),
+                   iterations=it, ms_per_iter=1e3 * dt / it if it > 0 else float("nan"), width_mix=mix[-1])
+        log(f"  {key}: {out['tok_s']:.1f} tok/s (tau {out['mean_tau']:.2f}; {out['ms_per_iter']:.3f} ms an iteration "
+            f"over {it} iterations; iterations by widest accepted run: {out['width_mix']})")
         return out
 
     sim0 = width.geometric_profile(taus[0])
@@ -163,7 +188,9 @@ def gpu_mode(run: Run):
             run.R.setdefault("compile_s", {})[f"B{b}_{'adaptive' if dfl else 'plain'}"] = dt
             return dt
         tp = [int(x) for x in a.true_plain_batches.split(",") if x] if a.true_plain_batches else []
-        plan = [(b, True) for b in order] + [(b, False) for b in order if b in tp]
+        # each batch's true-plain program right after its adaptive one (a budget that runs out then
+        # still has plain decoding next to the batches it measured)
+        plan = [(b, dfl) for b in order for dfl in ((True, False) if b in tp else (True,))]
         ex = cf.ThreadPoolExecutor(max_workers=1)
         futs = {}
         if a.compile_ahead:
@@ -206,7 +233,7 @@ def gpu_mode(run: Run):
             measure(row, f"B{b}_plain_w0", "plain_w0", b, draft, guess.get(b, g0), verify_width=0)
             for tau in taus:
                 with loop._simulated_acceptance(width.geometric_profile(tau)):
-                    for name, vw in (("fixed16", 15), ("auto", "auto")):
+                    for name, vw in [(f"fixed{w + 1}", w) for w in fixed] + [("auto", "auto")]:
                         measure(row, f"B{b}_tau{tau}_{name}", f"tau{tau}_{name}", b, draft, guess.get(b, g0),
                                 verify_width=vw)
             st_costs = [(k, v) for k, v in loop._WIDTH_COSTS.items() if k.batch == b and k.simulate]
@@ -217,11 +244,17 @@ def gpu_mode(run: Run):
                     e = np.concatenate([[1.0], 1.0 + np.cumsum(width.geometric_profile(tau))])   # E(W)
                     score = [e[w] / costs[i] for i, w in enumerate(ws)]
                     row[f"tau{tau}_predicted_W"] = ws[int(np.argmax(score))]
+                    # what choose() scores for a one-shot batch (its slowest row) with N2 tokens left:
+                    # statistics of many iterations at full width drawn from the profile
+                    sv = np.asarray(width.geometric_profile(tau), np.float32)
+                    reach = np.concatenate([[1.0], sv[:-1]]) * 1e4
+                    st = np.stack([reach, sv * 1e4])
+                    bt = np.asarray(width.batch_tokens(st, ws, n2, b))
+                    row[f"tau{tau}_batch_rule"] = dict(tokens=[round(float(x), 3) for x in bt],
+                                                       W=ws[int(np.argmax(bt / np.asarray(costs)))])
             run.save()
-        for b in order:   # true plain (no draft) last: W = 0 of the adaptive program stands in for it
-            if b in tp and ready(b, False):
-                measure(run.R["rows"].setdefault(str(b), {}), f"B{b}_true_plain", "true_plain", b, None,
-                        guess.get(b, 20.0))
+            if b in tp and ready(b, False):   # true plain (no draft), after the batch's adaptive rows
+                measure(row, f"B{b}_true_plain", "true_plain", b, None, guess.get(b, 20.0))
         ex.shutdown(wait=False, cancel_futures=True)
     table(run, order, taus)
 
@@ -282,21 +315,39 @@ def compile_mode(run: Run):
 
 def table(run: Run, order, taus):
     rows = run.R["rows"]
+    fixed = run.R["settings"].get("fixed_widths", [15])
     print("\nSIMULATED ACCEPTANCE (geometric survival s_p = r^(p+1) fitted to tau at block 16); tokens/s, "
           "ratio to plain (W = 0 of the same program, measured once per B);\n"
-          "true plain = no draft (its own program; only for --true-plain-batches)")
-    head = f"{'B':>4} {'tau':>5} | {'plain W0':>9} {'fixed 16':>9} {'auto':>9} | {'fixed/pl':>8} {'auto/pl':>8} " \
-           f"{'auto/fix':>8} | {'true plain':>10} {'auto/true':>9} | pred W"
+          "true plain = no draft (its own program; only for --true-plain-batches); fixed N = verify width "
+          "N - 1 forced; best = the best fixed width (W = 0 included)")
+    fcols = [f"fixed{w + 1}" for w in fixed]
+    head = f"{'B':>4} {'tau':>5} | {'plain W0':>9} " + " ".join(f"{c:>9}" for c in fcols) + \
+        f" {'auto':>9} | {'auto/pl':>7} {'best':>7} {'auto/best':>9} | {'true plain':>10} {'auto/true':>9} | pred W"
     print(head)
     print("-" * len(head))
+    nan = float("nan")
     for b in sorted(order):
         row = rows.get(str(b), {})
         for tau in taus:
-            g = lambda k: row.get(f"tau{tau}_{k}", {}).get("tok_s", float("nan"))   # noqa: E731
-            p0, f16, au = row.get("plain_w0", {}).get("tok_s", float("nan")), g("fixed16"), g("auto")
-            tp = row.get("true_plain", {}).get("tok_s", float("nan"))
-            print(f"{b:>4} {tau:>5} | {p0:9.1f} {f16:9.1f} {au:9.1f} | {f16 / p0:8.2f} {au / p0:8.2f} {au / f16:8.2f} | "
-                  f"{tp:10.1f} {au / tp:9.2f} | {row.get(f'tau{tau}_predicted_W', '-')}")
+            g = lambda k: row.get(f"tau{tau}_{k}", {}).get("tok_s", nan)   # noqa: E731
+            p0, au = row.get("plain_w0", {}).get("tok_s", nan), g("auto")
+            fx = {c: g(c) for c in fcols}
+            cand = {"fixed1": p0, **fx}
+            best = max((k for k in cand if cand[k] == cand[k]), key=lambda k: cand[k], default=None)
+            bv = cand[best] if best else nan
+            tp = row.get("true_plain", {}).get("tok_s", nan)
+            pb = row.get(f"tau{tau}_batch_rule", {}).get("W", "-")
+            print(f"{b:>4} {tau:>5} | {p0:9.1f} " + " ".join(f"{fx[c]:9.1f}" for c in fcols) +
+                  f" {au:9.1f} | {au / p0:7.2f} {(best or '-'):>7} {au / bv:9.3f} | {tp:10.1f} {au / tp:9.2f} | "
+                  f"E {row.get(f'tau{tau}_predicted_W', '-')}, batch {pb}")
+    print("\nin-loop ms per iteration (time difference / iteration difference of the N1 and N2 runs) and "
+          "auto's iterations by width (widest accepted run; B >= 8 exact):")
+    for b in sorted(order):
+        row = rows.get(str(b), {})
+        for k, v in sorted(row.items()):
+            if isinstance(v, dict) and "ms_per_iter" in v:
+                print(f"  B={b} {k:20s} {v['ms_per_iter']:8.3f} ms x {v['iterations']} its  tau {v['mean_tau']:.2f}"
+                      + (f"  mix {v['width_mix']}" if k.endswith("auto") else ""))
     if run.R["costs_ms"]:
         ws = run.R["settings"].get("widths", "?")
         print(f"\nmeasured iteration cost (ms) at W = {ws} (the auto program's own profile):")
@@ -382,6 +433,8 @@ def main():
     ap.add_argument("--preset", default="qwen3-8b", help="the target's shapes (TargetConfig.preset; e.g. "
                     "qwen3-coder-30b-a3b, the MoE issue's, at --taus 8.09)")
     ap.add_argument("--taus", default="4.24,6.54")
+    ap.add_argument("--fixed-widths", default="15", metavar="3,15",
+                    help="verify widths forced at each tau beside auto (columns 'fixed W+1'; widths of the program)")
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--n1", type=int, default=16)
     ap.add_argument("--n2", type=int, default=96)
