@@ -12,6 +12,8 @@ A step that cannot be read back (a damaged or partial directory) is moved aside 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -66,7 +68,7 @@ class RunCheckpoints:
     def latest(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore_latest(self, abstract_state, check=None) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, abstract_state, check=None, then: str = "resuming from") -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest step that reads back; None when there is no step.
         `abstract_state` may be a function of the step's meta. `check(meta)` runs on each step's meta
         before its state is read (a refusal propagates). An
@@ -93,12 +95,12 @@ class RunCheckpoints:
                 failed.append((step, _one_line(e)))
                 continue
             if failed:
-                self._set_aside([s for s, _ in failed], step)
+                self._set_aside([s for s, _ in failed], step, then)
             return step, state, meta
         raise CheckpointError(f"no checkpoint in {self.directory} can be read back ("
                               + "; ".join(f"step {s}: {e}" for s, e in failed) + "); use a new --out directory")
 
-    def _set_aside(self, steps, good: int) -> None:
+    def _set_aside(self, steps, good: int, then: str = "resuming from") -> None:
         """Move damaged step directories out of the manager's way (kept for inspection, never deleted)."""
         aside = self.directory.rstrip(os.sep) + ".damaged"
         os.makedirs(aside, exist_ok=True)
@@ -110,27 +112,63 @@ class RunCheckpoints:
                 dst, n = os.path.join(aside, f"{s}.{n}"), n + 1
             if os.path.exists(src):
                 os.replace(src, dst)
-            print(f"warning: checkpoint step {s} cannot be read back; moved to {dst}, resuming from step {good}",
+            print(f"warning: checkpoint step {s} cannot be read back; moved to {dst}, {then} step {good}",
                   file=sys.stderr)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True),
             item_names=("state", "meta"))
 
     def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        with _drained_loops():
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         leaves, treedef = jax.tree.flatten(abstract_state)
         target = {f"{i:06d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
                   for i, x in enumerate(leaves)}
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        with _drained_loops():
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         flat = out["state"]
         return jax.tree.unflatten(treedef, [flat[f"{i:06d}"] for i in range(len(leaves))]), out["meta"]
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+@contextlib.contextmanager
+def _drained_loops():
+    """orbax runs a restore in a fresh event loop that it closes as soon as the restore raises; the
+    reads still in flight (a damaged step fails on its first bad chunk) then call into the closed
+    loop and each prints an "Event loop is closed" traceback (70 for a small draft). Within this
+    block such a loop first lets its pending tasks end, as asyncio.run does."""
+    try:
+        from orbax.checkpoint._src import asyncio_utils
+        run = asyncio_utils._run_sync_via_new_loop
+    except (ImportError, AttributeError):  # another orbax: nothing to drain here
+        yield
+        return
+
+    def drained(coro):
+        loop = asyncio.new_event_loop()
+        try:
+            asyncio.set_event_loop(loop)
+            return loop.run_until_complete(coro)
+        finally:
+            try:
+                pending = asyncio.all_tasks(loop)
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
+    asyncio_utils._run_sync_via_new_loop = drained
+    try:
+        yield
+    finally:
+        asyncio_utils._run_sync_via_new_loop = run
 
 
 def check_contract(saved: dict, want: dict, where: str) -> None:

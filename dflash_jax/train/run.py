@@ -302,7 +302,7 @@ def load_run_draft(run_dir: str, step: int | None = None, dtype="float32") -> tu
 
     try:
         if step is None:
-            found = ckpt.restore_latest(abstract)
+            found = ckpt.restore_latest(abstract, then="using")
             if found is None:
                 raise FileNotFoundError(f"{run_dir} has no checkpoint (checkpoints/ is empty)")
             _, state, meta = found
