@@ -178,3 +178,30 @@ def test_export_past_a_damaged_step_is_one_warning_line(tmp_path, capfd, monkeyp
                                             f"{d}/checkpoints.damaged/2, using step 1"], err[:3000]
         assert out.strip() == f"exported step 1 of {d} to {tmp_path / f'out{i}'}"
     assert closed_pending and not any(closed_pending), closed_pending
+
+
+def test_resuming_a_dflash_run_as_dflash2_names_the_arch(tmp_path):
+    import dataclasses
+
+    import numpy as np
+
+    from dflash_jax import init_target
+    from dflash_jax.drafts.dflash2 import DFlash2Draft
+    from dflash_jax.train.checkpoint import ContractError
+    from dflash_jax.train.data import TokenData
+    from dflash_jax.train.run import RunConfig, train
+
+    run, tcfg, dcfg = _fake_run(str(tmp_path / "run"), steps=(1,))
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 63, (8, 32)).astype(np.int32)
+    lm = np.ones((8, 32), np.uint8)
+    target = init_target(tcfg, dtype="float32")
+    v2 = dataclasses.replace(dcfg, architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16,
+                             selector_rank=4, selector_top_k=2)
+    kw = dict(run=RunConfig(out_dir=run, batch_size=4, progress=False), num_anchors=6, compute_dtype="float32")
+    with pytest.raises(ContractError, match=r"it trains a DFlash-1 draft \(--arch dflash\) and this run a DFlash2 "
+                                            r"draft \(--arch dflash2\); give the original --arch"):
+        train(target, DFlash2Draft.for_training(v2), TokenData(tok, lm), **kw)
+    with pytest.raises(ContractError, match=r"the draft differs \(--draft-layers: checkpoint 1 vs this run 2\)"):
+        train(target, dataclasses.replace(dcfg, num_layers=2), TokenData(tok, lm), **kw)
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["1"]  # nothing set aside as damaged

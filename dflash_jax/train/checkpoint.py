@@ -26,7 +26,7 @@ import numpy as np
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["ContractError", "CheckpointError", "RunCheckpoints", "check_contract", "check_identity",
+__all__ = ["ContractError", "CheckpointError", "RunCheckpoints", "check_contract", "check_draft", "check_identity",
            "check_settings", "target_identity", "FLAGS"]
 
 
@@ -68,7 +68,8 @@ class RunCheckpoints:
     def latest(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore_latest(self, abstract_state, check=None, then: str = "resuming from") -> tuple[int, Any, dict] | None:
+    def restore_latest(self, abstract_state, check=None,
+                       then: str = "resuming from") -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest step that reads back; None when there is no step.
         `abstract_state` may be a function of the step's meta. `check(meta)` runs on each step's meta
         before its state is read (a refusal propagates). An
@@ -169,6 +170,32 @@ def _drained_loops():
         yield
     finally:
         asyncio_utils._run_sync_via_new_loop = run
+
+
+# draft config field -> the train flag that sets it (named in refusals)
+DRAFT_FLAGS = dict(num_layers="--draft-layers", block_size="--block-size", target_layer_ids="--taps",
+                   mask_token_id="--mask-token-id", conv_kernel_size="--conv-kernel-size",
+                   conv_group_size="--conv-group-size", selector_rank="--selector-rank",
+                   selector_top_k="--selector-top-k", sliding_window="--sliding-window")
+_ARCHS = {"DFlashDraftModel": "a DFlash-1 draft (--arch dflash)",
+          "DFlash2DraftModel": "a DFlash2 draft (--arch dflash2)"}
+
+
+def check_draft(saved: dict | None, want: dict, where: str) -> None:
+    """Refuse another draft architecture or shape, naming it and the flag: its steps would not read
+    back into this draft (and must not be set aside as damaged)."""
+    if not saved:
+        return
+    want = json.loads(json.dumps(want))  # as the meta record holds it: tuples as lists
+    have, new = saved.get("architecture", "DFlashDraftModel"), want.get("architecture", "DFlashDraftModel")
+    if have != new:
+        raise ContractError(f"cannot resume from {where}: it trains {_ARCHS.get(have, have)} and this run "
+                            f"{_ARCHS.get(new, new)}; give the original --arch or a new --out directory")
+    diff = [f"{DRAFT_FLAGS.get(k, k)}: checkpoint {saved[k]!r} vs this run {want[k]!r}"
+            for k in sorted(saved) if k in want and saved[k] != want[k]]
+    if diff:
+        raise ContractError(f"cannot resume from {where}: the draft differs ({'; '.join(diff)}); use the original "
+                            "flags or a new --out directory")
 
 
 def check_contract(saved: dict, want: dict, where: str) -> None:

@@ -21,7 +21,7 @@ from flax import nnx
 from dflash_jax.config import DraftConfig
 from dflash_jax.drafts.dflash import DFlashDraft
 from dflash_jax.models.stack import CausalLM
-from dflash_jax.train.checkpoint import (RunCheckpoints, check_contract, check_identity, check_settings,
+from dflash_jax.train.checkpoint import (RunCheckpoints, check_contract, check_draft, check_identity, check_settings,
                                          target_identity)
 from dflash_jax.train.data import DataError, TokenData
 from dflash_jax.train.step import StepConfig, Trainer, TrainState, init_state, make_mesh, split_draft, trim_batch
@@ -186,6 +186,7 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
     epoch, cursor = 0, 0
 
     def check(saved):
+        check_draft(saved.get("draft_config"), dataclasses.asdict(dcfg), ckpt.directory)
         check_contract(saved["contract"], contract, ckpt.directory)
         check_identity(saved.get("identity", {}), identity, ckpt.directory)
         check_settings(saved.get("settings", {}), settings, ckpt.directory)
