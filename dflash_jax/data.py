@@ -105,21 +105,39 @@ def _row_id(row: Mapping[str, Any], index: int) -> str:
     return str(index)
 
 
+def _text_lines(path: str):
+    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is a ValueError naming the
+    file and the line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+
+
+def _is_not_a_file(path: str, what: str) -> FileNotFoundError:
+    """The error of a path that is no file (FileNotFoundError, as the callers catch it), saying
+    which: missing or a directory."""
+    if os.path.isdir(path):
+        return FileNotFoundError(f"{what} {path} is a directory, not a file")
+    return FileNotFoundError(f"{what} {path} does not exist")
+
+
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise _is_not_a_file(path, "data file")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object per line")
-            rows.append(row)
+    for n, line in _text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object per line")
+        rows.append(row)
     if not rows:
         raise ValueError(f"data file {path} has no rows")
     return rows
@@ -232,12 +250,8 @@ def read_prompt_file(path: str) -> list:
     an object with `prompt` (text) or `messages` (a conversation), or a list of messages; in a file
     that is not JSONL every non-empty line is one user turn. Returns str or message lists."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [(n, l.rstrip("\r\n")) for n, l in enumerate(f, 1) if l.strip()]
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise _is_not_a_file(path, "prompt file")
+    lines = [(n, l.rstrip("\r\n")) for n, l in _text_lines(path) if l.strip()]
     if not lines:
         raise ValueError(f"prompt file {path} has no prompts")
     jsonl = path.endswith(".jsonl") or lines[0][1].lstrip().startswith(("{", "[", '"'))
@@ -249,8 +263,11 @@ def read_prompt_file(path: str) -> list:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if isinstance(row, dict) and "messages" in row:  # a conversation, never text
+            out.append(check_messages(row["messages"], f"{path}:{n}: messages"))
+            continue
         if isinstance(row, dict):
-            row = row["messages"] if "messages" in row else row.get("prompt")
+            row = row.get("prompt")
         if isinstance(row, str):
             if not row.strip():
                 raise ValueError(f"{path}:{n}: the prompt is empty")

@@ -205,3 +205,31 @@ def test_resuming_a_dflash_run_as_dflash2_names_the_arch(tmp_path):
     with pytest.raises(ContractError, match=r"the draft differs \(--draft-layers: checkpoint 1 vs this run 2\)"):
         train(target, dataclasses.replace(dcfg, num_layers=2), TokenData(tok, lm), **kw)
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["1"]  # nothing set aside as damaged
+
+
+# ----------------------------------------------------------------------------------------- prompt files
+def test_prompt_and_data_files_name_the_file_and_line(tmp_path):
+    from dflash_jax import data
+
+    bad = tmp_path / "q.jsonl"
+    bad.write_bytes(b'{"question": "fine"}\n{"question": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:2: not UTF-8 text"):
+        data.load_prompts(data_file=str(bad))
+    with pytest.raises(ValueError, match=r"q.jsonl:2: not UTF-8 text"):
+        data.read_prompt_file(str(bad))
+    for read in (lambda p: data.load_prompts(data_file=p), data.read_prompt_file):
+        with pytest.raises(FileNotFoundError, match=f"{tmp_path} is a directory, not a file"):
+            read(str(tmp_path))
+    msgs = tmp_path / "m.jsonl"
+    for line in ('{"messages": "x"}', '{"messages": []}', '{"messages": [{"role": "user"}]}'):
+        msgs.write_text('{"prompt": "fine"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=r"m.jsonl:2: messages"):
+            data.read_prompt_file(str(msgs))
+    msgs.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "p"}\n')
+    assert data.read_prompt_file(str(msgs)) == [[{"role": "user", "content": "hi"}], "p"]
+
+
+def test_a_prompt_file_that_is_a_directory_is_one_cli_line(cli_models, tmp_path, capsys):
+    argv = ["--model", cli_models[0], "--draft", cli_models[1], "--dtype", "float32", "--prompt-file", str(tmp_path)]
+    line = _usage_error(tc.gen_cli, argv, capsys)
+    assert f"--prompt-file: prompt file {tmp_path} is a directory, not a file" in line, line
