@@ -106,6 +106,11 @@ def _models():
         prompt: Union[str, list[int], list[str], list[list[int]]]
         echo: bool = False
         suffix: Any = None
+        # chat's tool fields, refused here too rather than ignored (_UNSUPPORTED)
+        tools: Any = None
+        tool_choice: Any = None
+        functions: Any = None
+        function_call: Any = None
 
     class Message(BaseModel):
         model_config = ConfigDict(extra="allow", strict=True)
@@ -842,13 +847,22 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.verify_width = "auto" if args.slots > 1 else "block"
     elif args.verify_width != "block" and args.slots < 2:
         parser.error(f"--verify-width {args.verify_width} needs the slot engine (--slots > 1)")
+    if args.slots < 2:  # the slot engine's flags would do nothing to the one-request engine
+        for flag, value, default in (("--engine-steps", args.engine_steps, "auto"),
+                                     ("--insert-width", args.insert_width, None),
+                                     ("--step-buckets", args.step_buckets, "auto"),
+                                     ("--engine-pipeline", args.engine_pipeline, 1)):
+            if value != default:
+                parser.error(f"{flag} {value} needs the slot engine (--slots > 1); with --slots 1 requests run "
+                             f"one at a time")
+    given = str(args.warmup_prompt_len)
     try:
-        lo, _, hi = str(args.warmup_prompt_len).rpartition(":")
+        lo, _, hi = given.rpartition(":")
         args.warmup_prompt_len = (int(lo), int(hi)) if lo else int(hi)
-        if min(args.warmup_prompt_len if lo else (args.warmup_prompt_len,)) < 0:
-            raise ValueError
+        if min(args.warmup_prompt_len if lo else (args.warmup_prompt_len,)) < 0 or (lo and int(lo) > int(hi)):
+            raise ValueError  # LO > HI: an empty range, nothing would compile
     except ValueError:
-        parser.error(f"--warmup-prompt-len must be N or LO:HI (token counts >= 0), got {args.warmup_prompt_len!r}")
+        parser.error(f"--warmup-prompt-len must be N or LO:HI (token counts >= 0, LO <= HI), got {given!r}")
     try:
         args.step_buckets = parse_step_buckets(args.step_buckets)
     except ValueError as e:

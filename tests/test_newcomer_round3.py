@@ -233,3 +233,41 @@ def test_a_prompt_file_that_is_a_directory_is_one_cli_line(cli_models, tmp_path,
     argv = ["--model", cli_models[0], "--draft", cli_models[1], "--dtype", "float32", "--prompt-file", str(tmp_path)]
     line = _usage_error(tc.gen_cli, argv, capsys)
     assert f"--prompt-file: prompt file {tmp_path} is a directory, not a file" in line, line
+
+
+# ----------------------------------------------------------------------------------------- serve
+@pytest.mark.parametrize("argv,needle", [
+    (["--step-buckets", "1,2"], "--step-buckets 1,2 needs the slot engine (--slots > 1)"),
+    (["--engine-steps", "4"], "--engine-steps 4 needs the slot engine"),
+    (["--insert-width", "2"], "--insert-width 2 needs the slot engine"),
+    (["--engine-pipeline", "0"], "--engine-pipeline 0 needs the slot engine"),
+    (["--slots", "2", "--warmup-prompt-len", "9:3"], "--warmup-prompt-len must be N or LO:HI (token counts >= 0, "
+                                                      "LO <= HI), got '9:3'"),
+])
+def test_serve_flags_that_would_do_nothing_are_refused(argv, needle, capsys):
+    pytest.importorskip("fastapi")
+    from dflash_jax import serve
+
+    assert needle in _usage_error(serve, ["--random-init", "qwen3-0.6b", *argv], capsys)
+
+
+def test_tools_on_completions_are_a_400_as_on_chat(cli_models):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from transformers import AutoTokenizer
+
+    from dflash_jax.serve import build_app
+    from tests.test_serve import FakeGenerate, _assert_400, fake_engine, serving
+
+    eng = fake_engine(FakeGenerate())
+    try:
+        with serving(build_app(eng, AutoTokenizer.from_pretrained(cli_models[0]), model_name="tiny")) as url:
+            tool = [{"type": "function", "function": {"name": "f"}}]
+            for extra, field in ((dict(tools=tool), "tools"), (dict(tool_choice="required"), "tool_choice"),
+                                 (dict(functions=[{"name": "f"}]), "functions")):
+                body = dict(prompt=[1, 2], max_tokens=2, **extra)
+                _assert_400(httpx.post(url + "/v1/completions", json=body, timeout=30), field, body)
+            r = httpx.post(url + "/v1/completions", json=dict(prompt=[1, 2], max_tokens=2, tools=[]), timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        eng.shutdown()
