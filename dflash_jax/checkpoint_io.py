@@ -45,9 +45,17 @@ def resolve_model_dir(path_or_hub_id: str) -> str:
     if os.path.exists(path_or_hub_id) or path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1:
         raise FileNotFoundError(f"model directory {path_or_hub_id!r} does not exist (and it is not a hub id 'org/name')")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
     try:
         return snapshot_download(path_or_hub_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja"])
-    except Exception as e:  # offline, unknown repo, gated: say which and why
+    except LocalEntryNotFoundError:
+        # offline (set by the user, or by the CLIs when the hub is unreachable): huggingface_hub's own
+        # advice, HF_HUB_OFFLINE=0, would only make an unreachable hub retry
+        import huggingface_hub.constants as hc
+        raise FileNotFoundError(f"{path_or_hub_id!r} is not in the local hub cache ({hc.HF_HUB_CACHE}) and the hub "
+                                f"is offline; download it on a machine that reaches the hub (`hf download "
+                                f"{path_or_hub_id}`, then copy the cache) or give a local directory") from None
+    except Exception as e:  # unknown repo, gated, ...: say which and why
         raise FileNotFoundError(f"could not fetch {path_or_hub_id!r} from the hub: {type(e).__name__}: {e}") from None
 
 

@@ -108,7 +108,7 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
             args.draft_dir = resolve_model_dir(args.draft)
             draft_cfg = drafts.read_config(read_json(args.draft_dir))
         except LOAD_ERRORS as e:
-            parser.error(f"--draft {args.draft}: {one_line(e)}{hint}")
+            parser.error(f"--draft {args.draft}: {one_line(e)}{'' if 'offline' in one_line(e) else hint}")
     try:
         if args.random_init is not None:
             cfg = TargetConfig.preset(args.random_init)
@@ -119,7 +119,7 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
             cfg = models.read_config(read_json(args.model_dir))
     except LOAD_ERRORS as e:
         parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
-                     f"{one_line(e)}{hint}")
+                     f"{one_line(e)}{'' if 'offline' in one_line(e) else hint}")
     if args.draft_dir is not None:
         try:
             draft_cfg.check_fits(cfg)

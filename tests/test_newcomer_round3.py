@@ -271,3 +271,15 @@ def test_tools_on_completions_are_a_400_as_on_chat(cli_models):
             assert r.status_code == 200, r.text
     finally:
         eng.shutdown()
+
+
+# ----------------------------------------------------------------------------------------- loading
+def test_offline_hub_message_says_what_to_do_not_hf_hub_offline_0(cli_models, capsys, monkeypatch, tmp_path):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", hc.HF_HUB_OFFLINE)  # restored after the test
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    line = _usage_error(tc.gen_cli, ["--model", cli_models[0], "--draft", "nobody/no-such-draft", "hi"], capsys)
+    assert "HF_HUB_OFFLINE=0" not in line and "(offline:" not in line, line
+    assert f"'nobody/no-such-draft' is not in the local hub cache ({tmp_path}) and the hub is offline" in line
