@@ -35,6 +35,11 @@ def dtype_of(dtype):
     return dt
 
 
+def is_hub_id(source: str) -> bool:
+    """`source` has the shape of a hub id, org/name, and not of a local path."""
+    return not (os.path.exists(source) or source.startswith((".", "/", "~")) or source.count("/") != 1)
+
+
 def resolve_model_dir(path_or_hub_id: str) -> str:
     """A local directory as is; otherwise a hub id fetched (config, safetensors, tokenizer files only).
 
@@ -42,7 +47,7 @@ def resolve_model_dir(path_or_hub_id: str) -> str:
     validation.check_source(path_or_hub_id)
     if os.path.isdir(path_or_hub_id):
         return path_or_hub_id
-    if os.path.exists(path_or_hub_id) or path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1:
+    if not is_hub_id(path_or_hub_id):
         raise FileNotFoundError(f"model directory {path_or_hub_id!r} does not exist (and it is not a hub id 'org/name')")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

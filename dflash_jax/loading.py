@@ -8,6 +8,7 @@ through this module; their flags are dflash_jax.cli.generate's.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -96,8 +97,11 @@ def resolve_sources(parser: argparse.ArgumentParser, args: argparse.Namespace):
     is read. Sets args.model_dir / args.draft_dir; returns the target's TargetConfig."""
     from dflash_jax import drafts, models
     from dflash_jax.config import TargetConfig, read_json
-    from dflash_jax.checkpoint_io import resolve_model_dir
+    from dflash_jax.checkpoint_io import is_hub_id, resolve_model_dir
 
+    tok = getattr(args, "tokenizer", None)
+    if tok is not None and not os.path.isdir(tok) and not is_hub_id(tok):
+        parser.error(f"--tokenizer {tok}: no such directory (and not a hub id 'org/name')")
     offline = go_offline_if_unreachable([args.model, args.draft, args.tokenizer])
     hint = " (offline: only models in the local hub cache can be used)" if offline else ""
     args.model_dir = args.draft_dir = None
@@ -243,18 +247,27 @@ def effective_block_size(args: argparse.Namespace, draft) -> int:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
 
 
-def load_tokenizer(parser: argparse.ArgumentParser, args: argparse.Namespace, needed: bool = True):
+def load_tokenizer(parser: argparse.ArgumentParser, args: argparse.Namespace, needed: bool = True,
+                   hint: str = "pass --tokenizer DIR, or --prompt-ids to run without a tokenizer"):
     """The target's tokenizer (or --tokenizer's); None with --random-init and no --tokenizer, or when
-    not `needed` (token-id prompts) and no --tokenizer was given: then no tokenizer is loaded at all."""
+    not `needed` (token-id prompts) and no --tokenizer was given: then no tokenizer is loaded at all.
+    `hint` ends a refusal: what the user can do instead (the CLI's own flags)."""
     if args.tokenizer is None and (args.model is None or not needed):
         return None
     if not hasattr(args, "model_dir"):
         resolve_sources(parser, args)
     flag, source = ("--tokenizer", args.tokenizer) if args.tokenizer else ("--model", args.model_dir)
     shown = args.tokenizer or args.model
-    hint = "pass --tokenizer DIR, or --prompt-ids to run without a tokenizer"
     if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f)) for f in TOKENIZER_FILES):
         parser.error(f"{flag} {shown} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}); {hint}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # transformers' error would not name the file
+        path = os.path.join(source, name)
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+            except (ValueError, OSError) as e:
+                parser.error(f"{flag} {shown}: {path} is not a readable JSON file ({one_line(e)}); {hint}")
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(source)

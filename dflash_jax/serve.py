@@ -928,7 +928,7 @@ def _check_eos(parser, args, eos: Sequence[int], vocab: int) -> None:
 
 def _load(parser, args):
     """(target, draft, tokenizer, eos ids, served name) from the flags."""
-    tokenizer = loading.load_tokenizer(parser, args)
+    tokenizer = loading.load_tokenizer(parser, args, hint="pass --tokenizer DIR")
     eos = [] if args.random_init else loading.stop_token_ids(args.model, tokenizer)
     _check_eos(parser, args, eos, args.vocab_size)
     target, draft = loading.load_models(parser, args)

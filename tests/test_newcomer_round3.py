@@ -283,3 +283,29 @@ def test_offline_hub_message_says_what_to_do_not_hf_hub_offline_0(cli_models, ca
     line = _usage_error(tc.gen_cli, ["--model", cli_models[0], "--draft", "nobody/no-such-draft", "hi"], capsys)
     assert "HF_HUB_OFFLINE=0" not in line and "(offline:" not in line, line
     assert f"'nobody/no-such-draft' is not in the local hub cache ({tmp_path}) and the hub is offline" in line
+
+
+def test_tokenizer_sources_are_named(cli_models, tmp_path, capsys, monkeypatch):
+    """--tokenizer nope is no hub id: no such directory, not a hub look-up; an empty tokenizer.json
+    is named; serve and benchmark, which have no --prompt-ids, do not suggest it."""
+    import shutil
+
+    pytest.importorskip("fastapi")
+    from dflash_jax import serve
+
+    line = _usage_error(tc.gen_cli, ["--model", cli_models[0], "--draft", "none", "--tokenizer", "nope", "hi"], capsys)
+    assert "--tokenizer nope: no such directory (and not a hub id 'org/name')" in line, line
+    d = tmp_path / "t"
+    shutil.copytree(cli_models[0], d)
+    (d / "tokenizer.json").write_text("")
+    line = _usage_error(tc.gen_cli, ["--model", str(d), "--draft", "none", "hi"], capsys)
+    assert f"{d}/tokenizer.json is not a readable JSON file" in line, line
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(d / f, bare / f)
+    monkeypatch.setattr(serve, "_bind", lambda *a: type("S", (), {"close": lambda self: None})())
+    for cli, argv in ((serve, ["--model", str(bare), "--draft", "none"]),
+                      (tc.bench_cli, ["--model", str(bare), "--draft", cli_models[1], "--dataset", "gsm8k"])):
+        line = _usage_error(cli, argv, capsys)
+        assert "has no tokenizer files" in line and "--prompt-ids" not in line and "--tokenizer DIR" in line, line

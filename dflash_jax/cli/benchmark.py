@@ -219,7 +219,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     cfg = loading.resolve_sources(parser, args)
-    tokenizer = loading.load_tokenizer(parser, args)
+    tokenizer = loading.load_tokenizer(parser, args, hint="pass --tokenizer DIR")
     # Prompts and their lengths are checked before the weights load.
     dataset, prompts = _prompts(parser, args, tokenizer, cfg.vocab_size)
     try:
