@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from dflash_jax import validation  # noqa: E402
 
 __all__ = ["RANDOM_DRAFT_LAYERS", "RANDOM_DRAFT_BLOCK", "LOAD_ERRORS", "TOKENIZER_FILES", "progress", "one_line",
-           "flag_message", "go_offline_if_unreachable", "resolve_sources", "init_distributed", "is_main_process",
+           "check_eos", "flag_message", "go_offline_if_unreachable", "resolve_sources", "init_distributed", "is_main_process",
            "get_mesh", "load_models", "default_dtype", "effective_block_size", "load_tokenizer", "stop_token_ids"]
 
 # The public drafts are 5 layers at block size 16 for every Qwen3 size (z-lab/Qwen3-*-DFlash-b16).
@@ -278,6 +278,28 @@ def load_tokenizer(parser: argparse.ArgumentParser, args: argparse.Namespace, ne
     return tok
 
 
+def check_eos(parser: argparse.ArgumentParser, args: argparse.Namespace, eos: Sequence[int],
+              vocab: int) -> None:
+    """The model's eos ids (stop_token_ids) must be token ids of its vocabulary: a bad
+    generation_config.json is named (not blamed on --stop-token-ids, nor each server request's 400)."""
+    bad = [t for t in eos if not 0 <= t < vocab]
+    if not bad:
+        return
+    gen = []
+    try:
+        from transformers import GenerationConfig
+        ids = GenerationConfig.from_pretrained(args.model_dir or args.model).eos_token_id
+        gen = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    except Exception:  # noqa: BLE001  (no generation_config.json: the tokenizer's eos alone)
+        pass
+    in_gen = [t for t in bad if t in gen]
+    if in_gen:
+        parser.error(f"--model {args.model}: generation_config.json has eos_token_id {in_gen} outside the "
+                     f"vocabulary [0, {vocab}) of its config.json; fix generation_config.json")
+    parser.error(f"--model {args.model}: the tokenizer's eos token id {bad} is outside the model's vocabulary "
+                 f"[0, {vocab}); pass a matching --tokenizer")
+
+
 def stop_token_ids(model_source: str | None, tokenizer) -> list[int]:
     """eos ids from the model's generation_config.json (int or list) plus the tokenizer's eos.
 
@@ -290,6 +312,10 @@ def stop_token_ids(model_source: str | None, tokenizer) -> list[int]:
         from transformers import GenerationConfig
         try:
             eos = GenerationConfig.from_pretrained(model_source).eos_token_id
-        except LOAD_ERRORS:
+        except LOAD_ERRORS as e:
             eos = None  # no generation_config.json: the tokenizer's eos alone
+            path = os.path.join(model_source, "generation_config.json")
+            if os.path.isfile(path):  # there but unreadable: its eos ids are lost, say so
+                print(f"warning: {path} cannot be read ({one_line(e)[:160]}); its eos_token_id is not used, "
+                      f"only the tokenizer's eos token stops generation", file=sys.stderr, flush=True)
     return eos_token_ids(tokenizer, eos)

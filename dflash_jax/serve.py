@@ -905,32 +905,11 @@ def _block_of(args) -> int:
     return loading.RANDOM_DRAFT_BLOCK
 
 
-def _check_eos(parser, args, eos: Sequence[int], vocab: int) -> None:
-    """The model's eos ids must be token ids of its vocabulary: a bad generation_config.json is the
-    operator's to fix, not every request's 400."""
-    bad = [t for t in eos if not 0 <= t < vocab]
-    if not bad:
-        return
-    gen = []
-    try:
-        from transformers import GenerationConfig
-        ids = GenerationConfig.from_pretrained(args.model_dir or args.model).eos_token_id
-        gen = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
-    except Exception:  # noqa: BLE001  (no generation_config.json: the tokenizer's eos alone)
-        pass
-    in_gen = [t for t in bad if t in gen]
-    if in_gen:
-        parser.error(f"--model {args.model}: generation_config.json has eos_token_id {in_gen} outside the "
-                     f"vocabulary [0, {vocab}) of its config.json; fix generation_config.json")
-    parser.error(f"--model {args.model}: the tokenizer's eos token id {bad} is outside the model's vocabulary "
-                 f"[0, {vocab}); pass a matching --tokenizer")
-
-
 def _load(parser, args):
     """(target, draft, tokenizer, eos ids, served name) from the flags."""
     tokenizer = loading.load_tokenizer(parser, args, hint="pass --tokenizer DIR")
     eos = [] if args.random_init else loading.stop_token_ids(args.model, tokenizer)
-    _check_eos(parser, args, eos, args.vocab_size)
+    loading.check_eos(parser, args, eos, args.vocab_size)
     target, draft = loading.load_models(parser, args)
     name = args.served_model_name or args.model or f"random-init:{args.random_init}"
     return target, draft, tokenizer, eos, name

@@ -309,3 +309,32 @@ def test_tokenizer_sources_are_named(cli_models, tmp_path, capsys, monkeypatch):
                       (tc.bench_cli, ["--model", str(bare), "--draft", cli_models[1], "--dataset", "gsm8k"])):
         line = _usage_error(cli, argv, capsys)
         assert "has no tokenizer files" in line and "--prompt-ids" not in line and "--tokenizer DIR" in line, line
+
+
+def _with_generation_config(src, dst, text):
+    import shutil
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "generation_config.json"), "w") as f:
+        f.write(text)
+    return str(dst)
+
+
+def test_a_bad_generation_config_is_named_not_blamed_on_stop_token_ids(cli_models, tmp_path, capsys):
+    """An eos id outside the vocabulary in generation_config.json names the file (as the server
+    does, one shared check) before any weight loads; an unparsable one says its eos ids are not
+    used instead of dropping them silently."""
+    bad = _with_generation_config(cli_models[0], tmp_path / "bad", json.dumps({"eos_token_id": [314, 10 ** 6]}))
+    for cli, argv in ((tc.gen_cli, ["--model", bad, "--draft", "none", "hi"]),
+                      (tc.bench_cli, ["--model", bad, "--draft", cli_models[1], "--dataset", "gsm8k"])):
+        line = _usage_error(cli, argv, capsys)
+        assert "generation_config.json has eos_token_id [1000000] outside the vocabulary [0, 320)" in line, line
+        assert "--stop-token-ids" not in line
+    from dflash_jax import loading
+
+    broken = _with_generation_config(cli_models[0], tmp_path / "broken", "{not json")
+    tok = type("Tok", (), {"eos_token_id": 314})()
+    assert loading.stop_token_ids(broken, tok) == [314]
+    err = capsys.readouterr().err
+    assert f"warning: {broken}/generation_config.json cannot be read" in err and "not used" in err, err
+    assert loading.stop_token_ids(tc.DATA_DIR, tok) == [314] and capsys.readouterr().err == ""  # none: silent

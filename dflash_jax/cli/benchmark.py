@@ -227,13 +227,14 @@ def _main(argv: Sequence[str] | None) -> int:
                                      cfg.max_position_embeddings)
     except ValueError as e:
         parser.error(loading.flag_message(e))
+    eos = [] if args.ignore_eos or args.random_init else loading.stop_token_ids(args.model_dir, tokenizer)
+    loading.check_eos(parser, args, eos, cfg.vocab_size)  # a bad generation_config.json is named
+    stops = list(dict.fromkeys(eos + args.extra_stop_ids))
     target, draft = loading.load_models(parser, args)
     block = loading.effective_block_size(args, draft)
     if draft is None or block < 2:
         parser.error("the benchmark needs a draft and a block size >= 2")
     cli.check_verify_width(parser, args, draft)
-    stops = [] if args.ignore_eos or args.random_init else loading.stop_token_ids(args.model_dir, tokenizer)
-    stops = list(dict.fromkeys(stops + args.extra_stop_ids))
 
     from tqdm import tqdm
     runs = [("draft", draft, block)] + ([] if args.no_baseline else [("baseline", None, 1)])

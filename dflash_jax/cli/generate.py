@@ -30,7 +30,7 @@ from dflash_jax import validation  # noqa: E402
 from dflash_jax.decode import generate as _generate  # noqa: E402  (the library function; this module is its CLI)
 # the loading of sources, models and tokenizer (shared with benchmark and serve), under this module's names too
 from dflash_jax.loading import (  # noqa: E402,F401
-    RANDOM_DRAFT_BLOCK, RANDOM_DRAFT_LAYERS, default_dtype, effective_block_size,
+    RANDOM_DRAFT_BLOCK, RANDOM_DRAFT_LAYERS, check_eos, default_dtype, effective_block_size,
     flag_message as _flag_message, get_mesh, go_offline_if_unreachable, init_distributed, is_main_process,
     load_models, load_tokenizer, one_line as _one_line, progress, resolve_sources, stop_token_ids)
 
@@ -558,9 +558,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as e:
         parser.error(_flag_message(e))
 
+    eos = [] if args.ignore_eos else stop_token_ids(args.model_dir, tokenizer)
+    check_eos(parser, args, eos, vocab)  # a bad generation_config.json is named, not --stop-token-ids
+    stops = list(dict.fromkeys(eos + args.extra_stop_ids))
     target, draft = load_models(parser, args)
-    stops = [] if args.ignore_eos else stop_token_ids(args.model_dir, tokenizer)
-    stops = list(dict.fromkeys(stops + args.extra_stop_ids))
     block = effective_block_size(args, draft)
     check_verify_width(parser, args, draft)
     stream = not (args.no_stream or args.json) and len(prompts) == 1
