@@ -543,12 +543,12 @@ def clear_compiled() -> None:
     """Drop every cached generation program (they are kept per static key for the process's life)
     and the verify-width costs measured on them."""
     _COMPILED.clear()
-    _WIDTH_COSTS.clear()
+    WIDTH_COSTS.clear()
     _WIDTH_HISTORY.clear()
 
 
 # Measured cost of an iteration at each verify width, per program (key: its cache key), seconds
-_WIDTH_COSTS: dict = {}
+WIDTH_COSTS: dict = {}
 
 
 def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
@@ -563,7 +563,7 @@ def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
     order can only be noise). Over several processes (a multi-host mesh) every process uses process
     0's costs: each host times the same runs, but its own clock would give each its own width choices,
     and replicas of one program must take the same branch."""
-    costs = _WIDTH_COSTS.get(key)
+    costs = WIDTH_COSTS.get(key)
     if costs is None:
         time_width(n - 1)
         got = [[time_width(i) for i in range(n)] for _ in range(rounds)]
@@ -574,7 +574,7 @@ def width_costs(key, time_width, n: int, rounds: int = 3) -> np.ndarray:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             costs = np.asarray(multihost_utils.broadcast_one_to_all(costs), np.float32)
-        _WIDTH_COSTS[key] = costs
+        WIDTH_COSTS[key] = costs
     return costs
 
 

@@ -248,20 +248,22 @@ RULES: tuple[tuple[str, P], ...] = (
 )
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+    """A parameter's tree path (a tuple of keys) as the "a/b/c" name that RULES match."""
     return "/".join(str(p) for p in path)
 
 
 def spec_for(path, rules=RULES) -> P:
     """The PartitionSpec of parameter `path` (tuple or "a/b/c")."""
-    name = path if isinstance(path, str) else _path_str(path)
+    name = path if isinstance(path, str) else path_str(path)
     for pattern, spec in rules:
         if re.fullmatch(pattern, name):
             return spec
     raise ValueError(f"no partition rule matches parameter {name!r}; add one to dflash_jax.sharding.RULES")
 
 
-def _check_divisible(name: str, shape, spec: P, mesh: Mesh):
+def check_divisible(name: str, shape, spec: P, mesh: Mesh):
+    """Refuse (ValueError naming `name`) a `shape` whose dimension `spec` splits unevenly over `mesh`."""
     for dim, (n, axis) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
         if axis is None:
             continue
@@ -359,12 +361,13 @@ def fused_layout_fits(cfg, tp: int) -> bool:
             and cfg.intermediate_size % tp == 0)
 
 
-def _use_fused(cfg, tp: int, fused) -> bool:
+def use_fused(cfg, tp: int, fused) -> bool:
     """fused_layout=None (the default): the fused layout wherever it fits, else the plain split."""
     return fused_layout_fits(cfg, tp) if fused is None else bool(fused)
 
 
-def _layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
+def layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
+    """The FusedLayout of `cfg` at TP = tp: `fused_layout`'s when fused, else one group (the plain split)."""
     if not fused:
         return FusedLayout(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1)
     return fused_layout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
@@ -377,12 +380,12 @@ def _place(model, mesh: Mesh, rules, transform=None):
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
-        name = _path_str(path)
+        name = path_str(path)
         value = var.get_value()
         if transform is not None:
             value = transform(path, value)
         spec = spec_for(name, rules)
-        _check_divisible(name, value.shape, spec, mesh)
+        check_divisible(name, value.shape, spec, mesh)
         var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
     return model
 
@@ -398,13 +401,13 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     tp = model_axis_size(mesh)
     cfg = model.config
     check_experts(cfg, tp)
-    fused_layout = _use_fused(cfg, tp, fused_layout)
-    lay = _layout_for(cfg, tp, fused_layout)
+    fused_layout = use_fused(cfg, tp, fused_layout)
+    lay = layout_for(cfg, tp, fused_layout)
     perm_qkv = qkv_permutation(lay) if fused_layout else None
     perm_gu = gate_up_permutation(cfg.intermediate_size, tp) if fused_layout else None
 
     def transform(path, value):
-        name = _path_str(path)
+        name = path_str(path)
         if perm_qkv is not None and re.fullmatch(r"layers/\d+/qkv(_bias)?", name):
             return jnp.take(value, perm_qkv, axis=-1)
         if perm_gu is not None and re.fullmatch(r"layers/\d+/mlp/gate_up(_bias)?", name):
@@ -413,7 +416,7 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
 
     _place(model, mesh, rules, transform)
     if fused_layout:
-        _set_layout(model, lay)
+        set_layout(model, lay)
     return model
 
 
@@ -425,7 +428,8 @@ def check_experts(cfg, tp: int) -> None:
                          "(expert parallelism splits the experts over it)")
 
 
-def _set_layout(model, lay: FusedLayout):
+def set_layout(model, lay: FusedLayout):
+    """Tell each of the model's layers the qkv layout `lay` (its groups and kv head count)."""
     for layer in model.layers:
         layer.qkv_groups = lay.groups
         layer.num_kv_heads = lay.num_kv_heads
@@ -438,18 +442,18 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
     from flax import nnx
     tp = model_axis_size(mesh)
     check_experts(model.config, tp)
-    fused_layout = _use_fused(model.config, tp, fused_layout)
-    lay = _layout_for(model.config, tp, fused_layout)
+    fused_layout = use_fused(model.config, tp, fused_layout)
+    lay = layout_for(model.config, tp, fused_layout)
     if fused_layout:
-        _set_layout(model, lay)
+        set_layout(model, lay)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = _path_str(path)
+        name = path_str(path)
         x = var.get_value()
         shape = tuple(x.shape)
         if fused_layout and re.fullmatch(r"layers/\d+/qkv(_bias)?", name):
             shape = shape[:-1] + ((lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim,)
         spec = spec_for(name, rules)
-        _check_divisible(name, shape, spec, mesh)
+        check_divisible(name, shape, spec, mesh)
         var.set_value(jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec)))
     return model
 
@@ -494,7 +498,7 @@ def check_sharded(model, mesh: Mesh, rules=RULES) -> dict[str, tuple[int, int]]:
     from flax import nnx
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = _path_str(path)
+        name = path_str(path)
         x = var.get_value()
         spec = spec_for(name, rules)
         sh = getattr(x, "sharding", None)

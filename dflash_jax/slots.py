@@ -458,8 +458,8 @@ class Slots:
             wp = width_params(st, st.widths[profile_width])
             return dict(wp, width_profile=self._put(np.bool_(True), P()))
         else:
-            from dflash_jax.loop import _WIDTH_COSTS
-            wp = width_params(st, self.verify_width, _WIDTH_COSTS.get(key))
+            from dflash_jax.loop import WIDTH_COSTS
+            wp = width_params(st, self.verify_width, WIDTH_COSTS.get(key))
         self._wps[(mode, rows)] = wp
         return wp
 

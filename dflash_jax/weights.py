@@ -255,25 +255,25 @@ def _load_sharded(d: str, model, mesh, dtype, top: dict, leaves: dict, prefix: s
     ck = _Checkpoint(d)
     cfg = model.config
     tp = sharding.model_axis_size(mesh)
-    fused_layout = sharding._use_fused(cfg, tp, fused_layout)
-    lay = sharding._layout_for(cfg, tp, fused_layout)
+    fused_layout = sharding.use_fused(cfg, tp, fused_layout)
+    lay = sharding.layout_for(cfg, tp, fused_layout)
     widths = _part_widths(cfg)
     perm_qkv = sharding.qkv_permutation(lay) if fused_layout else None
     perm_gu = sharding.gate_up_permutation(cfg.intermediate_size, tp) if fused_layout else None
     perms = {"qkv": perm_qkv, "qkv_bias": perm_qkv, "mlp/gate_up": perm_gu, "mlp/gate_up_bias": perm_gu}
     if fused_layout:
-        sharding._set_layout(model, lay)
+        sharding.set_layout(model, lay)
     top_by_path = {"/".join(path): (hf, how) for hf, (path, how) in top.items()}
     layer = _by_path(leaves)
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = sharding._path_str(path)
+        name = sharding.path_str(path)
         m = re.fullmatch(r"layers/(\d+)/(.+)", name)
         hf = how = None
         own = sliced(cfg, name, ck) if sliced is not None else None
         if own is not None:                    # a family's own reader (Qwen3-MoE's stacked experts)
             shape, block = own
             spec = sharding.spec_for(name, rules)
-            sharding._check_divisible(name, shape, spec, mesh)
+            sharding.check_divisible(name, shape, spec, mesh)
             var.set_value(jax.make_array_from_callback(shape, NamedSharding(mesh, spec), _dedup(block, dtype)))
             continue
         if name in top_by_path:
@@ -291,7 +291,7 @@ def _load_sharded(d: str, model, mesh, dtype, top: dict, leaves: dict, prefix: s
         if isinstance(how, tuple) and how[1] is not None:      # the fused layout's width (kv copies)
             shape = shape[:-1] + (len(how[1]),)
         spec = sharding.spec_for(name, rules)
-        sharding._check_divisible(name, shape, spec, mesh)
+        sharding.check_divisible(name, shape, spec, mesh)
         if isinstance(how, tuple):                                          # a fused [in, out] matrix or bias
             reader = _fused_reader(ck, hf, how[1])
             got = sum(n for _, n in hf) if how[1] is None else len(how[1])

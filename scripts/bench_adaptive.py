@@ -236,7 +236,7 @@ def gpu_mode(run: Run):
                     for name, vw in [(f"fixed{w + 1}", w) for w in fixed] + [("auto", "auto")]:
                         measure(row, f"B{b}_tau{tau}_{name}", f"tau{tau}_{name}", b, draft, guess.get(b, g0),
                                 verify_width=vw)
-            st_costs = [(k, v) for k, v in loop._WIDTH_COSTS.items() if k.batch == b and k.simulate]
+            st_costs = [(k, v) for k, v in loop.WIDTH_COSTS.items() if k.batch == b and k.simulate]
             if st_costs:
                 costs = st_costs[-1][1]
                 run.R["costs_ms"][str(b)] = [round(1000 * float(c), 3) for c in costs]

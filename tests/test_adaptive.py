@@ -408,9 +408,9 @@ def test_width_costs_survive_a_slow_fixed_part():
         base = 0.2 if i == 0 and first_of_width else 0.03      # the first W = 0 fixed part is slow
         return 0.03 + 16 * per_iter[i], base, 16
 
-    loop._WIDTH_COSTS.pop("spike-test", None)
+    loop.WIDTH_COSTS.pop("spike-test", None)
     costs = loop.width_costs("spike-test", time_width, 3)
-    loop._WIDTH_COSTS.pop("spike-test", None)
+    loop.WIDTH_COSTS.pop("spike-test", None)
     np.testing.assert_allclose(costs, [0.006, 0.006, 0.0061], rtol=1e-5)   # non-decreasing in the width
 
 

@@ -166,7 +166,7 @@ def test_gpu_kernel_kv_splits(kv_splits, merge_kernel, pattern):
     pytest.param(32, 40, 256, jnp.bfloat16, id="32-40-bf16")], {"3-24-f32"}))
 @pytest.mark.slow
 def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
-    """merge_splits (Pallas) against _merge (XLA ops) on partials with empty splits (lse -inf, o NaN:
+    """merge_splits (Pallas) against merge (XLA ops) on partials with empty splits (lse -inf, o NaN:
     never written by the kernel) and fully empty rows, N not a multiple of its 16-row tiles."""
     kq, kl = jax.random.split(jax.random.key(S * N))
     o = jax.random.normal(kq, (S, N, D), jnp.float32)
@@ -176,7 +176,7 @@ def test_gpu_merge_kernel_matches_the_xla_merge(S, N, D, dtype):
     lse = lse.at[:, 5].set(-jnp.inf)                      # a row with no keys at all
     o = o.astype(dtype)
     got = merge.merge_splits(o, lse, dtype, interpret=True)
-    want = merge._merge(o, lse).astype(dtype)
+    want = merge.merge(o, lse).astype(dtype)
     assert got.shape == (N, D) and got.dtype == dtype
     assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)),

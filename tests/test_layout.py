@@ -19,22 +19,6 @@ PACKAGES = ("dflash_jax", "pallas_kernels")
 # the loader's: the families read checkpoints through dflash_jax.checkpoint_io, not weights).
 ALLOWED_CIRCLES: list[set[str]] = []
 
-# Known uses of another module's `_private` name (importer, "module.name"), allowed until their
-# owners make the name public or stop using it; an entry no longer seen fails too, so the list
-# only shrinks.
-ALLOWED_PRIVATE: set[tuple[str, str]] = {
-    ("dflash_jax.slots", "dflash_jax.loop._WIDTH_COSTS"),
-    ("dflash_jax.drafts.dflash", "dflash_jax.models.layers._init"),
-    ("dflash_jax.drafts.dflash2", "dflash_jax.models.layers._init"),
-    ("dflash_jax.weights", "dflash_jax.sharding._use_fused"),
-    ("dflash_jax.weights", "dflash_jax.sharding._layout_for"),
-    ("dflash_jax.weights", "dflash_jax.sharding._set_layout"),
-    ("dflash_jax.weights", "dflash_jax.sharding._path_str"),
-    ("dflash_jax.weights", "dflash_jax.sharding._check_divisible"),
-    ("pallas_kernels.attention.gpu", "pallas_kernels.attention.merge._merge"),
-    ("pallas_kernels.attention.tpu_cache_write", "pallas_kernels.attention.tpu._norm_rope"),
-}
-
 
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
@@ -182,11 +166,8 @@ def _private_uses(mods: dict[str, pathlib.Path]) -> dict[tuple[str, str], int]:
 def test_no_private_names_across_modules():
     mods = _modules()
     uses = _private_uses(mods)
-    bad = sorted(k for k in uses if k not in ALLOWED_PRIVATE)
-    stale = sorted(ALLOWED_PRIVATE - set(uses))
-    lines = [f"  {mods[a].relative_to(REPO)}:{uses[(a, b)]} takes {b}" for a, b in bad]
-    assert not bad, "private names taken across modules (make them public, or keep them home):\n" + "\n".join(lines)
-    assert not stale, f"ALLOWED_PRIVATE entries no longer seen (drop them): {stale}"
+    lines = [f"  {mods[a].relative_to(REPO)}:{line} takes {b}" for (a, b), line in sorted(uses.items())]
+    assert not uses, "private names taken across modules (make them public, or keep them home):\n" + "\n".join(lines)
 
 
 def test_private_name_finder_sees_both_forms(tmp_path):

@@ -19,7 +19,7 @@ from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.sharding import argmax
 from dflash_jax.drafts.variant import Variant
 from dflash_jax.models import qwen3
-from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, run_layers
+from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, init_param, run_layers
 
 
 def head_rows(block_size: int, heads: int | None) -> int:
@@ -38,7 +38,7 @@ class DFlashDraft(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         H, n = config.hidden_size, len(config.target_layer_ids)
-        self.fc = _init(rngs, (n * H, H), dtype, (n * H) ** -0.5)                 # [n·H, H]
+        self.fc = init_param(rngs, (n * H, H), dtype, (n * H) ** -0.5)            # [n·H, H]
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype)
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype)

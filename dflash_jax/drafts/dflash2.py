@@ -38,7 +38,7 @@ from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft, head_rows, pad_drafts
 from dflash_jax.drafts.variant import Variant
 from dflash_jax.models import qwen3
-from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, _init, add_norm, gated_silu
+from dflash_jax.models.layers import DecoderLayer, DraftContext, RMSNorm, add_norm, gated_silu, init_param
 from dflash_jax.sharding import argmax, top_k
 
 __all__ = ["DFlash2Draft", "GroupedDynamicConv", "CandidateSelector", "grouped_dynamic_conv",
@@ -85,8 +85,8 @@ class GroupedDynamicConv(nnx.Module):
             self.base_kernel = nnx.Param(base)
             self.kernel_projection = nnx.Param(jnp.zeros((hidden, 2 * kernel_size * G), dtype))
         else:
-            self.base_kernel = _init(rngs, (2, kernel_size, hidden), dtype, 0.5)
-            self.kernel_projection = _init(rngs, (hidden, 2 * kernel_size * G), dtype, hidden ** -0.5)
+            self.base_kernel = init_param(rngs, (2, kernel_size, hidden), dtype, 0.5)
+            self.kernel_projection = init_param(rngs, (hidden, 2 * kernel_size * G), dtype, hidden ** -0.5)
 
     def prepare(self, x, block_size: int | None = None):
         """(conv of x with the prepare taps, the finish taps' dynamic part [B, T, K, G]). x [B, T, H]
@@ -207,10 +207,10 @@ class CandidateSelector(nnx.Module):
     def __init__(self, config: DraftConfig, dtype, rngs: nnx.Rngs, zero_successor: bool = False):
         V, R, H = config.vocab_size, config.selector_rank, config.hidden_size
         self.top_k = config.selector_top_k
-        self.predecessor_codebook = _init(rngs, (V, R), dtype, 0.02 if zero_successor else 1.0)
+        self.predecessor_codebook = init_param(rngs, (V, R), dtype, 0.02 if zero_successor else 1.0)
         self.successor_codebook = (nnx.Param(jnp.zeros((V, R), dtype)) if zero_successor
-                                   else _init(rngs, (V, R), dtype, 1.0))
-        self.hidden_projection = _init(rngs, (H, R), dtype, H ** -0.5)
+                                   else init_param(rngs, (V, R), dtype, 1.0))
+        self.hidden_projection = init_param(rngs, (H, R), dtype, H ** -0.5)
 
     def _codes(self, hidden, prev, cand):
         """The pair scores <P[prev] ⊙ W h, Q[cand]> in float32: hidden [..., H], prev [..., A]
@@ -290,7 +290,7 @@ class DFlash2Draft(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         H, n = config.hidden_size, len(config.target_layer_ids)
-        self.fc = _init(rngs, (n * H, H), dtype, (n * H) ** -0.5)                      # [n·H, H]
+        self.fc = init_param(rngs, (n * H, H), dtype, (n * H) ** -0.5)                 # [n·H, H]
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype)
         self.layers = nnx.List([DFlash2Layer(config, dtype, rngs, identity_conv) for _ in range(config.num_layers)])
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype)

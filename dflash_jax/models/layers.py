@@ -60,9 +60,6 @@ def init_param(rngs: nnx.Rngs, shape, dtype, scale: float):
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype))
 
 
-_init = init_param   # the drafts' old name (drafts/dflash*.py), until they import init_param
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs | None = None):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import (HEAD_DIMS as _HEAD_DIMS, MASK as _MASK, Unsupported, check_shapes,
                                     online_softmax_step, pltriton,
                                     round_up as _round_up)
-from pallas_kernels.attention.merge import MERGE_COLS, MERGE_ROWS, _merge, merge_splits
+from pallas_kernels.attention.merge import MERGE_COLS, MERGE_ROWS, merge, merge_splits
 
 # The online softmax runs in base 2: scores are scaled by scale * log2(e) and exponentiated with
 # exp2 (libdevice's exp2f, the hardware's ex2); jnp.exp lowers to libdevice's accurate expf
@@ -253,7 +253,7 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv
     if kv_splits == 1:
         store_o()
     else:
-        # An empty split writes only lse = -inf; _merge never reads its (unwritten) o.
+        # An empty split writes only lse = -inf; `merge` never reads its (unwritten) o.
         pl.when(n_iter > 0)(store_o)
 
 
@@ -267,7 +267,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
     merge_kernel: split partials merged by `merge_splits` (a Pallas kernel) instead of XLA's fusion
-    of `_merge`; None: as default_config says. n_sms: the GPU's SM count (None: `sm_count()`).
+    of `merge`; None: as default_config says. n_sms: the GPU's SM count (None: `sm_count()`).
     k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end)); blocks only.
     ring: the cache is a ring of C slots (key p in slot p mod C), k_start / k_end absolute
     (pallas_kernels.attention.reference)."""
@@ -380,5 +380,5 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         out = merge_splits(*out, q.dtype, rows=cfg["merge_rows"], cols=cfg["merge_cols"],
                            interpret=interpret)
     elif n_split > 1:
-        out = _merge(*out).astype(q.dtype)
+        out = merge(*out).astype(q.dtype)
     return out.reshape(B, T, Hq, D)

@@ -1,6 +1,6 @@
 """The split-KV merge of the GPU block attention: each of S splits wrote a normalised partial output
 and its log-sum-exp; the merge weights them into the attention output. Two forms with the same
-arithmetic: `_merge`, XLA ops that fuse into one small kernel (short caches), and `merge_splits`,
+arithmetic: `merge`, XLA ops that fuse into one small kernel (short caches), and `merge_splits`,
 one Pallas program per output tile (long caches, many splits)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MERGE_ROWS = 16
 MERGE_COLS = 64
 
 
-def _merge(o_parts, lse):
+def merge(o_parts, lse):
     """o_parts [S, ..., D] (normalised per split), lse [S, ...] f32 -> [..., D] f32.
 
     Written as elementwise ops over the S static slices (no reductions over the split axis), so XLA
@@ -41,13 +41,13 @@ def _merge(o_parts, lse):
     return o / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-# The split merge as a Pallas kernel. XLA's fusion of `_merge` is a sizeable share of a long-context
+# The split merge as a Pallas kernel. XLA's fusion of `merge` is a sizeable share of a long-context
 # call at batch 1 (32 splits of a 32k cache: megabytes of partials). This kernel spreads the
 # partials over (row tile, column tile) programs, each loading all of its splits' tiles at once
 # (unrolled: every load in flight together); small tiles (many programs) win at batch 1.
 def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int, rows: int, width: int):
     """o_ref [S, N, D] (per-split normalised partials), lse_ref [S, N] f32 -> out_ref [N, D]: this
-    program's `rows` rows x `width` columns. Same arithmetic as `_merge`."""
+    program's `rows` rows x `width` columns. Same arithmetic as `merge`."""
     r0 = pl.program_id(0) * rows
     cols = pl.ds(pl.multiple_of(pl.program_id(1) * width, width), width)
     row_ok = (r0 + lax.broadcasted_iota(jnp.int32, (rows,), 0)) < n_rows
@@ -70,7 +70,7 @@ def _merge_kernel(o_ref, lse_ref, out_ref, *, n_split: int, n_rows: int, rows: i
 
 def merge_splits(o_parts, lse, out_dtype, *, rows: int = MERGE_ROWS, cols: int = MERGE_COLS,
                  interpret=False):
-    """o_parts [S, ..., D], lse [S, ...] -> [..., D] in out_dtype: `_merge` as one Pallas kernel,
+    """o_parts [S, ..., D], lse [S, ...] -> [..., D] in out_dtype: `merge` as one Pallas kernel,
     one program per `rows` x `cols` tile of the output."""
     S, D = o_parts.shape[0], o_parts.shape[-1]
     cols = min(cols, D)

@@ -107,7 +107,7 @@ def _kernel(tmax_ref, tmin_ref, *refs, scale: float, block_k: int,
             for g in range(groups):
                 x = q_ref[:, g * D:(g + 1) * D]                                  # [bt, D]
                 if prologue:
-                    x = _norm_rope(x, cos_ref[...], sin_ref[...], w_ref[...], eps)
+                    x = norm_rope(x, cos_ref[...], sin_ref[...], w_ref[...], eps)
                 q_sc[0][g * bt:(g + 1) * bt, :] = x
 
     def _step(masked: bool):
@@ -152,7 +152,7 @@ def _kernel(tmax_ref, tmin_ref, *refs, scale: float, block_k: int,
             o_ref[:, g * D:(g + 1) * D] = o[g * bt:(g + 1) * bt].astype(o_ref.dtype)
 
 
-def _norm_rope(x, cos, sin, w, eps: float):
+def norm_rope(x, cos, sin, w, eps: float):
     """models.layers' q_norm then RoPE of one head's rows x [bt, D], with its roundings: the norm
     in float32 cast to x's dtype and scaled by the weight in that dtype, the rotation in float32.
     rotate_half as a lane roll by D/2 ([x1 | x2] -> [x2 | x1]) times the signed sin [-sin | sin]."""

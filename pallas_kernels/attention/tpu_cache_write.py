@@ -188,7 +188,7 @@ def _qkv_kernel(*refs, T: int, W: int, C: int, rows: int, r0: int, Hkv: int, D: 
     # (sin signed); w_ref [1, D] the k_norm weight; kc_ref/vc_ref [B, Hkv, C, D] (HBM, aliased to
     # kc_in/vc_in); kbuf/vbuf [rows, Hkv, W, D] VMEM windows; nbuf [W, D] f32 (one head's new rows,
     # at the top)
-    from pallas_kernels.attention.tpu import _norm_rope
+    from pallas_kernels.attention.tpu import norm_rope
     if Tc:
         start_ref, ctx_ref, *refs = refs
     else:
@@ -218,7 +218,7 @@ def _qkv_kernel(*refs, T: int, W: int, C: int, rows: int, r0: int, Hkv: int, D: 
             for new_ref, buf, is_k in ((k_ref, kbuf, True), (v_ref, vbuf, False)):
                 x = new_ref[j, r0:r0 + n, h * D:(h + 1) * D]                     # [Tc + T, D]
                 if is_k:
-                    x = _norm_rope(x, cos_ref[j], sin_ref[j], w_ref[...], eps)
+                    x = norm_rope(x, cos_ref[j], sin_ref[j], w_ref[...], eps)
                 # f32 for the rotate (exact for bf16); rows [Tc + T, W) of nbuf are never selected
                 nbuf[0:n, :] = x.astype(buf.dtype).astype(jnp.float32)
                 old = buf[j, h].astype(jnp.float32)
