@@ -338,3 +338,15 @@ def test_a_bad_generation_config_is_named_not_blamed_on_stop_token_ids(cli_model
     err = capsys.readouterr().err
     assert f"warning: {broken}/generation_config.json cannot be read" in err and "not used" in err, err
     assert loading.stop_token_ids(tc.DATA_DIR, tok) == [314] and capsys.readouterr().err == ""  # none: silent
+
+
+@pytest.mark.parametrize("cli,argv,needle", [
+    ("gen", ["--model", "TARGET", "--draft", "none", "--prompt-len", "64", "hi"],
+     "--prompt-len sets the random prompt of --random-init without a tokenizer; here it would be ignored"),
+    ("gen", ["--random-init", "qwen3-0.6b", "--prompt-ids", "1,2", "--prompt-len", "64"], "(the prompt is --prompt-ids)"),
+    ("bench", ["--model", "TARGET", "--draft", "DRAFT", "--dataset", "gsm8k", "--prompt-len", "64"],
+     "--prompt-len sets the random prompts of --random-init without a dataset"),
+])
+def test_prompt_len_where_no_random_prompt_is_made_is_refused(cli_models, capsys, cli, argv, needle):
+    argv = [{"TARGET": cli_models[0], "DRAFT": cli_models[1]}.get(a, a) for a in argv]
+    assert needle in _usage_error(tc.gen_cli if cli == "gen" else tc.bench_cli, argv, capsys)

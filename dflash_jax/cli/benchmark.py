@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-file", help="local JSONL prompt file (format detected from its fields)")
     d.add_argument("--max-samples", type=int, help="first N prompts (default: all; 8 with --random-init)")
     d.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (rows of one loop)")
-    d.add_argument("--prompt-len", type=int, default=128, help="random prompt length with --random-init")
+    d.add_argument("--prompt-len", type=int, default=None,
+                   help=f"random prompt length with --random-init and no dataset (default {cli.RANDOM_PROMPT_LEN})")
     r = p.add_argument_group("report")
     r.add_argument("--output", help="write the JSON report here")
     r.add_argument("--plot", help="write a PNG of the tau histogram and tokens/s (needs matplotlib)")
@@ -80,8 +81,14 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_samples is not None and args.max_samples < 1:
         parser.error(f"--max-samples must be >= 1, got {args.max_samples}")
-    if args.prompt_len < 1:
-        parser.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.prompt_len is not None:
+        if args.prompt_len < 1:
+            parser.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
+        if args.random_init is None or args.dataset is not None or args.data_file is not None:
+            parser.error("--prompt-len sets the random prompts of --random-init without a dataset; here it would "
+                         "be ignored (the prompts come from the dataset)")
+    else:
+        args.prompt_len = cli.RANDOM_PROMPT_LEN
     if args.dataset is not None:
         try:
             args.dataset = normalize_dataset_name(args.dataset)

@@ -414,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw-prompt", action="store_true", help="tokenize the prompt as is, without the chat template")
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids; no tokenizer is loaded unless "
                                         "--tokenizer is given (the output is then token ids)")
-    g.add_argument("--prompt-len", type=int, default=128, help="random prompt length with --random-init")
+    g.add_argument("--prompt-len", type=int, default=None,
+                   help=f"random prompt length with --random-init and no tokenizer (default {RANDOM_PROMPT_LEN})")
     g.add_argument("--prompt-file", help="prompts, one per line: JSONL (a string, {\"prompt\": text} or "
                                          "{\"messages\": [...]}) or plain text lines; run as a batch")
     g.add_argument("--messages", help="a JSON file holding one conversation: [{\"role\", \"content\"}, ...] "
@@ -427,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true",
                    help="print a JSON summary on stdout instead of the text (one line per prompt)")
     return p
+
+
+# --prompt-len's default: the random prompt's length with --random-init and no tokenizer
+RANDOM_PROMPT_LEN = 128
 
 
 def _check_prompt_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -444,8 +449,16 @@ def _check_prompt_args(parser: argparse.ArgumentParser, args: argparse.Namespace
             parser.error("--messages needs the chat template, which --raw-prompt skips")
         if args.raw_prompt and args.prompt_ids is not None:
             parser.error("--raw-prompt applies to text prompts, not --prompt-ids")
-    if args.prompt_len < 1:
-        parser.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.prompt_len is not None:
+        if args.prompt_len < 1:
+            parser.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
+        if args.random_init is None or args.tokenizer is not None or args.prompt_ids is not None:
+            parser.error("--prompt-len sets the random prompt of --random-init without a tokenizer; here it would "
+                         "be ignored (the prompt is " + ("--prompt-ids)" if args.prompt_ids is not None else
+                                                         "text)" if args.random_init is not None else
+                                                         "the model's tokenized text)"))
+    else:
+        args.prompt_len = RANDOM_PROMPT_LEN
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.random_init is not None and args.tokenizer is None:
