@@ -52,7 +52,8 @@ def _map_tensor(name: str, top_level: dict, leaves: dict, model, flat, what: str
         sub, how = leaves[m.group(2)]
         path = ("layers", int(m.group(1))) + sub
         if path not in flat:
-            raise ValueError(f"{what}: checkpoint has {name} but the config has {len(model.layers)} layers")
+            raise ValueError(f"{what}: config.json has {len(model.layers)} layers (num_hidden_layers), the "
+                             f"checkpoint more (it has {name})")
         key = m.group(2).split(".")[-2].replace("_proj", "") if isinstance(how, tuple) else None
     ours = tuple(_variable(model, path).get_value().shape)
     if how is None:
@@ -66,6 +67,35 @@ def _map_tensor(name: str, top_level: dict, leaves: dict, model, flat, what: str
     return path, how, key, want
 
 
+def _hf_names(path, got: dict, top_level: dict, leaves: dict, prefix: str) -> list[str]:
+    """The checkpoint tensors (HF names) that set our parameter `path` and have not arrived; `got`:
+    the fused parts that have."""
+    names = [n for n, (p, _) in top_level.items() if tuple(p) == path]
+    if path[0] == "layers":
+        for suffix, (sub, how) in leaves.items():
+            if (path[1],) + tuple(sub) == path[1:]:
+                key = suffix.split(".")[-2].replace("_proj", "") if isinstance(how, tuple) else None
+                if key not in got:
+                    names.append(f"{prefix}layers.{path[1]}.{suffix}")
+    return names or [".".join(map(str, path))]
+
+
+def _missing(todo, parts: dict, top_level: dict, leaves: dict, model, seen_layers: set, prefix: str,
+             what: str) -> ValueError:
+    """The error for parameters no checkpoint tensor set, in the checkpoint's terms: whole layers
+    past its last are a layer count that differs from config.json's; else the HF tensors missing."""
+    n = len(getattr(model, "layers", ()))
+    if seen_layers and all(p[0] == "layers" and p[1] > max(seen_layers) for p in todo) \
+            and seen_layers == set(range(max(seen_layers) + 1)):
+        return ValueError(f"{what}: config.json has {n} layers (num_hidden_layers), the checkpoint "
+                          f"{max(seen_layers) + 1}")
+    names = sorted({h for p in todo for h in _hf_names(p, parts.get(p, {}), top_level, leaves, prefix)})
+    why = ("; config.json says the model has biases (attention_bias / mlp_bias), the checkpoint has none"
+           if all(h.endswith(".bias") for h in names) else "")
+    return ValueError(f"{what}: checkpoint lacks {len(names)} tensor(s): {', '.join(names[:6])}"
+                      + (" ..." if len(names) > 6 else "") + why)
+
+
 def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str, skip=()):
     """Stream (hf_name, array) pairs into the abstract `model`; every parameter must be set once.
 
@@ -74,6 +104,8 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     todo = set(flat)
     parts: dict[tuple, dict[str, jax.Array]] = {}
+    seen_layers: set[int] = set()
+    prefix = "model."
 
     def put(path, arr):
         _variable(model, path).set_value(arr.astype(dtype))
@@ -89,6 +121,9 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
                     + (f" (not a tensor of model_type {kind!r})" if kind else ""))
             continue
         path, how, key, want = mapped
+        if path[0] == "layers":
+            seen_layers.add(path[1])
+            prefix = name[:name.index("layers.")]
         if tuple(t.shape) != want:
             raise ValueError(f"{what}: tensor {name} has shape {tuple(t.shape)}, the config implies {want}")
         if not jnp.issubdtype(t.dtype, jnp.floating):  # int8 / bool / int: quantised or not weights at all
@@ -107,9 +142,7 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
                 put(path, jnp.concatenate([got[p] for p in how], axis=-1))
                 del parts[path]
     if todo:
-        names = sorted(".".join(map(str, p)) for p in todo)
-        raise ValueError(f"{what}: checkpoint lacks {len(names)} parameter(s): {', '.join(names[:6])}"
-                         + (" ..." if len(names) > 6 else ""))
+        raise _missing(todo, parts, top_level, leaves, model, seen_layers, prefix, what)
     return model
 
 

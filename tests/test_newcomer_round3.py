@@ -350,3 +350,43 @@ def test_a_bad_generation_config_is_named_not_blamed_on_stop_token_ids(cli_model
 def test_prompt_len_where_no_random_prompt_is_made_is_refused(cli_models, capsys, cli, argv, needle):
     argv = [{"TARGET": cli_models[0], "DRAFT": cli_models[1]}.get(a, a) for a in argv]
     assert needle in _usage_error(tc.gen_cli if cli == "gen" else tc.bench_cli, argv, capsys)
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+def _checkpoint_variant(src, dst, config=None, drop=None):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if drop is not None:
+        t = load_file(os.path.join(dst, "model.safetensors"))
+        save_file({k: v for k, v in t.items() if not drop(k)}, os.path.join(dst, "model.safetensors"),
+                  metadata={"format": "pt"})
+    if config:
+        with open(os.path.join(dst, "config.json")) as f:
+            c = json.load(f)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump({**c, **config}, f)
+    return str(dst)
+
+
+def test_checkpoint_mismatches_are_named_in_hf_terms(cli_models, tmp_path):
+    """Missing tensors by their HF names (not layers.1.mlp.gate_up), a layer count that differs as
+    'config.json has 5 layers, the checkpoint 4', a Llama config with attention_bias and no biases."""
+    import dflash_jax as dj
+
+    src = cli_models[0]
+    for name, kw, match in (
+            ("missing", dict(drop=lambda k: k == "model.layers.1.mlp.up_proj.weight"),
+             r"checkpoint lacks 1 tensor\(s\): model.layers.1.mlp.up_proj.weight$"),
+            ("more", dict(config={"num_hidden_layers": 5}),
+             r"config.json has 5 layers \(num_hidden_layers\), the checkpoint 4$"),
+            ("fewer", dict(config={"num_hidden_layers": 3}),
+             r"config.json has 3 layers \(num_hidden_layers\), the checkpoint more \(it has model.layers.3"),
+            ("llama", dict(config={"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                   "attention_bias": True}, drop=lambda k: k.endswith(("q_norm.weight", "k_norm.weight"))),
+             r"checkpoint lacks 16 tensor\(s\): model.layers.0.self_attn.k_proj.bias, .*; config.json says the "
+             r"model has biases \(attention_bias / mlp_bias\), the checkpoint has none")):
+        with pytest.raises(ValueError, match=match):
+            dj.load_target(_checkpoint_variant(src, tmp_path / name, **kw), dtype="float32")
