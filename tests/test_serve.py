@@ -231,6 +231,37 @@ def test_models_health_metrics(real):
     assert float(tau[0].split()[-1]) >= 1
 
 
+@pytest.mark.parametrize("engine_kind", ["simple", pytest.param("slots2", marks=pytest.mark.slow)])
+def test_served_acceptance_of_a_trained_pair_is_one_shot_generate(trained_small_vocab_pair, engine_kind):
+    """The trained vocab-32 pair (S = 8) served without a tokenizer (token-id prompts): each answer's
+    tokens and its `dflash` stats (iterations, mean acceptance length) are one-shot generate's at
+    the full block, and blocks of 3 or more were accepted (a random draft's would be all 1s), so
+    the served acceptance is compared, not assumed."""
+    import dflash_jax as dj
+
+    pair = trained_small_vocab_pair
+    target = dj.load_target(pair["target_path"], dtype="float32")
+    draft = dj.load_draft(pair["draft_path"], target=target, dtype="float32")
+    if engine_kind == "slots2":
+        engine = SlotEngine(target, draft, slots=2, capacity=CAPACITY, max_queue=8, eos_token_ids=[],
+                            attention_impl="xla")
+    else:
+        engine = SimpleEngine(target, draft, capacity=CAPACITY, max_queue=8, eos_token_ids=[], attention_impl="xla")
+    seen = []
+    with serving(build_app(engine, None, model_name=NAME)) as url:
+        for p in pair["eval_prompts"][:3]:
+            want = dj.generate(target, draft, [p], max_new_tokens=24, capacity=CAPACITY, attention_impl="xla",
+                               on_commit=lambda rows: None, verify_width="block")
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json=dict(model=NAME, prompt=p, max_tokens=24, temperature=0, return_token_ids=True)).json()
+            acc = want.acceptance_lengths[0]
+            assert r["choices"][0]["token_ids"] == want.tokens[0]
+            assert r["dflash"] == {"iterations": len(acc), "mean_acceptance_length": round(sum(acc) / len(acc), 4)}
+            seen += acc
+    engine.shutdown(timeout=5)
+    assert max(seen) >= 3, seen
+
+
 def test_bad_requests_are_400_naming_the_field(real):
     c = client(real.url)
     cases = [
