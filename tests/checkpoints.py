@@ -30,7 +30,7 @@ __all__ = [
     "hf_greedy", "write_target", "write_moe_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
     "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
-    "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids", "pack_blocks",
+    "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids", "pack_blocks", "torch_block_loss",
 ]
 
 # Per-layer tensors of a z-lab draft (prefixed by `layers.N.`), besides fc / hidden_norm / norm.
@@ -422,6 +422,45 @@ def pack_blocks(seqs: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
                           key_pos[None, None, :] < query_anchor[:, :, None],
                           key_block[None, None, :] == query_block[None, :, None])
     return block.view(R, K * S), labels, position_ids, visible
+
+
+def torch_block_loss(draft, target, tokens, loss_mask, anchors, keep, block_size: int, mask_token_id: int,
+                     gamma: float) -> torch.Tensor:
+    """dflash_jax.train's loss restated on the reference draft in torch (the oracle of
+    tests/test_train_loss_oracle.py), on given anchors: Σ w·CE / Σ w over the blocks [tok[a], MASK x
+    (S-1)] at positions [a, a+S) (the layout of `pack_blocks`: context = the target's taps strictly
+    before a, each block seeing itself), slot k = 1..S-1 predicting tok[a+k] through the target's LM
+    head, w = exp(-(k-1)/γ) · loss_mask[a+k] · (a+k < T) · keep. tokens, loss_mask [B, T]; anchors,
+    keep [B, N] (any array type). Returns the scalar loss, differentiable in the draft's parameters."""
+    from dflash.model import extract_context_feature
+
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    loss_mask = torch.as_tensor(loss_mask).float()
+    anchors = torch.as_tensor(anchors, dtype=torch.long)
+    keep = torch.as_tensor(keep, dtype=torch.bool)
+    (B, T), S = tokens.shape, block_size
+    with torch.no_grad():
+        out = target(tokens, output_hidden_states=True)
+        feats = extract_context_feature(out.hidden_states, draft.target_layer_ids)          # [B, T, n·H]
+    # S-1 pad positions so a block near the end has its S slots: never visible (context keys < a <= T-1)
+    # and never weighted (loss_mask 0 there)
+    pad = S - 1
+    seqs = torch.cat([tokens, torch.zeros(B, pad, dtype=torch.long)], 1)
+    mask = torch.cat([loss_mask, torch.zeros(B, pad)], 1)
+    feats = torch.cat([feats, torch.zeros(B, pad, feats.shape[-1])], 1)
+    block, labels, position_ids, visible = pack_blocks(seqs, anchors, S, mask_token_id)
+    with torch.no_grad():
+        noise = target.get_input_embeddings()(block)
+    hidden = draft(position_ids=position_ids, attention_mask=visible[:, None], noise_embedding=noise,
+                   target_hidden=feats)
+    N = anchors.shape[1]
+    logits = target.lm_head(hidden.view(B, N, S, -1)[:, :, 1:]).float()                    # [B, N, S-1, V]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                           reduction="none").view(B, N, S - 1)
+    k = torch.arange(1, S)
+    w = torch.exp(-(k - 1).float() / gamma) * mask.gather(1, (anchors[:, :, None] + k).view(B, -1)).view(B, N, S - 1)
+    w = w * keep[:, :, None] * ((anchors[:, :, None] + k) < T)
+    return (w * ce).sum() / w.sum()
 
 
 def train_draft(target_path: str, out_path: str, *, block_size: int = 8, num_layers: int = 2, steps: int = 600,
