@@ -329,6 +329,33 @@ def test_slot_engine_serves_a_hybrid_target_as_one_shot_generate(pair):
         assert r.tokens == want.tokens[0] and r.acceptance_lengths == want.acceptance_lengths[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("verify_width", [None, "auto"], ids=["block", "auto"])
+def test_slot_engine_rolls_a_hybrid_target_back_mid_block(pair, verify_width):
+    """The truth proposer cut after its second draft (every full-width iteration accepts 2 of 3
+    drafts: the GDN states and conv windows are rolled back to the middle of the verified block)
+    in the slot engine: 3 requests of one prompt (the proposer's truth rows are per slot) through 2
+    slots, so a refill inserts into a slot whose states were rolled back; each request's tokens =
+    transformers' greedy, its acceptance lengths = one-shot generate's with the same proposer
+    (3 an iteration at full width); at "auto" (the server's slot-engine default) the same tokens."""
+    from dflash_jax.engine import RowRequest, Slots
+    ours, prompts, expected, draft, truth, n = _dflash_case(pair)
+    proposer = truth_proposer(draft, np.tile(truth[:1], (2, 1)), 2, 128)
+    ns = [9, 24, 5]
+    # step_buckets=None: every step runs over both slots (the proposer double's truth is [slots, L])
+    out = Slots(ours, proposer, slots=2, capacity=64, steps=2, verify_width=verify_width, step_buckets=None).run(
+        [RowRequest(prompt=tuple(prompts[0]), max_new=m, rng_row=0) for m in ns])
+    for m, r in zip(ns, out):
+        assert r.tokens == expected[0][:m]
+        if verify_width is None:
+            want = generate(ours, truth_proposer(draft, truth[:1], 2, 128), [prompts[0]], max_new_tokens=m,
+                            capacity=64, verify_width="block")
+            assert r.acceptance_lengths == want.acceptance_lengths[0]
+            assert r.acceptance_lengths[:-1] == [3] * (len(r.acceptance_lengths) - 1), r.acceptance_lengths
+        else:
+            assert max(r.acceptance_lengths) <= 3 and max(a for q in out for a in q.acceptance_lengths) >= 2
+
+
 def test_block_terms_fold_to_every_prefix():
     """The verify path: a block as one chunk gives the recurrent outputs, and its kept terms
     (k, G, v_new) fold to the recurrent state after any prefix n (0 .. T), per row."""
