@@ -10,11 +10,16 @@ model_type (dflash_jax.models); drafts: DFlash and DFlash2 (dflash_jax.drafts).
     out = generate_text(target, draft, tokenizer, ["What is 17 * 23?"], stop=["\n\n"])  # text in/out
 """
 
-from dflash_jax.config import ConfigError, DraftConfig, TargetConfig, PRESETS
-from dflash_jax.decode import GenerateResult, generate
-from dflash_jax.kernel_config import KernelConfig
-from dflash_jax.weights import init_draft, init_target, load_draft, load_target
-from dflash_jax.text import TextResult, generate_text
+from dflash_jax import startup
+
+if startup.is_command_run():  # first, before jax loads: Ctrl-C while a command starts is exit 130, one line
+    startup.exit_on_interrupt()
+
+from dflash_jax.config import ConfigError, DraftConfig, TargetConfig, PRESETS  # noqa: E402
+from dflash_jax.decode import GenerateResult, generate  # noqa: E402
+from dflash_jax.kernel_config import KernelConfig  # noqa: E402
+from dflash_jax.weights import init_draft, init_target, load_draft, load_target  # noqa: E402
+from dflash_jax.text import TextResult, generate_text  # noqa: E402
 
 __all__ = ["load_target", "load_draft", "init_target", "init_draft", "generate", "GenerateResult", "generate_text",
            "TextResult", "TargetConfig", "DraftConfig", "ConfigError", "PRESETS", "KernelConfig"]

@@ -390,3 +390,38 @@ def test_checkpoint_mismatches_are_named_in_hf_terms(cli_models, tmp_path):
              r"model has biases \(attention_bias / mlp_bias\), the checkpoint has none")):
         with pytest.raises(ValueError, match=match):
             dj.load_target(_checkpoint_variant(src, tmp_path / name, **kw), dtype="float32")
+
+
+# ----------------------------------------------------------------------------------------- Ctrl-C
+@pytest.mark.slow
+def test_ctrl_c_while_a_command_starts_is_exit_130_and_one_line(cli_models, tmp_path):
+    """SIGINT into `python -m dflash_jax.<command>` while it imports, loads or compiles: exit 130, one
+    line, no traceback (was: a traceback from inside an import, or swallowed by jax's gc callback and
+    the run completed)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_cli_process import REPO, _env
+
+    gen = [sys.executable, "-m", "dflash_jax.generate", "--model", cli_models[0], "--draft", cli_models[1],
+           "--dtype", "float32", "--max-new-tokens", "8", "hi"]
+    train = [sys.executable, "-m", "dflash_jax.train", "train", "--model", cli_models[0], "--data",
+             str(tmp_path / "none"), "--out", str(tmp_path / "run")]
+    for cmd, after in ((gen, 0.3), (gen, 0.9), (gen, 1.8), (train, 1.2)):
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # the child's Ctrl-C: not ignored
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO,
+                                    text=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        time.sleep(after)
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 130, (after, proc.returncode, err[-2000:])
+        assert "Traceback" not in err and "Exception ignored" not in err and err.strip().endswith(
+            "[dflash] interrupted"), (after, err[-2000:])

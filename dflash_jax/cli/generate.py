@@ -285,6 +285,8 @@ def run_interruptible(work: Callable[[], Any], cancel: threading.Event) -> Any:
         finally:
             finished.set()
 
+    from dflash_jax import startup
+    startup.interrupt_as_exception()  # from here Ctrl-C stops the generation (until now: exit 130 at once)
     worker = threading.Thread(target=body, name="dflash-generate", daemon=True)
     worker.start()
     since = None

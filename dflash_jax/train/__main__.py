@@ -124,6 +124,13 @@ def _tokenizer(source: str):
                          "give --tokenizer, or token ids with --prompts-are-ids") from None
 
 
+def _interruptible() -> None:
+    """From here Ctrl-C is a KeyboardInterrupt that the run's own code sees (its files are closed on
+    the way out; main says "interrupted", exit 130); until here it ended the process at once."""
+    from dflash_jax import startup
+    startup.interrupt_as_exception()
+
+
 def cmd_regenerate(args) -> int:
     from dflash_jax.config import TargetConfig
     from dflash_jax.train.data import regenerate
@@ -148,6 +155,7 @@ def cmd_regenerate(args) -> int:
     from dflash_jax.cli.generate import stop_token_ids
     # the model's generation_config.json eos (and the tokenizer's when there is one), ids or text
     stops = [t for t in stop_token_ids(args.model, tok) if 0 <= t < vocab] or None
+    _interruptible()
     data = regenerate(target, prompts, args.out, max_len=args.max_len, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, stop_token_ids=stops, batch_size=args.batch_size,
                       shard_rows=args.shard_rows, seed=args.seed, attention_impl=args.attention,
@@ -315,6 +323,7 @@ def cmd_train(args) -> int:
         kw["gamma"] = args.gamma
     if draft.config.selector_top_k:
         kw["selector_weight"] = args.selector_weight
+    _interruptible()
     res = train(target, draft, data, run=run, **kw)
     print(f"{res.status} at step {res.step} (epoch {res.epoch}); checkpoints in {os.path.join(args.out, 'checkpoints')}")
     return 0
@@ -471,6 +480,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             FileNotFoundError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        from dflash_jax.startup import EXIT_INTERRUPTED
+        print("\n[dflash] interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
