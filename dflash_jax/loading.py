@@ -22,8 +22,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from dflash_jax import validation  # noqa: E402
 
 __all__ = ["RANDOM_DRAFT_LAYERS", "RANDOM_DRAFT_BLOCK", "LOAD_ERRORS", "TOKENIZER_FILES", "progress", "one_line",
-           "check_eos", "flag_message", "go_offline_if_unreachable", "resolve_sources", "init_distributed", "is_main_process",
-           "get_mesh", "load_models", "default_dtype", "effective_block_size", "load_tokenizer", "stop_token_ids"]
+           "check_eos", "flag_message", "go_offline_if_unreachable", "resolve_sources", "init_distributed",
+           "is_main_process", "get_mesh", "load_models", "default_dtype", "effective_block_size", "load_tokenizer",
+           "stop_token_ids"]
 
 # The public drafts are 5 layers at block size 16 for every Qwen3 size (z-lab/Qwen3-*-DFlash-b16).
 RANDOM_DRAFT_LAYERS = 5

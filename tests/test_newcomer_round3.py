@@ -343,7 +343,8 @@ def test_a_bad_generation_config_is_named_not_blamed_on_stop_token_ids(cli_model
 @pytest.mark.parametrize("cli,argv,needle", [
     ("gen", ["--model", "TARGET", "--draft", "none", "--prompt-len", "64", "hi"],
      "--prompt-len sets the random prompt of --random-init without a tokenizer; here it would be ignored"),
-    ("gen", ["--random-init", "qwen3-0.6b", "--prompt-ids", "1,2", "--prompt-len", "64"], "(the prompt is --prompt-ids)"),
+    ("gen", ["--random-init", "qwen3-0.6b", "--prompt-ids", "1,2", "--prompt-len", "64"],
+     "(the prompt is --prompt-ids)"),
     ("bench", ["--model", "TARGET", "--draft", "DRAFT", "--dataset", "gsm8k", "--prompt-len", "64"],
      "--prompt-len sets the random prompts of --random-init without a dataset"),
 ])
@@ -385,7 +386,8 @@ def test_checkpoint_mismatches_are_named_in_hf_terms(cli_models, tmp_path):
             ("fewer", dict(config={"num_hidden_layers": 3}),
              r"config.json has 3 layers \(num_hidden_layers\), the checkpoint more \(it has model.layers.3"),
             ("llama", dict(config={"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                   "attention_bias": True}, drop=lambda k: k.endswith(("q_norm.weight", "k_norm.weight"))),
+                                   "attention_bias": True},
+                           drop=lambda k: k.endswith(("q_norm.weight", "k_norm.weight"))),
              r"checkpoint lacks 16 tensor\(s\): model.layers.0.self_attn.k_proj.bias, .*; config.json says the "
              r"model has biases \(attention_bias / mlp_bias\), the checkpoint has none")):
         with pytest.raises(ValueError, match=match):
