@@ -208,6 +208,48 @@ def test_sampling_at_a_prefix_width_matches_the_exact_distribution(pair):
     assert _chi_square_p(counts, expected, n) > 1e-4
 
 
+def _scheduled_samples(pair, prompt, schedule, seeds, monkeypatch):
+    """T = 1 sampling through generate(verify_width="auto") (loop.run: one while loop per width)
+    with the width of iteration i forced to schedule[i] (the last repeated): loop.pick_width, the
+    rule's one entry in run, replaced for the call (its programs compiled for it and dropped after).
+    Returns ({first 3 tokens: count}, n, the first iteration's acceptance of every row)."""
+    from tests.test_sampling import POSITIONS, ROWS
+    widths = width.program_widths(8, per_row_cost=True)
+    idx = jnp.asarray([widths.index(w) for w in schedule], jnp.int32)
+    monkeypatch.setattr(loop, "pick_width",
+                        lambda st, p, s, one_shot=False: idx[jnp.minimum(s.step, len(schedule) - 1)])
+    monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.ones((n,), np.float32))  # no profiling runs
+    decode.clear_compiled()
+    counts, n, first = {}, 0, []
+    try:
+        for seed in seeds:
+            res = generate(pair["target"], pair["draft"], [prompt] * ROWS, max_new_tokens=POSITIONS,
+                           temperature=1.0, seed=seed, capacity=CAPACITY, verify_width="auto")
+            for row in res.tokens:
+                counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+                n += 1
+            first += [r[0] for r in res.acceptance_lengths]
+    finally:
+        decode.clear_compiled()
+    return counts, n, np.asarray(first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [(1, 7)], ids=["W1-then-W7"])
+def test_sampling_that_switches_widths_within_a_call_matches_the_exact_distribution(pair, schedule, monkeypatch):
+    """An "auto" program at T = 1 made to switch widths between its first two iterations (forced,
+    so the switch happens in every call): positions 2 and 3 of the joint come from one iteration at
+    one width and, where it stopped after one token, the next at the other; the joint of the first
+    3 tokens = the target's exact one (enumeration, tests/test_sampling.py)."""
+    from tests.test_sampling import SEEDS, _chi_square_p, _exact_joint
+    prompt = pair["eval_prompts"][0]
+    expected = _exact_joint(pair["hf"], prompt, 1.0, 1.0, 0)
+    counts, n, first = _scheduled_samples(pair, prompt, schedule, range(SEEDS), monkeypatch)
+    # the first iteration ran at its width: at most W + 1 tokens (2 of the 3 left at most), drafts accepted
+    assert first.max() == min(schedule[0] + 1, 2) and (first == 1).any(), np.bincount(first.ravel())
+    assert _chi_square_p(counts, expected, n) > 1e-4
+
+
 # ------------------------------------------------------------------------------- the width rule
 def _numpy_choose(stats, cost, current, step, force, widths):
     """The rule of width.choose restated: conditional acceptance per position with a weak prior,
