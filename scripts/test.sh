@@ -49,4 +49,5 @@ fi
 trap '[ ${#CLEANUP[@]} -eq 0 ] || rm -rf "${CLEANUP[@]}"' EXIT
 export JAX_COMPILATION_CACHE_DIR=$DFLASH_TEST_JAX_CACHE DFLASH_TEST_CACHE
 export DFLASH_TEST_REPORT=${DFLASH_TEST_REPORT:-$PWD/ci-artifacts/test-report.json}
+rm -f "$(dirname "$DFLASH_TEST_REPORT")/child-tests.jsonl"
 python -m pytest -q "$@"

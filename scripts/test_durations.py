@@ -40,6 +40,13 @@ def main() -> None:
     for t in tests[:args.top]:
         print(f"| {t['nodeid']} | {t['wall_s']:.1f} | {t.get('compiles', 0)} | {t.get('compile_s', 0):.1f} | "
               f"{t.get('cache_hits', 0)} |")
+    child = os.path.join(os.path.dirname(os.path.abspath(args.report)), "child-tests.jsonl")
+    if os.path.exists(child):
+        with open(child) as f:
+            recs = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: -r["wall_s"])
+        print(f"\n| the {args.top} slowest cases inside child processes (tests/children.py) | wall s |\n| --- | --- |")
+        for r in recs[:args.top]:
+            print(f"| {r['nodeid']} | {r['wall_s']:.1f} |")
     if args.write:
         path = os.path.join(REPO, "tests", "durations.json")
         try:

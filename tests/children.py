@@ -9,6 +9,7 @@ runner (the only case a child is meant to skip).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,9 +28,19 @@ def child_env(devices: int, **extra: str) -> dict:
 
 
 def results(junit_xml: str) -> dict[str, tuple[str, str]]:
-    """{test name: (outcome, message)} from a JUnit report: passed, failed, error or skipped."""
+    """{test name: (outcome, message)} from a JUnit report: passed, failed, error or skipped. With
+    DFLASH_TEST_REPORT set, each case's seconds are appended to child-tests.jsonl beside that report
+    (scripts/test_durations.py lists the slowest)."""
     out = {}
-    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+    report = os.environ.get("DFLASH_TEST_REPORT")
+    cases = list(ET.parse(junit_xml).getroot().iter("testcase"))
+    if report:
+        os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
+        with open(os.path.join(os.path.dirname(os.path.abspath(report)), "child-tests.jsonl"), "a") as f:
+            for case in cases:
+                f.write(json.dumps(dict(nodeid=f"{case.get('classname')}::{case.get('name')}",
+                                        wall_s=float(case.get("time") or 0))) + "\n")
+    for case in cases:
         name = f"{case.get('classname')}::{case.get('name')}"
         outcome, msg = "passed", ""
         for tag in ("failure", "error", "skipped"):
@@ -54,9 +65,9 @@ def run_child(test_file: str, *, devices: int, env: dict | None = None, args: tu
         full_env.pop("DFLASH_TEST_REPORT", None)      # the child's records are not the run's
         r = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True)
         tail = r.stdout[-6000:] + r.stderr[-3000:]
-        assert r.returncode == 0, tail
         assert os.path.exists(xml), "the child wrote no report\n" + tail
         res = results(xml)
+        assert r.returncode == 0, tail
     passed = [n for n, (o, _) in res.items() if o == "passed"]
     stray = {n: m for n, (o, m) in res.items() if o != "passed" and PARENT_ONLY not in m}
     assert not stray, f"child cases that did not pass: {stray}\n{tail}"

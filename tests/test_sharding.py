@@ -2,8 +2,8 @@
 
 The virtual devices need XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts its
 backend, which other tests in the same process may already have done; so the cases run in a child
-pytest of this file (`test_on_8_devices`, and `test_on_8_devices_slow` for the loop prototypes),
-and are skipped in the parent. Run them directly with
+pytest of this file (`test_on_8_devices`: every case, slow ones included, in one child), and are
+skipped in the parent. Run them directly with
     DFLASH_SHARDING_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_sharding.py
 """
 
@@ -21,21 +21,14 @@ child = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (test_o
 parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
 
 
-def _run_child(marker: str):
-    from tests.children import run_child
-    run_child(__file__, devices=8, env=dict(DFLASH_SHARDING_CHILD="1"), args=("-m", marker), min_passed=3)
-
-
 @parent
 @pytest.mark.slow
 def test_on_8_devices():
-    _run_child("not slow")
-
-
-@parent
-@pytest.mark.slow
-def test_on_8_devices_slow():
-    _run_child("slow")
+    """Every child case in one child process (two children, one per marker, paid the start-up, the
+    models and the programs twice)."""
+    from tests.children import run_child
+    run_child(__file__, devices=8, env=dict(DFLASH_SHARDING_CHILD="1"), args=("-m", "slow or not slow"),
+              min_passed=40)
 
 
 # ------------------------------------------------------------------------------- child cases
