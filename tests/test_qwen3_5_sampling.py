@@ -22,7 +22,9 @@ from dflash_jax import DraftConfig, generate, init_draft, load_target
 transformers = pytest.importorskip("transformers")
 
 POSITIONS, TOP_K, TEMPERATURE = 5, 2, 1.0
-ROWS, SEEDS = 256, 2
+# 2,048 samples: at 512 the planted bug below (the GDN fold skipped on rejection) passed at p = 0.066;
+# at 2,048 it fails at p = 5e-7 (test_a_state_not_rolled_back_would_be_caught)
+ROWS, SEEDS = 256, 8
 PROMPT = [5, 17, 99, 3, 42]
 
 
@@ -89,3 +91,40 @@ def test_plain_and_dflash_sampling_match_the_exact_distribution(setup):
     # 2 or 3 of them
     assert sum(a < 4 for a in acc) > len(acc) // 2 and sum(1 < a < 4 for a in acc) > 40, np.bincount(acc)
     assert _chi_square_p(spec, expected, n) > 1e-4
+
+
+def _drop_programs():
+    """Forget every compiled program and JAX's traces (a cached trace would keep the code it saw)."""
+    import jax
+
+    from dflash_jax import decode
+    decode.clear_compiled()
+    jax.clear_caches()
+
+
+@pytest.mark.slow
+def test_a_state_not_rolled_back_would_be_caught(setup, monkeypatch):
+    """Power of the check above: a plausible bug planted (the GDN state fold skipped on rejection: a
+    block cut mid-way leaves the recurrent state where it was before the block, while the conv
+    window and the attention layers move on) moves the DFlash joint off the exact one at p < 1e-4."""
+    import jax.numpy as jnp
+
+    from dflash_jax.models.qwen3_5 import GatedDeltaNet
+    hf, target, draft = setup
+    advance = GatedDeltaNet.advance
+
+    def no_fold_on_rejection(self, state, records, n):
+        if records.kind != "deltas":                      # prefill, plain steps: as they were
+            return advance(self, state, records, n)
+        whole = records.xx.shape[1] - (self.kernel - 1)
+        return advance(self, state, records, jnp.where(n < whole, 0, n))[0], advance(self, state, records, n)[1]
+
+    monkeypatch.setattr(GatedDeltaNet, "advance", no_fold_on_rejection)
+    _drop_programs()                                      # programs traced with the bug, dropped after
+    try:
+        spec, acc = _sample(target, draft)
+    finally:
+        monkeypatch.undo()
+        _drop_programs()
+    assert sum(a < 4 for a in acc) > len(acc) // 2        # the bug had rejections to act on
+    assert _chi_square_p(spec, _exact_joint(hf), ROWS * SEEDS) < 1e-4
