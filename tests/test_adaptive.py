@@ -220,8 +220,13 @@ def _scheduled_samples(pair, prompt, schedule, seeds, monkeypatch):
                         lambda st, p, s, one_shot=False: idx[jnp.minimum(s.step, len(schedule) - 1)])
     monkeypatch.setattr(decode, "width_costs", lambda key, fn, n: np.ones((n,), np.float32))  # no profiling runs
     decode.clear_compiled()
+    jax.clear_caches()                  # no trace of the real rule reused
     counts, n, first = {}, 0, []
     try:
+        # the schedule is in force: greedy, unlimited by max_new_tokens, the first iteration stops at W + 1
+        g = generate(pair["target"], pair["draft"], [prompt], max_new_tokens=24, capacity=CAPACITY,
+                     verify_width="auto").acceptance_lengths[0]
+        assert g[0] <= schedule[0] + 1 and max(g[1:]) > schedule[0] + 1, g
         for seed in seeds:
             res = generate(pair["target"], pair["draft"], [prompt] * ROWS, max_new_tokens=POSITIONS,
                            temperature=1.0, seed=seed, capacity=CAPACITY, verify_width="auto")
@@ -230,7 +235,9 @@ def _scheduled_samples(pair, prompt, schedule, seeds, monkeypatch):
                 n += 1
             first += [r[0] for r in res.acceptance_lengths]
     finally:
+        monkeypatch.undo()
         decode.clear_compiled()
+        jax.clear_caches()
     return counts, n, np.asarray(first)
 
 
