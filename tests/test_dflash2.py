@@ -365,29 +365,80 @@ def test_walk_equals_a_sequential_walk_and_runs_no_device_loop():
     assert "while" not in jax.jit(walk).lower(jnp.asarray(scores), jnp.asarray(cand)).as_text()
 
 
-@pytest.mark.slow
-def test_sampling_with_the_selector_is_in_distribution(tmp_path):
-    """T = 1: the joint of the first three generated tokens (prefill token + one verify chain with
-    drafts drawn by the selector) matches the target's exact plain-sampling distribution (chi-square,
-    tests/test_sampling.py's method), and drafts do get accepted."""
-    from tests.test_sampling import _chi_square_p, _exact_joint
-    tp = write_target(str(tmp_path / "target"), vocab_size=32, num_layers=4, seed=5, init_std=0.2)
-    path, _ = _write_reference_draft(str(tmp_path / "draft"), tp, dflash2=True, layer_types=["sliding_attention"] * 2,
+@pytest.fixture(scope="module")
+def selector_sampling(tmp_path_factory):
+    """A vocab-32 target, a DFlash2 draft with a selector (rank 8, top-K 8) and one prompt's exact
+    T = 1 joint of the first three generated tokens (tests/test_sampling.py's enumeration)."""
+    from tests.test_sampling import _exact_joint
+    root = tmp_path_factory.mktemp("selector_sampling")
+    tp = write_target(str(root / "target"), vocab_size=32, num_layers=4, seed=5, init_std=0.2)
+    path, _ = _write_reference_draft(str(root / "draft"), tp, dflash2=True, layer_types=["sliding_attention"] * 2,
                                      is_causal=False, seed=6, rank=8, top_k=8, window=4)
     hf, _ = load_torch_pair(tp)
     target = load_target(tp, dtype="float32")
-    draft = load_draft(path, target=target, dtype="float32")
     prompt = random_prompts(1, 31, min_len=9, max_len=9, seed=12)[0]
-    expected = _exact_joint(hf, prompt, 1.0, 1.0, 0)
+    return dict(target=target, draft=load_draft(path, target=target, dtype="float32"), prompt=prompt,
+                expected=_exact_joint(hf, prompt, 1.0, 1.0, 0))
+
+
+def _selector_samples(d):
     counts, n, acc = {}, 0, []
     for seed in range(4):
-        res = generate(target, draft, [prompt] * 512, max_new_tokens=3, temperature=1.0, seed=seed, capacity=64, verify_width="block")
+        res = generate(d["target"], d["draft"], [d["prompt"]] * 512, max_new_tokens=3, temperature=1.0, seed=seed,
+                       capacity=64, verify_width="block")
         for row in res.tokens:
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
             n += 1
         acc += [a for r in res.acceptance_lengths for a in r]
+    return counts, n, acc
+
+
+@pytest.mark.slow
+def test_sampling_with_the_selector_is_in_distribution(selector_sampling):
+    """T = 1: the joint of the first three generated tokens (prefill token + one verify chain with
+    drafts drawn by the selector) matches the target's exact plain-sampling distribution (chi-square,
+    tests/test_sampling.py's method), and drafts do get accepted."""
+    from tests.test_sampling import _chi_square_p
+    counts, n, acc = _selector_samples(selector_sampling)
     assert max(acc) >= 2, acc[:20]
-    assert _chi_square_p(counts, expected, n) > 1e-4
+    assert _chi_square_p(counts, selector_sampling["expected"], n) > 1e-4
+
+
+@pytest.mark.slow
+def test_a_selector_drafting_its_argmax_would_be_caught(selector_sampling, monkeypatch):
+    """Power of the check above: a plausible bug planted (the selector's path taken by argmax, no
+    Gumbel draw, while the acceptance still divides by q, the sampled path's distribution) moves the
+    joint off the exact one at p < 1e-4."""
+    import dflash_jax.drafts.dflash2 as d2
+    from dflash_jax import decode
+    from tests.test_sampling import _chi_square_p
+
+    def argmax_walk(scores, cand, temperature=None, keys=None):
+        if temperature is None:
+            return walk(scores, cand)
+        B, L = scores.shape[:2]
+        z = scores / jnp.where(temperature > 0, temperature, 1.0)[:, None, None, None]
+        follow = jnp.argmax(scores, axis=-1).astype(jnp.int32)                     # no noise
+        picks, prev = [], jnp.zeros((B,), jnp.int32)
+        for t in range(L):
+            prev = follow[jnp.arange(B), t, prev]
+            picks.append(prev)
+        idx = jnp.stack(picks, axis=1)
+        before = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), idx[:, :-1]], axis=1)
+        q = jax.nn.softmax(jnp.take_along_axis(z, before[:, :, None, None], axis=2)[:, :, 0], axis=-1)
+        return jnp.take_along_axis(cand, idx[..., None], axis=-1)[..., 0], q
+
+    monkeypatch.setattr(d2, "walk", argmax_walk)
+    decode.clear_compiled()                 # programs and traces built with the bug, dropped after
+    jax.clear_caches()
+    try:
+        counts, n, acc = _selector_samples(selector_sampling)
+    finally:
+        monkeypatch.undo()
+        decode.clear_compiled()
+        jax.clear_caches()
+    assert max(acc) >= 2                    # drafts accepted: the bug had something to act on
+    assert _chi_square_p(counts, selector_sampling["expected"], n) < 1e-4
 
 
 def test_key_start_on_the_xla_paths_matches_a_dense_mask():
