@@ -15,6 +15,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.checkpoints import write_draft, write_target
+
 from dflash_jax import decode, generate, load_draft, load_target
 from dflash_jax.engine import Request, SlotEngine
 from dflash_jax.slots import RowRequest, Slots, union_mode
@@ -30,6 +32,17 @@ def pair(trained_small_vocab_pair):
     p = trained_small_vocab_pair
     target = load_target(p["target_path"], dtype="float32")
     return target, load_draft(p["draft_path"], target=target, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    """A random 2-layer target + draft (S = 4): for the tests that compare tokens, not acceptance
+    (their programs are half the trained pair's to compile)."""
+    root = tmp_path_factory.mktemp("engine_pair")
+    tp = write_target(str(root / "target"), num_layers=2, seed=11)
+    dp = write_draft(str(root / "draft"), tp, num_layers=1, block_size=4, seed=12)
+    target = load_target(tp, dtype="float32")
+    return target, load_draft(dp, target=target, dtype="float32")
 
 
 def prompts(n, seed=0):
@@ -80,25 +93,25 @@ def test_generate_with_slots_equals_one_shot_and_stops(pair):
 
 
 @pytest.mark.slow
-def test_seeded_samples_independent_of_slot_and_mates(pair):
+def test_seeded_samples_independent_of_slot_and_mates(random_pair):
     """A request's samples are keyed by (seed, rng_row, position): the same in any slot, next to
     any batch-mates; generate(slots=) keeps row i's stream i, so it equals one-shot sampling."""
     ps = prompts(4, seed=2)
     kw = dict(temperature=0.9, top_k=20)
-    a = Slots(*pair, slots=SLOTS, capacity=CAP).run(
+    a = Slots(*random_pair, slots=SLOTS, capacity=CAP).run(
         [RowRequest(prompt=tuple(p), max_new=12, seed=7 + i, **kw) for i, p in enumerate(ps)])
-    alone = [Slots(*pair, slots=SLOTS, capacity=CAP).run(
+    alone = [Slots(*random_pair, slots=SLOTS, capacity=CAP).run(
         [RowRequest(prompt=(1, 2), max_new=3, seed=1, **kw)] * (i % SLOTS) +      # occupy slots 0..i-1
         [RowRequest(prompt=tuple(p), max_new=12, seed=7 + i, **kw)])[-1] for i, p in enumerate(ps)]
     assert [r.tokens for r in a] == [r.tokens for r in alone]
-    full = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, verify_width="block")
-    via = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2, verify_width="block")
+    full = generate(*random_pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, verify_width="block")
+    via = generate(*random_pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2, verify_width="block")
     assert via.tokens == full.tokens
 
 
 @pytest.mark.slow
-def test_insert_leaves_other_slots_bitwise_unchanged_and_reuse_is_fresh(pair):
-    eng = Slots(*pair, slots=SLOTS, capacity=CAP)
+def test_insert_leaves_other_slots_bitwise_unchanged_and_reuse_is_fresh(random_pair):
+    eng = Slots(*random_pair, slots=SLOTS, capacity=CAP)
     ps = prompts(3, seed=3)
     eng.insert([(0, RowRequest(prompt=tuple(ps[0]), max_new=20)), (2, RowRequest(prompt=tuple(ps[1]), max_new=20))])
     eng.step()
@@ -127,8 +140,8 @@ def test_insert_leaves_other_slots_bitwise_unchanged_and_reuse_is_fresh(pair):
 
 
 @pytest.mark.slow
-def test_no_compile_after_warmup_across_a_stream(pair):
-    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2)
+def test_no_compile_after_warmup_across_a_stream(random_pair):
+    eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps=2)
     ps = prompts(12, seed=4)
     eng.warmup([len(p) for p in ps], ["greedy"])
     n0 = decode.compile_count()
@@ -136,32 +149,32 @@ def test_no_compile_after_warmup_across_a_stream(pair):
     assert decode.compile_count() == n0 and all(r.tokens for r in out)
 
 
-def test_slot_engine_serves_handles_and_frees_cancelled_slots(pair):
-    eng = SlotEngine(*pair, slots=2, capacity=CAP, max_queue=4, eos_token_ids=[])
+def test_slot_engine_serves_handles_and_frees_cancelled_slots(random_pair):
+    eng = SlotEngine(*random_pair, slots=2, capacity=CAP, max_queue=4, eos_token_ids=[])
     ps = prompts(4, seed=5)
     hs = [eng.submit(Request(prompt=tuple(p), max_tokens=10 + i, temperature=0.0)) for i, p in enumerate(ps)]
     outs = [list(h.events())[-1] for h in hs]
     for p, h, f in zip(ps, hs, outs):
-        assert f.finish_reason == "length" and f.tokens == one_shot(pair, p, h.request.max_tokens).tokens[0]
+        assert f.finish_reason == "length" and f.tokens == one_shot(random_pair, p, h.request.max_tokens).tokens[0]
     long = eng.submit(Request(prompt=tuple(ps[0]), max_tokens=40))
     long.next(timeout=60)
     eng.cancel(long)
     assert list(long.events())[-1].finish_reason == "cancelled"
     h = eng.submit(Request(prompt=tuple(ps[1]), max_tokens=5))
-    assert list(h.events())[-1].tokens == one_shot(pair, ps[1], 5).tokens[0]
+    assert list(h.events())[-1].tokens == one_shot(random_pair, ps[1], 5).tokens[0]
     st = eng.stats()
     assert (st.slots, st.slots_busy, st.queue_depth) == (2, 0, 0)
     eng.shutdown(timeout=5)
 
 
-def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(pair, monkeypatch):
+def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(random_pair, monkeypatch):
     """The hot path reuses what warmup built: a step or an insert of a warmed-up program builds no
     compile key (a key's hash walks the models' graph definitions: ~7 ms a step for a Qwen3-8B
     target) and no width fields (a dozen small device arrays); the tokens still equal plain
     decoding's."""
     import dflash_jax.slots as slots_mod
     ps, ns = prompts(4, seed=5), [6, 9, 4, 11]
-    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=2, verify_width="auto")
+    eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps=2, verify_width="auto")
     eng.warmup(sorted({len(p) for p in ps}))
 
     def built(*a, **k):
@@ -170,16 +183,16 @@ def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(pair, monke
     monkeypatch.setattr(slots_mod, "width_params", built)
     out = eng.run(rows(ps, ns))
     for p, n, r in zip(ps, ns, out):
-        assert r.tokens == generate(pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
+        assert r.tokens == generate(random_pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
 
 
-def test_auto_steps_run_4_iterations_over_few_rows_and_2_over_many(pair, monkeypatch):
+def test_auto_steps_run_4_iterations_over_few_rows_and_2_over_many(random_pair, monkeypatch):
     """steps="auto": a step over fewer than STEPS_AUTO_WIDE rows runs 4 iterations, one over more
     runs 2 (the threshold lowered to 2 rows here, so 3 slots show both); refilling ahead counts
     each step's own iterations, and every request's tokens equal plain decoding's."""
     import dflash_jax.slots as slots_mod
     monkeypatch.setattr(slots_mod, "STEPS_AUTO_WIDE", 2)
-    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps="auto")
+    eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps="auto")
     assert [eng.steps_for(n) for n in (1, 2, 3)] == [4, 2, 2]
     eng.insert([(0, RowRequest(prompt=(5, 6, 7), max_new=30))])
     assert np.asarray(eng.step_async([0])[0]).shape[0] == 4          # bucket 1
@@ -189,9 +202,9 @@ def test_auto_steps_run_4_iterations_over_few_rows_and_2_over_many(pair, monkeyp
     out = eng.run(rows(ps, ns), refill_ahead=True)
     assert {1, 3} <= set(eng.bucket_steps), eng.bucket_steps
     for p, n, r in zip(ps, ns, out):
-        assert r.tokens == generate(pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
+        assert r.tokens == generate(random_pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
     with pytest.raises(ValueError, match="steps must be an integer >= 1 or 'auto'"):
-        Slots(*pair, slots=SLOTS, capacity=CAP, steps="fast")
+        Slots(*random_pair, slots=SLOTS, capacity=CAP, steps="fast")
 
 
 def test_union_mode():
@@ -286,24 +299,24 @@ def state_rows(eng, slot):
     return [x[slot] for x in jax.tree.leaves(st.loop.replace(step=None, done=None)) + jax.tree.leaves(st.params)]
 
 
-def test_step_buckets_are_checked(pair):
-    assert Slots(*pair, slots=6, capacity=CAP).step_buckets == (1, 2, 4, 6)
-    assert Slots(*pair, slots=4, capacity=CAP, step_buckets=[2]).step_buckets == (2, 4)
-    assert Slots(*pair, slots=4, capacity=CAP, step_buckets=None).step_buckets == ()
-    assert Slots(*pair, slots=4, capacity=CAP, step_buckets=()).step_buckets == ()
+def test_step_buckets_are_checked(random_pair):
+    assert Slots(*random_pair, slots=6, capacity=CAP).step_buckets == (1, 2, 4, 6)
+    assert Slots(*random_pair, slots=4, capacity=CAP, step_buckets=[2]).step_buckets == (2, 4)
+    assert Slots(*random_pair, slots=4, capacity=CAP, step_buckets=None).step_buckets == ()
+    assert Slots(*random_pair, slots=4, capacity=CAP, step_buckets=()).step_buckets == ()
     for bad, msg in (("fast", "'auto', None or a sequence"), (3, "'auto', None or a sequence"),
                      ((0, 2), r"integers in \[1, slots=4\], got 0"), ((2, 8), "got 8"), ((1.5,), "got 1.5"),
                      ((2, 2), "repeated")):
         with pytest.raises(ValueError, match=msg):
-            Slots(*pair, slots=4, capacity=CAP, step_buckets=bad)
+            Slots(*random_pair, slots=4, capacity=CAP, step_buckets=bad)
 
 
-def test_step_programs_loop_a_known_trip_count(pair):
+def test_step_programs_loop_a_known_trip_count(random_pair):
     """Every loop in the compiled step programs (full width and a bucket) has a trip count the
     compiler knows: XLA:GPU runs a loop of unknown trip count by reading its predicate back and
     waiting for the device at each iteration on the launching thread, which kept the host from
     dispatching ahead (docs/perf-log.md, session 22)."""
-    eng = Slots(*pair, slots=SLOTS, capacity=CAP, steps=3)
+    eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps=3)
     for rows in (None, 2):
         text = eng._step_program("greedy", rows).as_text()
         loops = [line for line in text.splitlines() if " while(" in line]
@@ -339,12 +352,12 @@ def test_step_buckets_same_tokens_as_full_width_and_one_shot(pair):
     assert decode.compile_count() == n0
 
 
-def test_step_buckets_insert_and_release_across_buckets_keep_other_slots(pair):
+def test_step_buckets_insert_and_release_across_buckets_keep_other_slots(random_pair):
     """Inserts and a release while the step bucket moves 1 -> 4 -> 2: the rows of slots outside a
     bucket are bitwise untouched by its step, and every request's tokens equal its one-shot ones."""
     ps = prompts(3, seed=9)
-    want = [one_shot(pair, p, n).tokens[0] for p, n in zip(ps, (30, 4, 20))]
-    eng = Slots(*pair, slots=4, capacity=CAP, steps=2)
+    want = [one_shot(random_pair, p, n).tokens[0] for p, n in zip(ps, (30, 4, 20))]
+    eng = Slots(*random_pair, slots=4, capacity=CAP, steps=2)
     got = {2: [], 0: [], 3: []}
 
     def step(busy):
@@ -382,20 +395,20 @@ def test_step_buckets_insert_and_release_across_buckets_keep_other_slots(pair):
 
 
 @pytest.mark.slow
-def test_step_buckets_seeded_samples_same_in_any_bucket(pair):
+def test_step_buckets_seeded_samples_same_in_any_bucket(random_pair):
     """Sampled requests with their own seeds: the same tokens with buckets and without, and alone
     (bucket 1 throughout) as next to the others."""
     ps, ns = prompts(5, seed=10), [4, 15, 7, 11, 2]
     reqs = [RowRequest(prompt=tuple(p), max_new=n, seed=3 + i, temperature=0.9, top_k=20)
             for i, (p, n) in enumerate(zip(ps, ns))]
-    on = Slots(*pair, slots=4, capacity=CAP, steps=2)
+    on = Slots(*random_pair, slots=4, capacity=CAP, steps=2)
     a = on.run(reqs)
     assert set(on.bucket_steps) >= {1, 4}
-    b = Slots(*pair, slots=4, capacity=CAP, steps=2, step_buckets=None).run(reqs)
+    b = Slots(*random_pair, slots=4, capacity=CAP, steps=2, step_buckets=None).run(reqs)
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert [on.run([r])[0].tokens for r in reqs] == [r.tokens for r in a]
-    via = generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2, verify_width="block")
-    assert via.tokens == generate(*pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9,
+    via = generate(*random_pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2, verify_width="block")
+    assert via.tokens == generate(*random_pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9,
                                   top_k=20, verify_width="block").tokens
 
 
