@@ -80,6 +80,7 @@ if not CHILD:
 
     from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
     from tests.checkpoints import hf_greedy, random_prompts, reference_generate
+    from tests.doubles import truth_proposer
     from tests.pairs import assert_width_result, widths
 
     from dflash_jax import ConfigError, DraftConfig, TargetConfig, generate, init_draft, init_target, load_draft, load_target
@@ -145,6 +146,21 @@ if not CHILD:
         ref = llama_pair["ref"]
         assert_width_result(res, [r.output_ids[0, len(p):].tolist() for r, p in zip(ref, prompts)],
                             [list(r.acceptance_lengths) for r in ref], verify_width, 8)
+
+    @pytest.mark.slow
+    def test_blocks_cut_mid_way_keep_transformers_greedy_tokens(llama_pair):
+        """The random draft above has its blocks rejected early (acceptance 1 or 2): here the truth
+        proposer (transformers' greedy continuation) cut after its 3rd draft, so every iteration
+        accepts 4 tokens of the block of 8 and the loop commits mid-block: transformers' tokens."""
+        prompts, n = random_prompts(2, 127, min_len=3, max_len=12, seed=5), 20
+        expected = [hf_greedy(llama_pair["hf"], p, n) for p in prompts]
+        truth = np.zeros((2, 64), np.int32)
+        for i, (p, e) in enumerate(zip(prompts, expected)):
+            truth[i, :len(p) + n] = p + e
+        res = generate(llama_pair["target"], truth_proposer(llama_pair["draft"], truth, 3, 128), prompts,
+                       max_new_tokens=n, verify_width="block")
+        assert res.tokens == expected
+        assert all(a == 4 for row in res.acceptance_lengths for a in row[:-1]), res.acceptance_lengths
 
     def test_unsupported_model_type_is_one_line_naming_the_supported(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 8}))

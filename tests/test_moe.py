@@ -15,6 +15,7 @@ import torch
 
 from tests import tpu_aot  # noqa: F401  (quiets libtpu before JAX initialises)
 from tests.checkpoints import random_prompts, reference_generate, write_draft, write_moe_target
+from tests.doubles import truth_proposer
 from tests.pairs import assert_width_result, widths
 
 from dflash_jax import KernelConfig, generate, load_draft, load_target
@@ -370,6 +371,22 @@ def test_dflash_with_moe_target_equals_reference(moe_dflash, verify_width):
     res = generate(target, draft, prompts, max_new_tokens=20, block_size=8, verify_width=verify_width)
     assert res.tokens == generate(target, None, prompts, max_new_tokens=20).tokens
     assert_width_result(res, moe_dflash["tokens"], moe_dflash["acceptance"], verify_width, 8)
+
+
+@pytest.mark.slow
+def test_moe_blocks_cut_mid_way_keep_the_greedy_tokens(moe_dflash):
+    """The random draft above has its blocks rejected early: here the truth proposer (the
+    target's greedy continuation, = transformers' by the reference comparison) cut after its 3rd
+    draft, so every iteration accepts 4 tokens of the block of 8 and commits mid-block."""
+    target, draft, prompts = moe_dflash["target"], moe_dflash["draft"], moe_dflash["prompts"]
+    n = 20
+    truth = np.zeros((len(prompts), 64), np.int32)
+    for i, (p, e) in enumerate(zip(prompts, moe_dflash["tokens"])):
+        truth[i, :len(p) + n] = p + e
+    res = generate(target, truth_proposer(draft, truth, 3, 128), prompts, max_new_tokens=n, block_size=8,
+                   verify_width="block")
+    assert res.tokens == moe_dflash["tokens"]
+    assert all(a == 4 for row in res.acceptance_lengths for a in row[:-1]), res.acceptance_lengths
 
 
 # ------------------------------------------------------------------------------------ the loader
