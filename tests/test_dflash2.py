@@ -381,11 +381,11 @@ def selector_sampling(tmp_path_factory):
                 expected=_exact_joint(hf, prompt, 1.0, 1.0, 0))
 
 
-def _selector_samples(d):
+def _selector_samples(d, verify_width="block"):
     counts, n, acc = {}, 0, []
     for seed in range(4):
         res = generate(d["target"], d["draft"], [d["prompt"]] * 512, max_new_tokens=3, temperature=1.0, seed=seed,
-                       capacity=64, verify_width="block")
+                       capacity=64, verify_width=verify_width)
         for row in res.tokens:
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
             n += 1
@@ -394,13 +394,16 @@ def _selector_samples(d):
 
 
 @pytest.mark.slow
-def test_sampling_with_the_selector_is_in_distribution(selector_sampling):
+@pytest.mark.parametrize("verify_width", ["block", pytest.param(1, id="W1")])
+def test_sampling_with_the_selector_is_in_distribution(selector_sampling, verify_width):
     """T = 1: the joint of the first three generated tokens (prefill token + one verify chain with
     drafts drawn by the selector) matches the target's exact plain-sampling distribution (chi-square,
-    tests/test_sampling.py's method), and drafts do get accepted."""
+    tests/test_sampling.py's method), and drafts do get accepted; also at the prefix width W = 1
+    (the selector's sampled path verified at its first draft only, the acceptance dividing by that
+    slot's q)."""
     from tests.test_sampling import _chi_square_p
-    counts, n, acc = _selector_samples(selector_sampling)
-    assert max(acc) >= 2, acc[:20]
+    counts, n, acc = _selector_samples(selector_sampling, verify_width)
+    assert max(acc) == 2 if verify_width == 1 else max(acc) >= 2, acc[:20]
     assert _chi_square_p(counts, selector_sampling["expected"], n) > 1e-4
 
 
