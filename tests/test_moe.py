@@ -422,7 +422,7 @@ def test_missing_or_misshaped_experts_are_named_in_one_line(small_moe, tmp_path)
                                          r"the config implies \(64, 32\)$"):
         load_target(_rewrite(small_moe, str(tmp_path / "b"), bad), "float32")
     router = _rewrite(small_moe, str(tmp_path / "c"), lambda t: t.pop("model.layers.0.mlp.gate.weight"))
-    with pytest.raises(ValueError, match=r"^[^\n]*lacks 1 parameter\(s\): layers\.0\.mlp\.router$"):
+    with pytest.raises(ValueError, match=r"^[^\n]*lacks 1 tensor\(s\): model\.layers\.0\.mlp\.gate\.weight$"):
         load_target(router, "float32")
 
 
