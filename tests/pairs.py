@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 
 
-def widths(prefix: int = 3, *, slow_auto: bool = True, slow_prefix: bool = True) -> list:
-    """pytest params over verify_width: "block", "auto", `prefix` (a width below the block's)."""
-    slow = [pytest.mark.slow]
-    return ["block",
-            pytest.param("auto", marks=slow if slow_auto else []),
-            pytest.param(prefix, marks=slow if slow_prefix else [], id=f"W{prefix}")]
+def widths(prefix: int = 3) -> list:
+    """pytest params over verify_width: "block" (the test's own marks), then "auto" and `prefix` (a
+    width below the block's), both slow (`.ci/run` runs them; a plain `pytest` the block case)."""
+    return ["block", pytest.param("auto", marks=pytest.mark.slow),
+            pytest.param(prefix, marks=pytest.mark.slow, id=f"W{prefix}")]
 
 
 def cap(verify_width, block_size: int) -> int:
