@@ -59,7 +59,7 @@ def run_child(test_file: str, *, devices: int, env: dict | None = None, args: tu
     report's {name: (outcome, message)}."""
     with tempfile.TemporaryDirectory() as d:
         xml = os.path.join(d, "child.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--junitxml={xml}",
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", f"--junitxml={xml}",
                *args, os.path.abspath(test_file)]
         full_env = child_env(devices, **(env or {}))
         full_env.pop("DFLASH_TEST_REPORT", None)      # the child's records are not the run's

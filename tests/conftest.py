@@ -37,6 +37,10 @@ _CHEAP_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expe
 if os.environ.get("DFLASH_TEST_FULL_CODEGEN") != "1":
     _flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = " ".join([_flags, *(f for f in _CHEAP_CODEGEN if f.split("=")[0] not in _flags)]).strip()
+# - one OpenMP thread for torch (the oracles) and NumPy's BLAS: the oracles' matrices are tiny, and
+#   torch's OpenMP threads spin against JAX's own pool in the same process (the reference run of
+#   test_random_pair_is_lossless_and_identical_to_reference[16]: 19 s with 2 threads, 1.4 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.expanduser("~"), ".cache", "dflash-jax-tests", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
