@@ -303,7 +303,8 @@ def test_dflash_greedy_full_and_cut_blocks_match_transformers(pair, corrupt, ver
     truth proposer's corrupt slot being part of its key) the same tokens; at W = 1 every iteration
     accepts its one draft, at "auto" at most the block's."""
     ours, prompts, expected, draft, truth, n = _dflash_case(pair)
-    res = generate(ours, truth_proposer(draft, truth, corrupt, 128), prompts, max_new_tokens=n, verify_width=verify_width)
+    res = generate(ours, truth_proposer(draft, truth, corrupt, 128), prompts, max_new_tokens=n,
+                   verify_width=verify_width)
     assert res.tokens == expected
     accepted = 3 if corrupt is None else corrupt       # drafts a full-width iteration accepts
     if verify_width == "auto":

@@ -99,7 +99,8 @@ def test_trained_pair_is_lossless_identical_to_reference_and_accepts(trained, S,
     and the prefix width reaching its cap (a trained draft: blocks accepted past 3 at full width)."""
     prompts = trained["eval_prompts"]  # all 8: a partial block somewhere must not hinge on one seed
     stop = None
-    res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S, verify_width=verify_width)
+    res = generate(trained["target"], trained["draft"], prompts, max_new_tokens=40, block_size=S,
+                   verify_width=verify_width)
     plain = generate(trained["target"], None, prompts, max_new_tokens=40)
     assert res.tokens == plain.tokens
     if S not in _REFERENCE_RUNS:
