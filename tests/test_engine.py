@@ -420,14 +420,9 @@ CHILD = os.environ.get("DFLASH_ENGINE_CHILD") == "1"
 @pytest.mark.slow
 @pytest.mark.skipif(CHILD, reason="the parent's runner")
 def test_slots_on_a_mesh_in_a_child():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, DFLASH_ENGINE_CHILD="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "slow",
-                        "-k", "mesh_child", os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    from tests.children import run_child
+    run_child(__file__, devices=8, env=dict(DFLASH_ENGINE_CHILD="1"), args=("-m", "slow", "-k", "mesh_child"),
+              min_passed=2)
 
 
 @pytest.mark.slow
