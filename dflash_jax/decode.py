@@ -370,21 +370,26 @@ def _generate_slots(target, draft, prompts, o: GenerateOptions):
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,
                      max_new_tokens: int = 256, capacity: int | None = None, block_size: int | None = None,
                      sampling_mode: str = "greedy", dtype="bfloat16", attention_impl: str | None = None,
-                     device=None, kernels: KernelConfig | None = None, mesh=None):
+                     device=None, kernels: KernelConfig | None = None, mesh=None, quantize: str | None = None):
     """The static key and abstract arguments of a generation, from configs alone (nothing allocated).
     mesh: a Mesh (e.g. over a TPU topology's devices) or a spec: the weights laid out and placed
-    as sharding.shard_model would (fused layout), rows on 'data'."""
+    as sharding.shard_model would (fused layout), rows on 'data'. quantize: the target's, as
+    load_target's (one device only)."""
+    from dflash_jax.quantize import quantize_target
     from dflash_jax.checkpoint_io import dtype_of as _dtype
     if sampling_mode not in sampling.MODES:
         raise ValueError(f"sampling_mode={sampling_mode!r}; expected one of {sampling.MODES}")
     dt = _dtype(dtype)
-    target = nnx.eval_shape(lambda: models.family(target_config.model_type).model(target_config, dt, rngs=nnx.Rngs(0)))
+    target = nnx.eval_shape(lambda: quantize_target(
+        models.family(target_config.model_type).model(target_config, dt, rngs=nnx.Rngs(0)), quantize))
     draft = (nnx.eval_shape(lambda: drafts.variant_of_config(draft_config).model(draft_config, dt, rngs=nnx.Rngs(0)))
              if draft_config is not None else None)
     S = 1 if draft is None else (block_size or draft_config.block_size)
     if S == 1:
         draft = None
     mesh = sharding.as_mesh(mesh)
+    if mesh is not None and quantize is not None:
+        raise ValueError(f"quantize={quantize!r} on a mesh is not supported yet (one device only)")
     if mesh is not None:
         if batch % sharding.data_axis_size(mesh):
             raise ValueError(f"batch {batch} is not a multiple of the data axis size {sharding.data_axis_size(mesh)}")

@@ -198,15 +198,18 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
     init_distributed()
     args.dtype = default_dtype(args)
     mesh = get_mesh(parser, args)
+    quantize = getattr(args, "quantize", None)
+    if quantize is not None and mesh is not None:
+        parser.error(f"--quantize {quantize} with --mesh is not supported yet (one device only)")
     try:
         if args.random_init is not None:
             progress(f"building random {args.random_init} ({args.dtype})")
-            target = dj.init_target(args.random_init.lower(), seed=args.seed, dtype=args.dtype)
+            target = dj.init_target(args.random_init.lower(), seed=args.seed, dtype=args.dtype, quantize=quantize)
             if mesh is not None:
                 sharding.shard_model(target, mesh)
         else:
             progress(f"loading target {args.model} ({args.dtype})" + (f" on mesh {args.mesh}" if mesh else ""))
-            target = dj.load_target(args.model_dir, dtype=args.dtype, mesh=mesh)
+            target = dj.load_target(args.model_dir, dtype=args.dtype, mesh=mesh, quantize=quantize)
     except LOAD_ERRORS as e:
         parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
                      f"{one_line(e)}")

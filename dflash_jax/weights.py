@@ -19,6 +19,7 @@ from flax import nnx
 from dflash_jax import drafts, models, sharding, validation
 from dflash_jax.checkpoint_io import dtype_of, iter_tensors, resolve_model_dir, safetensors_files
 from dflash_jax.config import ConfigError, TargetConfig, read_json
+from dflash_jax.quantize import check_quantize, quantize_target
 
 __all__ = ["load_target", "load_draft", "init_target", "init_draft", "resolve_model_dir", "load_target_sharded",
            "load_draft_sharded"]
@@ -146,12 +147,18 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
     return model
 
 
-def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None):
+def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: str | None = None):
     """A causal LM of a registered family (dflash_jax.models, by config.json's model_type) from a
     HF directory or hub id (config.json + safetensors, sharded or not). mesh (a Mesh or a spec such
     as "data=2,model=4"): placed on it by its family's rules in the fused TP layout, each process
-    reading only its devices' slices (load_target_sharded)."""
+    reading only its devices' slices (load_target_sharded). quantize "int8": the layers' linear
+    weights quantized at load, int8 per-output-channel (dflash_jax.quantize); one device only."""
+    check_quantize(quantize)
     m = sharding.as_mesh(mesh)
+    if quantize is not None and m is not None:
+        raise ValueError(f"quantize={quantize!r} on a mesh is not supported yet (one device only)")
+    if quantize is not None:
+        return quantize_target(load_target(path_or_hub_id, dtype), quantize)
     dt = dtype_of(dtype)
     d = resolve_model_dir(path_or_hub_id)
     config = models.read_config(read_json(d))
@@ -191,11 +198,14 @@ def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None)
     return model if m is None else sharding.shard_model(model, m)
 
 
-def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16"):
-    """Random weights (for benchmarks on machines without checkpoints). `config` may be a preset name."""
+def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16", *, quantize: str | None = None):
+    """Random weights (for benchmarks on machines without checkpoints). `config` may be a preset name.
+    quantize: as load_target's."""
+    check_quantize(quantize)
     if isinstance(config, str):
         config = TargetConfig.preset(config)
-    return models.family(config.model_type).model(config, dtype_of(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    model = models.family(config.model_type).model(config, dtype_of(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    return quantize_target(model, quantize)
 
 
 def init_draft(config, seed: int = 0, dtype="bfloat16", target=None):

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence  # noqa: E402
 
 from dflash_jax import validation  # noqa: E402
 from dflash_jax.decode import generate as _generate  # noqa: E402  (the library function; this module is its CLI)
+from dflash_jax.quantize import QUANTIZE  # noqa: E402
 # the loading of sources, models and tokenizer (shared with benchmark and serve), under this module's names too
 from dflash_jax.loading import (  # noqa: E402,F401
     RANDOM_DRAFT_BLOCK, RANDOM_DRAFT_LAYERS, check_eos, default_dtype, effective_block_size,
@@ -123,6 +124,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="parameter and activation dtype (aliases: " + ", ".join(validation.DTYPE_ALIASES) + "); "
                         "default: bfloat16, but float32 for the embedded demo pair on CPU, where it is as "
                         "fast and greedy DFlash output is then identical to plain decoding's")
+    g.add_argument("--quantize", default=None, choices=QUANTIZE,
+                   help="quantize the target's layer weights at load: int8 weight-only, per-output-channel "
+                        "scales (half the bf16 weight bytes; DFlash stays lossless relative to the quantized "
+                        "target); the draft, embeddings and LM head stay as loaded. One device only")
     g.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="attention backend: Pallas kernels on TPU/GPU (auto), or the XLA reference")
     g.add_argument("--block-size", type=int, help="draft block size (default: the draft's; 1 = no speculation)")

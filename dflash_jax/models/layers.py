@@ -28,6 +28,7 @@ from dflash_jax.attention import (add_rmsnorm, attend, attend_prefill, fused_add
                                   qk_norm_rope_write)
 from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
+from dflash_jax.quantize import Int8Weight
 from dflash_jax.sharding import split_gate_up, split_qkv
 
 
@@ -49,7 +50,12 @@ def _two_rows(x, w):
 def linear(x, w):
     """x [..., K] @ w [K, N]. On CUDA, a single row times a matrix of fewer than SMALL_DOT
     elements runs as a two-row dot (`_two_rows`) so XLA does not rewrite it as a multiply + reduce;
-    the same value (the zero row adds nothing), any other shape or platform the plain dot."""
+    the same value (the zero row adds nothing), any other shape or platform the plain dot. An int8
+    weight (dflash_jax.quantize.Int8Weight): the same dot on its int8 matrix converted to x's dtype,
+    then its per-column scale."""
+    if isinstance(w, Int8Weight):
+        y = linear(x, w.q.astype(x.dtype))
+        return (y.astype(jnp.float32) * w.scale).astype(x.dtype)
     if math.prod(x.shape[:-1]) != 1 or w.ndim != 2 or w.shape[1] == 1 or x.shape[-1] + w.size >= SMALL_DOT:
         return x @ w
     return jax.lax.platform_dependent(x, w, cuda=_two_rows, default=lambda x, w: x @ w)
@@ -264,11 +270,13 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mlp, MLP) and kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 \
                 and sharding.current_mesh() is None and self.mlp.down_bias is None:
             gu, down = self.mlp.gate_up[...], self.mlp.down[...]
+            # (an int8 target's weights, dflash_jax.quantize: the kernel reads floats only, so XLA's
+            # dequantizing matmuls below; the dtype check excludes them, Int8Weight.dtype is int8)
             # on the TPU path, one device: norm, MLP and residual as one Pallas kernel (the normed
             # rows and the [rows, I] intermediate stay in VMEM); a mesh keeps XLA's partitioned ops
             from pallas_kernels.fused_layer import tpu_mlp
             if tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
-                    gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
+                    not isinstance(gu, Int8Weight) and gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
                 eps = self.input_layernorm.eps if row_scale else None
                 out = tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
                                   row_scale_eps=eps, interpret=_interpret(kernels))  # [B, T, H]
