@@ -398,6 +398,8 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     DecoderLayer reads through `split_qkv` / `split_gate_up`), so a layer needs no collective but
     its two all-reduces. fused_layout=False keeps the plain column split: still correct (jit
     inserts the collectives the slices need), slower."""
+    if getattr(model, "quantize", None) is not None:   # dflash_jax.quantize: its scales have no rules yet
+        raise ValueError(f"a quantize={model.quantize!r} model on a mesh is not supported yet (one device only)")
     tp = model_axis_size(mesh)
     cfg = model.config
     check_experts(cfg, tp)

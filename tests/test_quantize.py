@@ -118,6 +118,12 @@ def test_quantize_bad_input(tiny_target):
         init_target(FAMILIES["qwen3"], quantize="fp4")
     with pytest.raises(ValueError, match=r"quantize='fp4' is not supported"):
         load_target(tiny_target, quantize="fp4")
+    from jax.sharding import Mesh
+
+    from dflash_jax import sharding
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match=r"a quantize='int8' model on a mesh is not supported yet"):
+        sharding.shard_model(init_target(FAMILIES["qwen3"], dtype="float32", quantize="int8"), mesh)
 
 
 def test_generate_cli_quantize_flag(tiny_target, capsys, monkeypatch):
