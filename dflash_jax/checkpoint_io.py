@@ -83,18 +83,43 @@ def safetensors_files(d: str) -> list[str]:
     return files
 
 
+# safetensors dtypes NumPy has no type for (safetensors' flax / numpy readers fail on them): read
+# from the file's bytes as ml_dtypes' types (FP8 checkpoints' weights)
+RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _raw_entries(path: str) -> dict:
+    """name → (ml_dtypes type name, shape, absolute byte range) of the tensors of safetensors file
+    `path` whose dtype is one of RAW_DTYPES (its JSON header only is read)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {name: (RAW_DTYPES[e["dtype"]], tuple(e["shape"]), (8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1]))
+            for name, e in header.items() if name != "__metadata__" and e.get("dtype") in RAW_DTYPES}
+
+
+def _read_raw(path: str, entry):
+    import ml_dtypes
+    import numpy as np
+    kind, shape, (start, end) = entry
+    data = np.fromfile(path, dtype=np.uint8, count=end - start, offset=start)
+    return jnp.asarray(data.view(getattr(ml_dtypes, kind)).reshape(shape))
+
+
 def iter_tensors(d: str):
     """(name, array) for every tensor of checkpoint directory `d`, one at a time (a file that is not
-    readable safetensors is a one-line ValueError naming it)."""
+    readable safetensors is a one-line ValueError naming it). float8 tensors come as ml_dtypes'
+    float8 arrays."""
     from safetensors import safe_open
     for path in safetensors_files(d):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} (listed in the safetensors index) does not exist")
         try:
+            raw = _raw_entries(path)
             with safe_open(path, framework="flax") as f:
                 names = list(f.keys())
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    yield name, _read_raw(path, raw[name]) if name in raw else f.get_tensor(name)
         except Exception as e:  # noqa: BLE001 - SafetensorError and friends: truncated, empty, not safetensors
             raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: "
                              f"{' '.join(str(e).split())})") from None

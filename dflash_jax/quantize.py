@@ -1,5 +1,6 @@
-"""Weight-only int8 quantization of a target (issue 57, first slice): per-output-channel symmetric
-scales, computed at load from the checkpoint's floating-point weights.
+"""Quantized target weights (issue 57): int8 weight-only with per-output-channel symmetric scales,
+computed at load from a floating-point checkpoint, and FP8 checkpoints (float8_e4m3fn weights with
+128 x 128 block scales, Qwen's and DeepSeek's `quant_method: fp8`) kept in 8 bits as they come.
 
 A quantized weight is an `Int8Weight` (q [.., K, N] int8, scale [.., N] float32) stored as the value
 of the layer's nnx.Param in place of the float matrix, so the parameter dtypes (and with them every
@@ -8,23 +9,41 @@ floats unnoticed: `linear` (models/layers.py) and `x @ w` dequantize, (x @ q) * 
 (a reshape, a Pallas kernel's operand) fails on the type or is routed to XLA by its caller.
 
 Quantized: the linear weights of every decoder layer (attention qkv / o, the dense MLP's gate_up /
-down, Qwen3.5's GDN in_proj / out and the shared expert's MLP). Kept as loaded: embeddings, the LM
-head, norms, biases, the MoE router and the stacked MoE experts (the grouped-matmul kernels read
-those; a later slice), the GDN conv and gates, and the whole draft.
+down, Qwen3.5's GDN in_proj / out and the shared expert's MLP) and the stacked MoE experts
+(models/moe.py multiplies those on the XLA path). Kept as loaded: embeddings, the LM head, norms,
+biases, the MoE router, the GDN conv and gates, and the whole draft.
+
+An FP8 checkpoint's layer linears become `Fp8BlockWeight`s (q float8_e4m3fn, the checkpoint's block
+scales, both in our [in, out] orientation); its other tensors load as the checkpoint has them (a
+tensor the checkpoint quantized that we keep in floats, e.g. a stacked MoE expert, is dequantized
+at load). Why keep fp8 and not convert to int8 per output channel: the model as run then IS the
+dequantized checkpoint (q * scale in float32, exactly what transformers' dequantization computes),
+whereas int8 per output channel would round every weight a second time (one scale per column across
+all its 128-row blocks, so a column whose blocks' scales differ loses bits in its small blocks).
+A block scale varies along the contraction axis, so it cannot be applied to the product the way a
+per-column int8 scale is: the matmul dequantizes the weight to x's dtype first, inside the jitted
+program (XLA fuses the convert and multiply into the dot's operand; nothing is stored dequantized).
 """
 
 from __future__ import annotations
+
+import math
+import operator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["QUANTIZE", "Int8Weight", "check_quantize", "quantize_int8", "quantize_target", "weight_bytes"]
+__all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "check_quantize", "quantize_int8",
+           "quantize_target", "weight_bytes", "checkpoint_fp8_block", "fp8_weights", "concat_columns",
+           "is_quantized", "is_fp8", "quantized_leaves", "mark"]
 
 QUANTIZE = ("int8",)
 # the decoder layers' parameter names that are the weight of a linear [in, out] (layers.DecoderLayer,
 # layers.MLP, qwen3_5.GatedAttention / GatedDeltaNet)
 LINEAR_NAMES = ("qkv", "o", "gate_up", "down", "in_proj", "out")
+# the MoE block's stacked expert weights [E, in, out] (models/moe.MoE)
+EXPERT_NAMES = ("experts_gate_up", "experts_down")
 
 
 def check_quantize(quantize) -> str | None:
@@ -71,10 +90,10 @@ class Int8Weight:
             return self
         raise TypeError("an Int8Weight is read whole (w[...]); dequantize() for a float slice")
 
-    def matmul(self, x):
+    def matmul(self, x, dot=operator.matmul):
         """x [..., K] @ w → [..., N] in x's dtype: the int8 matrix converted to x's dtype, the
-        product scaled per output column in float32."""
-        y = x @ self.q.astype(x.dtype)
+        product (`dot`: models.layers.linear passes itself) scaled per output column in float32."""
+        y = dot(x, self.q.astype(x.dtype))
         return (y.astype(jnp.float32) * self.scale).astype(x.dtype)
 
     def __rmatmul__(self, x):
@@ -87,6 +106,178 @@ class Int8Weight:
         return f"Int8Weight(shape={tuple(self.shape)})"
 
 
+@jax.tree_util.register_pytree_node_class
+class Fp8BlockWeight:
+    """An FP8 checkpoint's weight kept in 8 bits: w = q * scale over blocks, q [.., K, N]
+    float8_e4m3fn, scale [.., ceil(K / bk), ceil(N / bn)] float32 (the checkpoint's
+    weight_scale_inv, transposed with its weight), block (bk, bn) static (bn 1: one scale per column
+    in each K block, what a fused matrix gets when its parts' widths are not multiples of bn).
+    `w[...]` is itself; `x @ w` and models.layers.linear give x @ dequantize(x.dtype)."""
+
+    def __init__(self, q, scale, block):
+        self.q, self.scale, self.block = q, scale, tuple(int(b) for b in block)
+
+    def tree_flatten(self):
+        return (self.q, self.scale), self.block
+
+    @classmethod
+    def tree_unflatten(cls, block, children):
+        return cls(*children, block)
+
+    shape = Int8Weight.shape
+    ndim = Int8Weight.ndim
+    size = Int8Weight.size
+    dtype = Int8Weight.dtype
+    __getitem__ = Int8Weight.__getitem__
+
+    @property
+    def T(self):
+        """The transpose (an HF [out, in] weight → ours [in, out]), scales and block with it."""
+        return Fp8BlockWeight(self.q.T, self.scale.T, self.block[::-1])
+
+    def column_scales(self):
+        """scale [.., Kb, N]: each column's scale in every K block (bn = 1)."""
+        bn, N = self.block[1], self.q.shape[-1]
+        return jnp.repeat(self.scale, bn, axis=-1)[..., :N] if bn > 1 else self.scale
+
+    def dequantize(self, dtype=jnp.float32):
+        """q * scale in float32 (transformers' dequantization, the same rounding), cast to dtype."""
+        bk, K = self.block[0], self.q.shape[-2]
+        s = jnp.repeat(self.column_scales(), bk, axis=-2)[..., :K, :]                   # [.., K, N]
+        return (self.q.astype(jnp.float32) * s).astype(dtype)
+
+    def matmul(self, x, dot=operator.matmul):
+        """x [..., K] @ w → [..., N]: the weight dequantized to x's dtype, then the dot (the block
+        scales vary along K, so they cannot scale the product afterwards as int8's do)."""
+        return dot(x, self.dequantize(x.dtype))
+
+    def __rmatmul__(self, x):
+        return self.matmul(x)
+
+    def all_finite(self) -> bool:
+        return bool(jnp.isfinite(self.q).all()) and bool(jnp.isfinite(self.scale).all())
+
+    def __repr__(self):
+        return f"Fp8BlockWeight(shape={tuple(self.shape)}, block={self.block})"
+
+
+QUANTIZED = (Int8Weight, Fp8BlockWeight)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QUANTIZED)
+
+
+def concat_columns(parts: list) -> Fp8BlockWeight:
+    """Fp8BlockWeights [K, N_i] of one K blocking side by side → [K, sum N_i] (a fused qkv /
+    gate_up): the block grids concatenate when every part but the last ends on a block boundary,
+    else each part's scales are spread per column (bn = 1) first."""
+    bk = {p.block[0] for p in parts}
+    if len(bk) != 1 or len({p.q.shape[-2] for p in parts}) != 1:
+        raise ValueError(f"fused parts of different K blockings: {parts}")
+    bn = parts[0].block[1]
+    aligned = all(p.block[1] == bn for p in parts) and all(p.q.shape[-1] % bn == 0 for p in parts[:-1])
+    q = jnp.concatenate([p.q for p in parts], axis=-1)
+    if aligned:
+        return Fp8BlockWeight(q, jnp.concatenate([p.scale for p in parts], axis=-1), (bk.pop(), bn))
+    return Fp8BlockWeight(q, jnp.concatenate([p.column_scales() for p in parts], axis=-1), (bk.pop(), 1))
+
+
+# ------------------------------------------------------------------------------- FP8 checkpoints
+
+FP8_NOTE = ("supported: quant_method 'fp8' with weight_block_size [n, k] (float8_e4m3fn weights and "
+            "float32 weight_scale_inv, e.g. Qwen3-*-FP8), or no quantization_config")
+_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz")
+
+
+def checkpoint_fp8_block(raw, what: str) -> tuple[int, int] | None:
+    """The FP8 block [n (output rows), k (input columns)] of a config.json dict's
+    `quantization_config`, None without one; anything else is a one-line ValueError naming the field
+    and what is supported."""
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"{what}: config.json quantization_config={qc!r} is not an object; {FP8_NOTE}")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"{what}: config.json quantization_config.quant_method={method!r} is not supported; {FP8_NOTE}")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"{what}: config.json quantization_config.fmt={fmt!r} is not supported; {FP8_NOTE}")
+    act = qc.get("activation_scheme", "dynamic")
+    if act != "dynamic":   # static: per-tensor input scales we would ignore (weight-only here)
+        raise ValueError(f"{what}: config.json quantization_config.activation_scheme={act!r} is not supported "
+                         "(only 'dynamic': the activations stay in the model dtype)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"{what}: config.json quantization_config.weight_block_size={block!r} must be two "
+                         f"positive integers; {FP8_NOTE}")
+    return int(block[0]), int(block[1])
+
+
+def is_fp8(t) -> bool:
+    """A float8 array (a weight an FP8 checkpoint stores; only with its scales is it a weight)."""
+    return jnp.dtype(t.dtype).name in _FP8_DTYPES
+
+
+def quantized_leaves(model) -> list:
+    """The module's quantized weights (Int8Weight, Fp8BlockWeight)."""
+    leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param), is_leaf=is_quantized)
+    return [v for v in leaves if is_quantized(v)]
+
+
+def _fp8_weight(name: str, w, s, block, what: str) -> Fp8BlockWeight:
+    """One checkpoint weight [out, in] float8_e4m3fn and its weight_scale_inv [ceil(out / n),
+    ceil(in / k)] → Fp8BlockWeight in the checkpoint's [out, in] orientation; a wrong dtype or shape
+    is a one-line ValueError naming the tensor."""
+    if jnp.dtype(w.dtype).name != "float8_e4m3fn":
+        raise ValueError(f"{what}: tensor {name} has dtype {jnp.dtype(w.dtype).name}; an fp8 checkpoint's "
+                         "quantized weights must be float8_e4m3fn")
+    if w.ndim != 2:
+        raise ValueError(f"{what}: tensor {name} is float8 with shape {tuple(w.shape)}; only 2-D [out, in] "
+                         "weights are read in fp8")
+    want = tuple(math.ceil(d / b) for d, b in zip(w.shape, block))
+    if tuple(s.shape) != want:
+        raise ValueError(f"{what}: tensor {name}_scale_inv has shape {tuple(s.shape)}; weight {name} "
+                         f"{tuple(w.shape)} in blocks of {list(block)} needs {want}")
+    if not jnp.issubdtype(s.dtype, jnp.floating) or is_fp8(s):
+        raise ValueError(f"{what}: tensor {name}_scale_inv has dtype {jnp.dtype(s.dtype).name}; "
+                         "scales must be float32 / bfloat16 / float16")
+    return Fp8BlockWeight(jnp.asarray(w), jnp.asarray(s, jnp.float32), block)
+
+
+def fp8_weights(named_tensors, block, what: str):
+    """A checkpoint's (name, array) stream with each float8 `X.weight` and its `X.weight_scale_inv`
+    paired into one (X.weight, Fp8BlockWeight [out, in]) (in whichever order they come); other
+    tensors pass as they are. A float8 weight without its scale, or a scale without a float8 weight,
+    is a one-line ValueError naming it."""
+    weights, scales = {}, {}
+    for name, t in named_tensors:
+        if name.endswith(".weight_scale_inv"):
+            base = name[:-len("_scale_inv")]
+            if base in weights:
+                yield base, _fp8_weight(base, weights.pop(base), t, block, what)
+            else:
+                scales[base] = t
+        elif is_fp8(t):
+            if name in scales:
+                yield name, _fp8_weight(name, t, scales.pop(name), block, what)
+            else:
+                weights[name] = t
+        elif name in scales:
+            raise ValueError(f"{what}: tensor {name} has dtype {jnp.dtype(t.dtype).name} but the checkpoint has "
+                             f"{name}_scale_inv; a weight with a block scale must be float8_e4m3fn")
+        else:
+            yield name, t
+    for name in sorted(weights):
+        raise ValueError(f"{what}: tensor {name} is float8 but the checkpoint has no {name}_scale_inv "
+                         "(its block scales)")
+    for base in sorted(scales):
+        raise ValueError(f"{what}: tensor {base}_scale_inv has no weight {base} in the checkpoint")
+
+
 def quantize_int8(w) -> Int8Weight:
     """w [K, N] float → Int8Weight: scale = max |w[:, n]| / 127 per column n (1 for an all-zero
     column), q = round(w / scale) in [-127, 127]."""
@@ -97,20 +288,27 @@ def quantize_int8(w) -> Int8Weight:
     return Int8Weight(q, scale)
 
 
+def mark(model, quantize: str):
+    """Record on the module what its weights hold ("int8", "fp8", "fp8+int8"): a static attribute,
+    part of the module's GraphDef, so of every compile key that holds it (loop.Static.target_def);
+    the quantized leaves alone live in the state, which the keys do not see."""
+    prior = getattr(model, "quantize", None)
+    model.quantize = quantize if prior in (None, quantize) else f"{prior}+{quantize}"
+    return model
+
+
 def quantize_target(model, quantize):
-    """The target with its layers' linear weights quantized in place (`quantize`: None → unchanged);
-    returns the model."""
+    """The target with its layers' linear weights and MoE experts quantized in place (`quantize`:
+    None → unchanged; weights already in 8 bits, an FP8 checkpoint's, are kept); returns the model."""
     if check_quantize(quantize) is None:
         return model
-    # a static attribute: part of the module's GraphDef, so of every compile key that holds it
-    # (loop.Static.target_def); the int8 leaves alone live in the state, which the keys do not see
-    model.quantize = quantize
+    mark(model, quantize)
     for _, node in nnx.iter_graph(model.layers):
         if not isinstance(node, nnx.Module):
             continue
-        for name in LINEAR_NAMES:
+        for name, ndim in [(n, 2) for n in LINEAR_NAMES]:
             p = getattr(node, name, None)
-            if isinstance(p, nnx.Param) and not isinstance(p.get_value(), Int8Weight) and p.get_value().ndim == 2:
+            if isinstance(p, nnx.Param) and not is_quantized(p.get_value()) and p.get_value().ndim == ndim:
                 p.set_value(quantize_int8(p.get_value()))
     return model
 

@@ -19,6 +19,7 @@ from flax import nnx
 from dflash_jax import drafts, models, sharding, validation
 from dflash_jax.checkpoint_io import dtype_of, iter_tensors, resolve_model_dir, safetensors_files
 from dflash_jax.config import ConfigError, TargetConfig, read_json
+from dflash_jax import quantize as q8
 from dflash_jax.quantize import check_quantize, quantize_target
 
 __all__ = ["load_target", "load_draft", "init_target", "init_draft", "resolve_model_dir", "load_target_sharded",
@@ -109,7 +110,11 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
     prefix = "model."
 
     def put(path, arr):
-        _variable(model, path).set_value(arr.astype(dtype))
+        if q8.is_quantized(arr):   # an FP8 checkpoint's weight: kept in 8 bits where a linear reads it
+            keep = path[0] == "layers" and path[-1] in q8.LINEAR_NAMES and arr.ndim == 2
+            _variable(model, path).set_value(arr if keep else arr.dequantize(dtype))
+        else:
+            _variable(model, path).set_value(arr.astype(dtype))
         todo.discard(path)
 
     for name, t in named_tensors:
@@ -127,10 +132,15 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
             prefix = name[:name.index("layers.")]
         if tuple(t.shape) != want:
             raise ValueError(f"{what}: tensor {name} has shape {tuple(t.shape)}, the config implies {want}")
-        if not jnp.issubdtype(t.dtype, jnp.floating):  # int8 / bool / int: quantised or not weights at all
+        quantized = q8.is_quantized(t)   # paired with its scales by quantize.fp8_weights
+        if not quantized and (not jnp.issubdtype(t.dtype, jnp.floating) or q8.is_fp8(t)):
+            # int8 / bool / int: quantised or not weights at all; float8 without the fp8
+            # quantization_config that gives its scales
             raise ValueError(f"{what}: tensor {name} has dtype {jnp.dtype(t.dtype).name}; weights must be "
-                             "floating point (float32, bfloat16, float16)")
-        if not bool(jnp.isfinite(t).all()):
+                             "floating point (float32, bfloat16, float16)"
+                             + ("; float8 weights need config.json's quantization_config (quant_method 'fp8')"
+                                if q8.is_fp8(t) else ""))
+        if not (t.all_finite() if quantized else bool(jnp.isfinite(t).all())):
             raise ValueError(f"{what}: tensor {name} holds NaN or inf values")
         if how is None:
             put(path, t)
@@ -138,13 +148,21 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
             put(path, t.T)
         else:  # one part of a fused matrix: keep it until all parts are read
             got = parts.setdefault(path, {})
-            got[key] = t.T.astype(dtype)
+            got[key] = t.T if quantized else t.T.astype(dtype)
             if all(p in got for p in how):
-                put(path, jnp.concatenate([got[p] for p in how], axis=-1))
+                put(path, _concat([got[p] for p in how], dtype))
                 del parts[path]
     if todo:
         raise _missing(todo, parts, top_level, leaves, model, seen_layers, prefix, what)
     return model
+
+
+def _concat(parts: list, dtype):
+    """The parts [in, out_i] of a fused matrix side by side: in 8 bits when all are an FP8
+    checkpoint's, else in dtype (a part the checkpoint left unquantized takes the others with it)."""
+    if all(isinstance(p, q8.Fp8BlockWeight) for p in parts):
+        return q8.concat_columns(parts)
+    return jnp.concatenate([p.dequantize(dtype) if q8.is_quantized(p) else p for p in parts], axis=-1)
 
 
 def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: str | None = None):
@@ -152,7 +170,12 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     HF directory or hub id (config.json + safetensors, sharded or not). mesh (a Mesh or a spec such
     as "data=2,model=4"): placed on it by its family's rules in the fused TP layout, each process
     reading only its devices' slices (load_target_sharded). quantize "int8": the layers' linear
-    weights quantized at load, int8 per-output-channel (dflash_jax.quantize); one device only."""
+    weights quantized at load, int8 per-output-channel (dflash_jax.quantize); one device only.
+
+    An FP8 checkpoint (config.json quantization_config quant_method "fp8", block-scaled
+    float8_e4m3fn weights with weight_scale_inv) keeps its layer linears in 8 bits as
+    quantize.Fp8BlockWeight (with quantize="int8", only the linears it left in floats are quantized);
+    one device only. Any other quantization_config is refused in one line."""
     check_quantize(quantize)
     m = sharding.as_mesh(mesh)
     if quantize is not None and m is not None:
@@ -161,18 +184,43 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
         return quantize_target(load_target(path_or_hub_id, dtype), quantize)
     dt = dtype_of(dtype)
     d = resolve_model_dir(path_or_hub_id)
-    config = models.read_config(read_json(d))
+    raw = read_json(d)
+    config = models.read_config(raw)
     fam = models.family(config.model_type)
+    what = f"target {path_or_hub_id}"
+    fp8 = q8.checkpoint_fp8_block(raw, what)
+    if fp8 is not None:
+        if m is not None:
+            raise ValueError(f"{what}: an fp8 checkpoint on a mesh is not supported yet (one device only)")
+        if fam.load is not None:
+            raise ValueError(f"{what}: fp8 checkpoints of model_type {config.model_type!r} are not supported yet "
+                             "(fp8 is read for the table-loaded families: "
+                             f"{', '.join(t for t, f in sorted(models.FAMILIES.items()) if f.load is None)})")
+        model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
+        stream = q8.fp8_weights(iter_tensors(d), fp8, what)
+        stream = stream if fam.tensors is None else fam.tensors(config, _dequantized(stream, dt), what)
+        model = _fill(model, stream, fam.top_weights(config), fam.layer_weights(config), dt, what, fam.skip)
+        return q8.mark(model, "fp8") if q8.quantized_leaves(model) else model
     if fam.load is not None:      # loaded on one device, then placed by the family's rules (plain split)
         model = fam.load(d, config, dt, f"target {path_or_hub_id}")
         return model if m is None else sharding.shard_model(model, m, fused_layout=False, rules=fam.rules)
     if m is not None and (fam.tensors is None or fam.sliced is not None):
         return load_target_sharded(path_or_hub_id, m, dtype)
-    what = f"target {path_or_hub_id}"
     model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
     stream = iter_tensors(d) if fam.tensors is None else fam.tensors(config, iter_tensors(d), what)
     model = _fill(model, stream, fam.top_weights(config), fam.layer_weights(config), dt, what, fam.skip)
     return model if m is None else sharding.shard_model(model, m)
+
+
+def _dequantized(stream, dtype):
+    """An FP8 stream for a family that rewrites its tensors (`Family.tensors`: Qwen3-MoE stacks its
+    experts into [E, ...] arrays from plain arrays): every paired weight that is not a layer linear
+    dequantized to dtype first (the stacked experts then load in floats; quantize="int8" requantizes
+    them per output channel)."""
+    for name, t in stream:
+        if q8.is_quantized(t) and ".experts." in name:
+            t = t.dequantize(dtype)
+        yield name, t
 
 
 def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None):
@@ -227,7 +275,7 @@ class _Checkpoint:
         self._where = {n: f for f in self._files for n in f.keys()}
         for n, f in self._where.items():  # as _fill: int8 / bool / int tensors are not weights
             kind = f.get_slice(n).get_dtype()
-            if not kind.startswith(("F", "BF")):
+            if not kind.startswith(("F", "BF")) or kind.startswith("F8"):
                 raise ValueError(f"tensor {n} has dtype {kind}; weights must be floating point "
                                  "(float32, bfloat16, float16)")
 

@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "hf_greedy", "write_target", "write_moe_target", "write_draft", "load_torch_pair", "train_target", "train_draft",
+    "hf_greedy", "write_target", "write_moe_target", "write_fp8_target", "fp8_dequantized_hf", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
     "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
     "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids", "pack_blocks", "torch_block_loss",
@@ -139,6 +139,83 @@ def write_moe_target(path: str, *, vocab_size: int = 128, hidden_size: int = 64,
                 p.copy_(router_std * torch.randn(p.shape, generator=gen))
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     return path
+
+
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _fp8_block_quantize(w: torch.Tensor, block, gen: torch.Generator):
+    """w [out, in] float32 → (float8_e4m3fn [out, in], weight_scale_inv [ceil(out/n), ceil(in/k)]
+    float32) the way Qwen's / DeepSeek's FP8 checkpoints are made: per block, scale = amax / 448.
+    Each block is first multiplied by a random factor in [0.5, 2] so the blocks' scales differ (a
+    scale applied to the wrong block shows)."""
+    n, k = block
+    rows, cols = -(-w.shape[0] // n), -(-w.shape[1] // k)
+    factor = torch.exp2(torch.rand((rows, cols), generator=gen) * 2 - 1)
+    w = w * factor.repeat_interleave(n, 0)[:w.shape[0]].repeat_interleave(k, 1)[:, :w.shape[1]]
+    amax = torch.zeros(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            amax[i, j] = w[i * n:(i + 1) * n, j * k:(j + 1) * k].abs().max()
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    full = scale.repeat_interleave(n, 0)[:w.shape[0]].repeat_interleave(k, 1)[:, :w.shape[1]]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def write_fp8_target(path: str, *, block=(128, 128), keep_float=(), seed: int = 0, **target_kw) -> str:
+    """A random Qwen3 (`write_target(**target_kw)`, float32) rewritten as an FP8 checkpoint in Qwen's
+    format: every layer linear (`FP8_LINEARS`) as float8_e4m3fn + `weight_scale_inv`, config.json's
+    `quantization_config` {quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size};
+    embeddings, norms and the LM head stay float32. `keep_float`: layer tensor names (e.g.
+    "model.layers.0.self_attn.o_proj.weight") left unquantized, as `modules_to_not_convert` does."""
+    write_target(path, seed=seed, **target_kw)
+    gen = _seeded(seed + 7)
+    tensors = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as st:
+                tensors.update({k: st.get_tensor(k) for k in st.keys()})
+            os.remove(os.path.join(path, f))
+    out = {}
+    for name, t in sorted(tensors.items()):
+        if name.split(".")[-2] in FP8_LINEARS and name not in keep_float:
+            out[name], out[name + "_scale_inv"] = _fp8_block_quantize(t.float(), block, gen)
+        else:
+            out[name] = t
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = _target_config_dict(path)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path
+
+
+def fp8_dequantized_hf(path: str):
+    """The oracle of an FP8 checkpoint: transformers' Qwen3ForCausalLM (float32) holding its weights
+    dequantized in torch (weight.float() * weight_scale_inv spread over each block)."""
+    from transformers import Qwen3ForCausalLM
+
+    cfg = _target_config_dict(path)
+    n, k = cfg.pop("quantization_config")["weight_block_size"]
+    tensors = {}
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as st:
+        tensors = {name: st.get_tensor(name) for name in st.keys()}
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = tensors[name + "_scale_inv"]
+            t = t.float() * s.repeat_interleave(n, 0)[:t.shape[0]].repeat_interleave(k, 1)[:, :t.shape[1]]
+        state[name] = t.float()
+    model = Qwen3ForCausalLM(_qwen3_config(**{k: v for k, v in cfg.items() if k not in ("architectures",
+                                                                                           "transformers_version")}))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m or m == "lm_head.weight" and cfg["tie_word_embeddings"]
+                                  for m in missing), (missing, unexpected)
+    return model.float().eval().requires_grad_(False)
 
 
 def _target_config_dict(target_path: str) -> dict:

@@ -28,7 +28,7 @@ from dflash_jax.attention import (add_rmsnorm, attend, attend_prefill, fused_add
                                   qk_norm_rope_write)
 from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
-from dflash_jax.quantize import Int8Weight
+from dflash_jax.quantize import QUANTIZED, Int8Weight
 from dflash_jax.sharding import split_gate_up, split_qkv
 
 
@@ -50,12 +50,11 @@ def _two_rows(x, w):
 def linear(x, w):
     """x [..., K] @ w [K, N]. On CUDA, a single row times a matrix of fewer than SMALL_DOT
     elements runs as a two-row dot (`_two_rows`) so XLA does not rewrite it as a multiply + reduce;
-    the same value (the zero row adds nothing), any other shape or platform the plain dot. An int8
-    weight (dflash_jax.quantize.Int8Weight): the same dot on its int8 matrix converted to x's dtype,
-    then its per-column scale."""
-    if isinstance(w, Int8Weight):
-        y = linear(x, w.q.astype(x.dtype))
-        return (y.astype(jnp.float32) * w.scale).astype(x.dtype)
+    the same value (the zero row adds nothing), any other shape or platform the plain dot. A
+    quantized weight (dflash_jax.quantize: int8, an FP8 checkpoint's): its own matmul around this
+    dot (int8: the matrix converted to x's dtype, then its per-column scale)."""
+    if isinstance(w, QUANTIZED):
+        return w.matmul(x, dot=linear)
     if math.prod(x.shape[:-1]) != 1 or w.ndim != 2 or w.shape[1] == 1 or x.shape[-1] + w.size >= SMALL_DOT:
         return x @ w
     return jax.lax.platform_dependent(x, w, cuda=_two_rows, default=lambda x, w: x @ w)
@@ -462,14 +461,21 @@ def run_layers(layers, x, positions, cache: KVCache, k_end, kernels: KernelConfi
     fused GPU path's MLP output, added by the next RMSNorm's kernel; the TPU MLP kernel's row
     scale, the next RMSNorm's reduction), so the hidden state after layer i is residual.value(x).
 
-    Returns (hidden [B, T, H] final-normed, {i: hidden state after layer i for i in taps},
-    (k caches, v caches) as tuples)."""
-    ks, vs, tapped, residual = list(cache.k), list(cache.v), {}, Residual()
+    Returns (hidden [B, T, H] final-normed, {i: hidden state after layer i for i in taps}, the
+    cache with every layer's rows written; its lens unchanged). The cache is any storage of the
+    dflash_jax.cache contract (dense rows or pages): each layer gets its K/V as dense views and
+    hands back the rows it wrote, [lo, lo + rows) of each row (the context rows, then the block)."""
+    tapped, residual = {}, Residual()
+    T = positions.shape[1]
+    lo = positions[:, 0] if context is None else jnp.minimum(context.positions[:, 0], positions[:, 0])
+    rows = T + (0 if context is None else context.positions.shape[1])
     for i, layer in enumerate(layers):
         with jax.named_scope(f"{scope}{i}"):
-            x, residual, ks[i], vs[i] = layer(x, residual, positions, ks[i], vs[i], k_end, kernels,
-                                              context=context, prefill=prefill)
+            k, v = cache.layer_kv(i)
+            x, residual, k, v = layer(x, residual, positions, k, v, k_end, kernels, context=context,
+                                      prefill=prefill)
+            cache = cache.set_layer(i, k, v, lo, rows)
         if i in taps:
             tapped[i] = residual.value(x)
     h = residual.norm(x, final_norm, kernels)[1]
-    return h, tapped, (tuple(ks), tuple(vs))
+    return h, tapped, cache

@@ -1,0 +1,160 @@
+"""FP8 checkpoints (issue 57): Qwen's / DeepSeek's `quant_method: fp8` format (float8_e4m3fn weights,
+`weight_scale_inv` per 128 x 128 block) loads in 8 bits as quantize.Fp8BlockWeight, computes the same
+logits as transformers running the dequantized weights, keeps DFlash lossless, and bad input is one
+line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from tests import checkpoints as ck
+
+from dflash_jax import DraftConfig, generate, init_draft, init_target, load_target
+from dflash_jax.models.layers import linear
+from dflash_jax.quantize import Fp8BlockWeight, concat_columns, quantized_leaves, weight_bytes
+
+# hidden 96 and intermediate 200: no multiple of 128 (ragged last blocks; down_proj's two K blocks);
+# q 8 x 32 = 256 and k / v 4 x 32 = 128 make the fused qkv's block grids line up, gate | up (200 |
+# 200) does not (per-column scales)
+SHAPES = dict(vocab_size=128, hidden_size=96, intermediate_size=200, num_layers=3, num_heads=8, num_kv_heads=4,
+              head_dim=32)
+KEEP_FLOAT = ("model.layers.0.self_attn.o_proj.weight",)     # as modules_to_not_convert leaves one
+
+
+@pytest.fixture(scope="module")
+def fp8_target(tmp_path_factory):
+    path = ck.write_fp8_target(str(tmp_path_factory.mktemp("fp8_target")), keep_float=KEEP_FLOAT, seed=3, **SHAPES)
+    return path, ck.fp8_dequantized_hf(path), load_target(path, dtype="float32")
+
+
+def _blocks_oracle(q, scale, block):
+    """q [K, N] float8 and its block scales in float64 NumPy, dequantized block by block."""
+    w = np.asarray(q, np.float64).copy()
+    bk, bn = block
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            w[i * bk:(i + 1) * bk, j * bn:(j + 1) * bn] *= float(scale[i, j])
+    return w
+
+
+def test_fp8_matmul_matches_numpy_dequantize_oracle():
+    rng = np.random.default_rng(0)
+    K, N, block = 200, 150, (128, 128)
+    q = (rng.normal(size=(K, N)) * 40).astype(ml_dtypes.float8_e4m3fn)
+    scale = np.exp2(rng.uniform(-6, 2, size=(2, 2))).astype(np.float32)
+    w = Fp8BlockWeight(jnp.asarray(q), jnp.asarray(scale), block)
+    want_w = _blocks_oracle(q, scale, block)
+    np.testing.assert_array_equal(np.asarray(w.dequantize()), want_w.astype(np.float32))
+    for shape in ((2, 3, K), (1, 1, K)):
+        x = rng.normal(size=shape).astype(np.float32)
+        want = np.asarray(x, np.float64) @ want_w
+        np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), w)), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(jnp.asarray(x), w)), want, rtol=1e-5,
+                                   atol=1e-4)
+    # the transpose (the checkpoint's [out, in] → ours) and fused parts: aligned grids concatenate,
+    # a ragged part spreads its scales per column
+    np.testing.assert_array_equal(np.asarray(w.T.dequantize()), want_w.T.astype(np.float32))
+    other = Fp8BlockWeight(jnp.asarray(q[:, :128]), jnp.asarray(scale[:, :1] * 3), block)
+    for parts, bn in (((other, w), 128), ((w, other), 1)):
+        fused = concat_columns(list(parts))
+        assert fused.block == (128, bn) and fused.shape == (K, N + 128)
+        np.testing.assert_array_equal(np.asarray(fused.dequantize()),
+                                      np.concatenate([np.asarray(p.dequantize()) for p in parts], axis=1))
+
+
+def test_fp8_checkpoint_logits_match_transformers_on_the_dequantized_weights(fp8_target):
+    path, hf, target = fp8_target
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "fp8"
+    fp8 = quantized_leaves(target)
+    # qkv, o, gate_up, down of 3 layers, less layer 0's o_proj the checkpoint left in floats
+    assert len(fp8) == 4 * 3 - 1 and all(isinstance(w, Fp8BlockWeight) for w in fp8)
+    assert all(w.q.dtype == jnp.float8_e4m3fn and w.scale.dtype == jnp.float32 for w in fp8)
+    assert {w.block for w in fp8} == {(128, 128), (128, 1)}            # qkv aligned, gate_up per column
+    assert target.layers[0].o[...].dtype == jnp.float32 and target.lm_head[...].dtype == jnp.float32
+    assert target.quantize == "fp8"
+    assert weight_bytes(target) < 0.5 * weight_bytes(init_target(target.config, dtype="float32"))
+    ids = np.random.RandomState(0).randint(0, 128, (2, 13))
+    with torch.no_grad():
+        want = hf(torch.as_tensor(ids), attention_mask=torch.ones(2, 13, dtype=torch.long)).logits.numpy()
+    pos = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (2, 13))
+    h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1)
+    np.testing.assert_allclose(np.asarray(target.logits(h)), want, atol=1e-4, rtol=0)
+
+
+def test_fp8_target_dflash_greedy_equals_plain_greedy(fp8_target):
+    _, _, target = fp8_target
+    draft = init_draft(DraftConfig.for_target(target.config, num_layers=1, block_size=4), seed=2, dtype="float32",
+                       target=target)
+    prompts = [[3, 17, 99, 5, 64, 2, 8], [5, 9, 77, 3, 1]]
+    res = generate(target, draft, prompts, max_new_tokens=20, block_size=4)
+    plain = generate(target, None, prompts, max_new_tokens=20)
+    assert res.tokens == plain.tokens and all(len(t) == 20 for t in res.tokens)
+
+
+def _rewrite(src: str, dst: str, config=None, tensors=None):
+    """A copy of checkpoint `src` with its config.json dict and tensors {name: torch tensor} edited."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    shutil.copytree(src, dst)
+    if config is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        config(cfg)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    if tensors is not None:
+        with safe_open(os.path.join(dst, "model.safetensors"), "pt") as st:
+            have = {k: st.get_tensor(k) for k in st.keys()}
+        tensors(have)
+        save_file(have, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_fp8_bad_input_is_one_line(fp8_target, tmp_path):
+    src = fp8_target[0]
+    name = "model.layers.1.mlp.down_proj.weight"
+    cases = [
+        (dict(config=lambda c: c["quantization_config"].update(quant_method="gptq")),
+         r"quantization_config.quant_method='gptq' is not supported; supported: quant_method 'fp8'"),
+        (dict(config=lambda c: c["quantization_config"].update(weight_block_size=[128])),
+         r"quantization_config.weight_block_size=\[128\] must be two positive integers"),
+        (dict(tensors=lambda t: t.pop(name + "_scale_inv")),
+         rf"tensor {name} is float8 but the checkpoint has no {name}_scale_inv"),
+        (dict(tensors=lambda t: t.update({name + "_scale_inv": torch.ones(1, 1)})),
+         rf"tensor {name}_scale_inv has shape \(1, 1\); weight {name} \(96, 200\) in blocks of \[128, 128\] "
+         r"needs \(1, 2\)"),
+        (dict(config=lambda c: c.pop("quantization_config")),
+         rf"tensor model.layers.0.mlp.down_proj.weight has dtype float8_e4m3fn; weights must be floating point"),
+    ]
+    for i, (edit, msg) in enumerate(cases):
+        bad = _rewrite(src, str(tmp_path / f"bad{i}"), **edit)
+        with pytest.raises(ValueError, match=msg) as e:
+            load_target(bad, dtype="float32")
+        assert "\n" not in str(e.value)
+
+
+def test_fp8_checkpoint_on_the_generate_cli(fp8_target, tmp_path, capsys):
+    """The CLI loads an FP8 checkpoint like any other; an unsupported method is a usage error (exit
+    2) of one line, no traceback."""
+    from dflash_jax.cli import generate as gen_cli
+    src = fp8_target[0]
+    code = gen_cli.main(["--model", src, "--draft", "none", "--dtype", "float32", "--prompt-ids", "1,2,3",
+                         "--max-new-tokens", "4", "--no-stream"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and len(out.split()) == 4
+    bad = _rewrite(src, str(tmp_path / "awq"), config=lambda c: c["quantization_config"].update(quant_method="awq"))
+    with pytest.raises(SystemExit) as e:
+        gen_cli.main(["--model", bad, "--draft", "none", "--prompt-ids", "1"])
+    _, err = capsys.readouterr()
+    assert e.value.code == 2 and "quant_method='awq' is not supported" in err and "Traceback" not in err
