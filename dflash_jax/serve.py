@@ -7,6 +7,14 @@ Routes: /v1/completions (a prompt string or token ids), /v1/chat/completions (th
 template; `chat_template_kwargs: {"enable_thinking": false}` as vLLM), both streaming as server-sent
 events ending in `data: [DONE]`; /v1/models, /health, /metrics (Prometheus).
 
+OpenAI's extras: `n` choices (one engine request each; sampled choices seeded from the request's
+seed, `_choice_seed`), batched prompts on /v1/completions (choices prompt-major x n), `logprobs` /
+`top_logprobs` (<= 20) and `echo` (with `max_tokens: 0`: the prompt's logprobs alone, as
+lm-evaluation-harness asks). Log-probabilities are the target's raw log_softmax (before temperature,
+vLLM's default), from a scoring forward over prompt + output once the engine has the tokens
+(dflash_jax.scoring); a stream with logprobs sends each choice's tokens once they are scored.
+Penalties and logit_bias stay 400s: they belong in the on-device loop.
+
 This module is the thin host layer: it turns HTTP requests into `engine.Request`s, detokenises the
 engine's committed tokens, cuts stop strings host-side (as vLLM does: the stop string and what follows
 are not returned), and maps faults to HTTP answers: a bad field is 400 naming it (OpenAI's error JSON),
@@ -33,10 +41,15 @@ from typing import Any, Literal, Sequence, Union
 from dflash_jax import loading, validation
 from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, SlotEngine,
                                Tokens, parse_step_buckets)
+from dflash_jax.scoring import MAX_TOP_LOGPROBS
 
 __all__ = ["build_app", "build_parser", "main"]
 
 MAX_STOP_STRINGS = 16
+# choices per prompt (OpenAI's limit)
+MAX_N = 128
+# a log-probability JSON can carry in place of -inf (vLLM's)
+MIN_LOGPROB = -9999.0
 # --capacity when not given (capped at the model's context + one block)
 DEFAULT_CAPACITY = 4096
 # A request body larger than this is refused (413) before it is parsed (--max-body-bytes). 8 MiB
@@ -71,7 +84,7 @@ def _models():
         temperature: float | None = Field(None, ge=0)
         top_p: float | None = Field(None, gt=0, le=1)
         top_k: int | None = Field(None, ge=-1)          # -1 or 0: off (vLLM uses -1)
-        n: int = Field(1, ge=1)
+        n: int = Field(1, ge=1, le=MAX_N)
         stream: bool = False
         stream_options: StreamOptions | None = None
         stop: Union[str, list[str], None] = None
@@ -80,14 +93,14 @@ def _models():
         ignore_eos: bool = False
         skip_special_tokens: bool = True
         return_token_ids: bool = False                 # vLLM's extension: the generated ids per choice
-        logprobs: Any = None
+        logprobs: Any = None                           # completions: an int (top-k); chat: a bool
+        top_logprobs: Any = None                       # chat: alternatives per token (with logprobs: true)
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
         # not implemented: refused unless at their default (_UNSUPPORTED)
         repetition_penalty: float = 1.0
         min_p: float = 0.0
         min_tokens: int = 0
-        top_logprobs: Any = None
         prompt_logprobs: Any = None
         logit_bias: Any = None
         response_format: Any = None
@@ -104,6 +117,7 @@ def _models():
 
     class CompletionBody(Common):
         prompt: Union[str, list[int], list[str], list[list[int]]]
+        max_tokens: int | None = Field(None, ge=0)     # 0: with echo, the prompt's logprobs alone
         echo: bool = False
         suffix: Any = None
         # chat's tool fields, refused here too rather than ignored (_UNSUPPORTED)
@@ -137,7 +151,7 @@ def _models():
 # Declared request fields this server does not implement, and the values that mean "not used" (a
 # client may send those; anything else is a 400 naming the field).
 _UNSUPPORTED = {
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "top_logprobs": (None, 0),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,),
     "prompt_logprobs": (None, 0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False), "guided_json": (None,), "guided_regex": (None,),
@@ -146,6 +160,54 @@ _UNSUPPORTED = {
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, False, True), "continue_final_message": (None, False), "documents": (None, []),
 }
+
+
+# Fields that change the sampled distribution per step: they belong in the on-device loop (target and
+# draft alike, so that sampling stays exact), which does not have them yet.
+_LOOP_FIELDS = ("logit_bias", "min_tokens", "repetition_penalty", "min_p")
+_NEEDS_LOOP = ("it changes the distribution the on-device loop samples from (for the target and the draft "
+               "alike), which this server does not do yet")
+
+
+def _completion_logprobs(body) -> int | None:
+    """/v1/completions' `logprobs`: alternatives per token (0..MAX_TOP_LOGPROBS), None: not asked."""
+    if not _is_default(body.top_logprobs, (None, 0)):
+        raise _bad("top_logprobs", "is a chat field; /v1/completions takes the number of alternatives in logprobs")
+    lp = body.logprobs
+    if lp is None or lp is False:
+        return None
+    if type(lp) is not int or not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise _bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), "
+                               f"got {lp!r:.40}")
+    return lp
+
+
+def _chat_logprobs(body) -> int | None:
+    """Chat's `logprobs` (a bool) and `top_logprobs` (0..MAX_TOP_LOGPROBS): alternatives per token,
+    None: not asked."""
+    lp, k = body.logprobs, body.top_logprobs
+    if lp is not None and type(lp) is not bool:
+        raise _bad("logprobs", f"must be a boolean in a chat request (the number of alternatives is "
+                               f"top_logprobs), got {lp!r:.40}")
+    if k is not None and (type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS):
+        raise _bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r:.40}")
+    if not lp:
+        if k:
+            raise _bad("top_logprobs", "needs logprobs: true")
+        return None
+    return k or 0
+
+
+def _choice_seed(seed: int, j: int) -> int:
+    """The sampling seed of choice j of a request seeded `seed`: choice 0 keeps it (n = 1 is the
+    plain request), the others get distinct seeds derived from it (splitmix64), so n choices are
+    reproducible and a batched prompt's choices equal a separate request's."""
+    if j == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + j * 0xBF58476D1CE4E5B9) & (2 ** 64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2 ** 64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2 ** 64 - 1)
+    return (x ^ (x >> 31)) % (2 ** 31)
 
 
 def _is_default(value, defaults) -> bool:
@@ -350,6 +412,96 @@ class _Output:
         return delta
 
 
+class _Choice:
+    """One choice of a response: its prompt, engine request and handle (None: max_tokens 0), its
+    text, and (streaming logprobs) the tokens whose logprobs were sent and the text waiting for them."""
+
+    def __init__(self, index: int, prompt: list[int], request: Request, out: _Output, timing: "_Timing"):
+        self.index, self.prompt, self.request, self.out, self.timing = index, prompt, request, out, timing
+        self.handle = None
+        self.fin: Finished | None = None
+        self.sent = 0                    # output tokens whose logprobs were sent (streaming)
+        self.offset = 0                  # completions' text_offset of the next token
+        self.pending_text, self.pending_ids = "", []
+
+
+def _entries(seq: list[int], first: int, scores, k: int, *, first_null: bool) -> list[tuple]:
+    """(token id, logprob or None, [(id, logprob)] * k or None) of seq[first:] from its Scores
+    (scoring.Scorer over seq from `first`), led by seq[0] without a logprob when first_null (echo:
+    nothing precedes the first prompt token)."""
+    out: list[tuple] = [(seq[0], None, None)] if first_null else []
+    if scores is None:
+        return out
+    for i, t in enumerate(seq[first:]):
+        top = [(int(a), max(float(b), MIN_LOGPROB)) for a, b in zip(scores.top_ids[i, :k], scores.top_logprobs[i, :k])]
+        out.append((t, max(float(scores.token_logprobs[i]), MIN_LOGPROB), top))
+    return out
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """A byte-level BPE's printable stand-in character of each byte -> the byte (GPT-2's map)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+class _LogprobFormat:
+    """Token strings and OpenAI's two logprobs layouts (completions' parallel lists, chat's content
+    entries) of `_entries` lists. A token's string is its own decode (special tokens shown); its
+    bytes, for a byte-level BPE, the bytes it stands for (a token holding part of a character
+    decodes to U+FFFD, its bytes are exact)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._byte_map = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and "ByteLevel" in type(backend.decoder).__name__ + repr(backend.decoder)[:200]:
+            self._byte_map = _byte_level_chars()
+
+    def text(self, t: int) -> str:
+        s = self._text.get(t)
+        if s is None:
+            s = f"{t} " if self.tokenizer is None else self.tokenizer.decode([t], skip_special_tokens=False)
+            self._text[t] = s
+        return s
+
+    def bytes(self, t: int) -> list[int]:
+        b = self._bytes.get(t)
+        if b is None:
+            b = list(self.text(t).encode("utf-8"))
+            if self._byte_map is not None:
+                piece = self.tokenizer.convert_ids_to_tokens(t)
+                if isinstance(piece, str) and all(ch in self._byte_map for ch in piece):
+                    b = [self._byte_map[ch] for ch in piece]
+            self._bytes[t] = b
+        return b
+
+    def completion(self, entries, offset: int = 0) -> tuple[dict, int]:
+        """({tokens, token_logprobs, top_logprobs, text_offset}, the offset after them)."""
+        tokens, lps, tops, offsets = [], [], [], []
+        for t, lp, top in entries:
+            s = self.text(t)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            lps.append(lp)
+            # keyed by string: of tokens that decode alike (U+FFFD, ...) the likeliest stays
+            tops.append(None if top is None else {s: v for s, v in reversed([(self.text(a), v) for a, v in top])})
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def chat(self, entries) -> dict:
+        def one(t, lp):
+            return {"token": self.text(t), "logprob": lp, "bytes": self.bytes(t)}
+        return {"content": [{**one(t, lp), "top_logprobs": [one(a, v) for a, v in top or ()]}
+                            for t, lp, top in entries], "refusal": None}
+
+
 # ----------------------------------------------------------------------------------------- metrics
 class _Metrics:
     def __init__(self, engine, block_size: int):
@@ -399,14 +551,16 @@ class _Metrics:
 # ----------------------------------------------------------------------------------------- the app
 def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max_tokens: int = 16,
               trust_request_chat_template: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              template_timeout_s: float = TEMPLATE_TIMEOUT_S, template_max_chars: int = TEMPLATE_MAX_CHARS):
+              template_timeout_s: float = TEMPLATE_TIMEOUT_S, template_max_chars: int = TEMPLATE_MAX_CHARS,
+              scorer=None):
     """The FastAPI app serving `engine` (see dflash_jax.engine's interface) with `tokenizer` (an HF
     tokenizer, or None: token-id prompts only, token ids rendered as text).
 
     trust_request_chat_template: accept a request's own `chat_template` (a template is code run
     here); refused (400) by default. max_body_bytes: a larger request body is answered 413 before
     it is read in full. template_timeout_s / template_max_chars: a chat template's render that runs
-    longer or writes more is abandoned (400)."""
+    longer or writes more is abandoned (400). scorer: the dflash_jax.scoring.Scorer that computes
+    `logprobs` / `echo` log-probabilities (default: one over the engine's target, built on first use)."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -420,6 +574,10 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
     app.add_middleware(_BodyLimit, limit=max_body_bytes,
                        on_refuse=lambda e: metrics.rejected.labels(str(e.status)).inc())
     created = int(time.time())
+    fmt = _LogprobFormat(tokenizer)
+
+    def _decode(ids: list[int]) -> str:
+        return "".join(f"{t} " for t in ids) if tokenizer is None else tokenizer.decode(ids)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
@@ -470,22 +628,24 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
     async def completions(body: CompletionBody, http: HttpRequest):
         t0 = time.perf_counter()
         _check_common(body)
-        if body.echo:
-            raise _bad("echo", "is not supported")
+        top = _completion_logprobs(body)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise _bad("prompt", "batched prompts are not supported; send one prompt per request")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise _bad("prompt", "this server has no tokenizer; send token ids")
-            ids = await _off_loop(lambda: list(tokenizer.encode(prompt)))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise _bad("prompt", "is empty")
-        return await _run(body, ids, body.max_tokens or default_max_tokens, http, t0, chat=False)
+        # a list of strings or of token-id lists is a batch; choices are indexed prompt-major x n
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if tokenizer is None and any(isinstance(p, str) for p in batch):
+            raise _bad("prompt", "this server has no tokenizer; send token ids")
+        prompts = await _off_loop(lambda: [list(tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p]
+                                           for p in batch])
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise _bad("prompt", "is empty" if len(prompts) == 1 else f"prompt {i} of the batch is empty")
+        max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise _bad("max_tokens", "must be >= 1 (0 only with echo: the prompt and its logprobs alone)")
+        echo = None
+        if body.echo:
+            echo = await _off_loop(lambda: [p if isinstance(p, str) else _decode(ids) for p, ids in zip(batch, prompts)])
+        return await _run(body, prompts, max_tokens, http, t0, chat=False, top=top, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, http: HttpRequest):
@@ -548,7 +708,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the context
             max_tokens = max(1, engine.stats().max_model_len - len(ids))
-        return await _run(body, ids, max_tokens, http, t0, chat=True)
+        return await _run(body, [ids], max_tokens, http, t0, chat=True, top=_chat_logprobs(body))
 
     # ---- shared request path
     async def _off_loop(work):
@@ -556,12 +716,13 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         not stall the event loop that feeds every other stream."""
         return await asyncio.get_running_loop().run_in_executor(None, work)
 
-    async def _cancel_on_disconnect(http, handle, gone: list) -> None:
-        """Cancel `handle` (freeing its slot) once the client of a non-streaming request has gone."""
-        while not handle.done:
+    async def _cancel_on_disconnect(http, handles, gone: list) -> None:
+        """Cancel `handles` (freeing their slots) once the client of a non-streaming request has gone."""
+        while not all(h.done for h in handles):
             if await http.is_disconnected():
                 gone.append(True)
-                engine.cancel(handle)
+                for h in handles:
+                    engine.cancel(h)
                 return
             await asyncio.sleep(DISCONNECT_POLL_S)
 
@@ -571,133 +732,291 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if body.model is not None and body.model != model_name:
             raise ApiError(404, f"model: '{body.model}' is not served here (serving '{model_name}')",
                            param="model", code="model_not_found")
-        if body.n != 1:
-            raise _bad("n", "only n = 1 is supported")
-        if body.logprobs not in (None, False):
-            raise _bad("logprobs", "is not supported")
         for f in ("presence_penalty", "frequency_penalty"):
             if getattr(body, f):
-                raise _bad(f, "is not supported (only 0)")
+                raise _bad(f, f"is not supported (only 0): {_NEEDS_LOOP}")
         for f, defaults in _UNSUPPORTED.items():
             if f in type(body).model_fields and not _is_default(getattr(body, f), defaults):
-                raise _bad(f, f"is not supported by this server (got {getattr(body, f)!r:.60})")
+                why = f": {_NEEDS_LOOP}" if f in _LOOP_FIELDS else ""
+                raise _bad(f, f"is not supported by this server (got {getattr(body, f)!r:.60}){why}")
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
 
-    def _engine_request(body, ids, max_tokens) -> Request:
+    def _engine_request(body, ids, max_tokens, seed: int) -> Request:
         temperature = 1.0 if body.temperature is None else body.temperature
         return Request(prompt=tuple(ids), max_tokens=max_tokens, temperature=temperature,
                        top_p=1.0 if body.top_p is None else body.top_p,
-                       top_k=max(0, body.top_k or 0),
-                       seed=secrets.randbits(31) if body.seed is None else body.seed,
+                       top_k=max(0, body.top_k or 0), seed=seed,
                        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
 
-    async def _run(body, ids, max_tokens, http, t0, *, chat: bool):
-        req = _engine_request(body, ids, max_tokens)
-        try:
-            handle = engine.submit(req)
-        except RequestError as e:
-            raise _bad(e.field, e.message) from None
-        except QueueFull as e:
-            raise ApiError(503, f"{e}; retry later", type_="service_unavailable", headers={"Retry-After": "1"})
-        except EngineClosed as e:
-            raise ApiError(503, str(e), type_="service_unavailable")
-        metrics.prompt.inc(len(ids))
-        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(engine.eos_token_ids))
+    scorers: list = [scorer]
+
+    def _scorer(field: str):
+        """The Scorer of this server's target, built on first use (build_app's `scorer`, else one
+        over the engine's target); a 400 naming `field` where there is no target to score with."""
+        if scorers[0] is None:
+            from dflash_jax.models.stack import CausalLM
+            from dflash_jax.scoring import Scorer
+
+            target = getattr(engine, "target", None) or getattr(getattr(engine, "slots", None), "target", None)
+            if not isinstance(target, CausalLM):
+                raise _bad(field, "this server's engine has no target model to compute log-probabilities with")
+            scorers[0] = Scorer(target)
+        return scorers[0]
+
+    async def _score(sc, seqs: list[list[int]], firsts: list[int]) -> list:
+        """Scores per sequence (None where nothing is to be scored), computed off the event loop."""
+        todo = [i for i, (s, f) in enumerate(zip(seqs, firsts)) if f < len(s)]
+        out: list = [None] * len(seqs)
+        if todo:
+            try:
+                res = await _off_loop(lambda: sc.score([seqs[i] for i in todo], [firsts[i] for i in todo]))
+            except Exception as e:  # noqa: BLE001 -- this request's fault, reported as such
+                raise ApiError(500, f"computing the log-probabilities failed: {_one_line(e)}") from None
+            for i, r in zip(todo, res):
+                out[i] = r
+        return out
+
+    async def _run(body, prompts: list[list[int]], max_tokens: int, http, t0, *, chat: bool, top: int | None,
+                   echo: list[str] | None = None):
+        """Submit n choices of each prompt (max_tokens 0: none, the echo alone) and answer them."""
+        n = body.n
+        sc = _scorer("logprobs") if top is not None else None
+        if max_tokens > 0:
+            st = engine.stats()
+            room = st.max_queue + st.slots
+            if n * len(prompts) > room:
+                raise _bad("n" if n > 1 else "prompt",
+                           f"{n} choice(s) x {len(prompts)} prompt(s) = {n * len(prompts)} requests; this server "
+                           f"takes at most {room} at once (its queue + slots)")
+        base = secrets.randbits(31) if body.seed is None else body.seed
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        out = _Output(tokenizer, stops, stop_ids, body.skip_special_tokens)
+        choices: list[_Choice] = []
+        for p, ids in enumerate(prompts):
+            for j in range(n):
+                req = _engine_request(body, ids, max(1, max_tokens), _choice_seed(base, j))
+                stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(engine.eos_token_ids))
+                choices.append(_Choice(p * n + j, ids, req, _Output(tokenizer, stops, stop_ids,
+                                                                     body.skip_special_tokens), _Timing(t0)))
+        try:
+            for c in choices:
+                if max_tokens == 0:
+                    engine.check(c.request)     # the prompt alone, checked as a request of one token
+                else:
+                    c.handle = engine.submit(c.request)
+                    metrics.prompt.inc(len(c.prompt))
+        except BaseException as e:
+            for c in choices:
+                if c.handle is not None:
+                    engine.cancel(c.handle)
+            if isinstance(e, RequestError):
+                raise _bad(e.field, e.message) from None
+            if isinstance(e, QueueFull):
+                raise ApiError(503, f"{e}; retry later", type_="service_unavailable", headers={"Retry-After": "1"})
+            if isinstance(e, EngineClosed):
+                raise ApiError(503, str(e), type_="service_unavailable")
+            raise
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        timing = _Timing(t0)
+        n_prompt = sum(len(ids) for ids in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, out, ident, chat, body.return_token_ids, include_usage,
-                                             timing, len(ids)),
+            return StreamingResponse(_stream(choices, ident, chat, body.return_token_ids, include_usage, n_prompt,
+                                             sc, top, echo, n),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        fin, gone = None, []
+        gone: list = []
+        handles = [c.handle for c in choices if c.handle is not None]
         # watched on its own clock: tokens arriving faster than the poll must not hide a hang-up
-        watch = asyncio.ensure_future(_cancel_on_disconnect(http, handle, gone))
-        try:
-            while fin is None:
-                ev = await handle.anext()
+        watch = asyncio.ensure_future(_cancel_on_disconnect(http, handles, gone))
+
+        async def collect(c: _Choice) -> None:
+            while c.fin is None:
+                ev = await c.handle.anext()
                 if isinstance(ev, Tokens):
-                    timing.tokens(len(ev.ids))
+                    c.timing.tokens(len(ev.ids))
                     metrics.tokens(len(ev.ids))
-                    out.add(ev.ids)
-                    if out.stopped:
-                        engine.cancel(handle)
+                    c.out.add(ev.ids)
+                    if c.out.stopped:
+                        engine.cancel(c.handle)
                 else:
-                    fin = ev
+                    c.fin = ev
+
+        try:
+            await asyncio.gather(*(collect(c) for c in choices if c.handle is not None))
         finally:
             watch.cancel()
-            if not handle.done:
-                engine.cancel(handle)
+            for h in handles:
+                if not h.done:
+                    engine.cancel(h)
         if gone:
             return Response(status_code=499)   # nginx's "client closed request"; nobody reads it
-        reason = _reason(fin, out)
-        timing.observe(metrics, fin, reason)
-        if reason == "error":
-            raise ApiError(500, f"the request failed: {fin.error}")
-        out.finish()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text
-        if body.return_token_ids:
-            choice["token_ids"] = list(out.tokens)
+        for c in choices:
+            if c.fin is None:
+                continue
+            reason = _reason(c.fin, c.out)
+            c.timing.observe(metrics, c.fin, reason)
+            if reason == "error":
+                raise ApiError(500, f"the request failed: {c.fin.error}")
+            c.out.finish()
+        scores = [None] * len(choices)
+        if sc is not None:   # one scoring pass over prompt + output; echo: from the prompt's second token
+            seqs = [c.prompt + c.out.tokens for c in choices]
+            scores = await _score(sc, seqs, [1 if echo is not None else len(c.prompt) for c in choices])
+        out = []
+        for c, s in zip(choices, scores):
+            reason = "length" if c.fin is None else _reason(c.fin, c.out)
+            choice: dict[str, Any] = {"index": c.index, "finish_reason": reason, "logprobs": None}
+            entries = None
+            if sc is not None:
+                entries = _entries(c.prompt + c.out.tokens, 1 if echo is not None else len(c.prompt), s, top,
+                                   first_null=echo is not None)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.out.text}
+                if entries is not None:
+                    choice["logprobs"] = fmt.chat(entries)
+            else:
+                choice["text"] = (echo[c.index // n] if echo is not None else "") + c.out.text
+                if entries is not None:
+                    choice["logprobs"] = fmt.completion(entries)[0]
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.out.tokens)
+            out.append(choice)
+        fins = [c.fin for c in choices if c.fin is not None]
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": [choice], "usage": _usage(len(ids), len(out.tokens)),
-                "dflash": _dflash_stats(fin)}
+                "model": model_name, "choices": out,
+                "usage": _usage(n_prompt, sum(len(c.out.tokens) for c in choices)), "dflash": _dflash_stats(fins)}
 
-    async def _stream(handle, out: _Output, ident, chat, return_ids, include_usage, timing, n_prompt):
+    async def _stream(choices, ident, chat, return_ids, include_usage, n_prompt, sc, top, echo, n):
+        """Server-sent events of every choice, interleaved as their tokens come (each chunk names
+        its choice's index). With logprobs, a choice's tokens are sent once scored: the events
+        that arrived while a scoring pass ran are scored together in the next one (one forward
+        over each choice's prompt + output so far), so a fast engine gets fewer, larger chunks."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
 
-        def chunk(text: str | None, reason=None, ids=None, role=False, **extra) -> str:
+        def chunk(c, text: str | None, reason=None, ids=None, role=False, logprobs=None, **extra) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                d: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                d = {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             if return_ids and ids is not None:
-                c["token_ids"] = ids
-            payload = {"id": ident, "object": obj, "created": now, "model": model_name, "choices": [c], **extra}
+                d["token_ids"] = ids
+            payload = {"id": ident, "object": obj, "created": now, "model": model_name, "choices": [d], **extra}
             return f"data: {json.dumps(payload)}\n\n"
 
-        fin = None
+        def logprobs_of(c, entries):
+            if chat:
+                return fmt.chat(entries)
+            lp, c.offset = fmt.completion(entries, c.offset)
+            return lp
+
+        def final(c) -> list[str]:
+            """The last chunks of choice c; an error event instead if it failed."""
+            reason = "length" if c.fin is None else _reason(c.fin, c.out)
+            if c.fin is not None:
+                c.timing.observe(metrics, c.fin, reason)
+            if reason == "error":
+                return [f"data: {json.dumps(ApiError(500, f'the request failed: {c.fin.error}').body())}\n\n"]
+            rest = c.out.finish()
+            done = [chunk(c, rest, ids=[])] if rest else []
+            stats = {} if c.fin is None else {"dflash": _dflash_stats([c.fin])}
+            return done + [chunk(c, None if chat else "", reason=reason, ids=[], **stats)]
+
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c) -> None:
+            async for ev in c.handle.aevents():
+                events.put_nowait((c, ev))
+
+        tasks, failed = [], False
         try:
             if chat:
-                yield chunk(None, role=True)
-            async for ev in handle.aevents():
-                if isinstance(ev, Tokens):
-                    timing.tokens(len(ev.ids))
-                    metrics.tokens(len(ev.ids))
-                    delta = out.add(ev.ids)
-                    if delta or return_ids:
-                        yield chunk(delta, ids=list(ev.ids))
-                    if out.stopped:
-                        engine.cancel(handle)
-                else:
-                    fin = ev
-            reason = _reason(fin, out)
-            timing.observe(metrics, fin, reason)
-            if reason == "error":
-                err = ApiError(500, f"the request failed: {fin.error}").body()
-                yield f"data: {json.dumps(err)}\n\n"
-            else:
-                rest = out.finish()
-                if rest:
-                    yield chunk(rest, ids=[])
-                yield chunk(None if chat else "", reason=reason, ids=[], dflash=_dflash_stats(fin))
-                if include_usage:
-                    usage = {"id": ident, "object": obj, "created": now, "model": model_name, "choices": [],
-                             "usage": _usage(n_prompt, len(out.tokens))}
-                    yield f"data: {json.dumps(usage)}\n\n"
+                for c in choices:
+                    yield chunk(c, None, role=True)
+            if echo is not None:   # the prompt first, with its logprobs (the first token's is null)
+                prompt_scores = [None] * len(choices)
+                if sc is not None:
+                    try:
+                        prompt_scores = await _score(sc, [c.prompt for c in choices], [1] * len(choices))
+                    except ApiError as e:
+                        yield f"data: {json.dumps(e.body())}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                for c, s in zip(choices, prompt_scores):
+                    lp = None if sc is None else logprobs_of(c, _entries(c.prompt, 1, s, top, first_null=True))
+                    yield chunk(c, echo[c.index // n], ids=[], logprobs=lp)
+            running = [c for c in choices if c.handle is not None]
+            for c in choices:
+                if c.handle is None:      # max_tokens 0: the echo was all
+                    for s in final(c):
+                        yield s
+            tasks = [asyncio.ensure_future(pump(c)) for c in running]
+            left = len(running)
+            while left and not failed:
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                waiting, ended = [], []       # (logprobs) choices with tokens to score; finished after them
+                for c, ev in batch:
+                    if isinstance(ev, Tokens):
+                        c.timing.tokens(len(ev.ids))
+                        metrics.tokens(len(ev.ids))
+                        delta = c.out.add(ev.ids)
+                        if c.out.stopped and not c.handle.done:
+                            engine.cancel(c.handle)
+                        if sc is None:
+                            if delta or return_ids:
+                                yield chunk(c, delta, ids=list(ev.ids))
+                        else:
+                            c.pending_text += delta
+                            c.pending_ids += list(ev.ids)
+                            if c not in waiting:
+                                waiting.append(c)
+                    else:
+                        c.fin, left = ev, left - 1
+                        if sc is None:
+                            lines = final(c)
+                            failed = lines[0].startswith('data: {"error"')
+                            for s in lines:
+                                yield s
+                            if failed:
+                                break
+                        else:
+                            ended.append(c)
+                if waiting:
+                    seqs = [c.prompt + c.out.tokens for c in waiting]
+                    try:
+                        scores = await _score(sc, seqs, [len(c.prompt) + c.sent for c in waiting])
+                    except ApiError as e:
+                        yield f"data: {json.dumps(e.body())}\n\n"
+                        failed = True
+                        break
+                    for c, s, seq in zip(waiting, scores, seqs):
+                        lp = None
+                        if s is not None:
+                            lp = logprobs_of(c, _entries(seq, len(c.prompt) + c.sent, s, top, first_null=False))
+                        if c.pending_text or lp is not None or return_ids:
+                            yield chunk(c, c.pending_text, ids=c.pending_ids, logprobs=lp)
+                        c.sent, c.pending_text, c.pending_ids = len(seq) - len(c.prompt), "", []
+                for c in ended:
+                    lines = final(c)
+                    failed = lines[0].startswith('data: {"error"')
+                    for s in lines:
+                        yield s
+                    if failed:
+                        break
+            if not failed and include_usage:
+                usage = {"id": ident, "object": obj, "created": now, "model": model_name, "choices": [],
+                         "usage": _usage(n_prompt, sum(len(c.out.tokens) for c in choices))}
+                yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
-        finally:  # the client went away (the task is cancelled) or we are done
-            if not handle.done:
-                engine.cancel(handle)
+        finally:  # the client went away (the task is cancelled), a choice failed, or we are done
+            for t in tasks:
+                t.cancel()
+            for c in choices:
+                if c.handle is not None and not c.handle.done:
+                    engine.cancel(c.handle)
 
     return app
 
@@ -712,9 +1031,11 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _dflash_stats(fin: Finished) -> dict:
-    s = fin.stats
-    return {"iterations": s.iterations, "mean_acceptance_length": round(s.mean_acceptance_length, 4)}
+def _dflash_stats(fins: list[Finished]) -> dict:
+    """Loop iterations and tau over a response's choices."""
+    accepted = [a for f in fins for a in f.stats.acceptance_lengths]
+    return {"iterations": sum(f.stats.iterations for f in fins),
+            "mean_acceptance_length": round(sum(accepted) / len(accepted), 4) if accepted else 0.0}
 
 
 class _Timing:
