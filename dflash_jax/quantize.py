@@ -306,7 +306,7 @@ def quantize_target(model, quantize):
     for _, node in nnx.iter_graph(model.layers):
         if not isinstance(node, nnx.Module):
             continue
-        for name, ndim in [(n, 2) for n in LINEAR_NAMES]:
+        for name, ndim in [(n, 2) for n in LINEAR_NAMES] + [(n, 3) for n in EXPERT_NAMES]:
             p = getattr(node, name, None)
             if isinstance(p, nnx.Param) and not is_quantized(p.get_value()) and p.get_value().ndim == ndim:
                 p.set_value(quantize_int8(p.get_value()))

@@ -23,6 +23,12 @@ parts: static shapes, every row computed exactly once, no all-to-all.
 
 Weights: router [H, E], experts_gate_up [E, H, 2I] (gate columns before up), experts_down
 [E, I, H] ([in, out]).
+
+Quantized experts (dflash_jax.quantize, `quantize="int8"`: q [E, in, out] int8 and one scale per
+expert and output column [E, out]) take the XLA path whatever `KernelConfig.moe_gmm` says: the
+Pallas gmm kernels read float weights (int8 in their prologue is a later slice), so `ragged_dot`
+multiplies the int8 matrices converted to x's dtype and each row is then scaled by its own expert's
+column scales, in float32, as models.layers.linear scales an int8 dense weight.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.models.layers import init_param, linear
+from dflash_jax.quantize import Int8Weight, is_quantized
 
-__all__ = ["MoE", "route", "experts", "distinct_experts", "recording"]
+__all__ = ["MoE", "route", "experts", "quantized_gmm", "distinct_experts", "recording"]
 
 # Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
 # choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
@@ -91,6 +98,9 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     from pallas_kernels.moe import gmm, gmm_rows, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
+    quantized = is_quantized(gate_up) or is_quantized(down)
+    if quantized:                # the kernels read float weights: the XLA grouped matmul (module docstring)
+        gmm_impl = "xla"
     if not ascending:   # a token's choices in ascending expert order: the order its outputs are added in (HF's)
         idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
     if first_expert is None:
@@ -116,8 +126,14 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
     rows, back, sizes = group_rows(flat, El)
     xs = jnp.take(x, rows // k, axis=0)                                          # [N k, H]
-    a = gmm_swiglu(xs, gate_up, sizes, gmm_impl)                                 # [N k, I]
-    y = gmm(a, down, sizes, gmm_impl)                                            # [N k, H]
+    if quantized:
+        expert = jnp.minimum(jnp.take(flat, rows), El - 1)                       # [N k] each sorted row's
+        gate, up = jnp.split(quantized_gmm(xs, gate_up, sizes, expert), 2, axis=-1)
+        a = jax.nn.silu(gate) * up                                               # [N k, I]
+        y = quantized_gmm(a, down, sizes, expert)                                # [N k, H]
+    else:
+        a = gmm_swiglu(xs, gate_up, sizes, gmm_impl)                             # [N k, I]
+        y = gmm(a, down, sizes, gmm_impl)                                        # [N k, H]
     w = jnp.where(mine, weights, 0).reshape(-1)[rows]
     y = jnp.where(jnp.take(mine.reshape(-1), rows)[:, None], y * w[:, None], 0)  # rows of other shards
     y = jnp.take(y, back, axis=0).reshape(N, k, -1)                              # back to [N, k, H]
@@ -125,6 +141,18 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     for j in range(1, k):
         out = out + y[:, j]
     return out
+
+
+def quantized_gmm(lhs, w, group_sizes, expert):
+    """The XLA grouped matmul of rows lhs [M, K] grouped by expert (group_sizes [E]) with quantized
+    experts w [E, K, N] → [M, N] in lhs's dtype; expert [M]: each row's expert (any valid id for the
+    rows past the groups, which are zero). int8: (lhs @ q) then the row's expert's column scales in
+    float32; another quantized type: its weights dequantized to lhs's dtype first."""
+    from pallas_kernels.moe import gmm
+    if not isinstance(w, Int8Weight):
+        return gmm(lhs, w.dequantize(lhs.dtype) if is_quantized(w) else w, group_sizes, "xla")
+    y = gmm(lhs, w.q.astype(lhs.dtype), group_sizes, "xla")
+    return (y.astype(jnp.float32) * jnp.take(w.scale, expert, axis=0)).astype(lhs.dtype)
 
 
 # Up to this many (token, choice) rows the grouping ranks rows by comparing every pair (an [R, R]
