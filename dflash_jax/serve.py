@@ -1387,9 +1387,12 @@ def _serve(parser, args, sock) -> int:
         parser.error(str(e))
     if args.slots > 1 and args.warmup_prompt_len:
         _warm_up(engine, args.warmup_prompt_len)
+    from dflash_jax.scoring import Scorer
+
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name,
                     default_max_tokens=args.default_max_tokens,
-                    trust_request_chat_template=args.trust_request_chat_template, max_body_bytes=args.max_body_bytes)
+                    trust_request_chat_template=args.trust_request_chat_template, max_body_bytes=args.max_body_bytes,
+                    scorer=Scorer(target, kernels=args.attention))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="off")
     server = _server(config, app, engine, args.shutdown_timeout)

@@ -222,3 +222,23 @@ def test_extras_bad_values_are_400_naming_the_field(srv):
         if field in ("logit_bias", "presence_penalty"):
             assert "on-device loop" in err["message"], err
     assert srv.engine.stats().queue_depth == 0 and srv.engine.stats().slots_busy == 0
+
+
+def test_lm_eval_style_requests(srv):
+    """scripts/lm_eval_smoke.py's lm-eval requests (echo + logprobs 1 + max_tokens 1 and 0, a batch of
+    token-id prompts; generate_until) on this server: the two agree, greedy continuations are greedy."""
+    import importlib.util
+    import io
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "lm_eval_smoke.py"
+    spec = importlib.util.spec_from_file_location("lm_eval_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    log = io.StringIO()
+    assert smoke.run(srv.url, NAME, srv.tok, out=log), log.getvalue()
+    ctx = srv.ids[0]
+    cont = oracle(srv, ctx, 5, temperature=0.0)[:3]
+    want = hf_logprobs(srv, ctx + cont)
+    (lp, greedy), = smoke.loglikelihood(srv.url, NAME, [(ctx, cont)])["max_tokens=1"]
+    assert greedy and abs(lp - sum(want[len(ctx) + i - 1][t] for i, t in enumerate(cont))) < 1e-4
