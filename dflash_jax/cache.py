@@ -1,4 +1,23 @@
-"""The KV cache: one [B, Hkv, C, D] buffer per layer for K and for V, fixed capacity C, per-row lengths.
+"""The KV cache contract: every model, draft and loop program reads and writes K/V through the
+methods below, never through a layout of its own.
+
+Two storages behind one interface:
+- `KVCache` (dense rows): one [B, Hkv, C, D] buffer per layer for K and for V, fixed capacity C per
+  row. The one-shot `generate` and the fixed-slot engine use it (no gather per layer: fastest).
+- `PagedKVCache` (pages): one pool [N, Hkv, page, D] per layer shared by every row, and a page
+  table [B, P] of page ids per row (row b's position t lives in page table[b, t // page] at
+  offset t % page; page 0 is the dummy page that padding points at). The paged slot engine uses it
+  for the target and the draft's context with ONE table, so a prefix hit on the target's pages is a
+  hit on the draft's (dflash_jax.pages owns the host-side allocation and prefix index). A
+  sliding-window draft layer keeps every row in pages too (its window is a mask there, not a ring:
+  freeing the pages behind the window is left to do).
+
+Interface (both): `layer_kv(i)` the layer's K/V as dense [B, Hkv, C, D] views (a paged layer's is a
+gather of its rows' pages: on every backend the attention kernels read that view; reading pages in
+the kernels themselves is left to do), `set_layer(i, k, v, lo, rows)` the layer after a forward
+wrote rows [lo, lo + rows) of each row into those views (a paged layer scatters back only the
+pages those rows touch), `write_rows(i, k, v, start)` new rows written directly, `lens`,
+`capacity` (positions per row).
 
 Entries at or past a row's length are stale: attention never reads them (k_end masks them) and the
 next write overwrites them. Inside the compiled loop the cache is loop state, so XLA updates it in
@@ -22,12 +41,112 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
+    def layer_kv(self, i: int):
+        """Layer i's (k, v) [B, Hkv, C, D]."""
+        return self.k[i], self.v[i]
+
+    def set_layer(self, i: int, k, v, lo=None, rows: int = 0) -> "KVCache":
+        """The cache with layer i's buffers replaced (lo, rows: see PagedKVCache.set_layer)."""
+        return self.replace(k=_put(self.k, i, k), v=_put(self.v, i, v))
+
+    def write_rows(self, i: int, k, v, start) -> "KVCache":
+        """Layer i with k, v [B, T, Hkv, D] written at rows [start[b], start[b] + T)."""
+        return self.set_layer(i, write_rows(self.k[i], k, start), write_rows(self.v[i], v, start))
+
     @classmethod
     def zeros(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype):
         shape = (batch, num_kv_heads, capacity, head_dim)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    lens=jnp.zeros((batch,), jnp.int32))
+
+
+def _put(xs: tuple, i: int, x) -> tuple:
+    return xs[:i] + (x,) + xs[i + 1:]
+
+
+@struct.dataclass
+class PagedKVCache:
+    k: tuple         # per layer: a pool [N, Hkv, page, D]
+    v: tuple
+    lens: jax.Array  # [B] int32
+    table: jax.Array  # [B, P] int32 page ids (0: the dummy page)
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    @property
+    def capacity(self) -> int:
+        return self.table.shape[1] * self.page_size
+
+    @classmethod
+    def zeros(cls, num_pages: int, page_size: int, batch: int, pages_per_row: int, layers, dtype):
+        """layers: per layer (Hkv, D)."""
+        def pool(h, d):
+            return jnp.zeros((num_pages, h, page_size, d), dtype)
+        return cls(k=tuple(pool(*x) for x in layers), v=tuple(pool(*x) for x in layers),
+                   lens=jnp.zeros((batch,), jnp.int32), table=jnp.zeros((batch, pages_per_row), jnp.int32),
+                   page_size=int(page_size))
+
+    def pools(self) -> tuple:
+        """(k, v): the part every row shares, which row gathers and scatters leave alone."""
+        return self.k, self.v
+
+    def rows_part(self) -> "PagedKVCache":
+        """The cache without its pools (the per-row part: lens, table)."""
+        return self.replace(k=None, v=None)
+
+    def with_pools(self, pools) -> "PagedKVCache":
+        """A rows_part() with its pools (from pools()) back."""
+        return self.replace(k=pools[0], v=pools[1])
+
+    def _view(self, pool):
+        B, P = self.table.shape
+        g = pool[self.table]                                                     # [B, P, Hkv, page, D]
+        return jnp.swapaxes(g, 1, 2).reshape(B, pool.shape[1], P * self.page_size, pool.shape[3])
+
+    def layer_kv(self, i: int):
+        """Layer i's (k, v) as [B, Hkv, C, D]: each row's pages gathered (C = P * page)."""
+        return self._view(self.k[i]), self._view(self.v[i])
+
+    def _pages_back(self, pool, view, lo, rows: int):
+        """pool with the pages holding view rows [lo[b], lo[b] + rows) written back from view."""
+        B, P = self.table.shape
+        ps, N = self.page_size, pool.shape[0]
+        n = min(P, -(-rows // ps) + 1)
+        idx = lo[:, None] // ps + jnp.arange(n, dtype=jnp.int32)                   # [B, n] pages of the row
+        ok = idx < P
+        idx = jnp.minimum(idx, P - 1)
+        ids = jnp.where(ok, jnp.take_along_axis(self.table, idx, axis=1), N)     # N: dropped
+        pages = view.reshape(B, view.shape[1], P, ps, view.shape[3])
+        pages = jnp.take_along_axis(pages, idx[:, None, :, None, None], axis=2)   # [B, Hkv, n, ps, D]
+        pages = jnp.swapaxes(pages, 1, 2).reshape(B * n, view.shape[1], ps, view.shape[3])
+        return pool.at[ids.reshape(-1)].set(pages.astype(pool.dtype), mode="drop")
+
+    def set_layer(self, i: int, k, v, lo=None, rows: int = 0) -> "PagedKVCache":
+        """Layer i after a forward wrote rows [lo[b], lo[b] + rows) of each row into the views
+        layer_kv(i) gave (k, v [B, Hkv, C, D]): the pages those rows touch go back to the pool
+        (a page a row shares is full and lies before its writes, so it is never among them)."""
+        return self.replace(k=_put(self.k, i, self._pages_back(self.k[i], k, lo, rows)),
+                            v=_put(self.v, i, self._pages_back(self.v[i], v, lo, rows)))
+
+    def _scatter(self, pool, new, start):
+        """pool ← new [B, T, Hkv, D] at positions [start[b], + T) of each row (past the capacity:
+        dropped)."""
+        B, T = new.shape[:2]
+        ps, N = self.page_size, pool.shape[0]
+        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)                       # [B, T]
+        page = jnp.take_along_axis(self.table, jnp.minimum(pos // ps, self.table.shape[1] - 1), axis=1)
+        page = jnp.where(pos < self.capacity, page, N)
+        return pool.at[page.reshape(-1), :, (pos % ps).reshape(-1)].set(
+            new.reshape(B * T, *new.shape[2:]).astype(pool.dtype), mode="drop")
+
+    def write_rows(self, i: int, k, v, start) -> "PagedKVCache":
+        """Layer i with k, v [B, T, Hkv, D] written at positions [start[b], start[b] + T)."""
+        return self.replace(k=_put(self.k, i, self._scatter(self.k[i], k, start)),
+                            v=_put(self.v, i, self._scatter(self.v[i], v, start)))
+
+
+def is_paged(cache) -> bool:
+    return isinstance(cache, PagedKVCache)
 
 
 def write_rows(cache, new, start):

@@ -42,6 +42,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
 from dflash_jax import decode, sampling, validation
 from dflash_jax.loop import compile_count
+from dflash_jax.pages import pages_for
 from dflash_jax.slots import Pipeline, RowRequest, RowResult, Slots, parse_step_buckets
 
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
@@ -477,12 +478,13 @@ class SlotEngine(_EngineCore):
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
                  steps: int | str = 4, insert_width: int | None = None, kernels=None,
                  warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto",
-                 verify_width=None):
+                 verify_width=None, kv_pages: int | None = None, page_size: int = 16, prefix_cache: bool = True):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl,
-                           step_buckets=step_buckets, verify_width=verify_width)
+                           step_buckets=step_buckets, verify_width=verify_width, kv_pages=kv_pages,
+                           page_size=page_size, prefix_cache=prefix_cache)
         if not validation.is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         self.pipeline = int(pipeline)
@@ -497,7 +499,17 @@ class SlotEngine(_EngineCore):
             lengths = sorted({min(self.slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
             self.slots.warmup(lengths, ("greedy",))
         self._running: dict[int, Handle] = {}          # slot -> handle
+        self._admissions = itertools.count()           # admission order (the newest is preempted first)
         self._start("dflash-slot-engine")
+
+    def check(self, r: Request) -> None:
+        super().check(r)
+        sl = self.slots
+        if sl.paged:   # a request the whole pool could not hold would wait (or be preempted) forever
+            need = pages_for(min(len(r.prompt) + int(r.max_tokens) + sl.block_size, sl.capacity), sl.page_size)
+            if need > sl.pages.num_pages - 1:
+                raise RequestError("max_tokens", f"a prompt of {len(r.prompt)} tokens + {r.max_tokens} needs {need} KV "
+                                                 f"pages; the pool has {sl.pages.num_pages - 1} (raise --kv-pages)")
 
     def _queue_full(self) -> bool:
         free = self.slots.slots - len(self._running)
@@ -508,8 +520,11 @@ class SlotEngine(_EngineCore):
 
     # worker ------------------------------------------------------------------------------------
     def _row(self, h: Handle) -> RowRequest:
+        """h's row: its prompt, or after a preemption its prompt and the tokens it has delivered
+        (recomputed: greedy rows continue exactly; sampled ones stay exact in distribution)."""
         r = h.request
-        return RowRequest(prompt=tuple(int(t) for t in r.prompt), max_new=int(r.max_tokens),
+        done = list(h._tokens)
+        return RowRequest(prompt=tuple(int(t) for t in r.prompt) + tuple(done), max_new=int(r.max_tokens) - len(done),
                           temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
                           stop_ids=tuple(self.stop_ids(r)), seed=int(r.seed), rng_row=0)
 
@@ -525,6 +540,8 @@ class SlotEngine(_EngineCore):
 
     def _end(self, slot: int, h: Handle) -> None:
         del self._running[slot]
+        if self.slots.paged:          # its pages back (full ones published for prefix hits)
+            self.slots.release(slot)
         if h.done:
             return
         toks = h._tokens
@@ -562,6 +579,30 @@ class SlotEngine(_EngineCore):
             self._end(slot, h)
             free.append(slot)
 
+    def _make_room(self, pipe: Pipeline, free: list) -> dict:
+        """Paged: pages for every running request's next step. When the pool is short, read back
+        everything in flight (exact lengths; requests that ended give their pages back), then
+        preempt the newest running requests until the rest fit: each goes back to the front of the
+        queue with what it has delivered and resumes by recomputing it. Returns the busy slots."""
+        with self._cv:
+            busy = dict(self._running)
+        if not self.slots.grow(list(busy)):
+            return busy
+        pipe.drain()
+        while True:
+            with self._cv:
+                busy = dict(self._running)
+                if not busy or not self.slots.grow(list(busy)):
+                    return busy
+                if len(busy) == 1:        # check() keeps a request the pool cannot hold out
+                    raise RuntimeError("the KV page pool cannot hold one request's next step")
+                slot = max(busy, key=lambda b: busy[b]._admitted)
+                h = self._running.pop(slot)
+                self.slots.release(slot)
+                self.slots.preemptions += 1
+                free.append(slot)
+                self._queue.appendleft(h)
+
     def _work(self) -> None:
         """The engine thread: admit, dispatch a step, read back the step dispatched `pipeline`
         steps ago (so the device is never idle while the host pushes tokens and prefills)."""
@@ -584,14 +625,20 @@ class SlotEngine(_EngineCore):
                 admit = []
                 free.sort()
                 while self._queue and free:
-                    h = self._queue.popleft()
-                    slot = free.pop(0)
+                    h = self._queue[0]
+                    slot = free[0]
+                    if self.slots.paged and not self.slots.admit(slot, self._row(h)):
+                        break                                   # waits for pages (a running request frees them)
+                    self._queue.popleft()
+                    free.pop(0)
                     self._running[slot] = h
+                    h._admitted = next(self._admissions)
                     admit.append((slot, h))
             if admit:
                 for slot, h in admit:
-                    h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
-                                            queued_s=time.perf_counter() - h.submitted_at)
+                    if getattr(h, "_stats", None) is None:      # (a preempted request keeps its own)
+                        h._stats = RequestStats(prompt_tokens=len(h.request.prompt),
+                                                queued_s=time.perf_counter() - h.submitted_at)
                 try:
                     pipe.insert([(slot, self._row(h), h) for slot, h in admit])
                 except Exception as e:  # the inserted requests fail; the others keep running
@@ -606,6 +653,8 @@ class SlotEngine(_EngineCore):
             with self._cv:
                 busy = dict(self._running)
             try:
+                if busy and self.slots.paged:
+                    busy = self._make_room(pipe, free)
                 if busy:
                     pipe.step(busy)
                 pipe.read(stepped=bool(busy))

@@ -109,6 +109,9 @@ class Params:
     width_stats0: Any = None   # [2, S-1] float32: the statistics the loop starts from (a warm start, width_history)
     width0: Any = None         # [] int32: the width index it starts at
     width_step0: Any = None    # [] int32: iterations its program ran before (width_step)
+    # [B] int32: the position the prompt rows start at (the paged engine's prefix hit: positions
+    # before it are already in the caches' pages; prompt holds the tokens from there); None: 0
+    prompt_start: Any = None
 
 
 @struct.dataclass
@@ -199,19 +202,26 @@ def _commit(target, cache, n):
     return cache if commit is None else commit(cache, n)
 
 
-def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None):
+def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None, caches=None):
     """The prompts through the target (and their taps into the draft's context), the first token
     committed: the loop's first state. retired ([] bool, run's adaptive loop): the call is settled
     on plain decoding from its start (`_settled_at_start`), so the draft's context is not written
-    (a fresh cache) and the state starts retired."""
+    (a fresh cache) and the state starts retired. caches: (target cache, draft cache) to write
+    into (the paged engine's pools with the new rows' page tables); None: fresh dense rows.
+    p.prompt_start (with caches): the prompt rows start there, the positions before it already in
+    the caches (a prefix hit); the attention then reads the cached rows too."""
     B, Tb, S, C = st.batch, st.prompt_bucket, st.block_size, st.capacity
+    start = p.prompt_start
     positions = jnp.broadcast_to(jnp.arange(Tb, dtype=jnp.int32), (B, Tb))
-    tcache = _on_mesh(st, target.new_cache(B, cache_rows(C)))
+    if start is not None:
+        positions = positions + start[:, None]
+    tcache = _on_mesh(st, target.new_cache(B, cache_rows(C))) if caches is None else caches[0]
     with jax.named_scope("prefill_target"):
         h, feats, tcache = target(p.prompt, positions, tcache, positions + 1, taps=st.taps,
-                                  kernels=st.kernels, prefill=True)
+                                  kernels=st.kernels, prefill=start is None)
     tcache = _commit(target, tcache, p.prompt_lens)        # a bucket's padding never reaches a state
-    last = jnp.take_along_axis(h, (p.prompt_lens - 1)[:, None, None], axis=1)        # [B, 1, H]
+    tail = p.prompt_lens if start is None else p.prompt_lens - start
+    last = jnp.take_along_axis(h, (tail - 1)[:, None, None], axis=1)                   # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
     first = sampling.select(logits, row_keys(p, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
@@ -219,7 +229,7 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None):
     dcache = pending = None
     if draft is not None:
         with jax.named_scope("prefill_draft_context"):
-            fresh = _on_mesh(st, draft.new_cache(B, cache_rows(C)))
+            fresh = _on_mesh(st, draft.new_cache(B, cache_rows(C))) if caches is None else caches[1]
             write = lambda: draft.write_context(feats, positions, fresh, valid=p.prompt_lens)   # noqa: E731
             # (a measurable share of a short call on CPU: docs/perf-log.md, session 36)
             dcache = write() if retired is None else jax.lax.cond(retired, lambda: fresh, write)

@@ -30,6 +30,8 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import sampling, sharding, validation
+from dflash_jax.cache import is_paged
+from dflash_jax.pages import PageAllocator, pages_for
 from dflash_jax.kernel_config import kernels_from
 from dflash_jax import width
 from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
@@ -37,7 +39,7 @@ from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_par
                              pick_width, rows_only, width_costs, width_params, with_globals,
                              flush_pending, pending_room)
 
-__all__ = ["Slots", "Pipeline", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
+__all__ = ["Slots", "Pipeline", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
 
 
@@ -79,6 +81,87 @@ def _slots_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows)
         params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
         first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
         return _slots_placed(st, SlotState(loop=loop, params=params)), first, new.done
+
+
+# ---------------------------------------------------------------------------------- paged programs
+# With a paged KV cache (Slots(kv_pages=...)) the state's target and draft caches are
+# dflash_jax.cache.PagedKVCache: pools every slot shares and a per-slot page table. The host owns
+# the table (dflash_jax.pages allocates and matches prefixes): each insert and step takes the table
+# rows it runs with as an argument and only reads them. Row gathers and scatters (an insert's rows,
+# a step bucket's) move the per-row part and leave the pools whole.
+
+def _split_pools(loop: LoopState):
+    """(loop with its caches' pools taken out, the pools): the per-row part for row maps (a dense
+    cache is per-row whole: pools None)."""
+    tc, dc = loop.target_cache, loop.draft_cache
+    if not is_paged(tc):
+        return loop, None
+    pools = (tc.pools(), None if dc is None else dc.pools())
+    return loop.replace(target_cache=tc.rows_part(), draft_cache=None if dc is None else dc.rows_part()), pools
+
+
+def _join_pools(loop: LoopState, pools) -> LoopState:
+    if pools is None:
+        return loop
+    dc = loop.draft_cache
+    return loop.replace(target_cache=loop.target_cache.with_pools(pools[0]),
+                        draft_cache=None if dc is None else dc.with_pools(pools[1]))
+
+
+def _with_table(loop: LoopState, table) -> LoopState:
+    """loop's paged caches with the page table `table` [B, P] (the host's, this program's)."""
+    dc = loop.draft_cache
+    return loop.replace(target_cache=loop.target_cache.replace(table=table),
+                        draft_cache=None if dc is None else dc.replace(table=table))
+
+
+def _paged_empty(st: Static, tstate, dstate, num_pages: int, page_size: int) -> SlotState:
+    """_slots_empty with paged caches: pools of num_pages pages, every table row the dummy page."""
+    P = st.capacity // page_size
+
+    def init(ts, ds):
+        target, draft = merge_models(st, ts, ds)
+        caches = (target.new_paged_cache(st.batch, num_pages, page_size, P),
+                  None if draft is None else draft.new_paged_cache(st.batch, num_pages, page_size, P))
+        p = idle_params(st.batch, 16)
+        loop = prefill(dataclasses.replace(st, prompt_bucket=16), target, draft,
+                       p.replace(prompt_start=jnp.zeros((st.batch,), jnp.int32)), caches=caches)
+        return SlotState(loop=loop, params=p.replace(prompt=None))
+    shapes = jax.eval_shape(init, tstate, dstate)
+    s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    params = s.params.replace(stop_ids=jnp.full(s.params.stop_ids.shape, -1, jnp.int32))
+    return SlotState(loop=s.loop.replace(done=jnp.ones((st.batch,), bool)), params=params)
+
+
+def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows, table):
+    """_slots_insert into the pools: the Bp requests of p (p.prompt_start: their prefix hits) with
+    their page tables `table` [Bp, P], prefilled from their hit on and written into slot rows."""
+    with sharding.active(st.mesh):
+        target, draft = merge_models(st, tstate, dstate)
+        old, pools = _split_pools(slots.loop)
+        Bp = p.prompt.shape[0]
+        zeros = jnp.zeros((Bp,), jnp.int32)
+        tc = slots.loop.target_cache.replace(table=table, lens=zeros)
+        dc = slots.loop.draft_cache
+        new = prefill(st, target, draft, p, caches=(tc, None if dc is None else dc.replace(table=table, lens=zeros)))
+        new, pools = _split_pools(new)
+        put = lambda o, x: o.at[rows].set(x, mode="drop")                              # noqa: E731
+        loop = with_globals(jax.tree.map(put, rows_only(old), rows_only(new)), slots.loop)
+        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, prompt_start=None))
+        first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
+        return SlotState(loop=_join_pools(loop, pools), params=params), first, new.done
+
+
+def _paged_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, table):
+    """_slots_step with the host's page table [B, P] for this step."""
+    slots = slots.replace(loop=_with_table(slots.loop, table))
+    return _slots_step(st, n_iters, tstate, dstate, slots, release, wp)
+
+
+def _paged_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, idx, table):
+    """_slots_step_rows with the host's page table [B, P] for this step."""
+    slots = slots.replace(loop=_with_table(slots.loop, table))
+    return _slots_step_rows(st, n_iters, tstate, dstate, slots, release, wp, idx)
 
 
 def _slots_specs(st: Static, slots: SlotState) -> SlotState:
@@ -174,18 +257,24 @@ def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
     outside idx, so the host reads it as _slots_step's."""
     with sharding.active(st.mesh):
         n = idx.shape[0]
-        loop = slots.loop.replace(done=slots.loop.done | release)
+        loop, pools = _split_pools(slots.loop.replace(done=slots.loop.done | release))
         take = lambda x: x[idx]                                                      # noqa: E731
-        sub = SlotState(loop=with_globals(jax.tree.map(take, rows_only(loop)), loop),
+        sub = SlotState(loop=_join_pools(with_globals(jax.tree.map(take, rows_only(loop)), loop), pools),
                         params=jax.tree.map(take, slots.params))
         sub, commits, produced, _ = _slots_step_body(dataclasses.replace(st, batch=n), n_iters, tstate, dstate,
                                                      sub, jnp.zeros((n,), bool), wp)
+        sub_loop, pools = _split_pools(sub.loop)
         put = lambda old, x: old.at[idx].set(x, unique_indices=True)                # noqa: E731
-        loop = with_globals(jax.tree.map(put, rows_only(loop), rows_only(sub.loop)), sub.loop)
+        loop = _join_pools(with_globals(jax.tree.map(put, rows_only(loop), rows_only(sub_loop)), sub_loop), pools)
         B = st.batch
         commits = jnp.zeros((n_iters, B, st.block_size), jnp.int32).at[:, idx].set(commits, unique_indices=True)
         produced = jnp.zeros((n_iters, B), jnp.int32).at[:, idx].set(produced, unique_indices=True)
         return _slots_placed(st, slots.replace(loop=loop)), commits, produced, loop.done
+
+
+class PagesShort(RuntimeError):
+    """The paged pool has too few free pages for what was asked (a caller that admits and grows
+    first never sees it)."""
 
 
 # ----------------------------------------------------------------------------------------- rows
@@ -289,7 +378,8 @@ class Slots:
 
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
                  steps: int | str = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
-                 step_buckets="auto", verify_width=None):
+                 step_buckets="auto", verify_width=None, kv_pages: int | None = None, page_size: int = 16,
+                 prefix_cache: bool = True):
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
             insert_width = min(slots, 8) if validation.is_int(slots) else 1
         if steps != "auto" and (not validation.is_int(steps) or steps < 1):
@@ -305,6 +395,15 @@ class Slots:
             draft = None
         if capacity - S < 2:
             raise ValueError(f"capacity {capacity} leaves no room next to a block of {S}")
+        self.paged = kv_pages is not None
+        if self.paged:
+            for name, v, lo in (("kv_pages", kv_pages, 2), ("page_size", page_size, 1)):
+                if not validation.is_int(v) or v < lo:
+                    raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+            if not hasattr(target, "new_paged_cache"):
+                raise ValueError(f"a paged KV cache is not supported for the {target.config.model_type} target "
+                                 f"(its recurrent layers keep per-row state): use the fixed-slot engine (no kv_pages)")
+            capacity = -(-int(capacity) // page_size) * page_size      # positions per row: whole pages
         # verify_width None: the whole block in a step program of known trip count (the default);
         # "auto" or a width: the adaptive program, whose per-width loops XLA:GPU waits on
         # (docs/adaptive-width.md)
@@ -329,8 +428,25 @@ class Slots:
         self._tdef, self._tstate = nnx.split(target)
         self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
         st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
-        with sharding.active(self.mesh):
-            self.state = _slots_empty(st, self._tstate, self._dstate)
+        if self.paged:
+            if self.mesh is not None:
+                raise ValueError("a paged KV cache on a mesh is not supported yet: use the fixed-slot engine "
+                                 "(no kv_pages) on a mesh")
+            self.page_size, self.pages_per_row = int(page_size), self.capacity // int(page_size)
+            self.pages = PageAllocator(int(kv_pages), self.page_size, prefix_cache=bool(prefix_cache))
+            self.table = np.zeros((self.slots, self.pages_per_row), np.int32)
+            self._row_pages: list[list[int]] = [[] for _ in range(self.slots)]
+            self._row_tokens: list[list[int]] = [[] for _ in range(self.slots)]   # prompt + committed
+            self._known = np.zeros((self.slots,), np.int64)      # committed length the host has read
+            self._limit = np.zeros((self.slots,), np.int64)      # prompt + max_new
+            self._inflight = np.zeros((self.slots,), np.int64)   # iterations dispatched, not read
+            self.epoch = np.zeros((self.slots,), np.int64)       # inserts into the slot so far
+            self._admitted: dict[int, tuple[list[int], int]] = {}   # slot -> (pages, prefix hit) before insert
+            self.preemptions = 0
+            self.state = _paged_empty(st, self._tstate, self._dstate, int(kv_pages), self.page_size)
+        else:
+            with sharding.active(self.mesh):
+                self.state = _slots_empty(st, self._tstate, self._dstate)
         if self.mesh is not None:
             self.state = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(self.mesh, spec)),
                                       _slots_specs(st, self.state), self.state,
@@ -410,8 +526,14 @@ class Slots:
             st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
             p = params_on_mesh(idle_params(width, bucket), self.mesh)
             rows = self._put(np.full((width,), self.slots, np.int32))
-            prog = cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
-                                  (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
+            if self.paged:
+                p = p.replace(prompt_start=jnp.zeros((width,), jnp.int32))
+                table = jnp.zeros((width, self.pages_per_row), jnp.int32)
+                prog = cached_program(("engine_insert_paged", st, self.slots, self.pages.num_pages), _paged_insert,
+                                      (st,), (self._tstate, self._dstate, self.state, p, rows, table), donate=(2,))
+            else:
+                prog = cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
+                                      (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
             self._programs[("insert", bucket, mode, width)] = prog
         return prog
 
@@ -431,13 +553,17 @@ class Slots:
             return prog
         st, key = self._step_key(mode, rows)
         wp = width_params(st)
+        table = (jnp.asarray(self.table),) if self.paged else ()
+        if self.paged:
+            key = ("paged", self.pages.num_pages) + key
         if rows == self.slots:
-            prog = cached_program(key, _slots_step, (st, self.steps_for(rows)),
-                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp), donate=(2,))
+            prog = cached_program(key, _paged_step if self.paged else _slots_step, (st, self.steps_for(rows)),
+                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp) + table,
+                                  donate=(2,))
         else:
             idx = self._put(np.arange(rows, dtype=np.int32))
-            prog = cached_program(key, _slots_step_rows, (st, self.steps_for(rows)),
-                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx),
+            prog = cached_program(key, _paged_step_rows if self.paged else _slots_step_rows, (st, self.steps_for(rows)),
+                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx) + table,
                                   donate=(2,))
         self._programs[(mode, rows)] = prog
         return prog
@@ -487,8 +613,9 @@ class Slots:
 
         def time_width(i):
             t0 = time.perf_counter()
+            table = (jnp.asarray(self.table),) if self.paged else ()
             self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
-                                             self._width_params(mode, n, i), *idx)
+                                             self._width_params(mode, n, i), *idx, *table)
             jax.block_until_ready(commits)
             return time.perf_counter() - t0, 0.0, self.steps_for(n)
         width_costs(key, time_width, len(st.widths))
@@ -517,7 +644,13 @@ class Slots:
         groups: dict[int, list] = {}
         for slot, r in items:
             self.check(r)
-            groups.setdefault(self.prompt_bucket(len(r.prompt)), []).append((slot, r))
+            hit = 0
+            if self.paged:
+                if slot not in self._admitted and not self.admit(slot, r):
+                    raise PagesShort(f"no KV pages for a prompt of {len(r.prompt)} tokens "
+                                     f"({self.pages.available()} of {self.pages.num_pages - 1} pages free)")
+                hit = self._admitted[slot][1]
+            groups.setdefault(self.prompt_bucket(len(r.prompt) - hit), []).append((slot, r))
         widths = self.insert_widths()
         out = []
         for bucket, group in sorted(groups.items()):
@@ -530,9 +663,14 @@ class Slots:
                 prompt = np.zeros((W, bucket), np.int32)
                 lens = np.ones((W,), np.int32)
                 rows = np.full((W,), self.slots, np.int32)
+                starts = np.zeros((W,), np.int32)
+                table = np.zeros((W, self.pages_per_row), np.int32) if self.paged else None
                 settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
                 for i, (slot, r) in enumerate(chunk):
-                    prompt[i, :len(r.prompt)] = r.prompt
+                    if self.paged:
+                        starts[i] = self._start_row(slot, r)
+                        table[i] = self.table[slot]
+                    prompt[i, :len(r.prompt) - starts[i]] = r.prompt[starts[i]:]
                     lens[i], rows[i] = len(r.prompt), slot
                     settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                        stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
@@ -542,7 +680,14 @@ class Slots:
                            active=jnp.asarray(np.arange(W) < len(chunk)), **row_settings(settings))
                 p = params_on_mesh(p, self.mesh)
                 prog = self._insert_program(bucket, mode, W)
-                self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
+                if self.paged:
+                    p = p.replace(prompt_start=jnp.asarray(starts))
+                    self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows),
+                                                   jnp.asarray(table))
+                    for slot, r in chunk:   # both caches hold the prompt once the prefill runs (dispatch order)
+                        self.pages.publish(r.prompt, self._row_pages[slot])
+                else:
+                    self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
                 out.append(([slot for slot, _ in chunk], first, done))
         return out
 
@@ -557,9 +702,95 @@ class Slots:
         return out
 
     def release(self, slot: int) -> None:
-        """Free `slot` at the next step (its row is marked done there)."""
+        """Free `slot` at the next step (its row is marked done there). Paged: its full pages whose
+        target and draft K/V are final are published for prefix hits, and its pages are released."""
         self._release[slot] = True
         self.modes[slot] = "greedy"
+        if self.paged:
+            if slot in self._admitted:                      # admitted, never inserted
+                self.pages.release(self._admitted.pop(slot)[0])
+                return
+            pages = self._row_pages[slot]
+            if pages:
+                # rows below known - S are final in both caches: the draft's context trails the
+                # target by the pending taps (<= S), and every later write lands at or past them
+                final = max(0, int(self._known[slot]) - self.block_size)
+                self.pages.publish(self._row_tokens[slot][:final], pages)
+                self.pages.release(pages)
+            self._row_pages[slot], self._row_tokens[slot] = [], []
+            self.table[slot] = 0
+            self.epoch[slot] += 1
+
+    # pages ---------------------------------------------------------------------------------------
+    def _reach(self, slot: int, extra_iters: int) -> int:
+        """Positions slot's row may write before the host reads `extra_iters` more iterations than
+        it has dispatched: each iteration commits at most a block and writes a block past its length."""
+        S = self.block_size
+        reach = int(self._known[slot]) + (int(self._inflight[slot]) + extra_iters) * S + S
+        return min(reach, int(self._limit[slot]) + S, self.capacity)
+
+    def _give(self, slot: int, positions: int) -> bool:
+        """Pages for `slot` to cover `positions`, allocated now; False (nothing allocated) when short."""
+        need = pages_for(positions, self.page_size) - len(self._row_pages[slot])
+        if need <= 0:
+            return True
+        new = self.pages.allocate(need)
+        if new is None:
+            return False
+        n = len(self._row_pages[slot])
+        self._row_pages[slot].extend(new)
+        self.table[slot, n:n + len(new)] = new
+        return True
+
+    def admit(self, slot: int, r: RowRequest) -> bool:
+        """Paged: take `slot`'s pages for r (its prefix hit, the rest of its prompt and its first
+        step's reach) before insert; False (nothing taken) when the pool is short: the request waits."""
+        self.check(r)
+        hit_pages, hit = self.pages.match(r.prompt)
+        S, K = self.block_size, self.steps_for(1)
+        reach = min(len(r.prompt) + K * S + S, len(r.prompt) + r.max_new + S, self.capacity)
+        new = self.pages.allocate(max(0, pages_for(reach, self.page_size) - len(hit_pages)))
+        if new is None:
+            self.pages.release(hit_pages)
+            return False
+        self._admitted[slot] = (hit_pages + new, hit)
+        return True
+
+    def _start_row(self, slot: int, r: RowRequest) -> int:
+        """The admitted slot's row state on the host; returns its prefix hit (the prefill's start)."""
+        pages, hit = self._admitted.pop(slot)
+        self._row_pages[slot] = pages
+        self.table[slot] = 0
+        self.table[slot, :len(pages)] = pages
+        self._row_tokens[slot] = list(r.prompt)
+        self._known[slot], self._limit[slot] = len(r.prompt), len(r.prompt) + r.max_new
+        self._inflight[slot] = 0
+        self.epoch[slot] += 1
+        return hit
+
+    def grow(self, busy: Sequence[int]) -> list[int]:
+        """Paged: pages for each busy slot to cover what its next step may write (see _reach).
+        Returns the slots that could not get them (they got nothing); the caller frees pages
+        (preempting a request) and asks again, or stops stepping them."""
+        K = self.steps_for(self.step_bucket(len(busy)))
+        return [b for b in busy if not self._give(b, self._reach(b, K))]
+
+    def note_insert(self, slot: int, epoch: int, first: int) -> None:
+        """Paged: an insert's first token read back (for slot's occupant of `epoch`)."""
+        if self.epoch[slot] == epoch:
+            self._row_tokens[slot].append(first)
+
+    def note_step(self, slot: int, epoch: int, iters: int, rows: list) -> None:
+        """Paged: a step's commits read back: rows, the token lists of its `iters` iterations."""
+        if self.epoch[slot] != epoch:
+            return
+        self._inflight[slot] -= iters
+        for ids in rows:
+            self._row_tokens[slot].extend(ids)
+            self._known[slot] += len(ids)
+
+    def page_stats(self) -> dict:
+        return dict(self.pages.stats(), preemptions=self.preemptions) if self.paged else {}
 
     def step_async(self, busy: Sequence[int] | None = None):
         """Dispatch `steps` iterations over the busy slots (None: every slot), in the program
@@ -577,13 +808,21 @@ class Slots:
         self.bucket_steps[n] += 1
         wp = self._width_params(mode, n)
         release = self._put_cached(self._release)
+        table = ()
+        if self.paged:
+            K = self.steps_for(n)
+            short = [b for b in busy if pages_for(self._reach(b, K), self.page_size) > len(self._row_pages[b])]
+            if short:
+                raise PagesShort(f"slots {short} have no pages for their next step: call grow() first")
+            self._inflight[busy] += K
+            table = (jnp.asarray(self.table),)
         if n == self.slots:
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp)
+            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp, *table)
         else:
             taken = set(busy)
             idx = busy + [b for b in range(self.slots) if b not in taken][:n - len(busy)]
             self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp,
-                                                       self._put_cached(np.asarray(idx, np.int32)))
+                                                       self._put_cached(np.asarray(idx, np.int32)), *table)
         self._release[:] = False
         return commits, produced, done
 
@@ -617,6 +856,8 @@ class Slots:
             refill_min = offline_defaults(self.platform)["refill_min"]
         if not validation.is_int(refill_min) or refill_min < 1:
             raise ValueError(f"refill_min must be an integer >= 1, got {refill_min!r}")
+        if self.paged:                       # a slot's pages go back when its request ends, not ahead
+            refill_ahead = False
         waiting = collections.deque(range(len(requests)))
         free = list(range(self.slots))
         owner: dict[int, int] = {}           # slot -> request, as the host last dispatched it
@@ -633,6 +874,8 @@ class Slots:
             results[i] = RowResult(tokens=t, acceptance_lengths=accs.pop(i), finish_reason=reason)
             if owner.get(slot) == i:         # not refilled ahead: the slot is free now
                 del owner[slot]
+                if self.paged:               # its pages back (full ones published)
+                    self.release(slot)
                 if slot not in free:         # (already there when it ended ahead, unfilled)
                     free.append(slot)
             if on_finish is not None:
@@ -675,11 +918,22 @@ class Slots:
                 items = []
                 free.sort()
                 while waiting and free:
+                    if self.paged and not self.admit(free[0], requests[waiting[0]]):
+                        if not owner:
+                            raise PagesShort(f"kv_pages={self.pages.num_pages} cannot hold request {waiting[0]}")
+                        break                # waits for a running request's pages (no preemption offline)
                     i, slot = waiting.popleft(), free.pop(0)
                     owner[slot], toks[i], accs[i] = i, [], []
                     items.append((slot, requests[i], i))
-                pipe.insert(items)
+                if items:
+                    pipe.insert(items)
             stepped = bool(owner)
+            if stepped and self.paged and self.grow([s for s in owner]):
+                pipe.drain()                 # exact lengths, ended rows' pages back; then it must fit
+                if self.grow([s for s in owner]):
+                    raise PagesShort(f"kv_pages={self.pages.num_pages} is too small for the requests running "
+                                     "(the offline run does not preempt: the server does)")
+                stepped = bool(owner)
             if stepped:
                 pipe.step(owner)
             pipe.read(stepped)
@@ -712,11 +966,16 @@ class Pipeline:
         """Dispatch the prefills of (slot, request, owner) items (Slots.insert_async)."""
         owners = {slot: who for slot, _, who in items}
         for rows, first, done in self.slots.insert_async([(slot, r) for slot, r, _ in items]):
-            self._inflight.append(("insert", (first, done), [(slot, owners[slot]) for slot in rows]))
+            self._inflight.append(("insert", (first, done), [(slot, owners[slot]) for slot in rows],
+                                   self._epochs(rows)))
 
     def step(self, owners: dict[int, Any]) -> None:
         """Dispatch one step over the slots of `owners` ({slot: owner}, the busy slots)."""
-        self._inflight.append(("step", self.slots.step_async(list(owners)), dict(owners)))
+        self._inflight.append(("step", self.slots.step_async(list(owners)), dict(owners), self._epochs(owners)))
+
+    def _epochs(self, slots) -> dict | None:
+        """The paged Slots' occupant of each slot (its insert count), for the page bookkeeping of reads."""
+        return {s: int(self.slots.epoch[s]) for s in slots} if self.slots.paged else None
 
     def read(self, stepped: bool) -> None:
         """Read back what is due: after a step was dispatched, everything but the last `depth`
@@ -735,27 +994,37 @@ class Pipeline:
 
     def steps_in_flight(self, slot: int, owner) -> int:
         """Steps dispatched for `owner` in `slot` and not read yet."""
-        return sum(1 for kind, _, who in self._inflight if kind == "step" and who.get(slot) == owner)
+        return sum(1 for kind, _, who, _ in self._inflight if kind == "step" and who.get(slot) == owner)
 
     def iterations_in_flight(self, slot: int, owner) -> int:
         """Iterations of those steps (each step's own K: its commits' first dimension)."""
-        return sum(arrays[0].shape[0] for kind, arrays, who in self._inflight if kind == "step" and who.get(slot) == owner)
+        return sum(arrays[0].shape[0] for kind, arrays, who, _ in self._inflight
+                   if kind == "step" and who.get(slot) == owner)
+
+    def drain(self) -> None:
+        """Read back everything in flight (the paged engine, before it preempts: exact lengths)."""
+        while self._inflight:
+            self._read(self._inflight.popleft())
 
     def clear(self) -> None:
         """Forget what is in flight (nobody waits for it, or a program failed)."""
         self._inflight.clear()
 
     def _read(self, entry) -> None:
-        kind, arrays, who = entry
+        kind, arrays, who, epochs = entry
         host = [np.asarray(x) for x in jax.device_get(arrays)]
         with self._lock:
             if kind == "insert":
                 first, done = host
                 for k, (slot, owner) in enumerate(who):
+                    if epochs is not None:
+                        self.slots.note_insert(slot, epochs[slot], int(first[k]))
                     self._first(slot, owner, int(first[k]), bool(done[k]))
                 return
             commits, produced, done = host
             for slot, owner in who.items():
                 rows = [commits[k, slot, :n].tolist() for k in range(produced.shape[0])
                         if (n := int(produced[k, slot]))]
+                if epochs is not None:
+                    self.slots.note_step(slot, epochs[slot], produced.shape[0], rows)
                 self._commits(slot, owner, rows, bool(done[slot]))

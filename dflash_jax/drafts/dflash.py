@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.cache import KVCache, write_rows
+from dflash_jax.cache import KVCache, PagedKVCache
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.sharding import argmax
@@ -53,11 +53,10 @@ class DFlashDraft(nnx.Module):
         rows past it are padding, stale entries here (a ring cache must leave them out)."""
         ctx = self.context(feats)
         start = positions[:, 0]
-        ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):
             k, v = layer.context_kv(ctx, positions)
-            ks[i], vs[i] = write_rows(ks[i], k, start), write_rows(vs[i], v, start)
-        return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
+            cache = cache.write_rows(i, k, v, start)
+        return cache.replace(lens=start + feats.shape[1])
 
     def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, k_end,
                  *, kernels: KernelConfig | str | None = None):
@@ -67,9 +66,9 @@ class DFlashDraft(nnx.Module):
         and are overwritten by the block). k_end [B, S]. Returns (hidden [B, S, H] final-normed, cache)."""
         kernels = resolved(kernels)
         context = DraftContext(feats=self.context(pending_feats), positions=pending_positions)
-        h, _, (ks, vs) = run_layers(self.layers, block_embeds.astype(self.dtype), positions, cache, k_end,
-                                    kernels, self.norm, context=context, scope="draft_layer")
-        return h, KVCache(k=ks, v=vs, lens=positions[:, 0])
+        h, _, cache = run_layers(self.layers, block_embeds.astype(self.dtype), positions, cache, k_end,
+                                 kernels, self.norm, context=context, scope="draft_layer")
+        return h, cache.replace(lens=positions[:, 0])
 
     def propose(self, target, current, lens, limit, pending, pending_count, cache: KVCache, *,
                 block_size: int, kernels: KernelConfig, heads: int | None = None):
@@ -105,6 +104,12 @@ class DFlashDraft(nnx.Module):
         # (sharding.fused_layout), and each copy has its own cache entry
         c = self.config
         return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
+
+    def new_paged_cache(self, batch: int, num_pages: int, page_size: int, pages_per_row: int) -> PagedKVCache:
+        """The draft's context K/V in pages addressed by the target's table (dflash_jax.cache)."""
+        c = self.config
+        geometry = [(self.layers[0].num_kv_heads, c.head_dim)] * c.num_layers
+        return PagedKVCache.zeros(num_pages, page_size, batch, pages_per_row, geometry, self.dtype)
 
 
 # A z-lab draft's tensors outside its layers (no prefix, no embedding, no LM head); its layers are a

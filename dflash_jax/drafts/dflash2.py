@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.attention import attend
-from dflash_jax.cache import KVCache, write_kv_rows, write_ring_kv_rows, write_ring_rows, write_rows
+from dflash_jax.cache import KVCache, PagedKVCache, is_paged, write_kv_rows, write_ring_kv_rows, write_ring_rows
 from dflash_jax.config import DraftConfig
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.drafts.dflash import TOP_WEIGHTS, DFlashDraft, head_rows, pad_drafts
@@ -326,8 +326,9 @@ class DFlash2Draft(nnx.Module):
     # the context path is DFlash-1's (fc + hidden_norm, each layer's k/v of the context rows)
     context = DFlashDraft.context
 
-    def _ring(self, i: int) -> bool:
-        return self.config.layer_window(i) is not None
+    def _ring(self, i: int, cache=None) -> bool:
+        """Layer i's cache is a ring: a sliding layer's, except in pages (dflash_jax.cache)."""
+        return self.config.layer_window(i) is not None and not is_paged(cache)
 
     def write_context(self, feats, positions, cache: KVCache, valid=None) -> KVCache:
         """Project taps [B, T, n·H] at positions [B, T] (contiguous per row) into the draft cache:
@@ -336,14 +337,14 @@ class DFlash2Draft(nnx.Module):
         ring must not let overwrite the rows its window still needs."""
         ctx = self.context(feats)
         start = positions[:, 0]
-        ks, vs = list(cache.k), list(cache.v)
         for i, layer in enumerate(self.layers):
             k, v = layer.context_kv(ctx, positions)
-            if self._ring(i):
-                ks[i], vs[i] = write_ring_rows(ks[i], k, start, valid), write_ring_rows(vs[i], v, start, valid)
+            if self._ring(i, cache):
+                kr, vr = cache.layer_kv(i)
+                cache = cache.set_layer(i, write_ring_rows(kr, k, start, valid), write_ring_rows(vr, v, start, valid))
             else:
-                ks[i], vs[i] = write_rows(ks[i], k, start), write_rows(vs[i], v, start)
-        return KVCache(k=tuple(ks), v=tuple(vs), lens=start + feats.shape[1])
+                cache = cache.write_rows(i, k, v, start)
+        return cache.replace(lens=start + feats.shape[1])
 
     def __call__(self, block_embeds, positions, pending_feats, pending_positions, cache: KVCache, block_end,
                  *, kernels: KernelConfig | str | None = None):
@@ -353,13 +354,16 @@ class DFlash2Draft(nnx.Module):
         kernels = resolved(kernels)
         context = DraftContext(feats=self.context(pending_feats), positions=pending_positions)
         x, res = block_embeds.astype(self.dtype), None
-        ks, vs = list(cache.k), list(cache.v)
+        lo = jnp.minimum(context.positions[:, 0], positions[:, 0])
+        rows = positions.shape[1] + context.positions.shape[1]
         for i, layer in enumerate(self.layers):
             k_start, k_end = layer_key_range(self.config, i, positions, block_end)
             with jax.named_scope(f"draft_layer{i}"):
-                x, res, ks[i], vs[i] = layer.block(x, res, positions, ks[i], vs[i], context, k_start, k_end,
-                                                   kernels, ring=self._ring(i))
-        return add_norm(x, res, self.norm, kernels)[1], KVCache(k=tuple(ks), v=tuple(vs), lens=positions[:, 0])
+                kc, vc = cache.layer_kv(i)
+                x, res, kc, vc = layer.block(x, res, positions, kc, vc, context, k_start, k_end,
+                                             kernels, ring=self._ring(i, cache))
+                cache = cache.set_layer(i, kc, vc, lo, rows)
+        return add_norm(x, res, self.norm, kernels)[1], cache.replace(lens=positions[:, 0])
 
     def unary_logits(self, target, hidden):
         """The target's LM head on hidden [B, L, H], times output_multiplier, then the softcap:
@@ -410,6 +414,12 @@ class DFlash2Draft(nnx.Module):
         shapes = [(batch, self.layers[0].num_kv_heads, n, self.config.head_dim) for n in self.cache_rows(capacity)]
         return KVCache(k=tuple(jnp.zeros(s, self.dtype) for s in shapes),
                        v=tuple(jnp.zeros(s, self.dtype) for s in shapes), lens=jnp.zeros((batch,), jnp.int32))
+
+    def new_paged_cache(self, batch: int, num_pages: int, page_size: int, pages_per_row: int) -> PagedKVCache:
+        """Every layer's context K/V in pages addressed by the target's table (a sliding layer's
+        window is then a mask over them, not a ring: dflash_jax.cache)."""
+        geometry = [(self.layers[0].num_kv_heads, self.config.head_dim)] * self.config.num_layers
+        return PagedKVCache.zeros(num_pages, page_size, batch, pages_per_row, geometry, self.dtype)
 
 
 # DFlash2 tensors beside the z-lab DFlash ones: the convs in each layer, the selector at the top (the

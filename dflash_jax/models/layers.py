@@ -461,14 +461,21 @@ def run_layers(layers, x, positions, cache: KVCache, k_end, kernels: KernelConfi
     fused GPU path's MLP output, added by the next RMSNorm's kernel; the TPU MLP kernel's row
     scale, the next RMSNorm's reduction), so the hidden state after layer i is residual.value(x).
 
-    Returns (hidden [B, T, H] final-normed, {i: hidden state after layer i for i in taps},
-    (k caches, v caches) as tuples)."""
-    ks, vs, tapped, residual = list(cache.k), list(cache.v), {}, Residual()
+    Returns (hidden [B, T, H] final-normed, {i: hidden state after layer i for i in taps}, the
+    cache with every layer's rows written; its lens unchanged). The cache is any storage of the
+    dflash_jax.cache contract (dense rows or pages): each layer gets its K/V as dense views and
+    hands back the rows it wrote, [lo, lo + rows) of each row (the context rows, then the block)."""
+    tapped, residual = {}, Residual()
+    T = positions.shape[1]
+    lo = positions[:, 0] if context is None else jnp.minimum(context.positions[:, 0], positions[:, 0])
+    rows = T + (0 if context is None else context.positions.shape[1])
     for i, layer in enumerate(layers):
         with jax.named_scope(f"{scope}{i}"):
-            x, residual, ks[i], vs[i] = layer(x, residual, positions, ks[i], vs[i], k_end, kernels,
-                                              context=context, prefill=prefill)
+            k, v = cache.layer_kv(i)
+            x, residual, k, v = layer(x, residual, positions, k, v, k_end, kernels, context=context,
+                                      prefill=prefill)
+            cache = cache.set_layer(i, k, v, lo, rows)
         if i in taps:
             tapped[i] = residual.value(x)
     h = residual.norm(x, final_norm, kernels)[1]
-    return h, tapped, (tuple(ks), tuple(vs))
+    return h, tapped, cache

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.kernel_config import KernelConfig, resolved
-from dflash_jax.cache import KVCache
+from dflash_jax.cache import KVCache, PagedKVCache
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import DecoderLayer, RMSNorm, init_param, run_layers
 
@@ -51,16 +51,21 @@ class CausalLM(nnx.Module):
         kernels = resolved(kernels)
         x = self.embed_tokens(tokens)
         start = positions[:, 0]
-        h, tapped, (ks, vs) = run_layers(self.layers, x, positions, cache, k_end, kernels, self.norm,
-                                         prefill=prefill, taps=taps, scope="target_layer")
+        h, tapped, cache = run_layers(self.layers, x, positions, cache, k_end, kernels, self.norm,
+                                      prefill=prefill, taps=taps, scope="target_layer")
         # HF's last hidden_states entry is taken after the final norm; keep its meaning for tap L-1.
         tapped[len(self.layers) - 1] = h
         feats = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-        cache = KVCache(k=ks, v=vs, lens=start + tokens.shape[1])
-        return h, feats, cache
+        return h, feats, cache.replace(lens=start + tokens.shape[1])
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         # kv heads from the layers: under TP with fewer kv heads than shards the layers hold copies
         # (sharding.fused_layout), and each copy has its own cache entry
         c = self.config
         return KVCache.zeros(c.num_layers, batch, self.layers[0].num_kv_heads, capacity, c.head_dim, self.dtype)
+
+    def new_paged_cache(self, batch: int, num_pages: int, page_size: int, pages_per_row: int) -> PagedKVCache:
+        """A pool of num_pages pages per layer and a [batch, pages_per_row] table (dflash_jax.cache)."""
+        c = self.config
+        geometry = [(self.layers[0].num_kv_heads, c.head_dim)] * c.num_layers
+        return PagedKVCache.zeros(num_pages, page_size, batch, pages_per_row, geometry, self.dtype)
