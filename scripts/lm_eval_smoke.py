@@ -5,6 +5,12 @@ parses them (lm_eval 0.4.13, lm_eval/models/openai_completions.py: `_create_payl
 
     python scripts/lm_eval_smoke.py                      # serves the embedded pair in-process
     python scripts/lm_eval_smoke.py --url http://127.0.0.1:8000 --model NAME --tokenizer DIR
+    python scripts/lm_eval_smoke.py --lm-eval            # and lm_eval itself, where it is importable
+
+`--lm-eval` also runs lm_eval (`pip install "lm_eval[api]"`, not a dependency of this project) with
+its `local-completions` model over two local tasks written to a temporary directory: a
+multiple_choice task (loglikelihood requests, batched two prompts a request) and a generate_until
+task.
 
 Loglikelihood: prompt = context + continuation token ids (a batch of them), echo, logprobs 1,
 max_tokens 1; the continuation's log-probability is the sum of token_logprobs[ctxlen:-1] and
@@ -103,6 +109,56 @@ def run(url: str, model: str, tokenizer, out=sys.stdout) -> bool:
     return ok
 
 
+MC_DOCS = [{"context": "1, 2, 3, 4,", "choices": [" 5", " 9", " cat"], "label": 0},
+           {"context": "The quick brown fox jumps over the lazy", "choices": [" dog", " car", " idea"], "label": 0},
+           {"context": "def add(a, b):\n    return", "choices": [" a + b", " a - b", " none"], "label": 0},
+           {"context": "Once upon a", "choices": [" time", " table", " seven"], "label": 0}]
+GEN_DOCS = [{"context": "Question: What is 2 + 3?\nAnswer:", "answer": " 5"},
+            {"context": "Question: What is 10 - 4?\nAnswer:", "answer": " 6"}]
+TASKS = {"dflash_smoke_mc": ("mc.jsonl", MC_DOCS, """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_target: "{{label}}"
+doc_to_choice: "{{choices}}"
+metric_list:
+  - metric: acc
+"""), "dflash_smoke_gen": ("gen.jsonl", GEN_DOCS, """output_type: generate_until
+doc_to_text: "{{context}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 16
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""")}
+
+
+def run_lm_eval(url: str, model: str, tokenizer_dir: str, out=sys.stdout) -> dict:
+    """lm_eval's local-completions over TASKS (local data): its results dict."""
+    import json
+    import tempfile
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    tmp = tempfile.mkdtemp(prefix="dflash-lm-eval-")
+    for name, (data, docs, body) in TASKS.items():
+        with open(os.path.join(tmp, data), "w") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs)
+        with open(os.path.join(tmp, name + ".yaml"), "w") as f:
+            f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+                    f"{os.path.join(tmp, data)}\ntest_split: test\n{body}")
+    args = (f"model={model},base_url={url}/v1/completions,tokenizer_backend=huggingface,tokenizer={tokenizer_dir},"
+            f"tokenized_requests=True,num_concurrent=1,max_retries=1")
+    res = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=list(TASKS), batch_size=2,
+                                  task_manager=TaskManager(include_path=tmp))
+    print(make_table(res), file=out)
+    return res
+
+
 @contextlib.contextmanager
 def _embedded_server():
     """The embedded pair served in-process (simple engine) on a free port: (url, model, tokenizer)."""
@@ -131,7 +187,7 @@ def _embedded_server():
     while not server.started:
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", "dflash-default", tok
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", "dflash-default", tok, tp
     finally:
         server.should_exit = True
         th.join(10)
@@ -143,14 +199,22 @@ def main() -> int:
     p.add_argument("--url", help="a running server (default: serve the embedded pair in-process)")
     p.add_argument("--model", help="the served model name (with --url)")
     p.add_argument("--tokenizer", help="the server's tokenizer directory or hub id (with --url)")
+    p.add_argument("--lm-eval", action="store_true", help="also run lm_eval's local-completions on two local tasks")
     args = p.parse_args()
     if args.url:
         if not (args.model and args.tokenizer):
             p.error("--url needs --model and --tokenizer")
         from transformers import AutoTokenizer
-        return 0 if run(args.url.rstrip("/"), args.model, AutoTokenizer.from_pretrained(args.tokenizer)) else 1
-    with _embedded_server() as (url, model, tok):
-        return 0 if run(url, model, tok) else 1
+        server = contextlib.nullcontext((args.url.rstrip("/"), args.model,
+                                         AutoTokenizer.from_pretrained(args.tokenizer), args.tokenizer))
+    else:
+        server = _embedded_server()
+    with server as (url, model, tok, tok_dir):
+        ok = run(url, model, tok)
+        if args.lm_eval:
+            res = run_lm_eval(url, model, tok_dir)
+            ok = ok and res["results"]["dflash_smoke_mc"]["acc,none"] is not None
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":
