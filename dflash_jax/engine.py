@@ -105,6 +105,19 @@ class EngineStats:
     compiles: int                        # programs compiled so far (the process's)
     capacity: int                        # KV entries per slot
     max_model_len: int                   # prompt + max_tokens must fit in this
+    # speculative decoding, vLLM's semantics: draft-verify iterations, draft tokens proposed (S - 1
+    # each), draft tokens accepted, and accepted per position (1 + accepted / drafts = tau)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted: int = 0
+    spec_accepted_per_pos: tuple = ()
+    # the paged KV cache (Slots(kv_pages=...)): prefix-cache queries and hits in tokens, pages
+    # holding a live reference / in the pool, requests preempted for pages
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    preemptions: int = 0
 
 
 class RequestError(ValueError):
@@ -325,9 +338,28 @@ class _EngineCore:
 
     def stats(self) -> EngineStats:
         with self._cv:
+            spec = getattr(self, "_spec", None)
+            extra = {} if spec is None else dict(spec_drafts=spec[0], spec_draft_tokens=spec[1], spec_accepted=spec[2],
+                                                 spec_accepted_per_pos=tuple(spec[3]))
             return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running_handles()),
                                slots=self.n_slots, max_queue=self.max_queue, compiles=compile_count(),
-                               capacity=self.capacity, max_model_len=self.max_model_len)
+                               capacity=self.capacity, max_model_len=self.max_model_len,
+                               **extra, **self._page_stats())
+
+    def _page_stats(self) -> dict:
+        return {}
+
+    def _count_iteration(self, produced: int) -> None:
+        """One draft-verify iteration that produced `produced` tokens, into the speculative counters."""
+        S = getattr(self, "block_size", None) or 1
+        if S <= 1:
+            return
+        spec = self.__dict__.setdefault("_spec", [0, 0, 0, [0] * (S - 1)])
+        spec[0] += 1
+        spec[1] += S - 1
+        spec[2] += produced - 1
+        for i in range(min(produced - 1, S - 1)):
+            spec[3][i] += 1
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Take no new requests; let queued and running ones finish, failing what is left after
@@ -502,6 +534,14 @@ class SlotEngine(_EngineCore):
         self._admissions = itertools.count()           # admission order (the newest is preempted first)
         self._start("dflash-slot-engine")
 
+    def _page_stats(self) -> dict:
+        sl = self.slots
+        if not sl.paged:
+            return {}
+        ps = sl.pages.stats()
+        return dict(prefix_queries_tokens=ps["prefix_queries_tokens"], prefix_hits_tokens=ps["prefix_hits_tokens"],
+                    kv_pages_used=ps["pages_used"], kv_pages_total=ps["pages_total"], preemptions=sl.preemptions)
+
     def check(self, r: Request) -> None:
         super().check(r)
         sl = self.slots
@@ -533,6 +573,7 @@ class SlotEngine(_EngineCore):
         if accepted is not None:
             st.acceptance_lengths.append(accepted)
             st.iterations += 1
+            self._count_iteration(accepted)
         if ids:
             if st.first_token_s is None:
                 st.first_token_s = time.perf_counter() - h.submitted_at

@@ -531,6 +531,7 @@ class _Metrics:
                                ("dflash_slots", "slots", "slots"),
                                ("dflash_compiles", "programs compiled by this process", "compiles")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: getattr(engine.stats(), key))
+        r.register(_EngineCounters(engine))
 
     WINDOW_S = 10.0
 
@@ -546,6 +547,37 @@ class _Metrics:
         now = time.monotonic()
         with self._lock:
             return sum(n for t, n in self._window if t >= now - self.WINDOW_S) / self.WINDOW_S
+
+
+class _EngineCounters:
+    """The engine's cumulative counters under vLLM's metric names and meanings, so a vLLM user's
+    dashboards and checks read them unchanged: prefix-cache queries and hits (tokens), KV pages
+    used / total, preemptions, and the speculative counters (acceptance length = 1 + accepted /
+    drafts between two scrapes, the engine's tau)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        st = self.engine.stats()
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache", st.prefix_queries_tokens),
+                ("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache", st.prefix_hits_tokens),
+                ("vllm:num_preemptions", "requests preempted for KV pages (recomputed later)", st.preemptions),
+                ("vllm:spec_decode_num_drafts", "draft-verify iterations", st.spec_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "draft tokens proposed", st.spec_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "draft tokens accepted", st.spec_accepted)):
+            yield CounterMetricFamily(name, doc, value=value)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "draft tokens accepted at each block position", labels=["position"])
+        for i, n in enumerate(st.spec_accepted_per_pos):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
+        yield GaugeMetricFamily("dflash_kv_pages_used", "KV pages holding a live reference", value=st.kv_pages_used)
+        yield GaugeMetricFamily("dflash_kv_pages_total", "KV pages in the pool", value=st.kv_pages_total)
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "fraction of the KV pages in use",
+                                value=st.kv_pages_used / st.kv_pages_total if st.kv_pages_total else 0.0)
 
 
 # ----------------------------------------------------------------------------------------- the app
@@ -1107,6 +1139,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"KV-cache entries per slot: prompt + max_tokens + one block must fit (default "
                         f"{DEFAULT_CAPACITY}, or the model's max_position_embeddings + block when smaller); "
                         f"checked at start against the model's context and the device's memory")
+    g.add_argument("--kv-pages", type=int, default=None,
+                   help="paged KV cache (--slots > 1): a pool of this many pages shared by every slot, for the target "
+                        "and the draft's context, instead of a fixed row of --capacity per slot; requests wait while "
+                        "pages are short and the newest is preempted (recomputed) when a running one cannot grow")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="size the paged pool (--kv-pages) from this many GiB of KV (target + draft)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (with --kv-pages / --kv-cache-memory)")
+    g.add_argument("--prefix-cache", choices=("on", "off"), default="on",
+                   help="with pages: reuse the K/V of prompts' cached full-page prefixes, the draft's context with the "
+                        "target's (on by default)")
     g.add_argument("--default-max-tokens", type=int, default=16,
                    help="max_tokens of a completion that gives none (chat: the rest of the context)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -1168,6 +1210,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.verify_width = "auto" if args.slots > 1 else "block"
     elif args.verify_width != "block" and args.slots < 2:
         parser.error(f"--verify-width {args.verify_width} needs the slot engine (--slots > 1)")
+    if (args.kv_pages is not None or args.kv_cache_memory is not None) and args.slots < 2:
+        parser.error("--kv-pages / --kv-cache-memory need the slot engine (--slots > 1)")
     if args.slots < 2:  # the slot engine's flags would do nothing to the one-request engine
         for flag, value, default in (("--engine-steps", args.engine_steps, "auto"),
                                      ("--insert-width", args.insert_width, None),
@@ -1364,6 +1408,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
 
 
+def _paged_args(parser, args, target, draft) -> dict:
+    """SlotEngine's paged-cache arguments from --kv-pages / --kv-cache-memory / --page-size /
+    --prefix-cache ({} without pages)."""
+    if args.kv_pages is None and args.kv_cache_memory is None:
+        return {}
+    if args.kv_pages is not None and args.kv_cache_memory is not None:
+        parser.error("give --kv-pages or --kv-cache-memory, not both")
+    if args.page_size < 1:
+        parser.error(f"--page-size must be >= 1, got {args.page_size}")
+    pages = args.kv_pages
+    if pages is None:
+        if args.kv_cache_memory <= 0:
+            parser.error(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
+        pages = int(args.kv_cache_memory * 2**30 // page_bytes(target, draft, args.page_size))
+    if pages < 2:
+        parser.error(f"the KV page pool must hold at least 2 pages, got {pages}")
+    return dict(kv_pages=pages, page_size=args.page_size, prefix_cache=args.prefix_cache == "on")
+
+
+def page_bytes(target, draft, page_size: int) -> int:
+    """Bytes one KV page takes over every layer of the target and of the draft (K and V)."""
+    import numpy as np
+
+    def one(model):
+        c = model.config
+        return 2 * c.num_layers * model.layers[0].num_kv_heads * page_size * c.head_dim * np.dtype(model.dtype).itemsize
+    return one(target) + (0 if draft is None else one(draft))
+
+
 def _serve(parser, args, sock) -> int:
     import uvicorn
 
@@ -1379,7 +1452,8 @@ def _serve(parser, args, sock) -> int:
                                 steps=args.engine_steps, insert_width=args.insert_width,
                                 pipeline=args.engine_pipeline, warmup_prompt_len=0,
                                 step_buckets=args.step_buckets,
-                                verify_width=None if args.verify_width == "block" else args.verify_width)
+                                verify_width=None if args.verify_width == "block" else args.verify_width,
+                                **_paged_args(parser, args, target, draft))
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)

@@ -400,7 +400,7 @@ class Slots:
             for name, v, lo in (("kv_pages", kv_pages, 2), ("page_size", page_size, 1)):
                 if not validation.is_int(v) or v < lo:
                     raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-            if not hasattr(target, "new_paged_cache"):
+            if not hasattr(target, "new_paged_cache") or getattr(target, "commit", None) is not None:
                 raise ValueError(f"a paged KV cache is not supported for the {target.config.model_type} target "
                                  f"(its recurrent layers keep per-row state): use the fixed-slot engine (no kv_pages)")
             capacity = -(-int(capacity) // page_size) * page_size      # positions per row: whole pages

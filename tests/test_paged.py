@@ -13,6 +13,8 @@ import pytest
 from dflash_jax import generate, load_draft, load_target
 from dflash_jax.engine import Request, SlotEngine, Tokens
 from dflash_jax.slots import PagesShort, RowRequest, Slots
+from tests.test_dflash2 import trained_dflash2  # noqa: F401  (fixture)
+from tests.test_serve import tiny  # noqa: F401  (fixture)
 
 CAP, PAGE, K = 96, 4, 3
 
@@ -99,3 +101,85 @@ def test_served_preemption_and_queueing_change_no_token(pair):
     assert eng.slots.preemptions > 0
     eng.slots.pages.check()
     assert eng.slots.pages.used() == 0
+
+
+def test_sampled_rows_with_a_prefix_hit_draw_what_the_cold_run_draws(pair):
+    """A row's randomness is keyed by (seed, stream, position), never by its slot or by where its
+    prefill started: sampled with a prefix hit, it draws the cold run's tokens (so the hit keeps its
+    distribution: the cold run's is the target's, test_sampling.py)."""
+    target, draft = pair
+    first = prompt_of(30, 12)
+    second = first[:8] + prompt_of(31, 5)
+    kw = dict(max_new=14, temperature=0.9, top_p=0.95, seed=7)
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE)
+    eng.run([RowRequest(prompt=first, max_new=10)])
+    hot = eng.run([RowRequest(prompt=second, **kw)])[0]
+    assert eng.pages.stats()["prefix_hits_tokens"] == 8
+    cold = Slots(target, draft, slots=2, capacity=CAP, steps=K).run([RowRequest(prompt=second, **kw)])[0]
+    assert hot.tokens == cold.tokens and hot.acceptance_lengths == cold.acceptance_lengths
+
+
+def test_windowed_dflash2_prefix_hit_gives_the_cold_tokens_and_acceptance(trained_dflash2):
+    """The DFlash2 draft with window-6 sliding layers and a selector: in pages its sliding layers
+    keep every row (the window a mask), so a hit restores their context as well."""
+    d = trained_dflash2
+    target, draft = d["target"], d["draft"]
+    first = tuple(d["prompts"][0])
+    second = first[:8] + tuple(d["prompts"][1][:6])
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE)
+    eng.run([RowRequest(prompt=first, max_new=12)])
+    res = eng.run([RowRequest(prompt=second, max_new=20)])[0]
+    assert eng.pages.stats()["prefix_hits_tokens"] >= 8
+    want = generate(target, draft, [list(second)], max_new_tokens=20, capacity=CAP, verify_width="block")
+    assert res.tokens == want.tokens[0] and res.acceptance_lengths == want.acceptance_lengths[0]
+    assert max(want.acceptance_lengths[0]) >= 3
+
+
+def test_a_hybrid_target_is_refused_in_one_line(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers keep per-row recurrent state, which pages (and a prefix hit)
+    do not restore: the paged engine refuses the target and names the fixed-slot engine."""
+    pytest.importorskip("torch")
+    from tests.test_qwen3_5 import write_qwen3_5
+    target = load_target(write_qwen3_5(str(tmp_path / "q35")), dtype="float32")
+    with pytest.raises(ValueError, match="paged KV cache is not supported for the qwen3_5 target"):
+        Slots(target, None, slots=2, capacity=32, kv_pages=8)
+
+
+def test_served_multi_turn_chat_hits_turn_1_and_equals_a_cold_server(tiny):
+    """Through the OpenAI client: turn 2 (turn 1's messages, its answer, a new question) hits turn 1's
+    pages (the prefix-cache counters show it) and answers what a server that never saw turn 1
+    answers; the speculative counters give the served tau (1 + accepted / drafts)."""
+    from tests.test_serve import CAPACITY, NAME, PROMPT, client, serving
+    from dflash_jax.serve import build_app
+    import httpx
+
+    def metric(text, name):
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    def engine():
+        return SlotEngine(tiny.target, tiny.draft, slots=2, capacity=CAPACITY, eos_token_ids=tiny.eos,
+                          attention_impl="xla", kv_pages=96, page_size=8)
+    turn1 = [{"role": "user", "content": PROMPT}]
+    eng = engine()
+    try:
+        with serving(build_app(eng, tiny.tok, model_name=NAME)) as url:
+            c = client(url)
+            a1 = c.chat.completions.create(model=NAME, messages=turn1, max_tokens=12, temperature=0)
+            turn2 = turn1 + [{"role": "assistant", "content": a1.choices[0].message.content},
+                             {"role": "user", "content": "and what did the dog do then"}]
+            before = metric(httpx.get(url + "/metrics").text, "vllm:prefix_cache_hits_total")
+            a2 = c.chat.completions.create(model=NAME, messages=turn2, max_tokens=12, temperature=0)
+            text = httpx.get(url + "/metrics").text
+    finally:
+        eng.shutdown(timeout=10)
+    assert metric(text, "vllm:prefix_cache_hits_total") - before >= 8
+    drafts, accepted = metric(text, "vllm:spec_decode_num_drafts_total"), metric(text, "vllm:spec_decode_num_accepted_tokens_total")
+    tau = metric(text, "dflash_acceptance_length_sum") / metric(text, "dflash_acceptance_length_count")
+    assert drafts > 0 and abs(1 + accepted / drafts - tau) < 1e-9
+    cold = engine()
+    try:
+        with serving(build_app(cold, tiny.tok, model_name=NAME)) as url:
+            b2 = client(url).chat.completions.create(model=NAME, messages=turn2, max_tokens=12, temperature=0)
+    finally:
+        cold.shutdown(timeout=10)
+    assert a2.choices[0].message.content == b2.choices[0].message.content
