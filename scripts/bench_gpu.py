@@ -27,6 +27,12 @@ would not fit the time budget is skipped and named at the end, so `--sections` c
              speed-up at the paper's tau, and where DFlash stops paying.
   longctx    prompt 32k, B=1: DFlash ms per iteration with attention "pallas" and "xla" vs the floor
              (weights + KV bytes at 32k).
+  quant      (only when named, with --quantize int8[,...]) plain step and DFlash iteration at B =
+             --quant-batches (1, 8, 32), the bf16 target and the same random target quantized
+             (init_target(quantize=...): the same weights rounded), same draft, same process; then a
+             table of both times, their ratio and each row against its byte floor (the weight bytes
+             as stored + the KV read, over the copy bandwidth: --floor-tbs, else the floors section's
+             probe, else 4.23 TB/s).
   dflash2    (only when named) B=1, prompt 512: a DFlash2 draft (5 layers, block 8, conv 2 x 16,
              selector rank 256 / top-k 16, every layer sliding with window 2048, non-causal), the same
              without windows (conv + selector alone), against a DFlash-1 draft at block 8 and 16;
@@ -60,11 +66,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `python scripts/bench_gpu.py` from anywhere finds dflash_jax
 ALL_SECTIONS = ("reference", "check", "floors", "b1", "gemms", "compile", "sampling", "profile", "batch", "longctx",
-                "dflash2")
+                "quant", "dflash2")
 DEFAULT_SECTIONS = ("reference", "floors", "b1", "compile", "sampling", "profile", "batch", "longctx")
 PAPER_TAU = {"GSM8K": 6.54, "HumanEval": 6.50, "MT-Bench": 4.24}
 GOALS = {"plain_b1_ms": 3.9, "dflash_b1_ms": 5.0, "longctx_x_floor": 1.25, "sampling_overhead": 0.05,
-         "speedup_vs_ref": 20.0}
+         "speedup_vs_ref": 20.0,
+         "quant_b1_ratio": 0.6, "quant_x_byte_floor": 1.3}   # issue 57: quantized / bf16 at B = 1; x floor
 MASK_ID = 151669
 # (name, sampling settings) of the sampling section: temperature alone ("sample" mode), Qwen3's
 # recommended setting ("filtered": the top-k and the top-p threshold searches), top-p alone
@@ -150,7 +157,7 @@ class Settings:
             self.long_prompt = 32768
             self.long_n1, self.long_n2 = 16, 112
             self.block = 16
-            self.copy_bytes = 1 << 31           # 2 GiB (x + 1 on bf16: 2 GiB read + 2 GiB written)
+            self.copy_bytes = 1 << 32           # 4 GiB (x + 1 on bf16: 4 GiB read + 4 GiB written)
             self.gemv_n = 16384                 # 512 MiB weight: far past the 50 MB L2
             self.gemm_n = 8192
             self.ref_new = 128
@@ -268,6 +275,19 @@ class Bench:
         self.floor_params = None
         self.bw = None        # copy bandwidth (bytes/s) for floors
         self.gemm_rate = None  # FLOP/s
+        if getattr(args, "floor_tbs", 0):   # a copy figure measured elsewhere in the call (env probe)
+            self.bw = args.floor_tbs * 1e12
+        # --quantize int8[,...]: the quantized copies of the target (built with the bf16 one) and the
+        # parameter bytes of each as stored
+        self.quant, self.quant_only = parse_quantize(getattr(args, "quantize", "") or "")
+        self.qtargets, self.qfloor = {}, {}
+        self.quant_batches = tuple(int(b) for b in (getattr(args, "quant_batches", "") or "1,8,32").split(",") if b)
+        if args.smoke and not getattr(args, "quant_batches", ""):
+            self.quant_batches = (1, 2)
+        if getattr(args, "loop_n", ""):      # N1,N2 of every loop row (fewer tokens: a shorter call)
+            self.s.n1, self.s.n2 = (int(x) for x in args.loop_n.split(","))
+        if getattr(args, "reps", 0):
+            self.s.reps = args.reps
 
     # -- bookkeeping --
     def elapsed(self):
@@ -310,7 +330,22 @@ class Bench:
         log(f"target {fp['target_total_GB']:.3f} GB (read per step {fp['target_read_GB']:.3f} GB, embedding "
             f"{fp['embed_GB']:.3f} GB, LM head {fp['lm_head_GB']:.3f} GB); draft {fp['draft_GB']:.3f} GB; "
             f"KV/token target {fp['kv_target_per_token']} B, draft {fp['kv_draft_per_token']} B")
+        for q in self.quant:
+            # the same random weights (same seed), the layers' linears quantized at build
+            t = time.perf_counter()
+            qt = quantized_target(init_target, tcfg, q)
+            jax.block_until_ready(jax.tree.leaves(_params(qt)))
+            self.qtargets[q] = qt
+            self.qfloor[q] = qf = model_bytes(qt, draft, tcfg, dcfg)
+            self.R.setdefault("model_bytes_quantized", {})[q] = qf
+            log(f"target {q}: {qf['target_total_GB']:.3f} GB (read per step {qf['target_read_GB']:.3f} GB, "
+                f"{qf['target_read'] / fp['target_read']:.3f}x bf16's), built in {time.perf_counter() - t:.1f}s")
         return self.models
+
+    def target_for(self, kw: dict):
+        """The target a row runs: kw["quant"] names a quantized copy (--quantize), else the bf16 one."""
+        q = kw.get("quant")
+        return self.qtargets[q] if q else self.models[0]
 
     def prompts(self, batch: int, length: int, seed: int = 0):
         import numpy as np
@@ -326,12 +361,13 @@ class Bench:
         """kw with this run's KernelConfig (a row's attention_impl replaces its backend)."""
         import dataclasses
         kw = dict(kw)
+        kw.pop("quant", None)   # picks the target (target_for), not a generate() option
         kw["kernels"] = dataclasses.replace(self.kernels, attention=kw.pop("attention_impl", self.kernels.attention))
         return kw
 
     def gen(self, draft, prompts, n_new, capacity, **kw):
         from dflash_jax import generate
-        target = self.models[0]
+        target = self.target_for(kw)
         kw = self.with_kernels(kw)
         kw.setdefault("temperature", 0.0)
         kw.setdefault("block_size", self.s.block if draft is not None else None)
@@ -439,10 +475,18 @@ class Bench:
         if "longctx" in sections:
             for impl in long_impls():
                 plan.append((f"dflash_long_{impl}", True, 1, s.long_prompt, s.long_n2, dict(attention_impl=impl)))
-        return plan
+        if "quant" in sections:
+            for key, dflash, b, q in self.quant_order():
+                plan.append((key, dflash, b, s.prompt, s.n2, dict(quant=q) if q else {}))
+        seen, out = set(), []
+        for item in plan:          # a key planned twice (b1 and quant share the bf16 rows) compiles once
+            if item[0] not in seen:
+                seen.add(item[0])
+                out.append(item)
+        return out
 
     def _generate_args(self, dflash, batch, prompt_len, n2, kw):
-        target, draft = self.models[0], self.models[1]
+        target, draft = self.target_for(kw), self.models[1]
         return (target, draft if dflash else None, self.prompts(batch, prompt_len)), dict(
             max_new_tokens=n2, block_size=self.s.block if dflash else None, seed=0,
             capacity=self.capacity(prompt_len, n2), **self.with_kernels(kw))
@@ -706,14 +750,12 @@ class Bench:
         import jax.numpy as jnp
         s = self.s
         res = {"devices": str(jax.devices()), "backend": jax.default_backend()}
-        # copy: y = x + 1 on bf16 reads and writes every byte once
-        n = s.copy_bytes // 2
-        x = jnp.ones((n,), jnp.bfloat16)
-        f = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
-        dt = _bench(lambda: f(x), inner=20)
-        res["copy_TBps"] = 2 * x.nbytes / dt / 1e12
-        del x
-        log(f"floors: copy {res['copy_TBps']:.3f} TB/s ({2 * s.copy_bytes / 2**30:.1f} GiB moved per op)")
+        # copy: one dispatch a pass (no loop for XLA to fuse), every byte read and written once
+        probe = copy_probe(s.copy_bytes)
+        res["copy_probe"] = probe
+        res["copy_TBps"] = probe["copy_TBps"]
+        log(f"floors: copy {res['copy_TBps']:.3f} TB/s ({probe['copy_from']}; "
+            + ", ".join(f"{k} {v:.3f}" for k, v in probe["TBps"].items()) + ")")
         # GEMV: a bf16 weight read once per product
         k = s.gemv_n
         W = jax.random.normal(jax.random.key(0), (k, k), jnp.bfloat16)
@@ -732,7 +774,8 @@ class Bench:
         res["gemm_TFLOPs"] = 2 * m**3 / dt / 1e12
         del A, Bm
         log(f"floors: GEMM {m}^3 bf16 {res['gemm_TFLOPs']:.1f} TFLOP/s")
-        self.bw = res["copy_TBps"] * 1e12
+        if not self.args.floor_tbs:    # a --floor-tbs figure (the call's env probe) stays the floors'
+            self.bw = res["copy_TBps"] * 1e12
         self.gemm_rate = res["gemm_TFLOPs"] * 1e12
         self.R["sections"]["floors"] = res
         self.save()
@@ -746,17 +789,20 @@ class Bench:
             f"{res['dflash_floor_ms_b1_long']:.3f} ms")
 
     def ensure_rates(self):
-        if self.bw is None:
-            # no floors section: the H200's copy and GEMM rates from an earlier floors run
-            self.bw = 4.23e12 if not self.s.smoke else 20e9
+        if self.bw is None or self.gemm_rate is None:
+            # no floors section: the H200's copy and GEMM rates from an earlier floors run (a copy
+            # figure given with --floor-tbs stays)
+            self.bw = self.bw or (4.23e12 if not self.s.smoke else 20e9)
             self.gemm_rate = 780e12 if not self.s.smoke else 50e9
-            self.R.setdefault("assumed_rates", {"copy_Bps": self.bw, "gemm_FLOPs": self.gemm_rate})
+            self.R.setdefault("assumed_rates", {"copy_Bps": self.bw, "gemm_FLOPs": self.gemm_rate,
+                                                "copy_from": "--floor-tbs" if self.args.floor_tbs else "assumed"})
         self.build()
 
-    def floor(self, dflash: bool, batch: int, ctx: float) -> dict:
-        """Bytes and FLOP floors of one plain step / one DFlash iteration at mean context `ctx`."""
+    def floor(self, dflash: bool, batch: int, ctx: float, quant: str | None = None) -> dict:
+        """Bytes and FLOP floors of one plain step / one DFlash iteration at mean context `ctx` (quant:
+        the quantized target's bytes as stored, --quantize)."""
         self.ensure_rates()
-        fp = self.floor_params
+        fp = self.qfloor[quant] if quant else self.floor_params
         tcfg, dcfg = self.models[2], self.models[3]
         S = self.s.block
         L, Ld, Hq, D = tcfg.num_layers, dcfg.num_layers, tcfg.num_heads, tcfg.head_dim
@@ -774,7 +820,7 @@ class Bench:
                 "bound": "bytes" if tb >= tf else "flops"}
 
     def record_loop(self, key, r, dflash):
-        fl = self.floor(dflash, r["batch"], r["ctx_mean"])
+        fl = self.floor(dflash, r["batch"], r["ctx_mean"], r.get("quant"))
         r["floor_ms"] = 1000 * fl["floor_s"]
         r["floor_bound"] = fl["bound"]
         r["bytes_floor_ms"] = 1000 * fl["bytes_s"]
@@ -1138,6 +1184,78 @@ class Bench:
             guess = (5.0 + 0.15 * b) if kind == "dflash" else (4.0 + 0.01 * b)
             self.timed_row(f"{kind}_b{b}", kind == "dflash", b, 5.0 if self.s.smoke else guess)
 
+    def quant_order(self):
+        """(key, dflash, batch, quant) of the quant section's rows in run order: B = 1 first (the
+        issue's goal), within a batch plain bf16, plain quantized, DFlash bf16, DFlash quantized."""
+        order = []
+        for b in self.quant_batches:
+            for kind in ("plain", "dflash"):
+                for q in [None] + [q for q in self.quant if b in self.quant_only.get(q, (b,))]:
+                    order.append((f"{kind}_b{b}" + (f"_{q}" if q else ""), kind == "dflash", b, q))
+        return order
+
+    def sec_quant(self):
+        if not self.quant:
+            raise ValueError("the quant section needs --quantize (e.g. --quantize int8)")
+        s = self.s
+        for key, dflash, b, q in self.quant_order():
+            if key in self.R["curves"]:
+                continue          # measured already (b1 / batch sections)
+            guess = (5.0 + 0.15 * b) if dflash else (4.0 + 0.01 * b)
+            est = self.loop_cost_est(b, s.prompt, s.n1, s.n2, 5.0 if s.smoke else guess)
+            self.time_and_record(key, est, "{bound}-bound", dflash=dflash, batch=b, prompt_len=s.prompt,
+                                 n1=s.n1, n2=s.n2, **(dict(quant=q) if q else {}))
+
+    def quant_table(self, P):
+        """The --quantize comparison: per batch and quantization, bf16 and quantized ms, their ratio,
+        and each against its byte floor (weights as stored + KV read, over the copy bandwidth)."""
+        C, out = self.R["curves"], []
+        if not self.quant:
+            return out
+        bw = (self.bw or 0) / 1e12
+        for q in self.quant:
+            P("")
+            P(f"quantized target ({q}) against bf16, prompt {self.s.prompt}, ms per plain step / DFlash iteration; "
+              f"x fl = ms over the byte floor at {bw:.2f} TB/s (weights as stored + KV read); goals at B = 1: "
+              f"{q}/bf16 <= {GOALS['quant_b1_ratio']}, {q} x fl <= {GOALS['quant_x_byte_floor']}")
+            P(f"| B | bf16 plain ms | {q} plain ms | ratio | bf16 DFlash ms | {q} DFlash ms | ratio | "
+              f"plain x fl bf16 / {q} | DFlash x fl bf16 / {q} | byte floors ms plain bf16 / {q}, DFlash bf16 / {q} |")
+            P("|---|---|---|---|---|---|---|---|---|---|")
+            for b in self.quant_batches:
+                row = dict(batch=b, quant=q)
+                cells = [str(b)]
+                xf, fl = [], []
+                for kind in ("plain", "dflash"):
+                    r0, r1 = C.get(f"{kind}_b{b}"), C.get(f"{kind}_b{b}_{q}")
+                    m0 = r0["ms_per_iter"] if r0 else None
+                    m1 = r1["ms_per_iter"] if r1 else None
+                    ratio = m1 / m0 if m0 and m1 else None
+                    row.update({f"{kind}_bf16_ms": m0, f"{kind}_{q}_ms": m1, f"{kind}_ratio": ratio})
+                    cells += [fmt(m0, 3), fmt(m1, 3), fmt(ratio, 3)]
+                    xs = []
+                    for tag, r in (("bf16", r0), (q, r1)):
+                        x = r["ms_per_iter"] / r["bytes_floor_ms"] if r else None
+                        row[f"{kind}_{tag}_x_byte_floor"] = x
+                        row[f"{kind}_{tag}_byte_floor_ms"] = r["bytes_floor_ms"] if r else None
+                        row[f"{kind}_{tag}_bound"] = r["floor_bound"] if r else None
+                        xs.append(fmt(x, 2) + ("" if not r or r["floor_bound"] == "bytes" else "*"))
+                        fl.append(fmt(r["bytes_floor_ms"], 3) if r else "-")
+                    xf.append(" / ".join(xs))
+                cells += xf + [f"{fl[0]} / {fl[1]}, {fl[2]} / {fl[3]}"]
+                P("| " + " | ".join(cells) + " |")
+                out.append(row)
+            P("(* the FLOP floor at the GEMM rate is higher than the byte floor there: compute-bound)")
+            b1 = next((r for r in out if r["batch"] == 1 and r["quant"] == q), None)
+            if b1:
+                for kind in ("plain", "dflash"):
+                    ratio, x = b1[f"{kind}_ratio"], b1[f"{kind}_{q}_x_byte_floor"]
+                    if ratio is None or x is None:
+                        continue
+                    P(f"  B=1 {kind}: {q}/bf16 {ratio:.3f} (goal <= {GOALS['quant_b1_ratio']}: "
+                      f"{'OK' if ratio <= GOALS['quant_b1_ratio'] else 'MISS'}), {q} x byte floor {x:.2f} "
+                      f"(goal <= {GOALS['quant_x_byte_floor']}: {'OK' if x <= GOALS['quant_x_byte_floor'] else 'MISS'})")
+        return out
+
     def sec_longctx(self):
         s = self.s
         for impl in long_impls():
@@ -1225,6 +1343,11 @@ class Bench:
                     P(f"compile {k}: {comp[f'{k}_compile_s']:.1f}s for the whole generation; same-bucket call "
                       f"compile_time_s={comp[f'{k}_same_bucket_call']['compile_time_s']:.3f} "
                       f"({'no recompile: OK' if comp[f'{k}_no_recompile'] else 'RECOMPILED'})")
+
+        # --quantize: bf16 against the quantized target
+        qt = self.quant_table(P)
+        if qt:
+            self.R["summary_quant"] = qt
 
         # reference side by side
         blk = ref.get("block_size", s.block)
@@ -1334,11 +1457,13 @@ def model_bytes(target, draft, tcfg, dcfg) -> dict:
     t_params = sum(int(x.size) for _, x in tl)
     d_total = sum(int(x.nbytes) for _, x in dl)
     d_params = sum(int(x.size) for _, x in dl)
-    itemsize = max((x.dtype.itemsize for _, x in tl), default=2)
     vocab_h = tcfg.vocab_size * tcfg.hidden_size
     emb = [x for p, x in tl if "embed" in p.lower() and x.size == vocab_h]
     if not emb:  # no path names an embedding: one (vocab, hidden) table is it
         emb = [x for _, x in tl if x.size == vocab_h][:1]
+    # the activations' / KV cache's dtype: the embedding's (not the widest leaf: an int8 target's
+    # scales are float32)
+    itemsize = emb[0].dtype.itemsize if emb else max((x.dtype.itemsize for _, x in tl), default=2)
     emb_bytes = int(emb[0].nbytes) if emb else vocab_h * itemsize
     tied = bool(getattr(tcfg, "tie_word_embeddings", False))
     # The embedding is a gather (B rows), not a read of the table; when tied it is also the LM head.
@@ -1377,6 +1502,105 @@ def _bench(fn, inner=20, outer=5) -> float:
         jax.block_until_ready(o)
         ts.append((time.perf_counter() - t) / inner)
     return median(ts)
+
+
+def parse_quantize(spec: str) -> tuple[list, dict]:
+    """--quantize "int8,fp8@1/8" → (["int8", "fp8"], {"fp8": (1, 8)}): the methods, and the batches a
+    method is limited to (none named: every batch). Methods: dflash_jax.quantize.QUANTIZE (int8) and
+    "fp8" (fp8_like_checkpoint)."""
+    names, only = [], {}
+    for item in (x for x in spec.split(",") if x):
+        name, _, bs = item.partition("@")
+        names.append(name)
+        if bs:
+            only[name] = tuple(int(b) for b in bs.split("/") if b)
+    return names, only
+
+
+def check_quantize_names(names) -> list:
+    """The names of `names` that are no method (dflash_jax.quantize.QUANTIZE or "fp8")."""
+    from dflash_jax.quantize import QUANTIZE
+    return [q for q in names if q not in QUANTIZE and q != "fp8"]
+
+
+def quantized_target(init_target, cfg, q: str, dtype="bfloat16"):
+    """The random target of `cfg` (seed 0: the bf16 rows' weights) quantized by method q: "fp8" as an
+    FP8 checkpoint loads (fp8_like_checkpoint), else init_target(quantize=q)."""
+    if q == "fp8":
+        return fp8_like_checkpoint(init_target(cfg, seed=0, dtype=dtype))
+    return init_target(cfg, seed=0, dtype=dtype, quantize=q)
+
+
+def fp8_like_checkpoint(model, block=(128, 128)):
+    """What load_target makes of an FP8 checkpoint (Qwen3-*-FP8: quant_method fp8, weight_block_size
+    [128, 128]), from a float model: its layers' 2-D linears (quantize.LINEAR_NAMES) as
+    quantize.Fp8BlockWeight (float8_e4m3fn, one float32 scale per 128 x 128 block: amax / 448), the
+    rest as it is (the loader dequantizes a Qwen3-MoE checkpoint's stacked experts to floats), the
+    module marked "fp8" as the loader marks it. Random weights, so no checkpoint file is needed."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from dflash_jax import quantize as q8
+
+    def fp8(w):
+        K, N = w.shape
+        bk, bn = block
+        Kb, Nb = -(-K // bk), -(-N // bn)
+        wf = jnp.pad(jnp.asarray(w, jnp.float32), ((0, Kb * bk - K), (0, Nb * bn - N)))
+        amax = jnp.max(jnp.abs(wf.reshape(Kb, bk, Nb, bn)), axis=(1, 3))                 # [Kb, Nb]
+        scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+        full = jnp.repeat(jnp.repeat(scale, bk, axis=0), bn, axis=1)
+        q = (wf / full).astype(jnp.float8_e4m3fn)[:K, :N]
+        return q8.Fp8BlockWeight(q, scale, block)
+
+    for _, node in nnx.iter_graph(model.layers):
+        if not isinstance(node, nnx.Module):
+            continue
+        for name in q8.LINEAR_NAMES:
+            p = getattr(node, name, None)
+            if isinstance(p, nnx.Param) and not q8.is_quantized(p.get_value()) and p.get_value().ndim == 2:
+                p.set_value(fp8(p.get_value()))
+    return q8.mark(model, "fp8")
+
+
+def copy_probe(nbytes: int, reps: int = 5, inner: int = 10, max_plausible_tbps: float = 6.0) -> dict:
+    """Device copy bandwidth (bytes read + bytes written over time) of an `nbytes` buffer into a new
+    buffer, no donation, each pass its own dispatch (`inner` dispatches, one sync, median of `reps`):
+    nothing for XLA to fuse or fold across passes (session 38's probe ran 20 passes inside one
+    fori_loop, which XLA fused into one: 53.9 TB/s). Variants: x + 1 in bf16, x + 1 in uint32, and
+    jnp.copy (XLA's copy); read-only: a float32 sum of the bf16 buffer (bytes read alone). copy_TBps
+    is the fastest copy variant at or under `max_plausible_tbps` (an H200's HBM3e is 4.8 TB/s by its
+    datasheet); a faster one is reported and left out as implausible."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    cols = 1 << 16
+    rows = max(1, nbytes // (2 * cols))
+    out = {"bytes": rows * cols * 2, "TBps": {}, "implausible": []}
+    mk = jax.jit(lambda: (lax.broadcasted_iota(jnp.int32, (rows, cols), 1) % 1000
+                          + lax.broadcasted_iota(jnp.int32, (rows, cols), 0) % 7).astype(jnp.bfloat16))
+    variants = (
+        ("add_bf16", lambda x: x, jax.jit(lambda x: x + jnp.asarray(1, x.dtype)), 2),
+        ("add_u32", lambda x: lax.bitcast_convert_type(x.reshape(rows, cols // 2, 2), jnp.uint32),
+         jax.jit(lambda x: x + jnp.uint32(1)), 2),
+        ("jnp_copy", lambda x: x, jax.jit(lambda x: jnp.copy(x)), 2),
+        ("read_sum", lambda x: x, jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), 1),
+    )
+    for name, view, f, passes in variants:
+        try:
+            x = view(mk())
+            dt = _bench(lambda: f(x), inner=inner, outer=reps)
+            out["TBps"][name] = passes * out["bytes"] / dt / 1e12
+        except Exception as e:  # noqa: BLE001 - a variant that fails leaves the others
+            out.setdefault("errors", {})[name] = short_err(e)
+        finally:
+            x = None
+    copies = {k: v for k, v in out["TBps"].items() if k != "read_sum"}
+    ok = {k: v for k, v in copies.items() if v <= max_plausible_tbps}
+    out["implausible"] = sorted(set(copies) - set(ok))
+    best = max(ok, key=ok.get) if ok else None
+    out["copy_from"] = best or "none plausible"
+    out["copy_TBps"] = ok[best] if best else float("nan")
+    return out
 
 
 def _break_even(table, tau) -> str:
@@ -1607,6 +1831,16 @@ def main():
                     help="KernelConfig.attention_tuning: overrides of the GPU attention kernel's launch settings")
     ap.add_argument("--profile-sampling", default="",
                     help="profile this SAMPLING_VARIANTS setting (t1, ...) instead of greedy")
+    ap.add_argument("--quantize", default="", metavar="int8,fp8@1",
+                    help="the quant section's quantized targets, comma-separated, each timed against bf16 in this "
+                         "process: dflash_jax.quantize.QUANTIZE (int8) or fp8 (the layers' linears as an FP8 "
+                         "block-128 checkpoint loads, fp8_like_checkpoint); NAME@1/8 limits one to those batches")
+    ap.add_argument("--quant-batches", default="", metavar="1,8,32", help="the quant section's batches (1,8,32)")
+    ap.add_argument("--floor-tbs", type=float, default=0.0,
+                    help="copy bandwidth of the floors in TB/s (a probe of the same call); 0: the floors "
+                         "section's probe, or 4.23 without it")
+    ap.add_argument("--loop-n", default="", metavar="64,256", help="N1,N2 new tokens of every loop row")
+    ap.add_argument("--reps", type=int, default=0, help="timed pairs per loop row (default 3)")
     ap.add_argument("--_reference-child", dest="ref_child", help=argparse.SUPPRESS)
     ap.add_argument("--_ref-new", dest="ref_new", type=int, default=128, help=argparse.SUPPRESS)
     ap.add_argument("--_ref-prompt", dest="ref_prompt", type=int, default=512, help=argparse.SUPPRESS)
@@ -1625,6 +1859,14 @@ def main():
     bad = [x for x in sections if x not in ALL_SECTIONS]
     if bad:
         ap.error(f"unknown sections {bad}; known: {ALL_SECTIONS}")
+    if args.quantize:
+        badq = check_quantize_names(parse_quantize(args.quantize)[0])
+        if badq:
+            ap.error(f"--quantize: unknown {badq}; supported: dflash_jax.quantize.QUANTIZE and fp8")
+        if "quant" not in sections:
+            sections.append("quant")
+    elif "quant" in sections:
+        ap.error("the quant section needs --quantize (e.g. --quantize int8)")
     b = Bench(args)
     import signal
 

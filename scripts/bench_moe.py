@@ -36,6 +36,12 @@ independent-routing floor; the tables at the end use the counted experts) and th
 after every row, so a run killed by its time limit keeps what it measured. KV capacities are rounded
 up to multiples of 128 (the GPU attention kernel's tiles; others fell back to XLA attention).
 
+--quantize int8[,...] adds, for every --moe-gmms entry, loop rows of the same random target quantized
+at build (init_target(quantize=...): its layers' linears int8, and whatever else dflash_jax.quantize
+quantizes, e.g. the stacked experts once they are), timed in the same process next to the bf16 rows,
+with floors from each target's parameter bytes as stored; a table of bf16 against quantized follows.
+--precompile-workers compiles every loop program ahead in threads (the rows then only time).
+
 --layers cuts the target to its first L layers (every Coder layer is the same MoE layer): compiles
 of the unrolled 48-layer loop take most of a 4-minute budget, so the default run measures a 12-layer
 cut; its floors are of the same cut, so the ratios carry over (ms scale ~ by 48 / L). --layers 48
@@ -155,6 +161,10 @@ class MoeBench:
         self.budget = Budget(args.budget_s)
         t0 = time.perf_counter()
         self.target = init_target(self.tcfg, seed=0, dtype=self.dtype)
+        # --quantize: the same random target (same seed) quantized at build, one copy per method
+        from bench_gpu import quantized_target      # scripts/bench_gpu.py: fp8 as an FP8 checkpoint loads
+        self.quant, self.quant_only = args.quantize
+        self.qtargets = {q: quantized_target(init_target, self.tcfg, q, self.dtype) for q in self.quant}
         # the z-lab Coder-30B-A3B draft: 8 layers over 5 taps ([1, 12, 23, 34, 45] of 48 layers)
         taps = (default_target_layer_ids(self.tcfg.num_layers, args.draft_taps)
                 if self.tcfg.num_layers >= 2 * args.draft_taps else None)   # tiny targets: for_target's taps
@@ -169,13 +179,22 @@ class MoeBench:
         self.gmms = [g + "_interpret" if on_cpu and g == "pallas_gpu" else g for g in args.moe_gmms]
         c = self.tcfg
         item = jnp.dtype(self.dtype).itemsize
-        self.expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * item
         self.sparse_layers = sum(c.is_sparse(i) for i in range(c.num_layers))
-        expert_total = self.expert_bytes * c.num_experts * self.sparse_layers
         self.embed_bytes = c.vocab_size * c.hidden_size * item
         self.lm_head_bytes = self.embed_bytes
-        # what every forward reads whatever the routing: attention, norms, routers, dense MLPs, LM head
-        self.dense_bytes = param_bytes(self.target) - expert_total - self.embed_bytes
+        # per target (None: bf16; else the --quantize method): one expert's bytes as stored, and what
+        # every forward reads whatever the routing (attention, norms, routers, dense MLPs, LM head)
+        self.expert_bytes_of, self.dense_bytes_of = {}, {}
+        for q, tgt in [(None, self.target)] + list(self.qtargets.items()):
+            eb = expert_bytes(tgt, c.num_experts) or 3 * c.hidden_size * c.moe_intermediate_size * item
+            self.expert_bytes_of[q] = eb
+            self.dense_bytes_of[q] = param_bytes(tgt) - eb * c.num_experts * self.sparse_layers - self.embed_bytes
+        self.expert_bytes, self.dense_bytes = self.expert_bytes_of[None], self.dense_bytes_of[None]
+        for q in self.quant:
+            log(f"# target {q}: {param_bytes(self.qtargets[q]) / 1e9:.2f} GB; one expert "
+                f"{self.expert_bytes_of[q] / 1e6:.2f} MB (bf16 {self.expert_bytes / 1e6:.2f} MB"
+                f"{': experts NOT quantized' if self.expert_bytes_of[q] >= self.expert_bytes else ''}), "
+                f"non-expert bytes {self.dense_bytes_of[q] / 1e9:.3f} GB (bf16 {self.dense_bytes / 1e9:.3f} GB)")
         self.draft_bytes = param_bytes(self.draft)
         self.bw = None
         self.floor_bw = None if on_cpu or not args.floor_tbs else args.floor_tbs * 1e12
@@ -183,6 +202,9 @@ class MoeBench:
         self.results = {"preset": "smoke" if args.smoke else args.preset, "layers": c.num_layers,
                         "moe_gmms": self.gmms, "expert_bytes": self.expert_bytes,
                         "dense_bytes": self.dense_bytes, "draft_bytes": self.draft_bytes,
+                        "quantize": self.quant,
+                        "expert_bytes_quantized": {q: self.expert_bytes_of[q] for q in self.quant},
+                        "dense_bytes_quantized": {q: self.dense_bytes_of[q] for q in self.quant},
                         "draft_layers": args.draft_layers, "draft_taps": list(self.dcfg.target_layer_ids), "block": args.block}
 
     def kernels(self, gmm: str):
@@ -192,17 +214,15 @@ class MoeBench:
     # ---------------------------------------------------------------------------------- sections
 
     def bw_section(self):
-        import jax
-        import jax.numpy as jnp
-        n = (1 << 20) if self.args.smoke else (1 << 29)          # bf16 elements: 2 MiB / 1 GiB
-        x = jnp.ones((n,), jnp.bfloat16)
-        f = jax.jit(lambda x: x * 2)
-        f(x).block_until_ready()
-        t = _median_time(lambda: f(x).block_until_ready(), 10)
-        self.bw = 2 * n * 2 / t
+        from bench_gpu import copy_probe          # scripts/bench_gpu.py: one dispatch a pass
+        probe = copy_probe((1 << 22) if self.args.smoke else (1 << 31))   # 2 GiB: the models hold the rest
+        self.bw = probe["copy_TBps"] * 1e12
+        self.results["copy_probe"] = probe
         self.results["copy_bytes_per_s"] = self.bw
         self.results["floor_bytes_per_s"] = self._bandwidth()
-        log(f"bw        copy {self.bw / 1e12:.2f} TB/s (read + write); floors at {self._bandwidth() / 1e12:.2f} TB/s")
+        log(f"bw        copy {self.bw / 1e12:.2f} TB/s (read + write; {probe['copy_from']}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in probe["TBps"].items())
+            + f"); floors at {self._bandwidth() / 1e12:.2f} TB/s")
 
     def _bandwidth(self):
         if self.floor_bw is not None:
@@ -306,33 +326,84 @@ class MoeBench:
                     f"(independent routing {want:6.1f}, of {c.num_experts})")
         self.results["touched"] = rows
 
-    def _floor_s(self, experts_per_layer: float, dflash: bool, bandwidth: float | None = None) -> float:
-        b = self.dense_bytes + experts_per_layer * self.expert_bytes * self.sparse_layers
+    def _floor_s(self, experts_per_layer: float, dflash: bool, bandwidth: float | None = None,
+                 quant: str | None = None) -> float:
+        b = self.dense_bytes_of[quant] + experts_per_layer * self.expert_bytes_of[quant] * self.sparse_layers
         if dflash:
             b += self.draft_bytes + self.lm_head_bytes        # the draft and its LM head pass
         return b / (bandwidth or self._bandwidth())
 
     def _floors(self, row: dict, experts: float, dflash: bool, suffix: str = ""):
         """floor_ms{suffix} at --floor-tbs and copy_floor_ms{suffix} at the measured copy figure."""
-        row["floor_ms" + suffix] = 1e3 * self._floor_s(experts, dflash)
-        if self.bw is not None:
-            row["copy_floor_ms" + suffix] = 1e3 * self._floor_s(experts, dflash, self.bw)
+        for q in [None] + self.quant:
+            tag = suffix + (f"@{q}" if q else "")
+            row["floor_ms" + tag] = 1e3 * self._floor_s(experts, dflash, quant=q)
+            if self.bw is not None:
+                row["copy_floor_ms" + tag] = 1e3 * self._floor_s(experts, dflash, self.bw, quant=q)
 
-    def _time_generate(self, draft, B: int, gmm: str) -> float:
-        """ms per loop iteration by the N1/N2 difference (same program: fixed capacity)."""
+    def _generate_args(self, draft, B: int, gmm: str, quant: str | None = None):
+        """(target, prompts, generate keywords) of a loop row: the same for its precompile."""
         import numpy as np
-        from dflash_jax import generate
         a = self.args
         rng = np.random.RandomState(B)
         prompts = [rng.randint(0, self.tcfg.vocab_size, a.prompt).tolist() for _ in range(B)]
         C = kv_capacity(a.prompt + a.n2 + 2 * a.block + 64)
-        kw = dict(block_size=a.block if draft is not None else None, capacity=C, kernels=self.kernels(gmm))
+        kw = dict(block_size=a.block if draft is not None else None, capacity=C, kernels=self.kernels(gmm),
+                  verify_width="block")
+        return (self.qtargets[quant] if quant else self.target), prompts, kw
+
+    def precompile_loop(self):
+        """Compile every loop program (each grouped matmul x target x B x kind) ahead, in
+        --precompile-workers threads (XLA compiles release the GIL); the rows then only time."""
+        import concurrent.futures as cf
+        from dflash_jax import decode
+        a = self.args
+        items = [(g, q, B, kind) for g in self.gmms for B in a.batches for kind in ("plain", "dflash")
+                 for q in self.quants(B)]
+
+        def one(item):
+            g, q, B, kind = item
+            tgt, prompts, kw = self._generate_args(self.draft if kind == "dflash" else None, B, g, q)
+            return decode.precompile(tgt, self.draft if kind == "dflash" else None, prompts,
+                                     max_new_tokens=a.n2, **kw)
+
+        t0 = time.perf_counter()
+        done = 0
+        with cf.ThreadPoolExecutor(max_workers=a.precompile_workers) as ex:
+            futs = {ex.submit(one, it): it for it in items}
+            for f in cf.as_completed(futs):
+                g, q, B, kind = futs[f]
+                try:
+                    dt = f.result()
+                    done += 1
+                    log(f"precompile B={B:<3} {kind:<6} {self.column(g, q):<22} {dt:6.1f}s "
+                        f"(at {time.perf_counter() - t0:.0f}s)")
+                except Exception as e:  # noqa: BLE001 - the row compiles (and fails) again when timed
+                    log(f"precompile B={B} {kind} {self.column(g, q)} FAILED {type(e).__name__}: {str(e)[:200]}")
+        self.results["precompile_s"] = time.perf_counter() - t0
+        log(f"# precompiled {done} of {len(items)} loop programs in {time.perf_counter() - t0:.1f}s "
+            f"({a.precompile_workers} threads)")
+
+    def quants(self, B: int) -> list:
+        """None (bf16) and the --quantize methods timed at batch B (NAME@1/8 limits one)."""
+        return [None] + [q for q in self.quant if B in self.quant_only.get(q, (B,))]
+
+    @staticmethod
+    def column(g: str, q: str | None) -> str:
+        """A loop row's column: the grouped matmul, + the quantization of a --quantize target."""
+        return g if not q else f"{g}+{q}"
+
+    def _time_generate(self, draft, B: int, gmm: str, quant: str | None = None) -> float:
+        """ms per loop iteration by the N1/N2 difference (same program: fixed capacity)."""
+        from dflash_jax import generate
+        a = self.args
+        target, prompts, kw = self._generate_args(draft, B, gmm, quant)
 
         def run(n):
             ts, iters = [], None
             for _ in range(a.repeats):
                 t = time.perf_counter()
-                r = generate(self.target, draft, prompts, max_new_tokens=n, **kw, verify_width="block")
+                r = generate(target, draft, prompts, max_new_tokens=n, **kw)
                 ts.append(time.perf_counter() - t)
                 iters = max(len(x) for x in r.acceptance_lengths)
             return statistics.median(ts), iters
@@ -363,19 +434,21 @@ class MoeBench:
     def loop_rows(self, g: str):
         for B in self.args.batches:
             for kind in ("plain", "dflash"):
-                row = self._loop_row(B, kind)
-                ms = self.budget.run(f"loop {kind} {g}", f"loop B={B} {kind} {g}",
-                                     lambda: self._time_generate(self.draft if kind == "dflash" else None, B, g),
-                                     family="loop")
-                if ms is None:
-                    continue
-                row[g] = ms
-                f = row["floor_ms_independent"]
-                cf = row.get("copy_floor_ms_independent", f)
-                log(f"loop      B={B:<3} {kind:<6} {g:<22} {ms:8.3f} ms/iter   independent-routing floor "
-                    f"{f:7.3f} ms ({ms / f:5.2f}x) at {self._bandwidth() / 1e12:.2f} TB/s, "
-                    f"{cf:7.3f} ms ({ms / cf:5.2f}x) at the copy figure ({row['independent']:.1f} experts/layer)")
-                self.save()
+                for q in self.quants(B):
+                    col, tag = self.column(g, q), (f"@{q}" if q else "")
+                    row = self._loop_row(B, kind)
+                    ms = self.budget.run(f"loop {kind} {col}", f"loop B={B} {kind} {col}",
+                                         lambda: self._time_generate(self.draft if kind == "dflash" else None, B, g, q),
+                                         family="loop")
+                    if ms is None:
+                        continue
+                    row[col] = ms
+                    f = row["floor_ms_independent" + tag]
+                    cf = row.get("copy_floor_ms_independent" + tag, f)
+                    log(f"loop      B={B:<3} {kind:<6} {col:<22} {ms:8.3f} ms/iter   independent-routing floor "
+                        f"{f:7.3f} ms ({ms / f:5.2f}x) at {self._bandwidth() / 1e12:.2f} TB/s, "
+                        f"{cf:7.3f} ms ({ms / cf:5.2f}x) at the copy figure ({row['independent']:.1f} experts/layer)")
+                    self.save()
 
     def _width_row(self, B: int, w: int) -> dict:
         c = self.tcfg
@@ -435,7 +508,7 @@ class MoeBench:
         (B, tokens per row), counted from the random model's routing)."""
         c, S = self.tcfg, self.args.block
         todo = [(r, r["batch"], S if r["kind"] == "dflash" else 1, r["kind"] == "dflash")
-                for r in self.results.get("loop", []) if any(g in r for g in self.gmms)]
+                for r in self.results.get("loop", []) if any(c in r for c in self.columns())]
         todo += [(r, r["batch"], r["width"], False) for r in self.results.get("widths", [])
                  if any(g in r for g in self.gmms)]
         for row, B, T, dflash in todo:
@@ -450,6 +523,8 @@ class MoeBench:
         self.save()
 
     def loop_widths(self, sections):
+        if "loop" in sections and self.args.precompile_workers > 0:
+            self.precompile_loop()
         for g in self.gmms:
             if "loop" in sections:
                 self.loop_rows(g)
@@ -459,6 +534,9 @@ class MoeBench:
                 self.count_rows()
         self.count_rows()                                  # rows the later grouped matmuls added (cached)
         self.tables()
+
+    def columns(self) -> list[str]:
+        return [self.column(g, q) for g in self.gmms for q in [None] + self.quant]
 
     def tables(self):
         c = self.tcfg
@@ -476,11 +554,16 @@ class MoeBench:
             rows = []
             for r in self.results["loop"]:
                 f, cells = floor_cells(r)
-                rows.append([r["batch"], r["kind"]] + cells + [_cell(r.get(g), f, 3) for g in self.gmms])
+                key = "floor_ms" if "floor_ms" in r else "floor_ms_independent"
+                rows.append([r["batch"], r["kind"]] + cells + [
+                    _cell(r.get(self.column(g, q)), r[key + (f"@{q}" if q else "")], 3)
+                    for g in self.gmms for q in [None] + self.quant])
             table(f"(b) loop, {c.num_layers} target layers + {self.args.draft_layers}-layer draft, block "
-                  f"{self.args.block} (ms per step / iteration; x: the floor at {bw}; a floor of counted "
-                  f"experts where counted, else of independent routing)", ["B", "kind"] + head_f
-                  + [f"{g} ms (x floor)" for g in self.gmms], rows)
+                  f"{self.args.block} (ms per step / iteration; x: the floor at {bw} of that column's target "
+                  f"bytes; a floor of counted experts where counted, else of independent routing; the bf16 "
+                  f"floor in the floor column)", ["B", "kind"] + head_f
+                  + [f"{col} ms (x floor)" for col in self.columns()], rows)
+            self.quant_table()
         if self.results.get("widths"):
             rows = []
             for r in self.results["widths"]:
@@ -488,6 +571,39 @@ class MoeBench:
                 rows.append([r["batch"], r["width"]] + cells + [_cell(r.get(g), f, 3) for g in self.gmms])
             table(f"(c) verify width: target forward + LM head, {c.num_layers} layers, context {self.args.prompt}",
                   ["B", "w"] + head_f + [f"{g} ms (x floor)" for g in self.gmms], rows)
+
+    def quant_table(self):
+        """--quantize: bf16 against each quantized target, per grouped matmul and batch: ms, ratio, and
+        each against its byte floor (its weights as stored + the touched experts, at the floors'
+        bandwidth; KV is not in these floors, as in the other loop rows)."""
+        if not self.quant:
+            return
+        bw = f"{self._bandwidth() / 1e12:.2f} TB/s"
+        out = []
+        for g in self.gmms:
+            for q in self.quant:
+                rows = []
+                for B in self.args.batches:
+                    cells, xs, rec = [B], [], dict(gmm=g, quant=q, batch=B)
+                    for kind in ("plain", "dflash"):
+                        r = next((r for r in self.results.get("loop", []) if r["batch"] == B and r["kind"] == kind), None)
+                        m0, m1 = (r.get(self.column(g, x)) if r else None for x in (None, q))
+                        key = "floor_ms" if r and "floor_ms" in r else "floor_ms_independent"
+                        f0, f1 = (r.get(key), r.get(key + f"@{q}")) if r else (None, None)
+                        ratio = m1 / m0 if m0 and m1 else None
+                        cells += [_num(m0), _num(m1), _num(ratio)]
+                        xs.append(f"{_num(m0 / f0 if m0 and f0 else None, 2)} / {_num(m1 / f1 if m1 and f1 else None, 2)}")
+                        rec.update({f"{kind}_bf16_ms": m0, f"{kind}_{q}_ms": m1, f"{kind}_ratio": ratio,
+                                    f"{kind}_bf16_floor_ms": f0, f"{kind}_{q}_floor_ms": f1})
+                    rows.append(cells + xs)
+                    out.append(rec)
+                experts_q = self.expert_bytes_of[q] < self.expert_bytes
+                table(f"(q) {q} target against bf16, {g}, {self.tcfg.num_layers} layers (experts "
+                      f"{'quantized' if experts_q else 'NOT quantized: bf16 in both'}; x fl: ms over the byte "
+                      f"floor at {bw}, weights as stored)",
+                      ["B", "bf16 plain ms", f"{q} plain ms", "ratio", "bf16 DFlash ms", f"{q} DFlash ms", "ratio",
+                       f"plain x fl bf16 / {q}", f"DFlash x fl bf16 / {q}"], rows)
+        self.results["quant_table"] = out
 
     def save(self):
         """The JSON so far (a run killed by its time limit keeps the rows it measured)."""
@@ -497,6 +613,25 @@ class MoeBench:
             os.makedirs(self.args.out, exist_ok=True)
             with open(os.path.join(self.args.out, self.args.json), "w") as f:
                 json.dump(self.results, f, indent=1)
+
+
+def _num(v, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def expert_bytes(model, num_experts: int) -> int:
+    """Bytes of one expert as stored (its gate|up and down, int8 and scales where quantized), from the
+    first MoE layer's stacked expert parameters; 0 when the model has none."""
+    import jax
+    from flax import nnx
+    from dflash_jax.models.moe import MoE
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, MoE):
+            leaves = jax.tree.leaves(nnx.state(node, nnx.Param))
+            total = sum(int(x.size) * x.dtype.itemsize for x in leaves)
+            router = int(node.router[...].size) * node.router[...].dtype.itemsize
+            return (total - router) // num_experts
+    return 0
 
 
 def _cell(v, floor, digits: int) -> str:
@@ -529,6 +664,12 @@ def main():
     ap.add_argument("--inner", type=int, default=10, help="passes per dispatch in the layer and widths sections")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--json", default="bench_moe.json")
+    ap.add_argument("--quantize", default="", metavar="int8,fp8@1",
+                    help="also time the target quantized (dflash_jax.quantize.QUANTIZE or fp8, comma-separated; "
+                         "NAME@1/8 limits one to those batches): its loop rows beside bf16's, same process, same "
+                         "random weights")
+    ap.add_argument("--precompile-workers", type=int, default=4,
+                    help="threads compiling the loop programs ahead (0: each row compiles when timed)")
     args = ap.parse_args()
     if args.smoke:
         args.prompt, args.n1, args.n2, args.repeats, args.inner, args.block = 16, 4, 8, 1, 2, 4
@@ -543,6 +684,11 @@ def main():
     except ValueError as e:
         ap.error(f"batches, widths, width-batches and layer-tokens are comma-separated integers ({e})")
     args.moe_gmms = [g for g in args.moe_gmms.split(",") if g]
+    from bench_gpu import check_quantize_names, parse_quantize
+    args.quantize = parse_quantize(args.quantize)
+    badq = check_quantize_names(args.quantize[0])
+    if badq:
+        ap.error(f"--quantize: unknown {badq}; supported: dflash_jax.quantize.QUANTIZE and fp8")
     from dflash_jax.kernel_config import MOE_GMM
     bad = [g for g in args.moe_gmms if g not in MOE_GMM]
     if bad:
