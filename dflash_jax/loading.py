@@ -199,8 +199,10 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
     args.dtype = default_dtype(args)
     mesh = get_mesh(parser, args)
     quantize = getattr(args, "quantize", None)
-    if quantize is not None and mesh is not None:
-        parser.error(f"--quantize {quantize} with --mesh is not supported yet (one device only)")
+    quantize_draft = getattr(args, "quantize_draft", None)
+    for flag, value in (("--quantize", quantize), ("--quantize-draft", quantize_draft)):
+        if value is not None and mesh is not None:
+            parser.error(f"{flag} {value} with --mesh is not supported yet (one device only)")
     try:
         if args.random_init is not None:
             progress(f"building random {args.random_init} ({args.dtype})")
@@ -217,13 +219,15 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if args.draft is None and args.random_init is not None:
         cfg = dj.DraftConfig.for_target(target.config, num_layers=RANDOM_DRAFT_LAYERS,
                                         block_size=RANDOM_DRAFT_BLOCK)
-        draft = dj.init_draft(cfg, seed=(args.seed + 1) % validation.SEED_LIMIT, dtype=args.dtype)
+        draft = dj.init_draft(cfg, seed=(args.seed + 1) % validation.SEED_LIMIT, dtype=args.dtype,
+                              quantize=quantize_draft)
         if mesh is not None:
             sharding.shard_model(draft, mesh)
     elif args.draft_dir is not None:
         try:
             progress(f"loading draft {args.draft}")
-            draft = dj.load_draft(args.draft_dir, target=target, dtype=args.dtype, mesh=mesh)
+            draft = dj.load_draft(args.draft_dir, target=target, dtype=args.dtype, mesh=mesh,
+                                  quantize=quantize_draft)
         except LOAD_ERRORS as e:
             parser.error(f"--draft {args.draft}: {one_line(e)}")
     if args.block_size is not None and draft is not None and args.block_size > draft.config.block_size:

@@ -36,7 +36,7 @@ from flax import nnx
 
 __all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "check_quantize", "quantize_int8",
            "quantize_target", "weight_bytes", "checkpoint_fp8_block", "fp8_weights", "concat_columns",
-           "is_quantized", "is_fp8", "quantized_leaves", "mark"]
+           "is_quantized", "is_fp8", "quantized_leaves", "mark", "quantize_draft"]
 
 QUANTIZE = ("int8",)
 # the decoder layers' parameter names that are the weight of a linear [in, out] (layers.DecoderLayer,
@@ -311,6 +311,13 @@ def quantize_target(model, quantize):
             if isinstance(p, nnx.Param) and not is_quantized(p.get_value()) and p.get_value().ndim == ndim:
                 p.set_value(quantize_int8(p.get_value()))
     return model
+
+
+def quantize_draft(draft, quantize):
+    """The draft's layer linears quantized in place as quantize_target's (`quantize`: None →
+    unchanged, the default everywhere: the draft's acceptance is the product, and an int8 draft
+    costs some of it; docs/perf-log.md, session 39, has the measured tau)."""
+    return quantize_target(draft, quantize)
 
 
 def weight_bytes(model) -> int:

@@ -223,10 +223,17 @@ def _dequantized(stream, dtype):
         yield name, t
 
 
-def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None):
+def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None, quantize: str | None = None):
     """A draft of a registered variant (dflash_jax.drafts, by config.json's architectures; a z-lab
     DFlash draft by default). With `target`, a draft that does not fit it is refused, naming the
-    mismatch. mesh: as load_target (the draft sits on the target's mesh with the same rules)."""
+    mismatch. mesh: as load_target (the draft sits on the target's mesh with the same rules).
+    quantize "int8": its layers' linear weights quantized at load (quantize.quantize_draft; off by
+    default, it costs acceptance); one device only."""
+    check_quantize(quantize)
+    if quantize is not None:
+        if sharding.as_mesh(mesh) is not None:
+            raise ValueError(f"quantize={quantize!r} on a mesh is not supported yet (one device only)")
+        return q8.quantize_draft(load_draft(path_or_hub_id, target, dtype), quantize)
     dt = dtype_of(dtype)
     d = resolve_model_dir(path_or_hub_id)
     raw = read_json(d)
@@ -256,11 +263,14 @@ def init_target(config: TargetConfig | str, seed: int = 0, dtype="bfloat16", *, 
     return quantize_target(model, quantize)
 
 
-def init_draft(config, seed: int = 0, dtype="bfloat16", target=None):
-    """Random weights of the draft variant whose config class `config` is (a DraftConfig: DFlash)."""
+def init_draft(config, seed: int = 0, dtype="bfloat16", target=None, *, quantize: str | None = None):
+    """Random weights of the draft variant whose config class `config` is (a DraftConfig: DFlash).
+    quantize: as load_draft's."""
+    check_quantize(quantize)
     if target is not None:
         config.check_fits(target.config)
-    return drafts.variant_of_config(config).model(config, dtype_of(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    model = drafts.variant_of_config(config).model(config, dtype_of(dtype), rngs=nnx.Rngs(validation.check_seed(seed)))
+    return q8.quantize_draft(model, quantize)
 
 
 # ------------------------------------------------------------------ loading slices onto a mesh

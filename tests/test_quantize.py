@@ -172,6 +172,22 @@ def test_trained_pair_tau_with_int8_target(trained_pair, dtype):
     assert tau_f > 2.0 and tau_q >= 0.97 * tau_f, (tau_q, tau_f)
 
 
+@pytest.mark.slow
+def test_trained_pair_with_an_int8_draft(trained_pair):
+    """--quantize-draft int8 (load_draft(..., quantize="int8")): the draft's layer linears in int8,
+    its embedding-free head and fc as loaded; DFlash stays lossless (the target decides) and the
+    trained pair's tau is printed against the float draft's (docs/perf-log.md, session 39)."""
+    prompts = trained_pair["eval_prompts"]
+    target = load_target(trained_pair["target_path"], dtype="float32")
+    draft = load_draft(trained_pair["draft_path"], target=target, dtype="float32")
+    draft_q = load_draft(trained_pair["draft_path"], target=target, dtype="float32", quantize="int8")
+    assert len(_quantized_leaves(draft_q)) == 4 * draft.config.num_layers and not _quantized_leaves(draft)
+    assert draft_q.quantize == "int8"
+    tau_f, tau_q = _tau_and_tokens(target, draft, prompts), _tau_and_tokens(target, draft_q, prompts)
+    print(f"\ntrained pair S=8: tau float32 draft {tau_f:.3f}, int8 draft {tau_q:.3f}")
+    assert tau_q >= 0.9 * tau_f, (tau_q, tau_f)
+
+
 class _AsTransformers:
     """A dflash_jax target called like a transformers causal LM (ids [B, T] torch → .logits torch
     float32), for tests/test_sampling.py's enumeration of the exact joint."""
@@ -247,3 +263,18 @@ def test_generate_cli_quantize_flag(tiny_target, capsys, monkeypatch):
         gen_cli.main(["--model", tiny_target, "--draft", "none", "--quantize", "fp4", "--prompt-ids", "1"])
     _, err = capsys.readouterr()
     assert e.value.code == 2 and "--quantize: invalid choice: 'fp4' (choose from" in err and "int8" in err
+
+
+def test_generate_cli_quantize_draft_flag(tiny_pair):
+    """--quantize-draft int8 (generate's, so benchmark's and serve's flags) loads the draft in int8
+    and leaves the target as loaded (runs with an int8 draft: test_trained_pair_with_an_int8_draft)."""
+    from dflash_jax import loading
+    from dflash_jax.cli import generate as gen_cli
+
+    parser = gen_cli.build_parser()
+    args = parser.parse_args(["--model", tiny_pair["target_path"], "--draft", tiny_pair["draft_path"], "--dtype",
+                              "float32", "--prompt-ids", "1,2,3", "--quantize-draft", "int8"])
+    gen_cli.check_args(parser, args)
+    target, draft = loading.load_models(parser, args)
+    assert draft.quantize == "int8" and getattr(target, "quantize", None) is None
+    assert len(_quantized_leaves(draft)) == 4 * draft.config.num_layers and not _quantized_leaves(target)

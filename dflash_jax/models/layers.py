@@ -289,7 +289,11 @@ class DecoderLayer(nnx.Module):
         w = self.qkv[...]
         # the k|v columns of each shard's chunk (G = 1: the plain layout's last 2 Hkv D columns);
         # the slice is per shard, so under TP it reads only local columns
-        kv_w = w.reshape(w.shape[0], G, -1)[..., (Hq // G) * D:].reshape(w.shape[0], -1)  # [H, 2 Hkv D]
+        kv_cols = lambda a: a.reshape(a.shape[0], G, -1)[..., (Hq // G) * D:].reshape(a.shape[0], -1)
+        if isinstance(w, Int8Weight):   # an int8 draft (--quantize-draft): the columns' scales with them
+            kv_w = Int8Weight(kv_cols(w.q), kv_cols(w.scale[None])[0])
+        else:
+            kv_w = kv_cols(w)                                                      # [H, 2 Hkv D]
         kv = ctx @ kv_w
         if self.qkv_bias is not None:
             b = self.qkv_bias[...]
