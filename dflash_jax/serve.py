@@ -782,7 +782,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                        top_k=max(0, body.top_k or 0), seed=seed,
                        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
 
-    scorers: list = [scorer]
+    scorers: list = [scorer]            # [the Scorer (built on first use), its one-thread executor]
 
     def _scorer(field: str):
         """The Scorer of this server's target, built on first use (build_app's `scorer`, else one
@@ -802,8 +802,12 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         todo = [i for i, (s, f) in enumerate(zip(seqs, firsts)) if f < len(s)]
         out: list = [None] * len(seqs)
         if todo:
+            if not scorers[1:]:   # one thread: scoring passes queue here, not in the pool tokenisation uses
+                from concurrent.futures import ThreadPoolExecutor
+                scorers.append(ThreadPoolExecutor(1, thread_name_prefix="dflash-score"))
+            work = lambda: sc.score([seqs[i] for i in todo], [firsts[i] for i in todo])  # noqa: E731
             try:
-                res = await _off_loop(lambda: sc.score([seqs[i] for i in todo], [firsts[i] for i in todo]))
+                res = await asyncio.get_running_loop().run_in_executor(scorers[1], work)
             except Exception as e:  # noqa: BLE001 -- this request's fault, reported as such
                 raise ApiError(500, f"computing the log-probabilities failed: {_one_line(e)}") from None
             for i, r in zip(todo, res):

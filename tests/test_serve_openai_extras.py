@@ -2,7 +2,7 @@
 `echo` (with `max_tokens: 0`, as lm-evaluation-harness's loglikelihood requests).
 
 One real server: test_serve.py's tiny float32 Qwen3 target + DFlash draft + byte-level BPE, through
-the simple engine. Tokens are checked against one-shot `generate`; log-probabilities against an
+the simple engine (and, in the slow run, the slot engine with 4 slots). Tokens are checked against one-shot `generate`; log-probabilities against an
 independent oracle, transformers' Qwen3ForCausalLM (float32) log_softmax over the same tokens.
 All prompts sit in one prompt bucket (33..64 tokens) so the engine compiles once per sampling mode.
 """
@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
 
-from dflash_jax.engine import SimpleEngine  # noqa: E402
+from dflash_jax.engine import SimpleEngine, SlotEngine  # noqa: E402
 from dflash_jax.serve import build_app  # noqa: E402
 from tests.test_cli import ENDOFTEXT, IM_END  # noqa: E402
 from tests.test_serve import CAPACITY, NAME, client, oracle, serving, sse  # noqa: E402
@@ -33,8 +33,9 @@ TOL = 1e-5
 PROMPTS = ["the quick brown fox jumps over the lazy dog and then", "a slow green turtle walks under the busy bridge at noon"]
 
 
-@pytest.fixture(scope="module")
-def srv(cli_models):
+# The simple engine by default; the slot engine (n choices decoded side by side) in the slow run.
+@pytest.fixture(scope="module", params=["simple", pytest.param("slots4", marks=pytest.mark.slow)])
+def srv(cli_models, request):
     import dflash_jax as dj
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
@@ -43,8 +44,12 @@ def srv(cli_models):
     draft = dj.load_draft(dp, target=target, dtype="float32")
     tok = AutoTokenizer.from_pretrained(tp)
     hf = Qwen3ForCausalLM.from_pretrained(tp, dtype=torch.float32).eval().requires_grad_(False)
-    engine = SimpleEngine(target, draft, capacity=CAPACITY, max_queue=64, eos_token_ids=[IM_END, ENDOFTEXT],
-                          attention_impl="xla")
+    if request.param == "slots4":
+        engine = SlotEngine(target, draft, slots=4, capacity=CAPACITY, max_queue=64, eos_token_ids=[IM_END, ENDOFTEXT],
+                            attention_impl="xla")
+    else:
+        engine = SimpleEngine(target, draft, capacity=CAPACITY, max_queue=64, eos_token_ids=[IM_END, ENDOFTEXT],
+                              attention_impl="xla")
     with serving(build_app(engine, tok, model_name=NAME)) as url:
         yield types.SimpleNamespace(url=url, engine=engine, target=target, draft=draft, tok=tok, hf=hf,
                                     eos=[IM_END, ENDOFTEXT], ids=[list(tok.encode(p)) for p in PROMPTS])
