@@ -200,9 +200,6 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
     mesh = get_mesh(parser, args)
     quantize = getattr(args, "quantize", None)
     quantize_draft = getattr(args, "quantize_draft", None)
-    for flag, value in (("--quantize", quantize), ("--quantize-draft", quantize_draft)):
-        if value is not None and mesh is not None:
-            parser.error(f"{flag} {value} with --mesh is not supported yet (one device only)")
     try:
         if args.random_init is not None:
             progress(f"building random {args.random_init} ({args.dtype})")

@@ -85,6 +85,11 @@ class Int8Weight:
     def dtype(self):
         return self.q.dtype
 
+    @property
+    def sharding(self):
+        """q's (its scales are placed with its columns: sharding._place), for sharding.mesh_of."""
+        return getattr(self.q, "sharding", None)
+
     def __getitem__(self, key):
         if key is Ellipsis:
             return self
@@ -128,6 +133,7 @@ class Fp8BlockWeight:
     ndim = Int8Weight.ndim
     size = Int8Weight.size
     dtype = Int8Weight.dtype
+    sharding = Int8Weight.sharding
     __getitem__ = Int8Weight.__getitem__
 
     @property

@@ -377,15 +377,22 @@ def layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
 
 def _place(model, mesh: Mesh, rules, transform=None):
     from flax import nnx
+    from dflash_jax.quantize import Int8Weight
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         name = path_str(path)
         value = var.get_value()
-        if transform is not None:
-            value = transform(path, value)
+        if transform is not None:   # (an int8 weight, dflash_jax.quantize: its scales [.., N] with q's columns)
+            value = (Int8Weight(transform(path, value.q), transform(path, value.scale))
+                     if isinstance(value, Int8Weight) else transform(path, value))
         spec = spec_for(name, rules)
         check_divisible(name, value.shape, spec, mesh)
+        if isinstance(value, Int8Weight):
+            full = tuple(spec) + (None,) * (value.ndim - len(spec))
+            var.set_value(Int8Weight(jax.device_put(value.q, NamedSharding(mesh, P(*full))),
+                                     jax.device_put(value.scale, NamedSharding(mesh, P(*full[:-2], full[-1])))))
+            continue
         var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
     return model
 
@@ -398,7 +405,7 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     DecoderLayer reads through `split_qkv` / `split_gate_up`), so a layer needs no collective but
     its two all-reduces. fused_layout=False keeps the plain column split: still correct (jit
     inserts the collectives the slices need), slower."""
-    if getattr(model, "quantize", None) is not None:   # dflash_jax.quantize: its scales have no rules yet
+    if "fp8" in (getattr(model, "quantize", None) or ""):   # int8's scales are placed with their weights
         raise ValueError(f"a quantize={model.quantize!r} model on a mesh is not supported yet (one device only)")
     tp = model_axis_size(mesh)
     cfg = model.config

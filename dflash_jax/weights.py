@@ -157,6 +157,15 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
     return model
 
 
+def _place_loaded(model, mesh):
+    """A target loaded on one device placed on `mesh` by its family's rules, as load_target places
+    the families it loads whole (their own loader: the plain column split)."""
+    fam = models.family(model.config.model_type)
+    if fam.load is not None:
+        return sharding.shard_model(model, mesh, fused_layout=False, rules=fam.rules)
+    return sharding.shard_model(model, mesh, rules=fam.rules)
+
+
 def _concat(parts: list, dtype):
     """The parts [in, out_i] of a fused matrix side by side: in 8 bits when all are an FP8
     checkpoint's, else in dtype (a part the checkpoint left unquantized takes the others with it)."""
@@ -170,7 +179,8 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     HF directory or hub id (config.json + safetensors, sharded or not). mesh (a Mesh or a spec such
     as "data=2,model=4"): placed on it by its family's rules in the fused TP layout, each process
     reading only its devices' slices (load_target_sharded). quantize "int8": the layers' linear
-    weights quantized at load, int8 per-output-channel (dflash_jax.quantize); one device only.
+    weights and MoE experts quantized at load, int8 per-output-channel (dflash_jax.quantize); with a
+    mesh, quantized on one device and then placed, each scale sharded with its weight's columns.
 
     An FP8 checkpoint (config.json quantization_config quant_method "fp8", block-scaled
     float8_e4m3fn weights with weight_scale_inv) keeps its layer linears in 8 bits as
@@ -178,10 +188,9 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     one device only. Any other quantization_config is refused in one line."""
     check_quantize(quantize)
     m = sharding.as_mesh(mesh)
-    if quantize is not None and m is not None:
-        raise ValueError(f"quantize={quantize!r} on a mesh is not supported yet (one device only)")
-    if quantize is not None:
-        return quantize_target(load_target(path_or_hub_id, dtype), quantize)
+    if quantize is not None:   # (on a mesh: quantized on one device, then placed, scales with their columns)
+        model = quantize_target(load_target(path_or_hub_id, dtype), quantize)
+        return model if m is None else _place_loaded(model, m)
     dt = dtype_of(dtype)
     d = resolve_model_dir(path_or_hub_id)
     raw = read_json(d)
@@ -203,7 +212,7 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
         return q8.mark(model, "fp8") if q8.quantized_leaves(model) else model
     if fam.load is not None:      # loaded on one device, then placed by the family's rules (plain split)
         model = fam.load(d, config, dt, f"target {path_or_hub_id}")
-        return model if m is None else sharding.shard_model(model, m, fused_layout=False, rules=fam.rules)
+        return model if m is None else _place_loaded(model, m)
     if m is not None and (fam.tensors is None or fam.sliced is not None):
         return load_target_sharded(path_or_hub_id, m, dtype)
     model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
@@ -228,12 +237,12 @@ def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None,
     DFlash draft by default). With `target`, a draft that does not fit it is refused, naming the
     mismatch. mesh: as load_target (the draft sits on the target's mesh with the same rules).
     quantize "int8": its layers' linear weights quantized at load (quantize.quantize_draft; off by
-    default, it costs acceptance); one device only."""
+    default, it costs acceptance); with a mesh, quantized on one device and then placed."""
     check_quantize(quantize)
     if quantize is not None:
-        if sharding.as_mesh(mesh) is not None:
-            raise ValueError(f"quantize={quantize!r} on a mesh is not supported yet (one device only)")
-        return q8.quantize_draft(load_draft(path_or_hub_id, target, dtype), quantize)
+        model = q8.quantize_draft(load_draft(path_or_hub_id, target, dtype), quantize)
+        m = sharding.as_mesh(mesh)
+        return model if m is None else sharding.shard_model(model, m)
     dt = dtype_of(dtype)
     d = resolve_model_dir(path_or_hub_id)
     raw = read_json(d)

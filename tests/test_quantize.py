@@ -4,6 +4,7 @@ logits near the float model's, a trained pair's acceptance with the int8 target,
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import jax
@@ -237,8 +238,10 @@ def test_quantize_bad_input(tiny_target):
 
     from dflash_jax import sharding
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    with pytest.raises(ValueError, match=r"a quantize='int8' model on a mesh is not supported yet"):
-        sharding.shard_model(init_target(FAMILIES["qwen3"], dtype="float32", quantize="int8"), mesh)
+    target = init_target(FAMILIES["qwen3"], dtype="float32", quantize="int8")
+    target.quantize = "fp8"         # an FP8 checkpoint's target (tests/test_fp8.py loads real ones)
+    with pytest.raises(ValueError, match=r"a quantize='fp8' model on a mesh is not supported yet"):
+        sharding.shard_model(target, mesh)
 
 
 def test_generate_cli_quantize_flag(tiny_target, capsys, monkeypatch):
@@ -278,3 +281,79 @@ def test_generate_cli_quantize_draft_flag(tiny_pair):
     target, draft = loading.load_models(parser, args)
     assert draft.quantize == "int8" and getattr(target, "quantize", None) is None
     assert len(_quantized_leaves(draft)) == 4 * draft.config.num_layers and not _quantized_leaves(target)
+
+
+# ------------------------------------------------------------------------- a 2 x 2 mesh (child)
+
+MESH_CHILD = os.environ.get("DFLASH_QUANTIZE_MESH_CHILD") == "1"
+
+
+@pytest.mark.skipif(MESH_CHILD, reason="the parent's runner")
+@pytest.mark.slow
+def test_int8_on_a_2x2_mesh_equals_one_device():
+    """The mesh cases run in a child pytest on 4 virtual CPU devices (tests/children.py)."""
+    from tests.children import run_child
+    run_child(__file__, devices=4, env=dict(DFLASH_QUANTIZE_MESH_CHILD="1"), args=("-k", "mesh_child"))
+
+
+@pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5"])
+def test_mesh_child_int8_target_and_draft_on_2x2_equal_one_device(family):
+    """int8 target and int8 draft placed on a 2 x 2 mesh (fused TP layout; Qwen3-MoE's experts split
+    over 'model'): each scale sits with its weight's columns, and DFlash greedy gives one device's
+    tokens and acceptance lengths, which equal plain decoding's."""
+    from jax.sharding import PartitionSpec as P
+
+    from dflash_jax import decode, models, sharding
+    assert jax.device_count() == 4
+    cfg = {"qwen3": TargetConfig(**{**SMALL, "num_heads": 8, "num_kv_heads": 2, "head_dim": 8}),
+           "qwen3_moe": Qwen3MoeConfig(**{**SMALL, "num_heads": 8, "num_kv_heads": 2, "head_dim": 8},
+                                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+           "qwen3_5": FAMILIES["qwen3_5"]}[family]
+    mesh = sharding.make_mesh("2x2", devices=jax.devices()[:4])
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [100, 101]]
+    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64, verify_width="block")
+    out = []
+    for m in (None, mesh):
+        target = init_target(cfg, seed=1, dtype="float32", quantize="int8")
+        draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), seed=2, dtype="float32",
+                           quantize="int8")
+        if m is not None and family == "qwen3_5":      # placed as load_target(mesh=) places the family
+            fam = models.family(cfg.model_type)
+            sharding.shard_model(target, m, fused_layout=False, rules=fam.rules)
+            sharding.shard_model(draft, m)
+            w = _quantized_leaves(target)[0]
+            assert w.q.sharding.mesh.shape == w.scale.sharding.mesh.shape == m.shape    # (replicated: RULES)
+        elif m is not None:
+            sharding.shard_model(target, m)
+            sharding.shard_model(draft, m)
+            qkv, o = target.layers[0].qkv[...], target.layers[0].o[...]
+            assert qkv.q.sharding.spec == P(None, "model") and qkv.scale.sharding.spec == P("model")
+            assert o.q.sharding.spec == P("model", None) and o.scale.sharding.spec == P(None)
+            assert qkv.scale.addressable_shards[0].data.shape == (qkv.shape[1] // 2,)
+            if family == "qwen3_moe":
+                gu = target.layers[0].mlp.experts_gate_up[...]
+                assert gu.q.sharding.spec == P("model", None, None) and gu.scale.sharding.spec == P("model", None)
+        out.append(decode.generate(target, draft, prompts, mesh=m, **kw))
+    plain = decode.generate(init_target(cfg, seed=1, dtype="float32", quantize="int8"), None, prompts,
+                            **{k: v for k, v in kw.items() if k != "verify_width"})
+    one, many = out
+    assert one.tokens == plain.tokens
+    assert many.tokens == one.tokens and many.acceptance_lengths == one.acceptance_lengths
+
+
+@pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")
+def test_mesh_child_load_target_int8_on_a_mesh(tmp_path):
+    """load_target(..., mesh="2x2", quantize="int8") (what --quantize int8 --mesh 2x2 runs):
+    quantized on one device, placed by the family's rules; plain greedy equals one device's."""
+    from tests import checkpoints as ck
+
+    from dflash_jax import decode
+    path = ck.write_target(str(tmp_path / "t"), num_heads=8, num_kv_heads=2, head_dim=8, seed=4)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    kw = dict(max_new_tokens=8, attention_impl="xla", capacity=64)
+    one = decode.generate(load_target(path, dtype="float32", quantize="int8"), None, prompts, **kw)
+    target = load_target(path, dtype="float32", quantize="int8", mesh="2x2")
+    assert target.layers[0].qkv[...].scale.sharding.spec[0] == "model"
+    many = decode.generate(target, None, prompts, mesh=target.layers[0].qkv[...].q.sharding.mesh, **kw)
+    assert many.tokens == one.tokens

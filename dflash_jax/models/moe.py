@@ -224,10 +224,13 @@ class MoE(nnx.Module):
         El = self.num_experts // ep
         d = "data" if h.shape[0] % sharding.data_axis_size(mesh) == 0 else None
         rows, experts_spec = P(d, None, None), P("model", None, None)
+        # int8 experts (dflash_jax.quantize): q as the float experts, their scales [E, N] by expert too
+        specs = [Int8Weight(experts_spec, P("model", None)) if isinstance(w, Int8Weight) else experts_spec
+                 for w in (gate_up, down)]
 
         def shard(h, router, gate_up, down):
             first = jax.lax.axis_index("model") * El
             return jax.lax.psum(self._local(h, router, gate_up, down, gmm_impl, first, kernels), "model")
 
-        return jax.shard_map(shard, mesh=mesh, in_specs=(rows, P(), experts_spec, experts_spec),
+        return jax.shard_map(shard, mesh=mesh, in_specs=(rows, P(), *specs),
                              out_specs=rows, check_vma=False)(h, router, gate_up, down)
