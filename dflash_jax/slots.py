@@ -975,7 +975,7 @@ class Pipeline:
 
     def _epochs(self, slots) -> dict | None:
         """The paged Slots' occupant of each slot (its insert count), for the page bookkeeping of reads."""
-        return {s: int(self.slots.epoch[s]) for s in slots} if self.slots.paged else None
+        return {s: int(self.slots.epoch[s]) for s in slots} if getattr(self.slots, "paged", False) else None
 
     def read(self, stepped: bool) -> None:
         """Read back what is due: after a step was dispatched, everything but the last `depth`
