@@ -13,10 +13,10 @@ down, Qwen3.5's GDN in_proj / out and the shared expert's MLP) and the stacked M
 (models/moe.py multiplies those on the XLA path). Kept as loaded: embeddings, the LM head, norms,
 biases, the MoE router, the GDN conv and gates, and the whole draft.
 
-An FP8 checkpoint's layer linears become `Fp8BlockWeight`s (q float8_e4m3fn, the checkpoint's block
-scales, both in our [in, out] orientation); its other tensors load as the checkpoint has them (a
-tensor the checkpoint quantized that we keep in floats, e.g. a stacked MoE expert, is dequantized
-at load). Why keep fp8 and not convert to int8 per output channel: the model as run then IS the
+An FP8 checkpoint's layer linears and MoE experts become `Fp8BlockWeight`s (q float8_e4m3fn, the
+checkpoint's block scales, both in our [in, out] orientation; experts stacked [E, in, out]); its
+other tensors load as the checkpoint has them (one it quantized that we keep in floats, e.g. an
+embedding, is dequantized at load). Why keep fp8 and not convert to int8 per output channel: the model as run then IS the
 dequantized checkpoint (q * scale in float32, exactly what transformers' dequantization computes),
 whereas int8 per output channel would round every weight a second time (one scale per column across
 all its 128-row blocks, so a column whose blocks' scales differ loses bits in its small blocks).

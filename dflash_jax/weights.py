@@ -111,7 +111,8 @@ def _fill(model, named_tensors, top_level: dict, leaves: dict, dtype, what: str,
 
     def put(path, arr):
         if q8.is_quantized(arr):   # an FP8 checkpoint's weight: kept in 8 bits where a linear reads it
-            keep = path[0] == "layers" and path[-1] in q8.LINEAR_NAMES and arr.ndim == 2
+            keep = path[0] == "layers" and (path[-1] in q8.LINEAR_NAMES and arr.ndim == 2
+                                            or path[-1] in q8.EXPERT_NAMES and arr.ndim == 3)
             _variable(model, path).set_value(arr if keep else arr.dequantize(dtype))
         else:
             _variable(model, path).set_value(arr.astype(dtype))
@@ -207,7 +208,7 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
                              f"{', '.join(t for t, f in sorted(models.FAMILIES.items()) if f.load is None)})")
         model = nnx.eval_shape(lambda: fam.model(config, dt, rngs=nnx.Rngs(0)))
         stream = q8.fp8_weights(iter_tensors(d), fp8, what)
-        stream = stream if fam.tensors is None else fam.tensors(config, _dequantized(stream, dt), what)
+        stream = stream if fam.tensors is None else fam.tensors(config, _fp8_experts(stream, config, what), what)
         model = _fill(model, stream, fam.top_weights(config), fam.layer_weights(config), dt, what, fam.skip)
         return q8.mark(model, "fp8") if q8.quantized_leaves(model) else model
     if fam.load is not None:      # loaded on one device, then placed by the family's rules (plain split)
@@ -221,15 +222,39 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     return model if m is None else sharding.shard_model(model, m)
 
 
-def _dequantized(stream, dtype):
-    """An FP8 stream for a family that rewrites its tensors (`Family.tensors`: Qwen3-MoE stacks its
-    experts into [E, ...] arrays from plain arrays): every paired weight that is not a layer linear
-    dequantized to dtype first (the stacked experts then load in floats; quantize="int8" requantizes
-    them per output channel)."""
+_FP8_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fp8_experts(stream, config, what: str):
+    """An FP8 stream for a family that stacks its experts (`Family.tensors`: Qwen3-MoE): each sparse
+    layer's fp8 experts stacked here, in 8 bits, into `model.layers.N.mlp.experts.gate_up` [E, H, 2I]
+    and `...experts.down` [E, I, H] (Fp8BlockWeight, the names the family's stacked tensors have),
+    which the family's rewrite passes on as they are; float experts pass to it unchanged. A layer whose
+    experts are partly fp8, or an expert of the wrong shape, is a one-line ValueError."""
+    E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    want = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    layers: dict[int, dict] = {}
     for name, t in stream:
-        if q8.is_quantized(t) and ".experts." in name:
-            t = t.dequantize(dtype)
-        yield name, t
+        m = _FP8_EXPERT.match(name)
+        if m is None or not q8.is_quantized(t):
+            yield name, t
+            continue
+        layer, e, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+        if e >= E or tuple(t.shape) != want[kind]:
+            raise ValueError(f"{what}: tensor {name} has shape {tuple(t.shape)} (expert {e}); the config implies "
+                             f"{want[kind]} for each of num_experts={E}")
+        got = layers.setdefault(layer, {})
+        got[(e, kind)] = t.T                                                          # [in, out]
+        if len(got) == 3 * E:
+            del layers[layer]
+            stack = lambda ws: q8.Fp8BlockWeight(jnp.stack([w.q for w in ws]), jnp.stack([w.scale for w in ws]),
+                                                 ws[0].block)
+            yield f"model.layers.{layer}.mlp.experts.gate_up", stack(
+                [q8.concat_columns([got[(e, "gate")], got[(e, "up")]]) for e in range(E)])
+            yield f"model.layers.{layer}.mlp.experts.down", stack([got[(e, "down")] for e in range(E)])
+    for layer, got in sorted(layers.items()):
+        raise ValueError(f"{what}: layer {layer} has {len(got)} of its {3 * E} expert tensors in fp8; an fp8 "
+                         "checkpoint's experts must all be fp8 (with weight_scale_inv) or all floats")
 
 
 def load_draft(path_or_hub_id: str, target=None, dtype="bfloat16", *, mesh=None, quantize: str | None = None):

@@ -27,7 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "hf_greedy", "write_target", "write_moe_target", "write_fp8_target", "fp8_dequantized_hf", "write_draft", "load_torch_pair", "train_target", "train_draft",
+    "hf_greedy", "write_target", "write_moe_target", "write_fp8_target", "fp8_dequantized_hf",
+    "write_fp8_dequantized", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
     "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
     "TRAINED_PAIR", "SMALL_VOCAB_PAIR", "default_target_layer_ids", "pack_blocks", "torch_block_loss",
@@ -162,13 +163,15 @@ def _fp8_block_quantize(w: torch.Tensor, block, gen: torch.Generator):
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
-def write_fp8_target(path: str, *, block=(128, 128), keep_float=(), seed: int = 0, **target_kw) -> str:
-    """A random Qwen3 (`write_target(**target_kw)`, float32) rewritten as an FP8 checkpoint in Qwen's
-    format: every layer linear (`FP8_LINEARS`) as float8_e4m3fn + `weight_scale_inv`, config.json's
+def write_fp8_target(path: str, *, block=(128, 128), keep_float=(), seed: int = 0, moe: bool = False,
+                     **target_kw) -> str:
+    """A random Qwen3 (`write_target(**target_kw)`, float32; `moe`: a Qwen3-MoE, `write_moe_target`)
+    rewritten as an FP8 checkpoint in Qwen's format: every layer linear (`FP8_LINEARS`, the experts'
+    too; not the MoE router) as float8_e4m3fn + `weight_scale_inv`, config.json's
     `quantization_config` {quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size};
     embeddings, norms and the LM head stay float32. `keep_float`: layer tensor names (e.g.
     "model.layers.0.self_attn.o_proj.weight") left unquantized, as `modules_to_not_convert` does."""
-    write_target(path, seed=seed, **target_kw)
+    (write_moe_target if moe else write_target)(path, seed=seed, **target_kw)
     gen = _seeded(seed + 7)
     tensors = {}
     for f in sorted(os.listdir(path)):
@@ -190,6 +193,32 @@ def write_fp8_target(path: str, *, block=(128, 128), keep_float=(), seed: int = 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return path
+
+
+def write_fp8_dequantized(path: str, out: str) -> str:
+    """The FP8 checkpoint at `path` dequantized in torch (weight.float() * weight_scale_inv spread
+    over each block) and saved at `out` as a float32 checkpoint without quantization_config."""
+    import shutil
+    cfg = _target_config_dict(path)
+    n, k = cfg.pop("quantization_config")["weight_block_size"]
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as st:
+        tensors = {name: st.get_tensor(name) for name in st.keys()}
+    state = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = tensors[name + "_scale_inv"]
+            t = t.float() * s.repeat_interleave(n, 0)[:t.shape[0]].repeat_interleave(k, 1)[:, :t.shape[1]]
+        state[name] = t.float().contiguous()
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(path):
+        if not f.endswith(".safetensors") and f != "config.json":
+            shutil.copy(os.path.join(path, f), out)
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out
 
 
 def fp8_dequantized_hf(path: str):

@@ -158,3 +158,36 @@ def test_fp8_checkpoint_on_the_generate_cli(fp8_target, tmp_path, capsys):
         gen_cli.main(["--model", bad, "--draft", "none", "--prompt-ids", "1"])
     _, err = capsys.readouterr()
     assert e.value.code == 2 and "quant_method='awq' is not supported" in err and "Traceback" not in err
+
+
+def test_fp8_moe_checkpoint_keeps_its_experts_in_8_bits(tmp_path):
+    """A Qwen3-MoE FP8 checkpoint (experts in fp8 too, moe_intermediate 200: gate | up per column):
+    its stacked experts load as 3-D Fp8BlockWeights, the logits equal those of the same checkpoint
+    dequantized in torch and loaded in float32 (whose loader tests/test_moe.py checks against
+    transformers), and DFlash greedy == plain greedy."""
+    from dflash_jax.models.moe import experts
+    path = ck.write_fp8_target(str(tmp_path / "moe_fp8"), moe=True, seed=5, hidden_size=96, moe_intermediate_size=200,
+                               num_experts=4, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+    target = load_target(path, dtype="float32")
+    ref = load_target(ck.write_fp8_dequantized(path, str(tmp_path / "deq")), dtype="float32")
+    gu, down = target.layers[0].mlp.experts_gate_up[...], target.layers[0].mlp.experts_down[...]
+    assert isinstance(gu, Fp8BlockWeight) and gu.q.shape == (4, 96, 400) and gu.scale.shape == (4, 1, 400)
+    assert isinstance(down, Fp8BlockWeight) and down.scale.shape == (4, 2, 1) and down.block == (128, 128)
+    assert not isinstance(target.layers[0].mlp.router[...], Fp8BlockWeight)
+    np.testing.assert_array_equal(np.asarray(gu.dequantize()), np.asarray(ref.layers[0].mlp.experts_gate_up[...]))
+    x = jax.random.normal(jax.random.key(0), (3, 96))
+    idx = jnp.asarray([[0, 2], [1, 3], [2, 3]], jnp.int32)
+    w = jnp.full((3, 2), 0.5)
+    np.testing.assert_allclose(np.asarray(experts(x, w, idx, gu, down, first_expert=None)),
+                               np.asarray(experts(x, w, idx, ref.layers[0].mlp.experts_gate_up[...],
+                                                  ref.layers[0].mlp.experts_down[...], first_expert=None)),
+                               rtol=1e-5, atol=1e-5)
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, 128, (2, 11)))
+    pos = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (2, 11))
+    got, want = [np.asarray(m.logits(m(ids, pos, m.new_cache(2, 32), pos + 1)[0])) for m in (target, ref)]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    draft = init_draft(DraftConfig.for_target(target.config, num_layers=1, block_size=4), seed=2, dtype="float32",
+                       target=target)
+    prompts = [[3, 17, 99, 5, 64, 2, 8], [5, 9, 77, 3, 1]]
+    assert generate(target, draft, prompts, max_new_tokens=12, block_size=4).tokens == \
+        generate(target, None, prompts, max_new_tokens=12).tokens

@@ -28,7 +28,10 @@ Quantized experts (dflash_jax.quantize, `quantize="int8"`: q [E, in, out] int8 a
 expert and output column [E, out]) take the XLA path whatever `KernelConfig.moe_gmm` says: the
 Pallas gmm kernels read float weights (int8 in their prologue is a later slice), so `ragged_dot`
 multiplies the int8 matrices converted to x's dtype and each row is then scaled by its own expert's
-column scales, in float32, as models.layers.linear scales an int8 dense weight.
+column scales, in float32, as models.layers.linear scales an int8 dense weight. An FP8 checkpoint's
+experts (quantize.Fp8BlockWeight: block scales along the contraction axis too) are dequantized to
+x's dtype inside the program and then multiplied: exact, but XLA converts every expert of the layer
+per call (a gmm prologue that reads fp8 is the later slice).
 """
 
 from __future__ import annotations
