@@ -11,18 +11,19 @@ floats unnoticed: `linear` (models/layers.py) and `x @ w` dequantize, (x @ q) * 
 Quantized: the linear weights of every decoder layer (attention qkv / o, the dense MLP's gate_up /
 down, Qwen3.5's GDN in_proj / out and the shared expert's MLP) and the stacked MoE experts
 (models/moe.py multiplies those on the XLA path). Kept as loaded: embeddings, the LM head, norms,
-biases, the MoE router, the GDN conv and gates, and the whole draft.
+biases, the MoE router, the GDN conv and gates, and the draft (unless `quantize_draft`). On a mesh
+each scale is placed with its weight's columns (sharding._place).
 
 An FP8 checkpoint's layer linears and MoE experts become `Fp8BlockWeight`s (q float8_e4m3fn, the
 checkpoint's block scales, both in our [in, out] orientation; experts stacked [E, in, out]); its
 other tensors load as the checkpoint has them (one it quantized that we keep in floats, e.g. an
-embedding, is dequantized at load). Why keep fp8 and not convert to int8 per output channel: the model as run then IS the
-dequantized checkpoint (q * scale in float32, exactly what transformers' dequantization computes),
-whereas int8 per output channel would round every weight a second time (one scale per column across
-all its 128-row blocks, so a column whose blocks' scales differ loses bits in its small blocks).
-A block scale varies along the contraction axis, so it cannot be applied to the product the way a
-per-column int8 scale is: the matmul dequantizes the weight to x's dtype first, inside the jitted
-program (XLA fuses the convert and multiply into the dot's operand; nothing is stored dequantized).
+embedding, is dequantized at load). Why keep fp8 and not convert to int8 per output channel: the
+model as run then IS the dequantized checkpoint (q * scale in float32, exactly what transformers'
+dequantization computes), whereas int8 per output channel would round every weight a second time
+(one scale per column across all its 128-row blocks, so a column whose blocks' scales differ loses
+bits in its small blocks). A block scale varies along the contraction axis, so it cannot scale the
+product the way a per-column int8 scale does: the matmul dequantizes the weight to x's dtype first,
+inside the jitted program (a temporary of that program at most, never a stored float copy).
 """
 
 from __future__ import annotations
