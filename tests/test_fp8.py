@@ -19,7 +19,7 @@ from tests import checkpoints as ck
 
 from dflash_jax import DraftConfig, generate, init_draft, init_target, load_target
 from dflash_jax.models.layers import linear
-from dflash_jax.quantize import Fp8BlockWeight, concat_columns, quantized_leaves, weight_bytes
+from dflash_jax.quantize import Fp8BlockWeight, Int8Weight, concat_columns, quantized_leaves, weight_bytes
 
 # hidden 96 and intermediate 200: no multiple of 128 (ragged last blocks; down_proj's two K blocks);
 # q 8 x 32 = 256 and k / v 4 x 32 = 128 make the fused qkv's block grids line up, gate | up (200 |
@@ -82,6 +82,10 @@ def test_fp8_checkpoint_logits_match_transformers_on_the_dequantized_weights(fp8
     assert target.layers[0].o[...].dtype == jnp.float32 and target.lm_head[...].dtype == jnp.float32
     assert target.quantize == "fp8"
     assert weight_bytes(target) < 0.5 * weight_bytes(init_target(target.config, dtype="float32"))
+    # quantize="int8" on an FP8 checkpoint: its fp8 weights stay, the one it left in floats turns int8
+    both = load_target(path, dtype="float32", quantize="int8")
+    assert both.quantize == "fp8+int8" and isinstance(both.layers[0].o[...], Int8Weight)
+    assert sum(isinstance(w, Fp8BlockWeight) for w in quantized_leaves(both)) == len(fp8)
     ids = np.random.RandomState(0).randint(0, 128, (2, 13))
     with torch.no_grad():
         want = hf(torch.as_tensor(ids), attention_mask=torch.ones(2, 13, dtype=torch.long)).logits.numpy()
