@@ -130,7 +130,14 @@ def _paged_empty(st: Static, tstate, dstate, num_pages: int, page_size: int) -> 
     shapes = jax.eval_shape(init, tstate, dstate)
     s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
     params = s.params.replace(stop_ids=jnp.full(s.params.stop_ids.shape, -1, jnp.int32))
-    return SlotState(loop=s.loop.replace(done=jnp.ones((st.batch,), bool)), params=params)
+    loop = _without_table(s.loop.replace(done=jnp.ones((st.batch,), bool)))
+    return SlotState(loop=loop, params=params)
+
+
+def _without_table(loop: LoopState) -> LoopState:
+    """loop with its caches' tables taken out: the state keeps none (the host owns the table and
+    each program gets the rows it needs, as wide as the pages they hold: a power of two)."""
+    return _with_table(loop, None)
 
 
 def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows, table):
@@ -144,7 +151,7 @@ def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows,
         tc = slots.loop.target_cache.replace(table=table, lens=zeros)
         dc = slots.loop.draft_cache
         new = prefill(st, target, draft, p, caches=(tc, None if dc is None else dc.replace(table=table, lens=zeros)))
-        new, pools = _split_pools(new)
+        new, pools = _split_pools(_without_table(new))
         put = lambda o, x: o.at[rows].set(x, mode="drop")                              # noqa: E731
         loop = with_globals(jax.tree.map(put, rows_only(old), rows_only(new)), slots.loop)
         params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, prompt_start=None))
@@ -153,15 +160,18 @@ def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows,
 
 
 def _paged_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, table):
-    """_slots_step with the host's page table [B, P] for this step."""
+    """_slots_step with the host's page table [B, P] for this step (P: the pages the busy rows hold,
+    rounded up to a power of two: the layers gather and attend over P pages a row)."""
     slots = slots.replace(loop=_with_table(slots.loop, table))
-    return _slots_step(st, n_iters, tstate, dstate, slots, release, wp)
+    slots, *out = _slots_step(st, n_iters, tstate, dstate, slots, release, wp)
+    return (slots.replace(loop=_without_table(slots.loop)), *out)
 
 
 def _paged_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, idx, table):
-    """_slots_step_rows with the host's page table [B, P] for this step."""
+    """_slots_step_rows with the host's page table [B, P] for this step (as _paged_step's)."""
     slots = slots.replace(loop=_with_table(slots.loop, table))
-    return _slots_step_rows(st, n_iters, tstate, dstate, slots, release, wp, idx)
+    slots, *out = _slots_step_rows(st, n_iters, tstate, dstate, slots, release, wp, idx)
+    return (slots.replace(loop=_without_table(slots.loop)), *out)
 
 
 def _slots_specs(st: Static, slots: SlotState) -> SlotState:
@@ -518,24 +528,38 @@ class Slots:
             return jnp.asarray(x)
         return jax.device_put(np.asarray(x), NamedSharding(self.mesh, P() if spec is None else spec))
 
-    def _insert_program(self, bucket: int, mode: str, width: int):
+    def _insert_program(self, bucket: int, mode: str, width: int, pages: int | None = None):
         """The prefill program of `width` requests of prompt bucket `bucket` (kept on the engine as
-        _step_program's: a request's first token must not wait for host work)."""
-        prog = self._programs.get(("insert", bucket, mode, width))
+        _step_program's: a request's first token must not wait for host work). pages: paged, the
+        table's width (default every page of a row)."""
+        pages = self._pages_bucket(pages)
+        prog = self._programs.get(("insert", bucket, mode, width, pages))
         if prog is None:
             st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
             p = params_on_mesh(idle_params(width, bucket), self.mesh)
             rows = self._put(np.full((width,), self.slots, np.int32))
             if self.paged:
                 p = p.replace(prompt_start=jnp.zeros((width,), jnp.int32))
-                table = jnp.zeros((width, self.pages_per_row), jnp.int32)
-                prog = cached_program(("engine_insert_paged", st, self.slots, self.pages.num_pages), _paged_insert,
-                                      (st,), (self._tstate, self._dstate, self.state, p, rows, table), donate=(2,))
+                table = jnp.zeros((width, pages), jnp.int32)
+                prog = cached_program(("engine_insert_paged", st, self.slots, self.pages.num_pages, pages),
+                                      _paged_insert, (st,), (self._tstate, self._dstate, self.state, p, rows, table),
+                                      donate=(2,))
             else:
                 prog = cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
                                       (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
-            self._programs[("insert", bucket, mode, width)] = prog
+            self._programs[("insert", bucket, mode, width, pages)] = prog
         return prog
+
+    def _pages_bucket(self, pages: int | None) -> int | None:
+        """A paged program's table width for rows holding up to `pages` pages: the next power of two,
+        at most a row's every page (None: that); None without pages."""
+        if not self.paged:
+            return None
+        return self.pages_per_row if pages is None else min(pow2(max(int(pages), 1), 1), self.pages_per_row)
+
+    def _rows_pages(self, slots) -> int:
+        """The most pages any of these slots holds."""
+        return max([len(self._row_pages[s]) for s in slots] + [1])
 
     def _step_key(self, mode: str, rows: int | None):
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
@@ -543,19 +567,21 @@ class Slots:
         K = self.steps_for(self.slots if rows is None else rows)
         return st, (("engine_step", st, K) if full else ("engine_step_rows", st, K, rows))
 
-    def _step_program(self, mode: str, rows: int | None = None):
+    def _step_program(self, mode: str, rows: int | None = None, pages: int | None = None):
         """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them).
         Kept per (mode, rows) on the engine as well: finding it in the shared cache hashes its
-        Static (the models' graph definitions), a few ms of host time per step on the hot path."""
+        Static (the models' graph definitions), a few ms of host time per step on the hot path.
+        pages: paged, the table's width (_pages_bucket)."""
         rows = self.slots if rows is None else int(rows)
-        prog = self._programs.get((mode, rows))
+        pages = self._pages_bucket(pages)
+        prog = self._programs.get((mode, rows, pages))
         if prog is not None:
             return prog
         st, key = self._step_key(mode, rows)
         wp = width_params(st)
-        table = (jnp.asarray(self.table),) if self.paged else ()
+        table = (jnp.asarray(self.table[:, :pages]),) if self.paged else ()
         if self.paged:
-            key = ("paged", self.pages.num_pages) + key
+            key = ("paged", self.pages.num_pages, pages) + key
         if rows == self.slots:
             prog = cached_program(key, _paged_step if self.paged else _slots_step, (st, self.steps_for(rows)),
                                   (self._tstate, self._dstate, self.state, self._put(self._release), wp) + table,
@@ -565,7 +591,7 @@ class Slots:
             prog = cached_program(key, _paged_step_rows if self.paged else _slots_step_rows, (st, self.steps_for(rows)),
                                   (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx) + table,
                                   donate=(2,))
-        self._programs[(mode, rows)] = prog
+        self._programs[(mode, rows, pages)] = prog
         return prog
 
     def _width_params(self, mode: str, rows: int | None, profile_width: int | None = None) -> dict:
@@ -664,12 +690,13 @@ class Slots:
                 lens = np.ones((W,), np.int32)
                 rows = np.full((W,), self.slots, np.int32)
                 starts = np.zeros((W,), np.int32)
-                table = np.zeros((W, self.pages_per_row), np.int32) if self.paged else None
+                pages = self._pages_bucket(max(len(self._admitted[slot][0]) for slot, _ in chunk)) if self.paged else None
+                table = np.zeros((W, pages), np.int32) if self.paged else None
                 settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
                 for i, (slot, r) in enumerate(chunk):
                     if self.paged:
                         starts[i] = self._start_row(slot, r)
-                        table[i] = self.table[slot]
+                        table[i] = self.table[slot, :pages]
                     prompt[i, :len(r.prompt) - starts[i]] = r.prompt[starts[i]:]
                     lens[i], rows[i] = len(r.prompt), slot
                     settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
@@ -679,7 +706,7 @@ class Slots:
                 p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
                            active=jnp.asarray(np.arange(W) < len(chunk)), **row_settings(settings))
                 p = params_on_mesh(p, self.mesh)
-                prog = self._insert_program(bucket, mode, W)
+                prog = self._insert_program(bucket, mode, W, pages)
                 if self.paged:
                     p = p.replace(prompt_start=jnp.asarray(starts))
                     self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows),
@@ -804,7 +831,8 @@ class Slots:
             raise ValueError(f"busy slots must be in [0, {self.slots}), got {busy}")
         n = self.step_bucket(len(busy))
         mode = union_mode(self.modes[b] for b in busy)
-        prog = self._step_program(mode, n)
+        pages = self._pages_bucket(self._rows_pages(busy)) if self.paged else None
+        prog = self._step_program(mode, n, pages)
         self.bucket_steps[n] += 1
         wp = self._width_params(mode, n)
         release = self._put_cached(self._release)
@@ -815,7 +843,7 @@ class Slots:
             if short:
                 raise PagesShort(f"slots {short} have no pages for their next step: call grow() first")
             self._inflight[busy] += K
-            table = (jnp.asarray(self.table),)
+            table = (jnp.asarray(self.table[:, :pages]),)
         if n == self.slots:
             self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp, *table)
         else:
