@@ -86,6 +86,17 @@ class PagedKVCache:
                    lens=jnp.zeros((batch,), jnp.int32), table=jnp.zeros((batch, pages_per_row), jnp.int32),
                    page_size=int(page_size))
 
+    def specs(self, mesh) -> "PagedKVCache":
+        """PartitionSpecs on `mesh`: pools by kv head on 'model' (every page on every data shard:
+        any row may own any page), lens and table rows on 'data'."""
+        from jax.sharding import PartitionSpec as P
+
+        from dflash_jax import sharding
+        kv, lens = sharding.cache_specs(self.k[0].shape[1], mesh)
+        pool = P(None, *kv[1:])
+        return self.replace(k=tuple(pool for _ in self.k), v=tuple(pool for _ in self.v), lens=lens,
+                            table=None if self.table is None else P("data", None))
+
     def pools(self) -> tuple:
         """(k, v): the part every row shares, which row gathers and scatters leave alone."""
         return self.k, self.v
@@ -99,9 +110,15 @@ class PagedKVCache:
         return self.replace(k=pools[0], v=pools[1])
 
     def _view(self, pool):
+        from dflash_jax import sharding
         B, P = self.table.shape
         g = pool[self.table]                                                     # [B, P, Hkv, page, D]
-        return jnp.swapaxes(g, 1, 2).reshape(B, pool.shape[1], P * self.page_size, pool.shape[3])
+        view = jnp.swapaxes(g, 1, 2).reshape(B, pool.shape[1], P * self.page_size, pool.shape[3])
+        mesh = sharding.current_mesh()
+        if mesh is None:
+            return view
+        kv, _ = sharding.cache_specs(pool.shape[1], mesh)     # laid out as a dense cache's rows
+        return jax.lax.with_sharding_constraint(view, jax.sharding.NamedSharding(mesh, kv))
 
     def layer_kv(self, i: int):
         """Layer i's (k, v) as [B, Hkv, C, D]: each row's pages gathered (C = P * page)."""

@@ -37,7 +37,7 @@ from dflash_jax import width
 from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
                              merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings,
                              pick_width, rows_only, width_costs, width_params, with_globals,
-                             flush_pending, pending_room)
+                             flush_pending, pending_room, to_host)
 
 __all__ = ["Slots", "Pipeline", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
@@ -156,7 +156,7 @@ def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows,
         loop = with_globals(jax.tree.map(put, rows_only(old), rows_only(new)), slots.loop)
         params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, prompt_start=None))
         first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
-        return SlotState(loop=_join_pools(loop, pools), params=params), first, new.done
+        return _slots_placed(st, SlotState(loop=_join_pools(loop, pools), params=params)), first, new.done
 
 
 def _paged_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, table):
@@ -439,9 +439,6 @@ class Slots:
         self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
         st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
         if self.paged:
-            if self.mesh is not None:
-                raise ValueError("a paged KV cache on a mesh is not supported yet: use the fixed-slot engine "
-                                 "(no kv_pages) on a mesh")
             self.page_size, self.pages_per_row = int(page_size), self.capacity // int(page_size)
             self.pages = PageAllocator(int(kv_pages), self.page_size, prefix_cache=bool(prefix_cache))
             self.table = np.zeros((self.slots, self.pages_per_row), np.int32)
@@ -539,8 +536,8 @@ class Slots:
             p = params_on_mesh(idle_params(width, bucket), self.mesh)
             rows = self._put(np.full((width,), self.slots, np.int32))
             if self.paged:
-                p = p.replace(prompt_start=jnp.zeros((width,), jnp.int32))
-                table = jnp.zeros((width, pages), jnp.int32)
+                p = p.replace(prompt_start=self._put(np.zeros((width,), np.int32), P("data")))
+                table = self._table_arg(np.zeros((width, pages), np.int32))
                 prog = cached_program(("engine_insert_paged", st, self.slots, self.pages.num_pages, pages),
                                       _paged_insert, (st,), (self._tstate, self._dstate, self.state, p, rows, table),
                                       donate=(2,))
@@ -549,6 +546,10 @@ class Slots:
                                       (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
             self._programs[("insert", bucket, mode, width, pages)] = prog
         return prog
+
+    def _table_arg(self, table: np.ndarray):
+        """Page-table rows as a program argument (on a mesh: rows on 'data', as the slots')."""
+        return jnp.asarray(table) if self.mesh is None else self._put(table, P("data", None))
 
     def _pages_bucket(self, pages: int | None) -> int | None:
         """A paged program's table width for rows holding up to `pages` pages: the next power of two,
@@ -579,7 +580,7 @@ class Slots:
             return prog
         st, key = self._step_key(mode, rows)
         wp = width_params(st)
-        table = (jnp.asarray(self.table[:, :pages]),) if self.paged else ()
+        table = (self._table_arg(self.table[:, :pages]),) if self.paged else ()
         if self.paged:
             key = ("paged", self.pages.num_pages, pages) + key
         if rows == self.slots:
@@ -631,7 +632,7 @@ class Slots:
         program: steps over the current state forced to each width with nothing accepted. Every
         slot must be free (a free row's iteration costs what a busy one's does: fixed shapes)."""
         st, key = self._step_key(mode, rows)
-        if st.widths is None or self.verify_width != "auto" or not bool(np.all(np.asarray(self.state.loop.done))):
+        if st.widths is None or self.verify_width != "auto" or not bool(np.all(to_host(self.state.loop.done))):
             return
         n = rows or self.slots
         prog = self._step_program(mode, n)
@@ -639,7 +640,7 @@ class Slots:
 
         def time_width(i):
             t0 = time.perf_counter()
-            table = (jnp.asarray(self.table),) if self.paged else ()
+            table = (self._table_arg(self.table),) if self.paged else ()
             self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
                                              self._width_params(mode, n, i), *idx, *table)
             jax.block_until_ready(commits)
@@ -708,9 +709,9 @@ class Slots:
                 p = params_on_mesh(p, self.mesh)
                 prog = self._insert_program(bucket, mode, W, pages)
                 if self.paged:
-                    p = p.replace(prompt_start=jnp.asarray(starts))
+                    p = p.replace(prompt_start=self._put(starts, P("data")))
                     self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows),
-                                                   jnp.asarray(table))
+                                                   self._table_arg(table))
                     for slot, r in chunk:   # both caches hold the prompt once the prefill runs (dispatch order)
                         self.pages.publish(r.prompt, self._row_pages[slot])
                 else:
@@ -843,7 +844,7 @@ class Slots:
             if short:
                 raise PagesShort(f"slots {short} have no pages for their next step: call grow() first")
             self._inflight[busy] += K
-            table = (jnp.asarray(self.table[:, :pages]),)
+            table = (self._table_arg(self.table[:, :pages]),)
         if n == self.slots:
             self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp, *table)
         else:

@@ -7,6 +7,8 @@ chat hits turn 1's prefix. Greedy, float32, the trained vocab-32 pair (acceptanc
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -183,3 +185,49 @@ def test_served_multi_turn_chat_hits_turn_1_and_equals_a_cold_server(tiny):
     finally:
         cold.shutdown(timeout=10)
     assert a2.choices[0].message.content == b2.choices[0].message.content
+
+
+CHILD = os.environ.get("DFLASH_PAGED_CHILD") == "1"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHILD, reason="the parent's runner")
+def test_paged_on_a_mesh_in_a_child():
+    from tests.children import run_child
+    run_child(__file__, devices=4, env=dict(DFLASH_PAGED_CHILD="1"), args=("-m", "slow", "-k", "mesh_child"),
+              min_passed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHILD, reason="runs in the 4-device child (test_paged_on_a_mesh_in_a_child)")
+def test_paged_mesh_child_prefix_hit_equals_one_device():
+    """Pages on a 2x2 mesh (pools by kv head on 'model', every page on each data shard; slots and
+    their table rows on 'data'): requests with and without prefix hits give one device's tokens
+    and acceptance lengths."""
+    import jax
+    from dflash_jax import sharding as sh
+    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax.weights import init_draft, init_target
+
+    cfg = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                       num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=4)
+
+    def models(mesh):
+        t, d = init_target(cfg, dtype="float32"), init_draft(dcfg, dtype="float32")
+        if mesh is not None:
+            sh.shard_model(t, mesh)
+            sh.shard_model(d, mesh)
+        return t, d
+
+    base = prompt_of(40, 12)
+    reqs = [RowRequest(prompt=base, max_new=9), RowRequest(prompt=base[:9] + prompt_of(41, 4), max_new=11),
+            RowRequest(prompt=prompt_of(42, 6), max_new=7), RowRequest(prompt=base[:5] + prompt_of(43, 3), max_new=8)]
+    kw = dict(slots=2, capacity=CAP, steps=2, attention_impl="xla", kv_pages=64, page_size=PAGE)
+    runs = []
+    for mesh in (None, sh.make_mesh("2x2", devices=jax.devices()[:4])):
+        eng = Slots(*models(mesh), **kw)
+        runs.append([eng.run([r])[0] for r in reqs])          # one at a time: hits on earlier requests
+        assert eng.pages.stats()["prefix_hits_tokens"] == 8 + 4
+    assert [o.tokens for o in runs[1]] == [o.tokens for o in runs[0]]
+    assert [o.acceptance_lengths for o in runs[1]] == [o.acceptance_lengths for o in runs[0]]
