@@ -1412,7 +1412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
 
 
-def _paged_args(parser, args, target, draft) -> dict:
+def paged_args(parser, args, target, draft) -> dict:
     """SlotEngine's paged-cache arguments from --kv-pages / --kv-cache-memory / --page-size /
     --prefix-cache ({} without pages)."""
     if args.kv_pages is None and args.kv_cache_memory is None:
@@ -1457,7 +1457,7 @@ def _serve(parser, args, sock) -> int:
                                 pipeline=args.engine_pipeline, warmup_prompt_len=0,
                                 step_buckets=args.step_buckets,
                                 verify_width=None if args.verify_width == "block" else args.verify_width,
-                                **_paged_args(parser, args, target, draft))
+                                **paged_args(parser, args, target, draft))
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)

@@ -231,3 +231,25 @@ def test_paged_mesh_child_prefix_hit_equals_one_device():
         assert eng.pages.stats()["prefix_hits_tokens"] == 8 + 4
     assert [o.tokens for o in runs[1]] == [o.tokens for o in runs[0]]
     assert [o.acceptance_lengths for o in runs[1]] == [o.acceptance_lengths for o in runs[0]]
+
+
+def test_serve_flags_size_the_pool(pair, capsys):
+    """--kv-pages / --kv-cache-memory / --page-size / --prefix-cache reach the engine; bad ones are
+    one-line CLI errors."""
+    from dflash_jax import serve
+    target, draft = pair
+    p = serve.build_parser()
+    a = p.parse_args(["--slots", "4", "--kv-pages", "64", "--prefix-cache", "off"])
+    assert serve.paged_args(p, a, target, draft) == dict(kv_pages=64, page_size=16, prefix_cache=False)
+    a = p.parse_args(["--slots", "4", "--kv-cache-memory", "0.001", "--page-size", "8"])
+    per_page = serve.page_bytes(target, draft, 8)
+    c = target.config
+    assert per_page == 2 * 8 * c.head_dim * 4 * (c.num_layers * c.num_kv_heads
+                                                  + draft.config.num_layers * draft.config.num_kv_heads)
+    assert serve.paged_args(p, a, target, draft)["kv_pages"] == int(0.001 * 2**30 // per_page)
+    assert serve.paged_args(p, p.parse_args(["--slots", "4"]), target, draft) == {}
+    for bad, msg in ((["--kv-pages", "64", "--kv-cache-memory", "1"], "not both"), (["--kv-pages", "1"], "at least 2"),
+                     (["--kv-cache-memory", "-1"], "must be > 0")):
+        with pytest.raises(SystemExit):
+            serve.paged_args(p, p.parse_args(["--slots", "4"] + bad), target, draft)
+        assert msg in capsys.readouterr().err
