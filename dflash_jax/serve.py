@@ -38,7 +38,7 @@ import time
 import uuid
 from typing import Any, Literal, Sequence, Union
 
-from dflash_jax import loading, validation
+from dflash_jax import loading, multihost_serve, validation
 from dflash_jax.engine import (EngineClosed, Finished, QueueFull, Request, RequestError, SimpleEngine, SlotEngine,
                                Tokens, parse_step_buckets)
 from dflash_jax.scoring import MAX_TOP_LOGPROBS
@@ -676,7 +676,8 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
             raise _bad("max_tokens", "must be >= 1 (0 only with echo: the prompt and its logprobs alone)")
         echo = None
         if body.echo:
-            echo = await _off_loop(lambda: [p if isinstance(p, str) else _decode(ids) for p, ids in zip(batch, prompts)])
+            echo = await _off_loop(lambda: [p if isinstance(p, str) else _decode(ids)
+                                            for p, ids in zip(batch, prompts)])
         return await _run(body, prompts, max_tokens, http, t0, chat=False, top=top, echo=echo)
 
     @app.post("/v1/chat/completions")
@@ -1164,6 +1165,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept a request's own chat_template (a template is code run by this server: refused "
                         "with 400 unless this is given)")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed with --random-init")
+    multihost_serve.add_args(g)
     return p
 
 
@@ -1404,12 +1406,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     skip_absent_tpu()  # libtpu's noise off a TPU VM
     parser = build_parser()
     args = parser.parse_args(argv)
+    flags = dict(vars(args))      # as given: every process of a multi-host server must have process 0's
     _check(parser, args)
-    sock = _bind(parser, args.host, args.port)
+    hosts = multihost_serve.Hosts.join(parser, args, flags)    # None on one process
+    sock = _bind(parser, args.host, args.port) if hosts is None or hosts.leader else None
     try:
-        return _serve(parser, args, sock)
+        return _serve(parser, args, sock, hosts)
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
 
 
 def paged_args(parser, args, target, draft) -> dict:
@@ -1441,7 +1446,7 @@ def page_bytes(target, draft, page_size: int) -> int:
     return one(target) + (0 if draft is None else one(draft))
 
 
-def _serve(parser, args, sock) -> int:
+def _serve(parser, args, sock, hosts=None) -> int:
     import uvicorn
 
     target, draft, tokenizer, eos, name = _load(parser, args)
@@ -1457,12 +1462,18 @@ def _serve(parser, args, sock) -> int:
                                 pipeline=args.engine_pipeline, warmup_prompt_len=0,
                                 step_buckets=args.step_buckets,
                                 verify_width=None if args.verify_width == "block" else args.verify_width,
-                                **paged_args(parser, args, target, draft))
+                                wrap=None if hosts is None else hosts.wrap, **paged_args(parser, args, target, draft))
         else:
             engine = SimpleEngine(target, draft, capacity=args.capacity, max_queue=args.max_queue,
                                   eos_token_ids=eos, block_size=block, attention_impl=args.attention)
     except ValueError as e:
         parser.error(str(e))
+    if hosts is not None and not hosts.leader:    # a worker: process 0's engine calls, no port
+        code = hosts.follow()
+        engine.shutdown(timeout=0)
+        del engine, target, draft
+        _release_device()
+        return code
     if args.slots > 1 and args.warmup_prompt_len:
         _warm_up(engine, args.warmup_prompt_len)
     from dflash_jax.scoring import Scorer
@@ -1470,10 +1481,12 @@ def _serve(parser, args, sock) -> int:
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name,
                     default_max_tokens=args.default_max_tokens,
                     trust_request_chat_template=args.trust_request_chat_template, max_body_bytes=args.max_body_bytes,
-                    scorer=Scorer(target, kernels=args.attention))
+                    scorer=None if hosts is not None else Scorer(target, kernels=args.attention))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="off")
     server = _server(config, app, engine, args.shutdown_timeout)
+    if hosts is not None:
+        hosts.watch(engine, app)
     print(f"[dflash] serving {name} on http://{args.host}:{args.port} (capacity {args.capacity}, context "
           f"{engine.stats().max_model_len}, block {engine.block_size}, {args.slots} slot(s))",
           file=sys.stderr, flush=True)
@@ -1488,6 +1501,8 @@ def _serve(parser, args, sock) -> int:
         # device, then free the device state and the compiled programs while the runtime is still
         # up, so nothing on the device is torn down by interpreter exit.
         engine.shutdown(timeout=args.shutdown_timeout)
+        if hosts is not None:
+            hosts.stop()
         del engine, app, server, target, draft
         _release_device()
     print("[dflash] server stopped", file=sys.stderr, flush=True)

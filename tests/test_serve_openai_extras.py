@@ -2,9 +2,10 @@
 `echo` (with `max_tokens: 0`, as lm-evaluation-harness's loglikelihood requests).
 
 One real server: test_serve.py's tiny float32 Qwen3 target + DFlash draft + byte-level BPE, through
-the simple engine (and, in the slow run, the slot engine with 4 slots). Tokens are checked against one-shot `generate`; log-probabilities against an
-independent oracle, transformers' Qwen3ForCausalLM (float32) log_softmax over the same tokens.
-All prompts sit in one prompt bucket (33..64 tokens) so the engine compiles once per sampling mode.
+the simple engine (and, in the slow run, the slot engine with 4 slots). Tokens are checked against
+one-shot `generate`; log-probabilities against an independent oracle, transformers'
+Qwen3ForCausalLM (float32) log_softmax over the same tokens. All prompts sit in one prompt bucket
+(33..64 tokens) so the engine compiles once per sampling mode.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from tests.test_serve import CAPACITY, NAME, client, oracle, serving, sse  # noq
 
 TOL = 1e-5
 # 33..64 tokens each under the test tokenizer: the shared prompt bucket
-PROMPTS = ["the quick brown fox jumps over the lazy dog and then", "a slow green turtle walks under the busy bridge at noon"]
+PROMPTS = ["the quick brown fox jumps over the lazy dog and then",
+           "a slow green turtle walks under the busy bridge at noon"]
 
 
 # The simple engine by default; the slot engine (n choices decoded side by side) in the slow run.
@@ -90,7 +92,8 @@ def test_n_greedy_choices_identical_and_usage(srv):
                           "total_tokens": len(ids) + 3 * len(want)}
     chat = client(srv.url).chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
                                                    max_tokens=8, temperature=0, n=2)
-    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
 
 
 def test_n_sampled_distinct_reproducible_and_batched_equals_separate(srv):
@@ -140,7 +143,8 @@ def test_completion_logprobs_equal_transformers(srv, temperature):
     seq = ids + out
     assert lp["tokens"] == [srv.tok.decode([t]) for t in out]
     # top_logprobs is keyed by token string: tokens that decode alike share a key (as OpenAI's)
-    check_logprobs(srv, seq, len(ids), lp["token_logprobs"], [sorted(t.values(), reverse=True)[:1] for t in lp["top_logprobs"]], 1)
+    best = [[max(t.values())] for t in lp["top_logprobs"]]
+    check_logprobs(srv, seq, len(ids), lp["token_logprobs"], best, 1)
     assert all(1 <= len(t) <= 5 for t in lp["top_logprobs"])
     if temperature == 0:     # greedy: each token is the top alternative, the very same float (lm-eval's is_greedy)
         assert all(v == max(t.values()) for v, t in zip(lp["token_logprobs"], lp["top_logprobs"]))
@@ -217,7 +221,8 @@ def test_extras_bad_values_are_400_naming_the_field(srv):
              ("/v1/completions", dict(comp, prompt=[[1, 2], []]), "prompt"),
              ("/v1/completions", dict(comp, prompt=[[1, 2], [10 ** 6]]), "prompt"),
              ("/v1/chat/completions", dict(chat, max_tokens=0), "max_tokens")]
-    cases += [(path, dict(body, **{f: v}), f) for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat))
+    cases += [(path, dict(body, **{f: v}), f)
+              for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat))
               for f, v in (("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", 0.5))]
     for path, body, field in cases:
         r = httpx.post(srv.url + path, json={"model": NAME, **body}, timeout=60)
