@@ -3,7 +3,8 @@
   attention/     block attention: reference.py (the jnp oracle), tpu.py (Mosaic TPU), gpu.py (Triton),
                  merge.py (the split-KV merge), tpu_cache_write.py (the TPU path's K/V row write,
                  caches kept in HBM); `block_attention` dispatches, `xla_block_attention` is the
-                 reference with long prompts tiled
+                 reference with long prompts tiled; paged.py: `block_attention_paged`, the same
+                 over a paged cache (page pools read through a page table)
   fused_layer/   the GPU path's fused decoder-layer kernels: the attention prologue (q/k norm, RoPE,
                  cache writes) and the residual add + RMSNorm
   sampling/      the GPU path's top-k / top-p threshold search kernels
@@ -12,8 +13,9 @@
 """
 
 from pallas_kernels._common import Unsupported, warn_once
-from pallas_kernels.attention import (IMPLS, block_attention, default_impl, reference_block_attention,
-                                      xla_block_attention)
+from pallas_kernels.attention import (IMPLS, block_attention, block_attention_paged, default_impl,
+                                      reference_block_attention, xla_block_attention,
+                                      xla_block_attention_paged)
 
 __all__ = ["block_attention", "reference_block_attention", "xla_block_attention", "IMPLS",
-           "Unsupported", "default_impl", "warn_once"]
+           "Unsupported", "default_impl", "warn_once", "block_attention_paged", "xla_block_attention_paged"]

@@ -12,6 +12,9 @@ impl:
   "xla"   the reference in plain jnp: short query blocks loop over KV chunks up to the longest
           row (cost follows the lengths, not the capacity); long ones tile the queries (prefill).
 A shape a kernel cannot tile (head_dim 96, capacity not a multiple of 128, ...) falls back to "xla".
+
+Paged caches (pools [N,Hkv,page,D] read through a page table [B,P]): `block_attention_paged`, the same
+backends (attention/paged.py); `xla_block_attention_paged` is the gather + `xla_block_attention`.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from jax import lax
 
 from pallas_kernels._common import Unsupported, check_shapes, warn_once
 from pallas_kernels.attention.reference import block_attention as reference_block_attention
+from pallas_kernels.attention.paged import block_attention_paged, gather_pages, xla_block_attention_paged
 
 __all__ = ["block_attention", "reference_block_attention", "xla_block_attention", "IMPLS",
-           "Unsupported"]
+           "Unsupported", "block_attention_paged", "xla_block_attention_paged", "gather_pages"]
 
 IMPLS = ("auto", "tpu", "gpu", "xla")
 _log = logging.getLogger(__name__)

@@ -21,6 +21,11 @@ Caches shorter than SPLIT_MIN_CAPACITY are split as SHORT_SPLITS says (8 ways in
 keys for a batch-1 block, 4 of >= 128 for decode) when the block is short (decode, verify, draft)
 and the programs few: at batch 1 and a 512-token prompt the unsplit kernel is latency-bound (8
 programs, ~9 tiles each).
+
+Paged caches (`block_attention_paged`): K/V live in page pools [N, Hkv, page, D] and row b's key t
+in pool page table[b, t // page]. The program gets its kv head of the whole pool ([N, page, D], a
+pointer, nothing copied) and its row of the table; each KV tile (block_k <= page keys, inside one
+page) loads its page id from the table and reads rows [k0 % page, k0 % page + block_k) of that page.
 """
 
 from __future__ import annotations
@@ -151,7 +156,8 @@ def _visible(k0, cols, kend, kstart):
 
 
 def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv_splits: int,
-            min_chunk: int, decode_rows: int, G: int, has_start: bool = False, ring: bool = False):
+            min_chunk: int, decode_rows: int, G: int, has_start: bool = False, ring: bool = False,
+            page: int = 0):
     """One (batch, kv head, row tile, kv split) program.
 
     Tiled mode (decode_rows == 0): q_ref [bt, G, D] holds bt query positions of the G query heads
@@ -167,8 +173,12 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv
     ring (with has_start): k_start / k_end are absolute key positions and the cache a ring of C
     slots: the loop walks absolute tiles and reads tile k0 from slots k0 mod C (C a multiple of
     block_k, so a tile never wraps).
+    page (paged caches): k_ref/v_ref [N, page, D] the kv head of the page pools, and the ref after
+    kstart (if any) this row's page table [P]; tile k0 is rows [k0 % page, + block_k) of page
+    table[k0 // page] (block_k divides page).
     """
     kstart_ref, out_refs = (refs[0], refs[1:]) if has_start else (None, refs)
+    table_ref, out_refs = (out_refs[0], out_refs[1:]) if page else (None, out_refs)
     s_idx = pl.program_id(3)
     if decode_rows:
         b, h = pl.program_id(0), pl.program_id(1)
@@ -216,10 +226,14 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv
         def body(it, carry):
             acc, m, l = carry
             k0 = pl.multiple_of(start + it * block_k, block_k)
-            slot = pl.multiple_of(lax.rem(k0, k_ref.shape[0]), block_k) if ring else k0
-            k = k_ref[pl.ds(slot, block_k), :]                                # [bk, D]
+            if page:   # the tile's page and its rows in that page (one indexer: Triton lowering)
+                at = (table_ref[k0 // page], pl.ds(pl.multiple_of(lax.rem(k0, page), block_k), block_k))
+            else:
+                slot = pl.multiple_of(lax.rem(k0, k_ref.shape[0]), block_k) if ring else k0
+                at = (pl.ds(slot, block_k),)
+            k = k_ref[(*at, slice(None))]                                     # [bk, D]
             m, l, acc = online_softmax_step(
-                q, k, lambda: v_ref[pl.ds(slot, block_k), :], m, l, acc, scale=scale2, exp=exp,
+                q, k, lambda: v_ref[(*at, slice(None))], m, l, acc, scale=scale2, exp=exp,
                 visible=(_visible(k0, cols, kend, kstart if has_start else None)) if masked else None)
             return acc, m, l
         return body
@@ -263,17 +277,27 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                     num_stages: int | None = None, min_chunk: int | None = None,
                     merge_kernel: bool | None = None,
                     merge_rows: int | None = None, merge_cols: int | None = None,
-                    n_sms: int | None = None, k_start=None, ring: bool = False):
+                    n_sms: int | None = None, k_start=None, ring: bool = False, table=None):
     """Pallas Triton block attention. Tuning arguments override `default_config`.
 
     merge_kernel: split partials merged by `merge_splits` (a Pallas kernel) instead of XLA's fusion
     of `merge`; None: as default_config says. n_sms: the GPU's SM count (None: `sm_count()`).
     k_start [B, T] (or None): each row's first key (rows attend [k_start, k_end)); blocks only.
     ring: the cache is a ring of C slots (key p in slot p mod C), k_start / k_end absolute
-    (pallas_kernels.attention.reference)."""
-    check_shapes(q, k_cache, v_cache, k_end)
+    (pallas_kernels.attention.reference).
+    table [B, P] int32 (or None): k_cache / v_cache are page pools [N, Hkv, page, D] read through it
+    (`block_attention_paged`); block_k is then at most the page and divides it."""
     B, T, Hq, D = q.shape
-    _, Hkv, C, _ = k_cache.shape
+    if table is None:
+        check_shapes(q, k_cache, v_cache, k_end)
+        _, Hkv, C, _ = k_cache.shape
+    else:
+        N, Hkv, page, _ = k_cache.shape
+        C = table.shape[1] * page
+        if ring:
+            raise Unsupported("a ring cache is not paged")
+        if page < 16 or page & (page - 1):
+            raise Unsupported(f"page={page} must be a power of two >= 16 (Triton tiles inside a page)")
     G = Hq // Hkv
     if D not in _HEAD_DIMS:
         raise Unsupported(f"head_dim={D} not in {_HEAD_DIMS}")
@@ -292,10 +316,12 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
                               merge_kernel=merge_kernel, merge_rows=merge_rows,
                               merge_cols=merge_cols, n_sms=n_sms,
                               k_start=None if k_start is None else jnp.pad(k_start, ((0, 0), (0, Tp - T))),
-                              ring=ring)
+                              ring=ring, table=table)
         return out[:, :T]
     n_sms = sm_count() if n_sms is None else n_sms
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
+    if table is not None:
+        cfg["block_k"] = min(cfg["block_k"], page)
     if block_t is not None:
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
@@ -310,6 +336,8 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         raise Unsupported(f"block_k={bk} must be a power of two >= 16")
     if C % bk:
         raise Unsupported(f"capacity C={C} is not a multiple of block_k={bk}")
+    if table is not None and page % bk:
+        raise Unsupported(f"block_k={bk} does not divide page={page}")
     decode_rows = 16 if (T == 1 and G < 16) else 0
     if k_start is not None and decode_rows:
         raise Unsupported("k_start in the decode layout (T == 1)")
@@ -326,7 +354,10 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     # Triton cannot do two dtypes in one dot: keep K/V and q alike (the contract has them equal).
     k_cache = k_cache.astype(q.dtype)
     v_cache = v_cache.astype(q.dtype)
-    kv_spec = pl.BlockSpec((None, None, C, D), lambda b, h, i, s: (b, h, 0, 0))
+    if table is None:
+        kv_spec = pl.BlockSpec((None, None, C, D), lambda b, h, i, s: (b, h, 0, 0))
+    else:   # the kv head of the whole pool; the table's row b
+        kv_spec = pl.BlockSpec((N, None, page, D), lambda b, h, i, s: (0, h, 0, 0))
     # Split partials in the input's dtype: for bf16 this halves the merge's traffic and costs about
     # one bf16 rounding (the output is bf16 anyway); f32 inputs keep f32 partials.
     if decode_rows:                      # q, k_end and the outputs as whole arrays (see _kernel)
@@ -358,11 +389,14 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     min_chunk = _round_up(max(cfg["min_chunk"], bk), bk)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, kv_splits=n_split,
                                min_chunk=min_chunk, decode_rows=decode_rows, G=G,
-                               has_start=k_start is not None, ring=ring)
+                               has_start=k_start is not None, ring=ring, page=page if table is not None else 0)
     extra_in, extra_spec = (), []
     if k_start is not None:
         ks = k_start.astype(jnp.int32)
         extra_in, extra_spec = (jnp.maximum(ks, 0) if ring else jnp.clip(ks, 0, C),), [kend_spec]
+    if table is not None:
+        extra_in += (table.astype(jnp.int32),)
+        extra_spec += [pl.BlockSpec((None, table.shape[1]), lambda b, h, i, s: (b, 0))]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
         out = pl.pallas_call(
@@ -374,7 +408,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
             compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
                                                     num_stages=cfg["num_stages"]),
             interpret=interpret,
-            name="dflash_block_attention_gpu",
+            name="dflash_block_attention_gpu" if table is None else "dflash_block_attention_paged_gpu",
         )(q_in, k_cache, v_cache, kend_in, *extra_in)
     if n_split > 1 and cfg["merge_kernel"]:
         out = merge_splits(*out, q.dtype, rows=cfg["merge_rows"], cols=cfg["merge_cols"],
@@ -382,3 +416,11 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     elif n_split > 1:
         out = merge(*out).astype(q.dtype)
     return out.reshape(B, T, Hq, D)
+
+
+def block_attention_paged(q, k_pool, v_pool, table, k_end, **kw):
+    """Pallas Triton block attention over a paged cache: the same result as `block_attention` on the
+    gathered view [B, Hkv, P*page, D] (view[b, :, t] = pool[table[b, t // page], :, t % page]).
+    q [B, T, Hq, D]; k_pool / v_pool [N, Hkv, page, D] (page a power of two >= 16); table [B, P]
+    int32; k_end (k_start) [B, T]; kw: `block_attention`'s tuning and k_start (block_k <= page)."""
+    return block_attention(q, k_pool, v_pool, k_end, table=table, **kw)

@@ -24,6 +24,13 @@ prefetch (SMEM) and does two jobs: the K/V index_map clamps the tile index to th
 row tile needs (Pallas skips the DMA when the block index does not change, so tiles past the end
 cost no HBM traffic), and the body skips compute on those tiles. Tiles entirely below the tile's
 min k_end skip the mask as well.
+
+Paged caches (`block_attention_paged`): K/V live in page pools [N, Hkv, page, D] and row b's key t
+in pool page table[b, t // page]. The kernel is the same; a KV tile is `pages_per_block` whole
+pages, each its own BlockSpec whose index_map reads the page id from the scalar-prefetched table
+(flattened to 1-D for SMEM), so every page is one DMA straight from the pool into VMEM and the tile
+is their concatenation. The tile index is clamped as above, so pages past a row tile's max k_end
+are neither fetched nor computed.
 """
 
 from __future__ import annotations
@@ -152,6 +159,26 @@ def _kernel(tmax_ref, tmin_ref, *refs, scale: float, block_k: int,
             o_ref[:, g * D:(g + 1) * D] = o[g * bt:(g + 1) * bt].astype(o_ref.dtype)
 
 
+class _PageTile:
+    """The refs of a KV tile's pages read as one tile: `tile[...]` is their rows concatenated, the
+    only way `_kernel` reads its k_ref / v_ref."""
+
+    def __init__(self, refs):
+        self.refs = refs
+
+    def __getitem__(self, idx):
+        if len(self.refs) == 1:
+            return self.refs[0][idx]
+        return jnp.concatenate([r[idx] for r in self.refs], axis=0)              # [m*page, D]
+
+
+def _paged_kernel(*refs, n_scalars: int, pages_per_block: int, **kw):
+    # refs: the scalars (the table last), q_ref, the tile's m K page refs, its m V page refs, the rest
+    m = pages_per_block
+    scalars, q_ref, rest = refs[:n_scalars - 1], refs[n_scalars], refs[n_scalars + 1:]
+    _kernel(*scalars, q_ref, _PageTile(rest[:m]), _PageTile(rest[m:2 * m]), *rest[2 * m:], **kw)
+
+
 def norm_rope(x, cos, sin, w, eps: float):
     """models.layers' q_norm then RoPE of one head's rows x [bt, D], with its roundings: the norm
     in float32 cast to x's dtype and scaled by the weight in that dtype, the rotation in float32.
@@ -217,6 +244,52 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, k
                       interpret=interpret, block_q=block_q, block_k=block_k, k_start=k_start, ring=ring)
 
 
+def paged_supported(page: int, D: int, dtype, pages_per_block: int = 1) -> str | None:
+    """Why `block_attention_paged` cannot take pages of `page` rows (None: it can). A page is a
+    whole block of the pool (always a legal BlockSpec); the tile concatenates pages along
+    sublanes, so they must be whole sublane tiles (8 rows f32, 16 bf16) when there are several."""
+    if D not in _HEAD_DIMS:
+        return f"head_dim={D} not in {_HEAD_DIMS}"
+    sub = _SUBLANE.get(jnp.dtype(dtype).itemsize)
+    if sub is None:
+        return f"dtype {jnp.dtype(dtype).name} not supported"
+    if page % sub:
+        return f"page={page} is not a multiple of {sub} rows ({jnp.dtype(dtype).name} sublane packing)"
+    if pages_per_block < 1 or page * pages_per_block > 1024:
+        return f"pages_per_block={pages_per_block} of {page} rows: a KV tile must hold 1..1024 keys"
+    return None
+
+
+# Keys per KV tile the paged kernel aims for when pages_per_block is not given: the dense kernel's
+# tiles are 512 keys at long contexts (a grid step has a fixed cost); 256 keeps the DMAs per step
+# (one per page) modest at page 16.
+PAGED_TILE_KEYS = 256
+
+
+def block_attention_paged(q, k_pool, v_pool, table, k_end, *, scale: float | None = None, k_start=None,
+                          interpret=False, block_q: int | None = None,
+                          pages_per_block: int | None = None):
+    """Pallas TPU block attention over a paged cache: the same result as `block_attention` on the
+    gathered view [B, Hkv, P*page, D] (view[b, :, t] = pool[table[b, t // page], :, t % page]).
+
+    q [B, T, Hq, D]; k_pool / v_pool [N, Hkv, page, D]; table [B, P] int32 page ids (entries past a
+    row's pages may name any page, e.g. the dummy page 0: keys there are past k_end); k_end,
+    k_start [B, T] as in `block_attention`. A KV tile is pages_per_block pages (default: enough for
+    PAGED_TILE_KEYS keys, at most P); the table is padded with page 0 to whole tiles. Raises
+    Unsupported where `paged_supported` says why."""
+    B, T, Hq, D = q.shape
+    N, Hkv, page, _ = k_pool.shape
+    P = table.shape[1]
+    m = max(1, min(PAGED_TILE_KEYS // page, P)) if pages_per_block is None else int(pages_per_block)
+    why = paged_supported(page, D, q.dtype, m)
+    if why:
+        raise Unsupported(why)
+    P_pad = _round_up(P, m)
+    table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, P_pad - P)))             # [B, P_pad]
+    return _attention(q, None, k_pool, v_pool, k_end, B=B, T=T, Hq=Hq, D=D, t0=0, scale=scale,
+                      interpret=interpret, block_q=block_q, k_start=k_start, pages=(table, m))
+
+
 def fused_q_supported(T: int, t0: int, Hq: int, Hkv: int, D: int, C: int, dtype) -> bool:
     """Whether `block_attention_qkv` takes this shape: token-major tiles (head_dim a whole number
     of lanes, so each head's roll stays in its own vregs) that also tile the row offset t0."""
@@ -261,15 +334,22 @@ def block_attention_qkv(qkv, cos, sin, q_norm_weight, eps: float, k_cache, v_cac
 
 
 def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, interpret,
-               block_q=None, block_k=None, k_start=None, ring=False):
+               block_q=None, block_k=None, k_start=None, ring=False, pages=None):
     """q: [B, T, Hq, D] (prologue None), or the [B, t0 + T, N] projection output (prologue: cos,
-    sin, weight, eps; token-major tiles only)."""
+    sin, weight, eps; token-major tiles only). pages: None, or (table [B, P] int32, m) with k_cache /
+    v_cache page pools [N, Hkv, page, D] and KV tiles of m pages (P a multiple of m)."""
     _, Hkv, C, _ = k_cache.shape
     G = Hq // Hkv
     R = T * G
     scale = D ** -0.5 if scale is None else float(scale)
     bt = token_tile(T, G, D, q.dtype, block_q=block_q) if D in _HEAD_DIMS else None
-    bq, bk = choose_blocks(R, C, D, q.dtype, block_q=G * bt if bt else block_q, block_k=block_k)
+    if pages is not None:   # C: the gathered view's rows; a tile of m pages is legal as a whole block
+        table, ppb = pages
+        page, P = C, table.shape[1]
+        C, block_k = P * page, ppb * page
+        bq, bk = choose_blocks(R, block_k, D, q.dtype, block_q=G * bt if bt else block_q, block_k=block_k)
+    else:
+        bq, bk = choose_blocks(R, C, D, q.dtype, block_q=G * bt if bt else block_q, block_k=block_k)
     R_pad = _round_up(R, bq)
     n_q, n_k = R_pad // bq, C // bk
     # a ring row's range (<= C keys) may start mid-tile and so touch n_k + 1 absolute tiles
@@ -299,15 +379,32 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
         ks_rows, ks_tiles = per_row(k_start)
         scalars.append(jnp.min(jnp.where(tiles > 0, ks_tiles, 0 if ring else C), axis=1))   # the tile's first key
 
-    def kv_map(b, h, i, j, tmax_ref, tmin_ref, *start_ref):
+    def kv_block(b, i, j, tmax_ref, start_ref):
         # Past the tile's last needed KV block, keep pointing at it: no new DMA is issued; before
         # its first (a window's start), point at that one.
         last = jnp.maximum(pl.cdiv(tmax_ref[b * n_q + i], bk) - 1, 0)
         if ring:   # grid step j: absolute tile first + j, in the ring's slot tile (mod n_k)
             first = start_ref[0][b * n_q + i] // bk
-            return (b, h, lax.rem(jnp.minimum(first + j, jnp.maximum(last, first)), n_k), 0)
+            return lax.rem(jnp.minimum(first + j, jnp.maximum(last, first)), n_k)
         first = jnp.minimum(start_ref[0][b * n_q + i] // bk, last) if start_ref else 0
-        return (b, h, jnp.clip(j, first, last), 0)
+        return jnp.clip(j, first, last)
+
+    def kv_map(b, h, i, j, tmax_ref, tmin_ref, *start_ref):
+        return (b, h, kv_block(b, i, j, tmax_ref, start_ref), 0)
+
+    if pages is None:
+        kv_specs, kv_args = [pl.BlockSpec((None, None, bk, D), kv_map)] * 2, [k_cache, v_cache]
+    else:
+        if ring:
+            raise Unsupported("a ring cache is not paged")
+
+        def page_map(s):
+            def index_map(b, h, i, j, tmax_ref, tmin_ref, *rest):   # rest: (start_ref,) table_ref
+                blk = kv_block(b, i, j, tmax_ref, rest[:-1])
+                return (rest[-1][b * P + blk * ppb + s], h, 0, 0)
+            return index_map
+        page_specs = [pl.BlockSpec((None, None, page, D), page_map(s)) for s in range(ppb)]
+        kv_specs, kv_args = page_specs * 2, [k_cache] * ppb + [v_cache] * ppb
 
     extra_in, extra_args = [], []
     if bt:
@@ -334,6 +431,10 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
                                prologue=prologue is not None,
                                eps=prologue[3] if prologue is not None else 0.0,
                                has_start=k_start is not None, ring=ring)
+    if pages is not None:   # the table rides last among the scalars (SMEM: 1-D)
+        scalars.append(table.reshape(-1))
+        kernel = functools.partial(_paged_kernel, n_scalars=len(scalars), pages_per_block=ppb,
+                                   **kernel.keywords)
     itemsize = jnp.dtype(q.dtype).itemsize
     out = pl.pallas_call(
         kernel,
@@ -343,8 +444,7 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
             grid=(B, Hkv, n_q, n_steps),
             in_specs=[
                 q_spec,
-                pl.BlockSpec((None, None, bk, D), kv_map),
-                pl.BlockSpec((None, None, bk, D), kv_map),
+                *kv_specs,
                 kend_spec,
                 *extra_in,
             ],
@@ -363,8 +463,8 @@ def _attention(q, prologue, k_cache, v_cache, k_end, *, B, T, Hq, D, t0, scale, 
             transcendentals=B * Hkv * R_pad * C,
             bytes_accessed=itemsize * (2 * B * Hkv * C * D + 2 * B * Hkv * R_pad * D)),
         interpret=interpret,
-        name="dflash_block_attention_tpu",
-    )(*scalars, q_in, k_cache, v_cache, kr, *extra_args)
+        name="dflash_block_attention_tpu" if pages is None else "dflash_block_attention_paged_tpu",
+    )(*scalars, q_in, *kv_args, kr, *extra_args)
     if bt:
         return out.reshape(B, T, Hq, D)                                       # a view, no copy
     return unfold_output(out, B, T, Hq, G)

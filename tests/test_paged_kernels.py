@@ -1,0 +1,167 @@
+"""Block attention over a paged KV cache (pallas_kernels.block_attention_paged) against the gather oracle.
+
+Pools [N, Hkv, page, D] hold pages in shuffled order; each row's table names its pages and pads with
+the dummy page 0, which is filled with large values so that a key read past k_end shows. The TPU
+kernel runs in the TPU interpreter, the GPU one in the generic interpreter (both on CPU); the TPU
+kernel is also compiled ahead of time for v5e at a Qwen3-8B shape, the GPU one lowered for CUDA.
+"""
+
+from __future__ import annotations
+
+from tests import tpu_aot  # noqa: F401  (first: sets libtpu's env before JAX initialises its backends)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import Unsupported
+from pallas_kernels.attention import gpu, paged, tpu
+from tests.tpu_aot import abstract, bytes_accessed, compile_for_tpu, memory_report, requires_libtpu, tpu_device
+
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _paged_inputs(lens, T, Hq, Hkv, D, page, P, dtype, seed=0):
+    """q [B,T,Hq,D], pools [N,Hkv,page,D] and a table [B,P]: row b's ceil(lens[b] / page) pages are
+    distinct shuffled pool pages, the rest of its row the dummy page 0 (filled with 50s)."""
+    rng = np.random.default_rng(seed)
+    B = len(lens)
+    used = [-(-n // page) for n in lens]
+    N = 1 + sum(used) + 3                                          # 3 pages nobody owns
+    ids = rng.permutation(np.arange(1, N))
+    table = np.zeros((B, P), np.int32)
+    at = 0
+    for b, n in enumerate(used):
+        table[b, :n] = ids[at:at + n]
+        at += n
+    k = rng.normal(size=(N, Hkv, page, D)).astype(np.float32)
+    v = rng.normal(size=(N, Hkv, page, D)).astype(np.float32)
+    k[0] = v[0] = 50.0
+    q = rng.normal(size=(B, T, Hq, D)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table))
+
+
+def _k_end(pattern, lens, T):
+    """verify: causal inside the block (the block is the last T keys of each row); draft: every row
+    of the block sees the whole row."""
+    lens = np.asarray(lens)[:, None]
+    t = np.arange(T)[None, :]
+    e = lens - T + t + 1 if pattern == "verify" else np.broadcast_to(lens, (len(lens), T))
+    return jnp.asarray(e, jnp.int32)
+
+
+def _check(out, q, k, v, table, k_end, dtype, k_start=None):
+    view_k, view_v = paged.gather_pages(k, table), paged.gather_pages(v, table)
+    want = pallas_kernels.reference_block_attention(q.astype(jnp.float32), view_k.astype(jnp.float32),
+                                                    view_v.astype(jnp.float32), k_end, k_start=k_start)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), **TOL[dtype])
+    # the XLA gather path is the same function
+    xla = pallas_kernels.xla_block_attention_paged(q, k, v, table, k_end, k_start=k_start)
+    np.testing.assert_allclose(np.asarray(xla, np.float32), np.asarray(want), **TOL[dtype])
+
+
+# (lens per row, T, Hq, Hkv, D, page, P, dtype, pattern, tuning)
+TPU_CASES = [
+    pytest.param([70, 33, 128], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
+    pytest.param([70, 20], 8, 4, 2, 128, 32, 4, jnp.bfloat16, "draft", {}, id="draft-bf16-p32"),
+    pytest.param([47, 9], 8, 4, 2, 64, 8, 8, jnp.float32, "verify", {"pages_per_block": 1},
+                 id="verify-f32-p8-one-page-tiles"),
+    pytest.param([50, 17], 1, 4, 2, 64, 16, 4, jnp.float32, "verify", {}, id="decode-folded"),
+]
+
+
+@pytest.mark.parametrize("lens,T,Hq,Hkv,D,page,P,dtype,pattern,tuning", TPU_CASES)
+def test_tpu_paged_kernel_interpret(lens, T, Hq, Hkv, D, page, P, dtype, pattern, tuning):
+    q, k, v, table = _paged_inputs(lens, T, Hq, Hkv, D, page, P, dtype)
+    e = _k_end(pattern, lens, T)
+    out = pallas_kernels.block_attention_paged(q, k, v, table, e, impl="tpu", interpret=True, **tuning)
+    _check(out, q, k, v, table, e, dtype)
+
+
+GPU_CASES = [
+    pytest.param([70, 33, 128], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
+    pytest.param([70, 20], 8, 4, 2, 128, 32, 4, jnp.bfloat16, "draft", {"block_k": 16, "kv_splits": 2},
+                 id="draft-bf16-p32-two-tiles-a-page-split"),
+    pytest.param([50, 17], 1, 4, 2, 64, 16, 4, jnp.float32, "verify", {"kv_splits": 2}, id="decode-rows"),
+]
+
+
+@pytest.mark.parametrize("lens,T,Hq,Hkv,D,page,P,dtype,pattern,tuning", GPU_CASES)
+def test_gpu_paged_kernel_interpret(lens, T, Hq, Hkv, D, page, P, dtype, pattern, tuning):
+    q, k, v, table = _paged_inputs(lens, T, Hq, Hkv, D, page, P, dtype)
+    e = _k_end(pattern, lens, T)
+    out = gpu.block_attention_paged(q, k, v, table, e, interpret=True, **tuning)
+    _check(out, q, k, v, table, e, dtype)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_paged_sliding_window(impl):
+    """k_start: each row of a draft block sees the last 24 keys (a sliding-window layer)."""
+    lens, T = [70, 40], 8
+    q, k, v, table = _paged_inputs(lens, T, 4, 2, 64, 16, 8, jnp.float32, seed=1)
+    e = _k_end("draft", lens, T)
+    ks = jnp.maximum(e - 24, 0)
+    out = pallas_kernels.block_attention_paged(q, k, v, table, e, impl=impl, interpret=True, k_start=ks)
+    _check(out, q, k, v, table, e, jnp.float32, k_start=ks)
+
+
+def test_unsupported_pages_fall_back_to_the_gather():
+    q, k, v, table = _paged_inputs([30, 12], 8, 4, 2, 64, 12, 4, jnp.float32)
+    e = _k_end("verify", [30, 12], 8)
+    with pytest.raises(Unsupported):
+        tpu.block_attention_paged(q, k, v, table, e, interpret=True)      # 12 rows: not whole sublanes
+    with pytest.raises(Unsupported):
+        gpu.block_attention_paged(q, k, v, table, e, interpret=True)      # not a power of two
+    for impl in ("tpu", "gpu"):
+        out = pallas_kernels.block_attention_paged(q, k, v, table, e, impl=impl, interpret=True)
+        _check(out, q, k, v, table, e, jnp.float32)
+    assert tpu.paged_supported(12, 64, jnp.float32) and tpu.paged_supported(8, 64, jnp.bfloat16)
+    assert tpu.paged_supported(16, 128, jnp.bfloat16) is None
+
+
+def test_paged_bad_shapes_raise():
+    q, k, v, table = _paged_inputs([30, 12], 8, 4, 2, 64, 16, 4, jnp.float32)
+    e = _k_end("verify", [30, 12], 8)
+    with pytest.raises(ValueError, match="table"):
+        pallas_kernels.block_attention_paged(q, k, v, table[:1], e, impl="xla")
+    with pytest.raises(ValueError, match="differ"):
+        pallas_kernels.block_attention_paged(q, k, v[:, :1], table, e, impl="xla")
+
+
+# Qwen3-8B attention (32 q / 8 kv heads, head_dim 128), 8 rows of a 4096-token capacity, a 16-token block.
+AOT_B, AOT_T, AOT_HQ, AOT_HKV, AOT_D, AOT_C = 8, 16, 32, 8, 128, 4096
+
+
+@requires_libtpu
+@pytest.mark.parametrize("page", [64, 128])
+def test_tpu_paged_kernel_compiles_for_tpu(page, capsys):
+    dev = tpu_device("v5e:2x2")
+    P = AOT_C // page
+    N = AOT_B * P + 1
+    dt = jnp.bfloat16
+    args = (abstract((AOT_B, AOT_T, AOT_HQ, AOT_D), dt, dev), abstract((N, AOT_HKV, page, AOT_D), dt, dev),
+            abstract((N, AOT_HKV, page, AOT_D), dt, dev), abstract((AOT_B, P), jnp.int32, dev),
+            abstract((AOT_B, AOT_T), jnp.int32, dev))
+    compiled = compile_for_tpu(lambda q, k, v, t, e: tpu.block_attention_paged(q, k, v, t, e), *args)
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "gather" not in text      # the kernel reads pages: no gathered view
+    mem = memory_report(compiled)
+    pool_bytes = 2 * N * AOT_HKV * page * AOT_D * jnp.dtype(dt).itemsize
+    assert mem["temp_size_in_bytes"] < pool_bytes // 8, mem
+    with capsys.disabled():
+        print(f"\n[v5e paged page={page}] {mem} bytes_accessed={bytes_accessed(compiled)}", end="")
+
+
+def test_gpu_paged_kernel_lowers_for_cuda():
+    from jax import export
+    S = jax.ShapeDtypeStruct
+    page, P = 64, AOT_C // 64
+    N = AOT_B * P + 1
+    exp = export.export(
+        jax.jit(lambda q, k, v, t, e: gpu.block_attention_paged(q, k, v, t, e)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(S((AOT_B, AOT_T, AOT_HQ, AOT_D), jnp.bfloat16), S((N, AOT_HKV, page, AOT_D), jnp.bfloat16),
+      S((N, AOT_HKV, page, AOT_D), jnp.bfloat16), S((AOT_B, P), jnp.int32), S((AOT_B, AOT_T), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
