@@ -24,8 +24,9 @@ programs, ~9 tiles each).
 
 Paged caches (`block_attention_paged`): K/V live in page pools [N, Hkv, page, D] and row b's key t
 in pool page table[b, t // page]. The program gets its kv head of the whole pool ([N, page, D], a
-pointer, nothing copied) and its row of the table; each KV tile (block_k <= page keys, inside one
-page) loads its page id from the table and reads rows [k0 % page, k0 % page + block_k) of that page.
+pointer, nothing copied) and its row of the table. A KV tile inside one page (block_k divides the
+page) loads its page id and reads rows [k0 % page, + block_k) of that page; a tile over several
+pages (smaller or odd pages) loads each key's page id and reads its row (a gather load).
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv
     slots: the loop walks absolute tiles and reads tile k0 from slots k0 mod C (C a multiple of
     block_k, so a tile never wraps).
     page (paged caches): k_ref/v_ref [N, page, D] the kv head of the page pools, and the ref after
-    kstart (if any) this row's page table [P]; tile k0 is rows [k0 % page, + block_k) of page
-    table[k0 // page] (block_k divides page).
+    kstart (if any) this row's page table [P]; key k0 + r of a tile is row (k0 + r) % page of page
+    table[(k0 + r) // page] (one page and a slice when block_k divides the page).
     """
     kstart_ref, out_refs = (refs[0], refs[1:]) if has_start else (None, refs)
     table_ref, out_refs = (out_refs[0], out_refs[1:]) if page else (None, out_refs)
@@ -226,8 +227,11 @@ def _kernel(q_ref, k_ref, v_ref, kend_ref, *refs, scale: float, block_k: int, kv
         def body(it, carry):
             acc, m, l = carry
             k0 = pl.multiple_of(start + it * block_k, block_k)
-            if page:   # the tile's page and its rows in that page (one indexer: Triton lowering)
+            if page and page % block_k == 0:   # the tile's page and its rows in it (one indexer)
                 at = (table_ref[k0 // page], pl.ds(pl.multiple_of(lax.rem(k0, page), block_k), block_k))
+            elif page:   # a tile over several pages: each key's page and row (a gather load)
+                keys = k0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)                   # [bk]
+                at = (table_ref[keys // page], lax.rem(keys, page))
             else:
                 slot = pl.multiple_of(lax.rem(k0, k_ref.shape[0]), block_k) if ring else k0
                 at = (pl.ds(slot, block_k),)
@@ -286,7 +290,7 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
     ring: the cache is a ring of C slots (key p in slot p mod C), k_start / k_end absolute
     (pallas_kernels.attention.reference).
     table [B, P] int32 (or None): k_cache / v_cache are page pools [N, Hkv, page, D] read through it
-    (`block_attention_paged`); block_k is then at most the page and divides it."""
+    (`block_attention_paged`)."""
     B, T, Hq, D = q.shape
     if table is None:
         check_shapes(q, k_cache, v_cache, k_end)
@@ -296,8 +300,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         C = table.shape[1] * page
         if ring:
             raise Unsupported("a ring cache is not paged")
-        if page < 16 or page & (page - 1):
-            raise Unsupported(f"page={page} must be a power of two >= 16 (Triton tiles inside a page)")
     G = Hq // Hkv
     if D not in _HEAD_DIMS:
         raise Unsupported(f"head_dim={D} not in {_HEAD_DIMS}")
@@ -320,8 +322,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         return out[:, :T]
     n_sms = sm_count() if n_sms is None else n_sms
     cfg = default_config(T, G, C, D, B, Hkv, n_sms=n_sms)
-    if table is not None:
-        cfg["block_k"] = min(cfg["block_k"], page)
     if block_t is not None:
         cfg["block_t"] = block_t
     cfg = _fit_smem(cfg, 16 if T == 1 else cfg["block_t"] * G, D, jnp.dtype(q.dtype).itemsize)
@@ -336,8 +336,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
         raise Unsupported(f"block_k={bk} must be a power of two >= 16")
     if C % bk:
         raise Unsupported(f"capacity C={C} is not a multiple of block_k={bk}")
-    if table is not None and page % bk:
-        raise Unsupported(f"block_k={bk} does not divide page={page}")
     decode_rows = 16 if (T == 1 and G < 16) else 0
     if k_start is not None and decode_rows:
         raise Unsupported("k_start in the decode layout (T == 1)")
@@ -421,6 +419,6 @@ def block_attention(q, k_cache, v_cache, k_end, *, scale: float | None = None, i
 def block_attention_paged(q, k_pool, v_pool, table, k_end, **kw):
     """Pallas Triton block attention over a paged cache: the same result as `block_attention` on the
     gathered view [B, Hkv, P*page, D] (view[b, :, t] = pool[table[b, t // page], :, t % page]).
-    q [B, T, Hq, D]; k_pool / v_pool [N, Hkv, page, D] (page a power of two >= 16); table [B, P]
-    int32; k_end (k_start) [B, T]; kw: `block_attention`'s tuning and k_start (block_k <= page)."""
+    q [B, T, Hq, D]; k_pool / v_pool [N, Hkv, page, D] (any page; C = P * page must be a multiple
+    of block_k); table [B, P] int32; k_end (k_start) [B, T]; kw: `block_attention`'s tuning, k_start."""
     return block_attention(q, k_pool, v_pool, k_end, table=table, **kw)
