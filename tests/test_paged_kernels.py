@@ -20,6 +20,7 @@ from pallas_kernels import Unsupported
 from pallas_kernels.attention import gpu, paged, tpu
 from tests.tpu_aot import abstract, bytes_accessed, compile_for_tpu, memory_report, requires_libtpu, tpu_device
 
+SLOW = pytest.mark.slow
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -65,10 +66,10 @@ def _check(out, q, k, v, table, k_end, dtype, k_start=None):
 # (lens per row, T, Hq, Hkv, D, page, P, dtype, pattern, tuning)
 TPU_CASES = [
     pytest.param([70, 33, 128], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
-    pytest.param([70, 20], 8, 4, 2, 128, 32, 4, jnp.bfloat16, "draft", {}, id="draft-bf16-p32"),
+    pytest.param([70, 20], 8, 4, 2, 128, 32, 4, jnp.bfloat16, "draft", {}, id="draft-bf16-p32", marks=SLOW),
     pytest.param([47, 9], 8, 4, 2, 64, 8, 8, jnp.float32, "verify", {"pages_per_block": 1},
-                 id="verify-f32-p8-one-page-tiles"),
-    pytest.param([50, 17], 1, 4, 2, 64, 16, 4, jnp.float32, "verify", {}, id="decode-folded"),
+                 id="verify-f32-p8-one-page-tiles", marks=SLOW),
+    pytest.param([50, 17], 1, 4, 2, 64, 16, 4, jnp.float32, "verify", {}, id="decode-folded", marks=SLOW),
 ]
 
 
@@ -85,8 +86,9 @@ GPU_CASES = [
     pytest.param([70, 33, 128], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
     # 16-key tiles inside pages of 32 (one page a tile)
     pytest.param([70, 20], 8, 4, 2, 128, 32, 4, jnp.bfloat16, "draft", {"block_k": 16, "kv_splits": 2},
-                 id="draft-bf16-p32-two-tiles-a-page-split"),
-    pytest.param([50, 17], 1, 4, 2, 64, 16, 4, jnp.float32, "verify", {"kv_splits": 2}, id="decode-rows"),
+                 id="draft-bf16-p32-two-tiles-a-page-split", marks=SLOW),
+    pytest.param([50, 17], 1, 4, 2, 64, 16, 4, jnp.float32, "verify", {"kv_splits": 2}, id="decode-rows",
+                 marks=SLOW),
 ]
 
 
@@ -98,6 +100,7 @@ def test_gpu_paged_kernel_interpret(lens, T, Hq, Hkv, D, page, P, dtype, pattern
     _check(out, q, k, v, table, e, dtype)
 
 
+@SLOW
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
 def test_paged_sliding_window(impl):
     """k_start: each row of a draft block sees the last 24 keys (a sliding-window layer)."""
@@ -107,6 +110,29 @@ def test_paged_sliding_window(impl):
     ks = jnp.maximum(e - 24, 0)
     out = pallas_kernels.block_attention_paged(q, k, v, table, e, impl=impl, interpret=True, k_start=ks)
     _check(out, q, k, v, table, e, jnp.float32, k_start=ks)
+
+
+@SLOW
+@pytest.mark.parametrize("dtype,T,t0", [(jnp.float32, 8, 8), (jnp.bfloat16, 16, 0)])
+def test_tpu_paged_qkv_prologue_equals_the_dense_view(dtype, T, t0):
+    """block_attention_qkv_paged (q out of the projection, q_norm + RoPE in the kernel: the TPU
+    layer's entry) = block_attention_qkv on the gathered view; the draft (t0 context rows) and the verify."""
+    from jax.experimental.pallas import tpu as pltpu
+    lens, Hq, Hkv, D, page, P = [70, 40], 4, 2, 128, 16, 8
+    _, k, v, table = _paged_inputs(lens, T, Hq, Hkv, D, page, P, dtype)
+    rng = np.random.default_rng(3)
+    B = len(lens)
+    qkv = jnp.asarray(rng.normal(size=(B, t0 + T, (Hq + 2 * Hkv) * D)), dtype)
+    ang = rng.uniform(0, 6.3, size=(B, T, D // 2))
+    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+    w = jnp.asarray(1 + 0.1 * rng.normal(size=(D,)), dtype)
+    e = _k_end("verify" if t0 == 0 else "draft", lens, T)
+    ip = pltpu.InterpretParams()
+    got = tpu.block_attention_qkv_paged(qkv, cos, sin, w, 1e-6, k, v, table, e, num_heads=Hq, t0=t0,
+                                        interpret=ip)
+    want = tpu.block_attention_qkv(qkv, cos, sin, w, 1e-6, paged.gather_pages(k, table),
+                                   paged.gather_pages(v, table), e, num_heads=Hq, t0=t0, interpret=ip)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
 
 
 def test_unsupported_pages_fall_back_to_the_gather():
@@ -136,24 +162,34 @@ def test_paged_bad_shapes_raise():
 AOT_B, AOT_T, AOT_HQ, AOT_HKV, AOT_D, AOT_C = 8, 16, 32, 8, 128, 4096
 
 
+@SLOW
 @requires_libtpu
-@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("page", [16, 64, 128])
 def test_tpu_paged_kernel_compiles_for_tpu(page, capsys):
+    """block_attention_paged (the verify: q [B, T, Hq, D]) and block_attention_qkv_paged (the draft
+    block after T context rows, q out of the projection) through Mosaic for v5e."""
     dev = tpu_device("v5e:2x2")
     P = AOT_C // page
     N = AOT_B * P + 1
     dt = jnp.bfloat16
-    args = (abstract((AOT_B, AOT_T, AOT_HQ, AOT_D), dt, dev), abstract((N, AOT_HKV, page, AOT_D), dt, dev),
-            abstract((N, AOT_HKV, page, AOT_D), dt, dev), abstract((AOT_B, P), jnp.int32, dev),
-            abstract((AOT_B, AOT_T), jnp.int32, dev))
-    compiled = compile_for_tpu(lambda q, k, v, t, e: tpu.block_attention_paged(q, k, v, t, e), *args)
-    text = compiled.as_text()
-    assert "tpu_custom_call" in text and "gather" not in text      # the kernel reads pages: no gathered view
-    mem = memory_report(compiled)
+    pool, tab, ends = ((N, AOT_HKV, page, AOT_D), dt), ((AOT_B, P), jnp.int32), ((AOT_B, AOT_T), jnp.int32)
+    plain = compile_for_tpu(lambda q, k, v, t, e: tpu.block_attention_paged(q, k, v, t, e),
+                            abstract((AOT_B, AOT_T, AOT_HQ, AOT_D), dt, dev),
+                            *(abstract(*a, dev) for a in (pool, pool, tab, ends)))
+    rope = abstract((AOT_B, AOT_T, AOT_D // 2), jnp.float32, dev)
+    fused = compile_for_tpu(
+        lambda qkv, c, s, w, k, v, t, e: tpu.block_attention_qkv_paged(qkv, c, s, w, 1e-6, k, v, t, e,
+                                                                      num_heads=AOT_HQ, t0=AOT_T),
+        abstract((AOT_B, 2 * AOT_T, (AOT_HQ + 2 * AOT_HKV) * AOT_D), dt, dev), rope, rope,
+        abstract((AOT_D,), dt, dev), *(abstract(*a, dev) for a in (pool, pool, tab, ends)))
     pool_bytes = 2 * N * AOT_HKV * page * AOT_D * jnp.dtype(dt).itemsize
-    assert mem["temp_size_in_bytes"] < pool_bytes // 8, mem
-    with capsys.disabled():
-        print(f"\n[v5e paged page={page}] {mem} bytes_accessed={bytes_accessed(compiled)}", end="")
+    for name, compiled in (("paged", plain), ("qkv_paged", fused)):
+        text = compiled.as_text()
+        assert "tpu_custom_call" in text and "gather" not in text    # the kernel reads pages: no gathered view
+        mem = memory_report(compiled)
+        assert mem["temp_size_in_bytes"] < pool_bytes // 8, mem
+        with capsys.disabled():
+            print(f"\n[v5e {name} page={page}] {mem} bytes_accessed={bytes_accessed(compiled)}", end="")
 
 
 @pytest.mark.parametrize("page", [16, 64])     # 64-key tiles: a gather over 4 pages / one page each

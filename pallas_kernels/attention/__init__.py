@@ -13,8 +13,9 @@ impl:
           row (cost follows the lengths, not the capacity); long ones tile the queries (prefill).
 A shape a kernel cannot tile (head_dim 96, capacity not a multiple of 128, ...) falls back to "xla".
 
-Paged caches (pools [N,Hkv,page,D] read through a page table [B,P]): `block_attention_paged`, the same
-backends (attention/paged.py); `xla_block_attention_paged` is the gather + `xla_block_attention`.
+Paged caches (pools [N,Hkv,page,D] read through a page table [B,P]; layout in attention/paged.py):
+`block_attention_paged`, the same backends and fallback; `xla_block_attention_paged` is the gather +
+`xla_block_attention`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from jax import lax
 
 from pallas_kernels._common import Unsupported, check_shapes, warn_once
 from pallas_kernels.attention.reference import block_attention as reference_block_attention
-from pallas_kernels.attention.paged import block_attention_paged, gather_pages, xla_block_attention_paged
+from pallas_kernels.attention.paged import check_paged_shapes, gather_pages
 
 __all__ = ["block_attention", "reference_block_attention", "xla_block_attention", "IMPLS",
            "Unsupported", "block_attention_paged", "xla_block_attention_paged", "gather_pages"]
@@ -214,3 +215,43 @@ def block_attention(q, k_cache, v_cache, k_end, *, impl: str = "auto", scale: fl
         warn_once(_log, f"{impl}: {e}", "pallas %s kernel cannot take q%s cache%s (%s): using the XLA path "
                   "(said once per reason)", impl, q.shape, k_cache.shape, e)
     return xla_block_attention(q, k_cache, v_cache, k_end, scale=scale, k_start=k_start, ring=ring)
+
+
+def xla_block_attention_paged(q, k_pool, v_pool, table, k_end, *, scale: float | None = None,
+                              k_start=None, kv_chunk: int | None = None):
+    """The paged reference: gather each row's pages into the dense view [B, Hkv, P*page, D]
+    (attention/paged.py), then `xla_block_attention`."""
+    check_paged_shapes(q, k_pool, v_pool, table, k_end)
+    return xla_block_attention(q, gather_pages(k_pool, table), gather_pages(v_pool, table), k_end,
+                               scale=scale, k_start=k_start, kv_chunk=kv_chunk)
+
+
+def block_attention_paged(q, k_pool, v_pool, table, k_end, *, impl: str = "auto", interpret=False,
+                          scale: float | None = None, k_start=None, **tuning):
+    """`block_attention` over a paged cache: k_pool / v_pool [N, Hkv, page, D], table [B, P] int32
+    (row b's key t in page table[b, t // page] at row t % page; attention/paged.py). The same result
+    as block_attention on the gathered view. interpret: False, True, or a pltpu.InterpretParams for
+    the TPU kernel. k_start [B, T] or None: each row's first key (sliding-window layers). tuning:
+    forwarded to the chosen kernel (TPU: block_q, pages_per_block; GPU: gpu.block_attention's);
+    ignored by "xla". A shape the kernel cannot take falls back to the gather (said once)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
+    check_paged_shapes(q, k_pool, v_pool, table, k_end)
+    if impl == "auto":
+        impl = default_impl(interpret)
+    try:
+        if impl == "tpu":
+            from pallas_kernels.attention import tpu
+            if interpret is True:
+                from jax.experimental.pallas import tpu as pltpu
+                interpret = pltpu.InterpretParams()
+            return tpu.block_attention_paged(q, k_pool, v_pool, table, k_end, scale=scale,
+                                             interpret=interpret, k_start=k_start, **tuning)
+        if impl == "gpu":
+            from pallas_kernels.attention import gpu
+            return gpu.block_attention_paged(q, k_pool, v_pool, table, k_end, scale=scale,
+                                             interpret=bool(interpret), k_start=k_start, **tuning)
+    except Unsupported as e:
+        warn_once(_log, f"paged {impl}: {e}", "pallas %s paged kernel cannot take q%s pool%s (%s): using "
+                  "the XLA gather (said once per reason)", impl, q.shape, k_pool.shape, e)
+    return xla_block_attention_paged(q, k_pool, v_pool, table, k_end, scale=scale, k_start=k_start)

@@ -1,4 +1,6 @@
-"""Block attention over a paged KV cache: one signature, the same backends as `block_attention`.
+"""The paged KV cache's layout as the block-attention family reads it (the shape contract and the
+gather); the paged kernels are in tpu.py and gpu.py, the dispatch and its XLA reference
+(`block_attention_paged`, `xla_block_attention_paged`) beside block_attention in __init__.py.
 
 `block_attention_paged(q[B,T,Hq,D], k_pool[N,Hkv,page,D], v_pool[N,Hkv,page,D], table[B,P], k_end[B,T])
 -> [B,T,Hq,D]`: row b's key position t lives in pool page table[b, t // page] at row t % page, so
@@ -8,24 +10,20 @@ row's pages may name any page: their keys are past k_end.
 
 impl:
   "tpu"  tpu.block_attention_paged: each KV tile is whole pages, DMA'd from the pools by page id
-         (the scalar-prefetched table in the K/V index_maps); pages of 8k rows (f32) / 16k (bf16).
-  "gpu"  gpu.block_attention_paged: each KV tile loads its page id from the table; pages of a power
-         of two >= 16 rows.
+         (the scalar-prefetched table in the K/V index_maps); pages of 8k rows (f32) / 16k (bf16),
+         tiles of up to 1024 keys. (tpu.block_attention_qkv_paged: the same with the TPU layer's
+         q prologue, q read out of the projection.)
+  "gpu"  gpu.block_attention_paged: each KV tile loads its page id(s) from the table; any page
+         (a tile inside one page is a slice of it, a tile over several pages a gather load).
   "xla"  xla_block_attention_paged: the gather, then xla_block_attention (the reference).
   "auto" as block_attention picks.
-A shape a kernel cannot take raises Unsupported inside it; this dispatch then falls back to "xla"
+A shape a kernel cannot take raises Unsupported inside it; the dispatch then falls back to "xla"
 (said once per reason), as block_attention does.
 """
 
 from __future__ import annotations
 
-import logging
-
 import jax.numpy as jnp
-
-from pallas_kernels._common import Unsupported, warn_once
-
-_log = logging.getLogger(__name__)
 
 
 def check_paged_shapes(q, k_pool, v_pool, table, k_end):
@@ -49,42 +47,3 @@ def gather_pages(pool, table):
     B, P = table.shape
     g = pool[table]                                                           # [B, P, Hkv, page, D]
     return jnp.swapaxes(g, 1, 2).reshape(B, pool.shape[1], P * pool.shape[2], pool.shape[3])
-
-
-def xla_block_attention_paged(q, k_pool, v_pool, table, k_end, *, scale: float | None = None,
-                              k_start=None, kv_chunk: int | None = None):
-    """The reference: gather each row's pages into the dense view, then `xla_block_attention`."""
-    from pallas_kernels.attention import xla_block_attention
-    check_paged_shapes(q, k_pool, v_pool, table, k_end)
-    return xla_block_attention(q, gather_pages(k_pool, table), gather_pages(v_pool, table), k_end,
-                               scale=scale, k_start=k_start, kv_chunk=kv_chunk)
-
-
-def block_attention_paged(q, k_pool, v_pool, table, k_end, *, impl: str = "auto", interpret=False,
-                          scale: float | None = None, k_start=None, **tuning):
-    """Dispatch to a paged kernel (module docstring). interpret: False, True, or a
-    pltpu.InterpretParams for the TPU kernel. k_start [B, T] or None: each row's first key
-    (sliding-window layers). tuning: forwarded to the chosen kernel (TPU: block_q,
-    pages_per_block; GPU: gpu.block_attention's); ignored by "xla"."""
-    from pallas_kernels.attention import IMPLS, default_impl
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
-    check_paged_shapes(q, k_pool, v_pool, table, k_end)
-    if impl == "auto":
-        impl = default_impl(interpret)
-    try:
-        if impl == "tpu":
-            from pallas_kernels.attention import tpu
-            if interpret is True:
-                from jax.experimental.pallas import tpu as pltpu
-                interpret = pltpu.InterpretParams()
-            return tpu.block_attention_paged(q, k_pool, v_pool, table, k_end, scale=scale,
-                                             interpret=interpret, k_start=k_start, **tuning)
-        if impl == "gpu":
-            from pallas_kernels.attention import gpu
-            return gpu.block_attention_paged(q, k_pool, v_pool, table, k_end, scale=scale,
-                                             interpret=bool(interpret), k_start=k_start, **tuning)
-    except Unsupported as e:
-        warn_once(_log, f"paged {impl}: {e}", "pallas %s paged kernel cannot take q%s pool%s (%s): using "
-                  "the XLA gather (said once per reason)", impl, q.shape, k_pool.shape, e)
-    return xla_block_attention_paged(q, k_pool, v_pool, table, k_end, scale=scale, k_start=k_start)

@@ -30,7 +30,7 @@ in pool page table[b, t // page]. The kernel is the same; a KV tile is `pages_pe
 pages, each its own BlockSpec whose index_map reads the page id from the scalar-prefetched table
 (flattened to 1-D for SMEM), so every page is one DMA straight from the pool into VMEM and the tile
 is their concatenation. The tile index is clamped as above, so pages past a row tile's max k_end
-are neither fetched nor computed.
+are neither fetched nor computed. `block_attention_qkv_paged` is the same with the q prologue.
 """
 
 from __future__ import annotations
@@ -278,16 +278,20 @@ def block_attention_paged(q, k_pool, v_pool, table, k_end, *, scale: float | Non
     PAGED_TILE_KEYS keys, at most P); the table is padded with page 0 to whole tiles. Raises
     Unsupported where `paged_supported` says why."""
     B, T, Hq, D = q.shape
-    N, Hkv, page, _ = k_pool.shape
-    P = table.shape[1]
+    return _attention(q, None, k_pool, v_pool, k_end, B=B, T=T, Hq=Hq, D=D, t0=0, scale=scale,
+                      interpret=interpret, block_q=block_q, k_start=k_start,
+                      pages=_page_tiles(k_pool, table, D, q.dtype, pages_per_block))
+
+
+def _page_tiles(k_pool, table, D: int, dtype, pages_per_block: int | None):
+    """(table [B, P_pad] padded with page 0 to whole tiles, pages per tile), or Unsupported."""
+    page, P = k_pool.shape[2], table.shape[1]
     m = max(1, min(PAGED_TILE_KEYS // page, P)) if pages_per_block is None else int(pages_per_block)
-    why = paged_supported(page, D, q.dtype, m)
+    why = paged_supported(page, D, dtype, m)
     if why:
         raise Unsupported(why)
     P_pad = _round_up(P, m)
-    table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, P_pad - P)))             # [B, P_pad]
-    return _attention(q, None, k_pool, v_pool, k_end, B=B, T=T, Hq=Hq, D=D, t0=0, scale=scale,
-                      interpret=interpret, block_q=block_q, k_start=k_start, pages=(table, m))
+    return jnp.pad(table.astype(jnp.int32), ((0, 0), (0, P_pad - P))), m
 
 
 def fused_q_supported(T: int, t0: int, Hq: int, Hkv: int, D: int, C: int, dtype) -> bool:
@@ -325,11 +329,36 @@ def block_attention_qkv(qkv, cos, sin, q_norm_weight, eps: float, k_cache, v_cac
                          f"do not fit {num_heads} heads of cache {k_cache.shape} at row {t0}")
     if not fused_q_supported(T, t0, Hq, Hkv, D, C, qkv.dtype):
         raise Unsupported(f"block_attention_qkv: T={T} t0={t0} Hq={Hq} Hkv={Hkv} D={D} C={C}")
+    out = _attention(qkv, _q_prologue(cos, sin, q_norm_weight, eps), k_cache, v_cache, k_end, B=B, T=T,
+                     Hq=Hq, D=D, t0=t0, scale=scale, interpret=interpret)
+    return out.reshape(B, T, Hq * D)
+
+
+def _q_prologue(cos, sin, q_norm_weight, eps: float):
+    """The kernel's prologue inputs: cos and the signed sin [B, T, D] f32, the weight [1, D], eps."""
     cos_full = jnp.concatenate([cos, cos], axis=-1).astype(jnp.float32)           # [B, T, D]
     sin_signed = jnp.concatenate([-sin, sin], axis=-1).astype(jnp.float32)        # [B, T, D]
-    pro = (cos_full, sin_signed, q_norm_weight.reshape(1, D), float(eps))
-    out = _attention(qkv, pro, k_cache, v_cache, k_end, B=B, T=T, Hq=Hq, D=D, t0=t0, scale=scale,
-                     interpret=interpret)
+    return cos_full, sin_signed, q_norm_weight.reshape(1, -1), float(eps)
+
+
+def block_attention_qkv_paged(qkv, cos, sin, q_norm_weight, eps: float, k_pool, v_pool, table, k_end, *,
+                              num_heads: int, t0: int = 0, scale: float | None = None, interpret=False,
+                              pages_per_block: int | None = None):
+    """`block_attention_qkv` over a paged cache (pools [N, Hkv, page, D], table [B, P]; see
+    `block_attention_paged`): the same result as it on the gathered view. Raises Unsupported where
+    either cannot take the shape."""
+    B, Tall, N = qkv.shape
+    _, Hkv, page, D = k_pool.shape
+    T, Hq = Tall - t0, num_heads
+    if k_end.shape != (B, T) or cos.shape != (B, T, D // 2) or N < Hq * D or table.shape[0] != B:
+        raise ValueError(f"block_attention_qkv_paged: qkv {qkv.shape}, cos {cos.shape}, k_end {k_end.shape}, "
+                         f"table {table.shape} do not fit {num_heads} heads of pool {k_pool.shape} at row {t0}")
+    pages = _page_tiles(k_pool, table, D, qkv.dtype, pages_per_block)
+    # the token-major tiles' conditions, checked on a capacity of one KV tile (a legal whole block)
+    if not fused_q_supported(T, t0, Hq, Hkv, D, pages[1] * page, qkv.dtype):
+        raise Unsupported(f"block_attention_qkv_paged: T={T} t0={t0} Hq={Hq} Hkv={Hkv} D={D} page={page}")
+    out = _attention(qkv, _q_prologue(cos, sin, q_norm_weight, eps), k_pool, v_pool, k_end, B=B, T=T,
+                     Hq=Hq, D=D, t0=t0, scale=scale, interpret=interpret, pages=pages)
     return out.reshape(B, T, Hq * D)
 
 
