@@ -46,7 +46,7 @@ def _paged_inputs(lens, T, Hq, Hkv, D, page, P, dtype, seed=0):
 
 def _k_end(pattern, lens, T):
     """verify: causal inside the block (the block is the last T keys of each row); draft: every row
-    of the block sees the whole row."""
+    of the block sees the whole row. A row of length 0 (an idle slot) gets k_end <= 0: zeros."""
     lens = np.asarray(lens)[:, None]
     t = np.arange(T)[None, :]
     e = lens - T + t + 1 if pattern == "verify" else np.broadcast_to(lens, (len(lens), T))
@@ -65,7 +65,7 @@ def _check(out, q, k, v, table, k_end, dtype, k_start=None):
 
 # (lens per row, T, Hq, Hkv, D, page, P, dtype, pattern, tuning)
 TPU_CASES = [
-    pytest.param([70, 33, 128], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
+    pytest.param([70, 33, 128, 0], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
     pytest.param([70, 20], 8, 4, 2, 128, 32, 4, jnp.bfloat16, "draft", {}, id="draft-bf16-p32", marks=SLOW),
     pytest.param([47, 9], 8, 4, 2, 64, 8, 8, jnp.float32, "verify", {"pages_per_block": 1},
                  id="verify-f32-p8-one-page-tiles", marks=SLOW),
@@ -83,7 +83,7 @@ def test_tpu_paged_kernel_interpret(lens, T, Hq, Hkv, D, page, P, dtype, pattern
 
 GPU_CASES = [
     # 64-key tiles over pages of 16 (a gather load per tile)
-    pytest.param([70, 33, 128], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
+    pytest.param([70, 33, 128, 0], 8, 4, 2, 64, 16, 8, jnp.float32, "verify", {}, id="verify-f32-p16"),
     # 16-key tiles inside pages of 32 (one page a tile)
     pytest.param([70, 20], 8, 4, 2, 128, 32, 4, jnp.bfloat16, "draft", {"block_k": 16, "kv_splits": 2},
                  id="draft-bf16-p32-two-tiles-a-page-split", marks=SLOW),
