@@ -221,16 +221,11 @@ def test_extras_bad_values_are_400_naming_the_field(srv):
              ("/v1/completions", dict(comp, prompt=[[1, 2], []]), "prompt"),
              ("/v1/completions", dict(comp, prompt=[[1, 2], [10 ** 6]]), "prompt"),
              ("/v1/chat/completions", dict(chat, max_tokens=0), "max_tokens")]
-    cases += [(path, dict(body, **{f: v}), f)
-              for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat))
-              for f, v in (("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", 0.5))]
     for path, body, field in cases:
         r = httpx.post(srv.url + path, json={"model": NAME, **body}, timeout=60)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["param"] == field and field in err["message"], (body, err)
-        if field in ("logit_bias", "presence_penalty"):
-            assert "on-device loop" in err["message"], err
     assert srv.engine.stats().queue_depth == 0 and srv.engine.stats().slots_busy == 0
 
 
