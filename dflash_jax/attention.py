@@ -124,6 +124,23 @@ def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | 
     return sharding.per_shard(fn, q, k_cache, v_cache, k_end)
 
 
+def reads_pages(kernels: KernelConfig) -> bool:
+    """Whether `attend_paged` runs a kernel that reads K/V through a page table (the Pallas TPU and
+    GPU paths on one device); else a paged cache's layers attend over gathered views (XLA, a mesh)."""
+    return kernels.attention in ("pallas_tpu", "pallas_interpret", "pallas_gpu") and sharding.current_mesh() is None
+
+
+def attend_paged(q, k_pool, v_pool, table, k_end, kernels: KernelConfig, *, scale: float | None = None):
+    """q [B,T,Hq,D] over page pools [N, Hkv, page, D] read through table [B, P] (dflash_jax.cache.
+    PagedKVCache): pallas_kernels.block_attention_paged on the path of `kernels` (reads_pages)."""
+    path = kernels.attention
+    impl = "gpu" if path == "pallas_gpu" else "tpu"
+    tuning = kernels.gpu_attention_tuning() if impl == "gpu" else {}
+    return pallas_kernels.block_attention_paged(q, k_pool, v_pool, table, k_end, impl=impl, scale=scale,
+                                                interpret=kernels.interpret or path == "pallas_interpret",
+                                                **tuning)
+
+
 def attend_prefill(q, k, v, k_cache, v_cache, k_end, kernels: KernelConfig, *,
                    scale: float | None = None):
     """Causal attention of a prompt written at cache rows [0, T): q [B,T,Hq,D], k/v [B,T,Hkv,D]

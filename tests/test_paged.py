@@ -253,3 +253,33 @@ def test_serve_flags_size_the_pool(pair, capsys):
         with pytest.raises(SystemExit):
             serve.paged_args(p, p.parse_args(["--slots", "4"] + bad), target, draft)
         assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog):
+    """On the Pallas paths (here the TPU kernel in interpret mode) the layers scatter their rows into
+    the pools and the attention kernel reads them through the page table (no gathered view): a paged
+    run with a prefix hit gives one-shot generate's tokens and acceptance lengths (a random pair with
+    the kernel's head_dim 64)."""
+    import pallas_kernels
+    from dflash_jax import KernelConfig
+    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax.weights import init_draft, init_target
+    cfg = TargetConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=64, rope_theta=10000.0)
+    target = init_target(cfg, dtype="float32")
+    draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), dtype="float32", target=target)
+    kernels = KernelConfig(attention="pallas_interpret")
+    calls, real = [], pallas_kernels.block_attention_paged
+    monkeypatch.setattr(pallas_kernels, "block_attention_paged",
+                        lambda *a, **kw: calls.append(kw["impl"]) or real(*a, **kw))
+    first = prompt_of(50, 20)
+    second = first[:17] + prompt_of(51, 5)
+    eng = Slots(target, draft, slots=2, capacity=64, steps=K, kv_pages=24, page_size=16, kernels=kernels)
+    eng.run([RowRequest(prompt=first, max_new=8)])
+    res = eng.run([RowRequest(prompt=second, max_new=12)])[0]
+    assert eng.pages.stats()["prefix_hits_tokens"] == 16
+    want = generate(target, draft, [list(second)], max_new_tokens=12, capacity=64, verify_width="block")
+    assert res.tokens == want.tokens[0] and res.acceptance_lengths == want.acceptance_lengths[0]
+    assert calls and set(calls) == {"tpu"}                       # every layer's attention read pages
+    assert "cannot take" not in caplog.text                      # and no kernel fell back to the gather

@@ -269,7 +269,7 @@ def test_bad_requests_are_400_naming_the_field(real):
         (dict(prompt="hi", top_p=0), "top_p"),
         (dict(prompt="hi", max_tokens=0), "max_tokens"),
         (dict(prompt="hi", max_tokens="many"), "max_tokens"),
-        (dict(prompt="hi", n=2), "n"),
+        (dict(prompt="hi", n=0), "n"),
         (dict(prompt="hi", stop_token_ids=[10 ** 6]), "stop_token_ids"),
         (dict(prompt=[10 ** 6]), "prompt"),
         (dict(prompt=[]), "prompt"),

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax.attention import (add_rmsnorm, attend, attend_prefill, fused_add_norm, fused_prologue,
-                                  qk_norm_rope_write)
-from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, write_kv_rows
+from dflash_jax.attention import (add_rmsnorm, attend, attend_paged, attend_prefill, fused_add_norm,
+                                  fused_prologue, qk_norm_rope_write, reads_pages)
+from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, is_paged, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.quantize import QUANTIZED, Int8Weight
 from dflash_jax.sharding import split_gate_up, split_qkv
@@ -345,6 +345,28 @@ class DecoderLayer(nnx.Module):
         return x, residual, k_cache, v_cache
 
 
+    def paged(self, x, residual: "Residual", positions, cache, i: int, k_end, kernels: KernelConfig, *,
+              context: DraftContext | None = None, prefill: bool = False):
+        """The layer over a paged cache whose pages the attention kernel reads (attention.reads_pages):
+        the rows' K/V scattered into layer i's pools (the context rows, then the block), then the
+        attention through the page table, then the MLP half. Returns (x, Residual, cache)."""
+        T = x.shape[1]
+        Tc = 0 if context is None else context.feats.shape[1]
+        x, h = residual.norm(x, self.input_layernorm, kernels)
+        hin, k_pos = h, positions
+        if Tc:
+            hin = jnp.concatenate([context.feats.astype(h.dtype), h], axis=1)
+            k_pos = jnp.concatenate([context.positions, positions], axis=1)
+        q, k, v = self._heads(self._project(hin), positions, k_pos)
+        if Tc:
+            cache = cache.write_rows(i, k[:, :Tc], v[:, :Tc], k_pos[:, 0])
+            k, v = k[:, Tc:], v[:, Tc:]
+        cache = cache.write_rows(i, k, v, positions[:, 0])
+        o = attend_paged(q, cache.k[i], cache.v[i], cache.table, k_end, kernels)
+        x, residual = self.mlp_path(kernels, T, x.shape[-1])(self, x, o, kernels, prefill)
+        return x, residual, cache
+
+
 class Residual(NamedTuple):
     """What a layer leaves unfolded into its output x, for the next RMSNorm (the next layer's
     input norm, or the final norm): `add`, an MLP output the norm's kernel adds (the fused GPU
@@ -473,7 +495,15 @@ def run_layers(layers, x, positions, cache: KVCache, k_end, kernels: KernelConfi
     T = positions.shape[1]
     lo = positions[:, 0] if context is None else jnp.minimum(context.positions[:, 0], positions[:, 0])
     rows = T + (0 if context is None else context.positions.shape[1])
+    pages = is_paged(cache) and reads_pages(kernels)
     for i, layer in enumerate(layers):
+        if pages:      # the attention kernel reads the pools through the table
+            with jax.named_scope(f"{scope}{i}"):
+                x, residual, cache = layer.paged(x, residual, positions, cache, i, k_end, kernels, context=context,
+                                                 prefill=prefill)
+            if i in taps:
+                tapped[i] = residual.value(x)
+            continue
         with jax.named_scope(f"{scope}{i}"):
             k, v = cache.layer_kv(i)
             x, residual, k, v = layer(x, residual, positions, k, v, k_end, kernels, context=context,
