@@ -15,7 +15,6 @@ import pytest
 from dflash_jax import generate, load_draft, load_target
 from dflash_jax.engine import Request, SlotEngine, Tokens
 from dflash_jax.slots import PagesShort, RowRequest, Slots
-from tests.test_dflash2 import trained_dflash2  # noqa: F401  (fixture)
 from tests.test_serve import tiny  # noqa: F401  (fixture)
 
 CAP, PAGE, K = 96, 4, 3
@@ -121,10 +120,24 @@ def test_sampled_rows_with_a_prefix_hit_draw_what_the_cold_run_draws(pair):
     assert hot.tokens == cold.tokens and hot.acceptance_lengths == cold.acceptance_lengths
 
 
-def test_windowed_dflash2_prefix_hit_gives_the_cold_tokens_and_acceptance(trained_dflash2):
+@pytest.fixture(scope="module")
+def windowed_dflash2(trained_pair, tmp_path_factory):
+    """test_dflash2.py's trained DFlash2 draft (the trained pair's draft with a perturbed conv, a
+    selector and window-6 sliding layers), without its reference runs."""
+    from tests.test_dflash2 import _write_reference_draft
+    tp = trained_pair["target_path"]
+    path, _ = _write_reference_draft(str(tmp_path_factory.mktemp("d2") / "d2"), tp, dflash2=True,
+                                     layer_types=["sliding_attention"] * 2, is_causal=False, window=6, seed=13,
+                                     init_from=trained_pair["draft_path"], scale=0.1)
+    target = load_target(tp, dtype="float32")
+    return dict(target=target, draft=load_draft(path, target=target, dtype="float32"),
+                prompts=trained_pair["eval_prompts"][:2])
+
+
+def test_windowed_dflash2_prefix_hit_gives_the_cold_tokens_and_acceptance(windowed_dflash2):
     """The DFlash2 draft with window-6 sliding layers and a selector: in pages its sliding layers
     keep every row (the window a mask), so a hit restores their context as well."""
-    d = trained_dflash2
+    d = windowed_dflash2
     target, draft = d["target"], d["draft"]
     first = tuple(d["prompts"][0])
     second = first[:8] + tuple(d["prompts"][1][:6])
