@@ -39,7 +39,7 @@ __all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "check_quant
            "quantize_target", "weight_bytes", "checkpoint_fp8_block", "fp8_weights", "concat_columns",
            "is_quantized", "is_fp8", "quantized_leaves", "mark", "quantize_draft"]
 
-QUANTIZE = ("int8",)
+QUANTIZE = ("int8", "int8+head")   # "int8+head": the untied LM head too (a tied one stays as loaded)
 # the decoder layers' parameter names that are the weight of a linear [in, out] (layers.DecoderLayer,
 # layers.MLP, qwen3_5.GatedAttention / GatedDeltaNet)
 LINEAR_NAMES = ("qkv", "o", "gate_up", "down", "in_proj", "out")
@@ -310,6 +310,9 @@ def quantize_target(model, quantize):
     if check_quantize(quantize) is None:
         return model
     mark(model, quantize)
+    head = getattr(model, "lm_head", None)
+    if quantize == "int8+head" and isinstance(head, nnx.Param) and not is_quantized(head.get_value()):
+        head.set_value(quantize_int8(head.get_value()))        # [H, V]: one scale per vocabulary entry
     for _, node in nnx.iter_graph(model.layers):
         if not isinstance(node, nnx.Module):
             continue

@@ -350,3 +350,38 @@ def test_mesh_child_load_target_int8_on_a_mesh(tmp_path):
     assert target.layers[0].qkv[...].scale.sharding.spec[0] == "model"
     many = decode.generate(target, None, prompts, mesh=target.layers[0].qkv[...].q.sharding.mesh, **kw)
     assert many.tokens == one.tokens
+
+
+def test_int8_head_logits_match_numpy_oracle_and_dflash_stays_lossless():
+    """quantize="int8+head": the untied LM head int8 too, one scale per vocabulary entry; its logits
+    equal h @ (q * scale) in NumPy, and DFlash greedy equals plain greedy of that target."""
+    cfg = FAMILIES["qwen3"]
+    target = init_target(cfg, seed=1, dtype="float32", quantize="int8+head")
+    head = target.lm_head[...]
+    assert isinstance(head, Int8Weight) and head.scale.shape == (cfg.vocab_size,)
+    assert target.quantize == "int8+head"
+    h = jax.random.normal(jax.random.key(3), (2, 5, cfg.hidden_size), jnp.float32)
+    want = np.asarray(h, np.float64) @ (np.asarray(head.q, np.float64) * np.asarray(head.scale, np.float64))
+    np.testing.assert_allclose(np.asarray(target.logits(h)), want, rtol=1e-4, atol=1e-4)
+    draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), seed=2, dtype="float32", target=target)
+    prompts = [[5, 9, 77, 3, 1], [2, 4]]
+    assert generate(target, draft, prompts, max_new_tokens=16, block_size=4).tokens == \
+        generate(target, None, prompts, max_new_tokens=16).tokens
+
+
+@pytest.mark.slow
+def test_dflash2_selector_over_an_int8_head(trained_pair, tmp_path):
+    """The DFlash2 selector ranks its candidates with the target's LM head (sglang #35534 crashed on a
+    quantized one): over an int8 head its greedy output equals plain greedy and sampling runs."""
+    from tests.test_dflash2 import _write_reference_draft
+    tp = trained_pair["target_path"]
+    path, _ = _write_reference_draft(str(tmp_path / "d2"), tp, dflash2=True, layer_types=["full_attention"] * 2,
+                                     is_causal=False, seed=13, init_from=trained_pair["draft_path"], scale=0.1)
+    target = load_target(tp, dtype="float32", quantize="int8+head")
+    draft = load_draft(path, target=target, dtype="float32")
+    prompts = [list(p) for p in trained_pair["eval_prompts"][:2]]
+    res = generate(target, draft, prompts, max_new_tokens=24, verify_width="block")
+    assert res.tokens == generate(target, None, prompts, max_new_tokens=24).tokens
+    assert max(a for row in res.acceptance_lengths for a in row) >= 3
+    sampled = generate(target, draft, prompts, max_new_tokens=24, temperature=0.8, seed=3, verify_width="block")
+    assert all(len(t) == 24 for t in sampled.tokens)

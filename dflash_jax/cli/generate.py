@@ -127,8 +127,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", default=None, choices=QUANTIZE,
                    help="quantize the target's layer weights at load: int8 weight-only, per-output-channel "
                         "scales (half the bf16 weight bytes; DFlash stays lossless relative to the quantized "
-                        "target); the draft, embeddings and LM head stay as loaded")
-    g.add_argument("--quantize-draft", default=None, choices=QUANTIZE,
+                        "target); int8+head: the untied LM head too (one scale per vocabulary entry); the "
+                        "draft and embeddings stay as loaded")
+    g.add_argument("--quantize-draft", default=None, choices=("int8",),
                    help="quantize the draft's layer weights at load too (default: off). Still lossless, but "
                         "an int8 draft may accept fewer tokens (docs/perf-log.md, session 39)")
     g.add_argument("--attention", default="auto", choices=ATTENTION,

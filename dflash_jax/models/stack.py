@@ -13,6 +13,7 @@ from flax import nnx
 
 from dflash_jax.kernel_config import KernelConfig, resolved
 from dflash_jax.cache import KVCache, PagedKVCache
+from dflash_jax.quantize import Int8Weight
 from dflash_jax.config import TargetConfig
 from dflash_jax.models.layers import DecoderLayer, RMSNorm, init_param, run_layers
 
@@ -39,7 +40,10 @@ class CausalLM(nnx.Module):
         """h [B, T, H] (final-normed) → float32 logits [B, T, V]."""
         if self.lm_head is None:  # tied: contract with the embedding's H axis, no transpose copy
             return jnp.einsum("bth,vh->btv", h, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("bth,hv->btv", h, self.lm_head[...], preferred_element_type=jnp.float32)
+        w = self.lm_head[...]
+        if isinstance(w, Int8Weight):   # quantize "int8+head": (h @ q) * the vocabulary entries' scales
+            return jnp.einsum("bth,hv->btv", h, w.q.astype(h.dtype), preferred_element_type=jnp.float32) * w.scale
+        return jnp.einsum("bth,hv->btv", h, w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, k_end, *, taps: tuple[int, ...] = (),
                  kernels: KernelConfig | str | None = None, prefill: bool = False):
