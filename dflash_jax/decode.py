@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import sampling, sharding, validation
+from dflash_jax import penalties, sampling, sharding, validation
 from dflash_jax.kernel_config import KernelConfig, kernels_from
 from dflash_jax import width
 from dflash_jax.loop import (MAX_STOP_IDS, Params, buckets, clear_compiled, compile_count, compiled, iteration,
@@ -87,6 +87,10 @@ class GenerateOptions:
     slots: int | None = None
     step_buckets: Any = "auto"
     verify_width: Any = "auto"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Any = None           # {token id: bias in [-100, 100]}, at most penalties.MAX_BIAS
+    min_tokens: int = 0
 
     def program(self) -> dict:
         """The keywords that decide the one-shot program and its inputs (every field but the
@@ -133,6 +137,11 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     if draft is not None and o.verify_width != "block":
         width.width_index(width.widths_for(S), o.verify_width)       # a one-line error for a bad width
     stop = validation.check_stop_ids(o.stop_token_ids, cfg.vocab_size)
+    bad = penalties.problem(o.presence_penalty, o.frequency_penalty, o.logit_bias, o.min_tokens, cfg.vocab_size,
+                            max_new_tokens)
+    if bad is not None:
+        raise ValueError(" ".join(bad))
+    adjusted = not penalties.is_default(o.presence_penalty, o.frequency_penalty, o.logit_bias, o.min_tokens)
     longest = max(len(r) for r in rows)
     Tb, C = buckets(longest, max_new_tokens, S, capacity)
     if longest + 1 + S > C or Tb > C:
@@ -154,10 +163,12 @@ def _static_and_params(target, draft, prompts, *, stream, **options):
     mode = sampling.mode_for(temperature, top_p, top_k)
     st = make_static(tdef, ddef, draft.config if draft is not None else None, block_size=S, batch=B,
                      prompt_bucket=Tb, capacity=C, mode=mode, kernels=kernels, stream=stream, mesh=mesh,
-                     adaptive=o.verify_width != "block", verify_width=o.verify_width)
+                     adaptive=o.verify_width != "block", verify_width=o.verify_width, penalties=adjusted)
     p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens), active=jnp.asarray(active),
                **row_settings([dict(max_new=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     stop_ids=stop, seed=seed, rng_row=i) for i in range(B)]),
+                                     stop_ids=stop, seed=seed, rng_row=i, presence=o.presence_penalty,
+                                     frequency=o.frequency_penalty, logit_bias=o.logit_bias,
+                                     min_tokens=o.min_tokens) for i in range(B)]),
                stream_id=jnp.asarray(0, jnp.int32) if stream else None,
                **width_params(st, o.verify_width if draft is not None else "auto"))
     p = params_on_mesh(p, mesh)
@@ -253,6 +264,11 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     reference report) or one of 0, 1, 3, 7, ... S-1 (0: plain decoding; S-1: the whole block; a
     width outside that set is compiled into the program too). Lossless at every width.
     With `slots`, "auto" runs the engine's whole-block step programs (a number runs the adaptive ones).
+    `presence_penalty` / `frequency_penalty` (in [-2, 2], over the tokens generated so far, not the
+    prompt), `logit_bias` ({token id: bias in [-100, 100]}, at most 300) and `min_tokens` (stop ids
+    masked until that many are generated) adjust the target's distribution (OpenAI / vLLM
+    semantics, dflash_jax.penalties) at every sampled and verified position; speculative output
+    stays exactly plain decoding's of the adjusted target. Any of them set: a program of its own.
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(GenerateOptions)}
     if unknown:
@@ -353,10 +369,12 @@ def _generate_slots(target, draft, prompts, o: GenerateOptions):
                 verify_width=None if st.draft_def is None or o.verify_width == "block" else o.verify_width)
     reqs = [RowRequest(prompt=tuple(int(t) for t in r), max_new=int(o.max_new_tokens),
                        temperature=float(o.temperature), top_k=int(o.top_k), top_p=float(o.top_p),
-                       stop_ids=tuple(stop), seed=int(o.seed), rng_row=i) for i, r in enumerate(prompts)]
+                       stop_ids=tuple(stop), seed=int(o.seed), rng_row=i, presence=float(o.presence_penalty),
+                       frequency=float(o.frequency_penalty), logit_bias=_bias_pairs(o.logit_bias),
+                       min_tokens=int(o.min_tokens)) for i, r in enumerate(prompts)]
     t0 = time.perf_counter()
     n0 = compile_count()
-    eng.warmup([len(r.prompt) for r in reqs], [st.mode])
+    eng.warmup([len(r.prompt) for r in reqs], [reqs[0].mode])
     compile_time = time.perf_counter() - t0 if compile_count() > n0 else 0.0
     t0 = time.perf_counter()
     out = eng.run(reqs)
@@ -365,6 +383,12 @@ def _generate_slots(target, draft, prompts, o: GenerateOptions):
                           finish_reasons=[o.finish_reason for o in out], block_size=st.block_size,
                           num_iterations=max(len(o.acceptance_lengths) for o in out),
                           compile_time_s=compile_time, run_time_s=run_time)
+
+
+def _bias_pairs(logit_bias) -> tuple:
+    """A logit_bias mapping as RowRequest's sorted (id, bias) pairs."""
+    items = logit_bias.items() if isinstance(logit_bias, dict) else (logit_bias or ())
+    return tuple(sorted((int(k), float(v)) for k, v in dict(items).items()))
 
 
 def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt_len: int = 512,

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
-from dflash_jax import decode, sampling, validation
+from dflash_jax import decode, penalties, sampling, validation
 from dflash_jax.loop import compile_count
 from dflash_jax.pages import pages_for
 from dflash_jax.slots import Pipeline, RowRequest, RowResult, Slots, parse_step_buckets
@@ -65,6 +65,11 @@ class Request:
     seed: int = 0                        # the row's sampling seed (generate's `seed`)
     stop_token_ids: tuple[int, ...] = ()  # stop on these in addition to the engine's eos ids
     ignore_eos: bool = False             # do not stop on the engine's eos ids (stop_token_ids still stop)
+    # dflash_jax.penalties (OpenAI / vLLM semantics; any set: the rows run a penalties program)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
+    min_tokens: int = 0                  # the stop ids (eos included) cannot end it before this many tokens
 
 
 @dataclasses.dataclass
@@ -265,6 +270,10 @@ def _check_request(r: Request, vocab_size: int, max_model_len: int, stop_ids) ->
         validation.check_stop_ids(stop_ids, vocab_size)
     except ValueError as e:
         raise RequestError("stop_token_ids", _one_line(e)) from None
+    bad = penalties.problem(r.presence_penalty, r.frequency_penalty, r.logit_bias, r.min_tokens, vocab_size,
+                            r.max_tokens)
+    if bad is not None:
+        raise RequestError(*bad)
 
 
 def _context(target, cache_len: int) -> int:
@@ -376,6 +385,23 @@ class _EngineCore:
             h.cancelled = True           # a running request stops at its next chance
             h._finish("error", self._stats_of(h), "the server shut down before the request finished")
 
+    def fail(self, message: str) -> None:
+        """Stop now, without waiting for the worker: take no new requests and end every queued and
+        running request with an error (`message`). For a device side that is gone (a worker process
+        of a multi-host server died), where the worker thread may never come back from the device."""
+        locked = self._cv.acquire(timeout=1.0)     # the worker may be stuck holding it: go on without
+        try:
+            self._closed, self._abort = True, True
+            left = list(self._queue) + self._running_handles()
+            self._queue.clear()
+        finally:
+            if locked:
+                self._cv.notify_all()
+                self._cv.release()
+        for h in left:
+            h.cancelled = True
+            h._finish("error", self._stats_of(h), message)
+
     def _stats_of(self, h: Handle) -> RequestStats:
         return getattr(h, "_stats", None) or RequestStats(prompt_tokens=len(h.request.prompt))
 
@@ -472,6 +498,8 @@ class SimpleEngine(_EngineCore):
                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                              stop_token_ids=stops or None, block_size=self.block_size, seed=r.seed,
                              attention_impl=self.attention_impl, capacity=self.capacity, on_commit=on_commit,
+                             presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                             logit_bias=dict(r.logit_bias), min_tokens=r.min_tokens,
                              verify_width="block")   # one slot verifies whole blocks (serve --verify-width)
         if h.cancelled:
             return
@@ -504,19 +532,24 @@ class SlotEngine(_EngineCore):
     programs of known trip count; "auto" or a width as generate's (slots.Slots): "auto" chooses per
     iteration from the step programs' costs that warmup profiles (a program not profiled verifies
     the whole block); those programs loop a trip count XLA:GPU does not know (docs/adaptive-width.md).
+    wrap: a function of the Slots whose result the engine drives instead (a multi-host server's
+    process 0 publishes each call to the other processes first: dflash_jax.multihost_serve).
     """
 
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,
                  eos_token_ids: Sequence[int] = (), block_size: int | None = None, attention_impl: str = "auto",
                  steps: int | str = 4, insert_width: int | None = None, kernels=None,
                  warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto",
-                 verify_width=None, kv_pages: int | None = None, page_size: int = 16, prefix_cache: bool = True):
+                 verify_width=None, kv_pages: int | None = None, page_size: int = 16, prefix_cache: bool = True,
+                 wrap: Callable[[Slots], Any] | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl,
                            step_buckets=step_buckets, verify_width=verify_width, kv_pages=kv_pages,
                            page_size=page_size, prefix_cache=prefix_cache)
+        if wrap is not None:          # what the engine drives in the Slots' place (multihost_serve.LeaderSlots)
+            self.slots = wrap(self.slots)
         if not validation.is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         self.pipeline = int(pipeline)
@@ -566,7 +599,10 @@ class SlotEngine(_EngineCore):
         done = list(h._tokens)
         return RowRequest(prompt=tuple(int(t) for t in r.prompt) + tuple(done), max_new=int(r.max_tokens) - len(done),
                           temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
-                          stop_ids=tuple(self.stop_ids(r)), seed=int(r.seed), rng_row=0)
+                          stop_ids=tuple(self.stop_ids(r)), seed=int(r.seed), rng_row=0,
+                          presence=float(r.presence_penalty), frequency=float(r.frequency_penalty),
+                          logit_bias=tuple((int(k), float(v)) for k, v in r.logit_bias), min_tokens=int(r.min_tokens),
+                          resumed=len(done))
 
     def _deliver(self, h: Handle, ids: list[int], accepted: int | None = None) -> None:
         st = h._stats

@@ -41,7 +41,7 @@ from flax import nnx, struct
 from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import sampling, sharding, validation, width
+from dflash_jax import penalties, sampling, sharding, validation, width
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.cache import KVCache
 from dflash_jax.models.stack import CausalLM
@@ -71,6 +71,9 @@ class Static:
     widths: Any = None
     # benchmark only (_simulated_acceptance): each row's acceptance drawn from Params.sim_survival
     simulate: bool = False
+    # presence / frequency penalties, logit_bias and min_tokens applied to the target's logits (and
+    # the draft's): Params' penalty fields are read (dflash_jax.penalties); off: never read
+    penalties: bool = False
 
     def __hash__(self) -> int:
         # Computed once per key: hashing a 36-layer target's GraphDef walks every node (milliseconds
@@ -112,6 +115,13 @@ class Params:
     # [B] int32: the position the prompt rows start at (the paged engine's prefix hit: positions
     # before it are already in the caches' pages; prompt holds the tokens from there); None: 0
     prompt_start: Any = None
+    # Penalty fields (read by Static.penalties programs only; dflash_jax.penalties):
+    presence: Any = None       # [B] float32
+    frequency: Any = None      # [B] float32
+    bias_ids: Any = None       # [B, MAX_BIAS] int32, -1 padded
+    bias_values: Any = None    # [B, MAX_BIAS] float32
+    min_tokens: Any = None     # [B] int32: stop ids masked until the row has generated this many
+    resumed: Any = None        # [B] int32: prompt tokens at its end that the request generated (a preempted row)
 
 
 @struct.dataclass
@@ -223,6 +233,14 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None, caches
     tail = p.prompt_lens if start is None else p.prompt_lens - start
     last = jnp.take_along_axis(h, (tail - 1)[:, None, None], axis=1)                   # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
+    tokens = jnp.zeros((B, C + S), jnp.int32)
+    if st.penalties and start is not None:   # the prompt at its positions: penalties.committed reads them
+        tokens = jax.vmap(lambda t, q, s0: t.at[s0 + jnp.arange(Tb)].set(q, mode="drop"))(tokens, p.prompt, start)
+    else:
+        tokens = tokens.at[:, :Tb].set(p.prompt)
+    if st.penalties:
+        counts, seen, generated = penalties.committed(p, tokens, p.prompt_lens - 1, logits.shape[-1])
+        logits = penalties.adjust(p, logits[:, None], p.prompt[:, :1], counts, seen, generated)[:, 0]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
     first = sampling.select(logits, row_keys(p, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
                             st.mode, st.kernels)
@@ -234,7 +252,6 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None, caches
             # (a measurable share of a short call on CPU: docs/perf-log.md, session 36)
             dcache = write() if retired is None else jax.lax.cond(retired, lambda: fresh, write)
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
-    tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
     lens = p.prompt_lens
     limit = p.prompt_lens + p.max_new
@@ -295,9 +312,12 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
     positions = lens[:, None] + j[:W + 1]                                       # [B, W+1]
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)              # [B, 1]
     dcache, taps, proposal, block = s.draft_cache, (), None, current
+    if st.penalties:
+        counts, seen, generated = penalties.committed(p, s.tokens, lens, target.config.vocab_size)
     if draft is not None and W > 0:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
-        args = (target, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
+        head = _AdjustedHead(target, p, generated) if st.penalties else target
+        args = (head, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
         # a prefix verify wants W drafts: the LM head runs on those rows alone (over all 15 rows of
         # a B = 64 block at Qwen3-8B's vocab it is 1.2 TFLOP, ~10% of a W = 3 iteration's work)
         cut = {"heads": W} if W < S - 1 else {}
@@ -321,6 +341,9 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
         h, feats, tcache = target(block, positions, s.target_cache, positions + 1, taps=taps,
                                   kernels=st.kernels, **one_row)
         logits = target.logits(h)                                                   # [B, W+1, V]
+    if st.penalties:
+        with jax.named_scope("penalties"):
+            logits = penalties.adjust(p, logits, block, counts, seen, generated)
     with jax.named_scope("accept"):
         keys = row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
@@ -339,6 +362,22 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
     else:
         feats = None
     return block, a.astype(jnp.int32), nxt.astype(jnp.int32), feats, tcache, dcache
+
+
+class _AdjustedHead:
+    """The target as a proposer sees it: its LM head's logits with the rows' logit_bias and
+    min_tokens mask (penalties.draft_logits), so the draft proposes a forced token and holds a
+    stop back as the adjusted target does. Every other attribute is the target's."""
+
+    def __init__(self, target, p: Params, generated):
+        self._target, self._p, self._generated = target, p, generated
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def logits(self, h):
+        out = self._target.logits(h)
+        return penalties.draft_logits(self._p, out, self._generated).astype(out.dtype)
 
 
 def _width_inputs(st: Static, p: Params):
@@ -640,7 +679,7 @@ def buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity:
 
 
 def make_static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            kernels, stream=False, mesh=None, adaptive=False, verify_width="auto") -> Static:
+            kernels, stream=False, mesh=None, adaptive=False, verify_width="auto", penalties=False) -> Static:
     """The compile key. adaptive: the program picks its verify width per iteration (Static.widths;
     only with a draft and a block of more than one token) from width.program_widths(block_size,
     verify_width): a width forced outside the default set is compiled in too."""
@@ -653,7 +692,8 @@ def make_static(target_def, draft_def, draft_config, *, block_size, batch, promp
                    taps=tuple(draft_config.target_layer_ids) if has_draft else (), block_size=block_size,
                    batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
-                   stream=stream, mesh=mesh, widths=widths, simulate=widths is not None and _SIMULATE[0] is not None)
+                   stream=stream, mesh=mesh, widths=widths, simulate=widths is not None and _SIMULATE[0] is not None,
+                   penalties=bool(penalties))
 
 
 # Benchmark only: a survival profile that adaptive programs built meanwhile draw their acceptance
@@ -699,7 +739,8 @@ def _mesh_name(mesh) -> str:
 
 # Params fields with one entry per batch row (placed on 'data'); the others are replicated
 _ROW_FIELDS = ("prompt", "prompt_lens", "active", "max_new", "temperature", "top_k", "top_p", "stop_ids",
-               "seed", "rng_row")
+               "seed", "rng_row", "presence", "frequency", "bias_ids", "bias_values", "min_tokens",
+               "resumed")
 
 
 def param_specs(p: Params) -> Params:
@@ -737,14 +778,16 @@ def to_host(tree):
 
 def row_settings(rows: list[dict]) -> dict:
     """Params' per-row fields from one dict per batch row (max_new, temperature, top_k, top_p,
-    stop_ids: a list of at most MAX_STOP_IDS ids, seed, rng_row), as numpy-backed device arrays."""
+    stop_ids: a list of at most MAX_STOP_IDS ids, seed, rng_row; optional: penalties.row_fields'
+    keys), as numpy-backed device arrays."""
     stop_ids = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
     for i, r in enumerate(rows):
         stop_ids[i, :len(r["stop_ids"])] = r["stop_ids"]
     col = lambda k, dt: jnp.asarray(np.array([r[k] for r in rows], dt))             # noqa: E731
     return dict(max_new=col("max_new", np.int32), temperature=col("temperature", np.float32),
                 top_k=col("top_k", np.int32), top_p=col("top_p", np.float32), stop_ids=jnp.asarray(stop_ids),
-                seed=col("seed", np.uint32), rng_row=col("rng_row", np.uint32))
+                seed=col("seed", np.uint32), rng_row=col("rng_row", np.uint32),
+                **{k: jnp.asarray(v) for k, v in penalties.row_fields(rows).items()})
 
 
 def compiled(st: Static, tstate, dstate, p) -> tuple[Any, float]:

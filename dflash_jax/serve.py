@@ -13,7 +13,8 @@ seed, `_choice_seed`), batched prompts on /v1/completions (choices prompt-major 
 lm-evaluation-harness asks). Log-probabilities are the target's raw log_softmax (before temperature,
 vLLM's default), from a scoring forward over prompt + output once the engine has the tokens
 (dflash_jax.scoring); a stream with logprobs sends each choice's tokens once they are scored.
-Penalties and logit_bias stay 400s: they belong in the on-device loop.
+`presence_penalty` / `frequency_penalty`, `logit_bias` and `min_tokens` adjust the target's
+distribution inside the on-device loop (dflash_jax.penalties: exact, speculative or not).
 
 This module is the thin host layer: it turns HTTP requests into `engine.Request`s, detokenises the
 engine's committed tokens, cuts stop strings host-side (as vLLM does: the stop string and what follows
@@ -95,14 +96,14 @@ def _models():
         return_token_ids: bool = False                 # vLLM's extension: the generated ids per choice
         logprobs: Any = None                           # completions: an int (top-k); chat: a bool
         top_logprobs: Any = None                       # chat: alternatives per token (with logprobs: true)
-        presence_penalty: float = 0.0
+        presence_penalty: float = 0.0                  # ranges: penalties.problem (the engine's check)
         frequency_penalty: float = 0.0
+        min_tokens: int = 0
+        logit_bias: Any = None                         # {"token id": bias}: _logit_bias
         # not implemented: refused unless at their default (_UNSUPPORTED)
         repetition_penalty: float = 1.0
         min_p: float = 0.0
-        min_tokens: int = 0
         prompt_logprobs: Any = None
-        logit_bias: Any = None
         response_format: Any = None
         best_of: Any = None
         use_beam_search: Any = None
@@ -151,8 +152,8 @@ def _models():
 # Declared request fields this server does not implement, and the values that mean "not used" (a
 # client may send those; anything else is a 400 naming the field).
 _UNSUPPORTED = {
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,),
-    "prompt_logprobs": (None, 0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
+    "prompt_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
@@ -164,7 +165,7 @@ _UNSUPPORTED = {
 
 # Fields that change the sampled distribution per step: they belong in the on-device loop (target and
 # draft alike, so that sampling stays exact), which does not have them yet.
-_LOOP_FIELDS = ("logit_bias", "min_tokens", "repetition_penalty", "min_p")
+_LOOP_FIELDS = ("repetition_penalty", "min_p")
 _NEEDS_LOOP = ("it changes the distribution the on-device loop samples from (for the target and the draft "
                "alike), which this server does not do yet")
 
@@ -208,6 +209,25 @@ def _choice_seed(seed: int, j: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2 ** 64 - 1)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2 ** 64 - 1)
     return (x ^ (x >> 31)) % (2 ** 31)
+
+
+def _logit_bias(value) -> tuple:
+    """A request's logit_bias ({"token id": bias}, OpenAI's JSON keys are strings) as (id, bias)
+    pairs; the ids' vocabulary, the values' range and the entry count are the engine's check."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", "must be an object mapping token ids to biases")
+    out = []
+    for k, v in value.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise _bad("logit_bias", f"key {k!r:.40} is not a token id") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _bad("logit_bias", f"value {v!r:.40} for token {k!r:.40} is not a number")
+        out.append((tid, float(v)))
+    return tuple(out)
 
 
 def _is_default(value, defaults) -> bool:
@@ -765,9 +785,6 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if body.model is not None and body.model != model_name:
             raise ApiError(404, f"model: '{body.model}' is not served here (serving '{model_name}')",
                            param="model", code="model_not_found")
-        for f in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, f):
-                raise _bad(f, f"is not supported (only 0): {_NEEDS_LOOP}")
         for f, defaults in _UNSUPPORTED.items():
             if f in type(body).model_fields and not _is_default(getattr(body, f), defaults):
                 why = f": {_NEEDS_LOOP}" if f in _LOOP_FIELDS else ""
@@ -781,7 +798,9 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         return Request(prompt=tuple(ids), max_tokens=max_tokens, temperature=temperature,
                        top_p=1.0 if body.top_p is None else body.top_p,
                        top_k=max(0, body.top_k or 0), seed=seed,
-                       stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+                       stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                       logit_bias=_logit_bias(body.logit_bias), min_tokens=body.min_tokens)
 
     scorers: list = [scorer]            # [the Scorer (built on first use), its one-thread executor]
 

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import sampling, sharding, validation
+from dflash_jax import penalties, sampling, sharding, validation
 from dflash_jax.cache import is_paged
 from dflash_jax.pages import PageAllocator, pages_for
 from dflash_jax.kernel_config import kernels_from
@@ -39,7 +39,7 @@ from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_par
                              pick_width, rows_only, width_costs, width_params, with_globals,
                              flush_pending, pending_room, to_host)
 
-__all__ = ["Slots", "Pipeline", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "parse_step_buckets", "platform_of",
+__all__ = ["Slots", "Pipeline", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "split_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
 
 
@@ -299,10 +299,27 @@ class RowRequest:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     rng_row: int = 0          # the stream its randomness is keyed by (generate: the prompt's index)
+    # dflash_jax.penalties: over its generated tokens; logit_bias as (id, bias) pairs
+    presence: float = 0.0
+    frequency: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    resumed: int = 0          # tokens at the prompt's end it generated before (a preempted row)
 
     @property
     def mode(self) -> str:
-        return sampling.mode_for(self.temperature, self.top_p, self.top_k)
+        """Its program's mode: the sampling mode, with PENALTIES appended when it adjusts the
+        distribution (a program of its own, loop.Static.penalties)."""
+        m = sampling.mode_for(self.temperature, self.top_p, self.top_k)
+        adjusted = not penalties.is_default(self.presence, self.frequency, self.logit_bias, self.min_tokens)
+        return m + PENALTIES if adjusted else m
+
+    def settings(self) -> dict:
+        """Its loop.row_settings row."""
+        return dict(max_new=self.max_new, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                    stop_ids=list(self.stop_ids), seed=self.seed, rng_row=self.rng_row, presence=self.presence,
+                    frequency=self.frequency, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+                    resumed=self.resumed)
 
 
 @dataclasses.dataclass
@@ -316,14 +333,27 @@ _MODE_FILTERS = {"greedy": None, "sample": frozenset(), "topk": frozenset("k"), 
                  "filtered": frozenset("kp")}
 
 
+# A program mode's suffix: the program adjusts its rows' distributions (penalties; a row without
+# any has zero penalties, no bias and min_tokens 0 there, so it samples as in the plain program)
+PENALTIES = "+penalties"
+
+
+def split_mode(mode: str) -> tuple[str, bool]:
+    """(sampling mode, penalties) of a program mode (RowRequest.mode, union_mode)."""
+    return (mode[:-len(PENALTIES)], True) if mode.endswith(PENALTIES) else (mode, False)
+
+
 def union_mode(modes) -> str:
-    """The sampling mode whose program serves rows of all these modes: greedy rows stay argmax in
-    any mode, and a filter a row does not use keeps its whole distribution."""
-    filters = [_MODE_FILTERS[m] for m in modes if _MODE_FILTERS[m] is not None]
+    """The program mode that serves rows of all these modes: greedy rows stay argmax in any mode,
+    a filter a row does not use keeps its whole distribution, and the penalties program serves
+    rows without penalties too."""
+    split = [split_mode(m) for m in modes]
+    filters = [_MODE_FILTERS[m] for m, _ in split if _MODE_FILTERS[m] is not None]
+    adjusted = PENALTIES if any(pen for _, pen in split) else ""
     if not filters:
-        return "greedy"
+        return "greedy" + adjusted
     u = frozenset().union(*filters)
-    return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered")
+    return {frozenset(): "sample", frozenset("k"): "topk", frozenset("p"): "topp"}.get(u, "filtered") + adjusted
 
 
 def parse_step_buckets(text: str):
@@ -466,11 +496,13 @@ class Slots:
         self.platform = platform_of(self.state)
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
+        mode, adjusted = split_mode(mode)
         return make_static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                            block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
                            capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh,
                            adaptive=self.verify_width is not None,
-                           verify_width=self.verify_width if self.verify_width is not None else "auto")
+                           verify_width=self.verify_width if self.verify_width is not None else "auto",
+                           penalties=adjusted)
 
     def _check_buckets(self, buckets) -> tuple[int, ...]:
         """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
@@ -693,15 +725,14 @@ class Slots:
                 starts = np.zeros((W,), np.int32)
                 pages = self._pages_bucket(max(len(self._admitted[slot][0]) for slot, _ in chunk)) if self.paged else None
                 table = np.zeros((W, pages), np.int32) if self.paged else None
-                settings = [dict(max_new=1, temperature=0.0, top_k=0, top_p=1.0, stop_ids=[], seed=0, rng_row=0)] * W
+                settings = [RowRequest(prompt=(0,), max_new=1).settings()] * W
                 for i, (slot, r) in enumerate(chunk):
                     if self.paged:
                         starts[i] = self._start_row(slot, r)
                         table[i] = self.table[slot, :pages]
                     prompt[i, :len(r.prompt) - starts[i]] = r.prompt[starts[i]:]
                     lens[i], rows[i] = len(r.prompt), slot
-                    settings[i] = dict(max_new=r.max_new, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                       stop_ids=list(r.stop_ids), seed=r.seed, rng_row=r.rng_row)
+                    settings[i] = r.settings()
                     self.modes[slot] = r.mode
                     self._release[slot] = False
                 p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),

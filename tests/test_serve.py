@@ -614,7 +614,7 @@ def test_unsupported_fields_and_coerced_types_are_400(tokenizer):
     refused = [(dict(repetition_penalty=1.1), "repetition_penalty"), (dict(min_p=0.05), "min_p"),
                (dict(response_format={"type": "json_object"}), "response_format"),
                (dict(top_logprobs=2), "top_logprobs"), (dict(best_of=2), "best_of"),
-               (dict(logit_bias={"5": 10}), "logit_bias"), (dict(min_tokens=3), "min_tokens"),
+               (dict(logit_bias={"x": 10}), "logit_bias"), (dict(min_tokens="3"), "min_tokens"),
                (dict(guided_json={"type": "object"}), "guided_json"),
                (dict(max_tokens="8"), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
                (dict(max_tokens=8.0), "max_tokens"), (dict(stream="yes"), "stream"), (dict(stream=1), "stream"),
