@@ -233,12 +233,13 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None, caches
     tail = p.prompt_lens if start is None else p.prompt_lens - start
     last = jnp.take_along_axis(h, (tail - 1)[:, None, None], axis=1)                   # [B, 1, H]
     logits = target.logits(last)[:, 0]                                                 # [B, V]
-    tokens = jnp.zeros((B, C + S), jnp.int32)
-    if st.penalties and start is not None:   # the prompt at its positions: penalties.committed reads them
-        tokens = jax.vmap(lambda t, q, s0: t.at[s0 + jnp.arange(Tb)].set(q, mode="drop"))(tokens, p.prompt, start)
-    else:
-        tokens = tokens.at[:, :Tb].set(p.prompt)
+    tokens = None
     if st.penalties:
+        tokens = jnp.zeros((B, C + S), jnp.int32)
+        if start is not None:   # the prompt at its positions: penalties.committed reads a resumed row's tail
+            tokens = jax.vmap(lambda t, q, s0: t.at[s0 + jnp.arange(Tb)].set(q, mode="drop"))(tokens, p.prompt, start)
+        else:
+            tokens = tokens.at[:, :Tb].set(p.prompt)
         counts, seen, generated = penalties.committed(p, tokens, p.prompt_lens - 1, logits.shape[-1])
         logits = penalties.adjust(p, logits[:, None], p.prompt[:, :1], counts, seen, generated)[:, 0]
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
@@ -252,6 +253,8 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None, caches
             # (a measurable share of a short call on CPU: docs/perf-log.md, session 36)
             dcache = write() if retired is None else jax.lax.cond(retired, lambda: fresh, write)
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
+    if tokens is None:
+        tokens = jnp.zeros((B, C + S), jnp.int32).at[:, :Tb].set(p.prompt)
     tokens = jax.vmap(lambda t, n, f: t.at[n].set(f))(tokens, p.prompt_lens, first)
     lens = p.prompt_lens
     limit = p.prompt_lens + p.max_new
