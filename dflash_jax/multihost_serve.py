@@ -41,7 +41,7 @@ from dflash_jax.slots import RowRequest
 
 __all__ = ["KEY", "Channel", "LeaderSlots", "Watch", "Hosts", "follow", "flags_digest", "check_flags",
            "publish_verdict", "readable", "row_json", "row_from_json", "process_count", "process_index",
-           "add_args", "real_stderr", "DEFAULT_WORKER_TIMEOUT", "FAULT_EXIT", "FAULT_GRACE_S", "HANG_FACTOR"]
+           "add_args", "real_stderr", "heartbeat", "DEFAULT_WORKER_TIMEOUT", "FAULT_EXIT", "FAULT_GRACE_S", "HANG_FACTOR"]
 
 KEY = "dflash/serve"               # every key of this module's traffic starts here
 DEFAULT_WORKER_TIMEOUT = 10.0      # seconds without a worker's heartbeat before the server fails
@@ -275,25 +275,30 @@ class LeaderSlots:
 
 
 # ------------------------------------------------------------------------------------- workers
-def follow(slots, channel: Channel | None = None, *, heartbeat_s: float = 1.0) -> int:
-    """A worker's loop: run process 0's ops on this process's `slots` in order until `shutdown`.
-    Beats from a thread (so a long compile or a device wait is no silence) and acknowledges each
-    op. Returns 0 after shutdown; raises when the store fails (process 0 is gone)."""
-    channel = channel or Channel()
-    c, me = channel.client, process_index()
-    stop = threading.Event()
+def heartbeat(client, interval_s: float = 1.0) -> threading.Event:
+    """Beat (`hb/<process>`, a new value each time) from a thread until the returned event is set:
+    a thread, so that a long compile or a wait on the device is no silence."""
+    stop, me = threading.Event(), process_index()
 
     def beat():
-        n = 0
         while not stop.is_set():
             try:
-                c.key_value_set(f"{KEY}/hb/{me}", str(n), allow_overwrite=True)
+                client.key_value_set(f"{KEY}/hb/{me}", repr(time.monotonic()), allow_overwrite=True)
             except Exception:  # noqa: BLE001  (process 0 is gone: the main loop finds out too)
                 return
-            n += 1
-            stop.wait(heartbeat_s)
+            stop.wait(interval_s)
 
     threading.Thread(target=beat, name="dflash-heartbeat", daemon=True).start()
+    return stop
+
+
+def follow(slots, channel: Channel | None = None, *, heartbeat_s: float | None = 1.0) -> int:
+    """A worker's loop: run process 0's ops on this process's `slots` in order until `shutdown`,
+    acknowledging each; beats every heartbeat_s (None: the caller beats already). Returns 0 after
+    shutdown; raises when the store fails (process 0 is gone)."""
+    channel = channel or Channel()
+    c, me = channel.client, process_index()
+    stop = heartbeat(c, heartbeat_s) if heartbeat_s else threading.Event()
     n = 0
     try:
         while True:
@@ -313,8 +318,9 @@ def follow(slots, channel: Channel | None = None, *, heartbeat_s: float = 1.0) -
 class Watch:
     """Process 0's watch over the workers, on a thread: a worker whose heartbeat stops for
     `timeout_s`, or that stays behind the ops published without acknowledging one for
-    HANG_FACTOR x that, makes `on_fault(message)` run once. It also deletes the ops every worker
-    has acknowledged."""
+    HANG_FACTOR x that, makes `on_fault(message)` run once. Behind means an op older than the last
+    one published: process 0 has moved past it, so no compile both sides run (the last op's) counts.
+    It also deletes the ops every worker has acknowledged."""
 
     def __init__(self, channel: Channel, on_fault: Callable[[str], Any], timeout_s: float = DEFAULT_WORKER_TIMEOUT):
         self.channel, self.on_fault, self.timeout_s = channel, on_fault, float(timeout_s)
@@ -353,8 +359,8 @@ class Watch:
                 ack = int(self._get(f"{KEY}/ack/{w}") or 0)
                 if ack != acks[w][0]:
                     acks[w] = (ack, now)
-                elif ack >= self.channel.sent:
-                    acks[w] = (ack, now)                # caught up: no clock on it
+                elif ack >= self.channel.sent - 1:
+                    acks[w] = (ack, now)                # at most on the last op, as process 0 is
                 elif now - acks[w][1] > HANG_FACTOR * self.timeout_s:
                     problem = (f"worker process {w} hangs ({self.channel.sent - ack} engine calls behind, none "
                                f"done for {now - acks[w][1]:.0f} s)")
@@ -400,7 +406,12 @@ class Hosts:
         self.channel = Channel()
         self.worker_timeout = float(worker_timeout)
         self.slots = None                # this process's Slots (a worker's: the ops run on it)
-        self.watcher: Watch | None = None
+        self.serving = None              # process 0: (engine, app) once it serves (watch)
+        # from the start, so that a worker lost while the models load or compile is noticed too
+        if self.leader:
+            self.watcher: Watch | None = Watch(self.channel, self._fault, self.worker_timeout).start()
+        else:
+            self.watcher, self.beating = None, heartbeat(self.channel.client)
 
     @classmethod
     def join(cls, parser, args, flags: dict) -> "Hosts | None":
@@ -434,26 +445,30 @@ class Hosts:
 
     def follow(self) -> int:
         """A worker: run process 0's engine calls until it stops (0), or fail when it is gone."""
-        return follow(self.slots, self.channel)
+        return follow(self.slots, self.channel, heartbeat_s=None)
 
     def watch(self, engine, app) -> None:
-        """Process 0, serving: a worker that dies or hangs ends every request with an error event,
-        makes the server answer 503, and the process exit FAULT_EXIT after FAULT_GRACE_S."""
-        def fault(message: str) -> None:
-            print(f"[dflash] {message}: failing every request and stopping", file=sys.stderr, flush=True)
+        """Process 0, serving from now: a worker fault also ends every request with an error event
+        and makes the server answer 503 (_fault)."""
+        self.serving = (engine, app)
+
+    def _fault(self, message: str) -> None:
+        """A worker died or hangs: fail what runs (serving), then exit FAULT_EXIT after
+        FAULT_GRACE_S (the streams' error events and [DONE] go out meanwhile)."""
+        print(f"[dflash] {message}: failing every request and stopping", file=sys.stderr, flush=True)
+        if self.serving is not None:
+            engine, app = self.serving
             app.state.draining = True
             engine.fail(f"a process of this multi-host server failed: {message}")
             time.sleep(FAULT_GRACE_S)
-            os._exit(FAULT_EXIT)
-        self.watcher = Watch(self.channel, fault, self.worker_timeout).start()
+        os._exit(FAULT_EXIT)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Process 0, done serving: end the workers' loops and wait for them to leave."""
         if self.watcher is not None:
             self.watcher.stop()
         self.channel.publish(["shutdown"])
-        workers = self.watcher or Watch(self.channel, lambda m: None, self.worker_timeout)
-        if not workers.wait_for_workers(timeout_s):
+        if not self.watcher.wait_for_workers(timeout_s):
             print("[dflash] a worker process did not stop in time", file=sys.stderr, flush=True)
 
 
