@@ -147,3 +147,19 @@ def test_bench_hybrid_tpu_aot_smoke(tmp_path):
     assert [r["block"] for r in rows] == [1, 16]
     for r in rows:
         assert 0 < r["hbm_bytes"] <= r["bytes_accessed"] and r["x_floor_hbm"] > 0.5, r
+
+
+def test_bench_pages_smoke(tmp_path):
+    """scripts/bench_pages.py (issue 56's requests in flight at a fixed KV budget), --smoke: both
+    distributions, the fixed-slot engine run for real next to the paged one over the same workload,
+    every request finishing with its forced length and every page given back (the script checks both),
+    and the paged engine holding more requests than the fixed slots while the queue is non-empty."""
+    out = _run(["scripts/bench_pages.py", "--smoke", "--json", str(tmp_path / "p.json")], tmp_path, timeout=120)
+    rows = __import__("json").loads((tmp_path / "p.json").read_text())
+    assert [(r["dist"], r["engine"]) for r in rows] == [("loguniform", "fixed-slot"), ("loguniform", "paged"),
+                                                        ("uniform", "fixed-slot"), ("uniform", "paged")], out
+    for fixed, paged in (rows[:2], rows[2:]):
+        assert fixed["measured"] and fixed["slots"] == 2 and fixed["peak_inflight"] <= 2, out
+        assert fixed["tokens"] == paged["tokens"] > 0 and paged["kv_pages_total"] == 15, out
+    assert rows[1]["peak_inflight"] > rows[0]["peak_inflight"], out    # the log-uniform run: seconds of samples
+    assert out.count("paged / fixed-slot, requests in flight:") == 2 and "| paged | 8 |" in out, out
