@@ -132,12 +132,14 @@ class PageAllocator:
 
     # -- the row's life: match, allocate, publish, release
 
-    def match(self, tokens) -> tuple[list[int], int]:
+    def match(self, tokens, *, count: bool = True) -> tuple[list[int], int]:
         """Longest cached prefix of `tokens` made of FULL pages, capped so that at least ONE token of
         `tokens` is left uncovered (the engine must run the target on >= 1 token to get logits): returns
         (page ids, tokens covered = len(pages) * page_size). Takes one reference on each returned page
         (so it stops being evictable) and counts len(tokens) queried and the covered tokens hit.
-        prefix_cache=False: always ([], 0), nothing counted (vLLM counts nothing with caching off)."""
+        prefix_cache=False: always ([], 0), nothing counted (vLLM counts nothing with caching off).
+        count=False: nothing counted either (a caller that may give the pages back, as an admission
+        that finds the pool short, counts the query itself once it holds: `count`)."""
         if not self.prefix_cache:
             return [], 0
         data = _token_bytes(tokens)
@@ -151,9 +153,15 @@ class PageAllocator:
         for page in pages:
             self._take(page)
         covered = len(pages) * self.page_size
-        self._queries += n_tokens
-        self._hits += covered
+        if count:
+            self.count(n_tokens, covered)
         return pages, covered
+
+    def count(self, queried: int, hit: int) -> None:
+        """Count one prefix-cache query of `queried` tokens of which `hit` were found."""
+        if self.prefix_cache:
+            self._queries += int(queried)
+            self._hits += int(hit)
 
     def allocate(self, n: int) -> list[int] | None:
         """n private pages (refcount 1), evicting least-recently-used unreferenced published pages when the

@@ -552,10 +552,14 @@ class Slots:
         return [d << i for i in range(max(self.insert_width, d).bit_length()) if d << i <= max(self.insert_width, d)]
 
     def _put(self, x, spec=None):
-        """x on the slots' mesh (rows on 'data' by default; spec () replicates); as is without one."""
+        """x on the slots' mesh (rows on 'data' by default; spec () replicates); as is without one.
+        Always from a copy: on CPU a large enough aligned numpy array is aliased, not copied, by
+        jnp.asarray / device_put, and the host's own arrays (the page table, the release flags)
+        change while the program dispatched with them has not run yet."""
+        x = np.array(x, copy=True)
         if self.mesh is None:
             return jnp.asarray(x)
-        return jax.device_put(np.asarray(x), NamedSharding(self.mesh, P() if spec is None else spec))
+        return jax.device_put(x, NamedSharding(self.mesh, P() if spec is None else spec))
 
     def _insert_program(self, bucket: int, mode: str, width: int, pages: int | None = None):
         """The prefill program of `width` requests of prompt bucket `bucket` (kept on the engine as
@@ -581,7 +585,7 @@ class Slots:
 
     def _table_arg(self, table: np.ndarray):
         """Page-table rows as a program argument (on a mesh: rows on 'data', as the slots')."""
-        return jnp.asarray(table) if self.mesh is None else self._put(table, P("data", None))
+        return self._put(table, None if self.mesh is None else P("data", None))
 
     def _pages_bucket(self, pages: int | None) -> int | None:
         """A paged program's table width for rows holding up to `pages` pages: the next power of two,
@@ -805,13 +809,14 @@ class Slots:
         """Paged: take `slot`'s pages for r (its prefix hit, the rest of its prompt and its first
         step's reach) before insert; False (nothing taken) when the pool is short: the request waits."""
         self.check(r)
-        hit_pages, hit = self.pages.match(r.prompt)
-        S, K = self.block_size, self.steps_for(1)
+        hit_pages, hit = self.pages.match(r.prompt, count=False)   # counted once admitted: a queue head
+        S, K = self.block_size, self.steps_for(1)                  # retried every turn counts once
         reach = min(len(r.prompt) + K * S + S, len(r.prompt) + r.max_new + S, self.capacity)
         new = self.pages.allocate(max(0, pages_for(reach, self.page_size) - len(hit_pages)))
         if new is None:
             self.pages.release(hit_pages)
             return False
+        self.pages.count(len(r.prompt), hit)
         self._admitted[slot] = (hit_pages + new, hit)
         return True
 

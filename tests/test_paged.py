@@ -296,3 +296,35 @@ def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog):
     assert res.tokens == want.tokens[0] and res.acceptance_lengths == want.acceptance_lengths[0]
     assert calls and set(calls) == {"tpu"}                       # every layer's attention read pages
     assert "cannot take" not in caplog.text                      # and no kernel fell back to the gather
+
+
+def test_host_arrays_go_to_the_device_as_copies(pair):
+    """On CPU jnp.asarray aliases a large aligned numpy array instead of copying it; the page table
+    and the release flags change on the host while a program dispatched with them may not have run
+    yet, so Slots hands the device copies."""
+    target, draft = pair
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=8, page_size=PAGE)
+    host = np.zeros((1024, 1024), np.int32)
+    dev = eng._table_arg(host)
+    host[5, 5] = 7
+    assert int(dev[5, 5]) == 0
+
+
+def test_an_admission_retried_while_pages_are_short_counts_one_query(pair):
+    target, draft = pair
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=14, page_size=PAGE)
+    first = prompt_of(60, 13)
+    eng.run([RowRequest(prompt=first, max_new=8)])
+    held, _ = eng.pages.match(first, count=False)               # the prefix's pages stay (not evicted)
+    hog = eng.pages.allocate(eng.pages.available() - 1)          # leave one page: admissions fail
+    before = eng.pages.stats()
+    for _ in range(3):
+        assert not eng.admit(0, RowRequest(prompt=first[:8] + prompt_of(61, 4), max_new=4))
+    assert eng.pages.stats()["prefix_queries_tokens"] == before["prefix_queries_tokens"]
+    eng.pages.release(hog + held)
+    assert eng.admit(0, RowRequest(prompt=first[:8] + prompt_of(61, 4), max_new=4))
+    after = eng.pages.stats()
+    assert (after["prefix_queries_tokens"] - before["prefix_queries_tokens"],
+            after["prefix_hits_tokens"] - before["prefix_hits_tokens"]) == (12, 8)
+    eng.release(0)
+    eng.pages.check()
