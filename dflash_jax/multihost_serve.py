@@ -41,7 +41,8 @@ from dflash_jax.slots import RowRequest
 
 __all__ = ["KEY", "Channel", "LeaderSlots", "Watch", "Hosts", "follow", "flags_digest", "check_flags",
            "publish_verdict", "readable", "row_json", "row_from_json", "process_count", "process_index",
-           "add_args", "real_stderr", "heartbeat", "DEFAULT_WORKER_TIMEOUT", "FAULT_EXIT", "FAULT_GRACE_S", "HANG_FACTOR"]
+           "add_args", "real_stderr", "heartbeat", "DEFAULT_WORKER_TIMEOUT", "FAULT_EXIT", "FAULT_GRACE_S",
+           "HANG_FACTOR"]
 
 KEY = "dflash/serve"               # every key of this module's traffic starts here
 DEFAULT_WORKER_TIMEOUT = 10.0      # seconds without a worker's heartbeat before the server fails
@@ -80,22 +81,27 @@ def flags_digest(flags: dict) -> str:
 def check_flags(flags: dict, timeout_s: float = 300.0) -> str | None:
     """Every process's flags against process 0's, through the store: None when they agree, else
     one line naming the flags that differ (the same line on every process). Process 0 publishes
-    its flags; each worker compares and publishes its verdict; process 0 waits for all of them."""
+    the digest of its flags (flags_digest) and the flags; each worker compares digests, names the
+    flags that differ when they do, and publishes its verdict; process 0 waits for all of them."""
     c, me, n = _client(), process_index(), process_count()
     kept = {k: v for k, v in flags.items() if k not in ("host", "port")}
     mine = json.loads(json.dumps(kept, sort_keys=True, default=str))
     ms = int(timeout_s * 1000)
     if me == 0:
-        c.key_value_set(f"{KEY}/flags", json.dumps(mine, sort_keys=True))
+        c.key_value_set(f"{KEY}/flags", json.dumps(dict(digest=flags_digest(flags), flags=mine), sort_keys=True))
         bad = [c.blocking_key_value_get(f"{KEY}/flags_ok/{i}", ms) for i in range(1, n)]
         bad = [b for b in bad if b != "ok"]
         return bad[0] if bad else None
-    theirs = json.loads(c.blocking_key_value_get(f"{KEY}/flags", ms))
-    differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
-    verdict = "ok" if not differ else (
-        f"the processes' flags differ ({', '.join('--' + k.replace('_', '-') for k in differ)}: process {me} has "
-        f"{', '.join(f'{mine.get(k)!r}' for k in differ)}, process 0 "
-        f"{', '.join(f'{theirs.get(k)!r}' for k in differ)}); start every process with the same flags")
+    got = json.loads(c.blocking_key_value_get(f"{KEY}/flags", ms))
+    theirs = got["flags"]
+    verdict = "ok"
+    if got["digest"] != flags_digest(flags):
+        differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+        named = "" if not differ else (
+            f" ({', '.join('--' + k.replace('_', '-') for k in differ)}: process {me} has "
+            f"{', '.join(repr(mine.get(k)) for k in differ)}, process 0 "
+            f"{', '.join(repr(theirs.get(k)) for k in differ)})")
+        verdict = f"the processes' flags differ{named}; start every process with the same flags"
     c.key_value_set(f"{KEY}/flags_ok/{me}", verdict)
     if verdict != "ok":
         return verdict

@@ -69,7 +69,8 @@ def child(args) -> None:
             publish_s.append(time.perf_counter() - t0)
         channel.publish = timed
         slots = mh.LeaderSlots(slots, channel)
-    reqs = [RowRequest(prompt=tuple(range(1 + i, 17 + i)), max_new=args.capacity - 16 - 8 - 1) for i in range(args.slots)]
+    reqs = [RowRequest(prompt=tuple(range(1 + i, 17 + i)), max_new=args.capacity - 16 - 8 - 1)
+            for i in range(args.slots)]
     slots.warmup([16], ("greedy",))
     busy = list(range(args.slots))
     if args.layout == "leader" or jax.process_count() == 1:
@@ -156,11 +157,12 @@ def main() -> None:
                             _run(args, 2, "leader"))
     print(f"pair: hidden {args.hidden}, {args.layers} target layers, vocab {args.vocab}; {args.slots} rows busy; "
           f"K = {two['k']} iterations a step; mesh data=2,model=4 on CPU")
-    print(f"| | median | min |\n|---|---|---|")
+    print("| | median | min |\n|---|---|---|")
     print(f"| step, 1 process x 8 devices | {one['step_ms']:.2f} ms | {one['step_ms_min']:.2f} ms |")
     print(f"| step, 2 processes x 4 devices, each process stepping itself, waited for | {wait['step_ms']:.2f} ms | "
           f"{wait['step_ms_min']:.2f} ms |")
-    print(f"| the same, outputs replicated and read on process 0 | {read['step_ms']:.2f} ms | {read['step_ms_min']:.2f} ms |")
+    print(f"| the same, outputs replicated and read on process 0 | {read['step_ms']:.2f} ms | "
+          f"{read['step_ms_min']:.2f} ms |")
     print(f"| step served: process 0 publishes the op, process 1 follows | {two['step_ms']:.2f} ms | "
           f"{two['step_ms_min']:.2f} ms |")
     print(f"| publish of the step's op (process 0) | {two['publish_us']:.0f} us | |")
