@@ -809,7 +809,10 @@ class Slots:
         """Paged: take `slot`'s pages for r (its prefix hit, the rest of its prompt and its first
         step's reach) before insert; False (nothing taken) when the pool is short: the request waits."""
         self.check(r)
-        hit_pages, hit = self.pages.match(r.prompt, count=False)   # counted once admitted: a queue head
+        # a resumed row's generated tail must reach its token buffer (the penalties count it there):
+        # its hit stops before it
+        lookup = r.prompt[:len(r.prompt) - r.resumed] if r.mode.endswith(PENALTIES) else r.prompt
+        hit_pages, hit = self.pages.match(lookup, count=False)     # counted once admitted: a queue head
         S, K = self.block_size, self.steps_for(1)                  # retried every turn counts once
         reach = min(len(r.prompt) + K * S + S, len(r.prompt) + r.max_new + S, self.capacity)
         new = self.pages.allocate(max(0, pages_for(reach, self.page_size) - len(hit_pages)))

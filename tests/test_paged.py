@@ -328,3 +328,19 @@ def test_an_admission_retried_while_pages_are_short_counts_one_query(pair):
             after["prefix_hits_tokens"] - before["prefix_hits_tokens"]) == (12, 8)
     eng.release(0)
     eng.pages.check()
+
+
+def test_a_resumed_penalised_row_hits_only_its_prompt(pair):
+    """A resumed row (the preempted case, built directly): its prompt ends with `resumed` generated
+    tokens whose pages are cached from its first run. Its hit stops before them, so the penalties
+    count them and it continues exactly as the uninterrupted run."""
+    target, draft = pair
+    pen = dict(presence=1.5, frequency=1.0)
+    prompt = prompt_of(80, 9)
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE)
+    full = eng.run([RowRequest(prompt=prompt, max_new=40, **pen)])[0].tokens
+    cut = 20
+    hits = eng.pages.stats()["prefix_hits_tokens"]
+    rest = eng.run([RowRequest(prompt=prompt + tuple(full[:cut]), max_new=40 - cut, resumed=cut, **pen)])[0].tokens
+    assert eng.pages.stats()["prefix_hits_tokens"] - hits == 8       # the prompt's 2 full pages, not the tail's
+    assert full[cut:] == rest
