@@ -275,6 +275,11 @@ class LeaderSlots:
     def profile_widths(self, mode: str = "greedy", rows: int | None = None) -> None:
         return self._call(["profile_widths", mode, rows])
 
+    def run(self, *args, **kwargs):
+        """Slots.run would call the wrapped Slots past the ops; offline work across processes is
+        `generate`'s (every process makes the same calls itself)."""
+        raise NotImplementedError("Slots.run across processes: use generate, which every process runs itself")
+
     def stop(self) -> None:
         """End the workers' loops (`follow` returns)."""
         self.channel.publish(["shutdown"])
