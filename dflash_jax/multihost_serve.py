@@ -445,6 +445,14 @@ class Hosts:
         if getattr(args, "mesh", None) is None or args.slots < 2:
             parser.error(f"a server over {n} processes needs --mesh over all {devices} devices and the slot engine "
                          f"(--slots > 1)")
+        from dflash_jax import sharding
+        try:
+            data, model = sharding.parse_mesh(args.mesh)
+        except ValueError as e:
+            parser.error(f"--mesh {args.mesh}: {loading.one_line(e)}")
+        if data * model != devices:   # a mesh on some processes' devices only: the rest would wait forever
+            parser.error(f"--mesh {args.mesh} has {data * model} devices; a server over {n} processes needs a mesh "
+                         f"over all {devices} of their devices")
         if not args.worker_timeout > 0:
             parser.error(f"--worker-timeout must be > 0 seconds, got {args.worker_timeout}")
         return cls(args.worker_timeout)

@@ -340,3 +340,17 @@ def test_a_worker_killed_mid_stream_ends_the_stream_and_the_server(served_pair, 
         assert "worker process 1 stopped" in cl.log(0)
     finally:
         cl.kill()
+
+
+@pytest.mark.slow
+def test_a_mesh_over_some_processes_devices_is_refused(served_pair, tmp_path):
+    """--mesh 2x2 over 2 processes x 4 devices: the mesh would leave process 1's devices out (it
+    would wait forever): one line and exit 2 on every process."""
+    cl = Cluster(served_pair, tmp_path, extra=("--mesh", "2x2"))
+    try:
+        codes = [p.wait(120) for p in cl.procs]
+    finally:
+        cl.kill()
+    for i in range(2):
+        assert codes[i] == 2 and "needs a mesh over all 8 of their devices" in cl.log(i), cl.log(i)
+        assert "Traceback" not in cl.log(i)
