@@ -21,7 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 COMMON = [("repetition_penalty", 1.1), ("min_p", 0.05), ("response_format", {"type": "json_object"}),
-          ("top_logprobs", 2), ("best_of", 2), ("logit_bias", {"5": 10}), ("min_tokens", 3),
+          ("top_logprobs", 2), ("best_of", 2), ("logit_bias", {"5": 500}), ("min_tokens", 3),
           ("guided_json", {"type": "object"}), ("max_tokens", "8"), ("max_tokens", True), ("max_tokens", 8.0),
           ("stream", "yes"), ("stream", 1), ("temperature", "0.5"), ("temperature", True), ("seed", "1"),
           ("ignore_eos", "true"), ("stop_token_ids", ["5"]), ("top_k", 1.0),
