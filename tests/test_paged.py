@@ -344,3 +344,17 @@ def test_a_resumed_penalised_row_hits_only_its_prompt(pair):
     rest = eng.run([RowRequest(prompt=prompt + tuple(full[:cut]), max_new=40 - cut, resumed=cut, **pen)])[0].tokens
     assert eng.pages.stats()["prefix_hits_tokens"] - hits == 8       # the prompt's 2 full pages, not the tail's
     assert full[cut:] == rest
+
+
+def test_auto_width_paged_with_a_prefix_hit_equals_one_shot(pair):
+    """The server's default width choice ("auto") on the paged engine with the prefix cache on: a
+    request with a hit gives one-shot generate's tokens, and its blocks still accept >= 3."""
+    target, draft = pair
+    first = prompt_of(90, 12)
+    second = first[:8] + prompt_of(91, 5)
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE, verify_width="auto")
+    eng.run([RowRequest(prompt=first, max_new=10)])
+    res = eng.run([RowRequest(prompt=second, max_new=20)])[0]
+    assert eng.pages.stats()["prefix_hits_tokens"] == 8
+    want = generate(target, draft, [list(second)], max_new_tokens=20, capacity=CAP, verify_width="block")
+    assert res.tokens == want.tokens[0] and max(res.acceptance_lengths) >= 3
