@@ -70,6 +70,9 @@ class Request:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
     min_tokens: int = 0                  # the stop ids (eos included) cannot end it before this many tokens
+    # structured output: the request's grammar state (dflash_jax.grammar.Constraint, from
+    # Grammars.compile(...).new()); the engine advances it with every token it emits. Slot engine only.
+    grammar: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass
@@ -295,6 +298,7 @@ class _EngineCore:
     max_queue: int
     capacity: int
     n_slots: int                         # requests that run at once
+    structured_output = False            # serves Request.grammar (the slot engine on one host)
     _abort = False                       # set by shutdown after its timeout: the worker stops
 
     def _start(self, thread_name: str) -> None:
@@ -319,6 +323,10 @@ class _EngineCore:
 
     def check(self, r: Request) -> None:
         _check_request(r, self.vocab_size, self.max_model_len, self.stop_ids(r))
+        if r.grammar is not None and not self.structured_output:
+            raise RequestError("response_format", "structured output (a JSON schema, json_object or a forced tool "
+                                                  "call) is served by the slot engine on one host: serve with "
+                                                  "--slots 2 or more")
 
     def submit(self, request: Request) -> Handle:
         self.check(request)
@@ -550,6 +558,9 @@ class SlotEngine(_EngineCore):
                            page_size=page_size, prefix_cache=prefix_cache)
         if wrap is not None:          # what the engine drives in the Slots' place (multihost_serve.LeaderSlots)
             self.slots = wrap(self.slots)
+        # grammar masks are built on the host between steps; a multi-host server would have to
+        # publish them to every process each step (not yet)
+        self.structured_output = wrap is None
         if not validation.is_int(pipeline) or pipeline < 0:
             raise ValueError(f"pipeline must be an integer >= 0, got {pipeline!r}")
         self.pipeline = int(pipeline)
@@ -602,7 +613,7 @@ class SlotEngine(_EngineCore):
                           stop_ids=tuple(self.stop_ids(r)), seed=int(r.seed), rng_row=0,
                           presence=float(r.presence_penalty), frequency=float(r.frequency_penalty),
                           logit_bias=tuple((int(k), float(v)) for k, v in r.logit_bias), min_tokens=int(r.min_tokens),
-                          resumed=len(done))
+                          resumed=len(done), grammar=r.grammar)
 
     def _deliver(self, h: Handle, ids: list[int], accepted: int | None = None) -> None:
         st = h._stats
@@ -611,6 +622,8 @@ class SlotEngine(_EngineCore):
             st.iterations += 1
             self._count_iteration(accepted)
         if ids:
+            if h.request.grammar is not None:      # its grammar follows every token it emits
+                h.request.grammar.consume(ids)
             if st.first_token_s is None:
                 st.first_token_s = time.perf_counter() - h.submitted_at
             h._push(Tokens(ids))
@@ -718,6 +731,8 @@ class SlotEngine(_EngineCore):
                                                 queued_s=time.perf_counter() - h.submitted_at)
                 try:
                     pipe.insert([(slot, self._row(h), h) for slot, h in admit])
+                    if any(h.request.grammar is not None for _, h in admit):
+                        pipe.drain()       # their first tokens reach their grammars before the step's masks
                 except Exception as e:  # the inserted requests fail; the others keep running
                     with self._cv:
                         for slot, h in admit:
@@ -734,7 +749,10 @@ class SlotEngine(_EngineCore):
                     busy = self._make_room(pipe, free)
                 if busy:
                     pipe.step(busy)
-                pipe.read(stepped=bool(busy))
+                if any(h.request.grammar is not None for h in busy.values()):
+                    pipe.drain()           # the next step's masks need this one's commits and drafts
+                else:
+                    pipe.read(stepped=bool(busy))
             except Exception as e:  # noqa: BLE001  (a failed step: see _fail_running)
                 pipe.clear()
                 self._fail_running(free, e)

@@ -74,6 +74,10 @@ class Static:
     # presence / frequency penalties, logit_bias and min_tokens applied to the target's logits (and
     # the draft's): Params' penalty fields are read (dflash_jax.penalties); off: never read
     penalties: bool = False
+    # structured output (dflash_jax.grammar): the verify masks each position's logits with
+    # Params.grammar_mask and verifies the host's drafts (Params.grammar_drafts: the drafts it walked
+    # the grammar along); off: never read
+    grammar: bool = False
 
     def __hash__(self) -> int:
         # Computed once per key: hashing a 36-layer target's GraphDef walks every node (milliseconds
@@ -122,6 +126,12 @@ class Params:
     bias_values: Any = None    # [B, MAX_BIAS] float32
     min_tokens: Any = None     # [B] int32: stop ids masked until the row has generated this many
     resumed: Any = None        # [B] int32: prompt tokens at its end that the request generated (a preempted row)
+    # Grammar fields (Static.grammar programs only; dflash_jax.grammar): the tokens allowed at each
+    # verify position, bit t % 32 of word t // 32 (an unconstrained row: all ones), and the drafts
+    # the host walked its grammar along to build them (the last iteration's proposal, or anything:
+    # a draft the mask refuses is rejected there). A prefill reads position 0's row alone.
+    grammar_mask: Any = None   # [B, S, ceil(V / 32)] int32 (a prefill's: [B, 1, ...])
+    grammar_drafts: Any = None  # [B, S - 1] int32
 
 
 @struct.dataclass
@@ -242,6 +252,8 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None, caches
             tokens = tokens.at[:, :Tb].set(p.prompt)
         counts, seen, generated = penalties.committed(p, tokens, p.prompt_lens - 1, logits.shape[-1])
         logits = penalties.adjust(p, logits[:, None], p.prompt[:, :1], counts, seen, generated)[:, 0]
+    if st.grammar:
+        logits = grammar_masked(logits, p.grammar_mask[:, 0])
     # keyed at prompt_len - 1: iterations key at lens >= prompt_len, so no key is used twice
     first = sampling.select(logits, row_keys(p, p.prompt_lens - 1), p.temperature, p.top_k, p.top_p,
                             st.mode, st.kernels)
@@ -317,7 +329,11 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
     dcache, taps, proposal, block = s.draft_cache, (), None, current
     if st.penalties:
         counts, seen, generated = penalties.committed(p, s.tokens, lens, target.config.vocab_size)
-    if draft is not None and W > 0:   # the proposer: DFlashDraft.propose, or anything with its signature
+    if draft is not None and W > 0 and st.grammar:   # the host's drafts (Params.grammar_drafts)
+        taps = st.taps
+        dcache = _write_pending(draft, s)       # the context propose would have written
+        block = jnp.concatenate([current, p.grammar_drafts[:, :W]], axis=1)           # [B, W+1]
+    elif draft is not None and W > 0:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
         head = _AdjustedHead(target, p, generated) if st.penalties else target
         args = (head, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
@@ -347,6 +363,8 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
     if st.penalties:
         with jax.named_scope("penalties"):
             logits = penalties.adjust(p, logits, block, counts, seen, generated)
+    if st.grammar:
+        logits = grammar_masked(logits, p.grammar_mask[:, :W + 1])
     with jax.named_scope("accept"):
         keys = row_keys(p, lens)
         a, nxt = sampling.accept(block, logits, keys, p.temperature, p.top_k, p.top_p, st.mode,
@@ -365,6 +383,32 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
     else:
         feats = None
     return block, a.astype(jnp.int32), nxt.astype(jnp.int32), feats, tcache, dcache
+
+
+def grammar_masked(logits, mask):
+    """logits [..., V] with the tokens `mask` [..., ceil(V / 32)] int32 refuses at -inf (bit t % 32 of
+    word t // 32 set: allowed). A refused draft then has probability 0 and is rejected (greedy: it is
+    never the argmax; sampled: u < p fails), and the correction is drawn from the allowed tokens."""
+    V = logits.shape[-1]
+    bits = (mask[..., :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1                # [..., W, 32]
+    allowed = bits.reshape(*mask.shape[:-1], -1)[..., :V].astype(bool)
+    return jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))
+
+
+def propose_next(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
+    """[B, S-1] the drafts the next iteration would verify from state s (a grammar program
+    returns them, so the host walks each constrained row's grammar along them before that
+    iteration). Deterministic drafts (a DFlash2 selector's argmax path): acceptance is exact for
+    any deterministic proposal, so sampled rows stay exact."""
+    lens = s.lens
+    current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)
+    head = target
+    if st.penalties:
+        _, _, generated = penalties.committed(p, s.tokens, lens, target.config.vocab_size)
+        head = _AdjustedHead(target, p, generated)
+    drafts, _ = draft.propose(head, current, lens, p.prompt_lens + p.max_new, s.pending, s.pending_count,
+                              s.draft_cache, block_size=st.block_size, kernels=st.kernels)
+    return drafts.astype(jnp.int32)
 
 
 class _AdjustedHead:
@@ -682,7 +726,8 @@ def buckets(longest_prompt: int, max_new_tokens: int, block_size: int, capacity:
 
 
 def make_static(target_def, draft_def, draft_config, *, block_size, batch, prompt_bucket, capacity, mode,
-            kernels, stream=False, mesh=None, adaptive=False, verify_width="auto", penalties=False) -> Static:
+            kernels, stream=False, mesh=None, adaptive=False, verify_width="auto", penalties=False,
+            grammar=False) -> Static:
     """The compile key. adaptive: the program picks its verify width per iteration (Static.widths;
     only with a draft and a block of more than one token) from width.program_widths(block_size,
     verify_width): a width forced outside the default set is compiled in too."""
@@ -696,7 +741,7 @@ def make_static(target_def, draft_def, draft_config, *, block_size, batch, promp
                    batch=batch,
                    prompt_bucket=prompt_bucket, capacity=capacity, mode=mode, kernels=kernels,
                    stream=stream, mesh=mesh, widths=widths, simulate=widths is not None and _SIMULATE[0] is not None,
-                   penalties=bool(penalties))
+                   penalties=bool(penalties), grammar=bool(grammar))
 
 
 # Benchmark only: a survival profile that adaptive programs built meanwhile draw their acceptance
@@ -743,7 +788,7 @@ def _mesh_name(mesh) -> str:
 # Params fields with one entry per batch row (placed on 'data'); the others are replicated
 _ROW_FIELDS = ("prompt", "prompt_lens", "active", "max_new", "temperature", "top_k", "top_p", "stop_ids",
                "seed", "rng_row", "presence", "frequency", "bias_ids", "bias_values", "min_tokens",
-               "resumed")
+               "resumed", "grammar_mask", "grammar_drafts")
 
 
 def param_specs(p: Params) -> Params:

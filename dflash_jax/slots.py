@@ -37,7 +37,7 @@ from dflash_jax import width
 from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
                              merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings,
                              pick_width, rows_only, width_costs, width_params, with_globals,
-                             flush_pending, pending_room, to_host)
+                             flush_pending, pending_room, propose_next, to_host)
 
 __all__ = ["Slots", "Pipeline", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "split_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
@@ -78,7 +78,7 @@ def _slots_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows)
         new = prefill(st, *merge_models(st, tstate, dstate), p)
         put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
         loop = with_globals(jax.tree.map(put, rows_only(slots.loop), rows_only(new)), slots.loop)
-        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None))
+        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, grammar_mask=None))
         first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
         return _slots_placed(st, SlotState(loop=loop, params=params)), first, new.done
 
@@ -154,7 +154,8 @@ def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows,
         new, pools = _split_pools(_without_table(new))
         put = lambda o, x: o.at[rows].set(x, mode="drop")                              # noqa: E731
         loop = with_globals(jax.tree.map(put, rows_only(old), rows_only(new)), slots.loop)
-        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, prompt_start=None))
+        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, prompt_start=None,
+                                                            grammar_mask=None))
         first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
         return _slots_placed(st, SlotState(loop=_join_pools(loop, pools), params=params)), first, new.done
 
@@ -225,7 +226,7 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
                        jnp.zeros((n_iters, st.batch), jnp.int32))
 
         loop, (commits, produced) = jax.lax.cond(jnp.any(~loop.done), iterations, idle, loop)
-        return slots.replace(loop=loop), commits, produced, loop.done
+        return (slots.replace(loop=loop), commits, produced, loop.done) + _next_drafts(st, target, draft, params, loop)
     # Adaptive widths: one while loop per width, as loop.run (a lax.switch per iteration would copy
     # every cache buffer into its branch). Its trip count is unknown to XLA:GPU anyway (the
     # host-wait cost of session 22 applies again, docs/adaptive-width.md), so it also stops as soon
@@ -255,7 +256,17 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
             c = jax.lax.while_loop(cond, one(k), c)
         return c
     loop, commits, produced = jax.lax.while_loop(left, visit, out)
-    return slots.replace(loop=loop), commits, produced, loop.done
+    return (slots.replace(loop=loop), commits, produced, loop.done) + _next_drafts(st, target, draft, params, loop)
+
+
+def _next_drafts(st: Static, target, draft, params, loop) -> tuple:
+    """A grammar step's extra output: (drafts [B, S-1] the next iteration would verify,), which the
+    host walks each constrained row's grammar along to build that step's masks; () otherwise."""
+    if not st.grammar:
+        return ()
+    if draft is None:
+        return (jnp.zeros((st.batch, max(st.block_size - 1, 1)), jnp.int32),)
+    return (propose_next(st, target, draft, params, loop),)
 
 
 def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, idx):
@@ -271,15 +282,16 @@ def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
         take = lambda x: x[idx]                                                      # noqa: E731
         sub = SlotState(loop=_join_pools(with_globals(jax.tree.map(take, rows_only(loop)), loop), pools),
                         params=jax.tree.map(take, slots.params))
-        sub, commits, produced, _ = _slots_step_body(dataclasses.replace(st, batch=n), n_iters, tstate, dstate,
-                                                     sub, jnp.zeros((n,), bool), wp)
+        sub, commits, produced, _, *drafts = _slots_step_body(dataclasses.replace(st, batch=n), n_iters, tstate,
+                                                              dstate, sub, jnp.zeros((n,), bool), wp)
         sub_loop, pools = _split_pools(sub.loop)
         put = lambda old, x: old.at[idx].set(x, unique_indices=True)                # noqa: E731
         loop = _join_pools(with_globals(jax.tree.map(put, rows_only(loop), rows_only(sub_loop)), sub_loop), pools)
         B = st.batch
         commits = jnp.zeros((n_iters, B, st.block_size), jnp.int32).at[:, idx].set(commits, unique_indices=True)
         produced = jnp.zeros((n_iters, B), jnp.int32).at[:, idx].set(produced, unique_indices=True)
-        return _slots_placed(st, slots.replace(loop=loop)), commits, produced, loop.done
+        drafts = tuple(jnp.zeros((B,) + d.shape[1:], d.dtype).at[idx].set(d, unique_indices=True) for d in drafts)
+        return (_slots_placed(st, slots.replace(loop=loop)), commits, produced, loop.done) + drafts
 
 
 class PagesShort(RuntimeError):
@@ -305,14 +317,17 @@ class RowRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     resumed: int = 0          # tokens at the prompt's end it generated before (a preempted row)
+    # structured output: its grammar's state (dflash_jax.grammar.Constraint: mask(), walk(drafts)),
+    # advanced by the caller with every token the row commits; None: unconstrained
+    grammar: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def mode(self) -> str:
         """Its program's mode: the sampling mode, with PENALTIES appended when it adjusts the
-        distribution (a program of its own, loop.Static.penalties)."""
+        distribution (a program of its own, loop.Static.penalties) and GRAMMAR when it is constrained."""
         m = sampling.mode_for(self.temperature, self.top_p, self.top_k)
         adjusted = not penalties.is_default(self.presence, self.frequency, self.logit_bias, self.min_tokens)
-        return m + PENALTIES if adjusted else m
+        return m + (PENALTIES if adjusted else "") + (GRAMMAR if self.grammar is not None else "")
 
     def settings(self) -> dict:
         """Its loop.row_settings row."""
@@ -336,20 +351,29 @@ _MODE_FILTERS = {"greedy": None, "sample": frozenset(), "topk": frozenset("k"), 
 # A program mode's suffix: the program adjusts its rows' distributions (penalties; a row without
 # any has zero penalties, no bias and min_tokens 0 there, so it samples as in the plain program)
 PENALTIES = "+penalties"
+# ... and its rows' tokens are masked by their grammars (loop.Static.grammar: one iteration a step,
+# the host walking each constrained row's grammar along its drafts between steps)
+GRAMMAR = "+grammar"
 
 
 def split_mode(mode: str) -> tuple[str, bool]:
     """(sampling mode, penalties) of a program mode (RowRequest.mode, union_mode)."""
+    mode = mode[:-len(GRAMMAR)] if mode.endswith(GRAMMAR) else mode
     return (mode[:-len(PENALTIES)], True) if mode.endswith(PENALTIES) else (mode, False)
+
+
+def is_grammar(mode: str) -> bool:
+    return mode.endswith(GRAMMAR)
 
 
 def union_mode(modes) -> str:
     """The program mode that serves rows of all these modes: greedy rows stay argmax in any mode,
     a filter a row does not use keeps its whole distribution, and the penalties program serves
     rows without penalties too."""
+    modes = list(modes)
     split = [split_mode(m) for m in modes]
     filters = [_MODE_FILTERS[m] for m, _ in split if _MODE_FILTERS[m] is not None]
-    adjusted = PENALTIES if any(pen for _, pen in split) else ""
+    adjusted = (PENALTIES if any(pen for _, pen in split) else "") + (GRAMMAR if any(map(is_grammar, modes)) else "")
     if not filters:
         return "greedy" + adjusted
     u = frozenset().union(*filters)
@@ -493,16 +517,22 @@ class Slots:
         self._wps: dict = {}          # (mode, rows) -> the step's verify-width fields (_width_params)
         self._small: dict = {}        # small host arrays -> their device copies (_put_cached)
         self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
+        # structured output: each slot's grammar (RowRequest.grammar) and the drafts its next
+        # iteration verifies (a grammar step's proposal, read back with its commits)
+        self.grammars: list = [None] * self.slots
+        self.next_drafts = np.zeros((self.slots, max(self.block_size - 1, 1)), np.int32)
+        self._has_drafts = np.zeros((self.slots,), bool)
         self.platform = platform_of(self.state)
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
+        grammar = is_grammar(mode)
         mode, adjusted = split_mode(mode)
         return make_static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
                            block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
                            capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh,
                            adaptive=self.verify_width is not None,
                            verify_width=self.verify_width if self.verify_width is not None else "auto",
-                           penalties=adjusted)
+                           penalties=adjusted, grammar=grammar)
 
     def _check_buckets(self, buckets) -> tuple[int, ...]:
         """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
@@ -528,9 +558,10 @@ class Slots:
                              f"gathered across data shards; pass step_buckets=None there")
         return tuple(sorted({int(b) for b in values} | {self.slots}))
 
-    def steps_for(self, rows: int) -> int:
-        """Iterations one step over `rows` rows (a step bucket) runs (steps_for_rows)."""
-        return steps_for_rows(self.steps, rows)
+    def steps_for(self, rows: int, mode: str = "") -> int:
+        """Iterations one step over `rows` rows (a step bucket) runs (steps_for_rows); a grammar
+        step runs one (the host walks the grammars along the next drafts between steps)."""
+        return 1 if is_grammar(mode) else steps_for_rows(self.steps, rows)
 
     def step_bucket(self, n_busy: int) -> int:
         """The row count a step over n_busy busy slots runs (the smallest bucket >= n_busy)."""
@@ -569,7 +600,7 @@ class Slots:
         prog = self._programs.get(("insert", bucket, mode, width, pages))
         if prog is None:
             st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
-            p = params_on_mesh(idle_params(width, bucket), self.mesh)
+            p = params_on_mesh(idle_params(width, bucket).replace(**self._first_masks(mode, [], width)), self.mesh)
             rows = self._put(np.full((width,), self.slots, np.int32))
             if self.paged:
                 p = p.replace(prompt_start=self._put(np.zeros((width,), np.int32), P("data")))
@@ -582,6 +613,23 @@ class Slots:
                                       (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
             self._programs[("insert", bucket, mode, width, pages)] = prog
         return prog
+
+    def _first_masks(self, mode: str, rows: list, width: int) -> dict:
+        """An insert's grammar field: [width, 1, words] each row's mask for its first token (all
+        ones for unconstrained rows and padding); {} without grammar."""
+        if not is_grammar(mode):
+            return {}
+        masks = np.full((width, 1, -(-self.target.config.vocab_size // 32)), -1, np.int32)
+        for i, r in enumerate(rows):
+            if r.grammar is not None:
+                masks[i, 0] = r.grammar.mask()
+        return dict(grammar_mask=jnp.asarray(masks))
+
+    def note_drafts(self, slot: int, drafts) -> None:
+        """A grammar step's proposal for `slot` (read back with its commits): the drafts its next
+        step verifies, which the host walks its grammar along first."""
+        self.next_drafts[slot] = drafts
+        self._has_drafts[slot] = True
 
     def _table_arg(self, table: np.ndarray):
         """Page-table rows as a program argument (on a mesh: rows on 'data', as the slots')."""
@@ -601,7 +649,7 @@ class Slots:
     def _step_key(self, mode: str, rows: int | None):
         st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
         full = rows is None or rows == self.slots
-        K = self.steps_for(self.slots if rows is None else rows)
+        K = self.steps_for(self.slots if rows is None else rows, mode)
         return st, (("engine_step", st, K) if full else ("engine_step_rows", st, K, rows))
 
     def _step_program(self, mode: str, rows: int | None = None, pages: int | None = None):
@@ -615,21 +663,41 @@ class Slots:
         if prog is not None:
             return prog
         st, key = self._step_key(mode, rows)
-        wp = width_params(st)
+        wp = dict(width_params(st), **self._grammar_fields(mode, list(range(rows))))
         table = (self._table_arg(self.table[:, :pages]),) if self.paged else ()
         if self.paged:
             key = ("paged", self.pages.num_pages, pages) + key
         if rows == self.slots:
-            prog = cached_program(key, _paged_step if self.paged else _slots_step, (st, self.steps_for(rows)),
+            prog = cached_program(key, _paged_step if self.paged else _slots_step, (st, self.steps_for(rows, mode)),
                                   (self._tstate, self._dstate, self.state, self._put(self._release), wp) + table,
                                   donate=(2,))
         else:
             idx = self._put(np.arange(rows, dtype=np.int32))
-            prog = cached_program(key, _paged_step_rows if self.paged else _slots_step_rows, (st, self.steps_for(rows)),
+            prog = cached_program(key, _paged_step_rows if self.paged else _slots_step_rows,
+                                  (st, self.steps_for(rows, mode)),
                                   (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx) + table,
                                   donate=(2,))
         self._programs[(mode, rows, pages)] = prog
         return prog
+
+    def _grammar_fields(self, mode: str, rows: list[int]) -> dict:
+        """A grammar step's Params fields for the slots `rows` (in the program's row order): each
+        constrained slot's masks along the drafts it will verify (its grammar walked along the last
+        step's proposal, or along zeros before it has one: refused drafts are simply rejected), all
+        ones for the others; {} for a step without grammar."""
+        if not is_grammar(mode):
+            return {}
+        S, words = self.block_size, -(-self.target.config.vocab_size // 32)
+        drafts = np.zeros((len(rows), max(S - 1, 1)), np.int32)
+        masks = np.full((len(rows), S, words), -1, np.int32)
+        for i, slot in enumerate(rows):
+            if self._has_drafts[slot]:
+                drafts[i] = self.next_drafts[slot]
+            g = self.grammars[slot]
+            if g is not None:
+                masks[i] = g.walk(drafts[i, :S - 1])
+        spec = lambda x: P("data", *([None] * (x.ndim - 1)))                            # noqa: E731
+        return dict(grammar_mask=self._put(masks, spec(masks)), grammar_drafts=self._put(drafts, spec(drafts)))
 
     def _width_params(self, mode: str, rows: int | None, profile_width: int | None = None) -> dict:
         """The verify-width fields of a step's Params: this engine's verify_width, the costs profiled
@@ -738,9 +806,12 @@ class Slots:
                     lens[i], rows[i] = len(r.prompt), slot
                     settings[i] = r.settings()
                     self.modes[slot] = r.mode
+                    self.grammars[slot] = r.grammar
+                    self._has_drafts[slot] = False
                     self._release[slot] = False
                 p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
-                           active=jnp.asarray(np.arange(W) < len(chunk)), **row_settings(settings))
+                           active=jnp.asarray(np.arange(W) < len(chunk)), **row_settings(settings),
+                           **self._first_masks(mode, [r for _, r in chunk], W))
                 p = params_on_mesh(p, self.mesh)
                 prog = self._insert_program(bucket, mode, W, pages)
                 if self.paged:
@@ -769,6 +840,8 @@ class Slots:
         target and draft K/V are final are published for prefix hits, and its pages are released."""
         self._release[slot] = True
         self.modes[slot] = "greedy"
+        self.grammars[slot] = None
+        self._has_drafts[slot] = False
         if self.paged:
             if slot in self._admitted:                      # admitted, never inserted
                 self.pages.release(self._admitted.pop(slot)[0])
@@ -863,7 +936,8 @@ class Slots:
         """Dispatch `steps` iterations over the busy slots (None: every slot), in the program
         of the union of their modes and of the smallest step bucket holding them, without waiting:
         returns device arrays over every slot (commits [K, B, S], produced [K, B], done [B]; zeros
-        for slots outside the bucket). Slots outside `busy` may not advance: pass every slot whose
+        for slots outside the bucket; a grammar step also drafts [B, S-1], its rows' next drafts,
+        which the reader hands to `note_drafts`). Slots outside `busy` may not advance: pass every slot whose
         request runs. The host may dispatch the next insert or step before reading them (JAX runs
         them in order), so its bookkeeping overlaps the device's work."""
         busy = list(range(self.slots)) if busy is None else sorted({int(b) for b in busy})
@@ -878,21 +952,23 @@ class Slots:
         release = self._put_cached(self._release)
         table = ()
         if self.paged:
-            K = self.steps_for(n)
+            K = self.steps_for(n, mode)
             short = [b for b in busy if pages_for(self._reach(b, K), self.page_size) > len(self._row_pages[b])]
             if short:
                 raise PagesShort(f"slots {short} have no pages for their next step: call grow() first")
             self._inflight[busy] += K
             table = (self._table_arg(self.table[:, :pages]),)
         if n == self.slots:
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp, *table)
+            wp = dict(wp, **self._grammar_fields(mode, list(range(n))))
+            self.state, *out = prog(self._tstate, self._dstate, self.state, release, wp, *table)
         else:
             taken = set(busy)
             idx = busy + [b for b in range(self.slots) if b not in taken][:n - len(busy)]
-            self.state, commits, produced, done = prog(self._tstate, self._dstate, self.state, release, wp,
-                                                       self._put_cached(np.asarray(idx, np.int32)), *table)
+            wp = dict(wp, **self._grammar_fields(mode, idx))
+            self.state, *out = prog(self._tstate, self._dstate, self.state, release, wp,
+                                    self._put_cached(np.asarray(idx, np.int32)), *table)
         self._release[:] = False
-        return commits, produced, done
+        return tuple(out)
 
     def step(self, busy: Sequence[int] | None = None):
         """step_async, waited for: numpy (commits [K, B, S], produced [K, B], done [B])."""
@@ -1089,8 +1165,10 @@ class Pipeline:
                         self.slots.note_insert(slot, epochs[slot], int(first[k]))
                     self._first(slot, owner, int(first[k]), bool(done[k]))
                 return
-            commits, produced, done = host
+            commits, produced, done, *drafts = host
             for slot, owner in who.items():
+                if drafts:
+                    self.slots.note_drafts(slot, drafts[0][slot])
                 rows = [commits[k, slot, :n].tolist() for k in range(produced.shape[0])
                         if (n := int(produced[k, slot]))]
                 if epochs is not None:
