@@ -104,7 +104,7 @@ def _models():
         repetition_penalty: float = 1.0
         min_p: float = 0.0
         prompt_logprobs: Any = None
-        response_format: Any = None
+        response_format: Any = None                    # text, json_object, json_schema (dflash_jax.grammar)
         best_of: Any = None
         use_beam_search: Any = None
         length_penalty: Any = None
@@ -153,7 +153,7 @@ def _models():
 # client may send those; anything else is a 400 naming the field).
 _UNSUPPORTED = {
     "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
-    "prompt_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
+    "prompt_logprobs": (None, 0),
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
@@ -161,6 +161,11 @@ _UNSUPPORTED = {
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, False, True), "continue_final_message": (None, False), "documents": (None, []),
 }
+
+
+# Chat's tool fields this server serves (dflash_jax.grammar: a forced call is decoded under a grammar;
+# "auto" leaves the model free and parses its tool calls); /v1/completions refuses them
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 # Fields that change the sampled distribution per step: they belong in the on-device loop (target and
@@ -228,6 +233,31 @@ def _logit_bias(value) -> tuple:
             raise _bad("logit_bias", f"value {v!r:.40} for token {k!r:.40} is not a number")
         out.append((tid, float(v)))
     return tuple(out)
+
+
+def _tool_list(tools) -> list[dict]:
+    """A chat request's `tools` checked for the shape OpenAI sends ({"type": "function", "function":
+    {"name": ..., "parameters": {...}}}); a 400 naming the entry otherwise."""
+    if not isinstance(tools, list):
+        raise _bad("tools", "must be a list of {\"type\": \"function\", \"function\": {...}} entries")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise _bad(f"tools[{i}]", "must be {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                      "\"parameters\": {...}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"tools[{i}].function.name", "must be a non-empty string")
+    return tools
+
+
+def _tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, OpenAI tool_calls) of an answer: Qwen3's <tool_call> blocks become calls."""
+    from dflash_jax.grammar import parse_tool_calls
+
+    content, calls = parse_tool_calls(text)
+    out = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    return (content or None) if out else text, out
 
 
 def _is_default(value, defaults) -> bool:
@@ -741,8 +771,10 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
             if isinstance(source, str):
                 _cap_template_output(source, template_max_chars)
             try:
+                tools = {} if not body.tools or body.tool_choice == "none" else {"tools": body.tools}
                 text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
-                                                     add_generation_prompt=body.add_generation_prompt, **kwargs)
+                                                     add_generation_prompt=body.add_generation_prompt,
+                                                     **tools, **kwargs)
             except _TooLong:
                 raise too_long from None
             except Exception as e:  # a template's own refusals (roles out of order, ...)
@@ -785,17 +817,18 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if body.model is not None and body.model != model_name:
             raise ApiError(404, f"model: '{body.model}' is not served here (serving '{model_name}')",
                            param="model", code="model_not_found")
+        served = _TOOL_FIELDS if isinstance(body, ChatBody) else ()
         for f, defaults in _UNSUPPORTED.items():
-            if f in type(body).model_fields and not _is_default(getattr(body, f), defaults):
+            if f in type(body).model_fields and f not in served and not _is_default(getattr(body, f), defaults):
                 why = f": {_NEEDS_LOOP}" if f in _LOOP_FIELDS else ""
                 raise _bad(f, f"is not supported by this server (got {getattr(body, f)!r:.60}){why}")
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
 
-    def _engine_request(body, ids, max_tokens, seed: int) -> Request:
+    def _engine_request(body, ids, max_tokens, seed: int, grammar=None) -> Request:
         temperature = 1.0 if body.temperature is None else body.temperature
-        return Request(prompt=tuple(ids), max_tokens=max_tokens, temperature=temperature,
+        return Request(prompt=tuple(ids), max_tokens=max_tokens, temperature=temperature, grammar=grammar,
                        top_p=1.0 if body.top_p is None else body.top_p,
                        top_k=max(0, body.top_k or 0), seed=seed,
                        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
@@ -803,6 +836,36 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                        logit_bias=_logit_bias(body.logit_bias), min_tokens=body.min_tokens)
 
     scorers: list = [scorer]            # [the Scorer (built on first use), its one-thread executor]
+    grammars: list = [None]             # the dflash_jax.grammar.Grammars of this tokenizer (first use)
+
+    def _parses_tools(body) -> bool:
+        """A chat answer whose <tool_call> blocks become tool_calls (tools given, tool_choice not none)."""
+        return isinstance(body, ChatBody) and bool(body.tools) and body.tool_choice != "none"
+
+    def _grammar_spec(body, chat: bool):
+        """The compiled grammar of a request's response_format / forced tool call (None: free text),
+        or a 400 naming the field (a schema the grammar library refuses, a tool without parameters,
+        an engine that cannot constrain)."""
+        tools = getattr(body, "tools", None) if chat else None
+        choice = getattr(body, "tool_choice", None) if chat else None
+        rf = body.response_format
+        if tools is not None:
+            _tool_list(tools)            # checked even when the model is left free
+        if _is_default(rf, (None, {"type": "text"})) and (not tools or choice in (None, "auto", "none")):
+            return None
+        field = "response_format" if not _is_default(rf, (None, {"type": "text"})) else "tool_choice"
+        if tokenizer is None:
+            raise _bad(field, "structured output needs the server's tokenizer (the grammar is over its tokens)")
+        if not getattr(engine, "structured_output", False):
+            raise _bad(field, "structured output is served by the slot engine on one host: serve with --slots 2 "
+                              "or more")
+        from dflash_jax.grammar import GrammarError, Grammars
+        if grammars[0] is None:
+            grammars[0] = Grammars(tokenizer, engine.vocab_size)
+        try:
+            return grammars[0].compile(response_format=rf, tools=tools, tool_choice=choice)
+        except GrammarError as e:
+            raise _bad(e.field, e.message) from None
 
     def _scorer(field: str):
         """The Scorer of this server's target, built on first use (build_app's `scorer`, else one
@@ -839,6 +902,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         """Submit n choices of each prompt (max_tokens 0: none, the echo alone) and answer them."""
         n = body.n
         sc = _scorer("logprobs") if top is not None else None
+        spec = await _off_loop(lambda: _grammar_spec(body, chat))
         if max_tokens > 0:
             st = engine.stats()
             room = st.max_queue + st.slots
@@ -851,7 +915,8 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         choices: list[_Choice] = []
         for p, ids in enumerate(prompts):
             for j in range(n):
-                req = _engine_request(body, ids, max(1, max_tokens), _choice_seed(base, j))
+                req = _engine_request(body, ids, max(1, max_tokens), _choice_seed(base, j),
+                                      None if spec is None else spec.new())
                 stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(engine.eos_token_ids))
                 choices.append(_Choice(p * n + j, ids, req, _Output(tokenizer, stops, stop_ids,
                                                                      body.skip_special_tokens), _Timing(t0)))
@@ -878,7 +943,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(choices, ident, chat, body.return_token_ids, include_usage, n_prompt,
-                                             sc, top, echo, n),
+                                             sc, top, echo, n, _parses_tools(body) and sc is None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         gone: list = []
         handles = [c.handle for c in choices if c.handle is not None]
@@ -928,6 +993,11 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                                    first_null=echo is not None)
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.out.text}
+                if _parses_tools(body):
+                    content, calls = _tool_calls(c.out.text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                        choice["finish_reason"] = "tool_calls" if reason == "stop" else reason
                 if entries is not None:
                     choice["logprobs"] = fmt.chat(entries)
             else:
@@ -942,17 +1012,22 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                 "model": model_name, "choices": out,
                 "usage": _usage(n_prompt, sum(len(c.out.tokens) for c in choices)), "dflash": _dflash_stats(fins)}
 
-    async def _stream(choices, ident, chat, return_ids, include_usage, n_prompt, sc, top, echo, n):
+    async def _stream(choices, ident, chat, return_ids, include_usage, n_prompt, sc, top, echo, n, tools=False):
         """Server-sent events of every choice, interleaved as their tokens come (each chunk names
         its choice's index). With logprobs, a choice's tokens are sent once scored: the events
         that arrived while a scoring pass ran are scored together in the next one (one forward
-        over each choice's prompt + output so far), so a fast engine gets fewer, larger chunks."""
+        over each choice's prompt + output so far), so a fast engine gets fewer, larger chunks.
+        tools: a chat answer that may hold tool calls is held back and sent whole when it ends, as
+        its content or as one delta of tool_calls (finish_reason "tool_calls")."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
 
-        def chunk(c, text: str | None, reason=None, ids=None, role=False, logprobs=None, **extra) -> str:
+        def chunk(c, text: str | None, reason=None, ids=None, role=False, logprobs=None, tool_calls=None,
+                  **extra) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 d: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
                 d = {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
@@ -975,7 +1050,17 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
             if reason == "error":
                 return [f"data: {json.dumps(ApiError(500, f'the request failed: {c.fin.error}').body())}\n\n"]
             rest = c.out.finish()
-            done = [chunk(c, rest, ids=[])] if rest else []
+            if tools:
+                content, calls = _tool_calls(c.out.text)
+                if calls:
+                    reason = "tool_calls" if reason == "stop" else reason
+                    calls = [dict(call, index=k) for k, call in enumerate(calls)]
+                    rest = None
+                    done = [chunk(c, None, ids=[], tool_calls=calls)] + ([chunk(c, content, ids=[])] if content else [])
+                else:
+                    rest = c.out.text
+            if not tools or rest is not None:
+                done = [chunk(c, rest, ids=[])] if rest else []
             stats = {} if c.fin is None else {"dflash": _dflash_stats([c.fin])}
             return done + [chunk(c, None if chat else "", reason=reason, ids=[], **stats)]
 
@@ -1022,7 +1107,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                         if c.out.stopped and not c.handle.done:
                             engine.cancel(c.handle)
                         if sc is None:
-                            if delta or return_ids:
+                            if (delta or return_ids) and not tools:
                                 yield chunk(c, delta, ids=list(ev.ids))
                         else:
                             c.pending_text += delta
