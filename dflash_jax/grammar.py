@@ -86,8 +86,14 @@ class Grammars:
         self._executor = llguidance.LLExecutor(num_threads=threads)
         self._compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._build)
 
-    def compile(self, *, response_format=None, tools=None, tool_choice=None) -> Spec | None:
-        """The grammar a request's fields ask for, or None when nothing constrains the output."""
+    def compile(self, *, response_format=None, tools=None, tool_choice=None, regex=None, choice=None,
+                field: str = "structured_outputs") -> Spec | None:
+        """The grammar a request's fields ask for, or None when nothing constrains the output.
+        regex (a regular expression the whole output matches) and choice (a list of strings, one of
+        which is the output): vLLM's structured_outputs / guided_regex / guided_choice, `field`
+        named when they are refused."""
+        if regex is not None or choice is not None:
+            return self._compile(json.dumps(_pattern_key(regex, choice, field), ensure_ascii=False))
         key = _request_key(response_format, tools, tool_choice)
         return None if key is None else self._compile(json.dumps(key, ensure_ascii=False))
 
@@ -105,6 +111,9 @@ class Grammars:
             if matcher.is_error():   # blame the first tool whose parameters are refused on their own
                 field = next((f"tools[{i}].function.parameters" for i, _, params, strict in funcs
                               if self._matcher(_schema_grammar(params, strict)).is_error()), field)
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(payload)
+            matcher = self._matcher(grammar)
         else:
             grammar = _schema_grammar(*payload)
             matcher = self._matcher(grammar)
@@ -116,6 +125,20 @@ class Grammars:
         # A fresh matcher per request, not a deep_copy of one: copies share a lock, so the rows of
         # one schema would walk one at a time instead of on walk()'s threads.
         return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+
+
+def _pattern_key(regex, choice, field: str):
+    """[kind "regex", field, the pattern] of a regex or a choice among strings (escaped alternation)."""
+    if choice is not None:
+        if (not isinstance(choice, list) or not choice
+                or not all(isinstance(c, str) for c in choice)):
+            raise GrammarError(f"{field}.choice" if field == "structured_outputs" else field,
+                               "must be a non-empty list of strings")
+        return ["regex", field, "(" + "|".join(re.escape(c) for c in choice) + ")"]
+    if not isinstance(regex, str) or not regex:
+        raise GrammarError(f"{field}.regex" if field == "structured_outputs" else field,
+                           "must be a non-empty regular expression")
+    return ["regex", field, regex]
 
 
 def _request_key(response_format, tools, tool_choice):
@@ -225,6 +248,11 @@ class Spec:
 class Constraint:
     """One request's grammar state. After a refused token (.error) the grammar no longer follows the
     output: it allows only EOS, so the row ends."""
+
+    @property
+    def grammars(self) -> Grammars:
+        """The Grammars it was compiled by (its walk() steps many rows at once)."""
+        return self._grammars
 
     def __init__(self, spec: Spec, matcher):
         self._m = matcher

@@ -690,12 +690,19 @@ class Slots:
         S, words = self.block_size, -(-self.target.config.vocab_size // 32)
         drafts = np.zeros((len(rows), max(S - 1, 1)), np.int32)
         masks = np.full((len(rows), S, words), -1, np.int32)
+        groups: dict = {}           # rows by the object that walks them together (Grammars.walk)
         for i, slot in enumerate(rows):
             if self._has_drafts[slot]:
                 drafts[i] = self.next_drafts[slot]
             g = self.grammars[slot]
             if g is not None:
-                masks[i] = g.walk(drafts[i, :S - 1])
+                groups.setdefault(getattr(g, "grammars", None), []).append(i)
+        for walker, idx in groups.items():
+            if walker is not None and hasattr(walker, "walk"):   # the rows at once, on the library's threads
+                masks[idx] = walker.walk([self.grammars[rows[i]] for i in idx], drafts[idx, :S - 1])
+            else:
+                for i in idx:
+                    masks[i] = self.grammars[rows[i]].walk(drafts[i, :S - 1])
         spec = lambda x: P("data", *([None] * (x.ndim - 1)))                            # noqa: E731
         return dict(grammar_mask=self._put(masks, spec(masks)), grammar_drafts=self._put(drafts, spec(drafts)))
 
