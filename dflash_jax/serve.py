@@ -155,8 +155,7 @@ _UNSUPPORTED = {
     "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
     "prompt_logprobs": (None, 0),
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "include_stop_str_in_output": (None, False), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "include_stop_str_in_output": (None, False), "guided_grammar": (None,),
     "truncate_prompt_tokens": (None,), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, False, True), "continue_final_message": (None, False), "documents": (None, []),
@@ -233,6 +232,37 @@ def _logit_bias(value) -> tuple:
             raise _bad("logit_bias", f"value {v!r:.40} for token {k!r:.40} is not a number")
         out.append((tid, float(v)))
     return tuple(out)
+
+
+def _guided(body) -> tuple | None:
+    """(field, kind, value) of vLLM's guided decoding fields (structured_outputs {"json" | "regex" |
+    "choice": ...}, or the older guided_json / guided_regex / guided_choice); None when absent."""
+    so = body.structured_outputs
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", "must be an object with one of json, regex, choice")
+        given = [k for k, v in so.items() if v is not None]
+        bad = [k for k in given if k not in ("json", "regex", "choice")]
+        if bad:
+            raise _bad(f"structured_outputs.{bad[0]}", "is not supported by this server (json, regex and choice are)")
+        if len(given) != 1:
+            raise _bad("structured_outputs", "must hold exactly one of json, regex, choice")
+        return "structured_outputs", given[0], so[given[0]]
+    old = [(f"guided_{k}", k, getattr(body, f"guided_{k}")) for k in ("json", "regex", "choice")
+           if getattr(body, f"guided_{k}") is not None]
+    if len(old) > 1:
+        raise _bad(old[1][0], f"cannot be combined with {old[0][0]}")
+    if old and old[0][1] == "json" and not isinstance(old[0][2], dict):
+        raise _bad("guided_json", "must be a JSON schema object")
+    return old[0] if old else None
+
+
+def _constrains(body, chat: bool) -> bool:
+    """A grammar decides the request's output: a response_format other than text, a forced tool
+    call (chat), or a guided field."""
+    tools = getattr(body, "tools", None) if chat else None
+    forced = bool(tools) and getattr(body, "tool_choice", None) not in (None, "auto", "none")
+    return not _is_default(body.response_format, (None, {"type": "text"})) or forced or _guided(body) is not None
 
 
 def _tool_list(tools) -> list[dict]:
@@ -735,6 +765,11 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         t0 = time.perf_counter()
         _check_common(body)
         kwargs = dict(body.chat_template_kwargs or {})
+        if _constrains(body, chat=True):
+            # the grammar starts at the first generated token: a thinking model's <think> block
+            # would not fit it, so its template renders the answer directly (Qwen3: an empty
+            # think block), unless the request says otherwise
+            kwargs.setdefault("enable_thinking", False)
         template = body.chat_template
         if "chat_template" in kwargs:
             template = kwargs.pop("chat_template")
@@ -843,17 +878,19 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         return isinstance(body, ChatBody) and bool(body.tools) and body.tool_choice != "none"
 
     def _grammar_spec(body, chat: bool):
-        """The compiled grammar of a request's response_format / forced tool call (None: free text),
-        or a 400 naming the field (a schema the grammar library refuses, a tool without parameters,
-        an engine that cannot constrain)."""
+        """The compiled grammar of a request's response_format / forced tool call / vLLM guided
+        fields (None: free text), or a 400 naming the field (a schema the grammar library refuses,
+        parameters that are not a schema, an engine that cannot constrain)."""
         tools = getattr(body, "tools", None) if chat else None
         choice = getattr(body, "tool_choice", None) if chat else None
         rf = body.response_format
         if tools is not None:
             _tool_list(tools)            # checked even when the model is left free
-        if _is_default(rf, (None, {"type": "text"})) and (not tools or choice in (None, "auto", "none")):
+        pattern = _guided(body)
+        if not _constrains(body, chat):
             return None
-        field = "response_format" if not _is_default(rf, (None, {"type": "text"})) else "tool_choice"
+        field = ("response_format" if not _is_default(rf, (None, {"type": "text"})) else
+                 pattern[0] if pattern else "tool_choice")
         if tokenizer is None:
             raise _bad(field, "structured output needs the server's tokenizer (the grammar is over its tokens)")
         if not getattr(engine, "structured_output", False):
@@ -863,6 +900,10 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if grammars[0] is None:
             grammars[0] = Grammars(tokenizer, engine.vocab_size)
         try:
+            if pattern and pattern[1] == "json":
+                rf = {"type": "json_schema", "json_schema": {"name": "guided", "schema": pattern[2]}}
+            elif pattern:
+                return grammars[0].compile(field=pattern[0], **{pattern[1]: pattern[2]})
             return grammars[0].compile(response_format=rf, tools=tools, tool_choice=choice)
         except GrammarError as e:
             raise _bad(e.field, e.message) from None

@@ -183,3 +183,26 @@ def test_tools_on_completions_and_grammars_on_the_simple_engine_are_refused(srv,
             assert "--slots" in r.json()["error"]["message"]
     finally:
         engine.shutdown(timeout=5)
+
+
+def test_vllm_guided_fields_choice_regex_and_json(srv):
+    """vLLM's clients send structured_outputs (or the older guided_*): the output is one of the
+    choices, matches the regex, parses under the schema."""
+    import re
+
+    base = dict(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0)
+    r = post(srv, "/v1/completions", dict(base, structured_outputs={"choice": ["yes - sure", "no (never)", "maybe"]}))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes - sure", "no (never)", "maybe"), r.text
+    r = post(srv, "/v1/completions", dict(base, guided_regex=r"[0-9]{3}-[a-z]{2}"))
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.json()["choices"][0]["text"]), r.text
+    quiet = {str(srv.tok.encode(ch)[0]): -100 for ch in " \t\r\n"}     # (see the tool-call test)
+    r = post(srv, "/v1/chat/completions", dict(base, prompt=None, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=200, guided_json=PERSON, logit_bias=quiet))
+    assert r.status_code == 200, r.text
+    assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["ok"], bool)
+    for body, field in ((dict(structured_outputs={"regex": "("}), "structured_outputs"),
+                        (dict(structured_outputs={"grammar": "start: x"}), "structured_outputs.grammar"),
+                        (dict(guided_choice=[]), "guided_choice"),
+                        (dict(guided_regex="a", guided_choice=["b"]), "guided_choice")):
+        r = post(srv, "/v1/completions", dict(base, **body))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
