@@ -886,6 +886,8 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         rf = body.response_format
         if tools is not None:
             _tool_list(tools)            # checked even when the model is left free
+        if chat and not tools and choice not in (None, "auto", "none"):
+            raise _bad("tool_choice", f"{choice!r:.60} needs tools to choose from")
         pattern = _guided(body)
         if not _constrains(body, chat):
             return None

@@ -36,7 +36,7 @@ def cases():
             ("/v1/completions", {"prompt": ["1", 2], "max_tokens": 2}, "prompt")]
     out += [("/v1/chat/completions", {**chat, k: v}, k) for k, v in COMMON]
     out += [("/v1/chat/completions", {**chat, **extra}, field) for extra, field in (
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(tools=[{"type": "function", "function": "f"}]), "tools[0]"),
         (dict(tool_choice="required"), "tool_choice"), (dict(max_completion_tokens="4"), "max_completion_tokens"),
         (dict(messages=[{"role": "user", "content": 5}]), "messages"), (dict(chat_template=LOOP), "chat_template"),
         (dict(chat_template_kwargs={"chat_template": LOOP}), "chat_template"),

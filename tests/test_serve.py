@@ -624,7 +624,7 @@ def test_unsupported_fields_and_coerced_types_are_400(tokenizer):
                (dict(stream_options={"include_usage": "yes"}), "stream_options")]
     completion_only = [(dict(suffix="x"), "suffix"), (dict(prompt=[1, True]), "prompt"),
                        (dict(prompt=["1", 2]), "prompt")]
-    chat_only = [(dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    chat_only = [(dict(tools=[{"type": "function", "function": "f"}]), "tools[0]"),
                  (dict(tool_choice="required"), "tool_choice"),
                  (dict(max_completion_tokens="4"), "max_completion_tokens"),
                  (dict(messages=[{"role": "user", "content": 5}]), "messages")]
