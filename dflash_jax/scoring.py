@@ -43,6 +43,7 @@ class Scores:
     token_logprobs: np.ndarray           # [N] float32: log p(tokens[i] | tokens[:i])
     top_ids: np.ndarray                  # [N, k] int32, most likely first
     top_logprobs: np.ndarray             # [N, k] float32
+    ranks: np.ndarray | None = None      # [N] int32: 1 + how many tokens are likelier than tokens[i] (vLLM's rank)
 
 
 def _bucket(n: int, lo: int = MIN_BUCKET) -> int:
@@ -52,7 +53,7 @@ def _bucket(n: int, lo: int = MIN_BUCKET) -> int:
 def _score_program(graphdef, kernels, mesh, state, tokens, starts, *, window: int):
     """tokens [B, T] (zero-padded after each sequence), starts [B] (>= 1): per row the log-probs of
     tokens[starts + w] given what precedes it, w < window. Returns ([B, W] float32,
-    [B, W, K] int32, [B, W, K] float32)."""
+    [B, W, K] int32, [B, W, K] float32, [B, W] int32 ranks)."""
     target = nnx.merge(graphdef, state)
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -69,12 +70,13 @@ def _score_program(graphdef, kernels, mesh, state, tokens, starts, *, window: in
         logp = jax.nn.log_softmax(target.logits(hc), axis=-1)          # [B, ch, V] float32
         tok = jnp.take_along_axis(logp, tc[:, :, None], axis=-1)[..., 0]
         top_v, top_i = jax.lax.top_k(logp, MAX_TOP_LOGPROBS)
-        return tok, top_i.astype(jnp.int32), top_v
+        rank = 1 + jnp.sum(logp > tok[..., None], axis=-1, dtype=jnp.int32)
+        return tok, top_i.astype(jnp.int32), top_v, rank
 
     split = lambda x: jnp.moveaxis(x.reshape(B, window // ch, ch, *x.shape[2:]), 1, 0)  # noqa: E731
-    tok, top_i, top_v = jax.lax.map(chunk, (split(rows), split(nxt)))
+    tok, top_i, top_v, rank = jax.lax.map(chunk, (split(rows), split(nxt)))
     join = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, window, *x.shape[3:])             # noqa: E731
-    return join(tok), join(top_i), join(top_v)
+    return join(tok), join(top_i), join(top_v), join(rank)
 
 
 class Scorer:
@@ -128,6 +130,8 @@ class Scorer:
         for i, (s, f) in enumerate(zip(seqs, first)):
             tokens[i, :len(s)] = s
             starts[i] = f
-        tok, top_i, top_v = jax.device_get(self._program(W)(self.state, jnp.asarray(tokens), jnp.asarray(starts)))
+        tok, top_i, top_v, rank = jax.device_get(self._program(W)(self.state, jnp.asarray(tokens),
+                                                                   jnp.asarray(starts)))
         return [Scores(token_logprobs=tok[i, :len(s) - f], top_ids=top_i[i, :len(s) - f],
-                       top_logprobs=top_v[i, :len(s) - f]) for i, (s, f) in enumerate(zip(seqs, first))]
+                       top_logprobs=top_v[i, :len(s) - f], ranks=rank[i, :len(s) - f])
+                for i, (s, f) in enumerate(zip(seqs, first))]

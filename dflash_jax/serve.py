@@ -103,7 +103,7 @@ def _models():
         # not implemented: refused unless at their default (_UNSUPPORTED)
         repetition_penalty: float = 1.0
         min_p: float = 0.0
-        prompt_logprobs: Any = None
+        prompt_logprobs: Any = None                    # vLLM's: alternatives per prompt position (0..20)
         response_format: Any = None                    # text, json_object, json_schema (dflash_jax.grammar)
         best_of: Any = None
         use_beam_search: Any = None
@@ -153,7 +153,7 @@ def _models():
 # client may send those; anything else is a 400 naming the field).
 _UNSUPPORTED = {
     "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
-    "prompt_logprobs": (None, 0),
+
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False), "guided_grammar": (None,),
     "truncate_prompt_tokens": (None,), "suffix": (None, ""), "tools": (None, []),
@@ -185,6 +185,16 @@ def _completion_logprobs(body) -> int | None:
         raise _bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), "
                                f"got {lp!r:.40}")
     return lp
+
+
+def _prompt_logprobs(body) -> int | None:
+    """vLLM's `prompt_logprobs`: alternatives per prompt position (0..MAX_TOP_LOGPROBS), None: not asked."""
+    k = body.prompt_logprobs
+    if k is None:
+        return None
+    if type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise _bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r:.40}")
+    return k
 
 
 def _chat_logprobs(body) -> int | None:
@@ -575,6 +585,19 @@ class _LogprobFormat:
             tops.append(None if top is None else {s: v for s, v in reversed([(self.text(a), v) for a, v in top])})
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
+    def prompt(self, prompt: list[int], scores, k: int) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then per position a dict keyed by token id
+        of {logprob, rank, decoded_token}: the prompt's token (its exact rank among the vocabulary)
+        and the k likeliest."""
+        out: list = [None]
+        for i, t in enumerate(prompt[1:]):
+            d = {str(int(a)): {"logprob": max(float(v), MIN_LOGPROB), "rank": j + 1, "decoded_token": self.text(int(a))}
+                 for j, (a, v) in enumerate(zip(scores.top_ids[i, :k], scores.top_logprobs[i, :k]))}
+            d[str(t)] = {"logprob": max(float(scores.token_logprobs[i]), MIN_LOGPROB), "rank": int(scores.ranks[i]),
+                         "decoded_token": self.text(t)}
+            out.append(d)
+        return out
+
     def chat(self, entries) -> dict:
         def one(t, lp):
             return {"token": self.text(t), "logprob": lp, "bytes": self.bytes(t)}
@@ -945,6 +968,8 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         """Submit n choices of each prompt (max_tokens 0: none, the echo alone) and answer them."""
         n = body.n
         sc = _scorer("logprobs") if top is not None else None
+        pk = _prompt_logprobs(body)
+        psc = _scorer("prompt_logprobs") if pk is not None else None
         spec = await _off_loop(lambda: _grammar_spec(body, chat))
         if max_tokens > 0:
             st = engine.stats()
@@ -983,10 +1008,20 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
             raise
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n_prompt = sum(len(ids) for ids in prompts)
+        prompt_lp = None            # vLLM's prompt_logprobs, one list per prompt (scored while the engine runs)
+        if pk is not None:
+            try:
+                got = await _score(psc, prompts, [1] * len(prompts))
+            except BaseException:
+                for c in choices:
+                    if c.handle is not None:
+                        engine.cancel(c.handle)
+                raise
+            prompt_lp = [[None] if s is None else fmt.prompt(ids, s, pk) for ids, s in zip(prompts, got)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(choices, ident, chat, body.return_token_ids, include_usage, n_prompt,
-                                             sc, top, echo, n, _parses_tools(body) and sc is None),
+                                             sc, top, echo, n, _parses_tools(body) and sc is None, prompt_lp),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         gone: list = []
         handles = [c.handle for c in choices if c.handle is not None]
@@ -1049,21 +1084,27 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                     choice["logprobs"] = fmt.completion(entries)[0]
             if body.return_token_ids:
                 choice["token_ids"] = list(c.out.tokens)
+            if prompt_lp is not None and not chat:       # vLLM: per choice on completions
+                choice["prompt_logprobs"] = prompt_lp[c.index // n]
             out.append(choice)
         fins = [c.fin for c in choices if c.fin is not None]
+        extra = {"prompt_logprobs": prompt_lp[0]} if prompt_lp is not None and chat else {}   # vLLM: top level
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": out,
+                "model": model_name, "choices": out, **extra,
                 "usage": _usage(n_prompt, sum(len(c.out.tokens) for c in choices)), "dflash": _dflash_stats(fins)}
 
-    async def _stream(choices, ident, chat, return_ids, include_usage, n_prompt, sc, top, echo, n, tools=False):
+    async def _stream(choices, ident, chat, return_ids, include_usage, n_prompt, sc, top, echo, n, tools=False,
+                      prompt_lp=None):
         """Server-sent events of every choice, interleaved as their tokens come (each chunk names
         its choice's index). With logprobs, a choice's tokens are sent once scored: the events
         that arrived while a scoring pass ran are scored together in the next one (one forward
         over each choice's prompt + output so far), so a fast engine gets fewer, larger chunks.
         tools: a chat answer that may hold tool calls is held back and sent whole when it ends, as
-        its content or as one delta of tool_calls (finish_reason "tool_calls")."""
+        its content or as one delta of tool_calls (finish_reason "tool_calls"). prompt_lp (vLLM's
+        prompt_logprobs, per prompt): on each choice's first chunk."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         now = int(time.time())
+        first_sent: set = set()            # choices whose first chunk has gone (prompt_logprobs ride on it)
 
         def chunk(c, text: str | None, reason=None, ids=None, role=False, logprobs=None, tool_calls=None,
                   **extra) -> str:
@@ -1076,6 +1117,9 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
                 d = {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             if return_ids and ids is not None:
                 d["token_ids"] = ids
+            if prompt_lp is not None and c.index not in first_sent:
+                first_sent.add(c.index)
+                (extra if chat else d)["prompt_logprobs"] = prompt_lp[c.index // n]
             payload = {"id": ident, "object": obj, "created": now, "model": model_name, "choices": [d], **extra}
             return f"data: {json.dumps(payload)}\n\n"
 

@@ -196,6 +196,32 @@ def test_echo_prompt_logprobs_and_max_tokens_0(srv):
     assert "".join(ev["choices"][0]["text"] for ev in lines[:-1]) == c["text"]
 
 
+def test_prompt_logprobs_equal_transformers_with_exact_ranks(srv):
+    """vLLM's prompt_logprobs: per prompt position the token's log-probability and exact rank, and the
+    k likeliest, equal to transformers' log_softmax; per choice on completions, top level on chat,
+    on the first chunk of a stream."""
+    ids = srv.ids[1]
+    want = hf_logprobs(srv, ids)
+    r = post(srv, "/v1/completions", dict(prompt=ids, max_tokens=2, temperature=0, prompt_logprobs=3, n=2))
+    for c in r["choices"]:
+        pl = c["prompt_logprobs"]
+        assert pl[0] is None and len(pl) == len(ids)
+        for i in range(1, len(ids)):
+            w = want[i - 1]
+            got = pl[i][str(ids[i])]
+            assert abs(got["logprob"] - w[ids[i]]) < TOL and got["rank"] == 1 + int(np.sum(w > w[ids[i]]))
+            assert {int(t) for t, v in pl[i].items() if v["rank"] <= 3} == set(np.argsort(-w)[:3].tolist())
+    r = post(srv, "/v1/chat/completions", dict(messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=2,
+                                                temperature=0, prompt_logprobs=0))
+    assert r["prompt_logprobs"][0] is None and all(len(d) == 1 for d in r["prompt_logprobs"][1:])
+    lines = sse(srv.url, "/v1/completions", dict(model=NAME, prompt=ids, max_tokens=2, temperature=0,
+                                                 prompt_logprobs=1, stream=True))
+    firsts = [ev["choices"][0].get("prompt_logprobs") for ev in lines[:-1]]
+    assert firsts[0] == post(srv, "/v1/completions", dict(prompt=ids, max_tokens=1, temperature=0,
+                                                          prompt_logprobs=1))["choices"][0]["prompt_logprobs"]
+    assert all(f is None for f in firsts[1:])
+
+
 def test_stream_chat_logprobs_match_whole(srv):
     body = dict(model=NAME, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=8, temperature=0,
                 logprobs=True, top_logprobs=2)
@@ -220,6 +246,8 @@ def test_extras_bad_values_are_400_naming_the_field(srv):
              ("/v1/completions", dict(comp, n=100), "n"),                 # more than queue + slots
              ("/v1/completions", dict(comp, prompt=[[1, 2], []]), "prompt"),
              ("/v1/completions", dict(comp, prompt=[[1, 2], [10 ** 6]]), "prompt"),
+             ("/v1/completions", dict(comp, prompt_logprobs=21), "prompt_logprobs"),
+             ("/v1/chat/completions", dict(chat, prompt_logprobs=True), "prompt_logprobs"),
              ("/v1/chat/completions", dict(chat, max_tokens=0), "max_tokens")]
     for path, body, field in cases:
         r = httpx.post(srv.url + path, json={"model": NAME, **body}, timeout=60)
