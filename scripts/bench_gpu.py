@@ -1533,31 +1533,34 @@ def quantized_target(init_target, cfg, q: str, dtype="bfloat16"):
 
 def fp8_like_checkpoint(model, block=(128, 128)):
     """What load_target makes of an FP8 checkpoint (Qwen3-*-FP8: quant_method fp8, weight_block_size
-    [128, 128]), from a float model: its layers' 2-D linears (quantize.LINEAR_NAMES) as
-    quantize.Fp8BlockWeight (float8_e4m3fn, one float32 scale per 128 x 128 block: amax / 448), the
-    rest as it is (the loader dequantizes a Qwen3-MoE checkpoint's stacked experts to floats), the
-    module marked "fp8" as the loader marks it. Random weights, so no checkpoint file is needed."""
+    [128, 128]), from a float model: its layers' 2-D linears (quantize.LINEAR_NAMES) and stacked MoE
+    experts [E, in, out] (quantize.EXPERT_NAMES) as quantize.Fp8BlockWeight (float8_e4m3fn, one
+    float32 scale per 128 x 128 block: amax / 448), as the loader keeps them (weights.py), the rest as
+    it is, the module marked "fp8" as the loader marks it. Random weights, so no checkpoint file is
+    needed. (Until session 40 the experts stayed bf16 here: the fp8 MoE rows measured bf16 experts.)"""
     import jax.numpy as jnp
     from flax import nnx
     from dflash_jax import quantize as q8
 
     def fp8(w):
-        K, N = w.shape
+        *lead, K, N = w.shape
         bk, bn = block
         Kb, Nb = -(-K // bk), -(-N // bn)
-        wf = jnp.pad(jnp.asarray(w, jnp.float32), ((0, Kb * bk - K), (0, Nb * bn - N)))
-        amax = jnp.max(jnp.abs(wf.reshape(Kb, bk, Nb, bn)), axis=(1, 3))                 # [Kb, Nb]
+        pad = [(0, 0)] * len(lead) + [(0, Kb * bk - K), (0, Nb * bn - N)]
+        wf = jnp.pad(jnp.asarray(w, jnp.float32), pad)
+        amax = jnp.max(jnp.abs(wf.reshape(*lead, Kb, bk, Nb, bn)), axis=(-3, -1))        # [.., Kb, Nb]
         scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-        full = jnp.repeat(jnp.repeat(scale, bk, axis=0), bn, axis=1)
-        q = (wf / full).astype(jnp.float8_e4m3fn)[:K, :N]
+        full = jnp.repeat(jnp.repeat(scale, bk, axis=-2), bn, axis=-1)
+        q = (wf / full).astype(jnp.float8_e4m3fn)[..., :K, :N]
         return q8.Fp8BlockWeight(q, scale, block)
 
     for _, node in nnx.iter_graph(model.layers):
         if not isinstance(node, nnx.Module):
             continue
-        for name in q8.LINEAR_NAMES:
+        for name in q8.LINEAR_NAMES + q8.EXPERT_NAMES:
             p = getattr(node, name, None)
-            if isinstance(p, nnx.Param) and not q8.is_quantized(p.get_value()) and p.get_value().ndim == 2:
+            ndim = 3 if name in q8.EXPERT_NAMES else 2
+            if isinstance(p, nnx.Param) and not q8.is_quantized(p.get_value()) and p.get_value().ndim == ndim:
                 p.set_value(fp8(p.get_value()))
     return q8.mark(model, "fp8")
 
