@@ -73,14 +73,17 @@ def _slots_empty(st: Static, tstate, dstate) -> SlotState:
 def _slots_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows):
     """Prefill the requests of p ([Bp] rows, prompt bucket st.prompt_bucket) and write each into
     slot rows[i] (rows [Bp] int32; a row >= the slot count drops that request: bucket padding).
-    Other slots are untouched. Returns (slots, first token [Bp], done [Bp])."""
+    Other slots are untouched. Returns (slots, first token [Bp], done [Bp]), and a grammar insert
+    also each row's first drafts [Bp, S-1] (_next_drafts: its first step verifies real drafts)."""
     with sharding.active(st.mesh):
-        new = prefill(st, *merge_models(st, tstate, dstate), p)
+        target, draft = merge_models(st, tstate, dstate)
+        new = prefill(st, target, draft, p)
         put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
         loop = with_globals(jax.tree.map(put, rows_only(slots.loop), rows_only(new)), slots.loop)
         params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, grammar_mask=None))
         first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
-        return _slots_placed(st, SlotState(loop=loop, params=params)), first, new.done
+        return ((_slots_placed(st, SlotState(loop=loop, params=params)), first, new.done)
+                + _next_drafts(st, target, draft, p, new))
 
 
 # ---------------------------------------------------------------------------------- paged programs
@@ -151,13 +154,14 @@ def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows,
         tc = slots.loop.target_cache.replace(table=table, lens=zeros)
         dc = slots.loop.draft_cache
         new = prefill(st, target, draft, p, caches=(tc, None if dc is None else dc.replace(table=table, lens=zeros)))
+        drafts = _next_drafts(st, target, draft, p, new)
         new, pools = _split_pools(_without_table(new))
         put = lambda o, x: o.at[rows].set(x, mode="drop")                              # noqa: E731
         loop = with_globals(jax.tree.map(put, rows_only(old), rows_only(new)), slots.loop)
         params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, prompt_start=None,
                                                             grammar_mask=None))
         first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
-        return _slots_placed(st, SlotState(loop=_join_pools(loop, pools), params=params)), first, new.done
+        return (_slots_placed(st, SlotState(loop=_join_pools(loop, pools), params=params)), first, new.done) + drafts
 
 
 def _paged_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, table):
@@ -522,6 +526,7 @@ class Slots:
         self.grammars: list = [None] * self.slots
         self.next_drafts = np.zeros((self.slots, max(self.block_size - 1, 1)), np.int32)
         self._has_drafts = np.zeros((self.slots,), bool)
+        self._insert_drafts: list = []    # grammar inserts' first drafts, not read yet: ([(slot, grammar)], [W, S-1])
         self.platform = platform_of(self.state)
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
@@ -687,6 +692,12 @@ class Slots:
         ones for the others; {} for a step without grammar."""
         if not is_grammar(mode):
             return {}
+        for owners, arr in self._insert_drafts:        # (the engine has read those inserts: no wait)
+            host = np.asarray(jax.device_get(arr))
+            for i, (slot, g) in enumerate(owners):
+                if self.grammars[slot] is g and not self._has_drafts[slot]:   # that request's, none newer
+                    self.note_drafts(slot, host[i])
+        self._insert_drafts.clear()
         S, words = self.block_size, -(-self.target.config.vocab_size // 32)
         drafts = np.zeros((len(rows), max(S - 1, 1)), np.int32)
         masks = np.full((len(rows), S, words), -1, np.int32)
@@ -823,12 +834,14 @@ class Slots:
                 prog = self._insert_program(bucket, mode, W, pages)
                 if self.paged:
                     p = p.replace(prompt_start=self._put(starts, P("data")))
-                    self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows),
+                    self.state, first, done, *drafts = prog(self._tstate, self._dstate, self.state, p, self._put(rows),
                                                    self._table_arg(table))
                     for slot, r in chunk:   # both caches hold the prompt once the prefill runs (dispatch order)
                         self.pages.publish(r.prompt, self._row_pages[slot])
                 else:
-                    self.state, first, done = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
+                    self.state, first, done, *drafts = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
+                if drafts:     # read when the first step's masks are built (_grammar_fields)
+                    self._insert_drafts.append(([(slot, r.grammar) for slot, r in chunk], drafts[0]))
                 out.append(([slot for slot, _ in chunk], first, done))
         return out
 

@@ -255,3 +255,24 @@ def test_sampled_constrained_rows_draw_the_masked_distribution_through_accepted_
     obs = np.array([counts.get(k, 0) for k in keys], float)
     assert accepted > N // 10                          # the acceptance path ran, not only corrections
     assert chisquare(obs, np.array([probs[k] for k in keys]) * N).pvalue > 1e-3, (obs, probs)
+
+
+def test_paged_engine_constrained_greedy_equals_plain_constrained_decoding(srv):
+    """The paged slot engine (pools + page table, the prefill's first drafts from the paged insert)
+    decodes a constrained row as the dense one does: plain constrained greedy decoding's tokens."""
+    from dflash_jax.engine import Request
+
+    ids = list(srv.tok.encode(PROMPT))
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    spec = srv.grammars.compile(response_format=rf)
+    engine = SlotEngine(srv.target, srv.draft, slots=2, capacity=512, eos_token_ids=srv.eos, attention_impl="xla",
+                        kv_pages=48, page_size=16)
+    try:
+        h = engine.submit(Request(prompt=tuple(ids), max_tokens=160, grammar=spec.new()))
+        free = engine.submit(Request(prompt=tuple(ids), max_tokens=24))
+        fin = [ev for ev in h.events() if not hasattr(ev, "ids")][0]
+        fin_free = [ev for ev in free.events() if not hasattr(ev, "ids")][0]
+    finally:
+        engine.shutdown(timeout=5)
+    assert fin.tokens == constrained_greedy(srv, ids, spec, 160)
+    assert fin_free.tokens == oracle(srv, ids, 24)
