@@ -472,6 +472,40 @@ def lower_iteration(target_config, draft_config=None, **kw):
                        donate_argnums=(3,)).trace(tstate, dstate, p, loop).lower()
 
 
+def lower_slot_step(target_config, draft_config=None, *, slots: int = 8, capacity: int = 4096, steps: int = 4,
+                    page_size: int | None = None, num_pages: int | None = None, table_pages: int | None = None, **kw):
+    """Lower the slot engine's step program (`steps` iterations over `slots` rows, slots._slots_step)
+    from configs alone, or with `page_size` its paged form (slots._paged_step: pools of `num_pages`
+    pages, default every row's whole capacity, and a page table `table_pages` wide, default a row's
+    every page). Other keywords as `lower_generate` (dtype, kernels / attention_impl, device,
+    quantize). Returns `jax.stages.Lowered` (e.g. compiled for a TPU topology from a CPU host)."""
+    import dataclasses as dc
+
+    from dflash_jax import slots as sl
+
+    st, (tstate, dstate, _) = _abstract_inputs(target_config, draft_config, batch=slots, prompt_len=16,
+                                               max_new_tokens=max(1, capacity - 64), capacity=capacity, **kw)
+    if st.mesh is not None:
+        raise ValueError("lower_slot_step: one device only")
+    st = dc.replace(st, prompt_bucket=0)
+    one = jax.tree.leaves(tstate)[0].sharding
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)                # noqa: E731
+    if page_size is None:
+        state = jax.eval_shape(lambda ts, ds: sl._slots_empty(st, ts, ds), tstate, dstate)
+        fn, extra = functools.partial(sl._slots_step, st, steps), ()
+    else:
+        if st.capacity % page_size:
+            raise ValueError(f"capacity {st.capacity} is not a whole number of pages of {page_size}")
+        per_row = st.capacity // page_size
+        num_pages = num_pages or slots * per_row + 1
+        state = jax.eval_shape(lambda ts, ds: sl._paged_empty(st, ts, ds, num_pages, page_size), tstate, dstate)
+        fn = functools.partial(sl._paged_step, st, steps)
+        extra = (place(jax.ShapeDtypeStruct((slots, table_pages or per_row), jnp.int32)),)
+    state = jax.tree.map(place, state)
+    release = place(jax.ShapeDtypeStruct((slots,), jnp.bool_))
+    return jax.jit(fn, donate_argnums=(2,)).trace(tstate, dstate, state, release, {}, *extra).lower()
+
+
 def lower_generate(target_config, draft_config=None, **kw):
     """Lower the whole generation program from configs alone (abstract weights: nothing allocated),
     e.g. to compile ahead of time for a TPU topology from a CPU host (`device=` a TPU device).
