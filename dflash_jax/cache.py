@@ -147,14 +147,23 @@ class PagedKVCache:
 
     def _scatter(self, pool, new, start):
         """pool ← new [B, T, Hkv, D] at positions [start[b], + T) of each row (past the capacity:
-        dropped)."""
-        B, T = new.shape[:2]
-        ps, N = self.page_size, pool.shape[0]
-        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)                       # [B, T]
-        page = jnp.take_along_axis(self.table, jnp.minimum(pos // ps, self.table.shape[1] - 1), axis=1)
-        page = jnp.where(pos < self.capacity, page, N)
-        return pool.at[page.reshape(-1), :, (pos % ps).reshape(-1)].set(
-            new.reshape(B * T, *new.shape[2:]).astype(pool.dtype), mode="drop")
+        dropped). Whole pages: the n pages the rows touch are gathered, the rows written into them
+        (a dynamic_update_slice) and the pages scattered back along the pool's page axis. A scatter
+        of single positions (pool.at[page, :, offset]) made the TPU compiler copy the whole pool into
+        another layout and back at every write (scripts/tpu_paged_step.py, docs/perf-log.md session 40)."""
+        B, T, H, D = new.shape
+        ps, N, P = self.page_size, pool.shape[0], self.table.shape[1]
+        n = -(-T // ps) + 1             # pages a write can touch (those past the table are dropped)
+        first = start // ps                                                       # [B]
+        idx = first[:, None] + jnp.arange(n, dtype=jnp.int32)                     # [B, n]
+        ids = jnp.where(idx < P, jnp.take_along_axis(self.table, jnp.minimum(idx, P - 1), axis=1), N)
+        pages = pool[jnp.minimum(ids, N - 1)]                                     # [B, n, H, ps, D]
+        block = jnp.swapaxes(pages, 1, 2).reshape(B, H, n * ps, D)
+        upd = jnp.swapaxes(new, 1, 2).astype(pool.dtype)                          # [B, H, T, D]
+        off = start - first * ps                                                  # < ps: the write fits
+        block = jax.vmap(lambda b, u, o: jax.lax.dynamic_update_slice(b, u, (0, o, 0)))(block, upd, off)
+        pages = jnp.swapaxes(block.reshape(B, H, n, ps, D), 1, 2).reshape(B * n, H, ps, D)
+        return pool.at[ids.reshape(-1)].set(pages, mode="drop")
 
     def write_rows(self, i: int, k, v, start) -> "PagedKVCache":
         """Layer i with k, v [B, T, Hkv, D] written at positions [start[b], start[b] + T)."""
