@@ -192,6 +192,34 @@ def test_tpu_paged_kernel_compiles_for_tpu(page, capsys):
             print(f"\n[v5e {name} page={page}] {mem} bytes_accessed={bytes_accessed(compiled)}", end="")
 
 
+@SLOW
+@requires_libtpu
+def test_paged_slot_step_compiles_for_tpu_near_the_dense_step(capsys):
+    """The slot engine's whole paged step (decode.lower_slot_step: 2 Qwen3-8B layers + a 1-layer draft,
+    8 rows x 4096, pages of 16, Pallas TPU attention) compiles for v6e, with bytes accessed within
+    1.35x the dense step's and no pool-sized temporaries (the single-position scatter it replaced
+    copied whole pools between layouts: 1.59x, docs/perf-log.md session 40)."""
+    import dataclasses
+
+    from dflash_jax import KernelConfig
+    from dflash_jax.config import DraftConfig, TargetConfig
+    from dflash_jax.decode import lower_slot_step
+
+    cfg = dataclasses.replace(TargetConfig.preset("qwen3-8b"), num_layers=2)
+    dcfg = DraftConfig.for_target(cfg, num_layers=1, block_size=16)
+    kw = dict(slots=8, capacity=4096, steps=1, dtype="bfloat16", device=tpu_device("v6e:2x2"),
+              kernels=KernelConfig(attention="pallas_tpu"))
+    dense = lower_slot_step(cfg, dcfg, **kw).compile()
+    paged_ = lower_slot_step(cfg, dcfg, page_size=16, **kw).compile()
+    d, p = bytes_accessed(dense), bytes_accessed(paged_)
+    mem = memory_report(paged_)
+    with capsys.disabled():
+        print(f"\n[v6e slot step] dense {d / 1e9:.2f} GB, paged {p / 1e9:.2f} GB ({p / d:.3f}x), paged {mem}", end="")
+    assert "dflash_block_attention_paged_tpu" in paged_.as_text()
+    assert p <= 1.35 * d
+    assert mem["temp_size_in_bytes"] < 0.5e9
+
+
 @pytest.mark.parametrize("page", [16, 64])     # 64-key tiles: a gather over 4 pages / one page each
 def test_gpu_paged_kernel_lowers_for_cuda(page):
     from jax import export
