@@ -49,8 +49,9 @@ class KVCache:
         """The cache with layer i's buffers replaced (lo, rows: see PagedKVCache.set_layer)."""
         return self.replace(k=_put(self.k, i, k), v=_put(self.v, i, v))
 
-    def write_rows(self, i: int, k, v, start) -> "KVCache":
-        """Layer i with k, v [B, T, Hkv, D] written at rows [start[b], start[b] + T)."""
+    def write_rows(self, i: int, k, v, start, kernels=None) -> "KVCache":
+        """Layer i with k, v [B, T, Hkv, D] written at rows [start[b], start[b] + T) (kernels: as
+        PagedKVCache.write_rows'; the dense layers write through write_kv_rows themselves)."""
         return self.set_layer(i, write_rows(self.k[i], k, start), write_rows(self.v[i], v, start))
 
     @classmethod
@@ -165,8 +166,24 @@ class PagedKVCache:
         pages = jnp.swapaxes(block.reshape(B, H, n, ps, D), 1, 2).reshape(B * n, H, ps, D)
         return pool.at[ids.reshape(-1)].set(pages, mode="drop")
 
-    def write_rows(self, i: int, k, v, start) -> "PagedKVCache":
-        """Layer i with k, v [B, T, Hkv, D] written at positions [start[b], start[b] + T)."""
+    def write_rows(self, i: int, k, v, start, kernels=None) -> "PagedKVCache":
+        """Layer i with k, v [B, T, Hkv, D] written at positions [start[b], start[b] + T). kernels
+        (the program's resolved KernelConfig): on the TPU attention paths, off a mesh, the rows go
+        into their pages through the Pallas page-write kernel (the pools aliased in/out, only the
+        touched pages moved: tpu_cache_write.write_kv_pages); otherwise XLA's page-wise write."""
+        from dflash_jax import sharding
+        if kernels is not None and kernels.attention in TPU_WRITE_PATHS and sharding.current_mesh() is None:
+            from jax.experimental.pallas import tpu as pltpu
+
+            from pallas_kernels import Unsupported
+            from pallas_kernels.attention import tpu_cache_write
+            interpret = pltpu.InterpretParams() if kernels.interpret else False
+            try:
+                kp, vp = tpu_cache_write.write_kv_pages(self.k[i], self.v[i], k, v, start, self.table,
+                                                        interpret=interpret)
+                return self.replace(k=_put(self.k, i, kp), v=_put(self.v, i, vp))
+            except Unsupported:
+                pass
         return self.replace(k=_put(self.k, i, self._scatter(self.k[i], k, start)),
                             v=_put(self.v, i, self._scatter(self.v[i], v, start)))
 

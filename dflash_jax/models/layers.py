@@ -359,9 +359,9 @@ class DecoderLayer(nnx.Module):
             k_pos = jnp.concatenate([context.positions, positions], axis=1)
         q, k, v = self._heads(self._project(hin), positions, k_pos)
         if Tc:
-            cache = cache.write_rows(i, k[:, :Tc], v[:, :Tc], k_pos[:, 0])
+            cache = cache.write_rows(i, k[:, :Tc], v[:, :Tc], k_pos[:, 0], kernels)
             k, v = k[:, Tc:], v[:, Tc:]
-        cache = cache.write_rows(i, k, v, positions[:, 0])
+        cache = cache.write_rows(i, k, v, positions[:, 0], kernels)
         o = attend_paged(q, cache.k[i], cache.v[i], cache.table, k_end, kernels)
         x, residual = self.mlp_path(kernels, T, x.shape[-1])(self, x, o, kernels, prefill)
         return x, residual, cache

@@ -47,7 +47,7 @@ ROW_TILE = 8
 _CHUNK_BUDGET = 4 << 20
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
-__all__ = ["write_kv_rows", "write_kv_rows_qkv", "qkv_supported", "window_rows", "ROW_TILE"]
+__all__ = ["write_kv_rows", "write_kv_rows_qkv", "write_kv_pages", "qkv_supported", "window_rows", "ROW_TILE"]
 
 
 def window_rows(T: int) -> int:
@@ -343,3 +343,115 @@ def _call_qkv(k_cache, v_cache, qkv, cos, sin, w, starts, *, T: int, W: int, row
         interpret=interpret,
         name="dflash_kv_write_qkv_tpu",
     )(*starts, qkv, qkv, cos, sin, w, k_cache, v_cache)
+
+
+# ------------------------------------------------------------------ rows into a paged cache's pools
+
+def write_kv_pages(k_pool, v_pool, k, v, start, table, *, interpret=False):
+    """The paged form of write_kv_rows: k_pool, v_pool [N, Hkv, page, D] (dflash_jax.cache.
+    PagedKVCache's pools) ← k, v [B, T, Hkv, D] at positions [start[b], start[b] + T) of row b,
+    position p in page table[b, p // page] at row p % page; positions past the table (p // page >= P)
+    are dropped. For each row the kernel reads the n = ceil(T / page) + 1 pages the write can touch
+    (whole pages: a page is whole row tiles), puts the new rows in (a rotate and a select, as
+    write_kv_rows does in its window) and writes them back; the pools stay in HBM, aliased in/out, so
+    nothing else of them moves. Raises Unsupported for a shape it cannot tile."""
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"pools {k_pool.shape} / {v_pool.shape} must be equal [N, Hkv, page, D] buffers")
+    N, Hkv, ps, D = k_pool.shape
+    B, T = k.shape[:2]
+    if k.shape != v.shape or k.shape[2:] != (Hkv, D) or start.shape != (B,) or table.shape[0] != B:
+        raise ValueError(f"new rows {k.shape}, start {start.shape}, table {table.shape} do not fit pools {k_pool.shape}")
+    dtype = jnp.dtype(k_pool.dtype)
+    if dtype not in map(jnp.dtype, _DTYPES):
+        raise Unsupported(f"pool dtype {dtype} not supported")
+    if ps % (ROW_TILE * (4 // dtype.itemsize)):
+        raise Unsupported(f"page size {ps} is not a whole number of {dtype} row tiles")
+    n = -(-T // ps) + 1
+    rows = _chunk_rows(B, 4 * Hkv * n * ps * D * dtype.itemsize)
+    return _pages_call(k_pool, v_pool, k, v, start.astype(jnp.int32), table.astype(jnp.int32), T=T, n=n,
+                       rows=rows, interpret=interpret)
+
+
+def _pages_kernel(start_ref, table_ref, nk_ref, nv_ref, kp_in, vp_in, kp_ref, vp_ref, kbuf, vbuf, sems, *,
+                  T: int, n: int, ps: int, P: int, rows: int):
+    # start_ref [B], table_ref [B, P] int32 (SMEM); nk_ref/nv_ref [rows, Hkv, n*ps, D] (VMEM, the new
+    # rows at the top); kp_ref/vp_ref [N, Hkv, ps, D] (HBM, aliased to kp_in/vp_in); kbuf/vbuf
+    # [rows, n, Hkv, ps, D] VMEM: each row's n pages
+    del kp_in, vp_in
+    b0 = pl.program_id(0) * rows
+
+    def page(j, i):              # (page id, in the table) of page i of batch row b0 + j's write
+        b = b0 + j
+        at = lax.div(start_ref[b], ps) + i     # lax.div / rem: no sign op (Mosaic lowers it per chip)
+        return table_ref[b, jnp.minimum(at, P - 1)], at < P
+
+    def dma(j, i, read: bool):
+        pid, _ = page(j, i)
+        pairs = ((kp_ref, kbuf, 0), (vp_ref, vbuf, 1))
+        return [pltpu.make_async_copy(p.at[pid], buf.at[j, i], sems.at[c, j, i]) if read
+                else pltpu.make_async_copy(buf.at[j, i], p.at[pid], sems.at[c, j, i]) for p, buf, c in pairs]
+
+    def each(fn):
+        def body(t, c):
+            j, i = lax.div(t, n), lax.rem(t, n)
+            _, ok = page(j, i)
+
+            @pl.when(ok)
+            def _():
+                fn(j, i)
+            return c
+        lax.fori_loop(0, rows * n, body, 0)
+
+    each(lambda j, i: [d.start() for d in dma(j, i, True)])
+    each(lambda j, i: [d.wait() for d in dma(j, i, True)])
+
+    def merge(j, i):
+        r = lax.rem(start_ref[b0 + j], ps) - i * ps        # the new rows' first row, counted from page i's top
+        for new_ref, buf in ((nk_ref, kbuf), (nv_ref, vbuf)):
+            new = new_ref[j].astype(jnp.float32)                                  # [Hkv, n*ps, D]
+            row = lax.broadcasted_iota(jnp.int32, (new.shape[0], ps, new.shape[2]), 1)
+            # page row q holds new row q - r (when in [0, T)): a rotate of the padded rows by r mod n*ps
+            rolled = pltpu.roll(new, lax.rem(r + n * ps, n * ps), 1)[:, :ps]
+            put = jnp.logical_and(row >= r, row < r + T)
+            buf[j, i] = jnp.where(put, rolled, buf[j, i].astype(jnp.float32)).astype(buf.dtype)
+
+    each(merge)
+    each(lambda j, i: [d.start() for d in dma(j, i, False)])
+    each(lambda j, i: [d.wait() for d in dma(j, i, False)])
+
+
+@functools.partial(jax.jit, static_argnames=("T", "n", "rows", "interpret"))
+def _pages_call(k_pool, v_pool, k, v, start, table, *, T: int, n: int, rows: int, interpret):
+    N, Hkv, ps, D = k_pool.shape
+    B, P = table.shape
+    dtype = jnp.dtype(k_pool.dtype)
+    if not interpret:
+        k_pool = pltpu.with_memory_space_constraint(k_pool, pltpu.HBM)
+        v_pool = pltpu.with_memory_space_constraint(v_pool, pltpu.HBM)
+
+    def pad(x):   # [B, T, Hkv, D] -> [B, Hkv, n*ps, D], the new rows at the top
+        x = jnp.swapaxes(x, 1, 2).astype(dtype)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, n * ps - T), (0, 0)))
+
+    new_spec = pl.BlockSpec((rows, Hkv, n * ps, D), lambda g, *_: (g, 0, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+    kernel = functools.partial(_pages_kernel, T=T, n=n, ps=ps, P=P, rows=rows)
+    moved = B * n * Hkv * ps * D * dtype.itemsize
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(k_pool.shape, dtype), jax.ShapeDtypeStruct(v_pool.shape, dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B // rows,),
+            in_specs=[new_spec, new_spec, hbm, hbm],
+            out_specs=(hbm, hbm),
+            scratch_shapes=[pltpu.VMEM((rows, n, Hkv, ps, D), dtype), pltpu.VMEM((rows, n, Hkv, ps, D), dtype),
+                            pltpu.SemaphoreType.DMA((2, rows, n))],
+        ),
+        # operands count the scalar prefetches: (start, table, new k, new v, k pool, v pool)
+        input_output_aliases={4: 0, 5: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=6 * moved),
+        interpret=interpret,
+        name="dflash_kv_write_pages_tpu",
+    )(start, table, pad(k), pad(v), k_pool, v_pool)
