@@ -490,17 +490,15 @@ def lower_slot_step(target_config, draft_config=None, *, slots: int = 8, capacit
     st = dc.replace(st, prompt_bucket=0)
     one = jax.tree.leaves(tstate)[0].sharding
     place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)                # noqa: E731
-    if page_size is None:
-        state = jax.eval_shape(lambda ts, ds: sl._slots_empty(st, ts, ds), tstate, dstate)
-        fn, extra = functools.partial(sl._slots_step, st, steps), ()
-    else:
+    extra = ()
+    if page_size is not None:
         if st.capacity % page_size:
             raise ValueError(f"capacity {st.capacity} is not a whole number of pages of {page_size}")
         per_row = st.capacity // page_size
         num_pages = num_pages or slots * per_row + 1
-        state = jax.eval_shape(lambda ts, ds: sl._paged_empty(st, ts, ds, num_pages, page_size), tstate, dstate)
-        fn = functools.partial(sl._paged_step, st, steps)
         extra = (place(jax.ShapeDtypeStruct((slots, table_pages or per_row), jnp.int32)),)
+    empty, fn = sl.step_functions(st, steps, page_size, num_pages)
+    state = jax.eval_shape(empty, tstate, dstate)
     state = jax.tree.map(place, state)
     release = place(jax.ShapeDtypeStruct((slots,), jnp.bool_))
     return jax.jit(fn, donate_argnums=(2,)).trace(tstate, dstate, state, release, {}, *extra).lower()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -39,7 +40,7 @@ from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_par
                              pick_width, rows_only, width_costs, width_params, with_globals,
                              flush_pending, pending_room, propose_next, to_host)
 
-__all__ = ["Slots", "Pipeline", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "split_mode", "parse_step_buckets", "platform_of",
+__all__ = ["Slots", "Pipeline", "step_functions", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "split_mode", "parse_step_buckets", "platform_of",
            "offline_defaults"]
 
 
@@ -177,6 +178,17 @@ def _paged_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
     slots = slots.replace(loop=_with_table(slots.loop, table))
     slots, *out = _slots_step_rows(st, n_iters, tstate, dstate, slots, release, wp, idx)
     return (slots.replace(loop=_without_table(slots.loop)), *out)
+
+
+def step_functions(st: Static, steps: int, page_size: int | None = None, num_pages: int | None = None):
+    """(empty, step): the slot state's allocation `empty(tstate, dstate)` and the step program
+    `step(tstate, dstate, slots, release, wp[, table])` of `steps` iterations over st.batch slots,
+    dense or (page_size) paged with num_pages pages: what Slots compiles, for ahead-of-time
+    lowering from configs alone (decode.lower_slot_step)."""
+    if page_size is None:
+        return (lambda ts, ds: _slots_empty(st, ts, ds)), functools.partial(_slots_step, st, steps)
+    return ((lambda ts, ds: _paged_empty(st, ts, ds, num_pages, page_size)),
+            functools.partial(_paged_step, st, steps))
 
 
 def _slots_specs(st: Static, slots: SlotState) -> SlotState:
