@@ -669,6 +669,19 @@ class SlotEngine(_EngineCore):
             self._end(slot, h)
             free.append(slot)
 
+    def _shares_a_new_prefix(self, h: Handle, admit: list) -> bool:
+        """h's prompt is one admitted this same turn (a request's n choices, a batch's repeated
+        prompt) and holds a full page, while the prefix cache is on: admitted together, each would
+        prefill its own copy; one turn later the first's prefill has been dispatched and its full
+        pages published, so h's prefill starts after them and shares them (and the draft context
+        in them). Prompts that merely begin alike (a chat template's header) are admitted together:
+        holding them back would prefill arrivals one at a time."""
+        sl = self.slots
+        if not admit or not sl.paged or not sl.pages.prefix_cache:
+            return False
+        p = tuple(h.request.prompt)
+        return len(p) > sl.page_size and any(tuple(a.request.prompt) == p for _, a in admit)
+
     def _make_room(self, pipe: Pipeline, free: list) -> dict:
         """Paged: pages for every running request's next step. When the pool is short, read back
         everything in flight (exact lengths; requests that ended give their pages back), then
@@ -717,6 +730,8 @@ class SlotEngine(_EngineCore):
                 while self._queue and free:
                     h = self._queue[0]
                     slot = free[0]
+                    if self._shares_a_new_prefix(h, admit):
+                        break     # next turn: its prompt's pages are published by then (n choices share them)
                     if self.slots.paged and not self.slots.admit(slot, self._row(h)):
                         break                                   # waits for pages (a running request frees them)
                     self._queue.popleft()

@@ -358,3 +358,21 @@ def test_auto_width_paged_with_a_prefix_hit_equals_one_shot(pair):
     assert eng.pages.stats()["prefix_hits_tokens"] == 8
     want = generate(target, draft, [list(second)], max_new_tokens=20, capacity=CAP, verify_width="block")
     assert res.tokens == want.tokens[0] and max(res.acceptance_lengths) >= 3
+
+
+def test_n_choices_of_one_prompt_share_its_pages(pair):
+    """A request's n choices (the same prompt submitted together) share the prompt's full pages:
+    the first prefills them, the others hit them one engine turn later, and every choice's tokens
+    equal one-shot generate's."""
+    target, draft = pair
+    p = prompt_of(41, 4 * PAGE + 2)                    # 4 full pages + 2 tokens
+    eng = SlotEngine(target, draft, slots=4, capacity=CAP, steps=K, kv_pages=64, page_size=PAGE)
+    try:
+        hs = [eng.submit(Request(prompt=p, max_tokens=24, ignore_eos=True)) for _ in range(3)]
+        got = [[t for ev in h.events() if isinstance(ev, Tokens) for t in ev.ids] for h in hs]
+        stats = eng.slots.pages.stats()
+    finally:
+        eng.shutdown(timeout=10)
+    want = one_shot(target, draft, p, 24)[0]
+    assert got == [want] * 3
+    assert stats["prefix_hits_tokens"] >= 2 * 4 * PAGE - 2 * PAGE     # choices 2 and 3 hit (up to the last full page)
