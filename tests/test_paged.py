@@ -376,3 +376,64 @@ def test_n_choices_of_one_prompt_share_its_pages(pair):
     want = one_shot(target, draft, p, 24)[0]
     assert got == [want] * 3
     assert stats["prefix_hits_tokens"] >= 2 * 4 * PAGE - 2 * PAGE     # choices 2 and 3 hit (up to the last full page)
+
+
+class _Banned:
+    """A grammar (the slot engine's duck type: mask, walk, consume) that refuses a set of tokens:
+    small enough to check against a plain oracle, and binding wherever the model would pick one."""
+
+    def __init__(self, vocab: int, banned):
+        bits = np.ones(-(-vocab // 32) * 32, bool)
+        bits[list(banned)] = False
+        bits[vocab:] = False
+        self.banned, self.row = set(banned), np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(
+            np.uint32).view(np.int32).reshape(-1)
+
+    def mask(self):
+        return self.row.copy()
+
+    def walk(self, drafts):
+        out = np.full((len(drafts) + 1, self.row.size), -1, np.int32)
+        out[0] = self.row
+        for i, d in enumerate(drafts):
+            if int(d) in self.banned:
+                break
+            out[i + 1] = self.row
+        return out
+
+    def consume(self, tokens):
+        pass
+
+
+def test_constrained_rows_on_the_default_served_path_equal_plain_constrained_decoding(pair, trained_small_vocab_pair):
+    """A constrained row on the served engine's default path (adaptive verify width, paged cache with
+    the prefix cache on, a prefix hit) with the trained pair (acceptance >= 3) gives transformers'
+    greedy decoding with the grammar's refused tokens masked, token for token."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    target, draft = pair
+    p = prompt_of(55, 3 * PAGE + 1)
+    free = one_shot(target, draft, p, 40)[0]
+    counts = {t: free.count(t) for t in set(free)}
+    banned = {min(counts, key=counts.get)}                  # a token the free run emits: the mask binds
+    hf = Qwen3ForCausalLM.from_pretrained(trained_small_vocab_pair["target_path"], dtype=torch.float32).eval()
+    seq, want = list(p), []
+    for _ in range(40):
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, -1].numpy()
+        logits[list(banned)] = -np.inf
+        want.append(int(logits.argmax()))
+        seq.append(want[-1])
+    eng = SlotEngine(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=64, page_size=PAGE,
+                     verify_width="auto")
+    try:
+        list(eng.submit(Request(prompt=p, max_tokens=8, ignore_eos=True)).events())     # its pages: a hit next
+        h = eng.submit(Request(prompt=p, max_tokens=40, ignore_eos=True,
+                               grammar=_Banned(target.config.vocab_size, banned)))
+        got = [t for ev in h.events() if isinstance(ev, Tokens) for t in ev.ids]
+        stats, hits = h._stats, eng.slots.pages.stats()["prefix_hits_tokens"]
+    finally:
+        eng.shutdown(timeout=10)
+    assert got == want and got != free
+    assert hits > 0 and max(stats.acceptance_lengths) >= 3, (hits, stats.acceptance_lengths)
