@@ -151,7 +151,7 @@ class PagedKVCache:
         dropped). Whole pages: the n pages the rows touch are gathered, the rows written into them
         (a dynamic_update_slice) and the pages scattered back along the pool's page axis. A scatter
         of single positions (pool.at[page, :, offset]) made the TPU compiler copy the whole pool into
-        another layout and back at every write (scripts/tpu_paged_step.py, docs/perf-log.md session 40)."""
+        another layout and back at every write (scripts/tpu_paged_step.py measures it)."""
         B, T, H, D = new.shape
         ps, N, P = self.page_size, pool.shape[0], self.table.shape[1]
         n = -(-T // ps) + 1             # pages a write can touch (those past the table are dropped)

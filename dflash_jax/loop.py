@@ -335,7 +335,7 @@ def _verify(st: Static, target: CausalLM, draft, p: Params, s: LoopState, W: int
         block = jnp.concatenate([current, p.grammar_drafts[:, :W]], axis=1)           # [B, W+1]
     elif draft is not None and W > 0:   # the proposer: DFlashDraft.propose, or anything with its signature
         taps = st.taps
-        head = _AdjustedHead(target, p, generated) if st.penalties else target
+        head = _proposer_head(st, target, p, generated if st.penalties else None)
         args = (head, current, lens, limit, s.pending, s.pending_count, s.draft_cache)
         # a prefix verify wants W drafts: the LM head runs on those rows alone (over all 15 rows of
         # a B = 64 block at Qwen3-8B's vocab it is 1.2 TFLOP, ~10% of a W = 3 iteration's work)
@@ -402,13 +402,16 @@ def propose_next(st: Static, target: CausalLM, draft, p: Params, s: LoopState):
     any deterministic proposal, so sampled rows stay exact."""
     lens = s.lens
     current = jnp.take_along_axis(s.tokens, lens[:, None], axis=1)
-    head = target
-    if st.penalties:
-        _, _, generated = penalties.committed(p, s.tokens, lens, target.config.vocab_size)
-        head = _AdjustedHead(target, p, generated)
+    generated = penalties.committed(p, s.tokens, lens, target.config.vocab_size)[2] if st.penalties else None
+    head = _proposer_head(st, target, p, generated)
     drafts, _ = draft.propose(head, current, lens, p.prompt_lens + p.max_new, s.pending, s.pending_count,
                               s.draft_cache, block_size=st.block_size, kernels=st.kernels)
     return drafts.astype(jnp.int32)
+
+
+def _proposer_head(st: Static, target, p: Params, generated):
+    """The target as the proposer sees it: with penalties, its head adjusted (_AdjustedHead)."""
+    return _AdjustedHead(target, p, generated) if st.penalties else target
 
 
 class _AdjustedHead:

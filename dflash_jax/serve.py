@@ -267,12 +267,13 @@ def _guided(body) -> tuple | None:
     return old[0] if old else None
 
 
-def _constrains(body, chat: bool) -> bool:
+def _constrains(body, chat: bool, guided=()) -> bool:
     """A grammar decides the request's output: a response_format other than text, a forced tool
-    call (chat), or a guided field."""
+    call (chat), or a guided field (`guided`: _guided(body) when the caller has it)."""
     tools = getattr(body, "tools", None) if chat else None
     forced = bool(tools) and getattr(body, "tool_choice", None) not in (None, "auto", "none")
-    return not _is_default(body.response_format, (None, {"type": "text"})) or forced or _guided(body) is not None
+    guided = _guided(body) if guided == () else guided
+    return not _is_default(body.response_format, (None, {"type": "text"})) or forced or guided is not None
 
 
 def _tool_list(tools) -> list[dict]:
@@ -912,7 +913,7 @@ def build_app(engine, tokenizer=None, *, model_name: str = "dflash", default_max
         if chat and not tools and choice not in (None, "auto", "none"):
             raise _bad("tool_choice", f"{choice!r:.60} needs tools to choose from")
         pattern = _guided(body)
-        if not _constrains(body, chat):
+        if not _constrains(body, chat, pattern):
             return None
         field = ("response_format" if not _is_default(rf, (None, {"type": "text"})) else
                  pattern[0] if pattern else "tool_choice")

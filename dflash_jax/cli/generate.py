@@ -131,7 +131,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "draft and embeddings stay as loaded")
     g.add_argument("--quantize-draft", default=None, choices=("int8",),
                    help="quantize the draft's layer weights at load too (default: off). Still lossless, but "
-                        "an int8 draft may accept fewer tokens (docs/perf-log.md, session 39)")
+                        "an int8 draft may accept fewer tokens (BENCHMARKS.md, quantized targets)")
     g.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="attention backend: Pallas kernels on TPU/GPU (auto), or the XLA reference")
     g.add_argument("--block-size", type=int, help="draft block size (default: the draft's; 1 = no speculation)")
