@@ -8,6 +8,7 @@
   fused_layer/   the GPU path's fused decoder-layer kernels: the attention prologue (q/k norm, RoPE,
                  cache writes) and the residual add + RMSNorm
   sampling/      the GPU path's top-k / top-p threshold search kernels
+  quantized/     matmuls of few rows against 8-bit weights (int8, FP8 block-scaled) on the GPU
   _common.py     what they share: Unsupported, warn_once (a fallback said once per reason), the
                  shape contract, the online-softmax step
 """

@@ -29,7 +29,8 @@ from dflash_jax.attention import (add_rmsnorm, attend, attend_paged, attend_pref
 from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, is_paged, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
 from dflash_jax.quantize import QUANTIZED, Int8Weight
-from dflash_jax.sharding import split_gate_up, split_qkv
+from dflash_jax.sharding import current_mesh, split_gate_up, split_qkv
+from pallas_kernels.quantized import gpu as quantized_gpu
 
 
 # XLA:GPU rewrites a vector x matrix dot whose operands hold fewer than this many elements as a
@@ -47,13 +48,33 @@ def _two_rows(x, w):
     return y[:1].reshape(*x.shape[:-1], w.shape[1])
 
 
+def _quantized_block(w):
+    """The scales' block of a quantized 2-D weight for the GPU kernel: None (int8, per column) or
+    the FP8 checkpoint's (bk, bn)."""
+    return w.block if hasattr(w, "block") else None
+
+
+def _quantized_kernel_applies(x, w) -> bool:
+    M = math.prod(x.shape[:-1])
+    return (w.ndim == 2 and current_mesh() is None
+            and quantized_gpu.supported(M, x.shape[-1], w.shape[1], x.dtype, _quantized_block(w)))
+
+
+def _quantized_gpu(x, w):
+    return quantized_gpu.matmul(x, w.q, w.scale, block=_quantized_block(w))
+
+
 def linear(x, w):
     """x [..., K] @ w [K, N]. On CUDA, a single row times a matrix of fewer than SMALL_DOT
     elements runs as a two-row dot (`_two_rows`) so XLA does not rewrite it as a multiply + reduce;
     the same value (the zero row adds nothing), any other shape or platform the plain dot. A
     quantized weight (dflash_jax.quantize: int8, an FP8 checkpoint's): its own matmul around this
-    dot (int8: the matrix converted to x's dtype, then its per-column scale)."""
+    dot (int8: the matrix converted to x's dtype, then its per-column scale); on CUDA, few rows
+    (<= pallas_kernels.quantized.gpu.MAX_ROWS: a decode step, a verify block, a small batch's) off a
+    mesh run the Pallas kernel that reads the 8-bit weight once (`_quantized_gpu`)."""
     if isinstance(w, QUANTIZED):
+        if _quantized_kernel_applies(x, w):
+            return jax.lax.platform_dependent(x, w, cuda=_quantized_gpu, default=lambda x, w: w.matmul(x, dot=linear))
         return w.matmul(x, dot=linear)
     if math.prod(x.shape[:-1]) != 1 or w.ndim != 2 or w.shape[1] == 1 or x.shape[-1] + w.size >= SMALL_DOT:
         return x @ w

@@ -1,0 +1,83 @@
+"""The GPU matmul kernel over 8-bit weights (pallas_kernels/quantized/gpu.py): int8 per-column and
+FP8 block-scaled weights against a NumPy dequantize-then-multiply oracle (the Pallas interpreter),
+and models.layers.linear lowering to it on CUDA (few rows, off a mesh) but not on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.quantize import Fp8BlockWeight, Int8Weight
+from pallas_kernels._common import Unsupported
+from pallas_kernels.quantized import gpu as qgpu
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _int8(rng, K, N):
+    q = rng.integers(-127, 128, (K, N)).astype(np.int8)
+    s = (rng.random(N) * 0.02 + 1e-3).astype(np.float32)
+    return q, s, q.astype(np.float64) * s[None]
+
+
+def _fp8(rng, K, N, block):
+    q = jnp.asarray(rng.standard_normal((K, N)) * 50, jnp.float32).astype(jnp.float8_e4m3fn)
+    s = (rng.random((-(-K // block[0]), -(-N // block[1]))) * 0.02 + 1e-3).astype(np.float32)
+    full = np.repeat(np.repeat(s, block[0], 0), block[1], 1)[:K, :N]
+    return q, s, np.asarray(q.astype(jnp.float32), np.float64) * full
+
+
+@pytest.mark.parametrize("M,K,N,block,dtype,splits", [
+    (1, 256, 128, None, jnp.float32, 1),            # a decode row
+    (16, 256, 192, None, jnp.bfloat16, 2),          # a verify block, split K
+    (33, 128, 64, None, jnp.float32, 1),            # rows padded to 64
+    (5, 384, 256, (128, 128), jnp.float32, 1),      # an FP8 checkpoint's 128 x 128 blocks
+    (16, 256, 96, (128, 1), jnp.bfloat16, 2),       # a fused matrix's per-column block scales
+])
+def test_quantized_matmul_matches_numpy_dequantize_oracle(M, K, N, block, dtype, splits):
+    rng = np.random.default_rng(M * 7 + N)
+    q, s, w = _int8(rng, K, N) if block is None else _fp8(rng, K, N, block)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    xd = jnp.asarray(x, dtype)
+    want = np.asarray(xd.astype(jnp.float32), np.float64) @ w
+    got = qgpu.matmul(xd, jnp.asarray(q), jnp.asarray(s), block=block, splits=splits, bk=64 if splits > 1 else None,
+                      interpret=True)
+    assert got.shape == (M, N) and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_quantized_matmul_refuses_what_it_cannot_tile():
+    x = jnp.ones((4, 100), jnp.float32)
+    assert not qgpu.supported(4, 100, 64, jnp.float32)                  # K: no power-of-two tile
+    assert not qgpu.supported(129, 128, 64, jnp.float32)                # more rows than MAX_ROWS
+    assert not qgpu.supported(4, 128, 64, jnp.float32, block=(100, 128))  # no K tile divides bk_s = 100
+    assert qgpu.supported(4, 128, 64, jnp.float32, block=(96, 96))        # 32-wide tiles inside 96-blocks
+    with pytest.raises(Unsupported):
+        qgpu.matmul(x, jnp.ones((100, 64), jnp.int8), jnp.ones((64,)), interpret=True)
+
+
+def _lowered(f, *args):
+    from jax import export
+    return export.export(jax.jit(f), platforms=["cuda"],
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args).mlir_module()
+
+
+def test_linear_runs_the_kernel_for_few_rows_on_cuda_only():
+    """models.layers.linear: an Int8Weight / Fp8BlockWeight times few rows is the Triton kernel on
+    CUDA; many rows (a prefill) keep XLA's dot; on CPU the value equals the XLA path's."""
+    from dflash_jax.models.layers import linear
+    rng = np.random.default_rng(0)
+    q, s, _ = _int8(rng, 256, 128)
+    w8 = Int8Weight(jnp.asarray(q), jnp.asarray(s))
+    qf, sf, _ = _fp8(rng, 256, 128, (128, 128))
+    wf = Fp8BlockWeight(qf, jnp.asarray(sf), (128, 128))
+    S = jax.ShapeDtypeStruct
+    for w in (w8, wf):
+        assert TRITON in _lowered(linear, S((1, 16, 256), jnp.bfloat16), w)
+        assert TRITON not in _lowered(linear, S((1, 512, 256), jnp.bfloat16), w)
+        x = jnp.asarray(rng.standard_normal((1, 16, 256)), jnp.float32)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, w)), np.asarray(w.matmul(x)), rtol=1e-6, atol=1e-6)
