@@ -33,6 +33,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 __all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "check_quantize", "quantize_int8",
@@ -146,6 +147,32 @@ class Fp8BlockWeight:
         """scale [.., Kb, N]: each column's scale in every K block (bn = 1)."""
         bn, N = self.block[1], self.q.shape[-1]
         return jnp.repeat(self.scale, bn, axis=-1)[..., :N] if bn > 1 else self.scale
+
+    def spread(self, axis: int) -> "Fp8BlockWeight":
+        """The same weight with one scale per row (axis -2: block (1, bn)) or per column (axis -1:
+        block (bk, 1)) on that axis: what a shard boundary or a column permutation that cuts through a
+        block needs (sharding._place). The values (q * scale) are unchanged."""
+        axis = axis % self.q.ndim - self.q.ndim
+        if self.block[axis] == 1:
+            return self
+        if axis == -1:
+            return Fp8BlockWeight(self.q, self.column_scales(), (self.block[0], 1))
+        bk, K = self.block[0], self.q.shape[-2]
+        return Fp8BlockWeight(self.q, jnp.repeat(self.scale, bk, axis=-2)[..., :K, :], (1, self.block[1]))
+
+    def take_columns(self, cols) -> "Fp8BlockWeight":
+        """w[..., cols] (a fused-layout permutation, kv columns repeated allowed): the block grid's
+        columns taken whole when `cols` moves whole aligned blocks (each run of bn indices starts on a
+        block boundary and is contiguous), else the scales spread per column first (block (bk, 1))."""
+        cols = np.asarray(cols, np.int64)
+        bn, N = self.block[1], self.q.shape[-1]
+        q = jnp.take(self.q, cols, axis=-1)
+        if bn > 1 and N % bn == 0 and cols.size % bn == 0:
+            runs = cols.reshape(-1, bn)
+            if (runs[:, 0] % bn == 0).all() and (runs == runs[:, :1] + np.arange(bn)).all():
+                return Fp8BlockWeight(q, jnp.take(self.scale, runs[:, 0] // bn, axis=-1), self.block)
+        w = self.spread(-1)
+        return Fp8BlockWeight(q, jnp.take(w.scale, cols, axis=-1), w.block)
 
     def dequantize(self, dtype=jnp.float32):
         """q * scale in float32 (transformers' dequantization, the same rounding), cast to dtype."""

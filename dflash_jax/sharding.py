@@ -377,24 +377,52 @@ def layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
 
 def _place(model, mesh: Mesh, rules, transform=None):
     from flax import nnx
-    from dflash_jax.quantize import Int8Weight
+    from dflash_jax.quantize import Fp8BlockWeight, Int8Weight
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         name = path_str(path)
         value = var.get_value()
-        if transform is not None:   # (an int8 weight, dflash_jax.quantize: its scales [.., N] with q's columns)
-            value = (Int8Weight(transform(path, value.q), transform(path, value.scale))
-                     if isinstance(value, Int8Weight) else transform(path, value))
+        if transform is not None:   # (quantized weights, dflash_jax.quantize: their scales with q's columns)
+            if isinstance(value, Int8Weight):
+                value = Int8Weight(transform(path, value.q), transform(path, value.scale))
+            elif isinstance(value, Fp8BlockWeight):
+                cols = jnp.arange(value.shape[-1])
+                moved = transform(path, cols)
+                value = value if moved is cols else value.take_columns(np.asarray(moved))
+            else:
+                value = transform(path, value)
         spec = spec_for(name, rules)
         check_divisible(name, value.shape, spec, mesh)
-        if isinstance(value, Int8Weight):
-            full = tuple(spec) + (None,) * (value.ndim - len(spec))
-            var.set_value(Int8Weight(jax.device_put(value.q, NamedSharding(mesh, P(*full))),
-                                     jax.device_put(value.scale, NamedSharding(mesh, P(*full[:-2], full[-1])))))
+        if isinstance(value, (Int8Weight, Fp8BlockWeight)):
+            var.set_value(_place_quantized(value, spec, mesh))
             continue
         var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
     return model
+
+
+def _place_quantized(value, spec: P, mesh: Mesh):
+    """A quantized weight (dflash_jax.quantize) placed as the float weight it replaces (`spec`), its
+    scales with it. Int8Weight: scale [.., N] on q's column axis (replicated for a row-split o /
+    down, whose columns are whole). Fp8BlockWeight: the block scales [.., Kb, Nb] on q's spec
+    itself, each shard holding its own blocks' scales, when every shard boundary falls on a block
+    boundary (Qwen3-8B's qkv / gate_up columns and o / down rows at TP 2-8 with 128-blocks do);
+    where one cuts through a block (a toy width, a ragged last block) that axis's scales are spread
+    to one per row / column first (quantize.Fp8BlockWeight.spread: 4 / bk bytes per weight byte
+    more, about 3% at 128), so the scales still shard and every shard dequantizes its own columns
+    locally. Replicating the unspread grid instead would be smaller, but each shard's dequantize
+    would then expand the whole grid to its block columns through a repeat the SPMD partitioner
+    cannot split at a non-block boundary."""
+    from dflash_jax.quantize import Int8Weight
+    full = tuple(spec) + (None,) * (value.ndim - len(spec))
+    if isinstance(value, Int8Weight):
+        return Int8Weight(jax.device_put(value.q, NamedSharding(mesh, P(*full))),
+                          jax.device_put(value.scale, NamedSharding(mesh, P(*full[:-2], full[-1]))))
+    for ax in (-2, -1):
+        if full[ax] is not None and (value.shape[ax] // _shards(P(full[ax]), mesh)) % value.block[ax]:
+            value = value.spread(ax)
+    return type(value)(jax.device_put(value.q, NamedSharding(mesh, P(*full))),
+                       jax.device_put(value.scale, NamedSharding(mesh, P(*full))), value.block)
 
 
 def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RULES):
@@ -405,8 +433,6 @@ def shard_model(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RU
     DecoderLayer reads through `split_qkv` / `split_gate_up`), so a layer needs no collective but
     its two all-reduces. fused_layout=False keeps the plain column split: still correct (jit
     inserts the collectives the slices need), slower."""
-    if "fp8" in (getattr(model, "quantize", None) or ""):   # int8's scales are placed with their weights
-        raise ValueError(f"a quantize={model.quantize!r} model on a mesh is not supported yet (one device only)")
     tp = model_axis_size(mesh)
     cfg = model.config
     check_experts(cfg, tp)

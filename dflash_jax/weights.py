@@ -186,7 +186,8 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     An FP8 checkpoint (config.json quantization_config quant_method "fp8", block-scaled
     float8_e4m3fn weights with weight_scale_inv) keeps its layer linears in 8 bits as
     quantize.Fp8BlockWeight (with quantize="int8", only the linears it left in floats are quantized);
-    one device only. Any other quantization_config is refused in one line."""
+    with a mesh, loaded on one device and then placed, the block scales with their weights' shards
+    (sharding._place_quantized). Any other quantization_config is refused in one line."""
     check_quantize(quantize)
     m = sharding.as_mesh(mesh)
     if quantize is not None:   # (on a mesh: quantized on one device, then placed, scales with their columns)
@@ -200,8 +201,6 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     what = f"target {path_or_hub_id}"
     fp8 = q8.checkpoint_fp8_block(raw, what)
     if fp8 is not None:
-        if m is not None:
-            raise ValueError(f"{what}: an fp8 checkpoint on a mesh is not supported yet (one device only)")
         if fam.load is not None:
             raise ValueError(f"{what}: fp8 checkpoints of model_type {config.model_type!r} are not supported yet "
                              "(fp8 is read for the table-loaded families: "
@@ -210,7 +209,9 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
         stream = q8.fp8_weights(iter_tensors(d), fp8, what)
         stream = stream if fam.tensors is None else fam.tensors(config, _fp8_experts(stream, config, what), what)
         model = _fill(model, stream, fam.top_weights(config), fam.layer_weights(config), dt, what, fam.skip)
-        return q8.mark(model, "fp8") if q8.quantized_leaves(model) else model
+        model = q8.mark(model, "fp8") if q8.quantized_leaves(model) else model
+        # (on a mesh: loaded on one device, then placed, the block scales with their weights' shards)
+        return model if m is None else _place_loaded(model, m)
     if fam.load is not None:      # loaded on one device, then placed by the family's rules (plain split)
         model = fam.load(d, config, dt, f"target {path_or_hub_id}")
         return model if m is None else _place_loaded(model, m)

@@ -59,6 +59,17 @@ def test_fp8_matmul_matches_numpy_dequantize_oracle():
         np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), w)), want, rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(np.asarray(jax.jit(lambda x, w: x @ w)(jnp.asarray(x), w)), want, rtol=1e-5,
                                    atol=1e-4)
+    # a column permutation (sharding's fused layout) and the scales spread per row / column keep
+    # the values: whole aligned blocks move as blocks, anything else spreads per column first
+    whole = Fp8BlockWeight(jnp.asarray(q[:, :128]), jnp.asarray(scale[:, :1]), (64, 32))
+    whole = Fp8BlockWeight(whole.q, jnp.asarray(np.exp2(rng.uniform(-3, 3, size=(4, 4))), jnp.float32), (64, 32))
+    for cols, bn in ((np.r_[64:96, 0:32, 0:32], 32), (np.r_[16:48], 1), (np.r_[96:128, 0:16], 1)):
+        got = whole.take_columns(cols)
+        assert got.block == (64, bn)
+        np.testing.assert_array_equal(np.asarray(got.dequantize()), np.asarray(whole.dequantize())[:, cols])
+    for ax, spread in ((-2, (1, 128)), (-1, (128, 1))):
+        assert w.spread(ax).block == spread
+        np.testing.assert_array_equal(np.asarray(w.spread(ax).dequantize()), want_w.astype(np.float32))
     # the transpose (the checkpoint's [out, in] → ours) and fused parts: aligned grids concatenate,
     # a ragged part spreads its scales per column
     np.testing.assert_array_equal(np.asarray(w.T.dequantize()), want_w.T.astype(np.float32))
@@ -190,3 +201,74 @@ def test_fp8_moe_checkpoint_keeps_its_experts_in_8_bits(tmp_path):
     pos = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (2, 11))
     got, want = [np.asarray(m.logits(m(ids, pos, m.new_cache(2, 32), pos + 1)[0])) for m in (target, ref)]
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------- a 2 x 2 mesh (child)
+
+MESH_CHILD = os.environ.get("DFLASH_FP8_MESH_CHILD") == "1"
+
+
+@pytest.mark.skipif(MESH_CHILD, reason="the parent's runner")
+@pytest.mark.slow
+def test_fp8_on_a_2x2_mesh_equals_one_device():
+    """The mesh case runs in a child pytest on 4 virtual CPU devices (tests/children.py)."""
+    from tests.children import run_child
+    run_child(__file__, devices=4, env=dict(DFLASH_FP8_MESH_CHILD="1"), args=("-k", "mesh_child"), min_passed=2)
+
+
+@pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")
+def test_mesh_child_fp8_checkpoint_on_2x2_equals_one_device(tmp_path):
+    """load_target(fp8 checkpoint, mesh="2x2") (--model <fp8> --mesh 2x2): each block scale sits on
+    its weight's shard, and DFlash greedy gives one device's tokens and acceptance lengths (which
+    equal plain decoding's). Blocks [16, 32] (ours (32, 16)) on a toy model place all four ways:
+    qkv's fused-layout permutation moves whole blocks (its one kv head copied to each shard), o's
+    rows split on a block boundary, gate_up's permutation (40-column halves) cuts blocks, so its
+    scales spread per column, and down's row halves (40) cut blocks, so its scales spread per row."""
+    from jax.sharding import PartitionSpec as P
+
+    from dflash_jax import decode, sharding
+    assert jax.device_count() == 4
+    path = ck.write_fp8_target(str(tmp_path / "fp8"), block=(16, 32), seed=6, vocab_size=128, hidden_size=64,
+                               intermediate_size=80, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16)
+    one = load_target(path, dtype="float32")
+    target = load_target(path, dtype="float32", mesh="2x2")
+    assert target.quantize == "fp8"
+    layer = target.layers[1]
+    want = {"qkv": ((32, 16), P(None, "model"), (2, 4)), "o": ((32, 16), P("model", None), (1, 4)),
+            "mlp/gate_up": ((32, 1), P(None, "model"), (2, 80)), "mlp/down": ((1, 16), P("model", None), (40, 4))}
+    for name, (block, spec, local) in want.items():
+        w = layer.mlp.gate_up[...] if name == "mlp/gate_up" else layer.mlp.down[...] if name == "mlp/down" else \
+            getattr(layer, name)[...]
+        assert isinstance(w, Fp8BlockWeight) and w.block == block, (name, w)
+        assert w.q.sharding.spec == spec and w.scale.sharding.spec == spec, name
+        assert w.scale.addressable_shards[0].data.shape == local, (name, w.scale.shape)
+    mesh = layer.qkv[...].q.sharding.mesh
+    cfg = DraftConfig.for_target(one.config, num_layers=1, block_size=4)
+    drafts = [init_draft(cfg, seed=2, dtype="float32", target=one) for _ in range(2)]
+    sharding.shard_model(drafts[1], mesh)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [100, 101]]
+    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
+    a = decode.generate(one, drafts[0], prompts, verify_width="block", **kw)
+    b = decode.generate(target, drafts[1], prompts, mesh=mesh, verify_width="block", **kw)
+    assert a.tokens == decode.generate(one, None, prompts, **kw).tokens
+    assert b.tokens == a.tokens and b.acceptance_lengths == a.acceptance_lengths
+
+
+@pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")
+def test_mesh_child_fp8_moe_checkpoint_on_2x2_equals_one_device(tmp_path):
+    """A Qwen3-MoE FP8 checkpoint on a 2 x 2 mesh: the stacked fp8 experts and their block scales
+    split by expert over 'model' (the MoE shard_map takes both), plain greedy equals one device's."""
+    from jax.sharding import PartitionSpec as P
+
+    from dflash_jax import decode
+    path = ck.write_fp8_target(str(tmp_path / "moe"), moe=True, block=(16, 32), seed=5, hidden_size=64,
+                               intermediate_size=64, moe_intermediate_size=64, num_experts=4, num_layers=2,
+                               num_heads=4, num_kv_heads=2, head_dim=16)
+    target = load_target(path, dtype="float32", mesh="2x2")
+    gu = target.layers[0].mlp.experts_gate_up[...]
+    assert isinstance(gu, Fp8BlockWeight) and gu.scale.shape == (4, 2, 8)
+    assert gu.q.sharding.spec == gu.scale.sharding.spec == P("model", None, None)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    kw = dict(max_new_tokens=8, attention_impl="xla", capacity=64)
+    one = decode.generate(load_target(path, dtype="float32"), None, prompts, **kw)
+    assert decode.generate(target, None, prompts, mesh=gu.q.sharding.mesh, **kw).tokens == one.tokens

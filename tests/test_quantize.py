@@ -234,14 +234,6 @@ def test_quantize_bad_input(tiny_target):
         init_target(FAMILIES["qwen3"], quantize="fp4")
     with pytest.raises(ValueError, match=r"quantize='fp4' is not supported"):
         load_target(tiny_target, quantize="fp4")
-    from jax.sharding import Mesh
-
-    from dflash_jax import sharding
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    target = init_target(FAMILIES["qwen3"], dtype="float32", quantize="int8")
-    target.quantize = "fp8"         # an FP8 checkpoint's target (tests/test_fp8.py loads real ones)
-    with pytest.raises(ValueError, match=r"a quantize='fp8' model on a mesh is not supported yet"):
-        sharding.shard_model(target, mesh)
 
 
 def test_generate_cli_quantize_flag(tiny_target, capsys, monkeypatch):
