@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["PageAllocator", "pages_for", "DUMMY_PAGE"]
+__all__ = ["PageAllocator", "WindowPages", "pages_for", "DUMMY_PAGE"]
 
 # Page-table padding points here; the allocator never hands it out.
 DUMMY_PAGE = 0
@@ -157,6 +157,20 @@ class PageAllocator:
             self.count(n_tokens, covered)
         return pages, covered
 
+    def lookup(self, hashes: Iterable[bytes]) -> list[int | None]:
+        """The page published under each chain hash (None: none), taking no reference."""
+        return [self._page_of.get(h) for h in hashes]
+
+    def take(self, pages: Iterable[int]) -> None:
+        """One more reference on each page (published or already referenced: what `lookup` found)."""
+        pages = [int(p) for p in pages]
+        for page in pages:
+            self._check_id(page)
+            if self._refs[page] == 0 and page not in self._evictable:
+                raise ValueError(f"take: page {page} is free (neither referenced nor published)")
+        for page in pages:
+            self._take(page)
+
     def count(self, queried: int, hit: int) -> None:
         """Count one prefix-cache query of `queried` tokens of which `hit` were found."""
         if self.prefix_cache:
@@ -189,7 +203,9 @@ class PageAllocator:
         the target K/V AND the draft context K/V of those tokens are written. A page whose chain hash is
         already published under another page stays private (a duplicate; it frees normally). A page
         already published under the same hash: no-op; under another hash: ValueError (its row and its
-        contents disagree). The row must hold a reference on each page it publishes."""
+        contents disagree). The row must hold a reference on each page it publishes. An entry
+        DUMMY_PAGE is a logical page the row does not hold (a window row's page behind its window,
+        `WindowPages`): skipped."""
         if not self.prefix_cache:
             return
         data = _token_bytes(tokens)
@@ -197,13 +213,16 @@ class PageAllocator:
         if len(pages) < n:
             raise ValueError(f"publish: {len(data) // 4} tokens fill {n} pages but only {len(pages)} pages given")
         full = [int(p) for p in pages[:n]]
-        if len(set(full)) != n:
+        held = [p for p in full if p != DUMMY_PAGE]
+        if len(set(held)) != len(held):
             raise ValueError(f"publish: a page appears twice among the row's full pages {full}")
-        for page in full:
+        for page in held:
             self._check_id(page)
             if self._refs[page] == 0:
                 raise ValueError(f"publish: page {page} has no reference (publish before release)")
         for page, h in zip(full, self._chain(data, n)):
+            if page == DUMMY_PAGE:
+                continue
             known = self._hash_of.get(page)
             if known is not None:
                 if known != h:
@@ -283,3 +302,168 @@ class PageAllocator:
     def _check_id(self, page: int) -> None:
         if not 0 < page < self.num_pages:
             raise ValueError(f"page {page} is not a page of this pool (1..{self.num_pages - 1}; 0 is the dummy)")
+
+
+class WindowPages:
+    """The pages of a draft's sliding-window layers (issue 56): a second pool of `num_pages` pages with its
+    own `PageAllocator` (free list, references, LRU) and a second page table [slots, pages_per_row]
+    indexed by the same logical page (position // page_size) as the main one. A row holds window pages
+    only for the logical pages its draft programs can still touch; the entries behind point at the
+    dummy page, which the window mask (`k_start`) hides. Published under the SAME chain hashes as the
+    main pages (the allocators share the salt), so a main page and a window page of one prefix are
+    found together. SGLang's sliding-window radix cache, on pages.
+
+    The bounds, for a draft layer of window W and block S (drafts.dflash2): a draft pass at committed
+    length L attends keys >= L - W + 1 (its block rows sit at L..L+S-1, each seeing W keys back) and
+    writes its pending context at >= L - S (at most a block of pending taps), so nothing run at
+    length >= L touches a position below L - `behind`, behind = max(W - 1, S). The host's known length
+    is a lower bound for every program not yet read (they run in dispatch order after the ones read),
+    so a row at known length L keeps its logical pages from `first_kept(L)`: behind, plus a block and
+    a page more, so that at release (full pages published up to L - S) the last published prefix
+    still has its window present.
+
+    A prefix hit of k full pages is usable by the window layers only if the window pages of logical
+    pages [first_needed(k * page), k) are published: `match` caps the main hit at the longest k for
+    which they are (pages evicted from this pool are SGLang's tombstones) and takes references on
+    exactly those window pages. `admit` takes the rest of the row: the live window + reach (must),
+    and the prompt's pages behind its window (best effort: written by the prefill and published with
+    the prompt, so a later request sharing a prefix of it can hit; released by `trim` right after).
+
+    Not thread-safe: the engine's scheduler thread owns it, as the main allocator.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, window: int, block_size: int, slots: int,
+                 pages_per_row: int, prefix_cache: bool = True, salt: bytes = b""):
+        if window < 1 or block_size < 1:
+            raise ValueError(f"window ({window}) and block_size ({block_size}) must be >= 1")
+        self.alloc = PageAllocator(num_pages, page_size, prefix_cache=prefix_cache, salt=salt)
+        self.page_size = int(page_size)
+        self.window, self.block_size = int(window), int(block_size)
+        self.behind = max(self.window - 1, self.block_size)
+        self.rows: list[list[int]] = [[] for _ in range(slots)]     # per logical page: page id or DUMMY_PAGE
+        self.table = np.zeros((slots, pages_per_row), np.int32)
+        self.peak = 0
+
+    @staticmethod
+    def live_pages(window: int, block_size: int, page_size: int, reach: int) -> int:
+        """Window pages one running row holds at most: from first_kept(L) up to L + reach (reach: the
+        positions a step may write past the known length)."""
+        behind = max(window - 1, block_size)
+        return pages_for(block_size + behind + page_size - 1 + reach, page_size) + 1
+
+    # -- the bounds
+
+    def first_needed(self, length: int) -> int:
+        """The first logical page a program run at length >= `length` can touch."""
+        return max(0, length - self.behind) // self.page_size
+
+    def first_kept(self, length: int) -> int:
+        """The first logical page a row at known length `length` keeps (<= first_needed(length))."""
+        return max(0, length - self.block_size - self.behind - self.page_size + 1) // self.page_size
+
+    # -- counts
+
+    def used(self) -> int:
+        return self.alloc.used()
+
+    def stats(self) -> dict:
+        return {"window_pages_used": self.alloc.used(), "window_pages_total": self.alloc.num_pages - 1,
+                "window_pages_peak": self.peak, "window_evictions": self.alloc.stats()["evictions"]}
+
+    def _note(self) -> None:
+        self.peak = max(self.peak, self.alloc.used())
+
+    # -- a row's life: match, admit, start, grow / trim, publish, release
+
+    def match(self, main: PageAllocator, tokens, main_pages: list[int], covered: int):
+        """Cap a main prefix hit (`main_pages`, `covered` = len(main_pages) * page, references held by
+        the caller: PageAllocator.match) at the longest k whose window pages are published. Returns
+        (main pages kept, tokens covered, the row's window entries for logical pages [0, k): a page
+        (one reference taken) or DUMMY_PAGE before first_needed). The main pages past k are released."""
+        k = len(main_pages)
+        if k == 0:
+            return main_pages, covered, []
+        found = self.alloc.lookup(main.page_hashes(list(tokens)[:k * self.page_size]))
+        last_missing = [-1] * (k + 1)          # last_missing[i]: the largest j < i whose window page is gone
+        for j in range(k):
+            last_missing[j + 1] = j if found[j] is None else last_missing[j]
+        while k > 0 and last_missing[k] >= self.first_needed(k * self.page_size):
+            k -= 1
+        main.release(main_pages[k:])
+        first = self.first_needed(k * self.page_size)
+        row = [DUMMY_PAGE] * first + [int(found[j]) for j in range(first, k)]
+        self.alloc.take(row[first:])
+        self._note()
+        return main_pages[:k], k * self.page_size, row
+
+    def admit(self, matched: list[int], length: int, pages: int) -> list[int] | None:
+        """The rest of a row of `pages` logical pages (the main row's) whose first len(matched) come
+        from `match`, for a prompt of `length` tokens: the pages from first_kept(length) on (must),
+        then the prompt's pages behind them (best effort; DUMMY_PAGE when the pool cannot lend them).
+        None (nothing taken) when the must part is short; the caller releases `matched`
+        (release_row)."""
+        k = len(matched)
+        live = max(k, min(self.first_kept(length), pages))
+        new = self.alloc.allocate(pages - live)
+        if new is None:
+            return None
+        extra = self.alloc.allocate(live - k) if live > k else []
+        self._note()
+        return list(matched) + (extra if extra is not None else [DUMMY_PAGE] * (live - k)) + new
+
+    def start(self, slot: int, row: list[int]) -> None:
+        """The admitted row goes into `slot` (the slot's previous row released)."""
+        self.rows[slot] = list(row)
+        self.table[slot] = DUMMY_PAGE
+        self.table[slot, :len(row)] = row
+
+    def grow(self, slot: int, pages: int) -> bool:
+        """`slot`'s row extended to `pages` logical pages; False (nothing taken) when short."""
+        need = pages - len(self.rows[slot])
+        if need <= 0:
+            return True
+        new = self.alloc.allocate(need)
+        if new is None:
+            return False
+        n = len(self.rows[slot])
+        self.rows[slot].extend(new)
+        self.table[slot, n:n + need] = new
+        self._note()
+        return True
+
+    def trim(self, slot: int, length: int) -> int:
+        """Release `slot`'s pages behind first_kept(length) (known length `length`): free, or
+        evictable when published. Returns how many."""
+        row = self.rows[slot]
+        cut = min(self.first_kept(length), len(row))
+        gone = [p for p in row[:cut] if p != DUMMY_PAGE]
+        if gone:
+            self.alloc.release(gone)
+            row[:cut] = [DUMMY_PAGE] * cut
+            self.table[slot, :cut] = DUMMY_PAGE
+        return len(gone)
+
+    def publish(self, slot: int, tokens) -> None:
+        """Publish `slot`'s held window pages among the full pages of `tokens` (final in the draft's
+        context: the caller's rule for the main pages)."""
+        self.alloc.publish(tokens, self.rows[slot])
+
+    def release_row(self, row: list[int]) -> None:
+        self.alloc.release([p for p in row if p != DUMMY_PAGE])
+
+    def release(self, slot: int) -> None:
+        """`slot`'s window pages released (publish first)."""
+        self.release_row(self.rows[slot])
+        self.rows[slot] = []
+        self.table[slot] = DUMMY_PAGE
+
+    def check(self) -> None:
+        """The allocator's invariants, and every row's held pages referenced and in its table."""
+        self.alloc.check()
+        held = collections.Counter(p for row in self.rows for p in row if p != DUMMY_PAGE)
+        for page, n in held.items():
+            if self.alloc._refs[page] < n:
+                raise AssertionError(f"window page {page}: held by {n} rows with {self.alloc._refs[page]} references")
+        for slot, row in enumerate(self.rows):
+            if list(self.table[slot, :len(row)]) != row or np.any(self.table[slot, len(row):] != DUMMY_PAGE):
+                raise AssertionError(f"slot {slot}: the window table disagrees with its row {row}")

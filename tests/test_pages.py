@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from dflash_jax.pages import DUMMY_PAGE, PageAllocator, pages_for
+from dflash_jax.pages import DUMMY_PAGE, PageAllocator, WindowPages, pages_for
 
 P = 4  # page size of the unit tests
 
@@ -237,6 +237,108 @@ def test_check_names_a_broken_page():
         alloc.check()
 
 
+def _window(num_pages=32, window=6, block=2, slots=2):
+    """Window pages of page size P = 4, window 6, block 2: behind = max(6 - 1, 2) = 5 positions, a row at
+    length L keeps its logical pages from (L - 2 - 5 - 3) // 4 on."""
+    return WindowPages(num_pages, P, window=window, block_size=block, slots=slots, pages_per_row=16)
+
+
+def test_window_bounds_follow_the_draft_mask():
+    win = _window()
+    assert win.behind == 5
+    # a pass at length 13 attends keys >= 13 - 6 + 1 = 8 (page 2) and writes pending context at >= 11
+    assert win.first_needed(13) == 2 and win.first_needed(12) == 1 and win.first_needed(3) == 0
+    # kept: a block and a page more, so the last prefix published at release (< L - block) keeps its window
+    assert [win.first_kept(L) for L in (10, 13, 14, 17, 18)] == [0, 0, 1, 1, 2]
+    assert all(win.first_kept(L) <= win.first_needed(L) for L in range(80))
+    assert _window(window=2, block=4).behind == 4          # the pending context reaches further than the window
+    assert WindowPages.live_pages(6, 2, 4, reach=8) == pages_for(2 + 5 + 3 + 8, 4) + 1
+
+
+def test_a_row_releases_the_pages_behind_its_window():
+    win = _window()
+    main = PageAllocator(32, P)
+    tokens = list(range(100, 130))                       # 30 tokens: pages 0..6 full, 7 partial
+    row = win.admit([], 5, pages_for(5 + 4, P))          # a 5-token prompt + its reach: 3 pages, all live
+    assert row == [1, 2, 3] and win.used() == 3
+    win.start(0, row)
+    for L in range(5, 30):                               # the row grows a token a step
+        win.trim(0, L)
+        assert win.grow(0, pages_for(L + 4, P))
+        held = [j for j, p in enumerate(win.rows[0]) if p != DUMMY_PAGE]
+        assert held[0] == win.first_kept(L) and held[-1] == len(win.rows[0]) - 1
+        assert len(held) <= WindowPages.live_pages(6, 2, P, reach=4)
+        win.check()
+    assert win.used() == 5 and win.peak == 5              # of the 9 logical pages the row reached
+    # unpublished pages behind the window went back to the free list; published ones become evictable
+    assert win.alloc.available() == 31 - 5 and not win.alloc._evictable
+    mp = main.allocate(pages_for(30, P))
+    main.publish(tokens[:28], mp)
+    win.publish(0, tokens[:28])                          # (what release does: publish, then release)
+    win.release(0)
+    win.check()
+    assert win.used() == 0 and len(win.alloc._evictable) == 3   # logical 4, 5, 6: the full ones held
+    # the row's last published prefix (7 pages) is a hit with its window present
+    main.release(mp)
+    pages, covered = main.match(tokens[:28] + [1])
+    kept, covered, wrow = win.match(main, tokens[:28] + [1], pages, covered)
+    assert covered == 28 and kept == pages and wrow[:win.first_needed(28)] == [DUMMY_PAGE] * 5
+    assert all(p != DUMMY_PAGE for p in wrow[5:]) and win.used() == 2 and main.used() == 7
+
+
+def test_evicted_window_pages_cap_a_hit_and_references_are_exact():
+    win = _window(num_pages=12)
+    main = PageAllocator(32, P)
+    tokens = list(range(200, 220))                       # 5 full pages
+    mp = main.allocate(5)
+    row = win.admit([], 20, 6)                           # a 20-token prompt: pages 0..1 best effort, 2..5 live
+    assert DUMMY_PAGE not in row
+    main.publish(tokens, mp)
+    win.start(0, row)
+    win.publish(0, tokens)
+    win.release(0)
+    main.release(mp)
+    assert len(win.alloc._evictable) == 5 and win.used() == 0
+    # evict the oldest window page: the row released tail first, so that is logical page 4's
+    taken = win.alloc.allocate(11 - 5 + 1)
+    assert win.alloc.stats()["evictions"] == 1
+    win.alloc.release(taken)                             # unpublished: straight back to the free list
+    query = tokens + [7]
+    pages, covered = main.match(query, count=False)
+    assert covered == 20
+    kept, covered, wrow = win.match(main, query, pages, covered)
+    # k = 5 needs logical pages (20 - 5) // 4 = 3 .. 4: page 4's is gone; k = 4 needs 2 .. 3: present
+    assert covered == 16 and kept == pages[:4] and wrow == [DUMMY_PAGE] * 2 + row[2:4]
+    assert main.used() == 4 and [main._refs[p] for p in pages] == [1, 1, 1, 1, 0]
+    assert win.used() == 2 and [win.alloc._refs[p] for p in row[2:4]] == [1, 1]
+    # a second row sharing the prefix: references 2 on the same window pages; each release drops one
+    pages2, cov2 = main.match(query, count=False)
+    kept2, cov2, wrow2 = win.match(main, query, pages2, cov2)
+    assert (cov2, wrow2) == (16, wrow) and [win.alloc._refs[p] for p in row[2:4]] == [2, 2]
+    win.release_row(wrow)
+    assert [win.alloc._refs[p] for p in row[2:4]] == [1, 1]
+    win.release_row(wrow2)
+    assert win.used() == 0 and set(row[2:4]) <= set(win.alloc._evictable)
+    with pytest.raises(ValueError, match="double free"):
+        win.release_row(wrow2)
+    # a hit whose window is missing right behind its end falls to no hit at all
+    win.alloc.allocate(win.alloc.available())
+    pages3, cov3 = main.match(query, count=False)
+    assert win.match(main, query, pages3, cov3)[1:] == (0, [])
+    assert main.used() == 4                              # only the first row's kept pages
+    win.alloc.check()
+    main.check()
+
+
+def test_a_prompts_pages_behind_its_window_are_best_effort():
+    win = _window(num_pages=8)                           # 7 usable pages
+    # a 30-token prompt + reach: 9 logical pages; first_kept(30) = 5, so 4 must, 5 best effort (short)
+    row = win.admit([], 30, 9)
+    assert row[:5] == [DUMMY_PAGE] * 5 and DUMMY_PAGE not in row[5:] and win.used() == 4
+    assert win.admit([], 30, 9) is None and win.used() == 4   # the must part short: nothing taken
+    win.check()
+
+
 # --- the soak ------------------------------------------------------------------------------------------
 
 
@@ -303,6 +405,8 @@ class Reference:
     def publish(self, tokens, pages):
         for i in range(len(tokens) // self.P):
             key, page = tuple(tokens[: (i + 1) * self.P]), pages[i]
+            if page == DUMMY_PAGE:      # a window row's page behind its window: not held
+                continue
             if page in self.key_of:
                 assert self.key_of[page] == key
             elif key not in self.page_of:
@@ -310,6 +414,20 @@ class Reference:
                 self.key_of[page] = key
             else:
                 self.duplicates += 1
+
+    def window_cap(self, tokens, k, behind):
+        """A window pool's cap of a main hit of k pages (WindowPages.match, written plainly): the
+        longest k' <= k whose logical pages from (k' * P - behind) // P to k' are all cached; takes a
+        reference on each. Returns (k', the row's entries: 0 before the first needed page)."""
+        def first(kk):
+            return max(0, kk * self.P - behind) // self.P
+        while k > 0 and not all(tuple(tokens[:(j + 1) * self.P]) in self.page_of for j in range(first(k), k)):
+            k -= 1
+        row = [DUMMY_PAGE] * first(k) + [self.page_of[tuple(tokens[:(j + 1) * self.P])] for j in range(first(k), k)]
+        for page in row[first(k):]:
+            self.lru.pop(page, None)
+            self.refs[page] = self.refs.get(page, 0) + 1
+        return k, row
 
     def release(self, pages):
         for page in reversed(pages):
@@ -327,16 +445,31 @@ class Soak:
     its prompt, allocate the rest + lookahead pages (or wait in the queue), grow by 1..BLOCK tokens a
     step (allocating pages for the lookahead first, preempting the newest request when short), publish
     what is written now and then, and at the end publish and release. It also keeps what each page holds
-    (`content`) so a matched page is checked to hold the tokens it was matched for."""
+    (`content`) so a matched page is checked to hold the tokens it was matched for.
+
+    window: a draft window too (`WindowPages` of `window_pages`, mirrored by a second Reference): each
+    row also holds window pages, the hit is capped where they are gone, rows trim the pages behind
+    their window before they grow, and every position a program at the row's length can touch is
+    checked to be in a window page the row holds."""
 
     BLOCK = 4  # tokens a step can commit; the draft block writes this many past the length
+    SLOTS = 8
 
-    def __init__(self, seed: int, num_pages: int = 32, page_size: int = 4):
+    def __init__(self, seed: int, num_pages: int = 32, page_size: int = 4, window: int | None = None,
+                 window_pages: int = 24):
         self.rng = np.random.default_rng(seed)
         self.P = page_size
         self.alloc = PageAllocator(num_pages, page_size)
         self.ref = Reference(num_pages, page_size)
         self.content: dict[int, list] = {}  # page -> its P tokens (None where not written)
+        self.win = None
+        if window is not None:
+            self.win = WindowPages(window_pages, page_size, window=window, block_size=self.BLOCK, slots=self.SLOTS,
+                                   pages_per_row=64)
+            self.wref = Reference(window_pages, page_size)
+            self.wcontent: dict[int, list] = {}
+            self.free_slots = list(range(self.SLOTS))
+            self.max_window_held = 0
         rng = self.rng
         self.prefixes = [list(rng.integers(0, 50, size=n)) for n in (2 * page_size, 3 * page_size + 2, 5, 9)]
         self.tails = [list(rng.integers(0, 50, size=n)) for n in (1, 3, 6)]  # shared tails: duplicate rows
@@ -363,6 +496,16 @@ class Soak:
             assert self.content[page] == tokens[i * self.P:(i + 1) * self.P], f"page {page} holds other tokens"
         return got
 
+    def w_allocated(self, n, got):
+        """Mirror a window allocation of n pages (got: what WindowPages took, or None)."""
+        self.wref.allocate(n, got)
+        if got is not None:
+            held = {p for r in self.running for p in r["wrow"]} - {DUMMY_PAGE}
+            assert not set(got) & held, f"window allocate handed out pages in use: {set(got) & held}"
+            assert DUMMY_PAGE not in got
+            for page in got:
+                self.wcontent[page] = [None] * self.P
+
     def allocate(self, n):
         got = self.alloc.allocate(n)
         self.ref.allocate(n, got)
@@ -380,35 +523,105 @@ class Soak:
             assert self.content[req["pages"][i]] == tokens[i * self.P:(i + 1) * self.P]
         self.alloc.publish(tokens, req["pages"])
         self.ref.publish(tokens, req["pages"])
+        if self.win:
+            for i in range(len(tokens) // self.P):
+                page = req["wrow"][i]
+                assert page == DUMMY_PAGE or self.wcontent[page] == tokens[i * self.P:(i + 1) * self.P]
+            self.win.publish(req["slot"], tokens)
+            self.wref.publish(tokens, req["wrow"])
 
     def release(self, req):
         self.alloc.release(req["pages"])
         self.ref.release(req["pages"])
         req["pages"] = []
+        if self.win:
+            held = [p for p in req["wrow"] if p != DUMMY_PAGE]
+            self.win.release(req["slot"])
+            self.wref.release(held)
+            self.free_slots.append(req["slot"])
+            req["wrow"] = []
 
-    def write(self, req, start, stop):
+    def write(self, req, start, stop, prefill=False):
         for pos in range(start, stop):
             page = req["pages"][pos // self.P]
             assert pos // self.P >= req["shared"], f"a row writes into page {page}, which it shares"
             self.content[page][pos % self.P] = req["tokens"][pos]
+            if self.win:
+                wpage = req["wrow"][pos // self.P]
+                if wpage == DUMMY_PAGE:    # only a prompt's page behind its window (best effort) may be missing
+                    assert prefill and pos // self.P < self.win.first_kept(len(req["tokens"])), (pos, req["wrow"])
+                else:
+                    self.wcontent[wpage][pos % self.P] = req["tokens"][pos]
+
+    def live_window_held(self, req):
+        """Every logical page a program at the row's length can touch has a window page of the row."""
+        L = len(req["tokens"])
+        for j in range(self.win.first_needed(L), len(req["pages"])):
+            assert req["wrow"][j] != DUMMY_PAGE, f"row at length {L} lost window page {j}: {req['wrow']}"
+        assert self.win.rows[req["slot"]] == req["wrow"]
+
+    def w_trim(self, req):
+        before = list(req["wrow"])
+        gone = self.win.trim(req["slot"], len(req["tokens"]))
+        cut = min(self.win.first_kept(len(req["tokens"])), len(before))
+        released = [p for p in before[:cut] if p != DUMMY_PAGE]
+        assert gone == len(released)
+        self.wref.release(released)
+        req["wrow"] = list(self.win.rows[req["slot"]])
+        self.seen["window pages trimmed"] += gone
 
     # the engine
     def admit(self):
         tokens = self.queue[0]["tokens"]
         pages, covered = self.match(tokens)
+        wrow = []
+        if self.win:
+            kept, covered, wrow = self.win.match(self.alloc, tokens, pages, covered)
+            k, want = self.wref.window_cap(tokens, len(pages), self.win.behind)
+            assert (len(kept), wrow) == (k, want), (len(kept), wrow, k, want)
+            self.ref.release(pages[k:])
+            self.seen["hit capped by the window"] += len(pages) > k
+            for j, page in enumerate(wrow):
+                assert page == DUMMY_PAGE or self.wcontent[page] == tokens[j * self.P:(j + 1) * self.P]
+            pages = kept
         more = self.allocate(pages_for(len(tokens) + self.BLOCK, self.P) - len(pages))
+        row = None
+        if more is not None and self.win:
+            n, k = len(pages) + len(more), len(wrow)
+            row = self.win.admit(wrow, len(tokens), n)
+            live = max(k, min(self.win.first_kept(len(tokens)), n))
+            self.w_allocated(n - live, None if row is None else row[live:])
+            if row is not None and live > k:
+                extra = row[k:live]
+                self.w_allocated(live - k, None if DUMMY_PAGE in extra else extra)
+                self.seen["prompt windows skipped"] += DUMMY_PAGE in extra
+            if row is None:
+                self.seen["window wait"] += 1
+                self.alloc.release(more)
+                self.ref.release(more)
+                more = None
         if more is None:  # wait for pages; the matched ones go back
             self.seen["wait"] += 1
             self.alloc.release(pages)
             self.ref.release(pages)
+            if self.win:
+                self.win.release_row(wrow)
+                self.wref.release([p for p in wrow if p != DUMMY_PAGE])
             return False
         req = self.queue.popleft()
         req.update(pages=pages + more, shared=len(pages), written=covered)
+        if self.win:
+            req.update(slot=self.free_slots.pop(), wrow=row)
+            self.win.start(req["slot"], row)
         # Prefill: target + draft context K/V of the uncovered prompt, except the last token's (written
         # by the first verify, as in the loop).
-        self.write(req, covered, len(tokens) - 1)
+        self.write(req, covered, len(tokens) - 1, prefill=True)
         req["written"] = len(tokens) - 1
         self.running.append(req)
+        if self.win:   # the prompt published (both pools), then the pages behind its window let go
+            self.publish(req)
+            self.w_trim(req)
+            self.live_window_held(req)
         return True
 
     def grow(self, req):
@@ -424,6 +637,21 @@ class Soak:
             self.preempt(victim)
             if victim is req:
                 return
+        if self.win:
+            self.w_trim(req)
+            while len(req["wrow"]) < len(req["pages"]):
+                n = len(req["wrow"])
+                ok = self.win.grow(req["slot"], len(req["pages"]))
+                self.w_allocated(len(req["pages"]) - n, list(self.win.rows[req["slot"]][n:]) if ok else None)
+                if ok:
+                    req["wrow"] = list(self.win.rows[req["slot"]])
+                    break
+                victim = self.running[-1]
+                self.seen["preempt for window pages"] += 1
+                self.preempt(victim)
+                if victim is req:
+                    return
+            self.live_window_held(req)
         req["tokens"] += [int(t) for t in self.rng.integers(0, 50, size=commit)]
         self.write(req, req["written"], len(req["tokens"]) - 1)
         req["written"] = len(req["tokens"]) - 1
@@ -457,6 +685,15 @@ class Soak:
         for page, n in holders.items():
             assert n == 1 or page in r.key_of, f"page {page} held by {n} rows but never published"
         self.max_pages_held = max(self.max_pages_held, a.used())
+        if self.win:
+            w, wr = self.win.alloc, self.wref
+            assert (w.available(), w.used(), w.stats()) == (wr.available(), wr.used(), wr.stats())
+            self.win.check()
+            holders = collections.Counter(p for req in self.running for p in req["wrow"] if p != DUMMY_PAGE)
+            assert holders == +collections.Counter(wr.refs), "a window page's references != the rows holding it"
+            for page, n in holders.items():
+                assert n == 1 or page in wr.key_of, f"window page {page} held by {n} rows but never published"
+            self.max_window_held = max(self.max_window_held, w.used())
 
     def run(self, requests: int):
         submitted = steps = 0
@@ -501,3 +738,25 @@ def test_soak_against_the_reference_model(seed):
     assert soak.max_pages_held >= soak.alloc.num_pages - 1 - Soak.BLOCK, soak.max_pages_held
     assert min(seen.get(k, 0) for k in ("wait", "preempt for pages", "duplicate pages")) > 10, seen
     print(f"soak seed {seed}: {steps} steps, {stats}, {seen}, {time.perf_counter() - start:.2f} s")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_soak_with_a_window_pool_against_the_reference_model(seed):
+    """The soak with a draft window of 6 (block 4): a second pool mirrored by a second Reference; no
+    window page leaked or held twice, hits capped where the window pages were evicted, the live window
+    always held, and the window pool's peak below what one table for both would hold."""
+    start = time.perf_counter()
+    soak = Soak(seed, window=6, window_pages=24)
+    steps = soak.run(1000)
+    for a in (soak.alloc, soak.win.alloc):
+        assert a.available() == a.num_pages - 1 and a.used() == 0
+        a.check()
+    soak.win.check()
+    assert all(not row for row in soak.win.rows) and not soak.win.table.any()
+    seen = {**soak.seen, "duplicate window pages": soak.wref.duplicates}
+    wstats = soak.win.alloc.stats()
+    assert wstats["evictions"] > 100 and wstats["prefix_hits_tokens"] == 0, wstats   # (the main pool counts)
+    assert min(seen.get(k, 0) for k in ("window pages trimmed", "hit capped by the window")) > 10, seen
+    assert soak.max_window_held < soak.max_pages_held, (soak.max_window_held, soak.max_pages_held)
+    print(f"window soak seed {seed}: {steps} steps, {soak.alloc.stats()}, {wstats}, {seen}, "
+          f"peak window {soak.max_window_held} vs main {soak.max_pages_held}, {time.perf_counter() - start:.2f} s")
