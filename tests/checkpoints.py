@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "hf_greedy", "write_target", "write_moe_target", "write_fp8_target", "fp8_dequantized_hf",
+    "hf_greedy", "write_target", "write_moe_target", "write_fp8_target", "to_fp8", "fp8_dequantized_hf",
     "write_fp8_dequantized", "write_draft", "load_torch_pair", "train_target", "train_draft",
     "reference_generate", "random_prompts", "acceptance_histogram", "saved_tensor_names",
     "draft_tensor_names", "DRAFT_TENSOR_SUFFIXES", "make_grammar", "build_trained_pair", "read_pair",
@@ -172,6 +172,14 @@ def write_fp8_target(path: str, *, block=(128, 128), keep_float=(), seed: int = 
     embeddings, norms and the LM head stay float32. `keep_float`: layer tensor names (e.g.
     "model.layers.0.self_attn.o_proj.weight") left unquantized, as `modules_to_not_convert` does."""
     (write_moe_target if moe else write_target)(path, seed=seed, **target_kw)
+    return to_fp8(path, block=block, linears=FP8_LINEARS, keep_float=keep_float, seed=seed)
+
+
+def to_fp8(path: str, *, block=(128, 128), linears=FP8_LINEARS, keep_float=(), seed: int = 0) -> str:
+    """The float checkpoint at `path` (one or more safetensors files) rewritten in place as an FP8
+    checkpoint in Qwen's format: every tensor `X.weight` whose module name (X's last part) is in
+    `linears` and not in `keep_float` as float8_e4m3fn + `X.weight_scale_inv` (`_fp8_block_quantize`),
+    the rest as they were, and config.json's `quantization_config` added."""
     gen = _seeded(seed + 7)
     tensors = {}
     for f in sorted(os.listdir(path)):
@@ -179,9 +187,12 @@ def write_fp8_target(path: str, *, block=(128, 128), keep_float=(), seed: int = 
             with safe_open(os.path.join(path, f), "pt") as st:
                 tensors.update({k: st.get_tensor(k) for k in st.keys()})
             os.remove(os.path.join(path, f))
+    for f in os.listdir(path):
+        if f.endswith(".safetensors.index.json"):
+            os.remove(os.path.join(path, f))
     out = {}
     for name, t in sorted(tensors.items()):
-        if name.split(".")[-2] in FP8_LINEARS and name not in keep_float:
+        if name.endswith(".weight") and t.ndim == 2 and name.split(".")[-2] in linears and name not in keep_float:
             out[name], out[name + "_scale_inv"] = _fp8_block_quantize(t.float(), block, gen)
         else:
             out[name] = t

@@ -203,6 +203,77 @@ def test_fp8_moe_checkpoint_keeps_its_experts_in_8_bits(tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+# Qwen's Qwen3.5-*-FP8 layout: attention q / k / v / o, GDN in_proj_qkv / in_proj_z / out_proj, the
+# MLP, shared expert and experts in fp8; in_proj_a / in_proj_b, conv, norms, router, the shared
+# expert's gate, embeddings and LM head in floats
+QWEN3_5_FP8 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+               "in_proj_z", "out_proj")
+
+
+@pytest.mark.parametrize("case", ["qwen-layout-128", "all-linears-16x32", "moe-16x32"])
+def test_fp8_qwen3_5_checkpoint_logits_match_transformers_on_the_dequantized_weights(case, tmp_path):
+    """A Qwen3.5 (hybrid; `moe`: Qwen3.5-MoE) FP8 checkpoint loads through the family's own loader
+    with its linears in 8 bits and gives transformers' logits on the torch-dequantized weights
+    (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, float32). Qwen's layout keeps in_proj_a / b in
+    floats, so the fused GDN in_proj loads dequantized (exact); with every linear in fp8 it stays
+    fp8."""
+    import transformers
+
+    from dflash_jax.models.qwen3_5 import Qwen35
+    moe = case.startswith("moe")
+    if moe:
+        from tests.test_qwen3_5_moe import write_qwen3_5_moe as write
+        hf_cls = transformers.Qwen3_5MoeForCausalLM
+    else:
+        from tests.test_qwen3_5 import write_qwen3_5 as write
+        hf_cls = transformers.Qwen3_5ForCausalLM
+    linears = QWEN3_5_FP8 + (() if case == "qwen-layout-128" else ("in_proj_a", "in_proj_b"))
+    path = write(str(tmp_path / "q35"), seed=4)
+    ck.to_fp8(path, block=(128, 128) if case == "qwen-layout-128" else (16, 32), linears=linears, seed=4)
+    target = load_target(path, dtype="float32")
+    assert isinstance(target, Qwen35) and target.quantize == "fp8"
+    gdn = next(layer.mixer for layer in target.layers if layer.kind != "full_attention")
+    attn = next(layer.mixer for layer in target.layers if layer.kind == "full_attention")
+    assert isinstance(attn.qkv[...], Fp8BlockWeight) and isinstance(attn.o[...], Fp8BlockWeight)
+    assert isinstance(gdn.out[...], Fp8BlockWeight)
+    assert isinstance(gdn.in_proj[...], Fp8BlockWeight) == (case != "qwen-layout-128")
+    assert gdn.conv[...].dtype == jnp.float32 and target.lm_head[...].dtype == jnp.float32
+    mlp = target.layers[0].mlp
+    if moe:
+        assert isinstance(mlp.experts.experts_gate_up[...], Fp8BlockWeight)
+        assert isinstance(mlp.shared.down[...], Fp8BlockWeight) and mlp.shared_gate[...].dtype == jnp.float32
+    else:
+        assert isinstance(mlp.gate_up[...], Fp8BlockWeight)
+    hf = hf_cls.from_pretrained(ck.write_fp8_dequantized(path, str(tmp_path / "deq")),
+                                attn_implementation="eager").float().eval()
+    ids = np.random.RandomState(0).randint(0, 128, (2, 13))
+    with torch.no_grad():
+        want = hf(torch.as_tensor(ids), attention_mask=torch.ones(2, 13, dtype=torch.long)).logits.numpy()
+    pos = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (2, 13))
+    h, _, _ = target(jnp.asarray(ids), pos, target.new_cache(2, 32), pos + 1)
+    np.testing.assert_allclose(np.asarray(target.logits(h)), want, atol=2e-4, rtol=0)
+    if case == "all-linears-16x32":      # float8 tensors without the config that gives their scales
+        bad = _rewrite(path, str(tmp_path / "bad"), config=lambda c: c.pop("quantization_config"))
+        with pytest.raises(ValueError, match=r"tensor model\.layers\.\d+\.\S+ has dtype float8_e4m3fn; weights "
+                                             r"must be floating point .*quant_method 'fp8'") as e:
+            load_target(bad, dtype="float32")
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_fp8_qwen3_5_target_dflash_greedy_equals_plain_greedy(tmp_path):
+    """DFlash greedy on a Qwen3.5 FP8 target (Qwen's layout, block 128) equals its plain greedy."""
+    from tests.test_qwen3_5 import write_qwen3_5
+    path = ck.to_fp8(write_qwen3_5(str(tmp_path / "q35"), seed=4), linears=QWEN3_5_FP8, seed=4)
+    target = load_target(path, dtype="float32")
+    draft = init_draft(DraftConfig.for_target(target.config, num_layers=1, block_size=4), seed=2, dtype="float32",
+                       target=target)
+    prompts = [[3, 17, 99, 5, 64, 2, 8], [5, 9, 77, 3, 1]]
+    res = generate(target, draft, prompts, max_new_tokens=12, block_size=4)
+    assert res.tokens == generate(target, None, prompts, max_new_tokens=12).tokens
+    assert max(a for r in res.acceptance_lengths for a in r) >= 1
+
+
 # ------------------------------------------------------------------------- a 2 x 2 mesh (child)
 
 MESH_CHILD = os.environ.get("DFLASH_FP8_MESH_CHILD") == "1"

@@ -38,6 +38,7 @@ from flax import nnx, struct
 
 from jax.sharding import PartitionSpec as P
 
+from dflash_jax import quantize as q8
 from dflash_jax import sharding
 from dflash_jax.attention import attend, attend_prefill
 from dflash_jax.cache import write_kv_rows
@@ -449,7 +450,7 @@ class Qwen35(CausalLM):
 
     @staticmethod
     def fill_mlp(mlp, c, t: dict, put) -> None:
-        put(mlp.gate_up, np.concatenate([t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T], axis=1))
+        put(mlp.gate_up, cat([t["mlp.gate_proj.weight"].T, t["mlp.up_proj.weight"].T]))
         put(mlp.down, t["mlp.down_proj.weight"].T)
 
     def __call__(self, tokens, positions, cache: HybridCache, k_end, *, taps: tuple[int, ...] = (),
@@ -557,26 +558,45 @@ def load_qwen3_5(path_or_hub_id: str, dtype="bfloat16", **overrides) -> Qwen35:
 def load_checkpoint(d: str, c: Qwen35Config, dt, what: str, model_cls=None) -> Qwen35:
     """The checkpoint in directory d, streamed tensor by tensor; a layer's tensors are fused and
     placed once all of them are read. model_cls: Qwen35 or a subclass (its own MLP tensors). The
-    family's `load` (Family.load), which load_target calls."""
+    family's `load` (Family.load), which load_target calls.
+
+    An FP8 checkpoint (config.json quantization_config quant_method "fp8": Qwen's Qwen3.5-*-FP8)
+    keeps its layer linears in 8 bits (quantize.Fp8BlockWeight, paired with their block scales by
+    quantize.fp8_weights): attention qkv / o, GDN in_proj / out, the dense MLP, the shared expert
+    and the experts stacked by expert. A fused matrix stays fp8 only when every part is (Qwen's
+    checkpoints leave in_proj_a / in_proj_b in bf16, so their GDN in_proj loads dequantized, in
+    dt; exact, since a float part cannot join an fp8 block grid without rounding); a tensor the
+    model keeps in floats (norms, conv, router, the shared-expert gate, embeddings, LM head) is
+    dequantized if the checkpoint quantized it."""
     model_cls = Qwen35 if model_cls is None else model_cls
     model = nnx.eval_shape(lambda: model_cls(c, dt, rngs=nnx.Rngs(0)))
     parts: dict[int, dict[str, np.ndarray]] = {}
     seen = set()
+    block = q8.checkpoint_fp8_block(read_json(d), what)
+    linears = _linear_params(model) if block is not None else set()
 
     def put(param, value):
-        value = np.asarray(value)
-        if tuple(param.get_value().shape) != value.shape:
-            raise ValueError(f"{what}: tensor of shape {value.shape} where the config implies "
+        if q8.is_quantized(value) and id(param) not in linears:
+            value = value.dequantize()
+        if tuple(param.get_value().shape) != tuple(value.shape):
+            raise ValueError(f"{what}: tensor of shape {tuple(value.shape)} where the config implies "
                              f"{tuple(param.get_value().shape)}")
+        if q8.is_quantized(value):
+            if not value.all_finite():
+                raise ValueError(f"{what}: a tensor holds NaN or inf values")
+            param.set_value(value)
+            return
+        value = np.asarray(value)
         if not np.isfinite(value).all():
             raise ValueError(f"{what}: a tensor holds NaN or inf values")
         param.set_value(jnp.asarray(value, dt))
 
-    for raw, tensor in iter_tensors(d):
+    stream = iter_tensors(d) if block is None else q8.fp8_weights(iter_tensors(d), block, what)
+    for raw, tensor in stream:
         name = _text_name(raw)
         if name is None or (name == "lm_head.weight" and c.tie_word_embeddings):
             continue
-        t = np.asarray(tensor, np.float32)
+        t = tensor if q8.is_quantized(tensor) else _float_tensor(raw, tensor, what)
         if name == "model.embed_tokens.weight":
             put(model.embed, t)
         elif name == "model.norm.weight":
@@ -600,7 +620,48 @@ def load_checkpoint(d: str, c: Qwen35Config, dt, what: str, model_cls=None) -> Q
         raise ValueError(f"{what}: the checkpoint lacks model.embed_tokens.weight")
     if not c.tie_word_embeddings and "lm_head.weight" not in seen:
         raise ValueError(f"{what}: the checkpoint lacks lm_head.weight (and the config is untied)")
-    return model
+    return q8.mark(model, "fp8") if q8.quantized_leaves(model) else model
+
+
+def _float_tensor(raw: str, tensor, what: str) -> np.ndarray:
+    """A checkpoint tensor as float32 NumPy; a float8 one without its scales (no fp8
+    quantization_config) or an integer one is a one-line ValueError naming it."""
+    if q8.is_fp8(tensor) or not jnp.issubdtype(tensor.dtype, jnp.floating):
+        raise ValueError(f"{what}: tensor {raw} has dtype {jnp.dtype(tensor.dtype).name}; weights must be floating "
+                         "point (float32, bfloat16, float16)"
+                         + ("; float8 weights need config.json's quantization_config (quant_method 'fp8')"
+                            if q8.is_fp8(tensor) else ""))
+    return np.asarray(tensor, np.float32)
+
+
+def _linear_params(model) -> set:
+    """ids of the layers' linear weights an FP8 checkpoint's 8 bits are kept in (quantize's
+    LINEAR_NAMES [in, out] and EXPERT_NAMES [E, in, out]: the GDN conv, gates, norms, the router
+    and the shared-expert gate are read in floats)."""
+    out = set()
+    for _, node in nnx.iter_graph(model.layers):
+        if isinstance(node, nnx.Module):
+            for name in q8.LINEAR_NAMES + q8.EXPERT_NAMES:
+                p = getattr(node, name, None)
+                if isinstance(p, nnx.Param):
+                    out.add(id(p))
+    return out
+
+
+def cat(parts: list):
+    """The parts [in, out_i] of a fused matrix side by side: in 8 bits when every part is an FP8
+    checkpoint's (quantize.concat_columns), else float32 NumPy (fp8 parts dequantized: exact)."""
+    if all(isinstance(p, q8.Fp8BlockWeight) for p in parts):
+        return q8.concat_columns(parts)
+    return np.concatenate([np.asarray(p.dequantize()) if q8.is_quantized(p) else p for p in parts], axis=1)
+
+
+def stack(parts: list):
+    """Experts [in, out] stacked [E, in, out]: in 8 bits when every one is fp8 (one block), else
+    float32 NumPy."""
+    if all(isinstance(p, q8.Fp8BlockWeight) for p in parts) and len({p.block for p in parts}) == 1:
+        return q8.Fp8BlockWeight(jnp.stack([p.q for p in parts]), jnp.stack([p.scale for p in parts]), parts[0].block)
+    return np.stack([np.asarray(p.dequantize()) if q8.is_quantized(p) else p for p in parts])
 
 
 _COMMON = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -627,15 +688,17 @@ def _fill_layer(model_cls, layer: HybridLayer, c: Qwen35Config, t: dict, put) ->
     m = layer.mixer
     if layer.kind == "full_attention":
         a = "self_attn."
-        put(m.qkv, np.concatenate([t[a + "q_proj.weight"].T, t[a + "k_proj.weight"].T, t[a + "v_proj.weight"].T], axis=1))
+        put(m.qkv, cat([t[a + "q_proj.weight"].T, t[a + "k_proj.weight"].T, t[a + "v_proj.weight"].T]))
         put(m.o, t[a + "o_proj.weight"].T)
         put(m.q_norm.weight, t[a + "q_norm.weight"])
         put(m.k_norm.weight, t[a + "k_norm.weight"])
     else:
         a = "linear_attn."
-        put(m.in_proj, np.concatenate([t[a + n].T for n in ("in_proj_qkv.weight", "in_proj_z.weight",
-                                                              "in_proj_b.weight", "in_proj_a.weight")], axis=1))
-        put(m.conv, t[a + "conv1d.weight"].reshape(c.conv_dim, c.linear_conv_kernel_dim))
+        put(m.in_proj, cat([t[a + n].T for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                                 "in_proj_a.weight")]))
+        conv = t[a + "conv1d.weight"]
+        put(m.conv, (np.asarray(conv.dequantize()) if q8.is_quantized(conv) else conv).reshape(
+            c.conv_dim, c.linear_conv_kernel_dim))
         put(m.dt_bias, t[a + "dt_bias"])
         put(m.A_log, t[a + "A_log"])
         put(m.norm, t[a + "norm.weight"])

@@ -111,12 +111,12 @@ class Qwen35Moe(Qwen35):
             put(mlp.experts.experts_down, np.transpose(t["mlp.experts.down_proj"], (0, 2, 1)))
         else:
             E = c.num_experts
-            put(mlp.experts.experts_gate_up, np.stack([np.concatenate(
-                [t[f"mlp.experts.{e}.gate_proj.weight"].T, t[f"mlp.experts.{e}.up_proj.weight"].T], axis=1)
+            put(mlp.experts.experts_gate_up, qwen3_5.stack([qwen3_5.cat(
+                [t[f"mlp.experts.{e}.gate_proj.weight"].T, t[f"mlp.experts.{e}.up_proj.weight"].T])
                 for e in range(E)]))
-            put(mlp.experts.experts_down, np.stack([t[f"mlp.experts.{e}.down_proj.weight"].T for e in range(E)]))
+            put(mlp.experts.experts_down, qwen3_5.stack([t[f"mlp.experts.{e}.down_proj.weight"].T for e in range(E)]))
         s = "mlp.shared_expert."
-        put(mlp.shared.gate_up, np.concatenate([t[s + "gate_proj.weight"].T, t[s + "up_proj.weight"].T], axis=1))
+        put(mlp.shared.gate_up, qwen3_5.cat([t[s + "gate_proj.weight"].T, t[s + "up_proj.weight"].T]))
         put(mlp.shared.down, t[s + "down_proj.weight"].T)
         put(mlp.shared_gate, t["mlp.shared_expert_gate.weight"].T)
 
