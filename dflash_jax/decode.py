@@ -474,14 +474,14 @@ def lower_iteration(target_config, draft_config=None, **kw):
 
 def lower_slot_step(target_config, draft_config=None, *, slots: int = 8, capacity: int = 4096, steps: int = 4,
                     page_size: int | None = None, num_pages: int | None = None, table_pages: int | None = None, **kw):
-    """Lower the slot engine's step program (`steps` iterations over `slots` rows, slots._slots_step)
-    from configs alone, or with `page_size` its paged form (slots._paged_step: pools of `num_pages`
-    pages, default every row's whole capacity, and a page table `table_pages` wide, default a row's
-    every page). Other keywords as `lower_generate` (dtype, kernels / attention_impl, device,
+    """Lower the slot engine's step program (`steps` iterations over `slots` rows: the step of
+    `slot_programs.step_functions`) from configs alone, or with `page_size` its paged form (pools of
+    `num_pages` pages, default every row's whole capacity, and a page table `table_pages` wide,
+    default a row's every page). Other keywords as `lower_generate` (dtype, kernels / attention_impl, device,
     quantize). Returns `jax.stages.Lowered` (e.g. compiled for a TPU topology from a CPU host)."""
     import dataclasses as dc
 
-    from dflash_jax import slots as sl
+    from dflash_jax.slot_programs import step_functions
 
     st, (tstate, dstate, _) = _abstract_inputs(target_config, draft_config, batch=slots, prompt_len=16,
                                                max_new_tokens=max(1, capacity - 64), capacity=capacity, **kw)
@@ -497,7 +497,7 @@ def lower_slot_step(target_config, draft_config=None, *, slots: int = 8, capacit
         per_row = st.capacity // page_size
         num_pages = num_pages or slots * per_row + 1
         extra = (place(jax.ShapeDtypeStruct((slots, table_pages or per_row), jnp.int32)),)
-    empty, fn = sl.step_functions(st, steps, page_size, num_pages)
+    empty, fn = step_functions(st, steps, page_size, num_pages)
     state = jax.eval_shape(empty, tstate, dstate)
     state = jax.tree.map(place, state)
     release = place(jax.ShapeDtypeStruct((slots,), jnp.bool_))

@@ -12,7 +12,7 @@ Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no dr
 With adaptive widths (Static.widths, dflash_jax.width) each iteration verifies only the last token
 plus the first W drafts, W chosen on the device per iteration; W = 0 skips the draft pass.
 The host API around it (`generate`) is dflash_jax.decode; the slot engine's programs over the same
-`prefill` and `iterate` are dflash_jax.slots.
+`prefill` and `iterate` are dflash_jax.slot_programs (its host side, dflash_jax.slots, asks for them there).
 
 Compile keys (`Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, the
 resolved KernelConfig (attention backend, fused GPU kernels, GPU tuning), streaming on/off, and the

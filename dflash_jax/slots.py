@@ -1,18 +1,19 @@
-"""The slot engine's device side (continuous batching): `Slots`, a fixed number of rows of loop
-state on the device, each a request or free, and the programs that drive them over the loop's own
-`prefill` and `iterate` (dflash_jax.loop); `RowRequest` / `RowResult`, one row's request and result;
-`offline_defaults`, an offline job's settings by platform.
+"""The slot engine's host side (continuous batching): `Slots`, a fixed number of rows of loop
+state on the device, each a request or free, scheduled from the host (which rows run which program
+when, their settings, grammars and KV pages); `RowRequest` / `RowResult`, one row's request and
+result; `offline_defaults`, an offline job's settings by platform. The device programs it runs
+live in dflash_jax.slot_programs, asked for through that module's one interface, `SlotPrograms`.
 
 `insert` prefills a bucket of requests (up to `insert_width` arrivals of one prompt bucket in one
 prefill of a power-of-two width) and writes their rows into free slots, `step` runs K
 draft-verify-accept iterations over the busy slots (a loop of fixed trip count, so launching it does
-not hold the host thread: see _slots_step_body) and returns each slot's commits, `release` frees a
-slot at the next step. Both have `_async` forms returning device arrays. `Pipeline` dispatches
-them ahead of the reads (step n+1 runs while the host reads step n); it drives `Slots.run` offline
-(generate(..., slots=N)) and dflash_jax.engine.SlotEngine for the server. On a mesh
-(the models' own) slots are split over 'data' and the model over 'model'. A request's tokens do not
-depend on its slot or its batch-mates: rows are independent, and its randomness is keyed by its own
-seed, stream and position.
+not hold the host thread: see slot_programs._slots_step_body) and returns each slot's commits,
+`release` frees a slot at the next step. Both have `_async` forms returning device arrays.
+`Pipeline` dispatches them ahead of the reads (step n+1 runs while the host reads step n); it drives
+`Slots.run` offline (generate(..., slots=N)) and dflash_jax.engine.SlotEngine for the server. On a
+mesh (the models' own) slots are split over 'data' and the model over 'model'. A request's tokens
+do not depend on its slot or its batch-mates: rows are independent, and its randomness is keyed by
+its own seed, stream and position.
 """
 
 from __future__ import annotations
@@ -20,294 +21,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import penalties, sampling, sharding, validation
-from dflash_jax.cache import is_paged
 from dflash_jax.pages import PageAllocator, pages_for
 from dflash_jax.kernel_config import kernels_from
 from dflash_jax import width
-from dflash_jax.loop import (LoopState, Params, Static, cached_program, idle_params, iterate, loop_specs, make_static,
-                             merge_models, param_specs, params_on_mesh, pow2, prefill, resolve_mesh, row_settings,
-                             pick_width, rows_only, width_costs, width_params, with_globals,
-                             flush_pending, pending_room, propose_next, to_host)
+from dflash_jax.slot_programs import SlotPrograms
 
-__all__ = ["Slots", "Pipeline", "step_functions", "PagesShort", "SlotState", "RowRequest", "RowResult", "union_mode", "split_mode", "parse_step_buckets", "platform_of",
-           "offline_defaults"]
-
-
-# ----------------------------------------------------------------------------------------- programs
-# The slot engine keeps one loop row per slot on the device and drives it with three
-# programs over the same prefill and iterate as the one-shot loop: `_slots_empty` (allocation),
-# `_slots_insert` (prefill a bucket of requests, write their rows into free slots) and `_slots_step`
-# (up to n iterations, the commits returned), or `_slots_step_rows` (the same over a power-of-two
-# bucket of the slots: their rows gathered, stepped by a program of that batch, written back).
-# Slot state is donated to insert and step.
-
-@struct.dataclass
-class SlotState:
-    """The engine's device state: one LoopState row per slot and that slot's request settings
-    (Params with prompt None: a slot keeps only its prompt length)."""
-    loop: LoopState
-    params: Params
-
-
-def _slots_empty(st: Static, tstate, dstate) -> SlotState:
-    """Every slot free: done, length 0 (its verify writes land in its own rows, never read)."""
-    def init(ts, ds):
-        loop = prefill(dataclasses.replace(st, prompt_bucket=16), *merge_models(st, ts, ds), idle_params(st.batch, 16))
-        return SlotState(loop=loop, params=idle_params(st.batch, 16).replace(prompt=None))
-    shapes = jax.eval_shape(init, tstate, dstate)
-    s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    params = s.params.replace(stop_ids=jnp.full(s.params.stop_ids.shape, -1, jnp.int32))
-    return SlotState(loop=s.loop.replace(done=jnp.ones((st.batch,), bool)), params=params)
-
-
-def _slots_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows):
-    """Prefill the requests of p ([Bp] rows, prompt bucket st.prompt_bucket) and write each into
-    slot rows[i] (rows [Bp] int32; a row >= the slot count drops that request: bucket padding).
-    Other slots are untouched. Returns (slots, first token [Bp], done [Bp]), and a grammar insert
-    also each row's first drafts [Bp, S-1] (_next_drafts: its first step verifies real drafts)."""
-    with sharding.active(st.mesh):
-        target, draft = merge_models(st, tstate, dstate)
-        new = prefill(st, target, draft, p)
-        put = lambda old, x: old.at[rows].set(x, mode="drop")                          # noqa: E731
-        loop = with_globals(jax.tree.map(put, rows_only(slots.loop), rows_only(new)), slots.loop)
-        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, grammar_mask=None))
-        first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
-        return ((_slots_placed(st, SlotState(loop=loop, params=params)), first, new.done)
-                + _next_drafts(st, target, draft, p, new))
-
-
-# ---------------------------------------------------------------------------------- paged programs
-# With a paged KV cache (Slots(kv_pages=...)) the state's target and draft caches are
-# dflash_jax.cache.PagedKVCache: pools every slot shares and a per-slot page table. The host owns
-# the table (dflash_jax.pages allocates and matches prefixes): each insert and step takes the table
-# rows it runs with as an argument and only reads them. Row gathers and scatters (an insert's rows,
-# a step bucket's) move the per-row part and leave the pools whole.
-
-def _split_pools(loop: LoopState):
-    """(loop with its caches' pools taken out, the pools): the per-row part for row maps (a dense
-    cache is per-row whole: pools None)."""
-    tc, dc = loop.target_cache, loop.draft_cache
-    if not is_paged(tc):
-        return loop, None
-    pools = (tc.pools(), None if dc is None else dc.pools())
-    return loop.replace(target_cache=tc.rows_part(), draft_cache=None if dc is None else dc.rows_part()), pools
-
-
-def _join_pools(loop: LoopState, pools) -> LoopState:
-    if pools is None:
-        return loop
-    dc = loop.draft_cache
-    return loop.replace(target_cache=loop.target_cache.with_pools(pools[0]),
-                        draft_cache=None if dc is None else dc.with_pools(pools[1]))
-
-
-def _with_table(loop: LoopState, table) -> LoopState:
-    """loop's paged caches with the page table `table` [B, P] (the host's, this program's)."""
-    dc = loop.draft_cache
-    return loop.replace(target_cache=loop.target_cache.replace(table=table),
-                        draft_cache=None if dc is None else dc.replace(table=table))
-
-
-def _paged_empty(st: Static, tstate, dstate, num_pages: int, page_size: int) -> SlotState:
-    """_slots_empty with paged caches: pools of num_pages pages, every table row the dummy page."""
-    P = st.capacity // page_size
-
-    def init(ts, ds):
-        target, draft = merge_models(st, ts, ds)
-        caches = (target.new_paged_cache(st.batch, num_pages, page_size, P),
-                  None if draft is None else draft.new_paged_cache(st.batch, num_pages, page_size, P))
-        p = idle_params(st.batch, 16)
-        loop = prefill(dataclasses.replace(st, prompt_bucket=16), target, draft,
-                       p.replace(prompt_start=jnp.zeros((st.batch,), jnp.int32)), caches=caches)
-        return SlotState(loop=loop, params=p.replace(prompt=None))
-    shapes = jax.eval_shape(init, tstate, dstate)
-    s = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    params = s.params.replace(stop_ids=jnp.full(s.params.stop_ids.shape, -1, jnp.int32))
-    loop = _without_table(s.loop.replace(done=jnp.ones((st.batch,), bool)))
-    return SlotState(loop=loop, params=params)
-
-
-def _without_table(loop: LoopState) -> LoopState:
-    """loop with its caches' tables taken out: the state keeps none (the host owns the table and
-    each program gets the rows it needs, as wide as the pages they hold: a power of two)."""
-    return _with_table(loop, None)
-
-
-def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows, table):
-    """_slots_insert into the pools: the Bp requests of p (p.prompt_start: their prefix hits) with
-    their page tables `table` [Bp, P], prefilled from their hit on and written into slot rows."""
-    with sharding.active(st.mesh):
-        target, draft = merge_models(st, tstate, dstate)
-        old, pools = _split_pools(slots.loop)
-        Bp = p.prompt.shape[0]
-        zeros = jnp.zeros((Bp,), jnp.int32)
-        tc = slots.loop.target_cache.replace(table=table, lens=zeros)
-        dc = slots.loop.draft_cache
-        new = prefill(st, target, draft, p, caches=(tc, None if dc is None else dc.replace(table=table, lens=zeros)))
-        drafts = _next_drafts(st, target, draft, p, new)
-        new, pools = _split_pools(_without_table(new))
-        put = lambda o, x: o.at[rows].set(x, mode="drop")                              # noqa: E731
-        loop = with_globals(jax.tree.map(put, rows_only(old), rows_only(new)), slots.loop)
-        params = jax.tree.map(put, slots.params, p.replace(prompt=None, stream_id=None, prompt_start=None,
-                                                            grammar_mask=None))
-        first = jnp.take_along_axis(new.tokens, p.prompt_lens[:, None], axis=1)[:, 0]
-        return (_slots_placed(st, SlotState(loop=_join_pools(loop, pools), params=params)), first, new.done) + drafts
-
-
-def _paged_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, table):
-    """_slots_step with the host's page table [B, P] for this step (P: the pages the busy rows hold,
-    rounded up to a power of two: the layers gather and attend over P pages a row)."""
-    slots = slots.replace(loop=_with_table(slots.loop, table))
-    slots, *out = _slots_step(st, n_iters, tstate, dstate, slots, release, wp)
-    return (slots.replace(loop=_without_table(slots.loop)), *out)
-
-
-def _paged_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, idx, table):
-    """_slots_step_rows with the host's page table [B, P] for this step (as _paged_step's)."""
-    slots = slots.replace(loop=_with_table(slots.loop, table))
-    slots, *out = _slots_step_rows(st, n_iters, tstate, dstate, slots, release, wp, idx)
-    return (slots.replace(loop=_without_table(slots.loop)), *out)
-
-
-def step_functions(st: Static, steps: int, page_size: int | None = None, num_pages: int | None = None):
-    """(empty, step): the slot state's allocation `empty(tstate, dstate)` and the step program
-    `step(tstate, dstate, slots, release, wp[, table])` of `steps` iterations over st.batch slots,
-    dense or (page_size) paged with num_pages pages: what Slots compiles, for ahead-of-time
-    lowering from configs alone (decode.lower_slot_step)."""
-    if page_size is None:
-        return (lambda ts, ds: _slots_empty(st, ts, ds)), functools.partial(_slots_step, st, steps)
-    return ((lambda ts, ds: _paged_empty(st, ts, ds, num_pages, page_size)),
-            functools.partial(_paged_step, st, steps))
-
-
-def _slots_specs(st: Static, slots: SlotState) -> SlotState:
-    """The slot state's PartitionSpecs on st.mesh: slots on 'data' (as the loop's rows)."""
-    return SlotState(loop=loop_specs(st, slots.loop), params=param_specs(slots.params))
-
-
-def _slots_placed(st: Static, slots: SlotState) -> SlotState:
-    """The slot state constrained to _slots_specs, so insert and step keep one layout (a compiled
-    step refuses state laid out otherwise)."""
-    if st.mesh is None:
-        return slots
-    return jax.tree.map(lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(st.mesh, spec)),
-                        _slots_specs(st, slots), slots, is_leaf=lambda x: isinstance(x, P))
-
-
-def _slots_step(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp):
-    """n_iters iterations of iterate over every slot; slots with release [B] set are marked done
-    first; wp: the verify-width fields of Params (loop.width_params; {} without widths). Returns (slots, commits [n, B, S], produced [n, B], done [B]): slot b committed
-    commits[k, b, :produced[k, b]] at iteration k (a done row commits nothing)."""
-    with sharding.active(st.mesh):
-        return _slots_step_body(st, n_iters, tstate, dstate, slots, release, wp)
-
-
-def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp):
-    """The step's n_iters iterations as a loop of that fixed trip count, run only when some row is
-    not done: a step whose rows are all done at its start (the step dispatched ahead of the read
-    that finishes its last request, and every step after a release of the rest) runs no iteration
-    and commits nothing. Inside the loop a row that finishes makes its later iterations no-ops; the
-    loop does not stop early, because a loop of unknown trip count makes XLA:GPU copy its predicate
-    to the host and wait for the device at every iteration, which blocks the host thread for the
-    whole step, so the host could not dispatch the next insert or step while this one runs
-    (docs/perf-log.md, session 22). The one condition reads its predicate once per step, at the
-    step's start, after the previous program: the host still dispatches ahead by a step, and a
-    step of done rows costs that read instead of n_iters full iterations (docs/perf-log.md, issue
-    33: the served embedded pair). With adaptive widths (st.widths) the iterations run in one while
-    loop per width instead (see below); wp: the Params' verify-width fields."""
-    target, draft = merge_models(st, tstate, dstate)
-    loop = slots.loop.replace(done=slots.loop.done | release)
-    params = slots.params.replace(**wp)
-
-    if st.widths is None or draft is None:
-        def iterations(s):
-            def body(s, _):
-                s, commit, n = iterate(st, target, draft, params, s)
-                return s, (commit, n)
-            return jax.lax.scan(body, s, None, length=n_iters)                   # [n, B, S], [n, B]
-
-        def idle(s):
-            return s, (jnp.zeros((n_iters, st.batch, st.block_size), jnp.int32),
-                       jnp.zeros((n_iters, st.batch), jnp.int32))
-
-        loop, (commits, produced) = jax.lax.cond(jnp.any(~loop.done), iterations, idle, loop)
-        return (slots.replace(loop=loop), commits, produced, loop.done) + _next_drafts(st, target, draft, params, loop)
-    # Adaptive widths: one while loop per width, as loop.run (a lax.switch per iteration would copy
-    # every cache buffer into its branch). Its trip count is unknown to XLA:GPU anyway (the
-    # host-wait cost of session 22 applies again, docs/adaptive-width.md), so it also stops as soon
-    # as every row is done.
-    B, S = st.batch, st.block_size
-    start = loop.step
-    out = (loop, jnp.zeros((n_iters, B, S), jnp.int32), jnp.zeros((n_iters, B), jnp.int32))
-    left = lambda c: (c[0].step < start + n_iters) & jnp.any(~c[0].done)                   # noqa: E731
-
-    def one(k):
-        def body(c):
-            s, commits, produced = c
-            i = s.step - start
-            s, commit, n = iterate(st, target, draft, params, s, k)
-            return s, commits.at[i].set(commit), produced.at[i].set(n)
-        return body
-
-    def visit(c):   # W = 0 appends its taps while every row has room (loop.run)
-        for k, W in enumerate(st.widths):
-            on = lambda c, k=k: left(c) & (pick_width(st, params, c[0]) == k)                  # noqa: E731
-            if W == 0:
-                c = jax.lax.while_loop(lambda c, on=on: on(c) & ~pending_room(c[0]),
-                                       lambda c: (flush_pending(draft, c[0]),) + c[1:], c)
-                cond = lambda c, on=on: on(c) & pending_room(c[0])                             # noqa: E731
-            else:
-                cond = on
-            c = jax.lax.while_loop(cond, one(k), c)
-        return c
-    loop, commits, produced = jax.lax.while_loop(left, visit, out)
-    return (slots.replace(loop=loop), commits, produced, loop.done) + _next_drafts(st, target, draft, params, loop)
-
-
-def _next_drafts(st: Static, target, draft, params, loop) -> tuple:
-    """A grammar step's extra output: (drafts [B, S-1] the next iteration would verify,), which the
-    host walks each constrained row's grammar along to build that step's masks; () otherwise."""
-    if not st.grammar:
-        return ()
-    if draft is None:
-        return (jnp.zeros((st.batch, max(st.block_size - 1, 1)), jnp.int32),)
-    return (propose_next(st, target, draft, params, loop),)
-
-
-def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState, release, wp, idx):
-    """_slots_step over the n slots `idx` [n] int32 alone (distinct slot indices: the busy ones,
-    padded with free ones), st being the full state's (batch = every slot). `release` is applied to
-    every slot's done first; the n rows of the state are gathered, run by _slots_step_body in a
-    program of batch n and written back in place (the other slots are untouched). Returns the
-    full-width (slots, commits [n_iters, B, S], produced [n_iters, B], done [B]), zeros for the slots
-    outside idx, so the host reads it as _slots_step's."""
-    with sharding.active(st.mesh):
-        n = idx.shape[0]
-        loop, pools = _split_pools(slots.loop.replace(done=slots.loop.done | release))
-        take = lambda x: x[idx]                                                      # noqa: E731
-        sub = SlotState(loop=_join_pools(with_globals(jax.tree.map(take, rows_only(loop)), loop), pools),
-                        params=jax.tree.map(take, slots.params))
-        sub, commits, produced, _, *drafts = _slots_step_body(dataclasses.replace(st, batch=n), n_iters, tstate,
-                                                              dstate, sub, jnp.zeros((n,), bool), wp)
-        sub_loop, pools = _split_pools(sub.loop)
-        put = lambda old, x: old.at[idx].set(x, unique_indices=True)                # noqa: E731
-        loop = _join_pools(with_globals(jax.tree.map(put, rows_only(loop), rows_only(sub_loop)), sub_loop), pools)
-        B = st.batch
-        commits = jnp.zeros((n_iters, B, st.block_size), jnp.int32).at[:, idx].set(commits, unique_indices=True)
-        produced = jnp.zeros((n_iters, B), jnp.int32).at[:, idx].set(produced, unique_indices=True)
-        drafts = tuple(jnp.zeros((B,) + d.shape[1:], d.dtype).at[idx].set(d, unique_indices=True) for d in drafts)
-        return (_slots_placed(st, slots.replace(loop=loop)), commits, produced, loop.done) + drafts
+__all__ = ["Slots", "Pipeline", "PagesShort", "RowRequest", "RowResult", "union_mode", "split_mode",
+           "parse_step_buckets", "platform_of", "offline_defaults"]
 
 
 class PagesShort(RuntimeError):
@@ -498,16 +227,17 @@ class Slots:
         self.insert_width = int(insert_width)
         self.max_model_len = self.capacity - S
         self.kernels = kernels_from(kernels, attention_impl).resolve()
-        # the models' mesh (both must be on the same one): slots on 'data', the model on 'model'
-        self.mesh = resolve_mesh(None, target, draft)
+        # the device programs (dflash_jax.slot_programs); slots on the models' mesh's 'data' axis
+        self.programs = SlotPrograms(target, draft, slots=self.slots, capacity=self.capacity, block_size=S,
+                                     kernels=self.kernels, verify_width=self.verify_width,
+                                     pages=(int(kv_pages), int(page_size)) if self.paged else None)
+        self.mesh = self.programs.mesh
         self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
         if self.slots % self._data:
             raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
         self.step_buckets = self._check_buckets(step_buckets)
         self.bucket_steps: collections.Counter = collections.Counter()   # steps dispatched per row count
-        self._tdef, self._tstate = nnx.split(target)
-        self._ddef, self._dstate = nnx.split(draft) if draft is not None else (None, None)
-        st = self._static(prompt_bucket=0, batch=self.slots, mode="greedy")
+        self._tstate, self._dstate = self.programs.tstate, self.programs.dstate
         if self.paged:
             self.page_size, self.pages_per_row = int(page_size), self.capacity // int(page_size)
             self.pages = PageAllocator(int(kv_pages), self.page_size, prefix_cache=bool(prefix_cache))
@@ -520,14 +250,7 @@ class Slots:
             self.epoch = np.zeros((self.slots,), np.int64)       # inserts into the slot so far
             self._admitted: dict[int, tuple[list[int], int]] = {}   # slot -> (pages, prefix hit) before insert
             self.preemptions = 0
-            self.state = _paged_empty(st, self._tstate, self._dstate, int(kv_pages), self.page_size)
-        else:
-            with sharding.active(self.mesh):
-                self.state = _slots_empty(st, self._tstate, self._dstate)
-        if self.mesh is not None:
-            self.state = jax.tree.map(lambda spec, x: jax.device_put(x, NamedSharding(self.mesh, spec)),
-                                      _slots_specs(st, self.state), self.state,
-                                      is_leaf=lambda x: isinstance(x, P))
+        self.state = self.programs.empty()
         self._release = np.zeros((self.slots,), bool)
         self._programs: dict = {}     # (mode, rows) -> step program, ("insert", ...) -> insert program
         self._wps: dict = {}          # (mode, rows) -> the step's verify-width fields (_width_params)
@@ -542,14 +265,11 @@ class Slots:
         self.platform = platform_of(self.state)
 
     def _static(self, *, prompt_bucket: int, batch: int, mode: str):
+        """The compile key of a program in program mode `mode` (SlotPrograms.static)."""
         grammar = is_grammar(mode)
         mode, adjusted = split_mode(mode)
-        return make_static(self._tdef, self._ddef, self.draft.config if self.draft is not None else None,
-                           block_size=self.block_size, batch=batch, prompt_bucket=prompt_bucket,
-                           capacity=self.capacity, mode=mode, kernels=self.kernels, mesh=self.mesh,
-                           adaptive=self.verify_width is not None,
-                           verify_width=self.verify_width if self.verify_width is not None else "auto",
-                           penalties=adjusted, grammar=grammar)
+        return self.programs.static(prompt_bucket=prompt_bucket, batch=batch, mode=mode, penalties=adjusted,
+                                    grammar=grammar)
 
     def _check_buckets(self, buckets) -> tuple[int, ...]:
         """The step buckets in use, ascending, `slots` last; () when off (see the class docstring)."""
@@ -585,7 +305,7 @@ class Slots:
         return next((b for b in self.step_buckets if b >= n_busy), self.slots)
 
     def prompt_bucket(self, n: int) -> int:
-        return min(pow2(n, 16), self.capacity)
+        return self.programs.prompt_bucket(n)
 
     def check(self, r: RowRequest) -> None:
         if not r.prompt or len(r.prompt) + r.max_new > self.max_model_len:
@@ -617,17 +337,14 @@ class Slots:
         prog = self._programs.get(("insert", bucket, mode, width, pages))
         if prog is None:
             st = self._static(prompt_bucket=bucket, batch=width, mode=mode)
-            p = params_on_mesh(idle_params(width, bucket).replace(**self._first_masks(mode, [], width)), self.mesh)
+            p = self.programs.idle_params(width, bucket, **self._first_masks(mode, [], width))
             rows = self._put(np.full((width,), self.slots, np.int32))
             if self.paged:
                 p = p.replace(prompt_start=self._put(np.zeros((width,), np.int32), P("data")))
                 table = self._table_arg(np.zeros((width, pages), np.int32))
-                prog = cached_program(("engine_insert_paged", st, self.slots, self.pages.num_pages, pages),
-                                      _paged_insert, (st,), (self._tstate, self._dstate, self.state, p, rows, table),
-                                      donate=(2,))
+                prog = self.programs.insert(st, (self.state, p, rows, table), pages)
             else:
-                prog = cached_program(("engine_insert", st, self.slots), _slots_insert, (st,),
-                                      (self._tstate, self._dstate, self.state, p, rows), donate=(2,))
+                prog = self.programs.insert(st, (self.state, p, rows))
             self._programs[("insert", bucket, mode, width, pages)] = prog
         return prog
 
@@ -655,19 +372,16 @@ class Slots:
     def _pages_bucket(self, pages: int | None) -> int | None:
         """A paged program's table width for rows holding up to `pages` pages: the next power of two,
         at most a row's every page (None: that); None without pages."""
-        if not self.paged:
-            return None
-        return self.pages_per_row if pages is None else min(pow2(max(int(pages), 1), 1), self.pages_per_row)
+        return self.programs.table_width(pages)
 
     def _rows_pages(self, slots) -> int:
         """The most pages any of these slots holds."""
         return max([len(self._row_pages[s]) for s in slots] + [1])
 
-    def _step_key(self, mode: str, rows: int | None):
-        st = self._static(prompt_bucket=0, batch=self.slots, mode=mode)
-        full = rows is None or rows == self.slots
-        K = self.steps_for(self.slots if rows is None else rows, mode)
-        return st, (("engine_step", st, K) if full else ("engine_step_rows", st, K, rows))
+    def _step_static(self, mode: str, rows: int | None):
+        """(compile key, iterations, rows) of the step program of `mode` over `rows` slots (None: all)."""
+        rows = self.slots if rows is None else int(rows)
+        return self._static(prompt_bucket=0, batch=self.slots, mode=mode), self.steps_for(rows, mode), rows
 
     def _step_program(self, mode: str, rows: int | None = None, pages: int | None = None):
         """The step program of `mode` over `rows` slots (a step bucket; None or slots: all of them).
@@ -679,21 +393,11 @@ class Slots:
         prog = self._programs.get((mode, rows, pages))
         if prog is not None:
             return prog
-        st, key = self._step_key(mode, rows)
-        wp = dict(width_params(st), **self._grammar_fields(mode, list(range(rows))))
+        st, K, rows = self._step_static(mode, rows)
+        wp = dict(self.programs.width_fields(st, K, rows), **self._grammar_fields(mode, list(range(rows))))
+        idx = () if rows == self.slots else (self._put(np.arange(rows, dtype=np.int32)),)
         table = (self._table_arg(self.table[:, :pages]),) if self.paged else ()
-        if self.paged:
-            key = ("paged", self.pages.num_pages, pages) + key
-        if rows == self.slots:
-            prog = cached_program(key, _paged_step if self.paged else _slots_step, (st, self.steps_for(rows, mode)),
-                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp) + table,
-                                  donate=(2,))
-        else:
-            idx = self._put(np.arange(rows, dtype=np.int32))
-            prog = cached_program(key, _paged_step_rows if self.paged else _slots_step_rows,
-                                  (st, self.steps_for(rows, mode)),
-                                  (self._tstate, self._dstate, self.state, self._put(self._release), wp, idx) + table,
-                                  donate=(2,))
+        prog = self.programs.step(st, K, rows, (self.state, self._put(self._release), wp, *idx, *table), pages)
         self._programs[(mode, rows, pages)] = prog
         return prog
 
@@ -738,16 +442,9 @@ class Slots:
         rows = self.slots if rows is None else int(rows)
         if profile_width is None and (mode, rows) in self._wps:
             return self._wps[(mode, rows)]
-        st, key = self._step_key(mode, rows)
-        if st.widths is None:
-            wp = {}
-        elif profile_width is not None:
-            wp = width_params(st, st.widths[profile_width])
-            return dict(wp, width_profile=self._put(np.bool_(True), P()))
-        else:
-            from dflash_jax.loop import WIDTH_COSTS
-            wp = width_params(st, self.verify_width, WIDTH_COSTS.get(key))
-        self._wps[(mode, rows)] = wp
+        wp = self.programs.width_fields(*self._step_static(mode, rows), profile_width)
+        if profile_width is None:
+            self._wps[(mode, rows)] = wp
         return wp
 
     def _put_cached(self, x: np.ndarray):
@@ -765,10 +462,9 @@ class Slots:
         """Measure the step program's iteration cost at each verify width (for "auto"), once per
         program: steps over the current state forced to each width with nothing accepted. Every
         slot must be free (a free row's iteration costs what a busy one's does: fixed shapes)."""
-        st, key = self._step_key(mode, rows)
-        if st.widths is None or self.verify_width != "auto" or not bool(np.all(to_host(self.state.loop.done))):
+        st, K, n = self._step_static(mode, rows)
+        if self.verify_width != "auto" or not bool(np.all(self.programs.done(self.state))):
             return
-        n = rows or self.slots
         prog = self._step_program(mode, n)
         idx = () if n == self.slots else (self._put(np.arange(n, dtype=np.int32)),)
 
@@ -779,7 +475,7 @@ class Slots:
                                              self._width_params(mode, n, i), *idx, *table)
             jax.block_until_ready(commits)
             return time.perf_counter() - t0, 0.0, self.steps_for(n)
-        width_costs(key, time_width, len(st.widths))
+        self.programs.profile_widths(st, K, n, time_width)
         self._wps.pop((mode, n), None)            # the step's width fields now carry these costs
 
     def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
@@ -839,10 +535,8 @@ class Slots:
                     self.grammars[slot] = r.grammar
                     self._has_drafts[slot] = False
                     self._release[slot] = False
-                p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(lens),
-                           active=jnp.asarray(np.arange(W) < len(chunk)), **row_settings(settings),
-                           **self._first_masks(mode, [r for _, r in chunk], W))
-                p = params_on_mesh(p, self.mesh)
+                p = self.programs.params(prompt, lens, np.arange(W) < len(chunk), settings,
+                                         **self._first_masks(mode, [r for _, r in chunk], W))
                 prog = self._insert_program(bucket, mode, W, pages)
                 if self.paged:
                     p = p.replace(prompt_start=self._put(starts, P("data")))

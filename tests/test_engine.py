@@ -172,7 +172,7 @@ def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(random_pair
     compile key (a key's hash walks the models' graph definitions: ~7 ms a step for a Qwen3-8B
     target) and no width fields (a dozen small device arrays); the tokens still equal plain
     decoding's."""
-    import dflash_jax.slots as slots_mod
+    import dflash_jax.slot_programs as programs_mod
     ps, ns = prompts(4, seed=5), [6, 9, 4, 11]
     eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps=2, verify_width="auto")
     eng.warmup(sorted({len(p) for p in ps}))
@@ -180,7 +180,7 @@ def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(random_pair
     def built(*a, **k):
         raise AssertionError("built on the hot path")
     monkeypatch.setattr(eng, "_static", built)
-    monkeypatch.setattr(slots_mod, "width_params", built)
+    monkeypatch.setattr(programs_mod, "width_params", built)
     out = eng.run(rows(ps, ns))
     for p, n, r in zip(ps, ns, out):
         assert r.tokens == generate(random_pair[0], None, [p], max_new_tokens=n, capacity=CAP).tokens[0]
