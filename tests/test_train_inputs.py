@@ -361,3 +361,18 @@ def test_the_cpu_example_in_docs_training_parses(tmp_path):
     for c in commands:
         argv = shlex.split(c.replace("$T", "dflash_jax/assets/pair/target"))[3:]
         build_parser().parse_args(argv)
+
+
+def test_train_cli_quantize_loads_the_target_in_int8(tiny_dir, capsys):
+    """--quantize int8 (regenerate and train) loads the frozen target quantized; another choice is a
+    usage error naming the choices."""
+    from dflash_jax import quantize
+    from dflash_jax.train import __main__ as cli
+    assert cli.QUANTIZE == quantize.QUANTIZE
+    args = build_parser().parse_args(["train", "--model", tiny_dir, "--data", "d", "--out", "o", "--quantize", "int8"])
+    target = cli._target(args)
+    assert target.quantize == "int8" and quantize.quantized_leaves(target)
+    assert build_parser().parse_args(["regenerate", "--model", tiny_dir, "--out", "o", "--quantize", "int8"]).quantize
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", "--model", tiny_dir, "--data", "d", "--out", "o", "--quantize", "fp4"])
+    assert e.value.code == 2 and "invalid choice: 'fp4'" in capsys.readouterr().err

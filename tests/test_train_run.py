@@ -204,3 +204,42 @@ def test_sigterm_saves_and_nan_names_the_step(tmp_path, monkeypatch):
     with pytest.raises(TrainingDiverged, match=r"at step 2 .*checkpoint \(step 1\)"):
         train(target, init_draft(dcfg, seed=1, dtype="float32"), data,
               run=RunConfig(out_dir=str(tmp_path / "n"), **dict(kw, save_every=1)), **dict(sk, lr=float("inf")))
+
+
+def test_int8_target_trains_and_train_logits_equal_inference_logits(tmp_path):
+    """A frozen int8 target (--quantize int8): a tiny run trains against it, the trained draft's
+    training-time logits of each block equal the inference draft's on the same int8 target (the
+    context written over x[:a], then the block pass at a), and a resume with the float target is
+    refused naming --quantize."""
+    from dflash_jax.quantize import Int8Weight
+    target = init_target(TINY, dtype="float32", quantize="int8")
+    assert isinstance(target.layers[0].qkv[...], Int8Weight)
+    dcfg = DraftConfig.for_target(TINY, num_layers=1, block_size=4, target_layer_ids=(1, 2))
+    data = _random_data()
+    kw = dict(batch_size=4, max_steps=2, log_every=1, save_every=1000, progress=False)
+    sk = dict(num_anchors=6, compute_dtype="float32", chunk_blocks=4)
+    out = str(tmp_path / "run")
+    res = train(target, init_draft(dcfg, seed=1, dtype="float32"), data, run=RunConfig(out_dir=out, **kw), **sk)
+    assert res.step == 2 and all(np.isfinite(r["loss"]) for r in res.metrics)
+    draft = res.draft("float32")
+    S, T = 4, 24
+    tokens = jnp.asarray(data.tokens[:1, :T])
+    pos = jnp.arange(T)[None]
+    _, feats, _ = target(tokens, pos, target.new_cache(1, T), pos + 1, taps=(1, 2), prefill=True)
+    anchors = jnp.array([[2, 9, 21]])
+    blk = packed.block_tokens(tokens, anchors, S, dcfg.mask_token_id)
+    hidden = jax.jit(lambda e, f, a: packed.draft_forward(draft, e, f, a, chunk_blocks=2))(
+        target.embed_tokens(blk), feats, anchors)
+    train_logits = target.logits(hidden).reshape(1, 3, S, -1)[0, :, 1:]
+    j = jnp.arange(S)[None]
+    pend = jnp.zeros((1, S, feats.shape[-1]), feats.dtype)
+    for n, a in enumerate(np.asarray(anchors[0]).tolist()):
+        cut = draft.write_context(feats[:, :a], pos[:, :a], draft.new_cache(1, 32))
+        h, _ = draft(target.embed_tokens(blk[:, n * S:(n + 1) * S]), a + j, pend, a + j, cut,
+                     jnp.full((1, S), a + S), kernels="xla")
+        np.testing.assert_allclose(train_logits[n], target.logits(h[:, 1:])[0], atol=2e-4, rtol=1e-4,
+                                   err_msg=f"block at anchor {a}")
+    with pytest.raises(ContractError, match=r"--quantize: checkpoint 'int8' vs this run None") as e:
+        train(init_target(TINY, dtype="float32"), init_draft(dcfg, seed=1, dtype="float32"), data,
+              run=RunConfig(out_dir=out, **kw), **sk)
+    assert "\n" not in str(e.value)

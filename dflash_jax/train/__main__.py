@@ -13,6 +13,8 @@ import numpy as np
 # z-lab's Qwen3 drafts use this id (a reserved row of the Qwen3 embedding) as the block's MASK.
 QWEN3_MASK_TOKEN_ID = 151669
 QWEN3_VOCAB = 151936
+# --quantize's choices: dflash_jax.quantize.QUANTIZE (spelled here so `--help` does not import JAX)
+QUANTIZE = ("int8", "int8+head")
 
 
 class UsageError(ValueError):
@@ -112,7 +114,7 @@ def _target(args):
     d = _model_dir(args)
     if args.dtype is None:
         args.dtype = _checkpoint_dtype(d)
-    return dj.load_target(d, dtype=args.dtype)
+    return dj.load_target(d, dtype=args.dtype, quantize=args.quantize)
 
 
 def _tokenizer(source: str):
@@ -381,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--dtype", choices=("bfloat16", "float32"),
                        help="target dtype (default: the checkpoint's own: float32 for a float32 checkpoint, "
                             "else bfloat16)")
+        q.add_argument("--quantize", choices=QUANTIZE,
+                       help="the frozen target's layer weights quantized at load (default: as loaded): int8 "
+                            "weight-only, one scale per output column, about half the bf16 bytes, for a target "
+                            "that only fits so; int8+head: its untied LM head too, which the draft's logits "
+                            "read. The draft trains in float32 master weights and --compute-dtype either way; "
+                            "serve the trained draft with the same --quantize target")
         q.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
                        help="the target's attention (auto: the Pallas / cuDNN kernels on accelerators, XLA on CPU)")
         q.add_argument("--seed", type=NONNEG, default=0, help="seed of sampling (regenerate) or of init, data "

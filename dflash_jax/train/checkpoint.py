@@ -40,7 +40,7 @@ class CheckpointError(ValueError):
 
 # setting -> the command-line flag that sets it (named in refusals)
 FLAGS = dict(lr="--lr", warmup_frac="--warmup", weight_decay="weight_decay", clip_norm="clip_norm",
-             b1="b1", b2="b2", compute_dtype="--compute-dtype", target_dtype="--dtype",
+             b1="b1", b2="b2", compute_dtype="--compute-dtype", target_dtype="--dtype", target_quantize="--quantize",
              model="--model", data="--data")
 
 

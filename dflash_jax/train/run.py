@@ -138,7 +138,10 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
           run: RunConfig | None = None, *, mesh=None, **step_kw) -> RunResult:
     """Train `draft` (a module: random or loaded, to fine-tune; or a DraftConfig: random init) against
     the frozen `target` on `data`. Resumes from run.out_dir/checkpoints when one exists (the contract
-    must match). step_cfg defaults from the draft's config; `step_kw` overrides its fields."""
+    must match). step_cfg defaults from the draft's config; `step_kw` overrides its fields. The target
+    may be quantized (load_target(..., quantize="int8"), an FP8 checkpoint): its forward and the LM
+    head the draft's logits read are then the quantized model's, as at inference; the draft's master
+    weights stay float32. A resume refuses another quantization (--quantize)."""
     run = run or RunConfig(out_dir="dflash_train_run")
     if isinstance(draft, DraftConfig):
         cls = _draft_class(draft)
@@ -181,13 +184,17 @@ def train(target: CausalLM, draft: DFlashDraft | DraftConfig, data: TokenData, s
     identity = dict(target_identity(target, run.model_path), data_path=run.data_path, data=data.fingerprint())
     settings = dict(lr=step_cfg.lr, warmup_frac=step_cfg.warmup_frac, weight_decay=step_cfg.weight_decay,
                     clip_norm=step_cfg.clip_norm, b1=step_cfg.b1, b2=step_cfg.b2,
-                    compute_dtype=step_cfg.compute_dtype, target_dtype=str(target.dtype))
+                    compute_dtype=step_cfg.compute_dtype, target_dtype=str(target.dtype),
+                    target_quantize=getattr(target, "quantize", None))
     state = init_state(params, step_cfg)
     epoch, cursor = 0, 0
 
     def check(saved):
         check_draft(saved.get("draft_config"), dataclasses.asdict(dcfg), ckpt.directory)
         check_contract(saved["contract"], contract, ckpt.directory)
+        # another quantization of the same target reads as that (--quantize), not as other weights
+        check_settings({k: v for k, v in saved.get("settings", {}).items() if k == "target_quantize"}, settings,
+                       ckpt.directory)
         check_identity(saved.get("identity", {}), identity, ckpt.directory)
         check_settings(saved.get("settings", {}), settings, ckpt.directory)
 
