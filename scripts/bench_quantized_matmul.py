@@ -33,9 +33,9 @@ SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("do
           ("lm_head", 4096, 151936)]
 
 # (bn, bk, splits, num_warps, num_stages)
-SWEEP = [(32, 256, 1, 4, 4), (128, 128, 1, 4, 4), (64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (64, 512, 1, 4, 3),
-         (64, 256, 1, 8, 4), (32, 512, 1, 4, 4), (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 128, 2, 4, 4),
-         (128, 256, 1, 8, 3)]
+SWEEP = [(64, 128, 2, 4, 4), (128, 128, 1, 4, 4), (64, 128, 4, 4, 4), (64, 128, 8, 4, 4), (32, 128, 4, 4, 4),
+         (128, 128, 4, 4, 4), (128, 128, 2, 4, 4), (64, 64, 4, 4, 4), (64, 64, 8, 4, 4), (32, 256, 4, 4, 3),
+         (64, 256, 4, 4, 3), (128, 256, 4, 8, 3), (64, 128, 4, 2, 4), (32, 128, 8, 2, 4), (128, 64, 4, 4, 4)]
 
 
 def device_us(fn, args, reps: int = 5) -> float:
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,16,128")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--methods", default="int8,fp8")
-    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tilings (first row count only)")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tilings (at --sweep-rows)")
+    ap.add_argument("--sweep-rows", default=None, help="row counts to sweep (default: the first of --rows)")
     ap.add_argument("--tbs", type=float, default=3.04, help="copy bandwidth, TB/s (the floor)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
     dt = jnp.bfloat16
     names, methods = a.shapes.split(","), a.methods.split(",")
     rows = [int(r) for r in a.rows.split(",")]
+    sweep_rows = [int(r) for r in a.sweep_rows.split(",")] if a.sweep_rows else rows[:1]
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  copy {a.tbs} TB/s")
     print(f"{'shape':>8} {'M':>4} {'variant':>30} {'us':>9} {'x floor':>8} {'/ bf16':>7}")
     lines = []
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
                 block = None if meth == "int8" else (128, 128)
                 if not qgpu.supported(M, K, N, dt, block):
                     continue
-                configs = [None] + (SWEEP if a.sweep and M == rows[0] else [])
+                configs = [None] + (SWEEP if a.sweep and M in sweep_rows else [])
                 for c in configs:
                     if c is None:
                         fn1, label = (lambda x, w, b=block: qgpu.matmul(x, w.q, w.scale, block=b)), f"{meth} kernel"

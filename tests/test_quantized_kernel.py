@@ -66,18 +66,22 @@ def _lowered(f, *args):
                          disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args).mlir_module()
 
 
-def test_linear_runs_the_kernel_for_few_rows_on_cuda_only():
-    """models.layers.linear: an Int8Weight / Fp8BlockWeight times few rows is the Triton kernel on
-    CUDA; many rows (a prefill) keep XLA's dot; on CPU the value equals the XLA path's."""
+def test_linear_runs_the_kernel_where_it_wins_on_cuda_only():
+    """models.layers.linear on CUDA: an Fp8BlockWeight times few rows is the Triton kernel; an
+    Int8Weight only at one row of a large matrix (elsewhere XLA's converted dot measured as fast);
+    many rows (a prefill) keep XLA's dot; on CPU the value equals the XLA path's."""
     from dflash_jax.models.layers import linear
     rng = np.random.default_rng(0)
-    q, s, _ = _int8(rng, 256, 128)
-    w8 = Int8Weight(jnp.asarray(q), jnp.asarray(s))
     qf, sf, _ = _fp8(rng, 256, 128, (128, 128))
     wf = Fp8BlockWeight(qf, jnp.asarray(sf), (128, 128))
     S = jax.ShapeDtypeStruct
+    assert TRITON in _lowered(linear, S((1, 16, 256), jnp.bfloat16), wf)
+    assert TRITON not in _lowered(linear, S((1, 512, 256), jnp.bfloat16), wf)
+    big = Int8Weight(S((4096, 6144), jnp.int8), S((6144,), jnp.float32))
+    assert TRITON in _lowered(linear, S((1, 1, 4096), jnp.bfloat16), big)
+    assert TRITON not in _lowered(linear, S((1, 16, 4096), jnp.bfloat16), big)
+    q, s, _ = _int8(rng, 256, 128)
+    w8 = Int8Weight(jnp.asarray(q), jnp.asarray(s))
     for w in (w8, wf):
-        assert TRITON in _lowered(linear, S((1, 16, 256), jnp.bfloat16), w)
-        assert TRITON not in _lowered(linear, S((1, 512, 256), jnp.bfloat16), w)
         x = jnp.asarray(rng.standard_normal((1, 16, 256)), jnp.float32)
         np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, w)), np.asarray(w.matmul(x)), rtol=1e-6, atol=1e-6)

@@ -57,7 +57,7 @@ def _quantized_block(w):
 def _quantized_kernel_applies(x, w) -> bool:
     M = math.prod(x.shape[:-1])
     return (w.ndim == 2 and current_mesh() is None
-            and quantized_gpu.supported(M, x.shape[-1], w.shape[1], x.dtype, _quantized_block(w)))
+            and quantized_gpu.worthwhile(M, x.shape[-1], w.shape[1], x.dtype, _quantized_block(w)))
 
 
 def _quantized_gpu(x, w):
@@ -69,9 +69,9 @@ def linear(x, w):
     elements runs as a two-row dot (`_two_rows`) so XLA does not rewrite it as a multiply + reduce;
     the same value (the zero row adds nothing), any other shape or platform the plain dot. A
     quantized weight (dflash_jax.quantize: int8, an FP8 checkpoint's): its own matmul around this
-    dot (int8: the matrix converted to x's dtype, then its per-column scale); on CUDA, few rows
-    (<= pallas_kernels.quantized.gpu.MAX_ROWS: a decode step, a verify block, a small batch's) off a
-    mesh run the Pallas kernel that reads the 8-bit weight once (`_quantized_gpu`)."""
+    dot (int8: the matrix converted to x's dtype, then its per-column scale); on CUDA, off a mesh,
+    where `pallas_kernels.quantized.gpu.worthwhile` says the Pallas kernel that reads the 8-bit
+    weight once beats that (FP8 blocks at up to 128 rows, large int8 matrices at one row)."""
     if isinstance(w, QUANTIZED):
         if _quantized_kernel_applies(x, w):
             return jax.lax.platform_dependent(x, w, cuda=_quantized_gpu, default=lambda x, w: w.matmul(x, dot=linear))

@@ -28,11 +28,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, next_pow2, precision, pltriton, quiet_triton
 
-__all__ = ["matmul", "supported", "tiles", "MAX_ROWS"]
+__all__ = ["matmul", "supported", "worthwhile", "tiles", "MAX_ROWS"]
 
 MAX_ROWS = 128
 _BN = (64, 32, 16)
-_BK = (256, 128, 64, 32, 16)
 
 
 def _pick(n: int, options) -> int | None:
@@ -69,27 +68,46 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, bn: int, bk: int, steps: int, block):
     o_ref[s, :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
 
 
-def tiles(M: int, K: int, N: int, block=None) -> tuple[int, int] | None:
-    """The default (bn, bk) for this shape, or None when it cannot be tiled: bn divides N (and the
-    FP8 block's bn_s when the scales are per block), bk divides K (and the FP8 block's bk_s)."""
+def tiles(M: int, K: int, N: int, block=None) -> tuple[int, int, int] | None:
+    """The default (bn, bk, splits) for this shape, or None when it cannot be tiled: bn divides N
+    (and the FP8 block's bn_s when the scales are per block), bk * splits divides K (bk divides
+    the FP8 block's bk_s). From the H100 sweep (docs/perf-log.md, session 41): 128-column tiles
+    for wide matrices, 64 x 64 tiles elsewhere, K split until ~384 programs run (at most 8)."""
     if not 1 <= M <= MAX_ROWS:
         return None
-    bn_opts, bk_opts = _BN, _BK
+    wide = N >= 16384
+    bn_opts, bk_opts = ((128,) if wide else ()) + _BN, (128, 64, 32, 16) if wide and M <= 64 else (64, 32, 16)
     if block is not None:
         bks, bns = block
         if bns != 1:
-            bn_opts = tuple(b for b in _BN if bns % b == 0)
-        bk_opts = tuple(b for b in _BK if bks % b == 0)
+            bn_opts = tuple(b for b in bn_opts if bns % b == 0)
+        bk_opts = tuple(b for b in bk_opts if bks % b == 0)
     bn, bk = _pick(N, bn_opts), _pick(K, bk_opts)
-    return None if bn is None or bk is None else (bn, bk)
+    if bn is None or bk is None:
+        return None
+    splits = 1
+    while splits < 8 and (N // bn) * splits < 384 and K % (bk * splits * 2) == 0:
+        splits *= 2
+    return bn, bk, splits
 
 
 def supported(M: int, K: int, N: int, dtype, block=None) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) and tiles(M, K, N, block) is not None
 
 
+def worthwhile(M: int, K: int, N: int, dtype, block=None) -> bool:
+    """Whether the kernel beats XLA here (the H100 sweep, docs/perf-log.md session 41): FP8 block
+    weights always (XLA dequantizes the whole weight first: 2.6-2.9x bf16's time, the kernel
+    0.6-1.0x); int8 only at one row for matrices of >= 24M weights below a vocabulary's width
+    (qkv, gate_up, down: 0.73-0.91x XLA's time; at 16 rows and for o / the LM head XLA's
+    converted dot is as fast or faster)."""
+    if not supported(M, K, N, dtype, block):
+        return False
+    return block is not None or (M == 1 and K * N >= 24 * 2 ** 20 and N < 65536)
+
+
 @functools.partial(jax.jit, static_argnames=("block", "bn", "bk", "splits", "num_warps", "num_stages", "interpret"))
-def matmul(x, q, scale, *, block=None, bn: int | None = None, bk: int | None = None, splits: int = 1,
+def matmul(x, q, scale, *, block=None, bn: int | None = None, bk: int | None = None, splits: int | None = None,
            num_warps: int = 4, num_stages: int = 4, interpret: bool = False):
     """x [..., K] (at most MAX_ROWS rows) @ (q [K, N] 8-bit, scale) -> [..., N] in x's dtype, float32
     accumulation. block None: q int8, scale [N] per column; block (bk_s, bn_s): q float8, scale
@@ -103,8 +121,8 @@ def matmul(x, q, scale, *, block=None, bn: int | None = None, bk: int | None = N
         raise Unsupported(f"quantized matmul: x {x.shape} and q {q.shape} do not agree")
     if not supported(M, K, N, x.dtype, block):
         raise Unsupported(f"quantized matmul: M={M}, K={K}, N={N}, {x.dtype}, block {block} has no tiling")
-    dbn, dbk = tiles(M, K, N, block)
-    bn, bk = bn or dbn, bk or dbk
+    dbn, dbk, dsplits = tiles(M, K, N, block)
+    bn, bk, splits = bn or dbn, bk or dbk, splits or (dsplits if bk is None else 1)
     if N % bn or K % (bk * splits) or (block is not None and (block[0] % bk or (block[1] != 1 and block[1] % bn))):
         raise Unsupported(f"quantized matmul: K={K}, N={N} do not tile by bn={bn}, bk={bk}, splits={splits}")
     s2 = scale.reshape(1, N) if block is None else scale
