@@ -17,6 +17,12 @@ or the final norm) is then elementwise, fused into its matmul, with no reduction
 
 Numerics as models.layers: the matmuls accumulate in float32 and round to the input dtype, silu·up
 in the input dtype, the down projection accumulated in float32 over all of I and rounded once.
+
+int8 weights (dflash_jax.quantize.Int8Weight: q int8 and a float32 scale per output column): pass
+q as gate_up / down and the scales as gate_up_scale [2I] / down_scale [H]. Each step copies the
+int8 tiles (half the bytes of bf16 ones) and converts them to x's dtype in VMEM; the gate and up
+products are scaled per column in float32 before their rounding, the down projection's float32
+accumulator once at the end (its scales are per output column, constant over I).
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ MAX_ROWS = 1024
 _SUBLANE = {4: 8, 2: 16}
 
 
-def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps: float | None):
-    # x_ref [M, H], g_ref/u_ref [H, bi], d_ref [bi, H]; norm: nw_ref [1, H] and h_sc [M, H] (the
-    # normed rows, once); o_ref [M, H], scale: s_ref [M, 1] f32; acc_ref [M, H] f32
+def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps: float | None, int8: bool):
+    # x_ref [M, H], g_ref/u_ref [H, bi], d_ref [bi, H]; int8: gs_ref/us_ref [1, bi], ds_ref [1, H]
+    # f32 (the column scales); norm: nw_ref [1, H] and h_sc [M, H] (the normed rows, once); o_ref
+    # [M, H], scale: s_ref [M, 1] f32; acc_ref [M, H] f32
     refs = list(refs)
+    gs_ref, us_ref, ds_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if int8 else (None, None, None)
     nw_ref = refs.pop(0) if norm else None
     o_ref = refs.pop(0)
     s_ref = refs.pop(0) if scale_eps is not None else None
@@ -47,6 +55,9 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps
     j = pl.program_id(0)
     dt = x_ref.dtype
     prec = precision(dt)
+
+    def w(ref):         # an int8 tile converted in VMEM (int8 -> float32 -> x's dtype: exact)
+        return ref[...].astype(jnp.float32).astype(dt) if int8 else ref[...]
 
     @pl.when(j == 0)
     def _init():
@@ -57,15 +68,19 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps
             h_sc[...] = (nw_ref[...].astype(jnp.float32) * xf.astype(dt).astype(jnp.float32)).astype(dt)
 
     x = h_sc[...] if norm else x_ref[...]
-    g = jnp.dot(x, g_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
-    u = jnp.dot(x, u_ref[...], preferred_element_type=jnp.float32, precision=prec).astype(dt)   # [M, bi]
+    g = jnp.dot(x, w(g_ref), preferred_element_type=jnp.float32, precision=prec)                 # [M, bi]
+    u = jnp.dot(x, w(u_ref), preferred_element_type=jnp.float32, precision=prec)                 # [M, bi]
+    if int8:
+        g, u = g * gs_ref[...], u * us_ref[...]
+    g, u = g.astype(dt), u.astype(dt)
     gf = g.astype(jnp.float32)
     h = ((gf * jax.nn.sigmoid(gf)).astype(dt) * u).astype(dt)                                     # [M, bi]
-    acc_ref[...] += jnp.dot(h, d_ref[...], preferred_element_type=jnp.float32, precision=prec)
+    acc_ref[...] += jnp.dot(h, w(d_ref), preferred_element_type=jnp.float32, precision=prec)
 
     @pl.when(j == pl.num_programs(0) - 1)
     def _finish():
-        y = acc_ref[...].astype(o_ref.dtype)
+        acc = acc_ref[...] * ds_ref[...] if int8 else acc_ref[...]
+        y = acc.astype(o_ref.dtype)
         if norm:   # the residual: x + mlp(norm(x)), the sum rounded to x's dtype
             y = (x_ref[...].astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
         o_ref[...] = y
@@ -74,10 +89,13 @@ def _kernel(x_ref, g_ref, u_ref, d_ref, *refs, norm: bool, eps: float, scale_eps
             s_ref[...] = jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + scale_eps)
 
 
-def choose_block(I: int, H: int, M: int, itemsize: int, block_i: int | None = None) -> int:
+def choose_block(I: int, H: int, M: int, itemsize: int, block_i: int | None = None, w_itemsize: int | None = None) -> int:
+    w_itemsize = w_itemsize or itemsize
     if block_i is None:
-        # 3 weight tiles of H x bi, double-buffered, next to x, out and the f32 accumulator.
-        block_i = next((b for b in (512, 256, 128) if I % b == 0 and 6 * H * b * itemsize <= 24 << 20), None)
+        # 3 weight tiles of H x bi, double-buffered, next to x, out and the f32 accumulator (int8
+        # tiles: and their 3 converted copies in x's dtype).
+        per = 6 * H * w_itemsize + (3 * H * itemsize if w_itemsize != itemsize else 0)
+        block_i = next((b for b in (512, 256, 128) if I % b == 0 and per * b <= 24 << 20), None)
         if block_i is None:
             raise Unsupported(f"tpu_mlp: intermediate {I} has no tile (a multiple of 128 dividing it)")
     if I % block_i or block_i % 128:
@@ -90,14 +108,19 @@ def supported(M: int, H: int, I: int, dtype) -> bool:
 
 
 def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, row_scale_eps: float | None = None,
-        block_i: int | None = None, interpret=False):
+        gate_up_scale=None, down_scale=None, block_i: int | None = None, interpret=False):
     """down(silu(x @ gate) * (x @ up)) for x [..., H], gate_up [H, 2I] ([gate | up] columns), down
     [I, H] → [..., H] in x's dtype. With norm_weight [H]: the layer's whole MLP block,
     x + mlp(RMSNorm(x)) (the post-attention norm and the residual in the kernel too, so neither
     the normed rows nor the MLP output exist in HBM apart from the result). With row_scale_eps:
     (y, rsqrt(mean(y²) + row_scale_eps) [..., 1] float32), the RMS scale of y's rows.
-    interpret: False, or pltpu.InterpretParams() to run on CPU. Raises Unsupported for a shape it
-    does not tile (callers use the XLA ops)."""
+    gate_up_scale [2I] / down_scale [H] float32: gate_up / down are int8 (Int8Weight q's), w = q *
+    scale per output column (or pass the Int8Weights themselves as gate_up / down). interpret: False, or pltpu.InterpretParams() to run on CPU. Raises
+    Unsupported for a shape it does not tile (callers use the XLA ops)."""
+    if hasattr(gate_up, "q") and hasattr(gate_up, "scale"):        # an Int8Weight (dflash_jax.quantize)
+        gate_up, gate_up_scale = gate_up.q, gate_up.scale
+    if hasattr(down, "q") and hasattr(down, "scale"):
+        down, down_scale = down.q, down.scale
     H = x.shape[-1]
     I = down.shape[0]
     lead = x.shape[:-1]
@@ -106,22 +129,36 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, row_scale_eps: 
         M *= d
     if gate_up.shape != (H, 2 * I) or down.shape != (I, H):
         raise ValueError(f"tpu_mlp: gate_up {gate_up.shape} / down {down.shape} do not fit x {x.shape}")
-    if not supported(M, H, I, x.dtype) or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+    int8 = gate_up_scale is not None
+    if int8 != (down_scale is not None):
+        raise ValueError("tpu_mlp: int8 weights need both gate_up_scale and down_scale")
+    wdt = jnp.int8 if int8 else x.dtype
+    if not supported(M, H, I, x.dtype) or gate_up.dtype != wdt or down.dtype != wdt:
         raise Unsupported(f"tpu_mlp: x {x.shape} {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
+    if int8 and (gate_up_scale.shape != (2 * I,) or down_scale.shape != (H,)):
+        raise ValueError(f"tpu_mlp: scales {gate_up_scale.shape} / {down_scale.shape} do not fit "
+                         f"gate_up {gate_up.shape} / down {down.shape}")
     itemsize = jnp.dtype(x.dtype).itemsize
-    bi = choose_block(I, H, M, itemsize, block_i)
+    w_itemsize = 1 if int8 else itemsize
+    bi = choose_block(I, H, M, itemsize, block_i, w_itemsize)
     n_i = I // bi
     M_pad = round_up(M, _SUBLANE[itemsize])
     x2 = x.reshape(M, H)
     if M_pad != M:
         x2 = jnp.pad(x2, ((0, M_pad - M), (0, 0)))                                # [M_pad, H]
-    vmem = 2 * (3 * H * bi * itemsize + 2 * M_pad * H * itemsize) + 4 * M_pad * H + 2 * M_pad * bi * 4
+    vmem = 2 * (3 * H * bi * w_itemsize + 2 * M_pad * H * itemsize) + 4 * M_pad * H + 2 * M_pad * bi * 4
     norm = norm_weight is not None
     extra_in, extra_args, extra_scratch = [], [], []
+    if int8:
+        vmem += 3 * H * bi * itemsize + 2 * (2 * bi + H) * 4
+        gs = gate_up_scale.astype(jnp.float32).reshape(1, 2 * I)
+        extra_in += [pl.BlockSpec((1, bi), lambda j: (0, j)), pl.BlockSpec((1, bi), lambda j: (0, n_i + j)),
+                     pl.BlockSpec((1, H), lambda j: (0, 0))]
+        extra_args += [gs, gs, down_scale.astype(jnp.float32).reshape(1, H)]
     if norm:
-        extra_in = [pl.BlockSpec((1, H), lambda j: (0, 0))]
-        extra_args = [norm_weight.reshape(1, H)]
-        extra_scratch = [pltpu.VMEM((M_pad, H), x.dtype)]
+        extra_in += [pl.BlockSpec((1, H), lambda j: (0, 0))]
+        extra_args += [norm_weight.reshape(1, H)]
+        extra_scratch += [pltpu.VMEM((M_pad, H), x.dtype)]
         vmem += M_pad * H * itemsize
     scale = row_scale_eps is not None
     out_shape = [jax.ShapeDtypeStruct((M_pad, H), x.dtype)]
@@ -131,7 +168,7 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, row_scale_eps: 
         out_specs.append(pl.BlockSpec((M_pad, 1), lambda j: (0, 0)))
     out = pl.pallas_call(
         functools.partial(_kernel, norm=norm, eps=float(eps),
-                          scale_eps=float(row_scale_eps) if scale else None),
+                          scale_eps=float(row_scale_eps) if scale else None, int8=int8),
         out_shape=tuple(out_shape),
         grid=(n_i,),
         in_specs=[
@@ -147,9 +184,10 @@ def mlp(x, gate_up, down, *, norm_weight=None, eps: float = 0.0, row_scale_eps: 
                                              vmem_limit_bytes=max(32 << 20, vmem + (8 << 20))),
         cost_estimate=pl.CostEstimate(
             flops=6 * M_pad * H * I, transcendentals=M_pad * I,
-            bytes_accessed=itemsize * (3 * H * I + 2 * M_pad * H) + (4 * M_pad if scale else 0)),
+            bytes_accessed=w_itemsize * 3 * H * I + itemsize * 2 * M_pad * H + (4 * M_pad if scale else 0)
+            + (4 * (2 * I + H) if int8 else 0)),
         interpret=interpret,
-        name="dflash_mlp_tpu",
+        name="dflash_mlp_tpu_int8" if int8 else "dflash_mlp_tpu",
     )(x2, gate_up, gate_up, down, *extra_args)
     y = out[0][:M].reshape(*lead, H)
     if scale:
