@@ -5,6 +5,7 @@
     python scripts/tpu_bytes.py --chip v6e --plain --batch 32   # the plain step at B=32
     python scripts/tpu_bytes.py --chip v6e --layers 4 --draft-layers 1 --top 30   # small, ~10 s
     python scripts/tpu_bytes.py --hlo FILE.hlo                   # an earlier --save-hlo, no compiling
+    python scripts/tpu_bytes.py --chip v5e --quantize int8 [--tpu-mlp-int8]   # the int8 target (A/B the MLP kernel)
 
 It compiles one loop iteration (dflash_jax.decode.lower_iteration, the Mosaic attention kernel) for one
 chip of a TPU topology on this CPU host (see docs/benchmarks-howto.md for the ahead-of-time set-up), reads `compiled.as_text()` and
@@ -900,7 +901,45 @@ def print_report(s: dict, top: int = 25, ideal: float | None = None, file=sys.st
 # the CLI: compile one iteration for a chip
 # ---------------------------------------------------------------------------------------------
 
+def int8_tpu_mlp():
+    """A context in which DecoderLayer's MLP block hands an int8 target's Int8Weight gate_up / down
+    (q and column scales) to the fused TPU MLP kernel (pallas_kernels/fused_layer/tpu_mlp.py reads
+    int8 tiles), where models/layers.py steps aside for int8 weights: the A/B of --tpu-mlp-int8."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        from dflash_jax import sharding
+        from dflash_jax.models import layers
+        from dflash_jax.quantize import Int8Weight
+        from pallas_kernels.fused_layer import tpu_mlp
+        orig = layers.DecoderLayer._mlp_block
+
+        def block(self, x, kernels, row_scale=False):
+            norm = self.post_attention_layernorm
+            if isinstance(self.mlp, layers.MLP) and kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 \
+                    and sharding.current_mesh() is None and self.mlp.down_bias is None:
+                gu, down = self.mlp.gate_up[...], self.mlp.down[...]
+                if isinstance(gu, Int8Weight) and isinstance(down, Int8Weight) and \
+                        tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
+                        x.dtype == norm.weight[...].dtype:
+                    eps = self.input_layernorm.eps if row_scale else None
+                    out = tpu_mlp.mlp(x, gu.q, down.q, gate_up_scale=gu.scale, down_scale=down.scale,
+                                      norm_weight=norm.weight[...], eps=norm.eps, row_scale_eps=eps,
+                                      interpret=layers._interpret(kernels))
+                    return (out[0], layers.RowScale(out[1], eps)) if row_scale else (out, None)
+            return orig(self, x, kernels, row_scale)
+
+        layers.DecoderLayer._mlp_block = block
+        try:
+            yield
+        finally:
+            layers.DecoderLayer._mlp_block = orig
+    return ctx()
+
+
 def _compile(args):
+    import contextlib
     import dataclasses as dc_
     import jax  # noqa: F401
     from jax.experimental import topologies
@@ -924,8 +963,10 @@ def _compile(args):
         from dflash_jax import sharding
         place = dict(mesh=sharding.make_mesh(args.mesh, devices=topologies.get_topology_desc(
             platform="tpu", topology_name=topo).devices))
-    low = decode.lower_iteration(tc, None if args.plain else dc, batch=args.batch, prompt_len=512,
-                                 capacity=args.capacity, kernels=kernels, **place)
+    q = getattr(args, "quantize", None)
+    with (int8_tpu_mlp() if getattr(args, "tpu_mlp_int8", False) else contextlib.nullcontext()):
+        low = decode.lower_iteration(tc, None if args.plain else dc, batch=args.batch, prompt_len=512,
+                                     capacity=args.capacity, kernels=kernels, quantize=q, **place)
     return low.compile(), tc, dc
 
 
@@ -942,11 +983,12 @@ def collective_bytes(hlo: str) -> int:
 
 
 def ideal_per_chip(tc, dc, *, draft: bool, batch: int, capacity: int, dp: int, tp: int,
-                   collectives: int = 0) -> dict:
+                   collectives: int = 0, weight_bytes: float = 2) -> dict:
     """The ideal of one chip of a (data, model) mesh: its 1/tp of every weight (the fused TP layout
     shards every matrix and the LM head over 'model'; the norms, a few KB, counted whole), the KV of
-    its B/dp rows and max(Hkv, tp)/tp kv heads, and the collectives' buffers (read and written)."""
-    full = ideal_bytes(tc, dc, draft=draft, batch=batch, capacity=capacity)
+    its B/dp rows and max(Hkv, tp)/tp kv heads, and the collectives' buffers (read and written).
+    weight_bytes: as ideal_bytes."""
+    full = ideal_bytes(tc, dc, draft=draft, batch=batch, capacity=capacity, weight_bytes=weight_bytes)
     rows = batch // dp
     kv = lambda c: max(c.num_kv_heads, tp) // tp / c.num_kv_heads   # noqa: E731  (kv heads per chip, as a fraction)
     out = {k: v / tp for k, v in full.items() if k in ("target_layers", "lm_head", "draft")}
@@ -963,15 +1005,18 @@ def ideal_per_chip(tc, dc, *, draft: bool, batch: int, capacity: int, dp: int, t
     return out
 
 
-def ideal_bytes(tc, dc, *, draft: bool, batch: int, capacity: int) -> dict:
+def ideal_bytes(tc, dc, *, draft: bool, batch: int, capacity: int, weight_bytes: float = 2) -> dict:
     """Every weight read once per use (the LM head twice with a draft: the draft's and the verify's
     logits), the KV caches read over the capacity (what the kernel declares), the rows the iteration
-    writes."""
-    def layer(c):
+    writes. weight_bytes: bytes per element of the target layers' matrices (1: an int8 target,
+    dflash_jax.quantize, plus a float32 scale per output column; the draft, LM head and norms stay 2)."""
+    def layer(c, wb=2):
         H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
-        return 2 * (H * (c.num_heads + 2 * c.num_kv_heads) * D + c.num_heads * D * H + H * 2 * I + I * H + 2 * H + 2 * D)
+        mats = H * (c.num_heads + 2 * c.num_kv_heads) * D + c.num_heads * D * H + H * 2 * I + I * H
+        cols = (c.num_heads + 2 * c.num_kv_heads) * D + H + 2 * I + H
+        return wb * mats + (4 * cols if wb != 2 else 0) + 2 * (2 * H + 2 * D)
     lm = 2 * tc.hidden_size * tc.vocab_size
-    t_layers = tc.num_layers * layer(tc) + 2 * tc.hidden_size
+    t_layers = tc.num_layers * layer(tc, weight_bytes) + 2 * tc.hidden_size
     kv_t = 2 * tc.num_layers * tc.num_kv_heads * tc.head_dim * 2
     S = 16 if draft else 1
     out = {"target_layers": t_layers, "lm_head": lm * (2 if draft else 1),
@@ -998,6 +1043,11 @@ def main():
                     '"data=1,model=4": the sharded program, one chip\'s bytes vs the per-chip ideal')
     ap.add_argument("--tpu-mlp", action=argparse.BooleanOptionalAction, default=None,
                     help="KernelConfig(tpu_mlp=...): force the fused MLP kernel on/off (default: the library's, on)")
+    ap.add_argument("--quantize", default=None, choices=("int8", "int8+head"),
+                    help="the target's weights as load_target(quantize=...) holds them (one chip)")
+    ap.add_argument("--tpu-mlp-int8", action="store_true",
+                    help="with --quantize: the int8 MLP weights through the fused MLP kernel (an A/B: "
+                         "models/layers.py hands the kernel float weights only)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--hlo", default=None, help="analyse this saved as_text() instead of compiling")
     ap.add_argument("--save-hlo", default=None)
@@ -1023,7 +1073,8 @@ def main():
             ideal = ideal_per_chip(tc, dc, draft=not args.plain, batch=args.batch, capacity=args.capacity,
                                    dp=dp, tp=tp, collectives=collective_bytes(comp.as_text()))
         else:
-            ideal = ideal_bytes(tc, dc, draft=not args.plain, batch=args.batch, capacity=args.capacity)
+            ideal = ideal_bytes(tc, dc, draft=not args.plain, batch=args.batch, capacity=args.capacity,
+                                weight_bytes=1 if args.quantize else 2)
         s["ideal"] = ideal
         ideal = ideal["total"]
     print_report(s, args.top, ideal)

@@ -6,6 +6,15 @@ floor (issue 36).
     python scripts/tpu_moe_aot.py                          # v5e-8 and v6e-4, DFlash iteration + plain step
     python scripts/tpu_moe_aot.py --chips v6e-4 --programs plain --layers 2,3 --draft-layers 1   # small
     python scripts/tpu_moe_aot.py --json out.json
+    python scripts/tpu_moe_aot.py --chips v5e-4,v6e-1 --programs dflash --quantize none,int8   # bf16 vs int8
+    python scripts/tpu_moe_aot.py --layer --layer-chip v5e-4    # one MoE layer: bf16 / int8 kernel / int8 XLA
+
+--quantize int8 compiles the target as load_target(..., quantize="int8") holds it (dflash_jax.quantize:
+the layers' linears and the stacked experts int8 with float32 per-output-column scales; embeddings,
+LM head, router and the draft as loaded). On a mesh the int8 matrices are placed as sharding._place
+places them (each scale with its weight's columns: experts by expert over 'model'). A one-chip
+"mesh" (v6e-1) is one device, no mesh. --moe-gmm picks the grouped matmul (pallas_tpu: the kernel,
+int8 experts read in its prologue where it takes them; xla: ragged_dot).
 
 Each program is one loop iteration (dflash_jax.decode.lower_iteration: the Mosaic attention kernel,
 the Pallas TPU grouped matmul `moe_gmm="pallas_tpu"`) on a ('data', 'model') = (1, chips) mesh of
@@ -32,6 +41,7 @@ Figures per chip:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -42,7 +52,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # chip → (topology, HBM bytes per chip, TPU_ACCELERATOR_TYPE)
-CHIPS = {"v5e-8": ("v5e:2x4", 16 * 2 ** 30, "v5litepod-8"), "v6e-4": ("v6e:2x2", 32 * 2 ** 30, "v6e-4")}
+CHIPS = {"v5e-8": ("v5e:2x4", 16 * 2 ** 30, "v5litepod-8"), "v6e-4": ("v6e:2x2", 32 * 2 ** 30, "v6e-4"),
+         "v5e-4": ("v5e:2x2", 16 * 2 ** 30, "v5litepod-4"),
+         "v6e-1": ("v6e:2x2", 32 * 2 ** 30, "v6e-4")}      # (one chip: the topology's first device)
 PROGRAMS = ("dflash", "plain")
 FULL_LAYERS = 48
 
@@ -72,19 +84,83 @@ def configs(layers: int, draft_layers: int, preset: str):
     return tc, dc
 
 
-def compile_one(chip: str, program: str, layers: int, args, tb) -> dict:
-    """One compile: its memory, its HBM breakdown, the grouped matmul's share."""
+def chips_of(chip: str) -> int:
+    return int(chip.split("-")[1])
+
+
+@contextlib.contextmanager
+def int8_on_mesh():
+    """While open, the target that decode's abstract inputs place on a mesh (sharding.abstract_on_mesh)
+    comes out as load_target(..., mesh=, quantize="int8") would hold it: every decoder-layer linear
+    (2-D) and stacked expert matrix (3-D) an abstract Int8Weight, q with the float weight's
+    sharding, its scales [.., N] with q's column axis (sharding._place's rule), the module marked
+    "int8" (its GraphDef, so the program's key). decode.lower_iteration takes quantize= on one
+    device only; this is the ahead-of-time stand-in for the mesh."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    import jax
+    from dflash_jax import sharding
+    from dflash_jax.quantize import EXPERT_NAMES, LINEAR_NAMES, Int8Weight, mark
+    orig = sharding.abstract_on_mesh
+
+    def place(model, mesh, **kw):
+        out = orig(model, mesh, **kw)
+        if not type(model).__module__.startswith("dflash_jax.models"):      # the draft stays as loaded
+            return out
+        mark(out, "int8")
+        for _, node in nnx.iter_graph(out.layers):
+            if not isinstance(node, nnx.Module):
+                continue
+            for name, ndim in [(n, 2) for n in LINEAR_NAMES] + [(n, 3) for n in EXPERT_NAMES]:
+                p = getattr(node, name, None)
+                if not isinstance(p, nnx.Param) or isinstance(p.get_value(), Int8Weight):
+                    continue
+                x = p.get_value()
+                if x.ndim != ndim:
+                    continue
+                spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+                p.set_value(Int8Weight(
+                    jax.ShapeDtypeStruct(x.shape, jax.numpy.int8, sharding=x.sharding),
+                    jax.ShapeDtypeStruct(x.shape[:-2] + x.shape[-1:], jax.numpy.float32,
+                                         sharding=NamedSharding(mesh, P(*spec[:-2], spec[-1])))))
+        return out
+
+    sharding.abstract_on_mesh = place
+    try:
+        yield
+    finally:
+        sharding.abstract_on_mesh = orig
+
+
+def lower(chip: str, program: str, layers: int, args, quantize: str | None, moe_gmm: str = "pallas_tpu"):
+    """decode.lower_iteration of Coder at `layers` for the chip (a 1 x chips mesh, one device for
+    v6e-1), the target's weights as `quantize` says (None: bf16)."""
     from jax.experimental import topologies
     from dflash_jax import decode, sharding
     from dflash_jax.kernel_config import KernelConfig
     topo, _, _ = CHIPS[chip]
     devs = topologies.get_topology_desc(platform="tpu", topology_name=topo).devices
     tc, dc = configs(layers, args.draft_layers, args.preset)
-    mesh = sharding.make_mesh(f"data=1,model={len(devs)}", devices=devs)
-    kernels = KernelConfig(attention="pallas_tpu", moe_gmm="pallas_tpu")
+    kernels = KernelConfig(attention="pallas_tpu", moe_gmm=moe_gmm)
+    kw = dict(batch=args.batch, prompt_len=512, capacity=args.capacity, kernels=kernels)
+    draft = dc if program == "dflash" else None
+    if chips_of(chip) == 1:
+        return decode.lower_iteration(tc, draft, device=devs[0], quantize=quantize, **kw)
+    mesh = sharding.make_mesh(f"data=1,model={chips_of(chip)}", devices=devs[:chips_of(chip)])
+    if quantize is None:
+        return decode.lower_iteration(tc, draft, mesh=mesh, **kw)
+    if quantize != "int8":
+        raise ValueError(f"quantize={quantize!r} on a mesh: int8 only")
+    with int8_on_mesh():
+        return decode.lower_iteration(tc, draft, mesh=mesh, **kw)
+
+
+def compile_one(chip: str, program: str, layers: int, args, tb, quantize: str | None = None,
+                moe_gmm: str = "pallas_tpu") -> dict:
+    """One compile: its memory, its HBM breakdown, the grouped matmul's share."""
     t = time.perf_counter()
-    comp = decode.lower_iteration(tc, dc if program == "dflash" else None, batch=args.batch, prompt_len=512,
-                                  capacity=args.capacity, kernels=kernels, mesh=mesh).compile()
+    comp = lower(chip, program, layers, args, quantize, moe_gmm).compile()
     took = time.perf_counter() - t
     ma = comp.memory_analysis()
     s = tb.breakdown(comp)
@@ -95,7 +171,9 @@ def compile_one(chip: str, program: str, layers: int, args, tb) -> dict:
                gmm_calls=n_gmm, compiler_bytes=s.get("compiler_bytes_accessed"),
                collectives=tb.collective_bytes(comp.as_text()))
     out["memory"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    log(f"  {chip} {program:6} {layers} layers: compiled in {took:.0f}s; memory {out['memory'] / 1e9:.3f} GB, "
+    q = quantize or "bf16"
+    log(f"  {chip} {program:6} {q:5} {moe_gmm:10} {layers} layers: compiled in {took:.0f}s; memory {out['memory'] / 1e9:.3f} GB, "
+        f"(args {out['argument'] / 1e9:.3f}, temp {out['temp'] / 1e9:.3f}), "
         f"HBM {out['hbm'] / 1e9:.3f} GB of which grouped matmul {gmm / 1e9:.3f} GB ({n_gmm} calls)")
     return out
 
@@ -111,15 +189,17 @@ def extrapolate(a: dict, b: dict, L: int) -> dict:
     return out
 
 
-def floors(chip: str, program: str, args, tb, fig: dict) -> dict:
+def floors(chip: str, program: str, args, tb, fig: dict, quantize: str | None = None) -> dict:
     from dflash_jax import TargetConfig
     tc, dc = configs(FULL_LAYERS, args.draft_layers, args.preset)
     _, hbm_cap, _ = CHIPS[chip]
-    tp = int(chip.split("-")[1])
+    tp = chips_of(chip)
     E, k = tc.num_experts, tc.num_experts_per_tok
     T = args.batch * (16 if program == "dflash" else 1)
     touched = expected_distinct(E, k, T) / tp                       # per chip per layer
-    expert = 3 * tc.hidden_size * tc.moe_intermediate_size * 2
+    H, I = tc.hidden_size, tc.moe_intermediate_size
+    wb = 1 if quantize else 2
+    expert = 3 * H * I * wb + ((2 * I + H) * 4 if quantize else 0)   # int8: + a float32 scale per column
     sparse = sum(tc.is_sparse(i) for i in range(tc.num_layers))
     experts_read = touched * expert * sparse
     local_all = E // tp * expert * sparse
@@ -127,14 +207,80 @@ def floors(chip: str, program: str, args, tb, fig: dict) -> dict:
     dense_tc = dataclasses.replace(tc, intermediate_size=0)
     assert isinstance(dense_tc, TargetConfig)
     ideal = tb.ideal_per_chip(dense_tc, dc, draft=program == "dflash", batch=args.batch, capacity=args.capacity,
-                              dp=1, tp=tp, collectives=int(fig["collectives"]))
+                              dp=1, tp=tp, collectives=int(fig["collectives"]), weight_bytes=wb)
     router = tc.num_layers * tc.hidden_size * E * 2                 # replicated: every chip routes
     floor = ideal["total"] + router + experts_read
-    # the gmm kernel's static grid counts its local experts (plus a row tile per step); swap in touched
-    expected = fig["hbm"] - fig["gmm_hbm"] + experts_read + max(0.0, fig["gmm_hbm"] - local_all)
+    if fig["gmm_calls"]:
+        # the gmm kernel's static grid counts its local experts (plus a row tile per step); swap in touched
+        expected = fig["hbm"] - fig["gmm_hbm"] + experts_read + max(0.0, fig["gmm_hbm"] - local_all)
+    else:        # XLA's ragged_dot: what it reads is what the compiled program says
+        expected = fig["hbm"]
     return dict(tokens=T, experts_touched_per_chip_layer=touched, experts_local=E // tp,
                 floor=floor, expected=expected, expected_x_floor=expected / floor,
-                compiled_x_floor=fig["hbm"] / floor, fits=fig["memory"] <= hbm_cap, hbm_capacity=hbm_cap)
+                compiled_x_floor=fig["hbm"] / floor, fits=fig["memory"] <= hbm_cap, hbm_capacity=hbm_cap,
+                free_gib=(hbm_cap - fig["memory"]) / 2 ** 30)
+
+
+def moe_layer(topology: str, tokens: int, quantize: str | None, moe_gmm: str, preset: str, tb) -> dict:
+    """One Coder MoE block alone (router + all E experts, bf16 rows [1, tokens, H]) compiled for one
+    chip of `topology`: its HBM bytes (scripts/tpu_bytes.py's breakdown), the grouped matmul's,
+    memory, and the expected bytes with the kernel's static grid swapped for the touched experts."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.experimental import topologies
+    from dflash_jax import TargetConfig
+    from dflash_jax.kernel_config import KernelConfig
+    from dflash_jax.models.moe import MoE
+    from dflash_jax.quantize import EXPERT_NAMES, quantize_int8
+    tc = TargetConfig.preset(preset)
+    dev = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    H, I, E, k = tc.hidden_size, tc.moe_intermediate_size, tc.num_experts, tc.num_experts_per_tok
+
+    def build():
+        m = MoE(H, I, E, k, tc.norm_topk_prob, jnp.bfloat16, rngs=nnx.Rngs(0))
+        if quantize:
+            for name in EXPERT_NAMES:
+                getattr(m, name).set_value(quantize_int8(getattr(m, name).get_value()))
+        return m
+
+    gdef, state = nnx.split(nnx.eval_shape(build))
+    one = jax.sharding.SingleDeviceSharding(dev)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), state)
+    h = jax.ShapeDtypeStruct((1, tokens, H), jnp.bfloat16, sharding=one)
+    kernels = KernelConfig(attention="pallas_tpu", moe_gmm=moe_gmm).resolve("tpu")
+    comp = jax.jit(lambda st, h: nnx.merge(gdef, st)(h, kernels=kernels)).trace(state, h).lower().compile()
+    s = tb.breakdown(comp)
+    gmm = sum(r["hbm"] for r in s["records"] if "dflash_gmm_tpu" in (r["what"] + r["name"]))
+    wb = 1 if quantize else 2
+    expert = 3 * H * I * wb + ((2 * I + H) * 4 if quantize else 0)
+    touched = expected_distinct(E, k, tokens)
+    expected = s["hbm_total"] - gmm + touched * expert + max(0.0, gmm - E * expert) if gmm else s["hbm_total"]
+    ma = comp.memory_analysis()
+    return dict(tokens=tokens, rows=tokens * k, quantize=quantize or "bf16", moe_gmm=moe_gmm, hbm=s["hbm_total"],
+                gmm_hbm=gmm, expected=expected, touched=touched, all_experts=E * expert,
+                touched_experts=touched * expert, argument=ma.argument_size_in_bytes, temp=ma.temp_size_in_bytes)
+
+
+def main_layer(args, tb):
+    topo = CHIPS[args.layer_chip][0]
+    rows = []
+    for tokens in (1, 16):
+        for q, g in ((None, "pallas_tpu"), ("int8", "pallas_tpu"), ("int8", "xla")):
+            r = moe_layer(topo, tokens, q, g, args.preset, tb)
+            log(f"  {args.layer_chip} one MoE layer, {tokens} tokens, {r['quantize']} {g}: HBM {r['hbm'] / 1e6:.1f} MB "
+                f"(grouped matmul {r['gmm_hbm'] / 1e6:.1f}), temp {r['temp'] / 1e6:.1f} MB")
+            rows.append(r)
+    M = 1e6
+    log(f"\n### One Qwen3-Coder-30B-A3B MoE layer on one {args.layer_chip.split('-')[0]} chip (every expert "
+        "local; bf16 rows)")
+    log("| tokens (rows) | experts | grouped matmul | compiled HBM MB (static grid) | expected MB (touched experts) "
+        "| touched experts' bytes MB | temporaries MB |")
+    log("|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['tokens']} ({r['rows']}) | {r['quantize']} | {r['moe_gmm']} | {r['hbm'] / M:.1f} | {r['expected'] / M:.1f} "
+            f"| {r['touched_experts'] / M:.1f} | {r['temp'] / M:.1f} |")
+    return rows
 
 
 def main():
@@ -146,6 +292,14 @@ def main():
     ap.add_argument("--draft-layers", type=int, default=8, help="the z-lab Coder draft has 8")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--capacity", type=int, default=1024)
+    ap.add_argument("--quantize", default="none",
+                    help="comma-separated target weights to compile: none (bf16), int8 (e.g. none,int8)")
+    ap.add_argument("--moe-gmm", default="pallas_tpu", choices=("pallas_tpu", "xla"),
+                    help="the grouped matmul (KernelConfig.moe_gmm)")
+    ap.add_argument("--layer", action="store_true",
+                    help="instead: one MoE layer alone on one chip of --layer-chip, 1 and 16 tokens, bf16 kernel "
+                         "vs int8 kernel vs int8 ragged_dot")
+    ap.add_argument("--layer-chip", default="v5e-4", choices=sorted(CHIPS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     chips = [c for c in args.chips.split(",") if c]
@@ -163,24 +317,39 @@ def main():
         os.environ.setdefault(k, v)
     sys.path.insert(0, REPO)
     tb = _tpu_bytes()
+    if args.layer:
+        rows = main_layer(args, tb)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
+    quants = [None if q == "none" else q for q in args.quantize.split(",") if q]
+    if set(quants) - {None, "int8"}:
+        ap.error(f"--quantize: none and/or int8, got {args.quantize!r}")
     results = []
     for chip in chips:
         for program in programs:
-            a, b = (compile_one(chip, program, L, args, tb) for L in depths)
-            full = extrapolate(a, b, FULL_LAYERS)
-            f = floors(chip, program, args, tb, full)
-            results.append(dict(chip=chip, program=program, batch=args.batch, compiled=[a, b], full=full, **f))
-    G = 1e9
-    log(f"\n### Qwen3-Coder-30B-A3B + 8-layer draft, one iteration per chip, B={args.batch}, capacity "
-        f"{args.capacity} (compiled at {depths[0]} and {depths[1]} layers, extrapolated to {FULL_LAYERS})")
-    log("| chip (mesh) | program | memory GB (fits?) | compiled HBM GB (static gmm grid) | expected GB "
-        "| touched-expert floor GB | expected / floor | experts per chip-layer touched / local |")
-    log("|---|---|---|---|---|---|---|---|")
+            for q in quants:
+                a, b = (compile_one(chip, program, L, args, tb, q, args.moe_gmm) for L in depths)
+                full = extrapolate(a, b, FULL_LAYERS)
+                f = floors(chip, program, args, tb, full, q)
+                results.append(dict(chip=chip, program=program, batch=args.batch, quantize=q or "bf16",
+                                    moe_gmm=args.moe_gmm, compiled=[a, b], full=full, **f))
+    G, GiB = 1e9, 2 ** 30
+    log(f"\n### Qwen3-Coder-30B-A3B + {args.draft_layers}-layer draft, one iteration per chip, B={args.batch}, "
+        f"capacity {args.capacity}, moe_gmm {args.moe_gmm} (compiled at {depths[0]} and {depths[1]} layers, "
+        f"extrapolated to {FULL_LAYERS})")
+    log("| chip (mesh) | program | weights | arguments GiB | temporaries GiB | memory GiB of HBM (fits?) "
+        "| free GiB | compiled HBM GB (static gmm grid) | expected GB | touched-expert floor GB | expected / floor "
+        "| experts per chip-layer touched / local |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         m = r["full"]
-        log(f"| {r['chip']} (1x{r['chip'].split('-')[1]}) | {r['program']} | {m['memory'] / G:.2f} of "
-            f"{r['hbm_capacity'] / 2 ** 30:.0f} GiB ({'yes' if r['fits'] else 'NO'}) | {m['hbm'] / G:.3f} "
-            f"| {r['expected'] / G:.3f} | {r['floor'] / G:.3f} | {r['expected_x_floor']:.3f}x "
+        n = chips_of(r["chip"])
+        log(f"| {r['chip']} ({'1x' + str(n) if n > 1 else 'one chip'}) | {r['program']} | {r['quantize']} "
+            f"| {m['argument'] / GiB:.2f} | {m['temp'] / GiB:.2f} | {m['memory'] / GiB:.2f} of "
+            f"{r['hbm_capacity'] / GiB:.0f} ({'yes' if r['fits'] else 'NO'}) | {r['free_gib']:.2f} "
+            f"| {m['hbm'] / G:.3f} | {r['expected'] / G:.3f} | {r['floor'] / G:.3f} | {r['expected_x_floor']:.3f}x "
             f"| {r['experts_touched_per_chip_layer']:.1f} / {r['experts_local']} |")
     if args.json:
         with open(args.json, "w") as f:

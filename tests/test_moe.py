@@ -54,6 +54,81 @@ def test_gmm_pallas_bf16_many_tiles():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
+def _int8_oracle(x, q, scale, sizes):
+    """NumPy: each group's rows times its dequantized matrix q[g] * scale[g], float64; rows past the
+    groups zero."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None, :]
+    out = np.zeros((x.shape[0], w.shape[2]))
+    r = 0
+    for g, n in enumerate(sizes):
+        out[r:r + n] = x[r:r + n] @ w[g]
+        r += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes", [[3, 0, 7, 0, 10], [0, 0, 0, 0, 0], [0, 20, 0, 0, 0]])
+def test_gmm_tpu_kernel_reads_int8_experts_like_the_dequantize_oracle(sizes, dtype):
+    """int8 experts (q [G, K, N], float32 scale [G, N]) in the TPU kernel's prologue (interpreted):
+    the groups' rows times q[g] * scale[g]; several row and column tiles, empty groups, rows past
+    the groups zero. bf16 rows: within one bf16 rounding of the float64 product."""
+    from dflash_jax.quantize import quantize_int8
+    from pallas_kernels.moe import tpu
+    rng = np.random.RandomState(sum(sizes) + 7)
+    w = quantize_int8(jnp.asarray(rng.randn(5, 64, 256) * rng.uniform(0.1, 3, size=(5, 1, 256)), jnp.float32))
+    x = jnp.asarray(rng.randn(22, 64), dtype)
+    got = tpu.gmm(x, w.q, jnp.asarray(sizes, jnp.int32), scale=w.scale, tm=16, tn=128, interpret=True)
+    assert got.dtype == dtype and got.shape == (22, 256)
+    got = np.asarray(got, np.float64)
+    want = _int8_oracle(x, w.q, w.scale, sizes)
+    tol = 1e-5 * max(1.0, np.abs(want).max()) if dtype == jnp.float32 else 2 ** -8 * np.abs(want).max() + 1e-6
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    assert not got[sum(sizes):].any()
+    # through the dispatcher; an impl that does not read int8 says so
+    from pallas_kernels._common import Unsupported
+    np.testing.assert_array_equal(
+        np.asarray(gmm(x, w.q, jnp.asarray(sizes, jnp.int32), "pallas_tpu_interpret", scale=w.scale), np.float64),
+        np.asarray(tpu.gmm(x, w.q, jnp.asarray(sizes, jnp.int32), scale=w.scale, interpret=True), np.float64))
+    with pytest.raises(Unsupported, match="int8"):
+        gmm(x, w.q, jnp.asarray(sizes, jnp.int32), "xla", scale=w.scale)
+
+
+@pytest.mark.parametrize("first_expert", [None, 4])
+def test_int8_experts_run_in_the_tpu_kernel(first_expert):
+    """models.moe.experts with Int8Weight experts and moe_gmm on the TPU kernel (interpreted): the
+    int8 kernel is in the program (not XLA's ragged_dot) and the outputs are the NumPy oracle's on
+    the dequantized experts; an expert-parallel shard (first_expert 4: experts 4..7 of 8) adds only
+    its own experts' outputs."""
+    from dflash_jax.models.moe import experts
+    from dflash_jax.quantize import quantize_int8
+    rng = np.random.default_rng(3)
+    E, H, I, N, k = 8, 128, 128, 5, 2
+    gu = quantize_int8(jnp.asarray(rng.normal(size=(E, H, 2 * I)) * H ** -0.5, jnp.float32))
+    down = quantize_int8(jnp.asarray(rng.normal(size=(E, I, H)) * I ** -0.5, jnp.float32))
+    x = jnp.asarray(rng.normal(size=(N, H)), jnp.float32)
+    idx = jnp.asarray(np.sort(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), axis=1), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, size=(N, k)), jnp.float32)
+    gu_w, down_w = np.asarray(gu.dequantize(), np.float64), np.asarray(down.dequantize(), np.float64)
+    keep = np.ones(E, bool) if first_expert is None else (np.arange(E) >= first_expert)
+    want = np.zeros((N, H))
+    for n in range(N):
+        for wt, e in zip(np.asarray(weights[n], np.float64), np.asarray(idx[n])):
+            if keep[e]:
+                h = np.asarray(x[n], np.float64) @ gu_w[e]
+                want[n] += wt * ((h[:I] / (1 + np.exp(-h[:I])) * h[I:]) @ down_w[e])
+    if first_expert is not None:      # the shard holds experts [4, 8) only
+        gu = type(gu)(gu.q[first_expert:], gu.scale[first_expert:])
+        down = type(down)(down.q[first_expert:], down.scale[first_expert:])
+
+    def f(x, w, i, gu, down):
+        return experts(x, w, i, gu, down, gmm_impl="pallas_tpu_interpret", first_expert=first_expert, ascending=True)
+
+    assert "dflash_gmm_tpu_int8" in str(jax.make_jaxpr(f)(x, weights, idx, gu, down))
+    got = np.asarray(f(x, weights, idx, gu, down), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("sizes", [[0, 9, 0, 0, 3, 0, 0, 20], [0, 0, 0, 0, 0, 0, 32, 0], [4] * 8])
 def test_gmm_gpu_kernel_matches_ragged_dot(sizes, dtype):
@@ -499,30 +574,40 @@ def test_kernel_config_moe_gmm_resolves():
 
 @tpu_aot.requires_libtpu
 @pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
-@pytest.mark.parametrize("rows", [8, 128])
-def test_gmm_kernel_compiles_for_tpu(topology, rows):
-    """The TPU kernel at Qwen3-Coder-30B-A3B's expert shapes (128 experts, H 2048, I 768, bf16)
-    through Mosaic for v5e and v6e: a decode step's 8 rows at B = 1 and a 16-token verify's 128."""
+@pytest.mark.parametrize("rows,weights", [(8, "bf16"), (128, "bf16"), (128, "int8")])
+def test_gmm_kernel_compiles_for_tpu(topology, rows, weights):
+    """The TPU kernel at Qwen3-Coder-30B-A3B's expert shapes (128 experts, H 2048, I 768, bf16 rows)
+    through Mosaic for v5e and v6e: a decode step's 8 rows at B = 1 and a 16-token verify's 128;
+    int8 experts (their float32 column scales beside them) read as int8, nothing dequantized in HBM."""
     from pallas_kernels.moe import tpu
     dev = tpu_aot.tpu_device(topology)
+    int8 = weights == "int8"
     for K, N in ((2048, 2 * 768), (768, 2048)):
-        args = (tpu_aot.abstract((rows, K), jnp.bfloat16, dev), tpu_aot.abstract((128, K, N), jnp.bfloat16, dev),
+        args = (tpu_aot.abstract((rows, K), jnp.bfloat16, dev),
+                tpu_aot.abstract((128, K, N), jnp.int8 if int8 else jnp.bfloat16, dev),
                 tpu_aot.abstract((128,), jnp.int32, dev))
-        compiled = tpu_aot.compile_for_tpu(lambda x, w, g: tpu.gmm(x, w, g), *args)
+        if int8:
+            args += (tpu_aot.abstract((128, N), jnp.float32, dev),)
+        compiled = tpu_aot.compile_for_tpu(lambda x, w, g, *s: tpu.gmm(x, w, g, scale=s[0] if s else None), *args)
         # the Pallas kernel itself (not an XLA fallback), its operands whole in HBM: x, w and the group sizes
-        assert "dflash_gmm_tpu" in compiled.as_text()
-        assert compiled.memory_analysis().argument_size_in_bytes == rows * K * 2 + 128 * K * N * 2 + 128 * 4
+        assert ("dflash_gmm_tpu_int8" if int8 else "dflash_gmm_tpu") in compiled.as_text()
+        ma = compiled.memory_analysis()
+        assert ma.argument_size_in_bytes == rows * K * 2 + 128 * K * N * (1 if int8 else 2) + 128 * 4 + \
+            (128 * N * 4 if int8 else 0)
+        assert ma.temp_size_in_bytes < 1 << 20          # no converted copy of the experts
 
 
 @pytest.mark.slow
 @tpu_aot.requires_libtpu
-@pytest.mark.parametrize("chip", ["v5e-8", "v6e-4"])
-def test_coder_iteration_compiles_for_tpu_meshes_and_fits(chip):
+@pytest.mark.parametrize("chip,quantize", [("v5e-8", None), ("v6e-4", None), ("v5e-4", "int8")])
+def test_coder_iteration_compiles_for_tpu_meshes_and_fits(chip, quantize):
     """scripts/tpu_moe_aot.py reduced: Qwen3-Coder-30B-A3B at 1 and 2 layers (+ a 1-layer draft),
     the DFlash iteration on a 1 x chips mesh (experts over 'model') through the TPU compiler. Two
     grouped matmuls per MoE layer, each reading its chip's E / chips experts in the static grid
     (the per-layer difference), the 48-layer extrapolation fits the chip's HBM, and with the
-    touched experts swapped in the iteration sits within 1.3x its floor."""
+    touched experts swapped in the iteration sits within 1.3x its floor. int8 (v5e-4): the target
+    placed on the mesh as load_target(quantize="int8") would (scales with their columns), its
+    experts read as int8 by the kernel (half the bytes, no converted copy in temporaries)."""
     import argparse
     import importlib.util
     spec = importlib.util.spec_from_file_location(
@@ -532,13 +617,14 @@ def test_coder_iteration_compiles_for_tpu_meshes_and_fits(chip):
     spec.loader.exec_module(aot)
     tb = aot._tpu_bytes()
     args = argparse.Namespace(preset="qwen3-coder-30b-a3b", draft_layers=1, batch=1, capacity=1024)
-    a, b = (aot.compile_one(chip, "dflash", L, args, tb) for L in (1, 2))
+    a, b = (aot.compile_one(chip, "dflash", L, args, tb, quantize) for L in (1, 2))
     tp = int(chip.split("-")[1])
-    expert = 3 * 2048 * 768 * 2
+    expert = 3 * 2048 * 768 * (1 if quantize else 2)
     assert b["gmm_calls"] - a["gmm_calls"] == 2
     local = 128 // tp * expert
     assert abs((b["gmm_hbm"] - a["gmm_hbm"]) - local) < 0.05 * local
+    assert b["temp"] < 0.05e9                     # no layer's experts converted to bf16 in HBM
     full = aot.extrapolate(a, b, 48)
-    f = aot.floors(chip, "dflash", args, tb, full)
+    f = aot.floors(chip, "dflash", args, tb, full, quantize)
     assert f["fits"], full["memory"]
     assert 0.9 < f["expected_x_floor"] < 1.3, f

@@ -25,10 +25,15 @@ Weights: router [H, E], experts_gate_up [E, H, 2I] (gate columns before up), exp
 [E, I, H] ([in, out]).
 
 Quantized experts (dflash_jax.quantize, `quantize="int8"`: q [E, in, out] int8 and one scale per
-expert and output column [E, out]) take the XLA path whatever `KernelConfig.moe_gmm` says: the
-Pallas gmm kernels read float weights (int8 in their prologue is a later slice), so `ragged_dot`
-multiplies the int8 matrices converted to x's dtype and each row is then scaled by its own expert's
-column scales, in float32, as models.layers.linear scales an int8 dense weight. An FP8 checkpoint's
+expert and output column [E, out]): on the TPU grouped-matmul kernel (`moe_gmm` "pallas_tpu", and
+its interpreter) the kernel reads them as they are, each step's int8 [K, tn] tile and its scales
+into VMEM, converted there, the float32 product scaled per column before its one rounding
+(pallas_kernels/moe/tpu.py). Elsewhere (XLA, the GPU kernels, which read floats) the XLA path:
+`ragged_dot` multiplies the int8 matrices converted to x's dtype and each row is then scaled by its
+own expert's column scales, in float32, as models.layers.linear scales an int8 dense weight; on
+TPU that path converts every local expert of the layer per call (Coder-30B-A3B, one layer on a v5e
+chip at a B = 1 verify: 3.02 GB of HBM traffic against the kernel's 0.39 GB; docs/perf-log.md,
+session 41). An FP8 checkpoint's
 experts (quantize.Fp8BlockWeight: block scales along the contraction axis too) are dequantized to
 x's dtype inside the program and then multiplied: exact, but XLA converts every expert of the layer
 per call (a gmm prologue that reads fp8 is the later slice).
@@ -98,11 +103,15 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     holding experts [first_expert, first_expert + El) -> [N, H] in x's dtype. Choices of other
     experts contribute zero (expert parallelism: another shard computes them); first_expert=None:
     this call holds every expert the ids name (one device), nothing to mask."""
-    from pallas_kernels.moe import gmm, gmm_rows, gmm_swiglu
+    from pallas_kernels.moe import gmm, gmm_rows, gmm_swiglu, int8_supported
     N, k = idx.shape
     El = gate_up.shape[0]
     quantized = is_quantized(gate_up) or is_quantized(down)
-    if quantized:                # the kernels read float weights: the XLA grouped matmul (module docstring)
+    # int8 experts in the kernel's prologue where it reads them, else the XLA grouped matmul (docstring)
+    int8_kernel = quantized and isinstance(gate_up, Int8Weight) and isinstance(down, Int8Weight) and \
+        int8_supported(gmm_impl, N * k, gate_up.shape[1], gate_up.shape[2], x.dtype) and \
+        int8_supported(gmm_impl, N * k, down.shape[1], down.shape[2], x.dtype)
+    if quantized and not int8_kernel:
         gmm_impl = "xla"
     if not ascending:   # a token's choices in ascending expert order: the order its outputs are added in (HF's)
         idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
@@ -129,7 +138,10 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
     rows, back, sizes = group_rows(flat, El)
     xs = jnp.take(x, rows // k, axis=0)                                          # [N k, H]
-    if quantized:
+    if int8_kernel:
+        a = gmm_swiglu(xs, gate_up.q, sizes, gmm_impl, scale=gate_up.scale)      # [N k, I]
+        y = gmm(a, down.q, sizes, gmm_impl, scale=down.scale)                    # [N k, H]
+    elif quantized:
         expert = jnp.minimum(jnp.take(flat, rows), El - 1)                       # [N k] each sorted row's
         gate, up = jnp.split(quantized_gmm(xs, gate_up, sizes, expert), 2, axis=-1)
         a = jax.nn.silu(gate) * up                                               # [N k, I]

@@ -8,7 +8,8 @@
                 touched expert), with the gate|up projection and SwiGLU fused
 
 `gmm(lhs, rhs, group_sizes, impl=)` and `gmm_swiglu` (the experts' first projection and SwiGLU)
-dispatch on the resolved `KernelConfig.moe_gmm`; `gmm_rows` (every row its own group: a one-token
+dispatch on the resolved `KernelConfig.moe_gmm` (with `scale=`: int8 experts, read as int8 by the
+kernels of INT8_IMPLS); `gmm_rows` (every row its own group: a one-token
 decode, no sort) runs the GPU kernel on the GPU and gathers the rows' matrices elsewhere;
 `route_ascending` is the router's softmax, top-k, renormalisation and ascending order as one GPU
 kernel (`KernelConfig.moe_route`). A shape a kernel cannot tile falls back to XLA (logged once)."""
@@ -24,18 +25,29 @@ from pallas_kernels._common import Unsupported, warn_once
 from pallas_kernels.moe.reference import gmm_reference
 from pallas_kernels.moe.xla import gmm_xla
 
-__all__ = ["gmm", "gmm_swiglu", "gmm_rows", "route_ascending", "gmm_reference", "gmm_xla", "GMM_IMPLS"]
+__all__ = ["gmm", "gmm_swiglu", "gmm_rows", "int8_supported", "INT8_IMPLS", "route_ascending", "gmm_reference",
+           "gmm_xla", "GMM_IMPLS"]
 
 log = logging.getLogger(__name__)
 
 # resolved implementations: the XLA op, the TPU kernel, the GPU kernel, each kernel in the
 # interpreter (tests)
 GMM_IMPLS = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
+# the implementations that read int8 experts (q and per-column scales) themselves
+INT8_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")
 
 
-def gmm(lhs, rhs, group_sizes, impl: str = "xla"):
+def gmm(lhs, rhs, group_sizes, impl: str = "xla", scale=None):
     """lhs [M, K] rows grouped by expert, rhs [E, K, N], group_sizes [E] -> [M, N] (rows past the
-    groups are zero)."""
+    groups are zero). scale [E, N] float32: rhs is int8 (dflash_jax.quantize.Int8Weight's q) and
+    each row's product is scaled by its expert's column scales; the TPU kernel reads the int8 tiles
+    and scales in its prologue (INT8_IMPLS); other impls raise Unsupported (models/moe.py sends
+    int8 experts there only)."""
+    if scale is not None:
+        if impl not in INT8_IMPLS:
+            raise Unsupported(f"gmm impl={impl!r} does not read int8 weights; int8 on {INT8_IMPLS}")
+        from pallas_kernels.moe import tpu
+        return tpu.gmm(lhs, rhs, group_sizes, scale=scale, interpret=impl == "pallas_tpu_interpret")
     if impl == "xla":
         return gmm_xla(lhs, rhs, group_sizes)
     if impl in ("pallas_tpu", "pallas_tpu_interpret"):
@@ -51,18 +63,27 @@ def gmm(lhs, rhs, group_sizes, impl: str = "xla"):
     raise ValueError(f"gmm impl={impl!r}; expected one of {GMM_IMPLS}")
 
 
-def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla"):
+def int8_supported(impl: str, M: int, K: int, N: int, dtype) -> bool:
+    """Whether `gmm(..., impl, scale=)` takes int8 experts [E, K, N] for M rows of `dtype`."""
+    if impl not in INT8_IMPLS:
+        return False
+    from pallas_kernels.moe import tpu
+    return tpu.supported(M, K, N, dtype, jnp.int8)
+
+
+def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla", scale=None):
     """The experts' first projection: lhs [M, K] grouped by expert, gate_up [E, K, 2I] (gate
     columns first) -> silu(lhs @ gate) * (lhs @ up) [M, I] in lhs's dtype. The GPU kernel fuses it
-    (the [M, 2I] product is never written); elsewhere one gmm and the SwiGLU in XLA."""
-    if impl in ("pallas_gpu", "pallas_gpu_interpret"):
+    (the [M, 2I] product is never written); elsewhere one gmm and the SwiGLU in XLA. scale: as
+    gmm's (int8 gate_up)."""
+    if impl in ("pallas_gpu", "pallas_gpu_interpret") and scale is None:
         from pallas_kernels.moe import gpu
         try:
             return gpu.gmm(lhs, gate_up, group_sizes, swiglu=True, interpret=impl == "pallas_gpu_interpret")
         except Unsupported as e:
             warn_once(log, f"gmm_swiglu {lhs.shape} {gate_up.shape}", "MoE gmm on XLA: %s", e)
             impl = "xla"
-    gate, up = jnp.split(gmm(lhs, gate_up, group_sizes, impl), 2, axis=-1)
+    gate, up = jnp.split(gmm(lhs, gate_up, group_sizes, impl, scale=scale), 2, axis=-1)
     return jax.nn.silu(gate) * up
 
 
