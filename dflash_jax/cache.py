@@ -9,8 +9,12 @@ Two storages behind one interface:
   offset t % page; page 0 is the dummy page that padding points at). The paged slot engine uses it
   for the target and the draft's context with ONE table, so a prefix hit on the target's pages is a
   hit on the draft's (dflash_jax.pages owns the host-side allocation and prefix index). A
-  sliding-window draft layer keeps every row in pages too (its window is a mask there, not a ring:
-  freeing the pages behind the window is left to do).
+  sliding-window draft layer may instead live in a pool of its own read through a SECOND table
+  (`window_table`, the same logical page index; `windowed` names those layers): the host
+  (`pages.WindowPages`) holds window pages only for the logical pages the layer's window and the
+  step's reach can touch, and points the entries behind at the dummy page, which the window mask
+  (`k_start`) hides. Without a window table a sliding layer keeps every row in the main pages (its
+  window a mask, not a ring).
 
 Interface (both): `layer_kv(i)` the layer's K/V as dense [B, Hkv, C, D] views (a paged layer's is a
 gather of its rows' pages: on every backend the attention kernels read that view; reading pages in
@@ -73,19 +77,42 @@ class PagedKVCache:
     lens: jax.Array  # [B] int32
     table: jax.Array  # [B, P] int32 page ids (0: the dummy page)
     page_size: int = struct.field(pytree_node=False, default=16)
+    window_table: jax.Array | None = None   # [B, P]: the windowed layers' pages (pages.WindowPages), or None
+    windowed: tuple = struct.field(pytree_node=False, default=())   # per layer: read through window_table
 
     @property
     def capacity(self) -> int:
         return self.table.shape[1] * self.page_size
 
     @classmethod
-    def zeros(cls, num_pages: int, page_size: int, batch: int, pages_per_row: int, layers, dtype):
-        """layers: per layer (Hkv, D)."""
-        def pool(h, d):
-            return jnp.zeros((num_pages, h, page_size, d), dtype)
-        return cls(k=tuple(pool(*x) for x in layers), v=tuple(pool(*x) for x in layers),
-                   lens=jnp.zeros((batch,), jnp.int32), table=jnp.zeros((batch, pages_per_row), jnp.int32),
-                   page_size=int(page_size))
+    def zeros(cls, num_pages: int, page_size: int, batch: int, pages_per_row: int, layers, dtype,
+              window_pages: int | None = None, windowed=()):
+        """layers: per layer (Hkv, D). windowed (with window_pages): per layer, whether its pools
+        are window pools of window_pages pages read through a second table."""
+        windowed = tuple(bool(w) for w in windowed) if window_pages is not None and any(windowed) else ()
+
+        def pool(i, h, d):
+            n = window_pages if windowed and windowed[i] else num_pages
+            return jnp.zeros((n, h, page_size, d), dtype)
+        table = jnp.zeros((batch, pages_per_row), jnp.int32)
+        return cls(k=tuple(pool(i, *x) for i, x in enumerate(layers)), v=tuple(pool(i, *x) for i, x in enumerate(layers)),
+                   lens=jnp.zeros((batch,), jnp.int32), table=table, page_size=int(page_size),
+                   window_table=table if windowed else None, windowed=windowed)
+
+    def with_tables(self, tables) -> "PagedKVCache":
+        """The cache with its page table(s): an array [B, P] (the main table), a pair (main, window
+        table: a cache without window layers ignores the second; one with them needs it), or None
+        (the per-row state without tables: the slot state keeps none)."""
+        if tables is None:
+            return self.replace(table=None, window_table=None)
+        main, window = tables if isinstance(tables, (tuple, list)) else (tables, None)
+        if self.windowed and window is None:
+            raise ValueError("this cache has window layers: give (main table, window table)")
+        return self.replace(table=main, window_table=window if self.windowed else None)
+
+    def layer_table(self, i: int):
+        """The page table layer i reads through."""
+        return self.window_table if self.windowed and self.windowed[i] else self.table
 
     def specs(self, mesh) -> "PagedKVCache":
         """PartitionSpecs on `mesh`: pools by kv head on 'model' (every page on every data shard:
@@ -96,7 +123,8 @@ class PagedKVCache:
         kv, lens = sharding.cache_specs(self.k[0].shape[1], mesh)
         pool = P(None, *kv[1:])
         return self.replace(k=tuple(pool for _ in self.k), v=tuple(pool for _ in self.v), lens=lens,
-                            table=None if self.table is None else P("data", None))
+                            table=None if self.table is None else P("data", None),
+                            window_table=None if self.window_table is None else P("data", None))
 
     def pools(self) -> tuple:
         """(k, v): the part every row shares, which row gathers and scatters leave alone."""
@@ -110,10 +138,10 @@ class PagedKVCache:
         """A rows_part() with its pools (from pools()) back."""
         return self.replace(k=pools[0], v=pools[1])
 
-    def _view(self, pool):
+    def _view(self, pool, table):
         from dflash_jax import sharding
-        B, P = self.table.shape
-        g = pool[self.table]                                                     # [B, P, Hkv, page, D]
+        B, P = table.shape
+        g = pool[table]                                                          # [B, P, Hkv, page, D]
         view = jnp.swapaxes(g, 1, 2).reshape(B, pool.shape[1], P * self.page_size, pool.shape[3])
         mesh = sharding.current_mesh()
         if mesh is None:
@@ -123,17 +151,17 @@ class PagedKVCache:
 
     def layer_kv(self, i: int):
         """Layer i's (k, v) as [B, Hkv, C, D]: each row's pages gathered (C = P * page)."""
-        return self._view(self.k[i]), self._view(self.v[i])
+        return self._view(self.k[i], self.layer_table(i)), self._view(self.v[i], self.layer_table(i))
 
-    def _pages_back(self, pool, view, lo, rows: int):
+    def _pages_back(self, pool, view, lo, rows: int, table):
         """pool with the pages holding view rows [lo[b], lo[b] + rows) written back from view."""
-        B, P = self.table.shape
+        B, P = table.shape
         ps, N = self.page_size, pool.shape[0]
         n = min(P, -(-rows // ps) + 1)
         idx = lo[:, None] // ps + jnp.arange(n, dtype=jnp.int32)                   # [B, n] pages of the row
         ok = idx < P
         idx = jnp.minimum(idx, P - 1)
-        ids = jnp.where(ok, jnp.take_along_axis(self.table, idx, axis=1), N)     # N: dropped
+        ids = jnp.where(ok, jnp.take_along_axis(table, idx, axis=1), N)          # N: dropped
         pages = view.reshape(B, view.shape[1], P, ps, view.shape[3])
         pages = jnp.take_along_axis(pages, idx[:, None, :, None, None], axis=2)   # [B, Hkv, n, ps, D]
         pages = jnp.swapaxes(pages, 1, 2).reshape(B * n, view.shape[1], ps, view.shape[3])
@@ -143,21 +171,22 @@ class PagedKVCache:
         """Layer i after a forward wrote rows [lo[b], lo[b] + rows) of each row into the views
         layer_kv(i) gave (k, v [B, Hkv, C, D]): the pages those rows touch go back to the pool
         (a page a row shares is full and lies before its writes, so it is never among them)."""
-        return self.replace(k=_put(self.k, i, self._pages_back(self.k[i], k, lo, rows)),
-                            v=_put(self.v, i, self._pages_back(self.v[i], v, lo, rows)))
+        t = self.layer_table(i)
+        return self.replace(k=_put(self.k, i, self._pages_back(self.k[i], k, lo, rows, t)),
+                            v=_put(self.v, i, self._pages_back(self.v[i], v, lo, rows, t)))
 
-    def _scatter(self, pool, new, start):
+    def _scatter(self, pool, new, start, table):
         """pool ← new [B, T, Hkv, D] at positions [start[b], + T) of each row (past the capacity:
         dropped). Whole pages: the n pages the rows touch are gathered, the rows written into them
         (a dynamic_update_slice) and the pages scattered back along the pool's page axis. A scatter
         of single positions (pool.at[page, :, offset]) made the TPU compiler copy the whole pool into
         another layout and back at every write (scripts/tpu_paged_step.py measures it)."""
         B, T, H, D = new.shape
-        ps, N, P = self.page_size, pool.shape[0], self.table.shape[1]
+        ps, N, P = self.page_size, pool.shape[0], table.shape[1]
         n = -(-T // ps) + 1             # pages a write can touch (those past the table are dropped)
         first = start // ps                                                       # [B]
         idx = first[:, None] + jnp.arange(n, dtype=jnp.int32)                     # [B, n]
-        ids = jnp.where(idx < P, jnp.take_along_axis(self.table, jnp.minimum(idx, P - 1), axis=1), N)
+        ids = jnp.where(idx < P, jnp.take_along_axis(table, jnp.minimum(idx, P - 1), axis=1), N)
         pages = pool[jnp.minimum(ids, N - 1)]                                     # [B, n, H, ps, D]
         block = jnp.swapaxes(pages, 1, 2).reshape(B, H, n * ps, D)
         upd = jnp.swapaxes(new, 1, 2).astype(pool.dtype)                          # [B, H, T, D]
@@ -179,13 +208,14 @@ class PagedKVCache:
             from pallas_kernels.attention import tpu_cache_write
             interpret = pltpu.InterpretParams() if kernels.interpret else False
             try:
-                kp, vp = tpu_cache_write.write_kv_pages(self.k[i], self.v[i], k, v, start, self.table,
+                kp, vp = tpu_cache_write.write_kv_pages(self.k[i], self.v[i], k, v, start, self.layer_table(i),
                                                         interpret=interpret)
                 return self.replace(k=_put(self.k, i, kp), v=_put(self.v, i, vp))
             except Unsupported:
                 pass
-        return self.replace(k=_put(self.k, i, self._scatter(self.k[i], k, start)),
-                            v=_put(self.v, i, self._scatter(self.v[i], v, start)))
+        t = self.layer_table(i)
+        return self.replace(k=_put(self.k, i, self._scatter(self.k[i], k, start, t)),
+                            v=_put(self.v, i, self._scatter(self.v[i], v, start, t)))
 
 
 def is_paged(cache) -> bool:

@@ -125,6 +125,9 @@ class EngineStats:
     prefix_hits_tokens: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    # the draft's sliding layers' window pool (pages.WindowPages; 0 / 0 without one)
+    kv_window_pages_used: int = 0
+    kv_window_pages_total: int = 0
     preemptions: int = 0
 
 
@@ -549,13 +552,14 @@ class SlotEngine(_EngineCore):
                  steps: int | str = 4, insert_width: int | None = None, kernels=None,
                  warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto",
                  verify_width=None, kv_pages: int | None = None, page_size: int = 16, prefix_cache: bool = True,
+                 window_pages: int | str = "auto",
                  wrap: Callable[[Slots], Any] | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl,
                            step_buckets=step_buckets, verify_width=verify_width, kv_pages=kv_pages,
-                           page_size=page_size, prefix_cache=prefix_cache)
+                           page_size=page_size, prefix_cache=prefix_cache, window_pages=window_pages)
         if wrap is not None:          # what the engine drives in the Slots' place (multihost_serve.LeaderSlots)
             self.slots = wrap(self.slots)
         # grammar masks are built on the host between steps; a multi-host server would have to
@@ -583,8 +587,11 @@ class SlotEngine(_EngineCore):
         if not sl.paged:
             return {}
         ps = sl.pages.stats()
+        ws = {} if getattr(sl, "wpages", None) is None else sl.wpages.stats()
         return dict(prefix_queries_tokens=ps["prefix_queries_tokens"], prefix_hits_tokens=ps["prefix_hits_tokens"],
-                    kv_pages_used=ps["pages_used"], kv_pages_total=ps["pages_total"], preemptions=sl.preemptions)
+                    kv_pages_used=ps["pages_used"], kv_pages_total=ps["pages_total"], preemptions=sl.preemptions,
+                    kv_window_pages_used=ws.get("window_pages_used", 0),
+                    kv_window_pages_total=ws.get("window_pages_total", 0))
 
     def check(self, r: Request) -> None:
         super().check(r)

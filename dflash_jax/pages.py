@@ -351,6 +351,17 @@ class WindowPages:
         behind = max(window - 1, block_size)
         return pages_for(block_size + behind + page_size - 1 + reach, page_size) + 1
 
+    @staticmethod
+    def default_pages(slots: int, window: int, block_size: int, page_size: int, steps: int,
+                      pages_per_row: int) -> int:
+        """The window pool's default size: every slot's live window at the slot engine's largest reach
+        (the step in flight + the next: 2 x steps iterations of a block, + a block), + 1 (the dummy),
+        + one row's every page (a whole prompt's windows written by its insert, the room the cached
+        prefixes' last windows live in). A row's live window never exceeds its main pages, so more
+        than slots x pages_per_row is never needed."""
+        live = WindowPages.live_pages(window, block_size, page_size, (2 * steps + 1) * block_size)
+        return min(slots * live + pages_per_row, slots * pages_per_row) + 1
+
     # -- the bounds
 
     def first_needed(self, length: int) -> int:

@@ -680,6 +680,11 @@ class _EngineCounters:
         yield per_pos
         yield GaugeMetricFamily("dflash_kv_pages_used", "KV pages holding a live reference", value=st.kv_pages_used)
         yield GaugeMetricFamily("dflash_kv_pages_total", "KV pages in the pool", value=st.kv_pages_total)
+        if st.kv_window_pages_total:
+            yield GaugeMetricFamily("dflash_kv_window_pages_used", "window pages (the draft's sliding layers) "
+                                    "holding a live reference", value=st.kv_window_pages_used)
+            yield GaugeMetricFamily("dflash_kv_window_pages_total", "window pages in the draft's sliding layers' pool",
+                                    value=st.kv_window_pages_total)
         yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "fraction of the KV pages in use",
                                 value=st.kv_pages_used / st.kv_pages_total if st.kv_pages_total else 0.0)
 
@@ -1343,6 +1348,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="size the paged pool (--kv-pages) from this many GiB of KV (target + draft)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (with --kv-pages / --kv-cache-memory)")
+    g.add_argument("--kv-window-pages", default="auto", metavar="N|auto",
+                   help="with pages and a draft with sliding-window layers: their context in a pool of N pages of its "
+                        "own, holding only each row's window (auto: every slot's window at a step's reach + one row's "
+                        "pages, at most --kv-pages; 0: in the main pages, the window a mask). --kv-cache-memory "
+                        "takes this pool's bytes first")
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on",
                    help="with pages: reuse the K/V of prompts' cached full-page prefixes, the draft's context with the "
                         "target's (on by default)")
@@ -1618,24 +1628,57 @@ def paged_args(parser, args, target, draft) -> dict:
         parser.error("give --kv-pages or --kv-cache-memory, not both")
     if args.page_size < 1:
         parser.error(f"--page-size must be >= 1, got {args.page_size}")
+    wp = getattr(args, "kv_window_pages", "auto")
+    if wp != "auto":
+        try:
+            wp = int(wp)
+        except ValueError:
+            parser.error(f"--kv-window-pages must be an integer or 'auto', got {wp!r}")
+        if wp < 0 or wp == 1:
+            parser.error(f"--kv-window-pages must be 0 (off), >= 2 or 'auto', got {wp}")
+    window = draft.window() if draft is not None and hasattr(draft, "window") else None
+    windowed = window is not None and wp != 0
     pages = args.kv_pages
     if pages is None:
         if args.kv_cache_memory <= 0:
             parser.error(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
-        pages = int(args.kv_cache_memory * 2**30 // page_bytes(target, draft, args.page_size))
+        budget = int(args.kv_cache_memory * 2**30)
+        main = page_bytes(target, draft, args.page_size, windowed=False if windowed else None)
+        if windowed:   # the window pool's bytes first (auto: sized as Slots sizes it, at most the shared pages)
+            from dflash_jax.pages import WindowPages
+            from dflash_jax.slots import steps_for_rows
+            S = args.block_size or draft.config.block_size
+            ppr = -(-(args.capacity or DEFAULT_CAPACITY) // args.page_size)
+            if wp == "auto":
+                wp = min(budget // (main + page_bytes(None, draft, args.page_size, windowed=True)),
+                         WindowPages.default_pages(args.slots, window, S, args.page_size,
+                                                   steps_for_rows(getattr(args, "engine_steps", "auto"), 1), ppr))
+            budget -= wp * page_bytes(None, draft, args.page_size, windowed=True)
+        pages = int(max(budget, 0) // main)
     if pages < 2:
         parser.error(f"the KV page pool must hold at least 2 pages, got {pages}")
-    return dict(kv_pages=pages, page_size=args.page_size, prefix_cache=args.prefix_cache == "on")
+    out = dict(kv_pages=pages, page_size=args.page_size, prefix_cache=args.prefix_cache == "on")
+    if window is not None:
+        out["window_pages"] = wp
+    return out
 
 
-def page_bytes(target, draft, page_size: int) -> int:
-    """Bytes one KV page takes over every layer of the target and of the draft (K and V)."""
+def page_bytes(target, draft, page_size: int, windowed: bool | None = None) -> int:
+    """Bytes one KV page takes over every layer of the target and of the draft (K and V). windowed
+    (a draft with sliding layers): False, the target and the draft's full layers only (a main page
+    when the sliding layers have a window pool); True, the draft's sliding layers only (a window
+    page, no target); None: every layer."""
     import numpy as np
 
-    def one(model):
+    def one(model, layers):
         c = model.config
-        return 2 * c.num_layers * model.layers[0].num_kv_heads * page_size * c.head_dim * np.dtype(model.dtype).itemsize
-    return one(target) + (0 if draft is None else one(draft))
+        return 2 * layers * model.layers[0].num_kv_heads * page_size * c.head_dim * np.dtype(model.dtype).itemsize
+    out = 0 if target is None or windowed else one(target, target.config.num_layers)
+    if draft is not None:
+        c = draft.config
+        sliding = sum(c.layer_window(i) is not None for i in range(c.num_layers)) if hasattr(c, "layer_window") else 0
+        out += one(draft, {None: c.num_layers, False: c.num_layers - sliding, True: sliding}[windowed])
+    return out
 
 
 def _serve(parser, args, sock, hosts=None) -> int:

@@ -98,21 +98,31 @@ def _join_pools(loop: LoopState, pools) -> LoopState:
                         draft_cache=None if dc is None else dc.with_pools(pools[1]))
 
 
+def _main_table(table):
+    """The main page table of a program's table argument: an array [B, P], or (main, window) when the
+    draft's sliding layers have a window pool (pages.WindowPages), or None."""
+    return table[0] if isinstance(table, (tuple, list)) else table
+
+
 def _with_table(loop: LoopState, table) -> LoopState:
-    """loop's paged caches with the page table `table` [B, P] (the host's, this program's)."""
+    """loop's paged caches with the page table `table` [B, P] (the host's, this program's): the
+    target reads the main one, the draft its window layers through the window one (a pair)."""
     dc = loop.draft_cache
-    return loop.replace(target_cache=loop.target_cache.replace(table=table),
-                        draft_cache=None if dc is None else dc.replace(table=table))
+    return loop.replace(target_cache=loop.target_cache.replace(table=_main_table(table)),
+                        draft_cache=None if dc is None else dc.with_tables(table))
 
 
-def _paged_empty(st: Static, tstate, dstate, num_pages: int, page_size: int) -> SlotState:
-    """_slots_empty with paged caches: pools of num_pages pages, every table row the dummy page."""
+def _paged_empty(st: Static, tstate, dstate, num_pages: int, page_size: int,
+                 window_pages: int | None = None) -> SlotState:
+    """_slots_empty with paged caches: pools of num_pages pages, every table row the dummy page;
+    window_pages: the draft's sliding layers in a window pool of that many pages of their own."""
     P = st.capacity // page_size
 
     def init(ts, ds):
         target, draft = merge_models(st, ts, ds)
+        wkw = {} if window_pages is None else {"window_pages": window_pages}
         caches = (target.new_paged_cache(st.batch, num_pages, page_size, P),
-                  None if draft is None else draft.new_paged_cache(st.batch, num_pages, page_size, P))
+                  None if draft is None else draft.new_paged_cache(st.batch, num_pages, page_size, P, **wkw))
         p = idle_params(st.batch, 16)
         loop = prefill(dataclasses.replace(st, prompt_bucket=16), target, draft,
                        p.replace(prompt_start=jnp.zeros((st.batch,), jnp.int32)), caches=caches)
@@ -138,9 +148,9 @@ def _paged_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows,
         old, pools = _split_pools(slots.loop)
         Bp = p.prompt.shape[0]
         zeros = jnp.zeros((Bp,), jnp.int32)
-        tc = slots.loop.target_cache.replace(table=table, lens=zeros)
+        tc = slots.loop.target_cache.replace(table=_main_table(table), lens=zeros)
         dc = slots.loop.draft_cache
-        new = prefill(st, target, draft, p, caches=(tc, None if dc is None else dc.replace(table=table, lens=zeros)))
+        new = prefill(st, target, draft, p, caches=(tc, None if dc is None else dc.with_tables(table).replace(lens=zeros)))
         drafts = _next_drafts(st, target, draft, p, new)
         new, pools = _split_pools(_without_table(new))
         put = lambda o, x: o.at[rows].set(x, mode="drop")                              # noqa: E731
@@ -166,14 +176,15 @@ def _paged_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
     return (slots.replace(loop=_without_table(slots.loop)), *out)
 
 
-def step_functions(st: Static, steps: int, page_size: int | None = None, num_pages: int | None = None):
+def step_functions(st: Static, steps: int, page_size: int | None = None, num_pages: int | None = None,
+                   window_pages: int | None = None):
     """(empty, step): the slot state's allocation `empty(tstate, dstate)` and the step program
     `step(tstate, dstate, slots, release, wp[, table])` of `steps` iterations over st.batch slots,
     dense or (page_size) paged with num_pages pages: SlotPrograms' empty and full-width step, for
     ahead-of-time lowering from configs alone (decode.lower_slot_step)."""
     if page_size is None:
         return (lambda ts, ds: _slots_empty(st, ts, ds)), functools.partial(_slots_step, st, steps)
-    return ((lambda ts, ds: _paged_empty(st, ts, ds, num_pages, page_size)),
+    return ((lambda ts, ds: _paged_empty(st, ts, ds, num_pages, page_size, window_pages)),
             functools.partial(_paged_step, st, steps))
 
 
@@ -302,7 +313,9 @@ class SlotPrograms:
     """The slot engine's programs over one pair of models, as its host side (dflash_jax.slots.Slots)
     asks for them: `slots` rows of `capacity` positions, blocks of `block_size`, `kernels` resolved,
     the adaptive verify width when `verify_width` is set (None: the whole block), and with
-    `pages` = (num_pages, page_size) paged caches (the host passes each program its page-table rows).
+    `pages` = (num_pages, page_size[, window_pages]) paged caches (the host passes each program its
+    page-table rows: with window_pages, a (main, window) pair, the draft's sliding layers in a window
+    pool of their own: pages.WindowPages).
 
     The host names a program by its compile key (`static`: a loop.Static, opaque to it) and its
     shape buckets (rows, iterations, table width), and passes the arguments it will call it with
@@ -320,6 +333,7 @@ class SlotPrograms:
         self.kernels, self.verify_width = kernels, verify_width
         self.paged = pages is not None
         self.num_pages, self.page_size = (int(pages[0]), int(pages[1])) if self.paged else (None, None)
+        self.window_pages = int(pages[2]) if self.paged and len(pages) > 2 and pages[2] is not None else None
 
     def static(self, *, prompt_bucket: int, batch: int, mode: str, penalties: bool = False,
                grammar: bool = False) -> Static:
@@ -346,7 +360,7 @@ class SlotPrograms:
         """The slot state with every slot free (on the mesh: laid out as every program takes it)."""
         st = self.static(prompt_bucket=0, batch=self.slots, mode="greedy")
         if self.paged:
-            state = _paged_empty(st, self.tstate, self.dstate, self.num_pages, self.page_size)
+            state = _paged_empty(st, self.tstate, self.dstate, self.num_pages, self.page_size, self.window_pages)
         else:
             with sharding.active(self.mesh):
                 state = _slots_empty(st, self.tstate, self.dstate)
@@ -371,7 +385,8 @@ class SlotPrograms:
         written into slot rows) for args (state, params, rows[, table]); paged: a table table_width wide."""
         models = (self.tstate, self.dstate)
         if self.paged:
-            return cached_program(("engine_insert_paged", st, self.slots, self.num_pages, table_width), _paged_insert,
+            return cached_program(("engine_insert_paged", st, self.slots, self.num_pages, self.window_pages, table_width),
+                                  _paged_insert,
                                   (st,), models + tuple(args), donate=(2,))
         return cached_program(("engine_insert", st, self.slots), _slots_insert, (st,), models + tuple(args),
                               donate=(2,))
@@ -381,7 +396,7 @@ class SlotPrograms:
         `rows` slots named by idx (a step bucket), for args (state, release, width fields[, idx][, table])."""
         key = self._step_key(st, n_iters, rows)
         if self.paged:
-            key = ("paged", self.num_pages, table_width) + key
+            key = ("paged", self.num_pages, self.window_pages, table_width) + key
         if rows == self.slots:
             fn = _paged_step if self.paged else _slots_step
         else:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import penalties, sampling, sharding, validation
-from dflash_jax.pages import PageAllocator, pages_for
+from dflash_jax.pages import PageAllocator, WindowPages, pages_for
 from dflash_jax.kernel_config import kernels_from
 from dflash_jax import width
 from dflash_jax.slot_programs import SlotPrograms
@@ -188,7 +188,7 @@ class Slots:
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
                  steps: int | str = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
                  step_buckets="auto", verify_width=None, kv_pages: int | None = None, page_size: int = 16,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, window_pages: int | str = "auto"):
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
             insert_width = min(slots, 8) if validation.is_int(slots) else 1
         if steps != "auto" and (not validation.is_int(steps) or steps < 1):
@@ -213,6 +213,21 @@ class Slots:
                 raise ValueError(f"a paged KV cache is not supported for the {target.config.model_type} target "
                                  f"(its recurrent layers keep per-row state): use the fixed-slot engine (no kv_pages)")
             capacity = -(-int(capacity) // page_size) * page_size      # positions per row: whole pages
+        # a draft with sliding layers: their context in a window pool of its own (pages.WindowPages),
+        # unless window_pages=0 (they keep every row in the main pages, the window a mask)
+        window = draft.window() if self.paged and S > 1 and hasattr(draft, "window") else None
+        if window_pages != "auto" and (not validation.is_int(window_pages) or window_pages == 1 or window_pages < 0):
+            raise ValueError(f"window_pages must be 'auto', 0 (off) or an integer >= 2, got {window_pages!r}")
+        if window is not None and window_pages != 0:
+            if window_pages == "auto":
+                window_pages = min(int(kv_pages), WindowPages.default_pages(
+                    int(slots), window, S, page_size, steps_for_rows(steps, 1), int(capacity) // page_size))
+            live = WindowPages.live_pages(window, S, page_size, (2 * steps_for_rows(steps, 1) + 1) * S)
+            if window_pages - 1 < min(live, int(capacity) // page_size):
+                raise ValueError(f"window_pages={window_pages} cannot hold one row's window ({live} pages of "
+                                 f"{page_size} for window {window}, block {S}): give more, or 0 (no window pool)")
+        else:
+            window_pages = None
         # verify_width None: the whole block in a step program of known trip count (the default);
         # "auto" or a width: the adaptive program, whose per-width loops XLA:GPU waits on
         # (docs/adaptive-width.md)
@@ -230,7 +245,7 @@ class Slots:
         # the device programs (dflash_jax.slot_programs); slots on the models' mesh's 'data' axis
         self.programs = SlotPrograms(target, draft, slots=self.slots, capacity=self.capacity, block_size=S,
                                      kernels=self.kernels, verify_width=self.verify_width,
-                                     pages=(int(kv_pages), int(page_size)) if self.paged else None)
+                                     pages=(int(kv_pages), int(page_size), window_pages) if self.paged else None)
         self.mesh = self.programs.mesh
         self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
         if self.slots % self._data:
@@ -241,6 +256,10 @@ class Slots:
         if self.paged:
             self.page_size, self.pages_per_row = int(page_size), self.capacity // int(page_size)
             self.pages = PageAllocator(int(kv_pages), self.page_size, prefix_cache=bool(prefix_cache))
+            # the draft's sliding layers' pages: a second pool and table (None: they use the main ones)
+            self.wpages = None if window_pages is None else WindowPages(
+                window_pages, self.page_size, window=window, block_size=S, slots=self.slots,
+                pages_per_row=self.pages_per_row, prefix_cache=bool(prefix_cache))
             self.table = np.zeros((self.slots, self.pages_per_row), np.int32)
             self._row_pages: list[list[int]] = [[] for _ in range(self.slots)]
             self._row_tokens: list[list[int]] = [[] for _ in range(self.slots)]   # prompt + committed
@@ -248,7 +267,7 @@ class Slots:
             self._limit = np.zeros((self.slots,), np.int64)      # prompt + max_new
             self._inflight = np.zeros((self.slots,), np.int64)   # iterations dispatched, not read
             self.epoch = np.zeros((self.slots,), np.int64)       # inserts into the slot so far
-            self._admitted: dict[int, tuple[list[int], int]] = {}   # slot -> (pages, prefix hit) before insert
+            self._admitted: dict[int, tuple] = {}   # slot -> (pages, prefix hit, window row) before insert
             self.preemptions = 0
         self.state = self.programs.empty()
         self._release = np.zeros((self.slots,), bool)
@@ -341,7 +360,7 @@ class Slots:
             rows = self._put(np.full((width,), self.slots, np.int32))
             if self.paged:
                 p = p.replace(prompt_start=self._put(np.zeros((width,), np.int32), P("data")))
-                table = self._table_arg(np.zeros((width, pages), np.int32))
+                table = self._tables(np.zeros((width, pages), np.int32), np.zeros((width, pages), np.int32))
                 prog = self.programs.insert(st, (self.state, p, rows, table), pages)
             else:
                 prog = self.programs.insert(st, (self.state, p, rows))
@@ -368,6 +387,17 @@ class Slots:
     def _table_arg(self, table: np.ndarray):
         """Page-table rows as a program argument (on a mesh: rows on 'data', as the slots')."""
         return self._put(table, None if self.mesh is None else P("data", None))
+
+    def _tables(self, main: np.ndarray, window: np.ndarray):
+        """A program's table argument: the main table rows, or with a window pool the pair (main,
+        window rows: WindowPages.table)."""
+        if self.wpages is None:
+            return self._table_arg(main)
+        return self._table_arg(main), self._table_arg(window)
+
+    def _step_tables(self, pages: int):
+        """Every slot's table rows, `pages` wide, as a step's argument."""
+        return self._tables(self.table[:, :pages], None if self.wpages is None else self.wpages.table[:, :pages])
 
     def _pages_bucket(self, pages: int | None) -> int | None:
         """A paged program's table width for rows holding up to `pages` pages: the next power of two,
@@ -396,7 +426,7 @@ class Slots:
         st, K, rows = self._step_static(mode, rows)
         wp = dict(self.programs.width_fields(st, K, rows), **self._grammar_fields(mode, list(range(rows))))
         idx = () if rows == self.slots else (self._put(np.arange(rows, dtype=np.int32)),)
-        table = (self._table_arg(self.table[:, :pages]),) if self.paged else ()
+        table = (self._step_tables(pages),) if self.paged else ()
         prog = self.programs.step(st, K, rows, (self.state, self._put(self._release), wp, *idx, *table), pages)
         self._programs[(mode, rows, pages)] = prog
         return prog
@@ -470,7 +500,7 @@ class Slots:
 
         def time_width(i):
             t0 = time.perf_counter()
-            table = (self._table_arg(self.table),) if self.paged else ()
+            table = (self._step_tables(self.pages_per_row),) if self.paged else ()
             self.state, commits, _, _ = prog(self._tstate, self._dstate, self.state, self._put(self._release),
                                              self._width_params(mode, n, i), *idx, *table)
             jax.block_until_ready(commits)
@@ -523,11 +553,14 @@ class Slots:
                 starts = np.zeros((W,), np.int32)
                 pages = self._pages_bucket(max(len(self._admitted[slot][0]) for slot, _ in chunk)) if self.paged else None
                 table = np.zeros((W, pages), np.int32) if self.paged else None
+                wtable = np.zeros((W, pages), np.int32) if self.paged else None
                 settings = [RowRequest(prompt=(0,), max_new=1).settings()] * W
                 for i, (slot, r) in enumerate(chunk):
                     if self.paged:
                         starts[i] = self._start_row(slot, r)
                         table[i] = self.table[slot, :pages]
+                        if self.wpages is not None:
+                            wtable[i] = self.wpages.table[slot, :pages]
                     prompt[i, :len(r.prompt) - starts[i]] = r.prompt[starts[i]:]
                     lens[i], rows[i] = len(r.prompt), slot
                     settings[i] = r.settings()
@@ -541,9 +574,12 @@ class Slots:
                 if self.paged:
                     p = p.replace(prompt_start=self._put(starts, P("data")))
                     self.state, first, done, *drafts = prog(self._tstate, self._dstate, self.state, p, self._put(rows),
-                                                   self._table_arg(table))
+                                                   self._tables(table, wtable))
                     for slot, r in chunk:   # both caches hold the prompt once the prefill runs (dispatch order)
                         self.pages.publish(r.prompt, self._row_pages[slot])
+                        if self.wpages is not None:   # its window pages too; then those behind its window go
+                            self.wpages.publish(slot, r.prompt)
+                            self.wpages.trim(slot, len(r.prompt))
                 else:
                     self.state, first, done, *drafts = prog(self._tstate, self._dstate, self.state, p, self._put(rows))
                 if drafts:     # read when the first step's masks are built (_grammar_fields)
@@ -570,7 +606,10 @@ class Slots:
         self._has_drafts[slot] = False
         if self.paged:
             if slot in self._admitted:                      # admitted, never inserted
-                self.pages.release(self._admitted.pop(slot)[0])
+                pages, _, wrow = self._admitted.pop(slot)
+                self.pages.release(pages)
+                if self.wpages is not None:
+                    self.wpages.release_row(wrow)
                 return
             pages = self._row_pages[slot]
             if pages:
@@ -579,6 +618,9 @@ class Slots:
                 final = max(0, int(self._known[slot]) - self.block_size)
                 self.pages.publish(self._row_tokens[slot][:final], pages)
                 self.pages.release(pages)
+                if self.wpages is not None:
+                    self.wpages.publish(slot, self._row_tokens[slot][:final])
+                    self.wpages.release(slot)
             self._row_pages[slot], self._row_tokens[slot] = [], []
             self.table[slot] = 0
             self.epoch[slot] += 1
@@ -592,16 +634,21 @@ class Slots:
         return min(reach, int(self._limit[slot]) + S, self.capacity)
 
     def _give(self, slot: int, positions: int) -> bool:
-        """Pages for `slot` to cover `positions`, allocated now; False (nothing allocated) when short."""
-        need = pages_for(positions, self.page_size) - len(self._row_pages[slot])
+        """Pages for `slot` to cover `positions` (main and window ones), allocated now; False
+        (nothing allocated) when either pool is short."""
+        n = pages_for(positions, self.page_size)
+        need = n - len(self._row_pages[slot])
         if need <= 0:
             return True
-        new = self.pages.allocate(need)
-        if new is None:
+        if need > self.pages.available() or (
+                self.wpages is not None and n - len(self.wpages.rows[slot]) > self.wpages.alloc.available()):
             return False
-        n = len(self._row_pages[slot])
+        new = self.pages.allocate(need)
+        m = len(self._row_pages[slot])
         self._row_pages[slot].extend(new)
-        self.table[slot, n:n + len(new)] = new
+        self.table[slot, m:m + len(new)] = new
+        if self.wpages is not None:
+            self.wpages.grow(slot, n)
         return True
 
     def admit(self, slot: int, r: RowRequest) -> bool:
@@ -612,22 +659,36 @@ class Slots:
         # its hit stops before it
         lookup = r.prompt[:len(r.prompt) - r.resumed] if r.mode.endswith(PENALTIES) else r.prompt
         hit_pages, hit = self.pages.match(lookup, count=False)     # counted once admitted: a queue head
-        S, K = self.block_size, self.steps_for(1)                  # retried every turn counts once
+        wrow = []                                                  # retried every turn counts once
+        if self.wpages is not None:   # the hit capped where the window pages behind it are gone
+            hit_pages, hit, wrow = self.wpages.match(self.pages, lookup, hit_pages, hit)
+        S, K = self.block_size, self.steps_for(1)
         reach = min(len(r.prompt) + K * S + S, len(r.prompt) + r.max_new + S, self.capacity)
-        new = self.pages.allocate(max(0, pages_for(reach, self.page_size) - len(hit_pages)))
+        n = pages_for(reach, self.page_size)
+        new = self.pages.allocate(max(0, n - len(hit_pages)))
+        row = None
+        if new is not None and self.wpages is not None:
+            row = self.wpages.admit(wrow, len(r.prompt), len(hit_pages) + len(new))
+            if row is None:
+                self.pages.release(new)
+                new = None
         if new is None:
             self.pages.release(hit_pages)
+            if self.wpages is not None:
+                self.wpages.release_row(wrow)
             return False
         self.pages.count(len(r.prompt), hit)
-        self._admitted[slot] = (hit_pages + new, hit)
+        self._admitted[slot] = (hit_pages + new, hit, row)
         return True
 
     def _start_row(self, slot: int, r: RowRequest) -> int:
         """The admitted slot's row state on the host; returns its prefix hit (the prefill's start)."""
-        pages, hit = self._admitted.pop(slot)
+        pages, hit, wrow = self._admitted.pop(slot)
         self._row_pages[slot] = pages
         self.table[slot] = 0
         self.table[slot, :len(pages)] = pages
+        if self.wpages is not None:
+            self.wpages.start(slot, wrow)
         self._row_tokens[slot] = list(r.prompt)
         self._known[slot], self._limit[slot] = len(r.prompt), len(r.prompt) + r.max_new
         self._inflight[slot] = 0
@@ -639,6 +700,9 @@ class Slots:
         Returns the slots that could not get them (they got nothing); the caller frees pages
         (preempting a request) and asks again, or stops stepping them."""
         K = self.steps_for(self.step_bucket(len(busy)))
+        if self.wpages is not None:   # first the window pages no program run from now on can touch
+            for b in busy:
+                self.wpages.trim(b, int(self._known[b]))
         return [b for b in busy if not self._give(b, self._reach(b, K))]
 
     def note_insert(self, slot: int, epoch: int, first: int) -> None:
@@ -656,7 +720,10 @@ class Slots:
             self._known[slot] += len(ids)
 
     def page_stats(self) -> dict:
-        return dict(self.pages.stats(), preemptions=self.preemptions) if self.paged else {}
+        if not self.paged:
+            return {}
+        return dict(self.pages.stats(), preemptions=self.preemptions,
+                    **({} if self.wpages is None else self.wpages.stats()))
 
     def step_async(self, busy: Sequence[int] | None = None):
         """Dispatch `steps` iterations over the busy slots (None: every slot), in the program
@@ -679,11 +746,12 @@ class Slots:
         table = ()
         if self.paged:
             K = self.steps_for(n, mode)
-            short = [b for b in busy if pages_for(self._reach(b, K), self.page_size) > len(self._row_pages[b])]
+            short = [b for b in busy if pages_for(self._reach(b, K), self.page_size) > len(self._row_pages[b])
+                     or (self.wpages is not None and len(self.wpages.rows[b]) < len(self._row_pages[b]))]
             if short:
                 raise PagesShort(f"slots {short} have no pages for their next step: call grow() first")
             self._inflight[busy] += K
-            table = (self._table_arg(self.table[:, :pages]),)
+            table = (self._step_tables(pages),)
         if n == self.slots:
             wp = dict(wp, **self._grammar_fields(mode, list(range(n))))
             self.state, *out = prog(self._tstate, self._dstate, self.state, release, wp, *table)

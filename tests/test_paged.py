@@ -14,6 +14,7 @@ import pytest
 
 from dflash_jax import generate, load_draft, load_target
 from dflash_jax.engine import Request, SlotEngine, Tokens
+from dflash_jax.pages import WindowPages
 from dflash_jax.slots import PagesShort, RowRequest, Slots
 from tests.test_serve import tiny  # noqa: F401  (fixture)
 
@@ -150,6 +151,51 @@ def test_windowed_dflash2_prefix_hit_gives_the_cold_tokens_and_acceptance(window
     assert max(want.acceptance_lengths[0]) >= 3
 
 
+def test_windowed_dflash2_frees_the_pages_behind_its_window(windowed_dflash2):
+    """The window-6 DFlash2 draft's sliding layers in a window pool of their own (pages.WindowPages):
+    a row whose output runs far past the window holds window pages only around its window and reach
+    (its peak below the main pages it holds), gives one-shot generate's tokens and acceptance
+    lengths, and a prefix hit on its pages (ending on a page and inside one) is one too: the window
+    pages of the hit's last window came back with the main pages."""
+    d = windowed_dflash2
+    target, draft = d["target"], d["draft"]
+    cap = 192
+    eng = Slots(target, draft, slots=2, capacity=cap, steps=K, kv_pages=120, page_size=PAGE)
+    win = eng.wpages
+    assert win is not None and win.window == 6 and win.behind == max(6 - 1, eng.block_size)
+    first = tuple(d["prompts"][0])
+    peak_main = []
+    eng.grow = (lambda grow: lambda busy: (peak_main.append(eng.pages.used()), grow(busy))[1])(eng.grow)
+    res = eng.run([RowRequest(prompt=first, max_new=120)])[0]
+    want = generate(target, draft, [list(first)], max_new_tokens=120, capacity=cap, verify_width="block")
+    assert res.tokens == want.tokens[0] and res.acceptance_lengths == want.acceptance_lengths[0]
+    assert max(want.acceptance_lengths[0]) >= 3
+    # the shared-table design held a window page for every main page; here the window pool's peak
+    # is what one row's live window + reach needs, well under the row's main pages
+    assert win.peak < max(peak_main) and win.peak <= WindowPages.live_pages(6, eng.block_size, PAGE,
+                                                                             (2 * K + 1) * eng.block_size)
+    assert win.alloc.stats()["evictions"] == 0 and win.used() == 0 and eng.pages.used() == 0
+    win.check()
+    eng.pages.check()
+    turn = first + tuple(res.tokens)
+    for extra in (0, 2):          # a hit ending on a page boundary / inside a page
+        cut = (len(turn) - eng.block_size) // PAGE * PAGE - 3 * PAGE + extra
+        second = turn[:cut] + tuple(d["prompts"][1][:5])
+        hits = eng.pages.stats()["prefix_hits_tokens"]
+        got = eng.run([RowRequest(prompt=second, max_new=20)])[0]
+        assert eng.pages.stats()["prefix_hits_tokens"] - hits == cut - extra     # every full shared page
+        want = generate(target, draft, [list(second)], max_new_tokens=20, capacity=cap, verify_width="block")
+        assert got.tokens == want.tokens[0] and got.acceptance_lengths == want.acceptance_lengths[0]
+    # a prefix whose window pages are gone (behind the first row's window when it ended) is capped
+    early = turn[:4 * PAGE] + tuple(d["prompts"][1][:5])
+    hits = eng.pages.stats()["prefix_hits_tokens"]
+    got = eng.run([RowRequest(prompt=early, max_new=8)])[0]
+    assert eng.pages.stats()["prefix_hits_tokens"] - hits < 4 * PAGE
+    want = generate(target, draft, [list(early)], max_new_tokens=8, capacity=cap, verify_width="block")
+    assert got.tokens == want.tokens[0] and got.acceptance_lengths == want.acceptance_lengths[0]
+    win.check()
+
+
 def test_a_hybrid_target_is_refused_in_one_line(tmp_path):
     """Qwen3.5's Gated DeltaNet layers keep per-row recurrent state, which pages (and a prefix hit)
     do not restore: the paged engine refuses the target and names the fixed-slot engine."""
@@ -266,6 +312,28 @@ def test_serve_flags_size_the_pool(pair, capsys):
         with pytest.raises(SystemExit):
             serve.paged_args(p, p.parse_args(["--slots", "4"] + bad), target, draft)
         assert msg in capsys.readouterr().err
+
+
+def test_serve_flags_size_the_window_pool(windowed_dflash2, capsys):
+    """--kv-window-pages reaches the engine (auto, N, 0: off); with --kv-cache-memory the window pool's
+    bytes (the draft's sliding layers) come out of the budget first and a main page no longer counts
+    them."""
+    from dflash_jax import serve
+    target, draft = windowed_dflash2["target"], windowed_dflash2["draft"]
+    p = serve.build_parser()
+    a = p.parse_args(["--slots", "4", "--kv-pages", "64"])
+    assert serve.paged_args(p, a, target, draft)["window_pages"] == "auto"
+    a = p.parse_args(["--slots", "4", "--kv-cache-memory", "0.001", "--page-size", "8", "--kv-window-pages", "40"])
+    main, window = serve.page_bytes(target, draft, 8, windowed=False), serve.page_bytes(None, draft, 8, windowed=True)
+    assert main + window == serve.page_bytes(target, draft, 8) and window > 0
+    got = serve.paged_args(p, a, target, draft)
+    assert got["window_pages"] == 40 and got["kv_pages"] == (int(0.001 * 2**30) - 40 * window) // main
+    a = p.parse_args(["--slots", "4", "--kv-cache-memory", "0.001", "--kv-window-pages", "0"])
+    assert serve.paged_args(p, a, target, draft)["kv_pages"] == int(0.001 * 2**30 // serve.page_bytes(target, draft, 16))
+    for bad in ("1", "-2", "many"):
+        with pytest.raises(SystemExit):
+            serve.paged_args(p, p.parse_args(["--slots", "4", "--kv-pages", "64", "--kv-window-pages", bad]), target, draft)
+        assert "--kv-window-pages" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -415,11 +415,23 @@ class DFlash2Draft(nnx.Module):
         return KVCache(k=tuple(jnp.zeros(s, self.dtype) for s in shapes),
                        v=tuple(jnp.zeros(s, self.dtype) for s in shapes), lens=jnp.zeros((batch,), jnp.int32))
 
-    def new_paged_cache(self, batch: int, num_pages: int, page_size: int, pages_per_row: int) -> PagedKVCache:
-        """Every layer's context K/V in pages addressed by the target's table (a sliding layer's
-        window is then a mask over them, not a ring: dflash_jax.cache)."""
+    def window(self) -> int | None:
+        """The widest sliding window of the draft's layers (None: no sliding layer): what a window
+        pool's rows must keep (pages.WindowPages)."""
+        ws = [self.config.layer_window(i) for i in range(self.config.num_layers)]
+        ws = [w for w in ws if w is not None]
+        return max(ws) if ws else None
+
+    def new_paged_cache(self, batch: int, num_pages: int, page_size: int, pages_per_row: int,
+                        window_pages: int | None = None) -> PagedKVCache:
+        """Every layer's context K/V in pages. Full layers: addressed by the target's table.
+        Sliding layers: the same (their window a mask over every row), or with window_pages a pool
+        of that many pages of their own read through the window table, whose entries behind a row's
+        window point at the dummy page (the window mask hides it: dflash_jax.cache)."""
         geometry = [(self.layers[0].num_kv_heads, self.config.head_dim)] * self.config.num_layers
-        return PagedKVCache.zeros(num_pages, page_size, batch, pages_per_row, geometry, self.dtype)
+        windowed = [self.config.layer_window(i) is not None for i in range(self.config.num_layers)]
+        return PagedKVCache.zeros(num_pages, page_size, batch, pages_per_row, geometry, self.dtype,
+                                  window_pages=window_pages, windowed=windowed)
 
 
 # DFlash2 tensors beside the z-lab DFlash ones: the convs in each layer, the selector at the top (the
