@@ -67,18 +67,29 @@ def _int8_oracle(x, q, scale, sizes):
     return out
 
 
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("sizes", [[3, 0, 7, 0, 10], [0, 0, 0, 0, 0], [0, 20, 0, 0, 0]])
-def test_gmm_tpu_kernel_reads_int8_experts_like_the_dequantize_oracle(sizes, dtype):
-    """int8 experts (q [G, K, N], float32 scale [G, N]) in the TPU kernel's prologue (interpreted):
-    the groups' rows times q[g] * scale[g]; several row and column tiles, empty groups, rows past
-    the groups zero. bf16 rows: within one bf16 rounding of the float64 product."""
+def test_gmm_kernels_read_int8_experts_like_the_dequantize_oracle(sizes, dtype, impl):
+    """int8 experts (q [G, K, N], float32 scale [G, N]) read by the TPU and GPU kernels themselves
+    (interpreted): the groups' rows times q[g] * scale[g]; several row and column tiles (and K
+    steps on the GPU), empty groups, rows past the groups zero. bf16 rows: within one bf16
+    rounding of the float64 product."""
     from dflash_jax.quantize import quantize_int8
-    from pallas_kernels.moe import tpu
+    from pallas_kernels.moe import gpu, tpu
     rng = np.random.RandomState(sum(sizes) + 7)
     w = quantize_int8(jnp.asarray(rng.randn(5, 64, 256) * rng.uniform(0.1, 3, size=(5, 1, 256)), jnp.float32))
     x = jnp.asarray(rng.randn(22, 64), dtype)
-    got = tpu.gmm(x, w.q, jnp.asarray(sizes, jnp.int32), scale=w.scale, tm=16, tn=128, interpret=True)
+    gs = jnp.asarray(sizes, jnp.int32)
+    if impl == "gpu":
+        got = gpu.gmm(x, w.q, gs, scale=w.scale, bn=64, bk=32, interpret=True)
+        sw = np.asarray(gpu.gmm(x, w.q, gs, scale=w.scale, swiglu=True, bn=64, bk=32, interpret=True), np.float64)
+        h = _int8_oracle(x, w.q, w.scale, sizes)
+        want_sw = h[:, :128] / (1 + np.exp(-h[:, :128])) * h[:, 128:]
+        tol = 1e-4 * max(1.0, np.abs(want_sw).max()) if dtype == jnp.float32 else 2 ** -6 * np.abs(want_sw).max()
+        assert np.abs(sw - want_sw).max() <= tol, np.abs(sw - want_sw).max()
+    else:
+        got = tpu.gmm(x, w.q, gs, scale=w.scale, tm=16, tn=128, interpret=True)
     assert got.dtype == dtype and got.shape == (22, 256)
     got = np.asarray(got, np.float64)
     want = _int8_oracle(x, w.q, w.scale, sizes)
@@ -87,23 +98,26 @@ def test_gmm_tpu_kernel_reads_int8_experts_like_the_dequantize_oracle(sizes, dty
     assert not got[sum(sizes):].any()
     # through the dispatcher; an impl that does not read int8 says so
     from pallas_kernels._common import Unsupported
+    kernel = gpu.gmm if impl == "gpu" else tpu.gmm
     np.testing.assert_array_equal(
-        np.asarray(gmm(x, w.q, jnp.asarray(sizes, jnp.int32), "pallas_tpu_interpret", scale=w.scale), np.float64),
-        np.asarray(tpu.gmm(x, w.q, jnp.asarray(sizes, jnp.int32), scale=w.scale, interpret=True), np.float64))
+        np.asarray(gmm(x, w.q, gs, f"pallas_{impl}_interpret", scale=w.scale), np.float64),
+        np.asarray(kernel(x, w.q, gs, scale=w.scale, interpret=True), np.float64))
     with pytest.raises(Unsupported, match="int8"):
-        gmm(x, w.q, jnp.asarray(sizes, jnp.int32), "xla", scale=w.scale)
+        gmm(x, w.q, gs, "xla", scale=w.scale)
 
 
+@pytest.mark.parametrize("impl,N", [("pallas_tpu_interpret", 5), ("pallas_gpu_interpret", 5),
+                                    ("pallas_gpu_interpret", 1)])
 @pytest.mark.parametrize("first_expert", [None, 4])
-def test_int8_experts_run_in_the_tpu_kernel(first_expert):
-    """models.moe.experts with Int8Weight experts and moe_gmm on the TPU kernel (interpreted): the
-    int8 kernel is in the program (not XLA's ragged_dot) and the outputs are the NumPy oracle's on
-    the dequantized experts; an expert-parallel shard (first_expert 4: experts 4..7 of 8) adds only
-    its own experts' outputs."""
+def test_int8_experts_run_in_the_kernels(first_expert, impl, N):
+    """models.moe.experts with Int8Weight experts and moe_gmm on a Pallas kernel (interpreted; the
+    GPU's one-token path, gmm_rows, at N = 1): the int8 kernel is in the program (not XLA's
+    ragged_dot) and the outputs are the NumPy oracle's on the dequantized experts; an expert-parallel
+    shard (first_expert 4: experts 4..7 of 8) adds only its own experts' outputs."""
     from dflash_jax.models.moe import experts
     from dflash_jax.quantize import quantize_int8
     rng = np.random.default_rng(3)
-    E, H, I, N, k = 8, 128, 128, 5, 2
+    E, H, I, k = 8, 128, 128, 2
     gu = quantize_int8(jnp.asarray(rng.normal(size=(E, H, 2 * I)) * H ** -0.5, jnp.float32))
     down = quantize_int8(jnp.asarray(rng.normal(size=(E, I, H)) * I ** -0.5, jnp.float32))
     x = jnp.asarray(rng.normal(size=(N, H)), jnp.float32)
@@ -122,9 +136,10 @@ def test_int8_experts_run_in_the_tpu_kernel(first_expert):
         down = type(down)(down.q[first_expert:], down.scale[first_expert:])
 
     def f(x, w, i, gu, down):
-        return experts(x, w, i, gu, down, gmm_impl="pallas_tpu_interpret", first_expert=first_expert, ascending=True)
+        return experts(x, w, i, gu, down, gmm_impl=impl, first_expert=first_expert, ascending=True)
 
-    assert "dflash_gmm_tpu_int8" in str(jax.make_jaxpr(f)(x, weights, idx, gu, down))
+    name = "dflash_gmm_gpu_int8" if "gpu" in impl else "dflash_gmm_tpu_int8"
+    assert str(jax.make_jaxpr(f)(x, weights, idx, gu, down)).count(name) == 2
     got = np.asarray(f(x, weights, idx, gu, down), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
@@ -270,6 +285,28 @@ def test_gmm_gpu_kernel_lowers_for_cuda():
                                                     S((E, 2048, 1536), jnp.bfloat16), S((E, 768, 2048), jnp.bfloat16)
                                                     ).mlir_module()
         assert mod.count("dflash_gmm_gpu") >= 2 and "dflash_moe_route" in mod
+
+
+def test_gmm_gpu_int8_kernel_lowers_for_cuda():
+    """int8 experts at Qwen3-Coder-30B-A3B shapes through the Triton lowering: the grouped kernel
+    (a 16-token verify's 128 rows, fused gate|up and down) and the one-token gmm_rows chain."""
+    from jax import export
+    from pallas_kernels.moe import gpu
+    S = jax.ShapeDtypeStruct
+    cuda = dict(platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    for K, N, sw in ((2048, 1536, True), (768, 2048, False)):
+        mod = export.export(jax.jit(lambda x, w, g, s: gpu.gmm(x, w, g, swiglu=sw, scale=s)), **cuda)(
+            S((128, K), jnp.bfloat16), S((128, K, N), jnp.int8), S((128,), jnp.int32), S((128, N), jnp.float32)
+        ).mlir_module()
+        assert "dflash_gmm_gpu_int8" in mod
+
+    def layer(x, gu, gs, dn, ds, i):
+        a = gpu.gmm_rows(x, gu, i, swiglu=True, shared=True, raw=True, scale=gs)
+        return gpu.gmm_rows(a, dn, i, raw=True, scale=ds)[:8]
+    mod = export.export(jax.jit(layer), **cuda)(S((1, 2048), jnp.bfloat16), S((128, 2048, 1536), jnp.int8),
+                                                S((128, 1536), jnp.float32), S((128, 768, 2048), jnp.int8),
+                                                S((128, 2048), jnp.float32), S((8,), jnp.int32)).mlir_module()
+    assert mod.count("dflash_gmm_gpu_int8") >= 2 and "dflash_gmm_gpu\"" not in mod
 
 
 def test_group_metadata_schedules_only_non_empty_groups():

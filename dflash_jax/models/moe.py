@@ -25,10 +25,10 @@ Weights: router [H, E], experts_gate_up [E, H, 2I] (gate columns before up), exp
 [E, I, H] ([in, out]).
 
 Quantized experts (dflash_jax.quantize, `quantize="int8"`: q [E, in, out] int8 and one scale per
-expert and output column [E, out]): on the TPU grouped-matmul kernel (`moe_gmm` "pallas_tpu", and
-its interpreter) the kernel reads them as they are, each step's int8 [K, tn] tile and its scales
-into VMEM, converted there, the float32 product scaled per column before its one rounding
-(pallas_kernels/moe/tpu.py). Elsewhere (XLA, the GPU kernels, which read floats) the XLA path:
+expert and output column [E, out]): on the Pallas grouped-matmul kernels (`moe_gmm` "pallas_tpu",
+"pallas_gpu", their interpreters; the GPU's one-token gmm_rows too) the kernel reads them as they
+are, each int8 weight tile converted to x's dtype on chip, the float32 product scaled per column
+before its rounding (pallas_kernels/moe/tpu.py, gpu.py). With moe_gmm "xla" the XLA path:
 `ragged_dot` multiplies the int8 matrices converted to x's dtype and each row is then scaled by its
 own expert's column scales, in float32, as models.layers.linear scales an int8 dense weight; on
 TPU that path converts every local expert of the layer per call (Coder-30B-A3B, one layer on a v5e
@@ -109,8 +109,10 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     quantized = is_quantized(gate_up) or is_quantized(down)
     # int8 experts in the kernel's prologue where it reads them, else the XLA grouped matmul (docstring)
     int8_kernel = quantized and isinstance(gate_up, Int8Weight) and isinstance(down, Int8Weight) and \
-        int8_supported(gmm_impl, N * k, gate_up.shape[1], gate_up.shape[2], x.dtype) and \
+        int8_supported(gmm_impl, N * k, gate_up.shape[1], gate_up.shape[2], x.dtype, swiglu=True) and \
         int8_supported(gmm_impl, N * k, down.shape[1], down.shape[2], x.dtype)
+    gu_q, gu_s = (gate_up.q, gate_up.scale) if int8_kernel else (gate_up, None)
+    dn_q, dn_s = (down.q, down.scale) if int8_kernel else (down, None)
     if quantized and not int8_kernel:
         gmm_impl = "xla"
     if not ascending:   # a token's choices in ascending expert order: the order its outputs are added in (HF's)
@@ -124,8 +126,9 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
         # a row per choice, x never copied (shared), each projection's raw buffer straight into the next
         group = (local if mine is None else jnp.where(mine, local, -1)).reshape(k)
         tiles = kernels.gmm_rows_tiles if kernels is not None else (lambda which: None)
-        a = gmm_rows(x, gate_up, group, gmm_impl, swiglu=True, shared=True, raw=True, tiles=tiles("gate_up"))
-        y = gmm_rows(a, down, group, gmm_impl, raw=True, tiles=tiles("down"))    # rows [0, k) are the choices'
+        a = gmm_rows(x, gu_q, group, gmm_impl, swiglu=True, shared=True, raw=True, tiles=tiles("gate_up"),
+                     scale=gu_s)
+        y = gmm_rows(a, dn_q, group, gmm_impl, raw=True, tiles=tiles("down"), scale=dn_s)   # rows [0, k): the choices'
         out = None
         for j in range(k):
             yj = y[j:j + 1] * weights[:, j:j + 1]
@@ -139,8 +142,8 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     rows, back, sizes = group_rows(flat, El)
     xs = jnp.take(x, rows // k, axis=0)                                          # [N k, H]
     if int8_kernel:
-        a = gmm_swiglu(xs, gate_up.q, sizes, gmm_impl, scale=gate_up.scale)      # [N k, I]
-        y = gmm(a, down.q, sizes, gmm_impl, scale=down.scale)                    # [N k, H]
+        a = gmm_swiglu(xs, gu_q, sizes, gmm_impl, scale=gu_s)                    # [N k, I]
+        y = gmm(a, dn_q, sizes, gmm_impl, scale=dn_s)                            # [N k, H]
     elif quantized:
         expert = jnp.minimum(jnp.take(flat, rows), El - 1)                       # [N k] each sorted row's
         gate, up = jnp.split(quantized_gmm(xs, gate_up, sizes, expert), 2, axis=-1)

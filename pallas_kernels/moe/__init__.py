@@ -34,18 +34,21 @@ log = logging.getLogger(__name__)
 # interpreter (tests)
 GMM_IMPLS = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
 # the implementations that read int8 experts (q and per-column scales) themselves
-INT8_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")
+INT8_IMPLS = ("pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
 
 
 def gmm(lhs, rhs, group_sizes, impl: str = "xla", scale=None):
     """lhs [M, K] rows grouped by expert, rhs [E, K, N], group_sizes [E] -> [M, N] (rows past the
     groups are zero). scale [E, N] float32: rhs is int8 (dflash_jax.quantize.Int8Weight's q) and
-    each row's product is scaled by its expert's column scales; the TPU kernel reads the int8 tiles
-    and scales in its prologue (INT8_IMPLS); other impls raise Unsupported (models/moe.py sends
-    int8 experts there only)."""
+    each row's product is scaled by its expert's column scales; the kernels of INT8_IMPLS read the
+    int8 tiles and convert them on chip; "xla" raises Unsupported (models/moe.py has its own XLA
+    path for int8 experts, quantized_gmm)."""
     if scale is not None:
         if impl not in INT8_IMPLS:
             raise Unsupported(f"gmm impl={impl!r} does not read int8 weights; int8 on {INT8_IMPLS}")
+        if impl in ("pallas_gpu", "pallas_gpu_interpret"):
+            from pallas_kernels.moe import gpu
+            return gpu.gmm(lhs, rhs, group_sizes, scale=scale, interpret=impl == "pallas_gpu_interpret")
         from pallas_kernels.moe import tpu
         return tpu.gmm(lhs, rhs, group_sizes, scale=scale, interpret=impl == "pallas_tpu_interpret")
     if impl == "xla":
@@ -63,10 +66,14 @@ def gmm(lhs, rhs, group_sizes, impl: str = "xla", scale=None):
     raise ValueError(f"gmm impl={impl!r}; expected one of {GMM_IMPLS}")
 
 
-def int8_supported(impl: str, M: int, K: int, N: int, dtype) -> bool:
-    """Whether `gmm(..., impl, scale=)` takes int8 experts [E, K, N] for M rows of `dtype`."""
+def int8_supported(impl: str, M: int, K: int, N: int, dtype, swiglu: bool = False) -> bool:
+    """Whether `gmm(..., impl, scale=)` (swiglu: gmm_swiglu) takes int8 experts [E, K, N] for M
+    rows of `dtype`."""
     if impl not in INT8_IMPLS:
         return False
+    if impl in ("pallas_gpu", "pallas_gpu_interpret"):
+        from pallas_kernels.moe import gpu
+        return gpu.supported(M, K, N, dtype, swiglu=swiglu)
     from pallas_kernels.moe import tpu
     return tpu.supported(M, K, N, dtype, jnp.int8)
 
@@ -76,8 +83,11 @@ def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla", scale=None):
     columns first) -> silu(lhs @ gate) * (lhs @ up) [M, I] in lhs's dtype. The GPU kernel fuses it
     (the [M, 2I] product is never written); elsewhere one gmm and the SwiGLU in XLA. scale: as
     gmm's (int8 gate_up)."""
-    if impl in ("pallas_gpu", "pallas_gpu_interpret") and scale is None:
+    if impl in ("pallas_gpu", "pallas_gpu_interpret"):
         from pallas_kernels.moe import gpu
+        if scale is not None:       # int8: no XLA fallback here (models/moe.py checks int8_supported)
+            return gpu.gmm(lhs, gate_up, group_sizes, swiglu=True, scale=scale,
+                           interpret=impl == "pallas_gpu_interpret")
         try:
             return gpu.gmm(lhs, gate_up, group_sizes, swiglu=True, interpret=impl == "pallas_gpu_interpret")
         except Unsupported as e:
@@ -88,25 +98,32 @@ def gmm_swiglu(lhs, gate_up, group_sizes, impl: str = "xla", scale=None):
 
 
 def gmm_rows(lhs, rhs, row_group, impl: str = "xla", swiglu: bool = False, shared: bool = False,
-             raw: bool = False, tiles: dict | None = None):
+             raw: bool = False, tiles: dict | None = None, scale=None):
     """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (-1: a zero row) ->
     out[r] = lhs[r] @ rhs[row_group[r]] [M, N], or with swiglu silu(gate) * up [M, N / 2] as
     gmm_swiglu. Meant for few rows (a one-token decode's k experts): the GPU kernel lists the rows
     as its groups (no sort, no counts); elsewhere the rows' matrices are gathered.
     shared: lhs is one row [1, K] for every row. raw: the GPU kernel's [M + bm, N] buffer as it is
     (rows of group -1 and past M undefined: the caller masks them; elsewhere the [M, N] result).
-    tiles: the GPU kernel's bn / bk / num_warps / num_stages (KernelConfig.moe_tuning; A/Bs)."""
+    tiles: the GPU kernel's bn / bk / num_warps / num_stages (KernelConfig.moe_tuning; A/Bs).
+    scale [G, N] float32: rhs is int8 (as gmm's)."""
     if impl in ("pallas_gpu", "pallas_gpu_interpret"):
         from pallas_kernels.moe import gpu
         try:
-            return gpu.gmm_rows(lhs, rhs, row_group, swiglu=swiglu, shared=shared, raw=raw,
+            return gpu.gmm_rows(lhs, rhs, row_group, swiglu=swiglu, shared=shared, raw=raw, scale=scale,
                                 interpret=impl == "pallas_gpu_interpret", **(tiles or {}))
         except Unsupported as e:
             warn_once(log, f"gmm_rows {lhs.shape} {rhs.shape}", "MoE gmm on XLA: %s", e)
     M = row_group.shape[0]
     lhs = jnp.broadcast_to(lhs[:1], (M, lhs.shape[1])) if shared else lhs[:M]
-    w = jnp.take(rhs, jnp.maximum(row_group, 0), axis=0)                         # [M, K, N]
-    out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
+    g = jnp.maximum(row_group, 0)
+    w = jnp.take(rhs, g, axis=0)                                                 # [M, K, N]
+    if scale is not None:
+        w = w.astype(lhs.dtype)
+    out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=jnp.float32)
+    if scale is not None:
+        out = out * jnp.take(scale, g, axis=0)
+    out = out.astype(lhs.dtype)
     if swiglu:
         gate, up = jnp.split(out, 2, axis=-1)
         out = jax.nn.silu(gate) * up

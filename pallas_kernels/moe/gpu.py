@@ -25,6 +25,11 @@ may be one row shared by every choice and the output the raw [M + bm, N] buffer,
 launch reads as its lhs). `route` is the router after its matmul: softmax, top-k, renormalisation
 and ascending ids in one one-warp program per row (KernelConfig.moe_route).
 
+int8 experts (dflash_jax.quantize.Int8Weight: rhs int8 [G, K, N], `scale` [G, N] float32): each
+K step loads the int8 [bk, bn] tile (half a bf16 tile's bytes) and converts it to the rows' dtype
+in registers; the float32 accumulator is multiplied by the group's column scales after the K loop,
+before the rounding (and before the SwiGLU, whose products are rounded as the float path's).
+
 lhs is padded by bm rows so every row tile's load stays in bounds (the interpreter clamps an
 out-of-range slice instead of masking it); rows past sum(group_sizes) are zeroed by the wrapper.
 """
@@ -124,11 +129,13 @@ def supported(M: int, K: int, N: int, dtype, swiglu: bool = False) -> bool:
             and (not swiglu or N % 2 == 0))
 
 
-def _kernel(meta_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, K: int, half: int,
-            swiglu: bool, rows_mode: bool = False, shared: bool = False):
+def _kernel(meta_ref, x_ref, w_ref, *refs, bm: int, bn: int, bk: int, K: int, half: int,
+            swiglu: bool, rows_mode: bool = False, shared: bool = False, scaled: bool = False):
     # meta_ref [4, slots] (group_list's layout), or with rows_mode the row groups [M] (slot i = row
     # i, its group meta_ref[i], -1: none); x_ref [>= M + bm, K], or with shared one row [1, K] that
-    # every slot multiplies; w_ref [G, K, N], o_ref [M + bm, N or N / 2]: whole arrays, sliced here
+    # every slot multiplies; w_ref [G, K, N] (int8 with scaled: s_ref [G, N] float32, its column
+    # scales), o_ref [M + bm, N or N / 2]: whole arrays, sliced here
+    s_ref, o_ref = refs if scaled else (None, refs[0])
     i, j = pl.program_id(0), pl.program_id(1)
     if rows_mode:
         g = meta_ref[i]
@@ -159,11 +166,16 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, K: int,
                 out = []
                 for acc, c0 in zip(accs, (n0, half + n0) if swiglu else (n0,)):
                     w = w_ref[gg, pl.ds(k0, bk), pl.ds(c0, bn)]                         # [bk, bn]
+                    if scaled:                                       # int8 -> float32 -> x's dtype: exact
+                        w = w.astype(jnp.float32).astype(x.dtype)
                     out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=prec))
                 return tuple(out)
 
             zero = jnp.zeros((bm, bn), jnp.float32)
             accs = lax.fori_loop(0, K // bk, k_step, (zero, zero) if swiglu else (zero,))
+            if scaled:                                              # the group's column scales [1, bn]
+                accs = tuple(a * s_ref[gg, pl.ds(c0, bn)][None, :]
+                             for a, c0 in zip(accs, (n0, half + n0) if swiglu else (n0,)))
             if swiglu:
                 gate = accs[0].astype(o_ref.dtype).astype(jnp.float32)
                 up = accs[1].astype(o_ref.dtype).astype(jnp.float32)
@@ -176,11 +188,14 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, bm: int, bn: int, bk: int, K: int,
         lax.fori_loop(0, pl.cdiv(size, bm), row_tile, 0)
 
 
-def _check(lhs, rhs, swiglu: bool):
+def _check(lhs, rhs, swiglu: bool, scale=None):
     M, K = lhs.shape
     G, K2, N = rhs.shape
-    if K2 != K or lhs.dtype != rhs.dtype:
-        raise Unsupported(f"gmm: lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype} do not agree")
+    if K2 != K or (lhs.dtype != rhs.dtype if scale is None else rhs.dtype != jnp.int8):
+        raise Unsupported(f"gmm: lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype} do not agree"
+                          + ("" if scale is None else " (int8 rhs with a scale)"))
+    if scale is not None and scale.shape != (G, N):
+        raise Unsupported(f"gmm: scale {scale.shape} for rhs {rhs.shape} (one per group and column)")
     if jnp.dtype(lhs.dtype).itemsize not in (2, 4):
         raise Unsupported(f"gmm: dtype {lhs.dtype} (float32 or a 16-bit float)")
     if swiglu and N % 2:
@@ -190,7 +205,7 @@ def _check(lhs, rhs, swiglu: bool):
 
 
 def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_stages, interpret,
-            rows: int | None = None, shared: bool = False):
+            rows: int | None = None, shared: bool = False, scale=None):
     """The kernel over the group list `meta` [4, slots] (group_list's layout) -> [M + bm, N or N / 2]
     (M = lhs's rows); rows no listed group covers, and the bm rows past M, are left unwritten (the
     callers zero or ignore them). With `rows` (rows_mode), meta is the row groups [rows] and M =
@@ -208,7 +223,10 @@ def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_st
         raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
     x = lhs if shared or lhs.shape[0] >= M + bm else jnp.pad(lhs, ((0, M + bm - lhs.shape[0]), (0, 0)))
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu,
-                               rows_mode=rows is not None, shared=shared)
+                               rows_mode=rows is not None, shared=shared, scaled=scale is not None)
+    extra_specs, extra = [], []
+    if scale is not None:
+        extra_specs, extra = [pl.BlockSpec((G, N), lambda i, j: (0, 0))], [scale.astype(jnp.float32)]
     with quiet_triton():
         out = pl.pallas_call(
             kernel,
@@ -218,12 +236,13 @@ def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_st
                 pl.BlockSpec(meta.shape, lambda i, j: (0,) * meta.ndim),
                 pl.BlockSpec(x.shape, lambda i, j: (0, 0)),
                 pl.BlockSpec((G, K, N), lambda i, j: (0, 0, 0)),
+                *extra_specs,
             ],
             out_specs=pl.BlockSpec((M + bm, half), lambda i, j: (0, 0)),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=interpret,
-            name="dflash_gmm_gpu",
-        )(meta, x, rhs)
+            name="dflash_gmm_gpu_int8" if scale is not None else "dflash_gmm_gpu",
+        )(meta, x, rhs, *extra)
     return out
 
 
@@ -232,24 +251,25 @@ _STATIC = ("swiglu", "bm", "bn", "bk", "num_warps", "num_stages", "interpret")
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
-        bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+        bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False, scale=None):
     """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (sum <= M) -> [M, N] in lhs's dtype (f32
     accumulation), or with swiglu [M, N / 2] = silu(lhs @ rhs[..., :N/2]) * (lhs @ rhs[..., N/2:]);
-    rows past sum(group_sizes) are zero. interpret=True runs the kernel on CPU (tests)."""
-    _check(lhs, rhs, swiglu)
+    rows past sum(group_sizes) are zero. scale [G, N] float32: rhs is int8 and each product is
+    scaled by its group's column scales (module docstring). interpret=True runs the kernel on CPU."""
+    _check(lhs, rhs, swiglu, scale)
     M, G = lhs.shape[0], rhs.shape[0]
     if group_sizes.shape != (G,):
         raise Unsupported(f"gmm: group_sizes {group_sizes.shape} for {G} groups")
     slots = max(1, min(G, M))
     out = _launch(lhs, rhs, group_list(group_sizes, slots), slots, swiglu=swiglu, bm=bm, bn=bn, bk=bk,
-                  num_warps=num_warps, num_stages=num_stages, interpret=interpret)[:M]
+                  num_warps=num_warps, num_stages=num_stages, interpret=interpret, scale=scale)[:M]
     return jnp.where(jnp.arange(M)[:, None] < jnp.sum(group_sizes), out, 0)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("shared", "raw"))
 def gmm_rows(lhs, rhs, row_group, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
              bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
-             shared: bool = False, raw: bool = False):
+             shared: bool = False, raw: bool = False, scale=None):
     """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (the group of row r,
     or -1: no group, a zero row) -> [M, N] (or [M, N / 2] with swiglu), out[r] = lhs[r] @
     rhs[row_group[r]]. The kernel reads row_group itself as its list (no sort, no counts, no
@@ -259,14 +279,15 @@ def gmm_rows(lhs, rhs, row_group, *, swiglu: bool = False, bm: int | None = None
     shared: lhs is ONE row [1, K] that every listed row multiplies (a token's k choices; never
     broadcast in memory). raw: return the kernel's buffer [M + bm, N] as it is: rows of group -1 and
     the bm rows past M unwritten (undefined); a raw buffer is a valid lhs of the next call (its
-    rows past M are not read), so chained projections need no slice or pad between them."""
-    _check(lhs, rhs, swiglu)
+    rows past M are not read), so chained projections need no slice or pad between them.
+    scale: as gmm's (int8 rhs)."""
+    _check(lhs, rhs, swiglu, scale)
     M = row_group.shape[0]
     if row_group.ndim != 1 or lhs.shape[0] < (1 if shared else M):
         raise Unsupported(f"gmm_rows: row_group {row_group.shape} for lhs {lhs.shape} (shared={shared})")
     g = row_group.astype(jnp.int32)
     out = _launch(lhs, rhs, g, M, swiglu=swiglu, bm=bm, bn=bn, bk=bk, num_warps=num_warps,
-                  num_stages=num_stages, interpret=interpret, rows=M, shared=shared)
+                  num_stages=num_stages, interpret=interpret, rows=M, shared=shared, scale=scale)
     if raw:
         return out
     return jnp.where((g >= 0)[:, None], out[:M], 0)

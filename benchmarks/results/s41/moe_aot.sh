@@ -7,3 +7,6 @@ $PY scripts/tpu_moe_aot.py --chips v5e-4,v6e-1 --programs dflash,plain --quantiz
     --json $OUT/tpu_moe_aot_int8_b1.json 2>&1 | grep -v "^WARNING\|^I0000\|^E0000" > $OUT/tpu_moe_aot_int8_b1.log
 $PY scripts/tpu_moe_aot.py --chips v5e-4,v6e-1 --programs dflash,plain --quantize int8 --moe-gmm xla \
     --json $OUT/tpu_moe_aot_int8_xla_b1.json 2>&1 | grep -v "^WARNING\|^I0000\|^E0000" > $OUT/tpu_moe_aot_int8_xla_b1.log
+# the whole 48 layers compiled for v6e-1, int8, DFlash (does the compiler agree with the extrapolation?)
+$PY scripts/tpu_moe_aot.py --chips v6e-1 --programs dflash --quantize int8 --layers 47,48 \
+    --json $OUT/tpu_moe_aot_int8_v6e1_full.json 2>&1 | grep -v "^WARNING\|^I0000\|^E0000" > $OUT/tpu_moe_aot_int8_v6e1_full.log
