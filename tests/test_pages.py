@@ -760,3 +760,17 @@ def test_soak_with_a_window_pool_against_the_reference_model(seed):
     assert soak.max_window_held < soak.max_pages_held, (soak.max_window_held, soak.max_pages_held)
     print(f"window soak seed {seed}: {steps} steps, {soak.alloc.stats()}, {wstats}, {seen}, "
           f"peak window {soak.max_window_held} vs main {soak.max_pages_held}, {time.perf_counter() - start:.2f} s")
+
+
+def test_bench_window_pages_smoke(tmp_path):
+    """scripts/bench_window_pages.py (the engine's allocators driven by its rules, host only): at one KV
+    budget the window pool holds far fewer pages for the sliding layers than the shared table did,
+    and no fewer requests are in flight."""
+    import json
+    import runpy
+    mod = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "scripts" / "bench_window_pages.py"), run_name="bench")
+    out = tmp_path / "w.json"
+    mod["main"](["--budget-gib", "1", "-R", "30", "--min-prompt", "256", "--max-prompt", "2048", "--min-output", "64",
+                 "--max-output", "512", "--window", "256", "--slots", "8", "--dist", "loguniform", "--json", str(out)])
+    row = json.loads(out.read_text())["results"][0]
+    assert row["held_ratio"] < 0.5 and row["inflight_ratio"] >= 1.0, row
