@@ -26,7 +26,8 @@ MoE layer; a figure's per-layer part is the difference of the two compiles).
 
 Figures per chip:
   memory     the compiler's argument + output - alias + temp bytes (weights, caches, loop state,
-             scratch), against the chip's HBM (v5e 16 GiB, v6e 32 GiB).
+             scratch), against the HBM a program may use (v5e 15.75 of 16 GiB, v6e 31.25 of 32);
+             "free" is the rest, room for more KV.
   compiled   HBM traffic of the compiled iteration by scripts/tpu_bytes.py's breakdown (Pallas
              kernels by their BlockSpecs). The grouped matmul's grid is static: it counts every
              local expert (the schedule's worst case), while at run time the kernel copies only the
@@ -51,10 +52,13 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# chip → (topology, HBM bytes per chip, TPU_ACCELERATOR_TYPE)
-CHIPS = {"v5e-8": ("v5e:2x4", 16 * 2 ** 30, "v5litepod-8"), "v6e-4": ("v6e:2x2", 32 * 2 ** 30, "v6e-4"),
-         "v5e-4": ("v5e:2x2", 16 * 2 ** 30, "v5litepod-4"),
-         "v6e-1": ("v6e:2x2", 32 * 2 ** 30, "v6e-4")}      # (one chip: the topology's first device)
+# chip → (topology, HBM bytes per chip a program may use, TPU_ACCELERATOR_TYPE). The usable HBM is what
+# the compiler reports when it refuses a program ("exceeds available HBM"): 15.75 GiB of v5e's 16 and
+# 31.25 GiB of v6e's 32 (docs/perf-log.md, sessions 38 and 41).
+V5E_HBM, V6E_HBM = int(15.75 * 2 ** 30), int(31.25 * 2 ** 30)
+CHIPS = {"v5e-8": ("v5e:2x4", V5E_HBM, "v5litepod-8"), "v6e-4": ("v6e:2x2", V6E_HBM, "v6e-4"),
+         "v5e-4": ("v5e:2x2", V5E_HBM, "v5litepod-4"),
+         "v6e-1": ("v6e:2x2", V6E_HBM, "v6e-4")}      # (one chip: the topology's first device)
 PROGRAMS = ("dflash", "plain")
 FULL_LAYERS = 48
 
@@ -348,7 +352,7 @@ def main():
         n = chips_of(r["chip"])
         log(f"| {r['chip']} ({'1x' + str(n) if n > 1 else 'one chip'}) | {r['program']} | {r['quantize']} "
             f"| {m['argument'] / GiB:.2f} | {m['temp'] / GiB:.2f} | {m['memory'] / GiB:.2f} of "
-            f"{r['hbm_capacity'] / GiB:.0f} ({'yes' if r['fits'] else 'NO'}) | {r['free_gib']:.2f} "
+            f"{r['hbm_capacity'] / GiB:.2f} ({'yes' if r['fits'] else 'NO'}) | {r['free_gib']:.2f} "
             f"| {m['hbm'] / G:.3f} | {r['expected'] / G:.3f} | {r['floor'] / G:.3f} | {r['expected_x_floor']:.3f}x "
             f"| {r['experts_touched_per_chip_layer']:.1f} / {r['experts_local']} |")
     if args.json:
