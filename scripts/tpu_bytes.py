@@ -5,7 +5,7 @@
     python scripts/tpu_bytes.py --chip v6e --plain --batch 32   # the plain step at B=32
     python scripts/tpu_bytes.py --chip v6e --layers 4 --draft-layers 1 --top 30   # small, ~10 s
     python scripts/tpu_bytes.py --hlo FILE.hlo                   # an earlier --save-hlo, no compiling
-    python scripts/tpu_bytes.py --chip v5e --quantize int8 [--tpu-mlp-int8]   # the int8 target (A/B the MLP kernel)
+    python scripts/tpu_bytes.py --chip v5e --quantize int8 [--no-tpu-mlp]     # the int8 target (A/B the MLP kernel)
 
 It compiles one loop iteration (dflash_jax.decode.lower_iteration, the Mosaic attention kernel) for one
 chip of a TPU topology on this CPU host (see docs/benchmarks-howto.md for the ahead-of-time set-up), reads `compiled.as_text()` and
@@ -901,45 +901,7 @@ def print_report(s: dict, top: int = 25, ideal: float | None = None, file=sys.st
 # the CLI: compile one iteration for a chip
 # ---------------------------------------------------------------------------------------------
 
-def int8_tpu_mlp():
-    """A context in which DecoderLayer's MLP block hands an int8 target's Int8Weight gate_up / down
-    (q and column scales) to the fused TPU MLP kernel (pallas_kernels/fused_layer/tpu_mlp.py reads
-    int8 tiles), where models/layers.py steps aside for int8 weights: the A/B of --tpu-mlp-int8."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        from dflash_jax import sharding
-        from dflash_jax.models import layers
-        from dflash_jax.quantize import Int8Weight
-        from pallas_kernels.fused_layer import tpu_mlp
-        orig = layers.DecoderLayer._mlp_block
-
-        def block(self, x, kernels, row_scale=False):
-            norm = self.post_attention_layernorm
-            if isinstance(self.mlp, layers.MLP) and kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 \
-                    and sharding.current_mesh() is None and self.mlp.down_bias is None:
-                gu, down = self.mlp.gate_up[...], self.mlp.down[...]
-                if isinstance(gu, Int8Weight) and isinstance(down, Int8Weight) and \
-                        tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
-                        x.dtype == norm.weight[...].dtype:
-                    eps = self.input_layernorm.eps if row_scale else None
-                    out = tpu_mlp.mlp(x, gu.q, down.q, gate_up_scale=gu.scale, down_scale=down.scale,
-                                      norm_weight=norm.weight[...], eps=norm.eps, row_scale_eps=eps,
-                                      interpret=layers._interpret(kernels))
-                    return (out[0], layers.RowScale(out[1], eps)) if row_scale else (out, None)
-            return orig(self, x, kernels, row_scale)
-
-        layers.DecoderLayer._mlp_block = block
-        try:
-            yield
-        finally:
-            layers.DecoderLayer._mlp_block = orig
-    return ctx()
-
-
 def _compile(args):
-    import contextlib
     import dataclasses as dc_
     import jax  # noqa: F401
     from jax.experimental import topologies
@@ -964,9 +926,8 @@ def _compile(args):
         place = dict(mesh=sharding.make_mesh(args.mesh, devices=topologies.get_topology_desc(
             platform="tpu", topology_name=topo).devices))
     q = getattr(args, "quantize", None)
-    with (int8_tpu_mlp() if getattr(args, "tpu_mlp_int8", False) else contextlib.nullcontext()):
-        low = decode.lower_iteration(tc, None if args.plain else dc, batch=args.batch, prompt_len=512,
-                                     capacity=args.capacity, kernels=kernels, quantize=q, **place)
+    low = decode.lower_iteration(tc, None if args.plain else dc, batch=args.batch, prompt_len=512,
+                                 capacity=args.capacity, kernels=kernels, quantize=q, **place)
     return low.compile(), tc, dc
 
 
@@ -1045,9 +1006,6 @@ def main():
                     help="KernelConfig(tpu_mlp=...): force the fused MLP kernel on/off (default: the library's, on)")
     ap.add_argument("--quantize", default=None, choices=("int8", "int8+head"),
                     help="the target's weights as load_target(quantize=...) holds them (one chip)")
-    ap.add_argument("--tpu-mlp-int8", action="store_true",
-                    help="with --quantize: the int8 MLP weights through the fused MLP kernel (an A/B: "
-                         "models/layers.py hands the kernel float weights only)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--hlo", default=None, help="analyse this saved as_text() instead of compiling")
     ap.add_argument("--save-hlo", default=None)

@@ -176,18 +176,25 @@ def test_tpu_mlp_refuses_what_it_cannot_tile():
 
 
 @pytest.mark.slow
-def test_loop_with_the_tpu_mlp_gives_the_xla_tokens(tmp_path):
-    """head_dim 128: the attention also takes the fused-q path (block_attention_qkv) in the loop."""
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_loop_with_the_tpu_mlp_gives_the_xla_tokens(tmp_path, quantize, monkeypatch):
+    """head_dim 128: the attention also takes the fused-q path (block_attention_qkv) in the loop;
+    an int8 target's MLP weights go into the kernel as int8 (models.layers: DecoderLayer._mlp_block)."""
     from tests.checkpoints import random_prompts, write_draft, write_target
     from dflash_jax import generate, load_draft, load_target
     tp = write_target(str(tmp_path / "t"), hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
                       num_kv_heads=1, head_dim=128, seed=9)
     dp = write_draft(str(tmp_path / "d"), tp, num_layers=1, block_size=8, target_layer_ids=[0, 1], seed=10)
-    target = load_target(tp, dtype="float32")
+    target = load_target(tp, dtype="float32", quantize=quantize)
     draft = load_draft(dp, target=target, dtype="float32")
     prompts = random_prompts(2, 127, min_len=3, max_len=11, seed=2)
     xla = generate(target, draft, prompts, max_new_tokens=10, kernels=KernelConfig(attention="xla"), verify_width="block")
+    from pallas_kernels.fused_layer import tpu_mlp
+    weights = []
+    real = tpu_mlp.mlp
+    monkeypatch.setattr(tpu_mlp, "mlp", lambda x, gu, down, **kw: weights.append(type(gu).__name__) or real(x, gu, down, **kw))
     fused = generate(target, draft, prompts, max_new_tokens=10,
                      kernels=KernelConfig(attention="pallas", tpu_mlp=True), verify_width="block")
+    assert ("Int8Weight" in weights) == bool(quantize), weights    # the target's layers ran it on int8 (the draft's on floats)
     assert fused.tokens == xla.tokens
     assert fused.acceptance_lengths == xla.acceptance_lengths

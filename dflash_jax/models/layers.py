@@ -290,13 +290,15 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mlp, MLP) and kernels is not None and kernels.tpu_mlp and self.qkv_groups == 1 \
                 and sharding.current_mesh() is None and self.mlp.down_bias is None:
             gu, down = self.mlp.gate_up[...], self.mlp.down[...]
-            # (an int8 target's weights, dflash_jax.quantize: the kernel reads floats only, so XLA's
-            # dequantizing matmuls below; the dtype check excludes them, Int8Weight.dtype is int8)
             # on the TPU path, one device: norm, MLP and residual as one Pallas kernel (the normed
-            # rows and the [rows, I] intermediate stay in VMEM); a mesh keeps XLA's partitioned ops
+            # rows and the [rows, I] intermediate stay in VMEM); a mesh keeps XLA's partitioned ops.
+            # An int8 target's weights (dflash_jax.quantize.Int8Weight) go in as they are: the
+            # kernel reads int8 tiles and scales the products per column (an FP8 checkpoint's block
+            # weights keep XLA's path)
             from pallas_kernels.fused_layer import tpu_mlp
+            int8 = isinstance(gu, Int8Weight) and isinstance(down, Int8Weight)
             if tpu_mlp.supported(x.shape[0] * x.shape[1], x.shape[-1], down.shape[0], x.dtype) and \
-                    not isinstance(gu, Int8Weight) and gu.dtype == x.dtype == down.dtype == norm.weight[...].dtype:
+                    (int8 or gu.dtype == x.dtype == down.dtype) and x.dtype == norm.weight[...].dtype:
                 eps = self.input_layernorm.eps if row_scale else None
                 out = tpu_mlp.mlp(x, gu, down, norm_weight=norm.weight[...], eps=norm.eps,
                                   row_scale_eps=eps, interpret=_interpret(kernels))  # [B, T, H]
