@@ -96,14 +96,14 @@ def supported(M: int, K: int, N: int, dtype, block=None) -> bool:
 
 
 def worthwhile(M: int, K: int, N: int, dtype, block=None) -> bool:
-    """Whether the kernel beats XLA here (the H100 sweep, docs/perf-log.md session 41): FP8 block
-    weights always (XLA dequantizes the whole weight first: 2.6-2.9x bf16's time, the kernel
-    0.6-1.0x); int8 only at one row for matrices of >= 24M weights below a vocabulary's width
-    (qkv, gate_up, down: 0.73-0.91x XLA's time; at 16 rows and for o / the LM head XLA's
-    converted dot is as fast or faster)."""
+    """Whether the kernel beats XLA here (H100, Qwen3-8B shapes, scripts/bench_quantized_matmul.py;
+    docs/perf-log.md): FP8 block weights always (XLA dequantizes the whole weight first: 2.6-2.9x
+    bf16's time at 1-16 rows, the kernel 0.6-1.0x); int8 only at one row of a matrix 6,144 to
+    65,535 columns wide (qkv 17.2 against XLA's 22.1 us, gate_up 46.8 against 55.3; at 16 rows,
+    for o, down and the LM head XLA's converted dot is as fast or faster)."""
     if not supported(M, K, N, dtype, block):
         return False
-    return block is not None or (M == 1 and K * N >= 24 * 2 ** 20 and N < 65536)
+    return block is not None or (M == 1 and 6144 <= N < 65536)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "bn", "bk", "splits", "num_warps", "num_stages", "interpret"))
