@@ -398,7 +398,7 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     """The static key and abstract arguments of a generation, from configs alone (nothing allocated).
     mesh: a Mesh (e.g. over a TPU topology's devices) or a spec: the weights laid out and placed
     as sharding.shard_model would (fused layout), rows on 'data'. quantize: the target's, as
-    load_target's (one device only)."""
+    load_target's (on a mesh too: the scales placed with their weights' columns)."""
     from dflash_jax.quantize import quantize_target
     from dflash_jax.checkpoint_io import dtype_of as _dtype
     if sampling_mode not in sampling.MODES:
@@ -412,8 +412,6 @@ def _abstract_inputs(target_config, draft_config=None, *, batch: int = 1, prompt
     if S == 1:
         draft = None
     mesh = sharding.as_mesh(mesh)
-    if mesh is not None and quantize is not None:
-        raise ValueError(f"quantize={quantize!r} on a mesh is not supported yet (one device only)")
     if mesh is not None:
         if batch % sharding.data_axis_size(mesh):
             raise ValueError(f"batch {batch} is not a multiple of the data axis size {sharding.data_axis_size(mesh)}")

@@ -473,8 +473,10 @@ def set_layout(model, lay: FusedLayout):
 def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rules=RULES):
     """An abstract model (nnx.eval_shape) laid out for `mesh` as shard_model would place it: the
     fused layout set on its layers (qkv widened by kv copies), every parameter a ShapeDtypeStruct
-    with its NamedSharding. For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
+    with its NamedSharding (an int8 target's Int8Weights as load_target(mesh=, quantize="int8") places
+    them). For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
     from flax import nnx
+    from dflash_jax.quantize import Fp8BlockWeight, Int8Weight
     tp = model_axis_size(mesh)
     check_experts(model.config, tp)
     fused_layout = use_fused(model.config, tp, fused_layout)
@@ -489,6 +491,16 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
             shape = shape[:-1] + ((lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim,)
         spec = spec_for(name, rules)
         check_divisible(name, shape, spec, mesh)
+        if isinstance(x, Fp8BlockWeight):
+            raise ValueError(f"{name}: an FP8 checkpoint's block weights ahead of time on a mesh are not supported "
+                             "(load the checkpoint with load_target(mesh=) instead)")
+        if isinstance(x, Int8Weight):   # q as the float weight, its scales [.., N] with q's columns (_place_quantized)
+            full = tuple(spec) + (None,) * (len(shape) - len(spec))
+            var.set_value(Int8Weight(
+                jax.ShapeDtypeStruct(shape, x.q.dtype, sharding=NamedSharding(mesh, P(*full))),
+                jax.ShapeDtypeStruct(shape[:-2] + shape[-1:], x.scale.dtype,
+                                     sharding=NamedSharding(mesh, P(*full[:-2], full[-1])))))
+            continue
         var.set_value(jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec)))
     return model
 

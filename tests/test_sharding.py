@@ -406,17 +406,18 @@ def _collective_ops(hlo: str, largest: bool = False):
 
 
 @child
-@pytest.mark.parametrize("spec", ["1x8", "2x4"])
-def test_sharded_iteration_collectives(spec):
+@pytest.mark.parametrize("spec,quantize", [("1x8", None), ("2x4", None), ("1x8", "int8")])
+def test_sharded_iteration_collectives(spec, quantize):
     """One compiled loop iteration: two all-reduces of the [B, S, H] residual stream per layer
     (target and draft) and one per embedding lookup, a few scalar ones, the argmaxes' small
     all-gathers, and nothing else: no weight all-gather,
-    no all-to-all or collective-permute."""
+    no all-to-all or collective-permute. An int8 target (ahead of time: sharding.abstract_on_mesh
+    places each Int8Weight's scales with its columns) adds no collective either."""
     from dflash_jax import decode
     dp, tp = sh.parse_mesh(spec)
     B, S, H = 8, DRAFT8.block_size, TINY8.hidden_size
     low = decode.lower_iteration(TINY8, DRAFT8, batch=B, prompt_len=16, capacity=64, dtype="float32",
-                                 attention_impl="xla", mesh=_mesh(spec))
+                                 attention_impl="xla", mesh=_mesh(spec), quantize=quantize)
     ops = _collective_ops(low.compile().as_text())
     kinds = {op for op, _, _ in ops}
     assert kinds <= {"all-reduce", "all-gather"}, ops
