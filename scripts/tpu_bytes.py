@@ -205,9 +205,10 @@ class Program:
         self.tuple_sources = tuple_sources
         self.default_group = group
 
-    def sub(self, while_instr: Instr, comp: str) -> "Program":
-        """The body (or condition) of a while loop, its tuple parameter traced to the loop's inputs."""
-        t = self.by.get(while_instr.operands[0]) if while_instr.operands else None
+    def sub(self, while_instr: Instr, comp: str, operand: int = 0) -> "Program":
+        """The body (or condition) of a while loop, its tuple parameter traced to the loop's inputs
+        (a conditional's branch: operand = 1 + the branch index, its operand tuple)."""
+        t = self.by.get(while_instr.operands[operand]) if len(while_instr.operands) > operand else None
         srcs = [self.source(o) for o in t.operands] if t is not None and t.op == "tuple" else None
         return Program(comps=self.comps, comp=comp, tuple_sources=srcs, group=self.group(while_instr))
 
@@ -310,10 +311,10 @@ class Program:
         if m:
             return m.group(1)
         src = src or ""
-        m = re.search(r"(ts|ds|target_state|draft_state)\['layers'\]\[(\d+)\]", src)
+        m = re.search(r"(ts|ds|tstate|dstate|target_state|draft_state)\['layers'\]\[(\d+)\]", src)
         if m:
-            return ("target_layer" if m.group(1) in ("ts", "target_state") else "draft_layer") + m.group(2)
-        m = re.search(r"s\.(target|draft)_cache\.[kv]\[(\d+)\]", src)
+            return ("target_layer" if m.group(1) in ("ts", "tstate", "target_state") else "draft_layer") + m.group(2)
+        m = re.search(r"s\.(?:loop\.)?(target|draft)_cache\.[kv]\[(\d+)\]", src)
         if m:
             return f"{m.group(1)}_layer{m.group(2)}"
         if "lm_head" in src:
@@ -348,7 +349,9 @@ def _users_through_bitcast(p, users):
 
 
 # entry parameter names of the weights: lower_iteration's (ts, ds) and the generation program's
-_WEIGHT_PREFIXES = ("ts[", "ds[", "target_state[", "draft_state[")
+_WEIGHT_PREFIXES = ("ts[", "ds[", "tstate[", "dstate[", "target_state[", "draft_state[")
+# entry parameter names of the K/V caches: the iteration's loop state `s`, the slot step's `slots.loop`
+_CACHE_PREFIXES = ("s.target_cache", "s.draft_cache", "slots.loop.target_cache", "slots.loop.draft_cache")
 
 
 def _operand_kind(src: str | None, lm_scope: bool) -> str:
@@ -358,7 +361,7 @@ def _operand_kind(src: str | None, lm_scope: bool) -> str:
         return "lm_head"
     if src.startswith(_WEIGHT_PREFIXES):
         return "weights"
-    if src.startswith(("s.target_cache", "s.draft_cache")):
+    if src.startswith(_CACHE_PREFIXES):
         return "kv_read"
     return "activations"
 
@@ -401,6 +404,22 @@ def charges(prog: Program) -> list:
                     for r in charges(prog.sub(i, m.group(1))):
                         r["name"] = f"{i.name}/{r['name']}"
                         out.append(r)
+            continue
+        if i.op == "conditional":
+            # charged as its costliest branch (the compiler takes the maximum over branches): the slot
+            # step's cond runs the iterations or nothing; each branch's parameter is its operand tuple
+            m = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
+            names = ([x.strip().lstrip("%") for x in m.group(1).split(",")] if m else
+                     [re.search(k + r"=%([\w.\-]+)", i.attrs).group(1) for k in ("true_computation", "false_computation")
+                      if re.search(k + r"=%([\w.\-]+)", i.attrs)])
+            best = []
+            for k, comp in enumerate(names):
+                rs = charges(prog.sub(i, comp, operand=1 + k))
+                if sum(r["model"] for r in rs) >= sum(r["model"] for r in best):
+                    best = rs
+            for r in best:
+                r["name"] = f"{i.name}/{r['name']}"
+                out.append(r)
             continue
         parts = []   # (kind, model bytes, hbm bytes)
         lm_scope = "draft_lm_head" in i.op_name or "btv/dot_general" in i.op_name
@@ -486,7 +505,7 @@ def charges(prog: Program) -> list:
                 byc = {x.name: x for x in comp}
                 n = shape_bytes(byc[root.operands[1]].shape)
             hb = n if hbm_bytes(res) else 0
-            kind = "kv_write" if (srcs[dus] or "").startswith(("s.target_cache", "s.draft_cache")) else scope_kind
+            kind = "kv_write" if (srcs[dus] or "").startswith(_CACHE_PREFIXES) else scope_kind
             parts.append((kind, n, hb))
         else:
             kind = "copies" if is_copy else scope_kind
@@ -534,7 +553,7 @@ def _aliased_kernel_charge(prog: Program, i: Instr, src0):
         rest -= n
         parts.append((_operand_kind(src, False), n, hbm_bytes(shape)))
     rest = max(rest, 0)
-    cache = any((srcs[k] or "").startswith(("s.target_cache", "s.draft_cache")) for k in aliased)
+    cache = any((srcs[k] or "").startswith(_CACHE_PREFIXES) for k in aliased)
     rd, wr = ("kv_read", "kv_write") if cache else ("activations", "activations")
     parts += [(rd, rest // 2, rest // 2), (wr, rest - rest // 2, rest - rest // 2)]
     named = sorted({srcs[k] for k in aliased if srcs[k]})
@@ -807,7 +826,7 @@ def _blockspec_parts(prog: Program, i: Instr, scope_kind: str):
     by_out = {r: o for o, r in aliased.items()}
     for r, b in enumerate(t["outputs"]):
         src = srcs[by_out[r]] if r in by_out else None
-        kind = "kv_write" if (src or "").startswith(("s.target_cache", "s.draft_cache")) else scope_kind
+        kind = "kv_write" if (src or "").startswith(_CACHE_PREFIXES) else scope_kind
         hbm = r < len(outs) and bool(hbm_bytes(outs[r]))
         whole = b if r in by_out and by_out[r] in t["any_in"] else (shape_bytes(outs[r]) if r < len(outs) else 0)
         parts.append((kind, b, b if hbm else 0, whole if hbm else 0))

@@ -6,10 +6,15 @@ greedy, K iterations over every slot, Pallas TPU attention: the paged one reads 
 table with pallas_kernels.block_attention_paged), same rows, capacity and K. "Must read" is what a
 step cannot avoid: K x (the weights as stored, target and draft, + every row's K/V over the table's
 pages, target and draft layers) -- the attention reads whole tables here (a compiled program does not
-know the rows' lengths). The compiler's own `bytes accessed` and temporaries are printed beside it.
+know the rows' lengths). Two byte counts: "HBM", scripts/tpu_bytes.py's per-op charging of the compiled
+program (the traffic to and from HBM: operands the compiler placed in VMEM cost nothing, Pallas kernels
+what their BlockSpecs move; the slot step's cond charged as its iterations branch), the issue's measure;
+and the compiler's own `bytes accessed`, a cost model that charges every weight it prefetches into VMEM
+about four times (docs/tpu-bytes.md, item 1), printed beside it with the temporaries.
 
-    python scripts/tpu_paged_step.py                        # v6e bf16 and v5e int8 (~minutes on 2 cores)
+    python scripts/tpu_paged_step.py                        # v6e bf16 and v5e int8 (~1 min on 2 cores)
     python scripts/tpu_paged_step.py --layers 4 --draft-layers 1   # small, quick
+    python scripts/tpu_paged_step.py --top 20               # + tpu_bytes' per-kind, per-group and top-op tables
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
@@ -37,7 +43,11 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=1, help="iterations per step (K)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--top", type=int, default=0, help="print tpu_bytes' breakdown of each program, this many top ops")
+    ap.add_argument("--save-hlo", default=None, help="a folder: each compiled program's as_text() (tpu_bytes.py --hlo)")
     a = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tpu_bytes
     from jax.experimental import topologies
 
     from dflash_jax import KernelConfig
@@ -50,9 +60,9 @@ def main(argv=None) -> int:
     dcfg = DraftConfig.for_target(cfg, num_layers=a.draft_layers, block_size=16)
     print(f"Qwen3-8B shapes ({cfg.num_layers} layers) + DFlash draft ({a.draft_layers} layers, block 16), greedy, "
           f"K = {a.steps}, pages of {a.page_size}; bytes from the TPU compiler (ahead of time, this CPU host)")
-    print("| chip | weights | rows x capacity | program | compile s | bytes accessed GB | must read GB | x must read "
-          "| temp GB | paged / dense bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| chip | weights | rows x capacity | program | compile s | must read GB | HBM GB | HBM x must read "
+          "| compiler bytes accessed GB | compiler x must read | temp GB | paged / dense HBM | paged / dense compiler |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for chip in a.chips.split(","):
         topo, quant, rows, cap = CASES[chip]
         dev = topologies.get_topology_desc(platform="tpu", topology_name=topo).devices[0]
@@ -71,11 +81,22 @@ def main(argv=None) -> int:
             weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves((args[0], args[1])))
             kv = _kv_bytes(cfg, dcfg, rows, cap)
             must = a.steps * (weights + kv)
-            got[name] = float(ca.get("bytes accessed", 0.0))
-            ratio = "" if name == "dense" else f"{got['paged'] / got['dense']:.3f}"
-            print(f"| {chip} | {quant or 'bf16'} | {rows} x {cap} | {name} | {secs:.0f} | {got[name] / 1e9:.2f} | "
-                  f"{must / 1e9:.2f} | {got[name] / must:.3f} | {ma.temp_size_in_bytes / 1e9:.2f} | {ratio} |",
-                  flush=True)
+            text = compiled.as_text()
+            if a.save_hlo:
+                os.makedirs(a.save_hlo, exist_ok=True)
+                with open(os.path.join(a.save_hlo, f"{chip}_{name}.hlo"), "w") as f:
+                    f.write(text)
+            bd = tpu_bytes.breakdown(text)
+            got[name] = (bd["hbm_total"], float(ca.get("bytes accessed", 0.0)))
+            hbm, comp = got[name]
+            ratio = "| | |" if name == "dense" else (f"| {hbm / got['dense'][0]:.3f} | "
+                                                   f"{comp / got['dense'][1]:.3f} |")
+            print(f"| {chip} | {quant or 'bf16'} | {rows} x {cap} | {name} | {secs:.0f} | {must / 1e9:.2f} | "
+                  f"{hbm / 1e9:.2f} | {hbm / must:.3f} | {comp / 1e9:.2f} | {comp / must:.3f} | "
+                  f"{ma.temp_size_in_bytes / 1e9:.2f} {ratio}", flush=True)
+            if a.top:
+                bd["compiler_bytes_accessed"] = comp
+                tpu_bytes.print_report(bd, a.top, must)
     return 0
 
 

@@ -77,6 +77,62 @@ def test_charges_name_prefetched_weights_and_in_place_cache_updates():
     assert s["model_total"] == sum(r["model"] for r in s["records"])
 
 
+# The slot step's shape: its iterations inside a conditional (run when some row is busy), the
+# weights and caches named as decode.lower_slot_step's arguments (tstate[...], slots.loop.*).
+COND_HLO = """HloModule c, is_scheduled=true
+
+%fused_dus (param_0.1: bf16[4,4,16,128], param_1.1: bf16[1,4,16,128], param_2: s32[]) -> bf16[4,4,16,128] {
+  %param_0.1 = bf16[4,4,16,128]{3,2,1,0} parameter(0)
+  %param_1.1 = bf16[1,4,16,128]{3,2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %dynamic-update-slice = bf16[4,4,16,128]{3,2,1,0} dynamic-update-slice(%param_0.1, %param_1.1, %param_2, %c, %c, %c)
+}
+
+%busy (p: (bf16[256,64], bf16[4,4,16,128], bf16[1,4,16,128], s32[])) -> (bf16[4,4,16,128]) {
+  %p = (bf16[256,64]{1,0}, bf16[4,4,16,128]{3,2,1,0}, bf16[1,4,16,128]{3,2,1,0}, s32[]) parameter(0)
+  %w = bf16[256,64]{1,0} get-tuple-element(%p), index=0
+  %pool = bf16[4,4,16,128]{3,2,1,0} get-tuple-element(%p), index=1
+  %new = bf16[1,4,16,128]{3,2,1,0} get-tuple-element(%p), index=2
+  %at = s32[] get-tuple-element(%p), index=3
+  %neg = bf16[256,64]{1,0} negate(%w), metadata={op_name="jit(f)/cond/verify/target_layer0/neg"}
+  %fusion = bf16[4,4,16,128]{3,2,1,0} fusion(%pool, %new, %at), kind=kLoop, calls=%fused_dus, metadata={op_name="jit(f)/cond/verify/target_layer0/dynamic_update_slice"}
+  ROOT %t = (bf16[4,4,16,128]{3,2,1,0}) tuple(%fusion)
+}
+
+%idle (q: (bf16[4,4,16,128])) -> (bf16[4,4,16,128]) {
+  %q = (bf16[4,4,16,128]{3,2,1,0}) parameter(0)
+  %pool.1 = bf16[4,4,16,128]{3,2,1,0} get-tuple-element(%q), index=0
+  ROOT %t.1 = (bf16[4,4,16,128]{3,2,1,0}) tuple(%pool.1)
+}
+
+ENTRY %main (w: bf16[256,64], pool: bf16[4,4,16,128], new: bf16[1,4,16,128], at: s32[], go: s32[]) -> (bf16[4,4,16,128]) {
+  %w = bf16[256,64]{1,0} parameter(0), metadata={op_name="tstate['layers'][0]['o'].value"}
+  %pool = bf16[4,4,16,128]{3,2,1,0} parameter(1), metadata={op_name="slots.loop.target_cache.k[0]"}
+  %new = bf16[1,4,16,128]{3,2,1,0} parameter(2)
+  %at = s32[] parameter(3)
+  %go = s32[] parameter(4)
+  %ops.0 = (bf16[4,4,16,128]{3,2,1,0}) tuple(%pool)
+  %ops.1 = (bf16[256,64]{1,0}, bf16[4,4,16,128]{3,2,1,0}, bf16[1,4,16,128]{3,2,1,0}, s32[]) tuple(%w, %pool, %new, %at)
+  ROOT %cond = (bf16[4,4,16,128]{3,2,1,0}) conditional(%go, %ops.0, %ops.1), branch_computations={%idle, %busy}
+}
+"""
+
+
+def test_a_conditional_is_charged_as_its_costliest_branch_with_slot_step_names():
+    """scripts/tpu_bytes.py reads the slot step (scripts/tpu_paged_step.py --top): a conditional
+    is its busiest branch, traced through the branch's operand tuple to the entry's weights
+    (tstate[...]) and caches (slots.loop.target_cache...), not the whole state in and out."""
+    s = tpu_bytes.breakdown(COND_HLO)
+    rec = {r["name"]: r for r in s["records"]}
+    w = 256 * 64 * 2
+    assert set(rec) == {"cond/neg", "cond/fusion"}
+    assert s["kinds_hbm"]["weights"] == w and rec["cond/neg"]["group"] == "target_layer0"
+    # the page written in place: its rows, the pool neither read nor copied
+    assert s["kinds_hbm"]["kv_write"] == 4 * 16 * 128 * 2 and s["kinds_hbm"].get("kv_read", 0) == 0
+    assert s["hbm_total"] == 2 * w + 2 * 4 * 16 * 128 * 2 + 4     # neg in + out, the rows in + out, the offset
+
+
 @pytest.mark.slow
 @tpu_aot.requires_libtpu
 def test_small_dflash_iteration_on_v6e_matches_the_compiler_and_the_ideal():
