@@ -175,32 +175,48 @@ def test_fp8_checkpoint_on_the_generate_cli(fp8_target, tmp_path, capsys):
     assert e.value.code == 2 and "quant_method='awq' is not supported" in err and "Traceback" not in err
 
 
-def test_fp8_moe_checkpoint_keeps_its_experts_in_8_bits(tmp_path):
+@pytest.mark.parametrize("moe_gmm,inter", [("xla", 200), ("pallas_gpu_interpret", 192)])
+def test_fp8_moe_checkpoint_keeps_its_experts_in_8_bits(tmp_path, moe_gmm, inter):
     """A Qwen3-MoE FP8 checkpoint (experts in fp8 too, moe_intermediate 200: gate | up per column):
     its stacked experts load as 3-D Fp8BlockWeights and the logits equal those of the same checkpoint
     dequantized in torch and loaded in float32 (whose loader tests/test_moe.py checks against
-    transformers). (DFlash greedy on quantized MoE experts: tests/test_quantize.py's int8 cases.)"""
+    transformers). (DFlash greedy on quantized MoE experts: tests/test_quantize.py's int8 cases.)
+    moe_gmm "pallas_gpu_interpret" (moe_intermediate 192, which its 16-multiple tiles divide; down's
+    second K block ragged, 64 of 128): the experts read as float8 by the GPU grouped-matmul kernel
+    (interpreted), the same logits, and DFlash greedy through it equals plain greedy through it."""
+    from dflash_jax import KernelConfig
     from dflash_jax.models.moe import experts
-    path = ck.write_fp8_target(str(tmp_path / "moe_fp8"), moe=True, seed=5, hidden_size=96, moe_intermediate_size=200,
+    path = ck.write_fp8_target(str(tmp_path / "moe_fp8"), moe=True, seed=5, hidden_size=96, moe_intermediate_size=inter,
                                num_experts=4, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
     target = load_target(path, dtype="float32")
     ref = load_target(ck.write_fp8_dequantized(path, str(tmp_path / "deq")), dtype="float32")
     gu, down = target.layers[0].mlp.experts_gate_up[...], target.layers[0].mlp.experts_down[...]
-    assert isinstance(gu, Fp8BlockWeight) and gu.q.shape == (4, 96, 400) and gu.scale.shape == (4, 1, 400)
+    assert isinstance(gu, Fp8BlockWeight) and gu.q.shape == (4, 96, 2 * inter) and gu.scale.shape == (4, 1, 2 * inter)
     assert isinstance(down, Fp8BlockWeight) and down.scale.shape == (4, 2, 1) and down.block == (128, 128)
     assert not isinstance(target.layers[0].mlp.router[...], Fp8BlockWeight)
     np.testing.assert_array_equal(np.asarray(gu.dequantize()), np.asarray(ref.layers[0].mlp.experts_gate_up[...]))
     x = jax.random.normal(jax.random.key(0), (3, 96))
     idx = jnp.asarray([[0, 2], [1, 3], [2, 3]], jnp.int32)
     w = jnp.full((3, 2), 0.5)
-    np.testing.assert_allclose(np.asarray(experts(x, w, idx, gu, down, first_expert=None)),
+    np.testing.assert_allclose(np.asarray(experts(x, w, idx, gu, down, first_expert=None, gmm_impl=moe_gmm)),
                                np.asarray(experts(x, w, idx, ref.layers[0].mlp.experts_gate_up[...],
                                                   ref.layers[0].mlp.experts_down[...], first_expert=None)),
                                rtol=1e-5, atol=1e-5)
+    kernels = KernelConfig(attention="xla", moe_gmm=moe_gmm)
+    if moe_gmm != "xla":
+        assert "dflash_gmm_gpu_fp8" in str(jax.make_jaxpr(
+            lambda x, gu, down: experts(x, w, idx, gu, down, first_expert=None, gmm_impl=moe_gmm))(x, gu, down))
     ids = jnp.asarray(np.random.RandomState(1).randint(0, 128, (2, 11)))
     pos = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (2, 11))
-    got, want = [np.asarray(m.logits(m(ids, pos, m.new_cache(2, 32), pos + 1)[0])) for m in (target, ref)]
+    got = np.asarray(target.logits(target(ids, pos, target.new_cache(2, 32), pos + 1, kernels=kernels.resolve("cpu"))[0]))
+    want = np.asarray(ref.logits(ref(ids, pos, ref.new_cache(2, 32), pos + 1)[0]))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    if moe_gmm != "xla":
+        draft = init_draft(DraftConfig.for_target(target.config, num_layers=1, block_size=4), seed=2,
+                           dtype="float32", target=target)
+        prompts = [[3, 17, 99, 5, 64, 2, 8], [5, 9, 77, 3, 1]]
+        res = generate(target, draft, prompts, max_new_tokens=12, block_size=4, kernels=kernels)
+        assert res.tokens == generate(target, None, prompts, max_new_tokens=12, kernels=kernels).tokens
 
 
 # Qwen's Qwen3.5-*-FP8 layout: attention q / k / v / o, GDN in_proj_qkv / in_proj_z / out_proj, the

@@ -4,6 +4,7 @@ loop with an MoE target against the reference `dflash_generate`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -142,6 +143,125 @@ def test_int8_experts_run_in_the_kernels(first_expert, impl, N):
     assert str(jax.make_jaxpr(f)(x, weights, idx, gu, down)).count(name) == 2
     got = np.asarray(f(x, weights, idx, gu, down), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _fp8_experts(rng, G: int, K: int, N: int, block, std: float = 1.0):
+    """Random FP8 experts as an FP8 checkpoint loads them (quantize.Fp8BlockWeight): float8_e4m3fn q
+    [G, K, N] and block scales [G, ceil(K / bk), ceil(N / bn)] spread over 2^-8..2^-2 (times std),
+    so neighbouring blocks differ."""
+    import ml_dtypes
+
+    from dflash_jax.quantize import Fp8BlockWeight
+    q = (rng.normal(size=(G, K, N)) * 40).astype(ml_dtypes.float8_e4m3fn)
+    s = np.exp2(rng.uniform(-8, -2, size=(G, -(-K // block[0]), -(-N // block[1])))) * std
+    return Fp8BlockWeight(jnp.asarray(q), jnp.asarray(s, jnp.float32), block)
+
+
+def _fp8_dequantized(w):
+    """NumPy float64: q * each weight's block scale."""
+    (bk, bn), (K, N) = w.block, w.shape[1:]
+    s = np.repeat(np.repeat(np.asarray(w.scale, np.float64), bk, axis=1)[:, :K], bn, axis=2)[:, :, :N]
+    return np.asarray(w.q, np.float64) * s
+
+
+def _grouped_oracle(x, w, sizes):
+    x, out, r = np.asarray(x, np.float64), np.zeros((x.shape[0], w.shape[2])), 0
+    for g, n in enumerate(sizes):
+        out[r:r + n] = x[r:r + n] @ w[g]
+        r += n
+    return out
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_gmm_kernels_read_fp8_experts_like_the_dequantize_oracle(impl):
+    """FP8 experts (float8 q [G, K, N], block scales [G, K / bk, N / bn]; Qwen's 128 x 128 blocks and
+    a fused gate | up's per-column bn = 1) read by the TPU and GPU kernels themselves (interpreted),
+    float32 and bf16 rows, two K blocks whose scales differ: the groups' rows times the NumPy
+    dequantized matrices; empty groups, rows past the groups zero. TPU: column tiles inside one
+    block and spanning two; GPU: K steps of a quarter block, the fused SwiGLU, the one-token
+    gmm_rows. Tiles that straddle a block are refused."""
+    from pallas_kernels._common import Unsupported
+    from pallas_kernels.moe import gpu, tpu
+    rng = np.random.default_rng(11)
+    sizes = [3, 0, 7, 0, 10]
+    gs = jnp.asarray(sizes, jnp.int32)
+    for block, dtype, tn in (((128, 1), jnp.bfloat16, 128), ((128, 128), jnp.bfloat16, 256),
+                             ((128, 128), jnp.float32, 128)):
+        w = _fp8_experts(rng, 5, 256, 256, block)
+        wd = _fp8_dequantized(w)
+        x = jnp.asarray(rng.normal(size=(22, 256)), dtype)
+        want = _grouped_oracle(x, wd, sizes)
+        if impl == "gpu":
+            got = gpu.gmm(x, w.q, gs, scale=w.scale, block=block, bn=64, bk=32, interpret=True)
+        else:
+            got = tpu.gmm(x, w.q, gs, scale=w.scale, block=block, tm=16, tn=tn, interpret=True)
+        assert got.dtype == dtype and got.shape == (22, 256)
+        got = np.asarray(got, np.float64)
+        # float32: the float64 product up to float32 sums; bf16: one rounding of the output
+        tol = 1e-5 * np.abs(want).max() if dtype == jnp.float32 else 2 ** -8 * np.abs(want).max()
+        assert np.abs(got - want).max() <= tol, (dtype, np.abs(got - want).max())
+        assert not got[sum(sizes):].any()
+    if impl == "gpu":       # the last case's float32 rows and 128 x 128 blocks
+        h = want
+        sw = np.asarray(gpu.gmm(x, w.q, gs, scale=w.scale, block=block, swiglu=True, bn=32, bk=64, interpret=True))
+        want_sw = h[:, :128] / (1 + np.exp(-h[:, :128])) * h[:, 128:]
+        np.testing.assert_allclose(sw, want_sw, rtol=1e-4, atol=1e-5 * np.abs(want_sw).max())
+        g = jnp.asarray([2, -1, 4], jnp.int32)
+        rows = np.asarray(gpu.gmm_rows(x[:1], w.q, g, shared=True, scale=w.scale, block=block, interpret=True))
+        want_rows = np.stack([np.asarray(x[0], np.float64) @ wd[e] * (e >= 0) for e in (2, -1, 4)])
+        np.testing.assert_allclose(rows, want_rows, rtol=1e-4, atol=1e-5 * np.abs(want_rows).max())
+        with pytest.raises(Unsupported, match="straddle"):
+            gpu.gmm(x, w.q, gs, scale=w.scale, block=block, bn=64, bk=256, interpret=True)
+    else:
+        with pytest.raises(Unsupported, match="FP8 block"):
+            tpu.gmm(x, w.q, gs, scale=jnp.ones((5, 2, 3)), block=(128, 96), tn=128, interpret=True)
+    # through the dispatcher (= the kernel); XLA's gmm does not read 8-bit weights
+    kernel = gpu.gmm if impl == "gpu" else tpu.gmm
+    np.testing.assert_array_equal(
+        np.asarray(gmm(x, w.q, gs, f"pallas_{impl}_interpret", scale=w.scale, block=block)),
+        np.asarray(kernel(x, w.q, gs, scale=w.scale, block=block, interpret=True)))
+    with pytest.raises(Unsupported, match="8-bit"):
+        gmm(x, w.q, gs, "xla", scale=w.scale, block=block)
+
+
+@pytest.mark.parametrize("impl,N,first_expert", [("pallas_tpu_interpret", 5, 4), ("pallas_gpu_interpret", 5, None),
+                                                 ("pallas_gpu_interpret", 1, 4)])
+def test_fp8_experts_run_in_the_kernels_like_the_xla_path(impl, N, first_expert):
+    """models.moe.experts with an FP8 checkpoint's experts (gate | up per column, bn = 1; down in 128 x
+    128 blocks; two K blocks each) and moe_gmm on a Pallas kernel (interpreted; the GPU's one-token
+    gmm_rows at N = 1): the FP8 kernel is in the program twice, and the outputs equal the XLA path
+    (moe_gmm="xla": the experts dequantized, then ragged_dot) and the NumPy oracle; an
+    expert-parallel shard (first_expert 4: experts 4..7 of 8) adds only its own experts' outputs."""
+    from dflash_jax.models.moe import experts
+    from dflash_jax.quantize import Fp8BlockWeight
+    rng = np.random.default_rng(5)
+    E, H, I, k = 8, 256, 256, 2
+    gu = _fp8_experts(rng, E, H, 2 * I, (128, 1), std=H ** -0.5 * 4)
+    down = _fp8_experts(rng, E, I, H, (128, 128), std=I ** -0.5 * 4)
+    x = jnp.asarray(rng.normal(size=(N, H)), jnp.float32)
+    idx = jnp.asarray(np.sort(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), axis=1), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, size=(N, k)), jnp.float32)
+    gu_w, down_w = _fp8_dequantized(gu), _fp8_dequantized(down)
+    keep = np.ones(E, bool) if first_expert is None else (np.arange(E) >= first_expert)
+    want = np.zeros((N, H))
+    for n in range(N):
+        for wt, e in zip(np.asarray(weights[n], np.float64), np.asarray(idx[n])):
+            if keep[e]:
+                h = np.asarray(x[n], np.float64) @ gu_w[e]
+                want[n] += wt * ((h[:I] / (1 + np.exp(-h[:I])) * h[I:]) @ down_w[e])
+    if first_expert is not None:      # the shard holds experts [4, 8) only
+        gu, down = (Fp8BlockWeight(w.q[first_expert:], w.scale[first_expert:], w.block) for w in (gu, down))
+
+    def f(x, w, i, gu, down, impl=impl):
+        return experts(x, w, i, gu, down, gmm_impl=impl, first_expert=first_expert, ascending=True)
+
+    name = "dflash_gmm_gpu_fp8" if "gpu" in impl else "dflash_gmm_tpu_fp8"
+    assert str(jax.make_jaxpr(f)(x, weights, idx, gu, down)).count(name) == 2
+    got = np.asarray(jax.jit(f)(x, weights, idx, gu, down), np.float64)
+    xla = np.asarray(jax.jit(functools.partial(f, impl="xla"))(x, weights, idx, gu, down), np.float64)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, xla, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -307,6 +427,29 @@ def test_gmm_gpu_int8_kernel_lowers_for_cuda():
                                                 S((128, 1536), jnp.float32), S((128, 768, 2048), jnp.int8),
                                                 S((128, 2048), jnp.float32), S((8,), jnp.int32)).mlir_module()
     assert mod.count("dflash_gmm_gpu_int8") >= 2 and "dflash_gmm_gpu\"" not in mod
+
+
+def test_gmm_gpu_fp8_kernel_lowers_for_cuda():
+    """FP8 experts at Qwen3-Coder-30B-A3B-FP8's shapes (128 x 128 blocks) through the Triton lowering:
+    the grouped kernel (a 16-token verify's 128 rows, fused gate|up and down) and the one-token
+    gmm_rows chain (with per-column scales, bn = 1, on gate|up)."""
+    from jax import export
+    from pallas_kernels.moe import gpu
+    S, f8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn
+    cuda = dict(platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    for K, N, sw in ((2048, 1536, True), (768, 2048, False)):
+        mod = export.export(jax.jit(lambda x, w, g, s: gpu.gmm(x, w, g, swiglu=sw, scale=s, block=(128, 128))),
+                            **cuda)(S((128, K), jnp.bfloat16), S((128, K, N), f8), S((128,), jnp.int32),
+                                    S((128, K // 128, N // 128), jnp.float32)).mlir_module()
+        assert "dflash_gmm_gpu_fp8" in mod
+
+    def layer(x, gu, gs, dn, ds, i):
+        a = gpu.gmm_rows(x, gu, i, swiglu=True, shared=True, raw=True, scale=gs, block=(128, 1))
+        return gpu.gmm_rows(a, dn, i, raw=True, scale=ds, block=(128, 128))[:8]
+    mod = export.export(jax.jit(layer), **cuda)(S((1, 2048), jnp.bfloat16), S((128, 2048, 1536), f8),
+                                                S((128, 16, 1536), jnp.float32), S((128, 768, 2048), f8),
+                                                S((128, 6, 16), jnp.float32), S((8,), jnp.int32)).mlir_module()
+    assert mod.count("dflash_gmm_gpu_fp8") >= 2 and "dflash_gmm_gpu\"" not in mod
 
 
 def test_group_metadata_schedules_only_non_empty_groups():
@@ -611,26 +754,33 @@ def test_kernel_config_moe_gmm_resolves():
 
 @tpu_aot.requires_libtpu
 @pytest.mark.parametrize("topology", tpu_aot.TOPOLOGIES)
-@pytest.mark.parametrize("rows,weights", [(8, "bf16"), (128, "bf16"), (128, "int8")])
+@pytest.mark.parametrize("rows,weights", [(8, "bf16"), (128, "bf16"), (128, "int8"), (128, "fp8")])
 def test_gmm_kernel_compiles_for_tpu(topology, rows, weights):
     """The TPU kernel at Qwen3-Coder-30B-A3B's expert shapes (128 experts, H 2048, I 768, bf16 rows)
     through Mosaic for v5e and v6e: a decode step's 8 rows at B = 1 and a 16-token verify's 128;
-    int8 experts (their float32 column scales beside them) read as int8, nothing dequantized in HBM."""
+    int8 experts (their float32 column scales beside them) read as int8, FP8 experts (float8 with
+    Qwen's 128 x 128 block scales in SMEM; down with per-column scales, bn = 1) as float8: nothing
+    dequantized in HBM."""
     from pallas_kernels.moe import tpu
     dev = tpu_aot.tpu_device(topology)
-    int8 = weights == "int8"
+    q8 = weights in ("int8", "fp8")
     for K, N in ((2048, 2 * 768), (768, 2048)):
+        block = ((128, 128) if K == 2048 else (128, 1)) if weights == "fp8" else None
+        sshape = (128, N) if block is None else (128, K // 128, N // block[1])
         args = (tpu_aot.abstract((rows, K), jnp.bfloat16, dev),
-                tpu_aot.abstract((128, K, N), jnp.int8 if int8 else jnp.bfloat16, dev),
+                tpu_aot.abstract((128, K, N), {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(weights, jnp.bfloat16),
+                                 dev),
                 tpu_aot.abstract((128,), jnp.int32, dev))
-        if int8:
-            args += (tpu_aot.abstract((128, N), jnp.float32, dev),)
-        compiled = tpu_aot.compile_for_tpu(lambda x, w, g, *s: tpu.gmm(x, w, g, scale=s[0] if s else None), *args)
+        if q8:
+            args += (tpu_aot.abstract(sshape, jnp.float32, dev),)
+        compiled = tpu_aot.compile_for_tpu(
+            lambda x, w, g, *s: tpu.gmm(x, w, g, scale=s[0] if s else None, block=block), *args)
         # the Pallas kernel itself (not an XLA fallback), its operands whole in HBM: x, w and the group sizes
-        assert ("dflash_gmm_tpu_int8" if int8 else "dflash_gmm_tpu") in compiled.as_text()
+        assert {"int8": "dflash_gmm_tpu_int8", "fp8": "dflash_gmm_tpu_fp8"}.get(weights, "dflash_gmm_tpu") \
+            in compiled.as_text()
         ma = compiled.memory_analysis()
-        assert ma.argument_size_in_bytes == rows * K * 2 + 128 * K * N * (1 if int8 else 2) + 128 * 4 + \
-            (128 * N * 4 if int8 else 0)
+        assert ma.argument_size_in_bytes == rows * K * 2 + 128 * K * N * (1 if q8 else 2) + 128 * 4 + \
+            (4 * int(np.prod(sshape)) if q8 else 0)
         assert ma.temp_size_in_bytes < 1 << 20          # no converted copy of the experts
 
 

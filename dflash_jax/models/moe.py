@@ -33,10 +33,17 @@ before its rounding (pallas_kernels/moe/tpu.py, gpu.py). With moe_gmm "xla" the 
 own expert's column scales, in float32, as models.layers.linear scales an int8 dense weight; on
 TPU that path converts every local expert of the layer per call (Coder-30B-A3B, one layer on a v5e
 chip at a B = 1 verify: 3.02 GB of HBM traffic against the kernel's 0.39 GB; docs/perf-log.md,
-session 41). An FP8 checkpoint's
-experts (quantize.Fp8BlockWeight: block scales along the contraction axis too) are dequantized to
-x's dtype inside the program and then multiplied: exact, but XLA converts every expert of the layer
-per call (a gmm prologue that reads fp8 is the later slice).
+session 41).
+
+An FP8 checkpoint's experts (quantize.Fp8BlockWeight: float8_e4m3fn q [E, in, out], block scales
+[E, in / bk, out / bn], so the scales vary along the contraction axis too) go to the same kernels
+where their tiles fit the blocks (`fp8_supported`; Qwen's 128 x 128 blocks and the per-column bn = 1
+of a fused gate | up do): each float8 tile converted to x's dtype on chip, each K block's float32
+partial product multiplied by its block's scale before it is added. With moe_gmm "xla" (or blocks the
+kernels cannot tile) the weights are dequantized to x's dtype inside the program and multiplied by
+ragged_dot: XLA converts every expert of the layer per call (docs/perf-log.md, session 41: FP8
+experts in the grouped-matmul kernels). The two paths differ by rounding only: the kernel never
+rounds a dequantized weight to x's dtype (bf16 rows: it is the closer to the float64 product).
 """
 
 from __future__ import annotations
@@ -52,9 +59,9 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax import sharding
 from dflash_jax.kernel_config import KernelConfig
 from dflash_jax.models.layers import init_param, linear
-from dflash_jax.quantize import Int8Weight, is_quantized
+from dflash_jax.quantize import Fp8BlockWeight, Int8Weight, is_quantized
 
-__all__ = ["MoE", "route", "experts", "quantized_gmm", "distinct_experts", "recording"]
+__all__ = ["MoE", "route", "experts", "kernel_operands", "quantized_gmm", "distinct_experts", "recording"]
 
 # Benchmarks' probe: while set (during a trace, one device), every MoE call appends its expert
 # choices [N, k] (tracers of that trace) to this list; the traced function returns what it needs.
@@ -103,17 +110,17 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     holding experts [first_expert, first_expert + El) -> [N, H] in x's dtype. Choices of other
     experts contribute zero (expert parallelism: another shard computes them); first_expert=None:
     this call holds every expert the ids name (one device), nothing to mask."""
-    from pallas_kernels.moe import gmm, gmm_rows, gmm_swiglu, int8_supported
+    from pallas_kernels.moe import gmm, gmm_rows, gmm_swiglu
     N, k = idx.shape
     El = gate_up.shape[0]
     quantized = is_quantized(gate_up) or is_quantized(down)
-    # int8 experts in the kernel's prologue where it reads them, else the XLA grouped matmul (docstring)
-    int8_kernel = quantized and isinstance(gate_up, Int8Weight) and isinstance(down, Int8Weight) and \
-        int8_supported(gmm_impl, N * k, gate_up.shape[1], gate_up.shape[2], x.dtype, swiglu=True) and \
-        int8_supported(gmm_impl, N * k, down.shape[1], down.shape[2], x.dtype)
-    gu_q, gu_s = (gate_up.q, gate_up.scale) if int8_kernel else (gate_up, None)
-    dn_q, dn_s = (down.q, down.scale) if int8_kernel else (down, None)
-    if quantized and not int8_kernel:
+    # int8 / FP8 experts read by the kernel itself where it takes them, else the XLA grouped matmul (docstring)
+    gu_ops = kernel_operands(gate_up, gmm_impl, N * k, x.dtype, swiglu=True) if quantized else None
+    dn_ops = kernel_operands(down, gmm_impl, N * k, x.dtype) if quantized else None
+    q_kernel = gu_ops is not None and dn_ops is not None
+    (gu_q, gu_s, gu_b), (dn_q, dn_s, dn_b) = (gu_ops, dn_ops) if q_kernel else ((gate_up, None, None),
+                                                                                (down, None, None))
+    if quantized and not q_kernel:
         gmm_impl = "xla"
     if not ascending:   # a token's choices in ascending expert order: the order its outputs are added in (HF's)
         idx, weights = jax.lax.sort((idx, weights), dimension=-1, num_keys=1)
@@ -127,8 +134,9 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
         group = (local if mine is None else jnp.where(mine, local, -1)).reshape(k)
         tiles = kernels.gmm_rows_tiles if kernels is not None else (lambda which: None)
         a = gmm_rows(x, gu_q, group, gmm_impl, swiglu=True, shared=True, raw=True, tiles=tiles("gate_up"),
-                     scale=gu_s)
-        y = gmm_rows(a, dn_q, group, gmm_impl, raw=True, tiles=tiles("down"), scale=dn_s)   # rows [0, k): the choices'
+                     scale=gu_s, block=gu_b)
+        y = gmm_rows(a, dn_q, group, gmm_impl, raw=True, tiles=tiles("down"), scale=dn_s,
+                     block=dn_b)                                                 # rows [0, k): the choices'
         out = None
         for j in range(k):
             yj = y[j:j + 1] * weights[:, j:j + 1]
@@ -141,9 +149,9 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     flat = jnp.where(mine, local, El).reshape(-1)                                # [N k], El: not here
     rows, back, sizes = group_rows(flat, El)
     xs = jnp.take(x, rows // k, axis=0)                                          # [N k, H]
-    if int8_kernel:
-        a = gmm_swiglu(xs, gu_q, sizes, gmm_impl, scale=gu_s)                    # [N k, I]
-        y = gmm(a, dn_q, sizes, gmm_impl, scale=dn_s)                            # [N k, H]
+    if q_kernel:
+        a = gmm_swiglu(xs, gu_q, sizes, gmm_impl, scale=gu_s, block=gu_b)        # [N k, I]
+        y = gmm(a, dn_q, sizes, gmm_impl, scale=dn_s, block=dn_b)                # [N k, H]
     elif quantized:
         expert = jnp.minimum(jnp.take(flat, rows), El - 1)                       # [N k] each sorted row's
         gate, up = jnp.split(quantized_gmm(xs, gate_up, sizes, expert), 2, axis=-1)
@@ -159,6 +167,21 @@ def experts(x, weights, idx, gate_up, down, *, gmm_impl: str = "xla", first_expe
     for j in range(1, k):
         out = out + y[:, j]
     return out
+
+
+def kernel_operands(w, gmm_impl: str, M: int, dtype, swiglu: bool = False):
+    """(q, scale, block) of quantized experts w [E, K, N] that the grouped-matmul kernel `gmm_impl`
+    reads itself for M rows of `dtype` (block None: int8 with column scales; else an FP8
+    checkpoint's float8 q and block scales), or None (float experts, or a kernel / shape that does
+    not take them: the caller's XLA path)."""
+    from pallas_kernels.moe import fp8_supported, int8_supported
+    _, K, N = w.shape
+    if isinstance(w, Int8Weight):
+        return (w.q, w.scale, None) if int8_supported(gmm_impl, M, K, N, dtype, swiglu=swiglu) else None
+    if isinstance(w, Fp8BlockWeight) and w.q.ndim == 3 and w.scale.ndim == 3 and \
+            fp8_supported(gmm_impl, M, K, N, dtype, w.block, swiglu=swiglu, w_dtype=w.q.dtype):
+        return w.q, w.scale, w.block
+    return None
 
 
 def quantized_gmm(lhs, w, group_sizes, expert):
@@ -242,7 +265,8 @@ class MoE(nnx.Module):
         El = self.num_experts // ep
         d = "data" if h.shape[0] % sharding.data_axis_size(mesh) == 0 else None
         rows, experts_spec = P(d, None, None), P("model", None, None)
-        # int8 experts (dflash_jax.quantize): q as the float experts, their scales [E, N] by expert too
+        # int8 experts (dflash_jax.quantize): q as the float experts, their scales [E, N] by expert too;
+        # FP8 experts (q [E, K, N], scale [E, Kb, Nb], block static): the one spec, a prefix of both
         specs = [Int8Weight(experts_spec, P("model", None)) if isinstance(w, Int8Weight) else experts_spec
                  for w in (gate_up, down)]
 

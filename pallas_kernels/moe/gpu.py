@@ -30,6 +30,14 @@ K step loads the int8 [bk, bn] tile (half a bf16 tile's bytes) and converts it t
 in registers; the float32 accumulator is multiplied by the group's column scales after the K loop,
 before the rounding (and before the SwiGLU, whose products are rounded as the float path's).
 
+FP8 experts (an FP8 checkpoint's quantize.Fp8BlockWeight: rhs float8_e4m3fn [G, K, N], `scale` [G,
+ceil(K / bk_s), ceil(N / bn_s)] float32 block scales, `block` = (bk_s, bn_s)): each K step loads the
+float8 [bk, bn] tile, converts it in registers, and multiplies its float32 partial product by its
+block's scale before adding it (the scales vary along K): one scalar per (K block, column block), or
+with bn_s = 1 the K block's [bn] column scales. So bk divides bk_s (a step never straddles a K block)
+and bn divides bn_s when bn_s > 1 (a tile never straddles a column block), as the dense
+pallas_kernels/quantized/gpu.py kernel does.
+
 lhs is padded by bm rows so every row tile's load stays in bounds (the interpreter clamps an
 out-of-range slice instead of masking it); rows past sum(group_sizes) are zeroed by the wrapper.
 """
@@ -78,17 +86,26 @@ _FILL = 2 * 132
 _ROWS_FILL = 132
 
 
+def _divides(block, axis: int):
+    """The FP8 block's constraint on a tile size along axis (0: K, 1: N) as a predicate."""
+    if block is None or (axis == 1 and block[1] == 1):
+        return lambda b: True
+    return lambda b: block[axis] % b == 0
+
+
 def choose_tiles(M: int, K: int, N: int, bm: int | None = None, bn: int | None = None,
-                 bk: int | None = None, slots: int | None = None) -> tuple[int, int, int]:
+                 bk: int | None = None, slots: int | None = None, block=None) -> tuple[int, int, int]:
     """(bm, bn, bk): 16-row tiles up to 1024 rows (decode, verify; Triton's smallest dot), 64 beyond
     (prefill: fewer re-reads of a group's weights from L2); column tiles of 64, or 32 when slots x
     N / 64 programs would leave SMs idle (B = 1 decode: 8 experts x 768 / 64 = 96 programs); K
-    steps of up to 256. bn and bk must divide N and K."""
+    steps of up to 256. bn and bk must divide N and K (FP8 `block` (bk_s, bn_s): bk divides bk_s
+    and bn divides bn_s unless it is 1)."""
     bm = bm or (16 if M <= 1024 else 64)
+    ok_n, ok_k = _divides(block, 1), _divides(block, 0)
     if bn is None:
         wide = slots is None or slots * (N // 64) >= _FILL
-        bn = _pick(N, (64, 128, 32, 16) if wide else (32, 16, 64, 128))
-    bk = bk or _pick(K, (256, 128, 64, 32, 16))
+        bn = _pick(N, [b for b in ((64, 128, 32, 16) if wide else (32, 16, 64, 128)) if ok_n(b)])
+    bk = bk or _pick(K, [b for b in (256, 128, 64, 32, 16) if ok_k(b)])
     return bm, bn, bk
 
 
@@ -113,28 +130,30 @@ def fit_bk(bm: int, bn: int, bk: int, K: int, itemsize: int, swiglu: bool, num_s
 
 
 def plan_tiles(M: int, K: int, N: int, itemsize: int, swiglu: bool, num_stages: int, bm: int | None = None,
-               bn: int | None = None, bk: int | None = None, slots: int | None = None):
+               bn: int | None = None, bk: int | None = None, slots: int | None = None, block=None):
     """gmm's (bm, bn, bk): choose_tiles, then an automatic bk fitted to shared memory (fit_bk); a
     bk the caller gave is kept. bn or bk None: no tiling."""
     auto_bk = bk is None
-    bm, bn, bk = choose_tiles(M, K, N, bm, bn, bk, slots)
+    bm, bn, bk = choose_tiles(M, K, N, bm, bn, bk, slots, block)
     if auto_bk and bn is not None and bk is not None and K % bk == 0:
         bk = fit_bk(bm, bn, bk, K, itemsize, swiglu, num_stages)
     return bm, bn, bk
 
 
-def supported(M: int, K: int, N: int, dtype, swiglu: bool = False) -> bool:
-    bm, bn, bk = choose_tiles(M, K, N // 2 if swiglu else N)
+def supported(M: int, K: int, N: int, dtype, swiglu: bool = False, block=None) -> bool:
+    """Whether gmm / gmm_rows take these shapes (block: FP8 block scales, which the tiles must fit)."""
+    bm, bn, bk = choose_tiles(M, K, N // 2 if swiglu else N, block=block)
     return (jnp.dtype(dtype).itemsize in (2, 4) and bn is not None and bk is not None
-            and (not swiglu or N % 2 == 0))
+            and (not swiglu or N % 2 == 0) and (block is None or min(block) >= 1))
 
 
 def _kernel(meta_ref, x_ref, w_ref, *refs, bm: int, bn: int, bk: int, K: int, half: int,
-            swiglu: bool, rows_mode: bool = False, shared: bool = False, scaled: bool = False):
+            swiglu: bool, rows_mode: bool = False, shared: bool = False, scaled: bool = False, block=None):
     # meta_ref [4, slots] (group_list's layout), or with rows_mode the row groups [M] (slot i = row
     # i, its group meta_ref[i], -1: none); x_ref [>= M + bm, K], or with shared one row [1, K] that
     # every slot multiplies; w_ref [G, K, N] (int8 with scaled: s_ref [G, N] float32, its column
-    # scales), o_ref [M + bm, N or N / 2]: whole arrays, sliced here
+    # scales; float8 with block: s_ref [G, Kb, Nb] its block scales), o_ref [M + bm, N or N / 2]:
+    # whole arrays, sliced here
     s_ref, o_ref = refs if scaled else (None, refs[0])
     i, j = pl.program_id(0), pl.program_id(1)
     if rows_mode:
@@ -166,14 +185,21 @@ def _kernel(meta_ref, x_ref, w_ref, *refs, bm: int, bn: int, bk: int, K: int, ha
                 out = []
                 for acc, c0 in zip(accs, (n0, half + n0) if swiglu else (n0,)):
                     w = w_ref[gg, pl.ds(k0, bk), pl.ds(c0, bn)]                         # [bk, bn]
-                    if scaled:                                       # int8 -> float32 -> x's dtype: exact
+                    if scaled:                             # int8 / float8 -> float32 -> x's dtype: exact
                         w = w.astype(jnp.float32).astype(x.dtype)
-                    out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32, precision=prec))
+                    d = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=prec)
+                    if block is not None:                    # this K step's block scale(s)
+                        kb = lax.div(k0, block[0])
+                        if block[1] == 1:
+                            d = d * s_ref[gg, pl.ds(kb, 1), pl.ds(c0, bn)]                 # [1, bn]
+                        else:
+                            d = d * s_ref[gg, pl.ds(kb, 1), pl.ds(lax.div(c0, block[1]), 1)]   # [1, 1]
+                    out.append(acc + d)
                 return tuple(out)
 
             zero = jnp.zeros((bm, bn), jnp.float32)
             accs = lax.fori_loop(0, K // bk, k_step, (zero, zero) if swiglu else (zero,))
-            if scaled:                                              # the group's column scales [1, bn]
+            if scaled and block is None:                            # the group's column scales [1, bn]
                 accs = tuple(a * s_ref[gg, pl.ds(c0, bn)][None, :]
                              for a, c0 in zip(accs, (n0, half + n0) if swiglu else (n0,)))
             if swiglu:
@@ -188,13 +214,22 @@ def _kernel(meta_ref, x_ref, w_ref, *refs, bm: int, bn: int, bk: int, K: int, ha
         lax.fori_loop(0, pl.cdiv(size, bm), row_tile, 0)
 
 
-def _check(lhs, rhs, swiglu: bool, scale=None):
+def _is_float8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check(lhs, rhs, swiglu: bool, scale=None, block=None):
     M, K = lhs.shape
     G, K2, N = rhs.shape
-    if K2 != K or (lhs.dtype != rhs.dtype if scale is None else rhs.dtype != jnp.int8):
+    want8 = (lambda d: True) if scale is None else _is_float8 if block is not None else (lambda d: d == jnp.int8)
+    if K2 != K or (lhs.dtype != rhs.dtype if scale is None else not want8(rhs.dtype)):
         raise Unsupported(f"gmm: lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype} do not agree"
-                          + ("" if scale is None else " (int8 rhs with a scale)"))
-    if scale is not None and scale.shape != (G, N):
+                          + ("" if scale is None else f" ({'float8' if block else 'int8'} rhs with a scale)"))
+    if block is not None and (scale is None or min(block) < 1
+                              or scale.shape != (G, -(-K // block[0]), -(-N // block[1]))):
+        raise Unsupported(f"gmm: FP8 block {block}, scale {None if scale is None else scale.shape} for rhs "
+                          f"{rhs.shape} (one per group and (bk, bn) block)")
+    if scale is not None and block is None and scale.shape != (G, N):
         raise Unsupported(f"gmm: scale {scale.shape} for rhs {rhs.shape} (one per group and column)")
     if jnp.dtype(lhs.dtype).itemsize not in (2, 4):
         raise Unsupported(f"gmm: dtype {lhs.dtype} (float32 or a 16-bit float)")
@@ -205,7 +240,7 @@ def _check(lhs, rhs, swiglu: bool, scale=None):
 
 
 def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_stages, interpret,
-            rows: int | None = None, shared: bool = False, scale=None):
+            rows: int | None = None, shared: bool = False, scale=None, block=None):
     """The kernel over the group list `meta` [4, slots] (group_list's layout) -> [M + bm, N or N / 2]
     (M = lhs's rows); rows no listed group covers, and the bm rows past M, are left unwritten (the
     callers zero or ignore them). With `rows` (rows_mode), meta is the row groups [rows] and M =
@@ -216,17 +251,21 @@ def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_st
         M = rows
     G, _, N = rhs.shape
     half = N // 2 if swiglu else N
-    if rows is not None and bn is None and half % 64 == 0 and M * (half // 64) >= _ROWS_FILL:
+    if rows is not None and bn is None and half % 64 == 0 and M * (half // 64) >= _ROWS_FILL \
+            and _divides(block, 1)(64):
         bn = 64
-    bm, bn, bk = plan_tiles(M, K, half, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages, bm, bn, bk, slots)
+    bm, bn, bk = plan_tiles(M, K, half, jnp.dtype(lhs.dtype).itemsize, swiglu, num_stages, bm, bn, bk, slots,
+                            block)
     if bn is None or bk is None or half % bn or K % bk:
         raise Unsupported(f"gmm: K={K}, N={half} have no tiling (multiples of 16)")
+    if block is not None and not (_divides(block, 0)(bk) and _divides(block, 1)(bn)):
+        raise Unsupported(f"gmm: tiles bk={bk}, bn={bn} straddle the FP8 blocks {block}")
     x = lhs if shared or lhs.shape[0] >= M + bm else jnp.pad(lhs, ((0, M + bm - lhs.shape[0]), (0, 0)))
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, K=K, half=half, swiglu=swiglu,
-                               rows_mode=rows is not None, shared=shared, scaled=scale is not None)
+                               rows_mode=rows is not None, shared=shared, scaled=scale is not None, block=block)
     extra_specs, extra = [], []
     if scale is not None:
-        extra_specs, extra = [pl.BlockSpec((G, N), lambda i, j: (0, 0))], [scale.astype(jnp.float32)]
+        extra_specs, extra = [pl.BlockSpec(scale.shape, lambda i, j: (0,) * scale.ndim)], [scale.astype(jnp.float32)]
     with quiet_triton():
         out = pl.pallas_call(
             kernel,
@@ -241,35 +280,40 @@ def _launch(lhs, rhs, meta, slots: int, *, swiglu, bm, bn, bk, num_warps, num_st
             out_specs=pl.BlockSpec((M + bm, half), lambda i, j: (0, 0)),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=interpret,
-            name="dflash_gmm_gpu_int8" if scale is not None else "dflash_gmm_gpu",
+            name="dflash_gmm_gpu_fp8" if block is not None else "dflash_gmm_gpu_int8" if scale is not None
+            else "dflash_gmm_gpu",
         )(meta, x, rhs, *extra)
     return out
 
 
-_STATIC = ("swiglu", "bm", "bn", "bk", "num_warps", "num_stages", "interpret")
+_STATIC = ("swiglu", "bm", "bn", "bk", "num_warps", "num_stages", "interpret", "block")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def gmm(lhs, rhs, group_sizes, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
-        bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False, scale=None):
+        bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False, scale=None,
+        block=None):
     """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (sum <= M) -> [M, N] in lhs's dtype (f32
     accumulation), or with swiglu [M, N / 2] = silu(lhs @ rhs[..., :N/2]) * (lhs @ rhs[..., N/2:]);
     rows past sum(group_sizes) are zero. scale [G, N] float32: rhs is int8 and each product is
-    scaled by its group's column scales (module docstring). interpret=True runs the kernel on CPU."""
-    _check(lhs, rhs, swiglu, scale)
+    scaled by its group's column scales; with block (bk_s, bn_s), rhs is float8 and scale [G,
+    ceil(K / bk_s), ceil(N / bn_s)] its block scales (module docstring). interpret=True runs the
+    kernel on CPU."""
+    block = None if block is None else tuple(int(b) for b in block)
+    _check(lhs, rhs, swiglu, scale, block)
     M, G = lhs.shape[0], rhs.shape[0]
     if group_sizes.shape != (G,):
         raise Unsupported(f"gmm: group_sizes {group_sizes.shape} for {G} groups")
     slots = max(1, min(G, M))
     out = _launch(lhs, rhs, group_list(group_sizes, slots), slots, swiglu=swiglu, bm=bm, bn=bn, bk=bk,
-                  num_warps=num_warps, num_stages=num_stages, interpret=interpret, scale=scale)[:M]
+                  num_warps=num_warps, num_stages=num_stages, interpret=interpret, scale=scale, block=block)[:M]
     return jnp.where(jnp.arange(M)[:, None] < jnp.sum(group_sizes), out, 0)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("shared", "raw"))
 def gmm_rows(lhs, rhs, row_group, *, swiglu: bool = False, bm: int | None = None, bn: int | None = None,
              bk: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
-             shared: bool = False, raw: bool = False, scale=None):
+             shared: bool = False, raw: bool = False, scale=None, block=None):
     """Every row its own group: lhs [M, K], rhs [G, K, N], row_group [M] int32 (the group of row r,
     or -1: no group, a zero row) -> [M, N] (or [M, N / 2] with swiglu), out[r] = lhs[r] @
     rhs[row_group[r]]. The kernel reads row_group itself as its list (no sort, no counts, no
@@ -280,14 +324,15 @@ def gmm_rows(lhs, rhs, row_group, *, swiglu: bool = False, bm: int | None = None
     broadcast in memory). raw: return the kernel's buffer [M + bm, N] as it is: rows of group -1 and
     the bm rows past M unwritten (undefined); a raw buffer is a valid lhs of the next call (its
     rows past M are not read), so chained projections need no slice or pad between them.
-    scale: as gmm's (int8 rhs)."""
-    _check(lhs, rhs, swiglu, scale)
+    scale, block: as gmm's (int8 or float8 rhs)."""
+    block = None if block is None else tuple(int(b) for b in block)
+    _check(lhs, rhs, swiglu, scale, block)
     M = row_group.shape[0]
     if row_group.ndim != 1 or lhs.shape[0] < (1 if shared else M):
         raise Unsupported(f"gmm_rows: row_group {row_group.shape} for lhs {lhs.shape} (shared={shared})")
     g = row_group.astype(jnp.int32)
     out = _launch(lhs, rhs, g, M, swiglu=swiglu, bm=bm, bn=bn, bk=bk, num_warps=num_warps,
-                  num_stages=num_stages, interpret=interpret, rows=M, shared=shared, scale=scale)
+                  num_stages=num_stages, interpret=interpret, rows=M, shared=shared, scale=scale, block=block)
     if raw:
         return out
     return jnp.where((g >= 0)[:, None], out[:M], 0)
