@@ -8,7 +8,7 @@ Two storages behind one interface:
   table [B, P] of page ids per row (row b's position t lives in page table[b, t // page] at
   offset t % page; page 0 is the dummy page that padding points at). The paged slot engine uses it
   for the target and the draft's context with ONE table, so a prefix hit on the target's pages is a
-  hit on the draft's (dflash_jax.pages owns the host-side allocation and prefix index). A
+  hit on the draft's (dflash_jax.serving.pages owns the host-side allocation and prefix index). A
   sliding-window draft layer may instead live in a pool of its own read through a SECOND table
   (`window_table`, the same logical page index; `windowed` names those layers): the host
   (`pages.WindowPages`) holds window pages only for the logical pages the layer's window and the

@@ -4,7 +4,7 @@ out, one compiled program per static key, optional streaming through `on_commit`
 `export_generate`: programs built from configs alone, e.g. for a TPU topology from a CPU host).
 
 The loop itself (state, prefill, iteration, the compiled program and its cache) is dflash_jax.loop;
-`generate(slots=N)` runs through the slot engine of dflash_jax.slots.
+`generate(slots=N)` runs through the slot engine of dflash_jax.serving.slots.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dflash_jax.loop import (MAX_STOP_IDS, Params, buckets, clear_compiled, comp
                              width_params)
 from dflash_jax import drafts, models
 from dflash_jax.models.stack import CausalLM
-from dflash_jax.slots import RowRequest, Slots, offline_defaults, platform_of
+from dflash_jax.serving.slots import RowRequest, Slots, offline_defaults, platform_of
 
 __all__ = ["generate", "GenerateOptions", "GenerateResult", "precompile", "compiled_program", "lower_generate", "lower_iteration",
            "export_generate", "abstract_program", "compile_count", "clear_compiled"]
@@ -250,7 +250,7 @@ def generate(target: CausalLM, draft, prompts, **options) -> GenerateResult:
     on it (load_target/load_draft(..., mesh=) or sharding.shard_model), the batch is padded to a
     multiple of the data axis; it is part of the compile key. Same tokens as one device.
     `slots`: with more prompts than this, the prompts run through the slot engine
-    (dflash_jax.slots.Slots: continuous batching, `slots` rows at once, each refilled as its row
+    (dflash_jax.serving.slots.Slots: continuous batching, `slots` rows at once, each refilled as its row
     finishes) instead of one batch that runs until its longest row ends; the tokens are the same
     (greedy, or sampled with the same seed: row i keeps its stream i). Not with on_commit. On a
     mesh, `slots` must be a multiple of the data axis. `step_buckets`: the slot engine's step row
@@ -358,7 +358,7 @@ def _generate(target, draft, prompts, *, on_commit=None, **options):
 def _generate_slots(target, draft, prompts, o: GenerateOptions):
     """generate through the slot engine (generate's `slots`)."""
     if o.on_commit is not None:
-        raise ValueError("on_commit (streaming) is not supported with slots=; use dflash_jax.engine.SlotEngine")
+        raise ValueError("on_commit (streaming) is not supported with slots=; use dflash_jax.serving.engine.SlotEngine")
     if not validation.is_int(o.slots) or o.slots < 1:
         raise ValueError(f"slots must be an integer >= 1, got {o.slots!r}")
     st, _, _, p, n_rows, lens = _static_and_params(target, draft, prompts, stream=False, **o.program())
@@ -479,7 +479,7 @@ def lower_slot_step(target_config, draft_config=None, *, slots: int = 8, capacit
     quantize). Returns `jax.stages.Lowered` (e.g. compiled for a TPU topology from a CPU host)."""
     import dataclasses as dc
 
-    from dflash_jax.slot_programs import step_functions
+    from dflash_jax.serving.slot_programs import step_functions
 
     st, (tstate, dstate, _) = _abstract_inputs(target_config, draft_config, batch=slots, prompt_len=16,
                                                max_new_tokens=max(1, capacity - 64), capacity=capacity, **kw)

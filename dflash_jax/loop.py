@@ -12,7 +12,7 @@ Plain decoding (no draft, or block size 1) is the same loop with S = 1 and no dr
 With adaptive widths (Static.widths, dflash_jax.width) each iteration verifies only the last token
 plus the first W drafts, W chosen on the device per iteration; W = 0 skips the draft pass.
 The host API around it (`generate`) is dflash_jax.decode; the slot engine's programs over the same
-`prefill` and `iterate` are dflash_jax.slot_programs (its host side, dflash_jax.slots, asks for them there).
+`prefill` and `iterate` are dflash_jax.serving.slot_programs (its host side, dflash_jax.serving.slots, asks for them there).
 
 Compile keys (`Static`): batch bucket, prompt bucket, capacity, block size, sampling mode, the
 resolved KernelConfig (attention backend, fused GPU kernels, GPU tuning), streaming on/off, and the
@@ -74,7 +74,7 @@ class Static:
     # presence / frequency penalties, logit_bias and min_tokens applied to the target's logits (and
     # the draft's): Params' penalty fields are read (dflash_jax.penalties); off: never read
     penalties: bool = False
-    # structured output (dflash_jax.grammar): the verify masks each position's logits with
+    # structured output (dflash_jax.serving.grammar): the verify masks each position's logits with
     # Params.grammar_mask and verifies the host's drafts (Params.grammar_drafts: the drafts it walked
     # the grammar along); off: never read
     grammar: bool = False
@@ -126,7 +126,7 @@ class Params:
     bias_values: Any = None    # [B, MAX_BIAS] float32
     min_tokens: Any = None     # [B] int32: stop ids masked until the row has generated this many
     resumed: Any = None        # [B] int32: prompt tokens at its end that the request generated (a preempted row)
-    # Grammar fields (Static.grammar programs only; dflash_jax.grammar): the tokens allowed at each
+    # Grammar fields (Static.grammar programs only; dflash_jax.serving.grammar): the tokens allowed at each
     # verify position, bit t % 32 of word t // 32 (an unconstrained row: all ones), and the drafts
     # the host walked its grammar along to build them (the last iteration's proposal, or anything:
     # a draft the mask refuses is rejected there). A prefill reads position 0's row alone.

@@ -170,7 +170,7 @@ def run(p, args) -> int:
     aheads = [{"on": True, "off": False}.get(x) for x in args.refill_ahead.split(",")]
     if None in aheads:
         p.error(f"--refill-ahead: give on, off or on,off, got {args.refill_ahead!r}")
-    from dflash_jax.slots import parse_step_buckets
+    from dflash_jax.serving.slots import parse_step_buckets
     try:
         buckets = [parse_step_buckets(b.replace("/", ",")) for b in args.step_buckets.split(",")]
     except ValueError as e:
@@ -179,7 +179,7 @@ def run(p, args) -> int:
     import jax
 
     from dflash_jax import generate, loop
-    from dflash_jax.slots import RowRequest, Slots, offline_defaults
+    from dflash_jax.serving.slots import RowRequest, Slots, offline_defaults
 
     target, draft, tok = build(args)
     defaults = offline_defaults(jax.devices()[0].platform)
@@ -317,7 +317,7 @@ def breakdown(args, target, draft, ps, S, K, W, sb) -> int:
     import jax
 
     from dflash_jax import generate, loop
-    from dflash_jax.slots import RowRequest, Slots
+    from dflash_jax.serving.slots import RowRequest, Slots
 
     B, L = args.slots, max(len(x) for x in ps)
     n1, n2 = 32, 32 + 32 * K                      # iterations: the same context range for both

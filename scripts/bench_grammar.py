@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Grammar engines on the host (dflash_jax.grammar's choice): compile ms of a mid-size JSON schema, ms
+"""Grammar engines on the host (dflash_jax.serving.grammar's choice): compile ms of a mid-size JSON schema, ms
 per token mask, ms per walk of a 15-token draft (a speculative block's masks: mask, consume, ...,
-roll back), for llguidance (through dflash_jax.grammar: one row, and 8 rows at once), xgrammar
+roll back), for llguidance (through dflash_jax.serving.grammar: one row, and 8 rows at once), xgrammar
 and outlines-core, on the test tokenizer (320 ids) and a synthetic Qwen-sized byte-level BPE.
 
     python scripts/bench_grammar.py [--out FILE]
@@ -159,7 +159,7 @@ class Llguidance:
 
     def __init__(self, tok, vocab: int):
         import llguidance
-        from dflash_jax import grammar
+        from dflash_jax.serving import grammar
         self.grammars = grammar.Grammars(tok, vocab)
         self.note = f"v{llguidance.__version__}; whitespace {grammar.WHITESPACE}"
         self._n = 0
@@ -188,7 +188,7 @@ class LlguidanceBatch(Llguidance):
     ROWS = 8
 
     def __init__(self, tok, vocab: int):
-        from dflash_jax import grammar
+        from dflash_jax.serving import grammar
         self.grammars = grammar.Grammars(tok, vocab, threads=os.cpu_count())
         self._n = 0
         self.note = f"Grammars.walk of {self.ROWS} rows at once, {os.cpu_count()} threads; ms / row"

@@ -46,8 +46,9 @@ def _models(args, mesh):
 def child(args) -> None:
     import jax
 
-    from dflash_jax import loading, multihost_serve as mh, sharding
-    from dflash_jax.slots import RowRequest, Slots
+    from dflash_jax import loading, sharding
+    from dflash_jax.serving import multihost_serve as mh
+    from dflash_jax.serving.slots import RowRequest, Slots
 
     loading.init_distributed()
     mesh = sharding.as_mesh("data=2,model=4")

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from dflash_jax.config import DraftConfig, TargetConfig
-from dflash_jax.slots import RowRequest, Slots
+from dflash_jax.serving.slots import RowRequest, Slots
 from dflash_jax.weights import init_draft, init_target
 
 

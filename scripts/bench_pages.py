@@ -108,7 +108,7 @@ def workload(args, dist: str):
 
 
 def run_engine(args, target, draft, reqs, *, paged: bool, dist: str) -> Run:
-    from dflash_jax.engine import Finished, Request, SlotEngine, parse_step_buckets
+    from dflash_jax.serving.engine import Finished, Request, SlotEngine, parse_step_buckets
 
     capacity = args.max_prompt + args.max_output + args.block
     if paged:

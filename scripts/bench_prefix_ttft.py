@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     if a.smoke:
         a.system, a.turn, a.requests, a.new = 256, 16, 4, 4
     import dflash_jax as dj
-    from dflash_jax.engine import Request, SlotEngine
+    from dflash_jax.serving.engine import Request, SlotEngine
 
     if a.target is None:
         from dflash_jax.assets import default_pair

@@ -3,7 +3,7 @@ unconstrained DFlash on the same pair and prompts, and against plain constrained
 target alone under the same grammar), side by side in one process.
 
 A grammar step runs one iteration and the host walks every constrained row's grammar along its
-drafts before the next (dflash_jax.grammar, docs/serving.md): that walk, the one-iteration steps
+drafts before the next (dflash_jax.serving.grammar, docs/serving.md): that walk, the one-iteration steps
 and the read after each step are the cost measured here. The pair writes Python, so the grammar is
 one its own output satisfies (a regular expression over code: no tab characters), so the masks
 never change its tokens: the constrained run must emit exactly the unconstrained run's tokens (checked),
@@ -49,8 +49,8 @@ def main(argv=None) -> int:
     import dflash_jax as dj
     from transformers import AutoTokenizer
 
-    from dflash_jax.engine import Request, SlotEngine
-    from dflash_jax.grammar import Grammars
+    from dflash_jax.serving.engine import Request, SlotEngine
+    from dflash_jax.serving.grammar import Grammars
 
     if a.target is None:
         from dflash_jax.assets import default_pair

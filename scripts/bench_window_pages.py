@@ -3,7 +3,7 @@ KV budget, with the windowed draft layers in a pool of their own (`pages.WindowP
 shared-table design (every draft layer's context in the main pages, the window only a mask).
 
 Counts, not speed: a host-only simulation driving the engine's real allocators (`pages.PageAllocator`,
-`pages.WindowPages`) with the slot engine's rules (dflash_jax.slots.Slots):
+`pages.WindowPages`) with the slot engine's rules (dflash_jax.serving.slots.Slots):
   admit   the queue head, if its prompt + one step's reach fits (main pages, and window pages from
           first_kept(prompt) on; the prompt's pages behind its window best effort), and a slot is free
   grow    before each step, every running row to known + (in flight + K) x S + S (in flight: the step
@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
 
-from dflash_jax.pages import PageAllocator, WindowPages, pages_for  # noqa: E402
+from dflash_jax.serving.pages import PageAllocator, WindowPages, pages_for  # noqa: E402
 
 
 def draw(dist: str, n: int, lo: int, hi: int, rng) -> np.ndarray:

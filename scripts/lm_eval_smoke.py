@@ -170,8 +170,8 @@ def _embedded_server():
     import dflash_jax as dj
     from dflash_jax import loading
     from dflash_jax.assets import default_pair
-    from dflash_jax.engine import SimpleEngine
-    from dflash_jax.serve import build_app
+    from dflash_jax.serving.engine import SimpleEngine
+    from dflash_jax.serving.server import build_app
 
     tp, dp = default_pair()
     target = dj.load_target(tp)

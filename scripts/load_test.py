@@ -283,7 +283,8 @@ def print_table(title: str, runs: list[dict]) -> None:
 def check(args, argv: list[str], jobs, all_recs: list[list[dict]]) -> list[str]:
     """Each response's tokens against one-shot generate (batch of one) of the same models, built
     from the server's own flags. Returns the problems found (empty: nothing lost)."""
-    from dflash_jax import generate, serve
+    from dflash_jax import generate
+    from dflash_jax.serving import server as serve
 
     sp = serve.build_parser()
     a = sp.parse_args(argv)

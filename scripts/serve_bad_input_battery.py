@@ -52,7 +52,7 @@ def main() -> None:
 
     import httpx
 
-    from dflash_jax.serve import build_app
+    from dflash_jax.serving.server import build_app
     from tests.test_cli import write_tokenizer
     from tests.test_serve import FakeGenerate, fake_engine, serving
 

@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tau", type=float, required=True, help="mean tokens per full-width iteration (1..16)")
     args, rest = ap.parse_known_args(argv)
-    from dflash_jax import loop, serve, width
+    from dflash_jax import loop, width
+    from dflash_jax.serving import server as serve
     try:
         profile = width.geometric_profile(args.tau)
     except ValueError as e:

@@ -485,7 +485,7 @@ def test_bad_widths_are_one_line_errors(pair):
 def test_the_simulated_acceptance_cannot_be_set_from_user_paths():
     """Benchmark only: not a generate() keyword, not a flag of the generate / benchmark / serve
     CLIs; only loop._simulated_acceptance turns it on, and programs built outside it are real."""
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
     from dflash_jax.cli import benchmark as cli_bench, generate as cli_gen
     assert not [f for f in decode.GenerateOptions.__dataclass_fields__ if "sim" in f]
     for parser in (cli_gen.build_parser(), cli_bench.build_parser(), serve.build_parser()):
@@ -515,7 +515,7 @@ def test_verify_width_flag_is_checked_against_the_block(pair, capsys):
 def test_the_server_defaults_to_auto_with_the_slot_engine():
     """serve: "auto" by default when the slot engine runs (--slots > 1), the block with one slot;
     an explicit width is kept, and one other than the block with one slot is a usage error."""
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
     p = serve.build_parser()
 
     def checked(*argv):

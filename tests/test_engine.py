@@ -1,4 +1,4 @@
-"""The slot engine (dflash_jax.engine.Slots / SlotEngine): continuous batching over the one-shot
+"""The slot engine (dflash_jax.serving.engine.Slots / SlotEngine): continuous batching over the one-shot
 loop's own iteration. A request's tokens do not depend on its slot, its batch-mates or when it
 arrived, and equal one-shot generate and plain greedy decoding (float32); a per-request seed gives
 the same samples in any slot; inserting leaves the other slots bitwise unchanged; a reused slot is
@@ -18,8 +18,8 @@ import pytest
 from tests.checkpoints import write_draft, write_target
 
 from dflash_jax import decode, generate, load_draft, load_target
-from dflash_jax.engine import Request, SlotEngine
-from dflash_jax.slots import RowRequest, Slots, union_mode
+from dflash_jax.serving.engine import Request, SlotEngine
+from dflash_jax.serving.slots import RowRequest, Slots, union_mode
 
 CAP, SLOTS = 64, 3
 
@@ -172,7 +172,7 @@ def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(random_pair
     compile key (a key's hash walks the models' graph definitions: ~7 ms a step for a Qwen3-8B
     target) and no width fields (a dozen small device arrays); the tokens still equal plain
     decoding's."""
-    import dflash_jax.slot_programs as programs_mod
+    import dflash_jax.serving.slot_programs as programs_mod
     ps, ns = prompts(4, seed=5), [6, 9, 4, 11]
     eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps=2, verify_width="auto")
     eng.warmup(sorted({len(p) for p in ps}))
@@ -190,7 +190,7 @@ def test_auto_steps_run_4_iterations_over_few_rows_and_2_over_many(random_pair, 
     """steps="auto": a step over fewer than STEPS_AUTO_WIDE rows runs 4 iterations, one over more
     runs 2 (the threshold lowered to 2 rows here, so 3 slots show both); refilling ahead counts
     each step's own iterations, and every request's tokens equal plain decoding's."""
-    import dflash_jax.slots as slots_mod
+    import dflash_jax.serving.slots as slots_mod
     monkeypatch.setattr(slots_mod, "STEPS_AUTO_WIDE", 2)
     eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps="auto")
     assert [eng.steps_for(n) for n in (1, 2, 3)] == [4, 2, 2]
@@ -235,7 +235,7 @@ def test_a_first_token_is_read_once_its_step_is_dispatched():
     dispatched behind it (the request's first token does not wait for the next step's dispatch,
     which with an adaptive step program blocks until the step has run: TTFT), while the step
     itself is still read one behind; reads keep dispatch order."""
-    from dflash_jax.slots import Pipeline
+    from dflash_jax.serving.slots import Pipeline
 
     class FakeSlots:
         def insert_async(self, items):

@@ -1,4 +1,4 @@
-"""The host-side grammar (dflash_jax.grammar): masks, draft walks, tool calls and refusals.
+"""The host-side grammar (dflash_jax.serving.grammar): masks, draft walks, tool calls and refusals.
 
 The oracle is the schema itself: a random-logits "model" decodes under Constraint.mask() until EOS,
 and the text must parse and validate against its schema (a validator for the subset the generator
@@ -19,7 +19,7 @@ pytest.importorskip("llguidance")
 
 from tests.test_cli import IM_END, VOCAB, write_tokenizer  # noqa: E402
 
-from dflash_jax.grammar import Constraint, GrammarError, Grammars, parse_tool_calls  # noqa: E402
+from dflash_jax.serving.grammar import Constraint, GrammarError, Grammars, parse_tool_calls  # noqa: E402
 
 MODEL_VOCAB = 352
 

@@ -1,4 +1,4 @@
-"""The server over several processes (dflash_jax.multihost_serve, issue 58).
+"""The server over several processes (dflash_jax.serving.multihost_serve, issue 58).
 
 - In one process: process 0's engine (SlotEngine over a LeaderSlots) beside a follower Slots that
   runs the published ops from a thread, through an in-memory stand-in for the coordination
@@ -100,8 +100,8 @@ def test_a_follower_replaying_the_ops_ends_with_the_leaders_state(tiny_pair, pag
     for all four at once (admit, grow, preemption, the reads' page bookkeeping)."""
     import jax
 
-    from dflash_jax import multihost_serve as mh
-    from dflash_jax.engine import Request, SlotEngine, Tokens
+    from dflash_jax.serving import multihost_serve as mh
+    from dflash_jax.serving.engine import Request, SlotEngine, Tokens
 
     target, draft = tiny_pair
     store = Store()
@@ -147,7 +147,7 @@ def test_a_follower_replaying_the_ops_ends_with_the_leaders_state(tiny_pair, pag
 
 
 def test_flags_digest_ignores_where_process_zero_listens():
-    from dflash_jax.multihost_serve import flags_digest
+    from dflash_jax.serving.multihost_serve import flags_digest
     a = dict(model="m", slots=4, host="0.0.0.0", port=8000)
     assert flags_digest(a) == flags_digest(dict(a, host="127.0.0.1", port=9000))
     assert flags_digest(a) != flags_digest(dict(a, slots=8))

@@ -25,7 +25,7 @@ def test_a_request_template_that_never_ends_is_a_400_and_its_render_stops(cli_mo
     writing more than the output limit is a 400 too; the server answers on."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from dflash_jax.serve import build_app
+    from dflash_jax.serving.server import build_app
     from tests.test_serve import FakeGenerate, fake_engine, serving
 
     from transformers import AutoTokenizer
@@ -246,7 +246,7 @@ def test_a_prompt_file_that_is_a_directory_is_one_cli_line(cli_models, tmp_path,
 ])
 def test_serve_flags_that_would_do_nothing_are_refused(argv, needle, capsys):
     pytest.importorskip("fastapi")
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
 
     assert needle in _usage_error(serve, ["--random-init", "qwen3-0.6b", *argv], capsys)
 
@@ -256,7 +256,7 @@ def test_tools_on_completions_are_a_400_as_on_chat(cli_models):
     pytest.importorskip("fastapi")
     from transformers import AutoTokenizer
 
-    from dflash_jax.serve import build_app
+    from dflash_jax.serving.server import build_app
     from tests.test_serve import FakeGenerate, _assert_400, fake_engine, serving
 
     eng = fake_engine(FakeGenerate())
@@ -291,7 +291,7 @@ def test_tokenizer_sources_are_named(cli_models, tmp_path, capsys, monkeypatch):
     import shutil
 
     pytest.importorskip("fastapi")
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
 
     line = _usage_error(tc.gen_cli, ["--model", cli_models[0], "--draft", "none", "--tokenizer", "nope", "hi"], capsys)
     assert "--tokenizer nope: no such directory (and not a hub id 'org/name')" in line, line

@@ -1,5 +1,5 @@
 """The paged KV cache and prefix caching in the slot engine (dflash_jax.cache.PagedKVCache,
-dflash_jax.pages.PageAllocator, Slots(kv_pages=...)): a paged run gives one-shot generate's tokens and
+dflash_jax.serving.pages.PageAllocator, Slots(kv_pages=...)): a paged run gives one-shot generate's tokens and
 acceptance lengths; a prefix hit (ending on a page boundary and inside a page) gives the cold run's
 tokens and acceptance lengths exactly, so the draft's context K/V came back with the target's; pages
 running out makes requests wait or be preempted, and they finish identical; the served multi-turn
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from dflash_jax import generate, load_draft, load_target
-from dflash_jax.engine import Request, SlotEngine, Tokens
-from dflash_jax.pages import WindowPages
-from dflash_jax.slots import PagesShort, RowRequest, Slots
+from dflash_jax.serving.engine import Request, SlotEngine, Tokens
+from dflash_jax.serving.pages import WindowPages
+from dflash_jax.serving.slots import PagesShort, RowRequest, Slots
 from tests.test_serve import tiny  # noqa: F401  (fixture)
 
 CAP, PAGE, K = 96, 4, 3
@@ -211,7 +211,7 @@ def test_served_multi_turn_chat_hits_turn_1_and_equals_a_cold_server(tiny):
     pages (the prefix-cache counters show it) and answers what a server that never saw turn 1
     answers; the speculative counters give the served tau (1 + accepted / drafts)."""
     from tests.test_serve import CAPACITY, NAME, PROMPT, client, serving
-    from dflash_jax.serve import build_app
+    from dflash_jax.serving.server import build_app
     import httpx
 
     def metric(text, name):
@@ -295,7 +295,7 @@ def test_paged_mesh_child_prefix_hit_equals_one_device():
 def test_serve_flags_size_the_pool(pair, capsys):
     """--kv-pages / --kv-cache-memory / --page-size / --prefix-cache reach the engine; bad ones are
     one-line CLI errors."""
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
     target, draft = pair
     p = serve.build_parser()
     a = p.parse_args(["--slots", "4", "--kv-pages", "64", "--prefix-cache", "off"])
@@ -318,7 +318,7 @@ def test_serve_flags_size_the_window_pool(windowed_dflash2, capsys):
     """--kv-window-pages reaches the engine (auto, N, 0: off); with --kv-cache-memory the window pool's
     bytes (the draft's sliding layers) come out of the budget first and a main page no longer counts
     them."""
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
     target, draft = windowed_dflash2["target"], windowed_dflash2["draft"]
     p = serve.build_parser()
     a = p.parse_args(["--slots", "4", "--kv-pages", "64"])

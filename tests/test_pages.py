@@ -1,4 +1,4 @@
-"""dflash_jax.pages: the paged KV cache's host-side allocator and prefix-cache index. Unit tests of each
+"""dflash_jax.serving.pages: the paged KV cache's host-side allocator and prefix-cache index. Unit tests of each
 rule, then a 1,000-request randomized soak against `Reference`, an independent model written plainly
 here (prefix tuples instead of hashes, sets and an ordered dict instead of the allocator's lists)."""
 
@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from dflash_jax.pages import DUMMY_PAGE, PageAllocator, WindowPages, pages_for
+from dflash_jax.serving.pages import DUMMY_PAGE, PageAllocator, WindowPages, pages_for
 
 P = 4  # page size of the unit tests
 
@@ -220,7 +220,7 @@ def test_salt_separates_namespaces_and_hashes_are_the_same_in_another_process():
     assert PageAllocator(8, 2 * P).page_hashes(tokens)[0] not in plain.page_hashes(tokens)
     # Python's hash() is salted per process; the chain must not be.
     # pages.py is loaded by path, not through the package (which would import JAX for nothing).
-    code = ("import importlib.util as u; s = u.spec_from_file_location('pages', 'dflash_jax/pages.py'); "
+    code = ("import importlib.util as u; s = u.spec_from_file_location('pages', 'dflash_jax/serving/pages.py'); "
             "m = u.module_from_spec(s); s.loader.exec_module(m); "
             f"print(m.PageAllocator(8, {P}, salt=b'tenant-a').page_hashes({tokens})[-1].hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

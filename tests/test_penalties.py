@@ -153,7 +153,7 @@ def test_sampled_distribution_is_the_penalised_one(pair):
 
 
 def test_slot_engine_mixes_rows_with_and_without_penalties(pair):
-    from dflash_jax.slots import RowRequest, Slots
+    from dflash_jax.serving.slots import RowRequest, Slots
     prompts = pair["eval_prompts"][:4]
     kw = GREEDY["bias-and-penalties"]
     eng = Slots(pair["target"], pair["draft"], slots=4, capacity=CAPACITY, attention_impl="xla", step_buckets=None)
@@ -197,8 +197,8 @@ def test_served_logit_bias_forces_the_token_and_bad_fields_are_400s(cli_models):
     import dflash_jax as dj
     from transformers import AutoTokenizer
 
-    from dflash_jax.engine import SimpleEngine
-    from dflash_jax.serve import build_app
+    from dflash_jax.serving.engine import SimpleEngine
+    from dflash_jax.serving.server import build_app
     from tests.test_cli import ENDOFTEXT, IM_END
     from tests.test_serve import CAPACITY as SERVE_CAPACITY, NAME, client, serving
 

@@ -319,7 +319,7 @@ def test_dflash_greedy_full_and_cut_blocks_match_transformers(pair, corrupt, ver
 def test_slot_engine_serves_a_hybrid_target_as_one_shot_generate(pair):
     """Requests through 2 slots (inserts into busy slot state, steps over ragged rows): each
     request's tokens and acceptance lengths = its one-shot generate."""
-    from dflash_jax.engine import RowRequest, Slots
+    from dflash_jax.serving.engine import RowRequest, Slots
     ours, prompts, _, draft, _, _ = _dflash_case(pair)
     ps = prompts + random_prompts(1, 128, min_len=3, max_len=9, seed=10)
     ns = [9, 17, 5]
@@ -339,7 +339,7 @@ def test_slot_engine_rolls_a_hybrid_target_back_mid_block(pair, verify_width):
     slots, so a refill inserts into a slot whose states were rolled back; each request's tokens =
     transformers' greedy, its acceptance lengths = one-shot generate's with the same proposer
     (3 an iteration at full width); at "auto" (the server's slot-engine default) the same tokens."""
-    from dflash_jax.engine import RowRequest, Slots
+    from dflash_jax.serving.engine import RowRequest, Slots
     ours, prompts, expected, draft, truth, n = _dflash_case(pair)
     proposer = truth_proposer(draft, np.tile(truth[:1], (2, 1)), 2, 128)
     ns = [9, 24, 5]

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (`dflash_jax.serve`) and the simple engine (`dflash_jax.engine`).
+"""The OpenAI-compatible server (`dflash_jax.serve`) and the simple engine (`dflash_jax.serving.engine`).
 
 Two servers, both in-process on 127.0.0.1 (uvicorn in a thread, a free port):
 - the real one: a tiny float32 Qwen3 target + DFlash draft + byte-level BPE tokenizer (tests/test_cli's),
@@ -34,8 +34,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from dflash_jax.decode import GenerateResult  # noqa: E402
-from dflash_jax.engine import (Finished, QueueFull, Request, SimpleEngine, SlotEngine, Tokens)  # noqa: E402
-from dflash_jax.serve import build_app  # noqa: E402
+from dflash_jax.serving.engine import (Finished, QueueFull, Request, SimpleEngine, SlotEngine, Tokens)  # noqa: E402
+from dflash_jax.serving.server import build_app  # noqa: E402
 from tests.test_cli import IM_END, ENDOFTEXT, _write_draft, _write_target, write_tokenizer  # noqa: E402
 
 CAPACITY = 256
@@ -486,7 +486,7 @@ def test_shutdown_finishes_running_and_refuses_new():
     hs = [eng.submit(Request(prompt=(i + 1,), max_tokens=10)) for i in range(3)]
     eng.shutdown(timeout=30)
     assert [list(h.events())[-1].finish_reason for h in hs] == ["length"] * 3
-    from dflash_jax.engine import EngineClosed
+    from dflash_jax.serving.engine import EngineClosed
     with pytest.raises(EngineClosed):
         eng.submit(Request(prompt=(1,), max_tokens=1))
     # with no time left, what has not finished fails
@@ -553,7 +553,7 @@ def test_draining_answers_503(tokenizer):
 
 
 def test_cli_refuses_bad_flags(capsys, monkeypatch):
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
 
     monkeypatch.setattr(serve, "_default_pair", lambda: None)  # as a package that ships no pair
     for argv, msg in ((["--port", "8001"], "give --model"), (["--random-init", "qwen3-0.6b", "--slots", "0"], "--slots"),
@@ -735,7 +735,7 @@ def test_top_k_above_the_vocabulary_is_400_on_both_engines(tiny, tokenizer):
     """Both engines refuse it as the client's mistake (docs: 400), not 500 or a silent clamp."""
     vocab = tiny.target.config.vocab_size
     slot_engine = SlotEngine(tiny.target, tiny.draft, slots=2, capacity=CAPACITY, attention_impl="xla")
-    from dflash_jax.engine import RequestError
+    from dflash_jax.serving.engine import RequestError
     for eng in (slot_engine, fake_engine(FakeGenerate())):
         with pytest.raises(RequestError) as e:
             eng.check(Request(prompt=(1, 2), max_tokens=2, temperature=1.0, top_k=eng.vocab_size + 1))
@@ -754,7 +754,7 @@ def test_shutdown_timeout_ends_open_streams_with_an_error_and_done(tokenizer, ca
 
     import uvicorn
 
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
 
     eng = fake_engine(FakeGenerate(delay=0.05))
     app = build_app(eng, tokenizer, model_name=NAME)
@@ -815,7 +815,7 @@ def _model_copy(root, src, config=None, generation=None) -> str:
 def quiet_main(monkeypatch):
     """serve.main in this process without serving: the built (server, app, engine) are returned
     instead of run, and no signal handler or device state of the test process is touched."""
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
 
     import functools
 
@@ -844,8 +844,8 @@ def quiet_main(monkeypatch):
 def test_cli_capacity_against_the_context(cli_models, tmp_path, quiet_main, capsys, monkeypatch):
     """A model with 128 positions: an explicit --capacity past them is exit 2 before any weight
     loads; the default fits them, and /v1/models and the engine's checks say 128 (block 8)."""
-    from dflash_jax import serve
-    from dflash_jax.engine import RequestError
+    from dflash_jax.serving import server as serve
+    from dflash_jax.serving.engine import RequestError
 
     tp = _model_copy(str(tmp_path), cli_models[0], config={"max_position_embeddings": 128})
     base = ["--model", tp, "--draft", cli_models[1], "--dtype", "float32", "--attention", "xla",
@@ -878,7 +878,7 @@ def test_cli_capacity_against_the_context(cli_models, tmp_path, quiet_main, caps
 def test_cli_capacity_against_memory(cli_models, tmp_path, quiet_main, capsys, monkeypatch):
     """--slots 2 x --capacity 10**9 of KV cache is refused at start with the numbers (not an OOM
     kill); what fits starts."""
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
 
     tp = _model_copy(str(tmp_path), cli_models[0], config={"max_position_embeddings": 1 << 30})
     base = ["--model", tp, "--draft", cli_models[1], "--dtype", "float32", "--attention", "xla",
@@ -907,7 +907,7 @@ def test_cli_eos_outside_the_vocabulary_names_generation_config(cli_models, tmp_
 
 
 def test_cli_port_in_use_is_refused_before_loading(cli_models, quiet_main, capsys, monkeypatch):
-    from dflash_jax import serve
+    from dflash_jax.serving import server as serve
 
     monkeypatch.setattr(serve, "_load", lambda *a: pytest.fail("models loaded before the port was bound"))
     with socket.socket() as s:
@@ -923,7 +923,7 @@ def test_cli_port_in_use_is_refused_before_loading(cli_models, quiet_main, capsy
 def test_cli_warm_up_prints_progress(cli_models, quiet_main, capsys, monkeypatch):
     """--slots N compiles its programs at start with a line per prompt bucket (compiles are
     stubbed out here: what is tested is that the operator sees them)."""
-    from dflash_jax import engine
+    from dflash_jax.serving import engine
 
     calls = []
     monkeypatch.setattr(engine.Slots, "warmup", lambda self, lengths, modes: calls.append((list(lengths), modes)))

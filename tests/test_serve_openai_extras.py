@@ -24,8 +24,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
 
-from dflash_jax.engine import SimpleEngine, SlotEngine  # noqa: E402
-from dflash_jax.serve import build_app  # noqa: E402
+from dflash_jax.serving.engine import SimpleEngine, SlotEngine  # noqa: E402
+from dflash_jax.serving.server import build_app  # noqa: E402
 from tests.test_cli import ENDOFTEXT, IM_END  # noqa: E402
 from tests.test_serve import CAPACITY, NAME, client, oracle, serving, sse  # noqa: E402
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import generate, load_draft, load_target
-from dflash_jax.engine import Request, SlotEngine, Tokens
-from dflash_jax.slots import RowRequest, Slots
+from dflash_jax.serving.engine import Request, SlotEngine, Tokens
+from dflash_jax.serving.slots import RowRequest, Slots
 
 CAP, SLOTS, K = 64, 3, 3
 

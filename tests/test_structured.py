@@ -26,9 +26,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
 
-from dflash_jax.engine import SimpleEngine, SlotEngine  # noqa: E402
-from dflash_jax.grammar import Grammars  # noqa: E402
-from dflash_jax.serve import build_app  # noqa: E402
+from dflash_jax.serving.engine import SimpleEngine, SlotEngine  # noqa: E402
+from dflash_jax.serving.grammar import Grammars  # noqa: E402
+from dflash_jax.serving.server import build_app  # noqa: E402
 from tests.test_cli import ENDOFTEXT, IM_END  # noqa: E402
 from tests.test_serve import CAPACITY, NAME, client, oracle, serving, sse  # noqa: E402
 
@@ -215,7 +215,7 @@ def test_sampled_constrained_rows_draw_the_masked_distribution_through_accepted_
     target's masked softmaxes (enumerated with HF over the 8 outcomes; chi-square)."""
     from scipy.stats import chisquare
 
-    from dflash_jax.slots import RowRequest, Slots
+    from dflash_jax.serving.slots import RowRequest, Slots
 
     zero, one = srv.tok.encode("0")[0], srv.tok.encode("1")[0]
     spec = srv.grammars.compile(regex="[01]{6}")
@@ -260,7 +260,7 @@ def test_sampled_constrained_rows_draw_the_masked_distribution_through_accepted_
 def test_paged_engine_constrained_greedy_equals_plain_constrained_decoding(srv):
     """The paged slot engine (pools + page table, the prefill's first drafts from the paged insert)
     decodes a constrained row as the dense one does: plain constrained greedy decoding's tokens."""
-    from dflash_jax.engine import Request
+    from dflash_jax.serving.engine import Request
 
     ids = list(srv.tok.encode(PROMPT))
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}

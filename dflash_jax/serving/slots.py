@@ -2,7 +2,7 @@
 state on the device, each a request or free, scheduled from the host (which rows run which program
 when, their settings, grammars and KV pages); `RowRequest` / `RowResult`, one row's request and
 result; `offline_defaults`, an offline job's settings by platform. The device programs it runs
-live in dflash_jax.slot_programs, asked for through that module's one interface, `SlotPrograms`.
+live in dflash_jax.serving.slot_programs, asked for through that module's one interface, `SlotPrograms`.
 
 `insert` prefills a bucket of requests (up to `insert_width` arrivals of one prompt bucket in one
 prefill of a power-of-two width) and writes their rows into free slots, `step` runs K
@@ -10,7 +10,7 @@ draft-verify-accept iterations over the busy slots (a loop of fixed trip count, 
 not hold the host thread: see slot_programs._slots_step_body) and returns each slot's commits,
 `release` frees a slot at the next step. Both have `_async` forms returning device arrays.
 `Pipeline` dispatches them ahead of the reads (step n+1 runs while the host reads step n); it drives
-`Slots.run` offline (generate(..., slots=N)) and dflash_jax.engine.SlotEngine for the server. On a
+`Slots.run` offline (generate(..., slots=N)) and dflash_jax.serving.engine.SlotEngine for the server. On a
 mesh (the models' own) slots are split over 'data' and the model over 'model'. A request's tokens
 do not depend on its slot or its batch-mates: rows are independent, and its randomness is keyed by
 its own seed, stream and position.
@@ -30,10 +30,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import penalties, sampling, sharding, validation
-from dflash_jax.pages import PageAllocator, WindowPages, pages_for
+from dflash_jax.serving.pages import PageAllocator, WindowPages, pages_for
 from dflash_jax.kernel_config import kernels_from
 from dflash_jax import width
-from dflash_jax.slot_programs import SlotPrograms
+from dflash_jax.serving.slot_programs import SlotPrograms
 
 __all__ = ["Slots", "Pipeline", "PagesShort", "RowRequest", "RowResult", "union_mode", "split_mode",
            "parse_step_buckets", "platform_of", "offline_defaults"]
@@ -62,7 +62,7 @@ class RowRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     resumed: int = 0          # tokens at the prompt's end it generated before (a preempted row)
-    # structured output: its grammar's state (dflash_jax.grammar.Constraint: mask(), walk(drafts)),
+    # structured output: its grammar's state (dflash_jax.serving.grammar.Constraint: mask(), walk(drafts)),
     # advanced by the caller with every token the row commits; None: unconstrained
     grammar: Any = dataclasses.field(default=None, compare=False)
 
@@ -242,7 +242,7 @@ class Slots:
         self.insert_width = int(insert_width)
         self.max_model_len = self.capacity - S
         self.kernels = kernels_from(kernels, attention_impl).resolve()
-        # the device programs (dflash_jax.slot_programs); slots on the models' mesh's 'data' axis
+        # the device programs (dflash_jax.serving.slot_programs); slots on the models' mesh's 'data' axis
         self.programs = SlotPrograms(target, draft, slots=self.slots, capacity=self.capacity, block_size=S,
                                      kernels=self.kernels, verify_width=self.verify_width,
                                      pages=(int(kv_pages), int(page_size), window_pages) if self.paged else None)

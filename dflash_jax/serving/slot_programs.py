@@ -1,12 +1,12 @@
 """The slot engine's device programs (continuous batching) and the one interface its host side
 asks for them through: `SlotPrograms`, built once per engine from its models and geometry, hands
-dflash_jax.slots.Slots its allocation (`empty`), its compiled insert and step programs by compile
+dflash_jax.serving.slots.Slots its allocation (`empty`), its compiled insert and step programs by compile
 key and shape bucket (`static`, `insert`, `step`; cached with generate's programs,
 loop.cached_program) and the values they take (`params`, `width_fields`). The programs themselves
 run the loop's own `prefill` and `iterate` (dflash_jax.loop) over `SlotState`, one loop row per
 slot; `step_functions` is the same allocation and step for ahead-of-time lowering from configs
 alone (decode.lower_slot_step). Which rows to insert into or step, when, and with which pages is
-the host's (dflash_jax.slots); this module only builds and runs what it is asked for.
+the host's (dflash_jax.serving.slots); this module only builds and runs what it is asked for.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _slots_insert(st: Static, tstate, dstate, slots: SlotState, p: Params, rows)
 # ---------------------------------------------------------------------------------- paged programs
 # With a paged KV cache (Slots(kv_pages=...)) the state's target and draft caches are
 # dflash_jax.cache.PagedKVCache: pools every slot shares and a per-slot page table. The host owns
-# the table (dflash_jax.pages allocates and matches prefixes): each insert and step takes the table
+# the table (dflash_jax.serving.pages allocates and matches prefixes): each insert and step takes the table
 # rows it runs with as an argument and only reads them. Row gathers and scatters (an insert's rows,
 # a step bucket's) move the per-row part and leave the pools whole.
 
@@ -310,7 +310,7 @@ def _slots_step_rows(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
 
 # ---------------------------------------------------------------------------------------- interface
 class SlotPrograms:
-    """The slot engine's programs over one pair of models, as its host side (dflash_jax.slots.Slots)
+    """The slot engine's programs over one pair of models, as its host side (dflash_jax.serving.slots.Slots)
     asks for them: `slots` rows of `capacity` positions, blocks of `block_size`, `kernels` resolved,
     the adaptive verify width when `verify_width` is set (None: the whole block), and with
     `pages` = (num_pages, page_size[, window_pages]) paged caches (the host passes each program its

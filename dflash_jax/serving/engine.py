@@ -1,5 +1,5 @@
 """Serving engines: the interface the HTTP server (`dflash_jax.serve`) drives, the step-wise slot
-engine `SlotEngine` (over dflash_jax.slots.Slots) and `SimpleEngine`.
+engine `SlotEngine` (over dflash_jax.serving.slots.Slots) and `SimpleEngine`.
 
 The server only ever talks to an engine through this small interface:
 
@@ -16,7 +16,7 @@ request's stop token and max_tokens) and exactly one final `Finished` event. Tok
 are the engine's contract: for the same prompt and settings they equal one-shot
 `dflash_jax.generate(target, draft, [prompt], ...)` (greedy; sampling with the same seed).
 
-`SlotEngine` is continuous batching over `Slots` (dflash_jax.slots: a fixed number of slots whose
+`SlotEngine` is continuous batching over `Slots` (dflash_jax.serving.slots: a fixed number of slots whose
 loop state lives on the device in one pytree; insert, step, release). It dispatches step n+1 before
 reading step n (`pipeline` = 1), so the host's bookkeeping, token pushing and prefill dispatch
 overlap the device's work instead of stalling it. Each program compiles once per (slots, capacity,
@@ -42,8 +42,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
 from dflash_jax import decode, penalties, sampling, validation
 from dflash_jax.loop import compile_count
-from dflash_jax.pages import pages_for
-from dflash_jax.slots import Pipeline, RowRequest, RowResult, Slots, parse_step_buckets
+from dflash_jax.serving.pages import pages_for
+from dflash_jax.serving.slots import Pipeline, RowRequest, RowResult, Slots, parse_step_buckets
 
 __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Handle", "Engine", "SimpleEngine",
            "Slots", "SlotEngine", "RowResult", "parse_step_buckets",
@@ -70,7 +70,7 @@ class Request:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs
     min_tokens: int = 0                  # the stop ids (eos included) cannot end it before this many tokens
-    # structured output: the request's grammar state (dflash_jax.grammar.Constraint, from
+    # structured output: the request's grammar state (dflash_jax.serving.grammar.Constraint, from
     # Grammars.compile(...).new()); the engine advances it with every token it emits. Slot engine only.
     grammar: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -544,7 +544,7 @@ class SlotEngine(_EngineCore):
     iteration from the step programs' costs that warmup profiles (a program not profiled verifies
     the whole block); those programs loop a trip count XLA:GPU does not know (docs/adaptive-width.md).
     wrap: a function of the Slots whose result the engine drives instead (a multi-host server's
-    process 0 publishes each call to the other processes first: dflash_jax.multihost_serve).
+    process 0 publishes each call to the other processes first: dflash_jax.serving.multihost_serve).
     """
 
     def __init__(self, target, draft, *, slots: int = 4, capacity: int = 4096, max_queue: int = 64,

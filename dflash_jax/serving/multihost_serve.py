@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dflash_jax.slots import RowRequest
+from dflash_jax.serving.slots import RowRequest
 
 __all__ = ["KEY", "Channel", "LeaderSlots", "Watch", "Hosts", "follow", "flags_digest", "check_flags",
            "publish_verdict", "readable", "row_json", "row_from_json", "process_count", "process_index",
