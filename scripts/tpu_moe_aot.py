@@ -7,14 +7,18 @@ floor (issue 36).
     python scripts/tpu_moe_aot.py --chips v6e-4 --programs plain --layers 2,3 --draft-layers 1   # small
     python scripts/tpu_moe_aot.py --json out.json
     python scripts/tpu_moe_aot.py --chips v5e-4,v6e-1 --programs dflash --quantize none,int8   # bf16 vs int8
-    python scripts/tpu_moe_aot.py --layer --layer-chip v5e-4    # one MoE layer: bf16 / int8 kernel / int8 XLA
+    python scripts/tpu_moe_aot.py --layer --layer-chip v5e-4    # one MoE layer: bf16 / int8 / fp8, kernel / XLA
+    python scripts/tpu_moe_aot.py --chips v5e-4,v6e-1 --programs dflash --quantize fp8   # Qwen3-Coder-30B-A3B-FP8
 
 --quantize int8 compiles the target as load_target(..., quantize="int8") holds it (dflash_jax.quantize:
 the layers' linears and the stacked experts int8 with float32 per-output-column scales; embeddings,
 LM head, router and the draft as loaded). On a mesh the int8 matrices are placed as sharding._place
 places them (each scale with its weight's columns: experts by expert over 'model'). A one-chip
-"mesh" (v6e-1) is one device, no mesh. --moe-gmm picks the grouped matmul (pallas_tpu: the kernel,
-int8 experts read in its prologue where it takes them; xla: ragged_dot).
+"mesh" (v6e-1) is one device, no mesh. --quantize fp8 compiles the target as load_target holds an FP8
+checkpoint (Qwen3-Coder-30B-A3B-Instruct-FP8: the layers' linears and the experts float8_e4m3fn with
+float32 scales per 128 x 128 block, on a mesh each scale grid on its weight's spec; embeddings, LM
+head, router and the draft as loaded). --moe-gmm picks the grouped matmul (pallas_tpu: the kernel,
+int8 / fp8 experts read as 8 bits where it takes them; xla: ragged_dot on the converted experts).
 
 Each program is one loop iteration (dflash_jax.decode.lower_iteration: the Mosaic attention kernel,
 the Pallas TPU grouped matmul `moe_gmm="pallas_tpu"`) on a ('data', 'model') = (1, chips) mesh of
@@ -46,6 +50,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -99,7 +104,7 @@ def int8_on_mesh():
     (2-D) and stacked expert matrix (3-D) an abstract Int8Weight, q with the float weight's
     sharding, its scales [.., N] with q's column axis (sharding._place's rule), the module marked
     "int8" (its GraphDef, so the program's key). decode.lower_iteration takes quantize= on one
-    device only; this is the ahead-of-time stand-in for the mesh."""
+    device only; this is the ahead-of-time stand-in for the mesh. (FP8: fp8_target.)"""
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -137,6 +142,93 @@ def int8_on_mesh():
         sharding.abstract_on_mesh = orig
 
 
+FP8_BLOCK = (128, 128)        # Qwen3-Coder-30B-A3B-Instruct-FP8's weight_block_size
+
+
+def fp8_weight(x, shape=None, sharding_=None, mesh=None, spec=None):
+    """An FP8 checkpoint's weight as load_target holds it (quantize.Fp8BlockWeight, block 128 x 128):
+    from a traced float `x` (one device: inside the model's eval_shape), or abstract with its
+    NamedSharding on `mesh` (the block scales on q's spec, spread per row / column where a shard
+    boundary cuts a block, as sharding._place_quantized does)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from dflash_jax.quantize import Fp8BlockWeight
+    bk, bn = FP8_BLOCK
+    if mesh is None:
+        K, N = x.shape[-2:]
+        return Fp8BlockWeight(x.astype(jnp.float8_e4m3fn),
+                              jnp.ones(x.shape[:-2] + (-(-K // bk), -(-N // bn)), jnp.float32), FP8_BLOCK)
+    full = tuple(spec) + (None,) * (len(shape) - len(spec))
+    block = list(FP8_BLOCK)
+    for ax in (-2, -1):
+        if full[ax] is not None:
+            axes = (full[ax],) if isinstance(full[ax], str) else full[ax]
+            n = math.prod(mesh.shape[a] for a in axes)
+            if (shape[ax] // n) % block[ax]:
+                block[ax] = 1
+    sshape = shape[:-2] + (-(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    return Fp8BlockWeight(jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn, sharding=sharding_),
+                          jax.ShapeDtypeStruct(sshape, jnp.float32, sharding=NamedSharding(mesh, P(*full))),
+                          tuple(block))
+
+
+def _fp8_params(model, make):
+    """Every decoder-layer linear (2-D) and stacked expert matrix (3-D) of `model` replaced by
+    make(value) (an FP8 checkpoint's layout: embeddings, LM head, norms and the router stay)."""
+    from flax import nnx
+    from dflash_jax.quantize import EXPERT_NAMES, LINEAR_NAMES, QUANTIZED, mark
+    mark(model, "fp8")
+    for _, node in nnx.iter_graph(model.layers):
+        if not isinstance(node, nnx.Module):
+            continue
+        for name, ndim in [(n, 2) for n in LINEAR_NAMES] + [(n, 3) for n in EXPERT_NAMES]:
+            p = getattr(node, name, None)
+            if not isinstance(p, nnx.Param) or isinstance(p.get_value(), QUANTIZED):
+                continue
+            x = p.get_value()
+            if x.ndim == ndim:
+                p.set_value(make(x))
+    return model
+
+
+@contextlib.contextmanager
+def fp8_target():
+    """While open, decode's abstract target is an FP8 checkpoint's as load_target(<FP8 dir>) holds it
+    (one device: quantize="fp8" to lower_iteration; on a mesh: placed as load_target(mesh=) places
+    it, whatever quantize says). The draft stays as loaded."""
+    import dflash_jax.quantize as qz
+    from dflash_jax import sharding
+    orig_q, orig_place = qz.quantize_target, sharding.abstract_on_mesh
+
+    def quantize_target(model, quantize):
+        return _fp8_params(model, fp8_weight) if quantize == "fp8" else orig_q(model, quantize)
+
+    def place(model, mesh, **kw):
+        out = orig_place(model, mesh, **kw)
+        if not type(model).__module__.startswith("dflash_jax.models"):
+            return out
+        return _fp8_params(out, lambda x: fp8_weight(None, x.shape, x.sharding, mesh, x.sharding.spec))
+
+    qz.quantize_target, sharding.abstract_on_mesh = quantize_target, place
+    try:
+        yield
+    finally:
+        qz.quantize_target, sharding.abstract_on_mesh = orig_q, orig_place
+
+
+def expert_bytes(quantize: str | None, H: int, I: int) -> float:
+    """One expert's HBM bytes (gate | up [H, 2I] and down [I, H]): bf16, int8 + a float32 scale per
+    column, or float8 + a float32 scale per 128 x 128 block."""
+    if quantize is None:
+        return 3 * H * I * 2
+    if quantize == "fp8":
+        bk, bn = FP8_BLOCK
+        return 3 * H * I + 4 * (-(-H // bk) * -(-2 * I // bn) + -(-I // bk) * -(-H // bn))
+    return 3 * H * I + (2 * I + H) * 4
+
+
 def lower(chip: str, program: str, layers: int, args, quantize: str | None, moe_gmm: str = "pallas_tpu"):
     """decode.lower_iteration of Coder at `layers` for the chip (a 1 x chips mesh, one device for
     v6e-1), the target's weights as `quantize` says (None: bf16)."""
@@ -149,13 +241,19 @@ def lower(chip: str, program: str, layers: int, args, quantize: str | None, moe_
     kernels = KernelConfig(attention="pallas_tpu", moe_gmm=moe_gmm)
     kw = dict(batch=args.batch, prompt_len=512, capacity=args.capacity, kernels=kernels)
     draft = dc if program == "dflash" else None
+    if quantize == "fp8":
+        with fp8_target():
+            if chips_of(chip) == 1:
+                return decode.lower_iteration(tc, draft, device=devs[0], quantize="fp8", **kw)
+            mesh = sharding.make_mesh(f"data=1,model={chips_of(chip)}", devices=devs[:chips_of(chip)])
+            return decode.lower_iteration(tc, draft, mesh=mesh, **kw)
     if chips_of(chip) == 1:
         return decode.lower_iteration(tc, draft, device=devs[0], quantize=quantize, **kw)
     mesh = sharding.make_mesh(f"data=1,model={chips_of(chip)}", devices=devs[:chips_of(chip)])
     if quantize is None:
         return decode.lower_iteration(tc, draft, mesh=mesh, **kw)
     if quantize != "int8":
-        raise ValueError(f"quantize={quantize!r} on a mesh: int8 only")
+        raise ValueError(f"quantize={quantize!r} on a mesh: int8 or fp8")
     with int8_on_mesh():
         return decode.lower_iteration(tc, draft, mesh=mesh, **kw)
 
@@ -203,7 +301,7 @@ def floors(chip: str, program: str, args, tb, fig: dict, quantize: str | None = 
     touched = expected_distinct(E, k, T) / tp                       # per chip per layer
     H, I = tc.hidden_size, tc.moe_intermediate_size
     wb = 1 if quantize else 2
-    expert = 3 * H * I * wb + ((2 * I + H) * 4 if quantize else 0)   # int8: + a float32 scale per column
+    expert = expert_bytes(quantize, H, I)                           # + the 8-bit weights' float32 scales
     sparse = sum(tc.is_sparse(i) for i in range(tc.num_layers))
     experts_read = touched * expert * sparse
     local_all = E // tp * expert * sparse
@@ -238,6 +336,7 @@ def moe_layer(topology: str, tokens: int, quantize: str | None, moe_gmm: str, pr
     from dflash_jax.models.moe import MoE
     from dflash_jax.quantize import EXPERT_NAMES, quantize_int8
     tc = TargetConfig.preset(preset)
+    make = {"int8": quantize_int8, "fp8": fp8_weight}.get(quantize)
     dev = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
     H, I, E, k = tc.hidden_size, tc.moe_intermediate_size, tc.num_experts, tc.num_experts_per_tok
 
@@ -245,7 +344,7 @@ def moe_layer(topology: str, tokens: int, quantize: str | None, moe_gmm: str, pr
         m = MoE(H, I, E, k, tc.norm_topk_prob, jnp.bfloat16, rngs=nnx.Rngs(0))
         if quantize:
             for name in EXPERT_NAMES:
-                getattr(m, name).set_value(quantize_int8(getattr(m, name).get_value()))
+                getattr(m, name).set_value(make(getattr(m, name).get_value()))
         return m
 
     gdef, state = nnx.split(nnx.eval_shape(build))
@@ -256,8 +355,7 @@ def moe_layer(topology: str, tokens: int, quantize: str | None, moe_gmm: str, pr
     comp = jax.jit(lambda st, h: nnx.merge(gdef, st)(h, kernels=kernels)).trace(state, h).lower().compile()
     s = tb.breakdown(comp)
     gmm = sum(r["hbm"] for r in s["records"] if "dflash_gmm_tpu" in (r["what"] + r["name"]))
-    wb = 1 if quantize else 2
-    expert = 3 * H * I * wb + ((2 * I + H) * 4 if quantize else 0)
+    expert = expert_bytes(quantize, H, I)
     touched = expected_distinct(E, k, tokens)
     expected = s["hbm_total"] - gmm + touched * expert + max(0.0, gmm - E * expert) if gmm else s["hbm_total"]
     ma = comp.memory_analysis()
@@ -270,7 +368,8 @@ def main_layer(args, tb):
     topo = CHIPS[args.layer_chip][0]
     rows = []
     for tokens in (1, 16):
-        for q, g in ((None, "pallas_tpu"), ("int8", "pallas_tpu"), ("int8", "xla")):
+        for q, g in ((None, "pallas_tpu"), ("int8", "pallas_tpu"), ("int8", "xla"), ("fp8", "pallas_tpu"),
+                     ("fp8", "xla")):
             r = moe_layer(topo, tokens, q, g, args.preset, tb)
             log(f"  {args.layer_chip} one MoE layer, {tokens} tokens, {r['quantize']} {g}: HBM {r['hbm'] / 1e6:.1f} MB "
                 f"(grouped matmul {r['gmm_hbm'] / 1e6:.1f}), temp {r['temp'] / 1e6:.1f} MB")
@@ -297,12 +396,13 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--capacity", type=int, default=1024)
     ap.add_argument("--quantize", default="none",
-                    help="comma-separated target weights to compile: none (bf16), int8 (e.g. none,int8)")
+                    help="comma-separated target weights to compile: none (bf16), int8, fp8 (an FP8 "
+                         "checkpoint's float8 linears and experts, 128 x 128 block scales; e.g. none,int8,fp8)")
     ap.add_argument("--moe-gmm", default="pallas_tpu", choices=("pallas_tpu", "xla"),
                     help="the grouped matmul (KernelConfig.moe_gmm)")
     ap.add_argument("--layer", action="store_true",
                     help="instead: one MoE layer alone on one chip of --layer-chip, 1 and 16 tokens, bf16 kernel "
-                         "vs int8 kernel vs int8 ragged_dot")
+                         "vs int8 / fp8 kernel vs int8 / fp8 ragged_dot")
     ap.add_argument("--layer-chip", default="v5e-4", choices=sorted(CHIPS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -328,8 +428,8 @@ def main():
                 json.dump(rows, f, indent=1)
         return
     quants = [None if q == "none" else q for q in args.quantize.split(",") if q]
-    if set(quants) - {None, "int8"}:
-        ap.error(f"--quantize: none and/or int8, got {args.quantize!r}")
+    if set(quants) - {None, "int8", "fp8"}:
+        ap.error(f"--quantize: none, int8 and / or fp8, got {args.quantize!r}")
     results = []
     for chip in chips:
         for program in programs:
