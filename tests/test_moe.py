@@ -215,11 +215,7 @@ def test_gmm_kernels_read_fp8_experts_like_the_dequantize_oracle(impl):
     else:
         with pytest.raises(Unsupported, match="FP8 block"):
             tpu.gmm(x, w.q, gs, scale=jnp.ones((5, 2, 3)), block=(128, 96), tn=128, interpret=True)
-    # through the dispatcher (= the kernel); XLA's gmm does not read 8-bit weights
-    kernel = gpu.gmm if impl == "gpu" else tpu.gmm
-    np.testing.assert_array_equal(
-        np.asarray(gmm(x, w.q, gs, f"pallas_{impl}_interpret", scale=w.scale, block=block)),
-        np.asarray(kernel(x, w.q, gs, scale=w.scale, block=block, interpret=True)))
+    # XLA's gmm does not read 8-bit weights (the dispatcher to the kernels: the experts test below)
     with pytest.raises(Unsupported, match="8-bit"):
         gmm(x, w.q, gs, "xla", scale=w.scale, block=block)
 
