@@ -154,7 +154,7 @@ def test_tpu_page_write_kernel_interpret(T, page, dtype):
     kp, vp = (jnp.asarray(rng.standard_normal((N, Hkv, page, D)), dtype) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((B, T, Hkv, D)), dtype) for _ in range(2))
     cache = PagedKVCache(k=(kp,), v=(vp,), lens=start, table=table, page_size=page)
-    want_k, want_v = cache._scatter(kp, k, start), cache._scatter(vp, v, start)
+    want_k, want_v = cache._scatter(kp, k, start, table), cache._scatter(vp, v, start, table)
     got_k, got_v = tpu_cache_write.write_kv_pages(kp, vp, k, v, start, table, interpret=pltpu.InterpretParams())
     np.testing.assert_array_equal(np.asarray(got_k[1:], np.float32), np.asarray(want_k[1:], np.float32))
     np.testing.assert_array_equal(np.asarray(got_v[1:], np.float32), np.asarray(want_v[1:], np.float32))
