@@ -97,51 +97,6 @@ def chips_of(chip: str) -> int:
     return int(chip.split("-")[1])
 
 
-@contextlib.contextmanager
-def int8_on_mesh():
-    """While open, the target that decode's abstract inputs place on a mesh (sharding.abstract_on_mesh)
-    comes out as load_target(..., mesh=, quantize="int8") would hold it: every decoder-layer linear
-    (2-D) and stacked expert matrix (3-D) an abstract Int8Weight, q with the float weight's
-    sharding, its scales [.., N] with q's column axis (sharding._place's rule), the module marked
-    "int8" (its GraphDef, so the program's key). decode.lower_iteration takes quantize= on one
-    device only; this is the ahead-of-time stand-in for the mesh. (FP8: fp8_target.)"""
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    import jax
-    from dflash_jax import sharding
-    from dflash_jax.quantize import EXPERT_NAMES, LINEAR_NAMES, Int8Weight, mark
-    orig = sharding.abstract_on_mesh
-
-    def place(model, mesh, **kw):
-        out = orig(model, mesh, **kw)
-        if not type(model).__module__.startswith("dflash_jax.models"):      # the draft stays as loaded
-            return out
-        mark(out, "int8")
-        for _, node in nnx.iter_graph(out.layers):
-            if not isinstance(node, nnx.Module):
-                continue
-            for name, ndim in [(n, 2) for n in LINEAR_NAMES] + [(n, 3) for n in EXPERT_NAMES]:
-                p = getattr(node, name, None)
-                if not isinstance(p, nnx.Param) or isinstance(p.get_value(), Int8Weight):
-                    continue
-                x = p.get_value()
-                if x.ndim != ndim:
-                    continue
-                spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
-                p.set_value(Int8Weight(
-                    jax.ShapeDtypeStruct(x.shape, jax.numpy.int8, sharding=x.sharding),
-                    jax.ShapeDtypeStruct(x.shape[:-2] + x.shape[-1:], jax.numpy.float32,
-                                         sharding=NamedSharding(mesh, P(*spec[:-2], spec[-1])))))
-        return out
-
-    sharding.abstract_on_mesh = place
-    try:
-        yield
-    finally:
-        sharding.abstract_on_mesh = orig
-
-
 FP8_BLOCK = (128, 128)        # Qwen3-Coder-30B-A3B-Instruct-FP8's weight_block_size
 
 
@@ -250,12 +205,9 @@ def lower(chip: str, program: str, layers: int, args, quantize: str | None, moe_
     if chips_of(chip) == 1:
         return decode.lower_iteration(tc, draft, device=devs[0], quantize=quantize, **kw)
     mesh = sharding.make_mesh(f"data=1,model={chips_of(chip)}", devices=devs[:chips_of(chip)])
-    if quantize is None:
-        return decode.lower_iteration(tc, draft, mesh=mesh, **kw)
-    if quantize != "int8":
+    if quantize not in (None, "int8"):
         raise ValueError(f"quantize={quantize!r} on a mesh: int8 or fp8")
-    with int8_on_mesh():
-        return decode.lower_iteration(tc, draft, mesh=mesh, **kw)
+    return decode.lower_iteration(tc, draft, mesh=mesh, quantize=quantize, **kw)   # int8: placed as load_target(mesh=)
 
 
 def compile_one(chip: str, program: str, layers: int, args, tb, quantize: str | None = None,
