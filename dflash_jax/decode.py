@@ -471,12 +471,15 @@ def lower_iteration(target_config, draft_config=None, **kw):
 
 
 def lower_slot_step(target_config, draft_config=None, *, slots: int = 8, capacity: int = 4096, steps: int = 4,
-                    page_size: int | None = None, num_pages: int | None = None, table_pages: int | None = None, **kw):
+                    page_size: int | None = None, num_pages: int | None = None, table_pages: int | None = None,
+                    window_pages: int | None = None, **kw):
     """Lower the slot engine's step program (`steps` iterations over `slots` rows: the step of
     `slot_programs.step_functions`) from configs alone, or with `page_size` its paged form (pools of
     `num_pages` pages, default every row's whole capacity, and a page table `table_pages` wide,
-    default a row's every page). Other keywords as `lower_generate` (dtype, kernels / attention_impl, device,
-    quantize). Returns `jax.stages.Lowered` (e.g. compiled for a TPU topology from a CPU host)."""
+    default a row's every page; `window_pages`: a draft's sliding-window layers in a window pool of
+    that many pages, read through a second table of the same width, as `--kv-window-pages`). Other
+    keywords as `lower_generate` (dtype, kernels / attention_impl, device, quantize). Returns
+    `jax.stages.Lowered` (e.g. compiled for a TPU topology from a CPU host)."""
     import dataclasses as dc
 
     from dflash_jax.serving.slot_programs import step_functions
@@ -494,8 +497,11 @@ def lower_slot_step(target_config, draft_config=None, *, slots: int = 8, capacit
             raise ValueError(f"capacity {st.capacity} is not a whole number of pages of {page_size}")
         per_row = st.capacity // page_size
         num_pages = num_pages or slots * per_row + 1
-        extra = (place(jax.ShapeDtypeStruct((slots, table_pages or per_row), jnp.int32)),)
-    empty, fn = step_functions(st, steps, page_size, num_pages)
+        table = place(jax.ShapeDtypeStruct((slots, table_pages or per_row), jnp.int32))
+        extra = ((table, table),) if window_pages else (table,)
+    elif window_pages:
+        raise ValueError("lower_slot_step: window_pages needs page_size (the paged step)")
+    empty, fn = step_functions(st, steps, page_size, num_pages, window_pages)
     state = jax.eval_shape(empty, tstate, dstate)
     state = jax.tree.map(place, state)
     release = place(jax.ShapeDtypeStruct((slots,), jnp.bool_))

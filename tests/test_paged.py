@@ -505,3 +505,23 @@ def test_constrained_rows_on_the_default_served_path_equal_plain_constrained_dec
         eng.shutdown(timeout=10)
     assert got == want and got != free
     assert hits > 0 and max(stats.acceptance_lengths) >= 3, (hits, stats.acceptance_lengths)
+
+
+def test_lower_slot_step_with_a_window_pool_moves_the_sliding_layers_out_of_the_main_pages():
+    """decode.lower_slot_step(window_pages=N) lowers the paged step with the draft's sliding layers in
+    a window pool of N pages read through a second table: the program's arguments shrink by exactly
+    the sliding layer's main pages less its window pages, plus the window table."""
+    import dataclasses
+
+    from dflash_jax import DraftConfig, TargetConfig
+    from dflash_jax.decode import lower_slot_step
+    cfg = TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+    draft = dataclasses.replace(DraftConfig.for_target(cfg, num_layers=2, block_size=4),
+                                layer_types=("sliding_attention", "full_attention"), sliding_window=16)
+    kw = dict(slots=4, capacity=128, steps=2, page_size=16, dtype="float32", attention_impl="xla")
+    size = lambda **k: lower_slot_step(cfg, draft, **kw, **k).compile().memory_analysis().argument_size_in_bytes  # noqa: E731
+    main_pages, window_pages, page_bytes = 4 * 128 // 16 + 1, 12, 2 * 2 * 16 * 16 * 4      # k and v, Hkv 2, D 16
+    assert size() - size(window_pages=window_pages) == (main_pages - window_pages) * page_bytes - 4 * 8 * 4
+    with pytest.raises(ValueError, match="page_size"):
+        lower_slot_step(cfg, draft, slots=4, capacity=128, window_pages=12, dtype="float32", attention_impl="xla")
