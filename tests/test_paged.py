@@ -196,6 +196,25 @@ def test_windowed_dflash2_frees_the_pages_behind_its_window(windowed_dflash2):
     win.check()
 
 
+def test_windowed_dflash2_auto_window_pool_with_a_small_main_pool(windowed_dflash2):
+    """window_pages='auto' (the default) with a main pool smaller than one row's live window + reach:
+    a row's window pages are a subset of its main pages, so a window pool as large as the main pool
+    always holds one row (the shared design's case); the engine must not refuse it, and its tokens
+    and acceptance lengths are one-shot generate's."""
+    d = windowed_dflash2
+    target, draft = d["target"], d["draft"]
+    live = WindowPages.live_pages(6, draft.config.block_size, PAGE, (2 * K + 1) * draft.config.block_size)
+    kv_pages = live            # (live - 1 usable pages: less than one row's live window)
+    eng = Slots(target, draft, slots=1, capacity=CAP, steps=K, kv_pages=kv_pages, page_size=PAGE)
+    assert eng.wpages is not None and eng.wpages.alloc.num_pages == kv_pages
+    prompt = tuple(d["prompts"][0][:10])
+    res = eng.run([RowRequest(prompt=prompt, max_new=40)])[0]
+    want = generate(target, draft, [list(prompt)], max_new_tokens=40, capacity=CAP, verify_width="block")
+    assert res.tokens == want.tokens[0] and res.acceptance_lengths == want.acceptance_lengths[0]
+    eng.wpages.check()
+    assert eng.wpages.used() == 0 and eng.pages.used() == 0
+
+
 def test_a_hybrid_target_is_refused_in_one_line(tmp_path):
     """Qwen3.5's Gated DeltaNet layers keep per-row recurrent state, which pages (and a prefix hit)
     do not restore: the paged engine refuses the target and names the fixed-slot engine."""

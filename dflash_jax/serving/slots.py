@@ -223,7 +223,9 @@ class Slots:
                 window_pages = min(int(kv_pages), WindowPages.default_pages(
                     int(slots), window, S, page_size, steps_for_rows(steps, 1), int(capacity) // page_size))
             live = WindowPages.live_pages(window, S, page_size, (2 * steps_for_rows(steps, 1) + 1) * S)
-            if window_pages - 1 < min(live, int(capacity) // page_size):
+            # a row's window pages are a subset of its main pages: a window pool as large as the main
+            # pool always holds one row (auto sizes it so when the main pool is small)
+            if window_pages - 1 < min(live, int(capacity) // page_size, int(kv_pages) - 1):
                 raise ValueError(f"window_pages={window_pages} cannot hold one row's window ({live} pages of "
                                  f"{page_size} for window {window}, block {S}): give more, or 0 (no window pool)")
         else:
