@@ -353,6 +353,17 @@ def test_serve_flags_size_the_window_pool(windowed_dflash2, capsys):
         with pytest.raises(SystemExit):
             serve.paged_args(p, p.parse_args(["--slots", "4", "--kv-pages", "64", "--kv-window-pages", bad]), target, draft)
         assert "--kv-window-pages" in capsys.readouterr().err
+    # auto with a budget of a few pages: the pools Slots accepts (a window pool below one row's live
+    # window must be at least the main pool), within the budget
+    w8, live = serve.page_bytes(None, draft, 8, windowed=True), WindowPages.live_pages(6, draft.config.block_size, 8,
+                                                                                       9 * draft.config.block_size)
+    main8 = serve.page_bytes(target, draft, 8, windowed=False)
+    for budget in (5 * (main8 + w8) + main8, 5 * (main8 + w8) + main8 + w8 - 1, (live + 3) * (main8 + w8) + main8):
+        got = serve.paged_args(p, p.parse_args(["--slots", "4", "--page-size", "8", "--kv-cache-memory",
+                                                repr(budget / 2**30)]), target, draft)
+        assert got["window_pages"] - 1 >= min(live, 4096 // 8, got["kv_pages"] - 1)
+        assert got["window_pages"] * w8 + got["kv_pages"] * main8 <= budget
+        assert got["kv_pages"] >= budget // (main8 + w8)          # never fewer than the shared design's
 
 
 @pytest.mark.slow

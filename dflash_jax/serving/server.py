@@ -1650,12 +1650,19 @@ def paged_args(parser, args, target, draft) -> dict:
             from dflash_jax.serving.slots import steps_for_rows
             S = args.block_size or draft.config.block_size
             ppr = -(-(args.capacity or DEFAULT_CAPACITY) // args.page_size)
-            if wp == "auto":
+            steps = steps_for_rows(getattr(args, "engine_steps", "auto"), 1)
+            auto = wp == "auto"
+            if auto:
                 wp = min(budget // (main + page_bytes(None, draft, args.page_size, windowed=True)),
-                         WindowPages.default_pages(args.slots, window, S, args.page_size,
-                                                   steps_for_rows(getattr(args, "engine_steps", "auto"), 1), ppr))
+                         WindowPages.default_pages(args.slots, window, S, args.page_size, steps, ppr))
             budget -= wp * page_bytes(None, draft, args.page_size, windowed=True)
         pages = int(max(budget, 0) // main)
+        if windowed and auto and wp < pages and wp - 1 < min(
+                WindowPages.live_pages(window, S, args.page_size, (2 * steps + 1) * S), ppr):
+            # a budget too small for one row's live window: the main pool no larger than the window
+            # pool, which then holds any row the main pool can (Slots refuses a window pool smaller
+            # than both one row's live window and the main pool)
+            pages = wp
     if pages < 2:
         parser.error(f"the KV page pool must hold at least 2 pages, got {pages}")
     out = dict(kv_pages=pages, page_size=args.page_size, prefix_cache=args.prefix_cache == "on")
