@@ -555,3 +555,27 @@ def test_lower_slot_step_with_a_window_pool_moves_the_sliding_layers_out_of_the_
     assert size() - size(window_pages=window_pages) == (main_pages - window_pages) * page_bytes - 4 * 8 * 4
     with pytest.raises(ValueError, match="page_size"):
         lower_slot_step(cfg, draft, slots=4, capacity=128, window_pages=12, dtype="float32", attention_impl="xla")
+
+
+def test_a_failed_insert_publishes_no_page_it_never_wrote(pair, monkeypatch):
+    """An insert that fails after its row was started (its program could not be built or run) is
+    released by the engine: nothing of its prompt beyond a prefix hit may become findable, since its
+    prefill never wrote those pages; the same prompt then runs cold and equals one-shot."""
+    target, draft = pair
+    prompt = prompt_of(41, 13)
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=40, page_size=PAGE)
+    real = eng._insert_program
+
+    def broken(*a, **k):
+        raise RuntimeError("no program")
+    monkeypatch.setattr(eng, "_insert_program", broken)
+    with pytest.raises(RuntimeError, match="no program"):
+        eng.insert([(0, RowRequest(prompt=prompt, max_new=8))])
+    eng.release(0)
+    pages, covered = eng.pages.match(prompt, count=False)
+    eng.pages.release(pages)
+    assert covered == 0
+    monkeypatch.setattr(eng, "_insert_program", real)
+    res = eng.run([RowRequest(prompt=prompt, max_new=8)])[0]
+    assert (res.tokens, res.acceptance_lengths) == one_shot(target, draft, prompt, 8)
+    eng.pages.check()

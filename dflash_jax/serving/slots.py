@@ -578,6 +578,7 @@ class Slots:
                     self.state, first, done, *drafts = prog(self._tstate, self._dstate, self.state, p, self._put(rows),
                                                    self._tables(table, wtable))
                     for slot, r in chunk:   # both caches hold the prompt once the prefill runs (dispatch order)
+                        self._known[slot] = len(r.prompt)
                         self.pages.publish(r.prompt, self._row_pages[slot])
                         if self.wpages is not None:   # its window pages too; then those behind its window go
                             self.wpages.publish(slot, r.prompt)
@@ -692,7 +693,9 @@ class Slots:
         if self.wpages is not None:
             self.wpages.start(slot, wrow)
         self._row_tokens[slot] = list(r.prompt)
-        self._known[slot], self._limit[slot] = len(r.prompt), len(r.prompt) + r.max_new
+        # known: only the hit until the prefill is dispatched (insert_async sets the prompt's length
+        # then), so a release after a failed insert publishes no page the prefill never wrote
+        self._known[slot], self._limit[slot] = hit, len(r.prompt) + r.max_new
         self._inflight[slot] = 0
         self.epoch[slot] += 1
         return hit
