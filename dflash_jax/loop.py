@@ -81,8 +81,7 @@ class Static:
 
     def __hash__(self) -> int:
         # Computed once per key: hashing a 36-layer target's GraphDef walks every node (milliseconds
-        # of host time: docs/perf-log.md, session 30), and one generate() call looks its key up in
-        # several caches.
+        # of host time), and one generate() call looks its key up in several caches.
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
@@ -262,7 +261,7 @@ def prefill(st: Static, target: CausalLM, draft, p: Params, retired=None, caches
         with jax.named_scope("prefill_draft_context"):
             fresh = _on_mesh(st, draft.new_cache(B, cache_rows(C))) if caches is None else caches[1]
             write = lambda: draft.write_context(feats, positions, fresh, valid=p.prompt_lens)   # noqa: E731
-            # (a measurable share of a short call on CPU: docs/perf-log.md, session 36)
+            # (a measurable share of a short call on CPU)
             dcache = write() if retired is None else jax.lax.cond(retired, lambda: fresh, write)
         pending = jnp.zeros((B, S, feats.shape[-1]), feats.dtype)
     if tokens is None:
@@ -521,7 +520,7 @@ def iterate(st: Static, target: CausalLM, draft, p: Params, s: LoopState, k: int
     pending, pending_count = feats, produced
     if append:   # this row's taps after the pending ones (a done row's count stays; a full row never runs here)
         # one row written in place per batch row (a select over the whole [B, S, taps] buffer
-        # measured slower on the H200: docs/perf-log.md, session 28)
+        # measured slower on the H200)
         def put_row(pend, row, n):
             at = jnp.minimum(n, S - 1)
             old = jax.lax.dynamic_slice_in_dim(pend, at, 1, axis=0)
