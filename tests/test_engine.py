@@ -422,12 +422,12 @@ CHILD = os.environ.get("DFLASH_ENGINE_CHILD") == "1"
 def test_slots_on_a_mesh_in_a_child():
     from tests.children import run_child
     run_child(__file__, devices=8, env=dict(DFLASH_ENGINE_CHILD="1"), args=("-m", "slow", "-k", "mesh_child"),
-              min_passed=2)
+              min_passed=1)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (test_slots_on_a_mesh_in_a_child)")
-@pytest.mark.parametrize("spec", ["2x2", "1x4"])
+@pytest.mark.parametrize("spec", ["2x2"])
 def test_slots_mesh_child_greedy_equals_one_device(spec):
     """Slots on a mesh (slots on 'data', model on 'model'): each request's tokens and acceptance
     lengths equal one-device one-shot generate; generate(slots=) on the mesh equals one batch."""
