@@ -353,7 +353,8 @@ def quantize_target(model, quantize):
 def quantize_draft(draft, quantize):
     """The draft's layer linears quantized in place as quantize_target's (`quantize`: None →
     unchanged, the default everywhere: the draft's acceptance is the product, and an int8 draft
-    costs some of it; docs/perf-log.md, session 39, has the measured tau)."""
+    costs some of it; the measured tau, CPU test pairs: docs/perf-log.md, 'FP8 checkpoints and the
+    rest of int8')."""
     return quantize_target(draft, quantize)
 
 

@@ -175,7 +175,8 @@ def gpu_mode(run: Run):
     with loop._simulated_acceptance(sim0):
         # ONE compile at a time (a single background thread, in priority order: the adaptive
         # program of each batch, then the true-plain ones), so the next batch's program compiles
-        # while this one is measured; a concurrent pool made each compile longer (docs/perf-log.md, session 24)
+        # while this one is measured; a pool of four concurrent compiles took 228-252 s per program,
+        # 3x as long
         def compile_one(b, dfl):
             # the simulation context is module-wide: the outer one covers this thread (only its
             # being on matters to the compile key; the main thread's tau contexts nest inside it)

@@ -1537,7 +1537,7 @@ def fp8_like_checkpoint(model, block=(128, 128)):
     experts [E, in, out] (quantize.EXPERT_NAMES) as quantize.Fp8BlockWeight (float8_e4m3fn, one
     float32 scale per 128 x 128 block: amax / 448), as the loader keeps them (weights.py), the rest as
     it is, the module marked "fp8" as the loader marks it. Random weights, so no checkpoint file is
-    needed. (Until session 40 the experts stayed bf16 here: the fp8 MoE rows measured bf16 experts.)"""
+    needed. (The experts once stayed bf16 here: fp8 MoE rows measured before 2975911 ran bf16 experts.)"""
     import jax.numpy as jnp
     from flax import nnx
     from dflash_jax import quantize as q8
@@ -1568,8 +1568,8 @@ def fp8_like_checkpoint(model, block=(128, 128)):
 def copy_probe(nbytes: int, reps: int = 5, inner: int = 10, max_plausible_tbps: float = 6.0) -> dict:
     """Device copy bandwidth (bytes read + bytes written over time) of an `nbytes` buffer into a new
     buffer, no donation, each pass its own dispatch (`inner` dispatches, one sync, median of `reps`):
-    nothing for XLA to fuse or fold across passes (session 38's probe ran 20 passes inside one
-    fori_loop, which XLA fused into one: 53.9 TB/s). Variants: x + 1 in bf16, x + 1 in uint32, and
+    nothing for XLA to fuse or fold across passes (an earlier probe ran 20 passes inside one
+    fori_loop, which XLA fused into one: 53.9 TB/s on an H100). Variants: x + 1 in bf16, x + 1 in uint32, and
     jnp.copy (XLA's copy); read-only: a float32 sum of the bf16 buffer (bytes read alone). copy_TBps
     is the fastest copy variant at or under `max_plausible_tbps` (an H200's HBM3e is 4.8 TB/s by its
     datasheet); a faster one is reported and left out as implausible."""

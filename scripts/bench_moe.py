@@ -77,8 +77,8 @@ def expected_distinct(E: int, k: int, T: int) -> float:
 
 def kv_capacity(n: int) -> int:
     """A KV capacity of at least n entries that the GPU attention kernel tiles (a multiple of 128 covers
-    every block_k it picks; capacities that are not multiples of 16 fell back to XLA attention in a
-    measured run, docs/perf-log.md, session 24, as `generate`'s own default capacity, rounded to 1024,
+    every block_k it picks; capacities that are not multiples of 16, 536 and 648, fell back to XLA
+    attention in a measured run on the H200, as `generate`'s own default capacity, rounded to 1024,
     never does)."""
     return -(-n // 128) * 128
 

@@ -59,7 +59,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # chip → (topology, HBM bytes per chip a program may use, TPU_ACCELERATOR_TYPE). The usable HBM is what
 # the compiler reports when it refuses a program ("exceeds available HBM"): 15.75 GiB of v5e's 16 and
-# 31.25 GiB of v6e's 32 (docs/perf-log.md, sessions 38 and 41).
+# 31.25 GiB of v6e's 32 (docs/perf-log.md, 'int8 weight-only targets' and 'Coder-30B-A3B int8 per chip').
 V5E_HBM, V6E_HBM = int(15.75 * 2 ** 30), int(31.25 * 2 ** 30)
 CHIPS = {"v5e-8": ("v5e:2x4", V5E_HBM, "v5litepod-8"), "v6e-4": ("v6e:2x2", V6E_HBM, "v6e-4"),
          "v5e-4": ("v5e:2x2", V5E_HBM, "v5litepod-4"),

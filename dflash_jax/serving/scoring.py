@@ -7,7 +7,7 @@ temperature, top-k or top-p: vLLM's default "raw" logprobs) at the actual next t
 alternatives. The numbers are those plain decoding would report: the target's distribution, not
 the draft's, whatever the speculation accepted. The engine is not involved: the forward runs on
 its own fresh cache after a request has its tokens, so the engine's KV layout is none of this
-module's business, at the cost of a second pass over the sequence (docs/perf-log.md, session 39).
+module's business, at the cost of a second pass over the sequence (docs/perf-log.md, 'OpenAI extras').
 
 Shapes are bucketed so each (rows, sequence, scored positions) bucket compiles once: rows and
 lengths round up to powers of two; the [rows, positions, vocab] logits are produced CHUNK positions

@@ -217,8 +217,9 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
     and commits nothing. Inside the loop a row that finishes makes its later iterations no-ops; the
     loop does not stop early, because a loop of unknown trip count makes XLA:GPU copy its predicate
     to the host and wait for the device at every iteration, which blocks the host thread for the
-    whole step, so the host could not dispatch the next insert or step while this one runs
-    (docs/perf-log.md, session 22). The one condition reads its predicate once per step, at the
+    whole step, so the host could not dispatch the next insert or step while this one runs (on the
+    H200 the engine's device sat idle 15% of its run; docs/perf-log.md, 'the step's loop blocked the
+    host'). The one condition reads its predicate once per step, at the
     step's start, after the previous program: the host still dispatches ahead by a step, and a
     step of done rows costs that read instead of n_iters full iterations (docs/perf-log.md, issue
     33: the served embedded pair). With adaptive widths (st.widths) the iterations run in one while
@@ -242,7 +243,7 @@ def _slots_step_body(st: Static, n_iters: int, tstate, dstate, slots: SlotState,
         return (slots.replace(loop=loop), commits, produced, loop.done) + _next_drafts(st, target, draft, params, loop)
     # Adaptive widths: one while loop per width, as loop.run (a lax.switch per iteration would copy
     # every cache buffer into its branch). Its trip count is unknown to XLA:GPU anyway (the
-    # host-wait cost of session 22 applies again, docs/adaptive-width.md), so it also stops as soon
+    # host-wait cost of the docstring applies again, docs/adaptive-width.md), so it also stops as soon
     # as every row is done.
     B, S = st.batch, st.block_size
     start = loop.step
