@@ -12,11 +12,11 @@ export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 TBS=3.043; grep -q H200 "$OUT/device.txt" && TBS=4.3
 echo "[call5] A: per matmul: gemv at 1 row, swap at 16 rows"
-timeout -k 5 ${A_S:-220} python3 scripts/bench_quantized_matmul.py --rows 1,16 --shapes qkv,o,gate_up,down --tbs $TBS \
+timeout -k 5 ${A_S:-170} python3 scripts/bench_quantized_matmul.py --rows 1,16 --shapes qkv,o,gate_up,down --tbs $TBS \
   --sweep --sweep-rows 1,16 --sweep-sets gemv,swap --out "$OUT" 2>&1 \
   | grep -v "$FILTER" | cut -c1-200 | tee "$OUT/qmm.log" | tail -4
 echo "[call5] B: whole step at B = 1, int8 and fp8 vs bf16 (the new rule)"
-timeout -k 10 ${B_S:-330} python3 scripts/bench_gpu.py --sections quant --quantize "int8,fp8" --quant-batches 1 \
-  --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( ${B_S:-330} - 20 )) \
+timeout -k 10 ${B_S:-320} python3 scripts/bench_gpu.py --sections quant --quantize "int8,fp8" --quant-batches 1 \
+  --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( ${B_S:-320} - 20 )) \
   --out "$OUT" --json bench_gpu_quant.json 2>&1 | grep -v "$FILTER" | cut -c1-400 | tee "$OUT/gpu_quant.log" | tail -22
 ls -la "$OUT"
