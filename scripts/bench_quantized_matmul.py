@@ -6,7 +6,6 @@ matmul must move at a copy bandwidth.
 
     python scripts/bench_quantized_matmul.py --rows 1,16,128 --tbs 3.04          # default tiles
     python scripts/bench_quantized_matmul.py --rows 16 --sweep --out DIR          # + a tile sweep
-    python scripts/bench_quantized_matmul.py --rows 1,16 --sweep --sweep-rows 1,16 --sweep-sets gemv,swap
 
 Each program runs one matmul over L distinct weight copies (L x bytes >= 256 MB, so the L2 never
 holds the next weight), traced over 5 calls after 2 warm-ups; "us" is the device time per matmul
@@ -33,18 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096),
           ("lm_head", 4096, 151936)]
 
-# (bn, bk, splits, num_warps, num_stages[, variant]) -- variant "dot" unless named
+# (bn, bk, splits, num_warps, num_stages)
 SWEEP = [(64, 128, 2, 4, 4), (128, 128, 1, 4, 4), (64, 128, 4, 4, 4), (64, 128, 8, 4, 4), (32, 128, 4, 4, 4),
          (128, 128, 4, 4, 4), (128, 128, 2, 4, 4), (64, 64, 4, 4, 4), (64, 64, 8, 4, 4), (32, 256, 4, 4, 3),
          (64, 256, 4, 4, 3), (128, 256, 4, 8, 3), (64, 128, 4, 2, 4), (32, 128, 8, 2, 4), (128, 64, 4, 4, 4)]
-# one row: the GEMV (no dot, no padded rows)
-GEMV_SWEEP = [(128, 64, 4, 4, 4, "gemv"), (128, 64, 16, 4, 4, "gemv"), (64, 64, 8, 4, 4, "gemv"),
-              (128, 32, 8, 4, 4, "gemv"), (128, 128, 8, 8, 3, "gemv"), (256, 32, 8, 4, 4, "gemv"),
-              (128, 64, 8, 8, 4, "gemv"), (64, 64, 4, 4, 4, "dot"), (128, 128, 2, 4, 4, "dot")]  # the last two: the
-# dot's tiles before the GEMV was the one-row default (narrow, wide matrices)
-# few rows: the tile as the dot's large operand
-SWAP_SWEEP = [(64, 128, 2, 4, 4, "swap"), (128, 128, 2, 4, 4, "swap"), (128, 64, 4, 4, 4, "swap"),
-              (128, 128, 4, 8, 3, "swap")]
 
 
 def device_us(fn, args, reps: int = 5) -> float:
@@ -65,7 +56,6 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="int8,fp8")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tilings (at --sweep-rows)")
     ap.add_argument("--sweep-rows", default=None, help="row counts to sweep (default: the first of --rows)")
-    ap.add_argument("--sweep-sets", default="dot", help="which sweeps: dot (SWEEP), gemv (one row), swap (rows > 1)")
     ap.add_argument("--tbs", type=float, default=3.04, help="copy bandwidth, TB/s (the floor)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -104,23 +94,17 @@ def main(argv=None) -> int:
                 block = None if meth == "int8" else (128, 128)
                 if not qgpu.supported(M, K, N, dt, block):
                     continue
-                sets = a.sweep_sets.split(",")
-                configs = [None]
-                if a.sweep and M in sweep_rows:
-                    configs += (SWEEP if "dot" in sets else []) + (GEMV_SWEEP if "gemv" in sets and M == 1 else []) \
-                        + (SWAP_SWEEP if "swap" in sets and M > 1 else [])
+                configs = [None] + (SWEEP if a.sweep and M in sweep_rows else [])
                 for c in configs:
                     if c is None:
                         fn1, label = (lambda x, w, b=block: qgpu.matmul(x, w.q, w.scale, block=b)), f"{meth} kernel"
                     else:
-                        bn, bk, sp, nw, ns = c[:5]
-                        var = c[5] if len(c) > 5 else "dot"
+                        bn, bk, sp, nw, ns = c
                         if N % bn or K % (bk * sp) or (block and (128 % bk or 128 % bn)):
                             continue
-                        fn1 = (lambda x, w, b=block, bn=bn, bk=bk, sp=sp, nw=nw, ns=ns, var=var: qgpu.matmul(
-                            x, w.q, w.scale, block=b, bn=bn, bk=bk, splits=sp, num_warps=nw, num_stages=ns,
-                            variant=var))
-                        label = f"{meth} {var} {bn}/{bk}/s{sp}/w{nw}/st{ns}"
+                        fn1 = (lambda x, w, b=block, bn=bn, bk=bk, sp=sp, nw=nw, ns=ns: qgpu.matmul(
+                            x, w.q, w.scale, block=b, bn=bn, bk=bk, splits=sp, num_warps=nw, num_stages=ns))
+                        label = f"{meth} k {bn}/{bk}/s{sp}/w{nw}/st{ns}"
                     variants.append((label, meth, fn1, qs))
             bf16_us = None
             for vname, meth, one, wl in variants:

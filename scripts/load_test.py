@@ -150,7 +150,10 @@ def make_prompts(args, n: int) -> list[list[int]]:
     lengths = rng.randint(args.prompt_lo, args.prompt_hi + 1, size=n)
     model_dir = args.model
     if model_dir is None and args.random is None:
-        from dflash_jax.assets import default_pair
+        try:
+            from dflash_jax.assets import default_pair
+        except ImportError:           # a slim copy of the package without its embedded pair: random ids
+            default_pair = lambda: None  # noqa: E731
         model_dir = (default_pair() or (None,))[0]
     if not (model_dir and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
         return [rng.randint(0, 1000, size=int(m)).tolist() for m in lengths]

@@ -30,26 +30,21 @@ def _fp8(rng, K, N, block):
     return q, s, np.asarray(q.astype(jnp.float32), np.float64) * full
 
 
-@pytest.mark.parametrize("M,K,N,block,dtype,splits,variant", [
-    (1, 256, 128, None, jnp.float32, 1, None),            # a decode row (the GEMV)
-    (1, 256, 192, None, jnp.bfloat16, 2, "dot"),          # a decode row through the dot, split K
-    (1, 384, 256, (128, 128), jnp.float32, 2, None),      # the GEMV over FP8 blocks
-    (1, 256, 96, (128, 1), jnp.bfloat16, 1, None),        # the GEMV, per-column block scales
-    (16, 256, 192, None, jnp.bfloat16, 2, None),          # a verify block, split K
-    (33, 128, 64, None, jnp.float32, 1, None),            # rows padded to 64
-    (5, 384, 256, (128, 128), jnp.float32, 1, None),      # an FP8 checkpoint's 128 x 128 blocks
-    (16, 256, 96, (128, 1), jnp.bfloat16, 2, None),       # a fused matrix's per-column block scales
-    (16, 256, 192, None, jnp.bfloat16, 2, "swap"),        # the tile as the dot's left operand
-    (5, 384, 256, (128, 128), jnp.float32, 1, "swap"),
+@pytest.mark.parametrize("M,K,N,block,dtype,splits", [
+    (1, 256, 128, None, jnp.float32, 1),            # a decode row
+    (16, 256, 192, None, jnp.bfloat16, 2),          # a verify block, split K
+    (33, 128, 64, None, jnp.float32, 1),            # rows padded to 64
+    (5, 384, 256, (128, 128), jnp.float32, 1),      # an FP8 checkpoint's 128 x 128 blocks
+    (16, 256, 96, (128, 1), jnp.bfloat16, 2),       # a fused matrix's per-column block scales
 ])
-def test_quantized_matmul_matches_numpy_dequantize_oracle(M, K, N, block, dtype, splits, variant):
+def test_quantized_matmul_matches_numpy_dequantize_oracle(M, K, N, block, dtype, splits):
     rng = np.random.default_rng(M * 7 + N)
     q, s, w = _int8(rng, K, N) if block is None else _fp8(rng, K, N, block)
     x = rng.standard_normal((M, K)).astype(np.float32)
     xd = jnp.asarray(x, dtype)
     want = np.asarray(xd.astype(jnp.float32), np.float64) @ w
     got = qgpu.matmul(xd, jnp.asarray(q), jnp.asarray(s), block=block, splits=splits, bk=64 if splits > 1 else None,
-                      variant=variant, interpret=True)
+                      interpret=True)
     assert got.shape == (M, N) and got.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
@@ -63,9 +58,6 @@ def test_quantized_matmul_refuses_what_it_cannot_tile():
     assert qgpu.supported(4, 128, 64, jnp.float32, block=(96, 96))        # 32-wide tiles inside 96-blocks
     with pytest.raises(Unsupported):
         qgpu.matmul(x, jnp.ones((100, 64), jnp.int8), jnp.ones((64,)), interpret=True)
-    with pytest.raises(Unsupported, match="gemv: one row"):                # the GEMV takes one row
-        qgpu.matmul(jnp.ones((4, 128), jnp.float32), jnp.ones((128, 64), jnp.int8), jnp.ones((64,)), variant="gemv",
-                    interpret=True)
 
 
 def _lowered(f, *args):

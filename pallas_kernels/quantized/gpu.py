@@ -12,9 +12,7 @@ accumulates acc [bm, bn] += x [bm, bk] @ tile in float32 (Triton pipelines the l
 `num_stages`). int8: the accumulator times the column scales at the end. FP8: each K step's
 product times its block's scale (the scales vary along K), so `bk` divides bk_s.
 
-At one row the default is a GEMV (`variant="gemv"`): acc [bk, bn] += tile * x, one sum over K at the
-end, no dot and no padded rows. Otherwise the rows are padded to bm = 16 (Triton's smallest dot) or
-the next power of two. `splits` > 1 splits
+The rows are padded to bm = 16 (Triton's smallest dot) or the next power of two. `splits` > 1 splits
 K over that many programs per column tile (float32 partial sums added by XLA) for matrices with too
 few column tiles to fill the SMs. Shapes it cannot tile raise Unsupported (callers keep XLA's path).
 """
@@ -30,7 +28,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, next_pow2, precision, pltriton, quiet_triton
 
-__all__ = ["matmul", "supported", "worthwhile", "tiles", "MAX_ROWS", "VARIANTS"]
+__all__ = ["matmul", "supported", "worthwhile", "tiles", "MAX_ROWS"]
 
 MAX_ROWS = 128
 _BN = (64, 32, 16)
@@ -70,83 +68,17 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, bn: int, bk: int, steps: int, block):
     o_ref[s, :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
 
 
-def _scale_tile(s_ref, k0, n0, *, bn: int, block, cols_first: bool):
-    """The FP8 block scales of the K step at k0 for columns n0:n0+bn: [1, bn] (or [bn, 1] when
-    cols_first), or [1, 1] when one block spans the tile's columns."""
-    bks, bns = block
-    kb = lax.div(k0, bks)
-    if bns != 1:
-        return s_ref[pl.ds(kb, 1), pl.ds(lax.div(n0, bns), 1)]
-    sc = s_ref[pl.ds(kb, 1), pl.ds(n0, bn)]
-    return sc.reshape(bn, 1) if cols_first else sc
-
-
-def _gemv_kernel(x_ref, q_ref, s_ref, o_ref, *, bn: int, bk: int, steps: int, block):
-    # One row, no dot: x_ref [K, 1] (the row as a column), q_ref [K, N] 8-bit, o_ref [splits, 1, N].
-    # acc [bk, bn] float32 += tile * x, summed over K once at the end (no per-step reduction); no
-    # padding of the row to Triton's 16-row dot.
-    j, s = pl.program_id(0), pl.program_id(1)
-    n0 = pl.multiple_of(j * bn, bn)
-    base = s * steps * bk
-
-    def k_step(kk, acc):
-        k0 = pl.multiple_of(base + kk * bk, bk)
-        x = x_ref[pl.ds(k0, bk), :].astype(jnp.float32)                                # [bk, 1]
-        p = q_ref[pl.ds(k0, bk), pl.ds(n0, bn)].astype(jnp.float32) * x                # [bk, bn]
-        if block is not None:
-            p = p * _scale_tile(s_ref, k0, n0, bn=bn, block=block, cols_first=False)
-        return acc + p
-
-    acc = lax.fori_loop(0, steps, k_step, jnp.zeros((bk, bn), jnp.float32))
-    y = jnp.sum(acc, axis=0, keepdims=True)                                             # [1, bn]
-    if block is None:
-        y = y * s_ref[pl.ds(0, 1), pl.ds(n0, bn)]
-    o_ref[s, :, pl.ds(n0, bn)] = y.astype(o_ref.dtype)
-
-
-def _swap_kernel(xt_ref, q_ref, s_ref, o_ref, *, bn: int, bk: int, steps: int, block):
-    # Rows and columns swapped (out^T = w^T x^T): the converted weight tile is the dot's large left
-    # operand [bn, bk] (it can stay in registers), the few rows the small right one. xt_ref [K, bm]
-    # (x transposed), o_ref [splits, N, bm].
-    j, s = pl.program_id(0), pl.program_id(1)
-    n0 = pl.multiple_of(j * bn, bn)
-    dt = xt_ref.dtype
-    prec = precision(dt)
-    base = s * steps * bk
-
-    def k_step(kk, acc):
-        k0 = pl.multiple_of(base + kk * bk, bk)
-        xt = xt_ref[pl.ds(k0, bk), :]                                                   # [bk, bm]
-        wt = q_ref[pl.ds(k0, bk), pl.ds(n0, bn)].astype(jnp.float32).astype(dt).T      # [bn, bk]
-        d = jnp.dot(wt, xt, preferred_element_type=jnp.float32, precision=prec)        # [bn, bm]
-        if block is not None:
-            d = d * _scale_tile(s_ref, k0, n0, bn=bn, block=block, cols_first=True)
-        return acc + d
-
-    acc = lax.fori_loop(0, steps, k_step, jnp.zeros((bn, xt_ref.shape[1]), jnp.float32))
-    if block is None:
-        acc = acc * s_ref[pl.ds(0, 1), pl.ds(n0, bn)].reshape(bn, 1)
-    o_ref[s, pl.ds(n0, bn), :] = acc.astype(o_ref.dtype)
-
-
-VARIANTS = ("dot", "gemv", "swap")
-
-
 def tiles(M: int, K: int, N: int, block=None) -> tuple[int, int, int] | None:
     """The default (bn, bk, splits) for this shape, or None when it cannot be tiled: bn divides N
     (and the FP8 block's bn_s when the scales are per block), bk * splits divides K (bk divides
-    the FP8 block's bk_s). Rows > 1 (the dot): from the H100 sweep (docs/perf-log.md, "a GPU matmul
-    that reads 8-bit weights"): 128-column tiles for wide matrices, 64 x 64 tiles elsewhere, K split
-    until ~384 programs run (at most 8). One row (the GEMV): 128 x 64 tiles, K split until ~2
-    programs per SM of an H100 run (at most 16)."""
+    the FP8 block's bk_s). From the H100 sweep (docs/perf-log.md, "a GPU matmul that reads 8-bit
+    weights"): 128-column tiles for wide matrices, 64 x 64 tiles elsewhere, K split until ~384
+    programs run (at most 8). A one-row GEMV without the dot and a swapped-operand dot measured no
+    better (perf-log, "a one-row GEMV and a swapped dot")."""
     if not 1 <= M <= MAX_ROWS:
         return None
     wide = N >= 16384
-    if M == 1:
-        bn_opts, bk_opts, most, target = (128,) + _BN, (64, 32, 16), 16, 264
-    else:
-        bn_opts = ((128,) if wide else ()) + _BN
-        bk_opts, most, target = (128, 64, 32, 16) if wide and M <= 64 else (64, 32, 16), 8, 384
+    bn_opts, bk_opts = ((128,) if wide else ()) + _BN, (128, 64, 32, 16) if wide and M <= 64 else (64, 32, 16)
     if block is not None:
         bks, bns = block
         if bns != 1:
@@ -156,7 +88,7 @@ def tiles(M: int, K: int, N: int, block=None) -> tuple[int, int, int] | None:
     if bn is None or bk is None:
         return None
     splits = 1
-    while splits < most and (N // bn) * splits < target and K % (bk * splits * 2) == 0:
+    while splits < 8 and (N // bn) * splits < 384 and K % (bk * splits * 2) == 0:
         splits *= 2
     return bn, bk, splits
 
@@ -173,19 +105,15 @@ def worthwhile(M: int, K: int, N: int, dtype, block=None) -> bool:
     for o, down and the LM head XLA's converted dot is as fast or faster)."""
     if not supported(M, K, N, dtype, block):
         return False
-    return block is not None or (M == 1 and 4096 <= N < 65536)
+    return block is not None or (M == 1 and 6144 <= N < 65536)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "bn", "bk", "splits", "num_warps", "num_stages", "variant",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "bn", "bk", "splits", "num_warps", "num_stages", "interpret"))
 def matmul(x, q, scale, *, block=None, bn: int | None = None, bk: int | None = None, splits: int | None = None,
-           num_warps: int = 4, num_stages: int = 4, variant: str | None = None, interpret: bool = False):
+           num_warps: int = 4, num_stages: int = 4, interpret: bool = False):
     """x [..., K] (at most MAX_ROWS rows) @ (q [K, N] 8-bit, scale) -> [..., N] in x's dtype, float32
     accumulation. block None: q int8, scale [N] per column; block (bk_s, bn_s): q float8, scale
-    [ceil(K / bk_s), ceil(N / bn_s)] (bn_s = 1: per column within each K block). variant (VARIANTS;
-    default "gemv" at one row, else "dot"): "dot" pads the rows to 16 and dots x by the converted tile;
-    "gemv" (one row) multiplies the tile by the row and sums over K without a dot or padding; "swap"
-    dots the transposed tile by x transposed (the tile as the dot's large operand)."""
+    [ceil(K / bk_s), ceil(N / bn_s)] (bn_s = 1: per column within each K block)."""
     lead, K = x.shape[:-1], x.shape[-1]
     M = 1
     for d in lead:
@@ -202,33 +130,23 @@ def matmul(x, q, scale, *, block=None, bn: int | None = None, bk: int | None = N
     s2 = scale.reshape(1, N) if block is None else scale
     if s2.shape != ((1, N) if block is None else (-(-K // block[0]), -(-N // block[1]))):
         raise Unsupported(f"quantized matmul: scale {scale.shape} does not match q {q.shape}, block {block}")
-    variant = variant or ("gemv" if M == 1 else "dot")
-    if variant not in VARIANTS or (variant == "gemv" and M != 1):
-        raise Unsupported(f"quantized matmul: variant {variant!r} at M={M} (one of {VARIANTS}; gemv: one row)")
+    bm = max(16, next_pow2(M))
     x2 = x.reshape(M, K)
-    if variant == "gemv":
-        bm, xin, kern = 1, x2.reshape(K, 1), _gemv_kernel
-    else:
-        bm = max(16, next_pow2(M))
-        if bm != M:
-            x2 = jnp.pad(x2, ((0, bm - M), (0, 0)))
-        xin, kern = (x2.T, _swap_kernel) if variant == "swap" else (x2, _kernel)
+    if bm != M:
+        x2 = jnp.pad(x2, ((0, bm - M), (0, 0)))
     out_dt = jnp.float32 if splits > 1 else x.dtype
-    oshape = (splits, N, bm) if variant == "swap" else (splits, bm, N)
-    kernel = functools.partial(kern, bn=bn, bk=bk, steps=K // bk // splits, block=block)
+    kernel = functools.partial(_kernel, bn=bn, bk=bk, steps=K // bk // splits, block=block)
     with quiet_triton():
         out = pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct(oshape, out_dt),
+            out_shape=jax.ShapeDtypeStruct((splits, bm, N), out_dt),
             grid=(N // bn, splits),
-            in_specs=[pl.BlockSpec(xin.shape, lambda j, s: (0, 0)), pl.BlockSpec(q.shape, lambda j, s: (0, 0)),
+            in_specs=[pl.BlockSpec(x2.shape, lambda j, s: (0, 0)), pl.BlockSpec(q.shape, lambda j, s: (0, 0)),
                       pl.BlockSpec(s2.shape, lambda j, s: (0, 0))],
-            out_specs=pl.BlockSpec(oshape, lambda j, s: (0, 0, 0)),
+            out_specs=pl.BlockSpec((splits, bm, N), lambda j, s: (0, 0, 0)),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=interpret,
             name="dflash_quantized_matmul_gpu",
-        )(xin, q, s2.astype(jnp.float32))
+        )(x2, q, s2.astype(jnp.float32))
     y = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
-    if variant == "swap":
-        y = y.T
     return y[:M].reshape(*lead, N)
