@@ -324,10 +324,61 @@ def test_benchmark_defaults_to_the_embedded_pair(models, capsys, monkeypatch, tm
     (["--model", "TARGET", "--draft", "DRAFT", "--block-size", "9", "hi"], "above the draft's block size 8"),
     (["--model", "TARGET", "--draft", "/no/draft", "hi"], "--draft /no/draft: no such directory"),
     (["--model", "DRAFT", "--draft", "none", "hi"], "--model"),  # a draft dir is no Qwen3 target
+    (["--model", "TARGET", "--draft", "none", "--compile-cache", "TARGET/config.json", "hi"],
+     "cannot use it as a directory"),                             # a file where the cache directory goes
 ])
 def test_generate_argument_errors(models, capsys, argv, needle):
-    argv = [{"TARGET": models[0], "DRAFT": models[1]}.get(a, a) for a in argv]
+    argv = [{"TARGET": models[0], "DRAFT": models[1]}.get(a, a).replace("TARGET/", models[0] + "/") for a in argv]
     assert needle in _usage_error(gen_cli, argv, capsys)
+
+
+def test_compile_cache_keeps_the_programs_for_the_next_run(tmp_path):
+    """--compile-cache DIR: the first run writes its compiled programs there, a second identical run
+    finds every one (the directory's entries unchanged) and prints the same tokens. (Each run is its
+    own process: JAX configures its cache once per process.)"""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "dflash_jax.generate", "--draft", "none", "--max-new-tokens", "3", "--no-stream",
+           "--compile-cache", str(cache), "def f(x):"]         # the embedded pair's target
+
+    def run():
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout
+
+    first = run()
+    entries = sorted(os.listdir(cache))
+    assert entries, "nothing was cached"
+    assert run() == first and sorted(os.listdir(cache)) == entries
+
+
+def test_compile_cache_default_off_and_env(tmp_path, monkeypatch):
+    """Without the flag: $JAX_COMPILATION_CACHE_DIR when set (JAX reads it; nothing configured), else
+    the default directory under $XDG_CACHE_HOME, size-capped; off disables the cache; a default
+    directory that cannot be made is skipped with one line, not an error."""
+    import argparse
+
+    import jax
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda k, v: calls.append((k, v)))
+    parser = argparse.ArgumentParser()
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    assert gen_cli.use_compile_cache(parser, None) == str(tmp_path / "env") and calls == []
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.setattr(gen_cli, "DEFAULT_COMPILE_CACHE", str(tmp_path / "xdg" / "dflash_jax" / "xla"))
+    got = gen_cli.use_compile_cache(parser, None)
+    assert got == str(tmp_path / "xdg" / "dflash_jax" / "xla") and os.path.isdir(got)
+    assert calls == [("jax_compilation_cache_dir", got), ("jax_compilation_cache_max_size", 8 << 30)]
+    calls.clear()
+    assert gen_cli.use_compile_cache(parser, "off") is None and calls == [("jax_enable_compilation_cache", False)]
+    calls.clear()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(gen_cli, "DEFAULT_COMPILE_CACHE", str(tmp_path / "file" / "xla"))
+    assert gen_cli.use_compile_cache(parser, None) is None and calls == []
 
 
 # ----------------------------------------------------------------------------------------- benchmark

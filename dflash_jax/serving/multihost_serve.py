@@ -72,9 +72,13 @@ def _client():
 
 
 # ------------------------------------------------------------------------------------- start-up
+# flags each process may set for itself: where process 0 listens, where a process keeps compiled programs
+LOCAL_FLAGS = ("host", "port", "compile_cache")
+
+
 def flags_digest(flags: dict) -> str:
-    """A hash of the settings that shape the programs: every flag but where process 0 listens."""
-    kept = {k: v for k, v in sorted(flags.items()) if k not in ("host", "port")}
+    """A hash of the settings that shape the programs: every flag but LOCAL_FLAGS."""
+    kept = {k: v for k, v in sorted(flags.items()) if k not in LOCAL_FLAGS}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -84,7 +88,7 @@ def check_flags(flags: dict, timeout_s: float = 300.0) -> str | None:
     the digest of its flags (flags_digest) and the flags; each worker compares digests, names the
     flags that differ when they do, and publishes its verdict; process 0 waits for all of them."""
     c, me, n = _client(), process_index(), process_count()
-    kept = {k: v for k, v in flags.items() if k not in ("host", "port")}
+    kept = {k: v for k, v in flags.items() if k not in LOCAL_FLAGS}
     mine = json.loads(json.dumps(kept, sort_keys=True, default=str))
     ms = int(timeout_s * 1000)
     if me == 0:
