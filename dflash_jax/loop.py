@@ -635,6 +635,7 @@ def run(st: Static, target_state, draft_state, p: Params):
 # kept here for the process's life; compile_count counts them.
 _COMPILED: dict = {}
 _COMPILES = [0]
+_COMPILES_LOCK = threading.Lock()     # programs may compile in threads (Slots.warmup)
 
 
 def clear_compiled() -> None:
@@ -848,8 +849,9 @@ def compiled(st: Static, tstate, dstate, p) -> tuple[Any, float]:
     t0 = time.perf_counter()
     fn = jax.jit(run, static_argnums=(0,)).lower(st, tstate, dstate, p).compile(
         compiler_options=st.kernels.compiler_options())
-    _COMPILES[0] += 1
-    _COMPILED[st] = fn
+    with _COMPILES_LOCK:
+        _COMPILES[0] += 1
+        _COMPILED[st] = fn
     return fn, time.perf_counter() - t0
 
 
@@ -894,8 +896,9 @@ def cached_program(key, fn, static: tuple, args, donate=()):
     if prog is None:
         prog = jax.jit(functools.partial(fn, *static), donate_argnums=donate).lower(*args).compile(
             compiler_options=static[0].kernels.compiler_options())
-        _COMPILES[0] += 1
-        _COMPILED[key] = prog
+        with _COMPILES_LOCK:
+            _COMPILES[0] += 1
+            _COMPILED[key] = prog
     return prog
 
 

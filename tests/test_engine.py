@@ -171,11 +171,11 @@ def test_steps_and_inserts_after_warmup_build_no_key_or_width_fields(random_pair
     """The hot path reuses what warmup built: a step or an insert of a warmed-up program builds no
     compile key (a key's hash walks the models' graph definitions: ~7 ms a step for a Qwen3-8B
     target) and no width fields (a dozen small device arrays); the tokens still equal plain
-    decoding's."""
+    decoding's. The warm-up compiles in 3 threads (the server's default on a host of 6+ cores)."""
     import dflash_jax.serving.slot_programs as programs_mod
     ps, ns = prompts(4, seed=5), [6, 9, 4, 11]
     eng = Slots(*random_pair, slots=SLOTS, capacity=CAP, steps=2, verify_width="auto")
-    eng.warmup(sorted({len(p) for p in ps}))
+    eng.warmup(sorted({len(p) for p in ps}), workers=3)
 
     def built(*a, **k):
         raise AssertionError("built on the hot path")

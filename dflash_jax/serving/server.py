@@ -1523,17 +1523,18 @@ def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
 
 def _warm_up(engine, spec) -> None:
     """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI)),
-    a progress line per bucket: minutes on a large model, which must not look like a hang."""
+    in threads (Slots.warmup), a progress line before and after: minutes on a large model, which
+    must not look like a hang."""
     lo, hi = spec if isinstance(spec, tuple) else (1, spec)
     hi = min(hi, engine.max_model_len - 1)
     slots = engine.slots
+    from dflash_jax.serving.slots import compile_workers
     lengths = sorted({min(slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
     t0, c0 = time.perf_counter(), engine.stats().compiles
-    for i, n in enumerate(lengths):
-        what = "the step programs and " if i == 0 else ""
-        loading.progress(f"compiling {what}the prefill programs for prompts of up to {slots.prompt_bucket(n)} "
-                         f"tokens ({i + 1}/{len(lengths)}) ...")
-        slots.warmup([n], ("greedy",))
+    buckets = ", ".join(str(slots.prompt_bucket(n)) for n in lengths)
+    loading.progress(f"compiling the step programs and the prefill programs for prompt buckets {buckets} "
+                     f"({compile_workers()} threads) ...")
+    slots.warmup(lengths, ("greedy",))
     loading.progress(f"warm-up done: {engine.stats().compiles - c0} programs compiled in "
                      f"{time.perf_counter() - t0:.1f} s")
 
