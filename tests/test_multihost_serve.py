@@ -149,7 +149,8 @@ def test_a_follower_replaying_the_ops_ends_with_the_leaders_state(tiny_pair, pag
 def test_flags_digest_ignores_where_process_zero_listens():
     from dflash_jax.serving.multihost_serve import flags_digest
     a = dict(model="m", slots=4, host="0.0.0.0", port=8000)
-    assert flags_digest(a) == flags_digest(dict(a, host="127.0.0.1", port=9000, compile_cache="/home/b/.cache"))
+    assert flags_digest(a) == flags_digest(dict(a, host="127.0.0.1", port=9000, compile_cache="/home/b/.cache",
+                                                     compile_workers=2))
     assert flags_digest(a) != flags_digest(dict(a, slots=8))
 
 

@@ -560,6 +560,7 @@ def test_cli_refuses_bad_flags(capsys, monkeypatch):
                       (["--random-init", "qwen3-0.6b", "--port", "0"], "--port"),
                       (["--random-init", "qwen3-0.6b", "--warmup-prompt-len", "a:b"], "--warmup-prompt-len"),
                       (["--random-init", "qwen3-0.6b", "--engine-pipeline", "-1"], "--engine-pipeline"),
+                      (["--random-init", "qwen3-0.6b", "--compile-workers", "0"], "--compile-workers must be >= 1"),
                       (["--random-init", "qwen3-0.6b", "--insert-width", "0"], "--insert-width"),
                       (["--random-init", "qwen3-0.6b", "--step-buckets", "1,x"], "--step-buckets"),
                       (["--random-init", "qwen3-0.6b", "--verify-width", "auto"], "--verify-width auto needs the slot"),
@@ -921,19 +922,22 @@ def test_cli_port_in_use_is_refused_before_loading(cli_models, quiet_main, capsy
 
 
 def test_cli_warm_up_prints_progress(cli_models, quiet_main, capsys, monkeypatch):
-    """--slots N compiles its programs at start with a line per prompt bucket (compiles are
-    stubbed out here: what is tested is that the operator sees them)."""
+    """--slots N compiles its programs at start, in --compile-workers threads, with a line naming the
+    prompt buckets before and one after (compiles are stubbed out here: what is tested is that the
+    operator sees them and that the buckets and threads reach Slots.warmup)."""
     from dflash_jax.serving import engine
 
     calls = []
-    monkeypatch.setattr(engine.Slots, "warmup", lambda self, lengths, modes: calls.append((list(lengths), modes)))
+    monkeypatch.setattr(engine.Slots, "warmup",
+                        lambda self, lengths, modes, workers=None: calls.append((list(lengths), modes, workers)))
     code, built = quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--dtype", "float32",
                               "--attention", "xla", "--port", str(_free_port()), "--slots", "2", "--capacity", "256",
-                              "--warmup-prompt-len", "40"])
+                              "--warmup-prompt-len", "40", "--compile-workers", "3"])
     err = capsys.readouterr().err
     lines = [l for l in err.splitlines() if "compiling" in l]
-    assert code == 0 and len(lines) == len(calls) == 3, err     # prompt buckets 16, 32, 64
-    assert "(1/3)" in lines[0] and "(3/3)" in lines[-1] and "warm-up done" in err
+    assert code == 0 and len(lines) == len(calls) == 1, err
+    assert "prompt buckets 16, 32, 64 (3 threads)" in lines[0] and "warm-up done" in err
+    assert calls[0][2] == 3 and len(calls[0][0]) == 3
     built["app"].state.engine.shutdown(timeout=5)
 
 

@@ -73,7 +73,7 @@ def _client():
 
 # ------------------------------------------------------------------------------------- start-up
 # flags each process may set for itself: where process 0 listens, where a process keeps compiled programs
-LOCAL_FLAGS = ("host", "port", "compile_cache")
+LOCAL_FLAGS = ("host", "port", "compile_cache", "compile_workers")
 
 
 def flags_digest(flags: dict) -> str:
@@ -273,8 +273,13 @@ class LeaderSlots:
     def note_step(self, slot: int, epoch: int, iters: int, rows: list) -> None:
         return self._call(["note_step", int(slot), int(epoch), int(iters), [[int(t) for t in r] for r in rows]])
 
-    def warmup(self, prompt_lengths=(1,), modes=("greedy",)) -> None:
-        return self._call(["warmup", [int(n) for n in prompt_lengths], list(modes)])
+    def warmup(self, prompt_lengths=(1,), modes=("greedy",), workers: int | None = None) -> None:
+        """Every process compiles the same programs; `workers` (threads) is this process's own
+        (--compile-workers is local to each host: the others use their default)."""
+        op = ["warmup", [int(n) for n in prompt_lengths], list(modes)]
+        with self.lock:
+            self.channel.publish(op)
+            return self.inner.warmup(tuple(op[1]), tuple(op[2]), workers=workers)
 
     def profile_widths(self, mode: str = "greedy", rows: int | None = None) -> None:
         return self._call(["profile_widths", mode, rows])

@@ -1337,6 +1337,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "always one): auto = powers of two up to --slots, none = every step over all slots")
     g.add_argument("--warmup-prompt-len", default="512", metavar="N|LO:HI",
                    help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start; 0: none")
+    g.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                   help="threads compiling the warm-up's programs (default: half the host's cores, 1 to 8; "
+                        "each compile of a large model holds a few GB of host memory)")
     g.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 503")
     g.add_argument("--capacity", type=int, default=None,
                    help=f"KV-cache entries per slot: prompt + max_tokens + one block must fit (default "
@@ -1441,6 +1444,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.step_buckets = parse_step_buckets(args.step_buckets)
     except ValueError as e:
         parser.error(f"--step-buckets: {e}")
+    if args.compile_workers is not None and args.compile_workers < 1:
+        parser.error(f"--compile-workers must be >= 1, got {args.compile_workers}")
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.default_max_tokens < 1:
@@ -1521,7 +1526,7 @@ def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
                  f"{most} with {args.slots} slot(s)) or --slots")
 
 
-def _warm_up(engine, spec) -> None:
+def _warm_up(engine, spec, workers: int | None = None) -> None:
     """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI)),
     in threads (Slots.warmup), a progress line before and after: minutes on a large model, which
     must not look like a hang."""
@@ -1532,9 +1537,10 @@ def _warm_up(engine, spec) -> None:
     lengths = sorted({min(slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
     t0, c0 = time.perf_counter(), engine.stats().compiles
     buckets = ", ".join(str(slots.prompt_bucket(n)) for n in lengths)
+    workers = compile_workers() if workers is None else workers
     loading.progress(f"compiling the step programs and the prefill programs for prompt buckets {buckets} "
-                     f"({compile_workers()} threads) ...")
-    slots.warmup(lengths, ("greedy",))
+                     f"({workers} thread{'s' if workers > 1 else ''}) ...")
+    slots.warmup(lengths, ("greedy",), workers=workers)
     loading.progress(f"warm-up done: {engine.stats().compiles - c0} programs compiled in "
                      f"{time.perf_counter() - t0:.1f} s")
 
@@ -1719,7 +1725,7 @@ def _serve(parser, args, sock, hosts=None) -> int:
         _release_device()
         return code
     if args.slots > 1 and args.warmup_prompt_len:
-        _warm_up(engine, args.warmup_prompt_len)
+        _warm_up(engine, args.warmup_prompt_len, args.compile_workers)
     from dflash_jax.serving.scoring import Scorer
 
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name,
