@@ -32,9 +32,9 @@ serve() {   # ENGINE WAIT_S -> sets UP (seconds to come up, or empty)
   kill $PID; wait $PID 2>/dev/null
 }
 serve fixed 480; FIXED_UP=$UP
-left=$(( 560 - $(elapsed) ))
+left=$(( ${END_S:-560} - $(elapsed) ))
 if [ -n "$FIXED_UP" ] && [ $left -ge $(( FIXED_UP * 16 / 10 + 60 )) ]; then serve paged $(( left - 50 )); else echo "[call3] paged skipped ($left s left)"; fi
-left=$(( 560 - $(elapsed) )); [ $left -gt 170 ] && left=170
+left=$(( ${END_S:-560} - $(elapsed) )); [ $left -gt 170 ] && left=170
 echo "[call3] $left s left for the W8A8 microbenchmark"
 if [ $left -gt 60 ]; then
   timeout -k 5 $left python3 scripts/bench_fp8_w8a8.py --rows 1,16 --budget-s $(( left - 25 )) --json $OUT/w8a8.json 2>&1 \
