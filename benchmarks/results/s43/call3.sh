@@ -31,7 +31,7 @@ serve() {   # ENGINE WAIT_S -> sets UP (seconds to come up, or empty)
   fi
   kill $PID; wait $PID 2>/dev/null
 }
-serve fixed 480; FIXED_UP=$UP
+serve fixed $(( ${END_S:-560} - 80 )); FIXED_UP=$UP
 left=$(( ${END_S:-560} - $(elapsed) ))
 if [ -n "$FIXED_UP" ] && [ $left -ge $(( FIXED_UP * 16 / 10 + 60 )) ]; then serve paged $(( left - 50 )); else echo "[call3] paged skipped ($left s left)"; fi
 left=$(( ${END_S:-560} - $(elapsed) )); [ $left -gt 170 ] && left=170
