@@ -85,3 +85,33 @@ def test_linear_runs_the_kernel_where_it_wins_on_cuda_only():
     for w in (w8, wf):
         x = jnp.asarray(rng.standard_normal((1, 16, 256)), jnp.float32)
         np.testing.assert_allclose(np.asarray(jax.jit(linear)(x, w)), np.asarray(w.matmul(x)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("variant", ["xla kn", "xla nk", "pallas kn", "pallas nk fused", "pallas kn s2"])
+def test_experimental_fp8_w8a8_matmul_matches_numpy_oracle(M, variant):
+    """pallas_kernels/quantized/gpu_w8a8.py (experimental, not yet on any model path): x quantized to
+    e4m3 per row and 128-column K group (scale amax * float32(1/448), 1 for an all-zero group), fp8 x
+    fp8 products scaled per K block, against NumPy (ml_dtypes' e4m3 rounding, float64 products)."""
+    import ml_dtypes
+    from pallas_kernels.quantized import gpu_w8a8 as w8
+
+    K, N, block, rng = 256, 384, (128, 128), np.random.default_rng(M)
+    q, s, wd = _fp8(rng, K, N, block)
+    x = rng.standard_normal((M, K)).astype(np.float32) * 2.0
+    x[0, :128] = 0.0                                                   # an all-zero group
+    xg = x.reshape(M, K // 128, 128)
+    sx = np.abs(xg).max(-1) * np.float32(1.0 / 448.0)
+    sx = np.where(sx > 0, sx, np.float32(1.0)).astype(np.float32)
+    xq = (xg / sx[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sx[..., None]
+    want = xq.reshape(M, K) @ wd
+    qj, sj = jnp.asarray(q), jnp.asarray(s)
+    xj = jnp.asarray(x)
+    got = {"xla kn": lambda: w8.matmul_xla(xj, qj, sj, block, "kn"),
+           "xla nk": lambda: w8.matmul_xla(xj, qj.T, sj.T, block, "nk"),
+           "pallas kn": lambda: w8.matmul_pallas(xj, qj, sj, block, "kn", interpret=True),
+           "pallas nk fused": lambda: w8.matmul_pallas(xj, qj.T, sj.T, block, "nk", fuse_quant=True, interpret=True),
+           "pallas kn s2": lambda: w8.matmul_pallas(xj, qj, sj, block, "kn", bn=128, bk=64, splits=2,
+                                                    interpret=True)}[variant]()
+    assert got.shape == (M, N)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())
