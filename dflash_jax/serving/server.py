@@ -1530,10 +1530,10 @@ def _warm_up(engine, spec, workers: int | None = None) -> None:
     """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI)),
     in threads (Slots.warmup), a progress line before and after: minutes on a large model, which
     must not look like a hang."""
+    from dflash_jax.serving.slots import compile_workers
     lo, hi = spec if isinstance(spec, tuple) else (1, spec)
     hi = min(hi, engine.max_model_len - 1)
     slots = engine.slots
-    from dflash_jax.serving.slots import compile_workers
     lengths = sorted({min(slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
     t0, c0 = time.perf_counter(), engine.stats().compiles
     buckets = ", ".join(str(slots.prompt_bucket(n)) for n in lengths)

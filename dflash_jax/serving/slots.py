@@ -167,7 +167,6 @@ def offline_defaults(platform: str) -> dict:
     return dict(steps=4, refill_min=1) if platform == "cpu" else dict(steps=8, refill_min=3)
 
 
-
 def compile_workers() -> int:
     """Threads for compiling a warm-up's programs: half the host's cores, 1 to 8 (each compile of a
     large model holds a few GB of host memory)."""
@@ -186,6 +185,7 @@ def run_in_threads(jobs: Sequence[Callable[[], Any]], workers: int) -> None:
         futures = [ex.submit(job) for job in jobs]
     for f in futures:
         f.result()
+
 
 class Slots:
     """The device side of continuous batching: `slots` rows of loop state, each a request or free.
