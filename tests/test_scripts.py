@@ -134,6 +134,7 @@ def test_bench_hybrid_smoke(tmp_path):
                 "--out", str(tmp_path / "h.jsonl")], tmp_path)
     rows = [__import__("json").loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
     assert [r["block"] for r in rows] == [16, 1] and all(r["ms_per_iteration"] > 0 for r in rows), out[-2000:]
+    assert {r["timing"] for r in rows} <= {"difference", "whole-call"}
     assert rows[0]["floor_bytes"]["draft_head"] > 0 and rows[1]["floor_bytes"]["draft_head"] == 0
 
 
