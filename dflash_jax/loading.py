@@ -200,6 +200,9 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
     mesh = get_mesh(parser, args)
     quantize = getattr(args, "quantize", None)
     quantize_draft = getattr(args, "quantize_draft", None)
+    if getattr(args, "w8a8", False) and args.random_init is not None:
+        parser.error("--w8a8 needs an FP8 checkpoint (--model with quantization_config quant_method 'fp8'); "
+                     "--random-init builds float weights")
     try:
         if args.random_init is not None:
             progress(f"building random {args.random_init} ({args.dtype})")
@@ -208,7 +211,8 @@ def load_models(parser: argparse.ArgumentParser, args: argparse.Namespace):
                 sharding.shard_model(target, mesh)
         else:
             progress(f"loading target {args.model} ({args.dtype})" + (f" on mesh {args.mesh}" if mesh else ""))
-            target = dj.load_target(args.model_dir, dtype=args.dtype, mesh=mesh, quantize=quantize)
+            target = dj.load_target(args.model_dir, dtype=args.dtype, mesh=mesh, quantize=quantize,
+                                    w8a8=getattr(args, "w8a8", False))
     except LOAD_ERRORS as e:
         parser.error(f"--{'random-init' if args.random_init else 'model'} {args.random_init or args.model}: "
                      f"{one_line(e)}")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "check_quantize", "quantize_int8",
+__all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "Fp8W8A8Weight", "to_w8a8", "check_quantize", "quantize_int8",
            "quantize_target", "weight_bytes", "checkpoint_fp8_block", "fp8_weights", "concat_columns",
            "is_quantized", "is_fp8", "quantized_leaves", "mark", "quantize_draft"]
 
@@ -195,7 +195,111 @@ class Fp8BlockWeight:
         return f"Fp8BlockWeight(shape={tuple(self.shape)}, block={self.block})"
 
 
-QUANTIZED = (Int8Weight, Fp8BlockWeight)
+@jax.tree_util.register_pytree_node_class
+class Fp8W8A8Weight:
+    """An FP8 checkpoint's 2-D linear weight run W8A8 (`to_w8a8`, `load_target(..., w8a8=True)`): the
+    activations quantized at run time to float8_e4m3fn per row and K block (the scheme the
+    checkpoint declares, `activation_scheme: dynamic`) and the matmul fp8 x fp8 with float32
+    accumulation, each K block's product times x's and the weight's block scales
+    (pallas_kernels.quantized.gpu_w8a8). q [N, K] float8_e4m3fn and scale [Nb, Kb] float32 are kept
+    in the checkpoint's own [out, in] orientation: both fp8 operands K-major, what the H100's fp8
+    tensor cores read (the [K, N] layout measured 0.91x bf16 per layer against 0.68x, docs/perf-log.md
+    'Session 43: FP8 W8A8'). block is (bk, bn) = (K block, N block) as Fp8BlockWeight's; `shape` is the
+    logical [K, N] of the weight it replaces. `x @ w` and models.layers.linear give the W8A8 product."""
+
+    def __init__(self, q, scale, block):
+        self.q, self.scale, self.block = q, scale, tuple(int(b) for b in block)
+
+    def tree_flatten(self):
+        return (self.q, self.scale), self.block
+
+    @classmethod
+    def tree_unflatten(cls, block, children):
+        return cls(*children, block)
+
+    @property
+    def shape(self):
+        return tuple(self.q.shape[::-1])
+
+    ndim = Int8Weight.ndim
+    size = Int8Weight.size
+    dtype = Int8Weight.dtype
+    sharding = Int8Weight.sharding
+    __getitem__ = Int8Weight.__getitem__
+
+    def kn(self) -> Fp8BlockWeight:
+        """The same weight as an Fp8BlockWeight ([K, N], the weight-only form)."""
+        return Fp8BlockWeight(_transpose(self.q), _transpose(self.scale), self.block)
+
+    def matmul(self, x, dot=None):
+        """x [..., K] @ w → [..., N] in x's dtype, W8A8 through XLA's fp8 dot (models.layers.linear
+        runs the Pallas kernel instead where it is faster: CUDA, 2-128 rows)."""
+        from pallas_kernels.quantized import gpu_w8a8
+        return gpu_w8a8.matmul_xla(x, self.q, self.scale, block=self.block, layout="nk")
+
+    def __rmatmul__(self, x):
+        return self.matmul(x)
+
+    def dequantize(self, dtype=jnp.float32):
+        """The weight [K, N] (q * scale in float32, cast to dtype): Fp8BlockWeight's."""
+        return self.kn().dequantize(dtype)
+
+    def all_finite(self) -> bool:
+        return self.kn().all_finite()
+
+    def __repr__(self):
+        return f"Fp8W8A8Weight(shape={tuple(self.shape)}, block={self.block})"
+
+
+QUANTIZED = (Int8Weight, Fp8BlockWeight, Fp8W8A8Weight)
+
+W8A8_BLOCKS = (32, 64, 128)   # the K blocks W8A8 takes (the activation groups; the kernels' bk)
+
+
+def _transpose(a):
+    """a.T, a placed array's sharding transposed with it (a mesh keeps each shard's own blocks)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    s = getattr(a, "sharding", None)
+    t = a.T
+    if isinstance(s, NamedSharding):
+        spec = tuple(s.spec) + (None,) * (a.ndim - len(s.spec))
+        t = jax.device_put(t, NamedSharding(s.mesh, P(*spec[::-1])))
+    return t
+
+
+def w8a8_weight(name: str, w: Fp8BlockWeight) -> Fp8W8A8Weight:
+    """One 2-D Fp8BlockWeight → Fp8W8A8Weight, or a one-line ValueError naming it when its K blocking
+    cannot group the activations (K not a multiple of the K block, a K block outside W8A8_BLOCKS:
+    e.g. one spread per row where a mesh shard boundary cut through a block)."""
+    bk, K = w.block[0], w.shape[0]
+    if bk not in W8A8_BLOCKS or K % bk:
+        raise ValueError(f"w8a8: {name} {list(w.shape)} has K block {bk} (K = {K}); W8A8 quantizes the "
+                         f"activations per K block and needs K a multiple of a block in {list(W8A8_BLOCKS)}")
+    return Fp8W8A8Weight(_transpose(w.q), _transpose(w.scale), w.block)
+
+
+def to_w8a8(model):
+    """The target with its FP8 checkpoint's 2-D layer linears (LINEAR_NAMES) turned W8A8 in place
+    (Fp8W8A8Weight: one transpose each, at load); MoE experts keep their weight-only path (the
+    grouped-matmul kernels read [E, K, N] fp8) and float weights stay as they are. The module is
+    marked "w8a8" (its compile keys change with it: the numerics do). A target without FP8 block
+    weights, or one whose K blocking cannot group the activations, is a one-line ValueError.
+    Returns the model."""
+    found = []
+    for path, node in nnx.iter_graph(model.layers):
+        if not isinstance(node, nnx.Module):
+            continue
+        for name in LINEAR_NAMES:
+            p = getattr(node, name, None)
+            if isinstance(p, nnx.Param) and isinstance(p.get_value(), Fp8BlockWeight) and p.get_value().ndim == 2:
+                found.append(("layers/" + "/".join(map(str, path)) + "/" + name, p))
+    if not found:
+        raise ValueError("w8a8 needs an FP8 checkpoint (config.json quantization_config quant_method 'fp8'): "
+                         "this target has no FP8 block-scaled layer weights")
+    converted = [(p, w8a8_weight(name, p.get_value())) for name, p in found]   # (all checked before any is set)
+    for p, w in converted:
+        p.set_value(w)
+    return mark(model, "w8a8")
 
 
 def is_quantized(w) -> bool:
@@ -242,7 +346,8 @@ def checkpoint_fp8_block(raw, what: str) -> tuple[int, int] | None:
     act = qc.get("activation_scheme", "dynamic")
     if act != "dynamic":   # static: per-tensor input scales we would ignore (weight-only here)
         raise ValueError(f"{what}: config.json quantization_config.activation_scheme={act!r} is not supported "
-                         "(only 'dynamic': the activations stay in the model dtype)")
+                         "(only 'dynamic': the activations stay in the model dtype, or are quantized at run time "
+                         "with w8a8=True / --w8a8)")
     block = qc.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
@@ -257,7 +362,7 @@ def is_fp8(t) -> bool:
 
 
 def quantized_leaves(model) -> list:
-    """The module's quantized weights (Int8Weight, Fp8BlockWeight)."""
+    """The module's quantized weights (Int8Weight, Fp8BlockWeight, Fp8W8A8Weight)."""
     leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param), is_leaf=is_quantized)
     return [v for v in leaves if is_quantized(v)]
 

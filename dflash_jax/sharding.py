@@ -377,12 +377,15 @@ def layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
 
 def _place(model, mesh: Mesh, rules, transform=None):
     from flax import nnx
-    from dflash_jax.quantize import Fp8BlockWeight, Int8Weight
+    from dflash_jax.quantize import Fp8BlockWeight, Fp8W8A8Weight, Int8Weight, w8a8_weight
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         name = path_str(path)
         value = var.get_value()
+        w8a8 = isinstance(value, Fp8W8A8Weight)
+        if w8a8:   # (placed as the [K, N] weight it is, then back to the checkpoint's orientation)
+            value = value.kn()
         if transform is not None:   # (quantized weights, dflash_jax.quantize: their scales with q's columns)
             if isinstance(value, Int8Weight):
                 value = Int8Weight(transform(path, value.q), transform(path, value.scale))
@@ -395,7 +398,8 @@ def _place(model, mesh: Mesh, rules, transform=None):
         spec = spec_for(name, rules)
         check_divisible(name, value.shape, spec, mesh)
         if isinstance(value, (Int8Weight, Fp8BlockWeight)):
-            var.set_value(_place_quantized(value, spec, mesh))
+            placed = _place_quantized(value, spec, mesh)
+            var.set_value(w8a8_weight(name, placed) if w8a8 else placed)
             continue
         var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
     return model
@@ -476,7 +480,7 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
     with its NamedSharding (an int8 target's Int8Weights as load_target(mesh=, quantize="int8") places
     them). For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
     from flax import nnx
-    from dflash_jax.quantize import Fp8BlockWeight, Int8Weight
+    from dflash_jax.quantize import Fp8BlockWeight, Fp8W8A8Weight, Int8Weight
     tp = model_axis_size(mesh)
     check_experts(model.config, tp)
     fused_layout = use_fused(model.config, tp, fused_layout)
@@ -491,7 +495,7 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
             shape = shape[:-1] + ((lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim,)
         spec = spec_for(name, rules)
         check_divisible(name, shape, spec, mesh)
-        if isinstance(x, Fp8BlockWeight):
+        if isinstance(x, (Fp8BlockWeight, Fp8W8A8Weight)):
             raise ValueError(f"{name}: an FP8 checkpoint's block weights ahead of time on a mesh are not supported "
                              "(load the checkpoint with load_target(mesh=) instead)")
         if isinstance(x, Int8Weight):   # q as the float weight, its scales [.., N] with q's columns (_place_quantized)

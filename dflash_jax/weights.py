@@ -175,7 +175,8 @@ def _concat(parts: list, dtype):
     return jnp.concatenate([p.dequantize(dtype) if q8.is_quantized(p) else p for p in parts], axis=-1)
 
 
-def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: str | None = None):
+def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: str | None = None,
+                w8a8: bool = False):
     """A causal LM of a registered family (dflash_jax.models, by config.json's model_type) from a
     HF directory or hub id (config.json + safetensors, sharded or not). mesh (a Mesh or a spec such
     as "data=2,model=4"): placed on it by its family's rules in the fused TP layout, each process
@@ -187,7 +188,13 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     float8_e4m3fn weights with weight_scale_inv) keeps its layer linears in 8 bits as
     quantize.Fp8BlockWeight (with quantize="int8", only the linears it left in floats are quantized);
     with a mesh, loaded on one device and then placed, the block scales with their weights' shards
-    (sharding._place_quantized). Any other quantization_config is refused in one line."""
+    (sharding._place_quantized). Any other quantization_config is refused in one line. w8a8 (FP8
+    checkpoints only, off by default): its layer linears run W8A8 (quantize.to_w8a8: the
+    activations quantized to fp8 per K block at run time, the scheme the checkpoint declares; other
+    numerics than the default weight-only path, which keeps the activations in `dtype`); a target
+    without FP8 weights is a one-line ValueError."""
+    if w8a8:
+        return q8.to_w8a8(load_target(path_or_hub_id, dtype, mesh=mesh, quantize=quantize))
     check_quantize(quantize)
     m = sharding.as_mesh(mesh)
     if quantize is not None:   # (on a mesh: quantized on one device, then placed, scales with their columns)

@@ -1,4 +1,4 @@
-"""FP8 W8A8 matmuls of few rows on the GPU (issue 57, experimental): x quantized per (row, 128 columns
+"""FP8 W8A8 matmuls of few rows on the GPU (issue 57; the --w8a8 path): x quantized per (row, 128 columns
 of K) to float8_e4m3fn at run time, fp8 x fp8 dots with float32 accumulation, each K block's product
 times x's and the weight's block scales (pallas_kernels/quantized/gpu_w8a8.py), against the bf16 XLA
 dot and the weight-only FP8 kernel (pallas_kernels/quantized/gpu.py: the 8-bit tile converted to bf16

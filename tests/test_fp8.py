@@ -300,7 +300,7 @@ MESH_CHILD = os.environ.get("DFLASH_FP8_MESH_CHILD") == "1"
 def test_fp8_on_a_2x2_mesh_equals_one_device():
     """The mesh case runs in a child pytest on 4 virtual CPU devices (tests/children.py)."""
     from tests.children import run_child
-    run_child(__file__, devices=4, env=dict(DFLASH_FP8_MESH_CHILD="1"), args=("-k", "mesh_child"), min_passed=2)
+    run_child(__file__, devices=4, env=dict(DFLASH_FP8_MESH_CHILD="1"), args=("-k", "mesh_child"), min_passed=3)
 
 
 @pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")
@@ -359,3 +359,35 @@ def test_mesh_child_fp8_moe_checkpoint_on_2x2_equals_one_device(tmp_path):
     kw = dict(max_new_tokens=8, attention_impl="xla", capacity=64)
     one = decode.generate(load_target(path, dtype="float32"), None, prompts, **kw)
     assert decode.generate(target, None, prompts, mesh=gu.q.sharding.mesh, **kw).tokens == one.tokens
+
+
+@pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")
+def test_mesh_child_w8a8_checkpoint_on_2x2_equals_one_device(tmp_path):
+    """load_target(fp8 checkpoint, mesh="2x2", w8a8=True) (--w8a8 --mesh 2x2): each weight placed in
+    its [K, N] form, then back to the checkpoint's [N, K] with its sharding transposed (o / down
+    split on K, so the activations' groups and each partial product stay on one shard), and DFlash
+    greedy gives one device's tokens and acceptance lengths, which equal plain decoding's."""
+    from jax.sharding import PartitionSpec as P
+
+    from dflash_jax import decode, sharding
+    from dflash_jax.quantize import Fp8W8A8Weight
+    path = ck.write_fp8_target(str(tmp_path / "fp8"), block=(32, 32), seed=6, vocab_size=128, hidden_size=64,
+                               intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    one = load_target(path, dtype="float32", w8a8=True)
+    target = load_target(path, dtype="float32", mesh="2x2", w8a8=True)
+    assert target.quantize == "fp8+w8a8"
+    layer = target.layers[1]
+    for name, w, spec in (("qkv", layer.qkv[...], P("model", None)), ("o", layer.o[...], P(None, "model")),
+                          ("gate_up", layer.mlp.gate_up[...], P("model", None)),
+                          ("down", layer.mlp.down[...], P(None, "model"))):
+        assert isinstance(w, Fp8W8A8Weight) and w.q.sharding.spec == spec, (name, w, w.q.sharding.spec)
+    mesh = layer.qkv[...].q.sharding.mesh
+    cfg = DraftConfig.for_target(one.config, num_layers=1, block_size=4)
+    drafts = [init_draft(cfg, seed=2, dtype="float32", target=one) for _ in range(2)]
+    sharding.shard_model(drafts[1], mesh)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [100, 101]]
+    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
+    a = decode.generate(one, drafts[0], prompts, verify_width="block", **kw)
+    b = decode.generate(target, drafts[1], prompts, mesh=mesh, verify_width="block", **kw)
+    assert a.tokens == decode.generate(one, None, prompts, **kw).tokens
+    assert b.tokens == a.tokens and b.acceptance_lengths == a.acceptance_lengths

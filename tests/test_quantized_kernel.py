@@ -90,7 +90,7 @@ def test_linear_runs_the_kernel_where_it_wins_on_cuda_only():
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("variant", ["xla kn", "xla nk", "pallas kn", "pallas nk fused", "pallas kn s2"])
 def test_experimental_fp8_w8a8_matmul_matches_numpy_oracle(M, variant):
-    """pallas_kernels/quantized/gpu_w8a8.py (experimental, not yet on any model path): x quantized to
+    """pallas_kernels/quantized/gpu_w8a8.py (the W8A8 path of an FP8 checkpoint, --w8a8): x quantized to
     e4m3 per row and 128-column K group (scale amax * float32(1/448), 1 for an all-zero group), fp8 x
     fp8 products scaled per K block, against NumPy (ml_dtypes' e4m3 rounding, float64 products)."""
     import ml_dtypes

@@ -63,6 +63,18 @@ def test_bench_gpu_b1_profile_smoke(tmp_path):
     assert (tmp_path / "bench_gpu.json").exists()
 
 
+def test_bench_gpu_quant_w8a8_smoke(tmp_path):
+    """The quant section (issue 57) with an FP8 target run W8A8 (--quantize fp8-w8a8): plain step
+    and DFlash iteration against bf16 in one process, the quantized bytes its floor."""
+    out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "quant", "--quantize", "fp8-w8a8",
+                "--quant-batches", "1", "--out", str(tmp_path)], tmp_path)
+    d = __import__("json").loads((tmp_path / "bench_gpu.json").read_text())
+    assert not d["errors"], d["errors"]
+    row, = d["summary_quant"]
+    assert row["quant"] == "fp8-w8a8" and row["plain_fp8-w8a8_ms"] > 0 and row["dflash_fp8-w8a8_ms"] > 0, row
+    assert d["model_bytes_quantized"]["fp8-w8a8"]["target_read"] < 0.6 * d["model_bytes"]["target_read"], out[-2000:]
+
+
 def test_bench_gpu_longctx_pallas_only_smoke(tmp_path):
     """BENCH_LONG_IMPLS=pallas: the long-context section times our kernel's row and skips XLA's."""
     out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "longctx", "--out", str(tmp_path)],

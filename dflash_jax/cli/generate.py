@@ -129,6 +129,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "scales (half the bf16 weight bytes; DFlash stays lossless relative to the quantized "
                         "target); int8+head: the untied LM head too (one scale per vocabulary entry); the "
                         "draft and embeddings stay as loaded")
+    g.add_argument("--w8a8", action="store_true",
+                   help="an FP8 checkpoint's layer linears run W8A8: the activations quantized to fp8 per "
+                        "128-column block at run time (the checkpoint's activation_scheme: dynamic) and "
+                        "multiplied on fp8 tensor cores (CUDA; elsewhere XLA emulates it). Other numerics than "
+                        "the default weight-only path; DFlash stays lossless relative to them")
     g.add_argument("--quantize-draft", default=None, choices=("int8",),
                    help="quantize the draft's layer weights at load too (default: off). Still lossless, but "
                         "an int8 draft may accept fewer tokens (BENCHMARKS.md, quantized targets)")

@@ -28,9 +28,10 @@ from dflash_jax.attention import (add_rmsnorm, attend, attend_paged, attend_pref
                                   fused_prologue, qk_norm_rope_write, reads_pages)
 from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, is_paged, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
-from dflash_jax.quantize import QUANTIZED, Int8Weight
+from dflash_jax.quantize import QUANTIZED, Fp8W8A8Weight, Int8Weight
 from dflash_jax.sharding import current_mesh, split_gate_up, split_qkv
 from pallas_kernels.quantized import gpu as quantized_gpu
+from pallas_kernels.quantized import gpu_w8a8
 
 
 # XLA:GPU rewrites a vector x matrix dot whose operands hold fewer than this many elements as a
@@ -66,6 +67,30 @@ def _quantized_gpu(x, w):
     return quantized_gpu.matmul(x, w.q, w.scale, block=_quantized_block(w))
 
 
+# the W8A8 kernel's tiling on the model path: 64-column tiles (the H100 sweep's best for qkv and
+# gate_up at 16 rows), the K block per step (x quantized in the kernel), K split as gpu_w8a8.tiles
+W8A8_BN = 64
+
+
+def _w8a8_kernel_tiles(x, w) -> tuple[int, int] | None:
+    """(bn, splits) of the fused W8A8 Pallas kernel for x @ w (an Fp8W8A8Weight), or None where XLA's
+    fp8 dot runs: one row (faster there: 0.684x bf16 per layer against 0.711x), a mesh, more than
+    gpu_w8a8.MAX_ROWS rows, or a shape the kernel does not tile."""
+    M, (K, N), (bk, bn_s) = math.prod(x.shape[:-1]), w.shape, w.block
+    if not 2 <= M <= gpu_w8a8.MAX_ROWS or current_mesh() is not None or N % W8A8_BN or bn_s % W8A8_BN or K % bk:
+        return None
+    splits = 1
+    while splits < 8 and (N // W8A8_BN) * splits < 384 and K % (bk * splits * 2) == 0:
+        splits *= 2
+    return W8A8_BN, splits
+
+
+def _w8a8_gpu(x, w):
+    bn, splits = _w8a8_kernel_tiles(x, w)
+    return gpu_w8a8.matmul_pallas(x, w.q, w.scale, block=w.block, layout="nk", bn=bn, bk=w.block[0],
+                                  splits=splits, fuse_quant=True)
+
+
 def linear(x, w):
     """x [..., K] @ w [K, N]. On CUDA, a single row times a matrix of fewer than SMALL_DOT
     elements runs as a two-row dot (`_two_rows`) so XLA does not rewrite it as a multiply + reduce;
@@ -73,7 +98,14 @@ def linear(x, w):
     quantized weight (dflash_jax.quantize: int8, an FP8 checkpoint's): its own matmul around this
     dot (int8: the matrix converted to x's dtype, then its per-column scale); on CUDA, off a mesh,
     where `pallas_kernels.quantized.gpu.worthwhile` says the Pallas kernel that reads the 8-bit
-    weight once beats that (FP8 blocks at up to 128 rows, large int8 matrices at one row)."""
+    weight once beats that (FP8 blocks at up to 128 rows, large int8 matrices at one row). An FP8
+    weight run W8A8 (quantize.Fp8W8A8Weight): XLA's fp8 dot at one row, on CUDA off a mesh the
+    Pallas kernel that quantizes x in its prologue at 2-128 rows (the faster of each, measured on
+    the H100: docs/perf-log.md, 'Session 43: FP8 W8A8')."""
+    if isinstance(w, Fp8W8A8Weight):
+        if _w8a8_kernel_tiles(x, w) is not None:
+            return jax.lax.platform_dependent(x, w, cuda=_w8a8_gpu, default=lambda x, w: w.matmul(x))
+        return w.matmul(x)
     if isinstance(w, QUANTIZED):
         if _quantized_kernel_applies(x, w):
             return jax.lax.platform_dependent(x, w, cuda=_quantized_gpu, default=lambda x, w: w.matmul(x, dot=linear))

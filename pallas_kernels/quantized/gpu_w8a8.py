@@ -1,4 +1,6 @@
-"""EXPERIMENTAL (issue 57): FP8 W8A8 matmuls of few rows against FP8 block-scaled weights.
+"""FP8 W8A8 matmuls of few rows against FP8 block-scaled weights (issue 57): the path of an FP8
+checkpoint loaded with `w8a8=True` (`--w8a8`; dflash_jax.quantize.Fp8W8A8Weight, which
+dflash_jax.models.layers.linear sends here: XLA at one row, the fused Pallas kernel at 2-128 rows on CUDA).
 
 The scheme Qwen's FP8 checkpoints declare (`activation_scheme: dynamic`): x is quantized at run time
 to float8_e4m3fn per row and per `group` (= the weight's K block, 128) columns of K, scale = amax / 448
@@ -7,9 +9,10 @@ with float32 accumulation: each K block's partial product times x's (row, kb) sc
 (kb, nb) block scale, summed over K blocks. The weight tile is never converted (gpu.py converts it to
 bf16 in registers), so it can go global -> shared -> MMA as it is.
 
-Checked on CPU only (interpret mode, `--check`) and lowered to Triton IR for CUDA (`--lower`: the dot
-is a tt.dot of f8E4M3FN x f8E4M3FN -> f32; "nk" adds a tt.trans of the weight tile); the Triton -> PTX
-compile and the speed are for scripts/bench_fp8_w8a8.py on a GPU.
+Checked on CPU (interpret mode, `--check`; tests/test_quantized_kernel.py, tests/test_w8a8.py) and
+lowered to Triton IR for CUDA (`--lower`: the dot is a tt.dot of f8E4M3FN x f8E4M3FN -> f32; "nk" adds
+a tt.trans of the weight tile); timed per matmul on an H100 by scripts/bench_fp8_w8a8.py
+(docs/perf-log.md, 'Session 43: FP8 W8A8').
 
     y[m, n] = sum_kb  sx[m, kb] * ws[kb, n // bn_s] * sum_{k in kb} xq[m, k] * q[k, n]
 
