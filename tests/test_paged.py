@@ -50,6 +50,28 @@ def test_paged_slots_equal_one_shot_and_give_every_page_back(pair):
     assert eng.pages.used() == 0 and eng.pages.available() == 39
 
 
+def test_the_servers_paged_engine_compiles_nothing_after_warmup(pair):
+    """The server's paged Slots (table_widths "full", as SlotEngine builds it): after warmup, requests
+    whose rows hold 3 to 24 pages (so "pow2" would want table widths 4, 8, 16 and 32) and a prefix
+    hit compile nothing, and give one-shot generate's tokens and acceptance lengths. (The CPU load
+    test found the "pow2" server compiling 5-8 programs while serving: session 44, docs/perf-log.md.)"""
+    from dflash_jax import decode
+    target, draft = pair
+    ps = [prompt_of(20 + i, n) for i, n in enumerate((5, 30, 12, 50))]
+    ps.append(ps[3][:40] + prompt_of(30, 6))                                  # a 10-page prefix hit
+    ns = [6, 40, 20, 30, 9]
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=80, page_size=PAGE, table_widths="full")
+    eng.warmup([len(p) for p in ps], ["greedy"])
+    n0 = decode.compile_count()
+    out = eng.run([RowRequest(prompt=p, max_new=n) for p, n in zip(ps, ns)])
+    assert decode.compile_count() == n0
+    assert eng.pages.stats()["prefix_hits_tokens"] >= 40
+    for p, n, res in zip(ps, ns, out):
+        assert (res.tokens, res.acceptance_lengths) == one_shot(target, draft, p, n)
+    with pytest.raises(ValueError, match="table_widths must be 'pow2' or 'full', got 'pow3'"):
+        Slots(target, draft, slots=2, capacity=CAP, kv_pages=80, page_size=PAGE, table_widths="pow3")
+
+
 @pytest.mark.parametrize("shared", [8, 10], ids=["on_a_page", "inside_a_page"])
 def test_a_prefix_hit_gives_the_cold_tokens_and_acceptance(pair, shared):
     """Request 2 shares `shared` tokens with request 1 (2 full pages of 4, then 0 or 2 more): it

@@ -180,22 +180,50 @@ def test_w8a8_on_the_generate_cli_equals_the_library(fp8_path, capsys):
     assert code == 0 and [int(t) for t in out.split()] == want, (want, out)
 
 
-def test_w8a8_target_speculative_sampling_matches_its_exact_distribution(trained_small_vocab_pair, tmp_path):
-    """Lossless in distribution relative to the target as run: the trained pair's target rewritten as
-    an FP8 checkpoint (32-blocks), run W8A8, DFlash sampling with its trained draft against the exact
-    joint of the first three tokens enumerated from the W8A8 target's own logits (test_sampling.py's
-    chi-square, p > 1e-4; half its samples), the setting with every filter."""
+@pytest.fixture(scope="module")
+def w8a8_pair(trained_small_vocab_pair, tmp_path_factory):
+    """The trained pair's target rewritten as an FP8 checkpoint (32-blocks: its widths are 64 and
+    128) and loaded W8A8, with the trained draft: a pair whose drafts are accepted."""
     import shutil
 
     from dflash_jax import load_draft
-    from tests.test_quantize import _AsTransformers
-    from tests.test_sampling import CAPACITY, POSITIONS, ROWS, SEEDS, SETTINGS, _chi_square_p, _exact_joint
     p = trained_small_vocab_pair
-    path = ck.to_fp8(shutil.copytree(p["target_path"], str(tmp_path / "fp8")), block=BLOCK)
+    path = ck.to_fp8(shutil.copytree(p["target_path"], str(tmp_path_factory.mktemp("w8a8_pair") / "fp8")),
+                     block=BLOCK)
     target = load_target(path, dtype="float32", w8a8=True)
     assert target.quantize == "fp8+w8a8"
-    draft = load_draft(p["draft_path"], target=target, dtype="float32")
-    prompt = p["eval_prompts"][0]
+    return target, load_draft(p["draft_path"], target=target, dtype="float32"), p["eval_prompts"]
+
+
+def test_w8a8_target_in_the_slot_engine_fixed_and_paged_equals_one_shot(w8a8_pair):
+    """The serving engine on a W8A8 target: fixed slots and pages (a prefix hit included) give each
+    request one-shot generate's tokens and acceptance lengths."""
+    from dflash_jax.serving.slots import RowRequest, Slots
+    target, draft, prompts = w8a8_pair
+    first = tuple(prompts[0])
+    reqs = [RowRequest(prompt=first, max_new=12), RowRequest(prompt=tuple(prompts[1]), max_new=9),
+            RowRequest(prompt=first[:8] + tuple(prompts[2][:5]), max_new=10)]
+    want = [generate(target, draft, [list(r.prompt)], max_new_tokens=r.max_new, capacity=96, verify_width="block")
+            for r in reqs]
+    for kw in ({}, dict(kv_pages=60, page_size=4)):
+        eng = Slots(target, draft, slots=2, capacity=96, steps=3, **kw)
+        out = eng.run(reqs[:2]) + eng.run(reqs[2:])
+        for res, w in zip(out, want):
+            assert res.tokens == w.tokens[0] and res.acceptance_lengths == w.acceptance_lengths[0]
+        if kw:
+            assert eng.pages.stats()["prefix_hits_tokens"] >= 8
+    assert max(a for w in want for a in w.acceptance_lengths[0]) >= 2
+
+
+def test_w8a8_target_speculative_sampling_matches_its_exact_distribution(w8a8_pair):
+    """Lossless in distribution relative to the target as run: the trained pair's target rewritten as
+    an FP8 checkpoint (w8a8_pair), run W8A8, DFlash sampling with its trained draft against the exact
+    joint of the first three tokens enumerated from the W8A8 target's own logits (test_sampling.py's
+    chi-square, p > 1e-4; half its samples), the setting with every filter."""
+    from tests.test_quantize import _AsTransformers
+    from tests.test_sampling import CAPACITY, POSITIONS, ROWS, SEEDS, SETTINGS, _chi_square_p, _exact_joint
+    target, draft, prompts = w8a8_pair
+    prompt = prompts[0]
     temperature, top_p, top_k = SETTINGS["T0.6-topp0.95-topk20"]
     expected = _exact_joint(_AsTransformers(target), prompt, temperature, top_p, top_k)
     counts, n, acc = {}, 0, []

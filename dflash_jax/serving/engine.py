@@ -559,7 +559,8 @@ class SlotEngine(_EngineCore):
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
                            insert_width=insert_width, kernels=kernels, attention_impl=attention_impl,
                            step_buckets=step_buckets, verify_width=verify_width, kv_pages=kv_pages,
-                           page_size=page_size, prefix_cache=prefix_cache, window_pages=window_pages)
+                           page_size=page_size, prefix_cache=prefix_cache, window_pages=window_pages,
+                           table_widths="full")   # (paged: the programs warmup compiles are all it runs)
         if wrap is not None:          # what the engine drives in the Slots' place (multihost_serve.LeaderSlots)
             self.slots = wrap(self.slots)
         # grammar masks are built on the host between steps; a multi-host server would have to

@@ -210,7 +210,14 @@ class Slots:
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
                  steps: int | str = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
                  step_buckets="auto", verify_width=None, kv_pages: int | None = None, page_size: int = 16,
-                 prefix_cache: bool = True, window_pages: int | str = "auto"):
+                 prefix_cache: bool = True, window_pages: int | str = "auto", table_widths: str = "pow2"):
+        if table_widths not in ("pow2", "full"):
+            raise ValueError(f"table_widths must be 'pow2' or 'full', got {table_widths!r}")
+        # paged programs' page-table width: "pow2" as wide as the busy rows' pages, rounded up to a
+        # power of two (one program per width, compiled when first needed: cheaper XLA gathers for
+        # short rows); "full" every page of a row in every program (the server's: the ones warmup
+        # compiles are all it will run, and the Pallas kernels stop at each row's length anyway)
+        self.table_widths = table_widths
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
             insert_width = min(slots, 8) if validation.is_int(slots) else 1
         if steps != "auto" and (not validation.is_int(steps) or steps < 1):
@@ -425,8 +432,8 @@ class Slots:
 
     def _pages_bucket(self, pages: int | None) -> int | None:
         """A paged program's table width for rows holding up to `pages` pages: the next power of two,
-        at most a row's every page (None: that); None without pages."""
-        return self.programs.table_width(pages)
+        at most a row's every page (None, or table_widths "full": that); None without pages."""
+        return self.programs.table_width(None if self.table_widths == "full" else pages)
 
     def _rows_pages(self, slots) -> int:
         """The most pages any of these slots holds."""
