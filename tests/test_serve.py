@@ -939,6 +939,16 @@ def test_cli_warm_up_prints_progress(cli_models, quiet_main, capsys, monkeypatch
     assert "prompt buckets 16, 32, 64 (3 threads)" in lines[0] and "warm-up done" in err
     assert calls[0][2] == 3 and len(calls[0][0]) == 3
     built["app"].state.engine.shutdown(timeout=5)
+    # a paged server with prefix caching: a hit prefills only a prompt's tail, so every bucket up to
+    # the range's top compiles (65:128 alone would be bucket 128); without caching the range's own
+    for flags, want in ((["--prefix-cache", "on"], "prompt buckets 16, 32, 64, 128 ("),
+                        (["--prefix-cache", "off"], "prompt buckets 128 (")):
+        code, built = quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--dtype", "float32",
+                                  "--attention", "xla", "--port", str(_free_port()), "--slots", "2", "--capacity",
+                                  "256", "--kv-pages", "40", "--warmup-prompt-len", "65:128", *flags])
+        err = capsys.readouterr().err
+        assert code == 0 and want in err, err
+        built["app"].state.engine.shutdown(timeout=5)
 
 
 @pytest.mark.slow     # a Python that imports jax: seconds

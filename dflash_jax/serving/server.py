@@ -1336,7 +1336,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="row counts an engine step may run over (the smallest holding the busy slots; --slots "
                         "always one): auto = powers of two up to --slots, none = every step over all slots")
     g.add_argument("--warmup-prompt-len", default="512", metavar="N|LO:HI",
-                   help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start; 0: none")
+                   help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start (with "
+                        "--kv-pages and prefix caching: every bucket up to HI's, a hit prefilling only the tail); "
+                        "0: none")
     g.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="threads compiling the warm-up's programs (default: half the host's cores, 1 to 8; "
                         "each compile of a large model holds a few GB of host memory)")
@@ -1527,13 +1529,16 @@ def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
 
 
 def _warm_up(engine, spec, workers: int | None = None) -> None:
-    """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI)),
-    in threads (Slots.warmup), a progress line before and after: minutes on a large model, which
-    must not look like a hang."""
+    """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI);
+    with prefix caching every bucket up to HI's, since a hit prefills only a prompt's tail), in
+    threads (Slots.warmup), a progress line before and after: minutes on a large model, which must
+    not look like a hang."""
     from dflash_jax.serving.slots import compile_workers
     lo, hi = spec if isinstance(spec, tuple) else (1, spec)
     hi = min(hi, engine.max_model_len - 1)
     slots = engine.slots
+    if getattr(getattr(slots, "pages", None), "prefix_cache", False):
+        lo = 1    # a prefix hit prefills only the prompt's tail: any bucket up to hi's
     lengths = sorted({min(slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
     t0, c0 = time.perf_counter(), engine.stats().compiles
     buckets = ", ".join(str(slots.prompt_bucket(n)) for n in lengths)
