@@ -949,6 +949,20 @@ def test_cli_warm_up_prints_progress(cli_models, quiet_main, capsys, monkeypatch
         err = capsys.readouterr().err
         assert code == 0 and want in err, err
         built["app"].state.engine.shutdown(timeout=5)
+    # --warmup-modes: the sampling programs too (an OpenAI client's default temperature is 1)
+    calls.clear()
+    code, built = quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--dtype", "float32",
+                              "--attention", "xla", "--port", str(_free_port()), "--slots", "2", "--capacity", "256",
+                              "--warmup-prompt-len", "40", "--warmup-modes", "greedy,sample,topp"])
+    err = capsys.readouterr().err
+    assert code == 0 and calls[0][1] == ("greedy", "sample", "topp") and "modes greedy, sample, topp (" in err, err
+    built["app"].state.engine.shutdown(timeout=5)
+    for bad in ("greedy,beam", ","):
+        with pytest.raises(SystemExit) as e:
+            quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--port", str(_free_port()),
+                        "--slots", "2", "--warmup-modes", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--warmup-modes:" in err and "choose from greedy, sample" in err, err
 
 
 @pytest.mark.slow     # a Python that imports jax: seconds

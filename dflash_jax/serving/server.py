@@ -1339,6 +1339,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the slot engine's programs for prompts up to N tokens (or of LO..HI) at start (with "
                         "--kv-pages and prefix caching: every bucket up to HI's, a hit prefilling only the tail); "
                         "0: none")
+    g.add_argument("--warmup-modes", default="greedy", metavar="MODES",
+                   help="the sampling modes whose programs the warm-up compiles, comma-separated from "
+                        "greedy, sample (temperature), topk, topp, filtered (top-k and top-p); a request of "
+                        "a mode not compiled compiles its programs on arrival (default: greedy)")
     g.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="threads compiling the warm-up's programs (default: half the host's cores, 1 to 8; "
                         "each compile of a large model holds a few GB of host memory)")
@@ -1448,6 +1452,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--step-buckets: {e}")
     if args.compile_workers is not None and args.compile_workers < 1:
         parser.error(f"--compile-workers must be >= 1, got {args.compile_workers}")
+    modes = [m.strip() for m in str(args.warmup_modes).split(",") if m.strip()]
+    bad = [m for m in modes if m not in WARMUP_MODES]
+    if bad or not modes:
+        parser.error(f"--warmup-modes: {', '.join(map(repr, bad)) or 'none given'}; choose from "
+                     f"{', '.join(WARMUP_MODES)}")
+    args.warmup_modes = tuple(dict.fromkeys(modes))
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.default_max_tokens < 1:
@@ -1528,11 +1538,15 @@ def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
                  f"{most} with {args.slots} slot(s)) or --slots")
 
 
-def _warm_up(engine, spec, workers: int | None = None) -> None:
-    """Compile the slot engine's greedy programs for the prompt buckets of `spec` (N or (LO, HI);
-    with prefix caching every bucket up to HI's, since a hit prefills only a prompt's tail), in
-    threads (Slots.warmup), a progress line before and after: minutes on a large model, which must
-    not look like a hang."""
+# the sampling modes --warmup-modes takes (serving.slots' program modes without penalties / grammar)
+WARMUP_MODES = ("greedy", "sample", "topk", "topp", "filtered")
+
+
+def _warm_up(engine, spec, workers: int | None = None, modes=("greedy",)) -> None:
+    """Compile the slot engine's programs of `modes` (--warmup-modes) for the prompt buckets of
+    `spec` (N or (LO, HI); with prefix caching every bucket up to HI's, since a hit prefills only a
+    prompt's tail), in threads (Slots.warmup), a progress line before and after: minutes on a large
+    model, which must not look like a hang."""
     from dflash_jax.serving.slots import compile_workers
     lo, hi = spec if isinstance(spec, tuple) else (1, spec)
     hi = min(hi, engine.max_model_len - 1)
@@ -1543,9 +1557,10 @@ def _warm_up(engine, spec, workers: int | None = None) -> None:
     t0, c0 = time.perf_counter(), engine.stats().compiles
     buckets = ", ".join(str(slots.prompt_bucket(n)) for n in lengths)
     workers = compile_workers() if workers is None else workers
-    loading.progress(f"compiling the step programs and the prefill programs for prompt buckets {buckets} "
-                     f"({workers} thread{'s' if workers > 1 else ''}) ...")
-    slots.warmup(lengths, ("greedy",), workers=workers)
+    loading.progress(f"compiling the step programs and the prefill programs for prompt buckets {buckets}"
+                     + ("" if tuple(modes) == ("greedy",) else f", modes {', '.join(modes)}")
+                     + f" ({workers} thread{'s' if workers > 1 else ''}) ...")
+    slots.warmup(lengths, tuple(modes), workers=workers)
     loading.progress(f"warm-up done: {engine.stats().compiles - c0} programs compiled in "
                      f"{time.perf_counter() - t0:.1f} s")
 
@@ -1730,7 +1745,7 @@ def _serve(parser, args, sock, hosts=None) -> int:
         _release_device()
         return code
     if args.slots > 1 and args.warmup_prompt_len:
-        _warm_up(engine, args.warmup_prompt_len, args.compile_workers)
+        _warm_up(engine, args.warmup_prompt_len, args.compile_workers, args.warmup_modes)
     from dflash_jax.serving.scoring import Scorer
 
     app = build_app(engine, tokenizer, model_name=args.served_model_name or name,
