@@ -68,8 +68,13 @@ def test_the_servers_paged_engine_compiles_nothing_after_warmup(pair):
     assert eng.pages.stats()["prefix_hits_tokens"] >= 40
     for p, n, res in zip(ps, ns, out):
         assert (res.tokens, res.acceptance_lengths) == one_shot(target, draft, p, n)
-    with pytest.raises(ValueError, match="table_widths must be 'pow2' or 'full', got 'pow3'"):
+    with pytest.raises(ValueError, match="table_widths must be 'auto', 'pow2' or 'full', got 'pow3'"):
         Slots(target, draft, slots=2, capacity=CAP, kv_pages=80, page_size=PAGE, table_widths="pow3")
+    # "auto" (the default): one width where the kernels read the pages, one per width where XLA gathers
+    assert Slots(target, draft, slots=2, capacity=CAP, kv_pages=80, page_size=PAGE,
+                 attention_impl="pallas_interpret").table_widths == "full"
+    assert Slots(target, draft, slots=2, capacity=CAP, kv_pages=80, page_size=PAGE,
+                 attention_impl="xla").table_widths == "pow2"
 
 
 @pytest.mark.parametrize("shared", [8, 10], ids=["on_a_page", "inside_a_page"])

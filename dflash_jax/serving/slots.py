@@ -210,13 +210,15 @@ class Slots:
     def __init__(self, target, draft, *, slots: int, capacity: int, block_size: int | None = None,
                  steps: int | str = 4, insert_width: int | None = None, kernels=None, attention_impl=None,
                  step_buckets="auto", verify_width=None, kv_pages: int | None = None, page_size: int = 16,
-                 prefix_cache: bool = True, window_pages: int | str = "auto", table_widths: str = "pow2"):
-        if table_widths not in ("pow2", "full"):
-            raise ValueError(f"table_widths must be 'pow2' or 'full', got {table_widths!r}")
+                 prefix_cache: bool = True, window_pages: int | str = "auto", table_widths: str = "auto"):
+        if table_widths not in ("auto", "pow2", "full"):
+            raise ValueError(f"table_widths must be 'auto', 'pow2' or 'full', got {table_widths!r}")
         # paged programs' page-table width: "pow2" as wide as the busy rows' pages, rounded up to a
-        # power of two (one program per width, compiled when first needed: cheaper XLA gathers for
-        # short rows); "full" every page of a row in every program (the server's: the ones warmup
-        # compiles are all it will run, and the Pallas kernels stop at each row's length anyway)
+        # power of two (one program per width, compiled when first needed: cheaper gathers for short
+        # rows where layers gather their pages: XLA, a mesh); "full" every page of a row in every
+        # program (the server's: the programs warmup compiles are all it runs; where the Pallas
+        # kernels read the pages they stop at each row's length, so the width costs them little);
+        # "auto": "full" where the kernels read pages, else "pow2" (resolved below, with the kernels)
         self.table_widths = table_widths
         if insert_width is None:      # prefill up to 8 arrivals of a bucket at once
             insert_width = min(slots, 8) if validation.is_int(slots) else 1
@@ -278,6 +280,9 @@ class Slots:
                                      kernels=self.kernels, verify_width=self.verify_width,
                                      pages=(int(kv_pages), int(page_size), window_pages) if self.paged else None)
         self.mesh = self.programs.mesh
+        if self.table_widths == "auto":
+            kernel_reads = self.kernels.attention in ("pallas_tpu", "pallas_interpret", "pallas_gpu")
+            self.table_widths = "full" if kernel_reads and self.mesh is None else "pow2"
         self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
         if self.slots % self._data:
             raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
