@@ -207,15 +207,9 @@ class Fp8W8A8Weight:
     'Session 43: FP8 W8A8'). block is (bk, bn) = (K block, N block) as Fp8BlockWeight's; `shape` is the
     logical [K, N] of the weight it replaces. `x @ w` and models.layers.linear give the W8A8 product."""
 
-    def __init__(self, q, scale, block):
-        self.q, self.scale, self.block = q, scale, tuple(int(b) for b in block)
-
-    def tree_flatten(self):
-        return (self.q, self.scale), self.block
-
-    @classmethod
-    def tree_unflatten(cls, block, children):
-        return cls(*children, block)
+    __init__ = Fp8BlockWeight.__init__
+    tree_flatten = Fp8BlockWeight.tree_flatten
+    tree_unflatten = classmethod(Fp8BlockWeight.tree_unflatten.__func__)
 
     @property
     def shape(self):

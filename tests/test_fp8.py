@@ -295,6 +295,21 @@ def test_fp8_qwen3_5_target_dflash_greedy_equals_plain_greedy(tmp_path):
 MESH_CHILD = os.environ.get("DFLASH_FP8_MESH_CHILD") == "1"
 
 
+def _dflash_on_the_mesh_equals_one_device(one, target, mesh):
+    """DFlash greedy with a random draft (placed on `mesh` for the placed `target`): the mesh gives
+    one device's tokens and acceptance lengths, which equal plain decoding's."""
+    from dflash_jax import decode, sharding
+    cfg = DraftConfig.for_target(one.config, num_layers=1, block_size=4)
+    drafts = [init_draft(cfg, seed=2, dtype="float32", target=one) for _ in range(2)]
+    sharding.shard_model(drafts[1], mesh)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [100, 101]]
+    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
+    a = decode.generate(one, drafts[0], prompts, verify_width="block", **kw)
+    b = decode.generate(target, drafts[1], prompts, mesh=mesh, verify_width="block", **kw)
+    assert a.tokens == decode.generate(one, None, prompts, **kw).tokens
+    assert b.tokens == a.tokens and b.acceptance_lengths == a.acceptance_lengths
+
+
 @pytest.mark.skipif(MESH_CHILD, reason="the parent's runner")
 @pytest.mark.slow
 def test_fp8_on_a_2x2_mesh_equals_one_device():
@@ -313,7 +328,6 @@ def test_mesh_child_fp8_checkpoint_on_2x2_equals_one_device(tmp_path):
     scales spread per column, and down's row halves (40) cut blocks, so its scales spread per row."""
     from jax.sharding import PartitionSpec as P
 
-    from dflash_jax import decode, sharding
     assert jax.device_count() == 4
     path = ck.write_fp8_target(str(tmp_path / "fp8"), block=(16, 32), seed=6, vocab_size=128, hidden_size=64,
                                intermediate_size=80, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16)
@@ -329,16 +343,7 @@ def test_mesh_child_fp8_checkpoint_on_2x2_equals_one_device(tmp_path):
         assert isinstance(w, Fp8BlockWeight) and w.block == block, (name, w)
         assert w.q.sharding.spec == spec and w.scale.sharding.spec == spec, name
         assert w.scale.addressable_shards[0].data.shape == local, (name, w.scale.shape)
-    mesh = layer.qkv[...].q.sharding.mesh
-    cfg = DraftConfig.for_target(one.config, num_layers=1, block_size=4)
-    drafts = [init_draft(cfg, seed=2, dtype="float32", target=one) for _ in range(2)]
-    sharding.shard_model(drafts[1], mesh)
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [100, 101]]
-    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
-    a = decode.generate(one, drafts[0], prompts, verify_width="block", **kw)
-    b = decode.generate(target, drafts[1], prompts, mesh=mesh, verify_width="block", **kw)
-    assert a.tokens == decode.generate(one, None, prompts, **kw).tokens
-    assert b.tokens == a.tokens and b.acceptance_lengths == a.acceptance_lengths
+    _dflash_on_the_mesh_equals_one_device(one, target, layer.qkv[...].q.sharding.mesh)
 
 
 @pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")
@@ -369,7 +374,6 @@ def test_mesh_child_w8a8_checkpoint_on_2x2_equals_one_device(tmp_path):
     greedy gives one device's tokens and acceptance lengths, which equal plain decoding's."""
     from jax.sharding import PartitionSpec as P
 
-    from dflash_jax import decode, sharding
     from dflash_jax.quantize import Fp8W8A8Weight
     path = ck.write_fp8_target(str(tmp_path / "fp8"), block=(32, 32), seed=6, vocab_size=128, hidden_size=64,
                                intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -381,13 +385,4 @@ def test_mesh_child_w8a8_checkpoint_on_2x2_equals_one_device(tmp_path):
                           ("gate_up", layer.mlp.gate_up[...], P("model", None)),
                           ("down", layer.mlp.down[...], P(None, "model"))):
         assert isinstance(w, Fp8W8A8Weight) and w.q.sharding.spec == spec, (name, w, w.q.sharding.spec)
-    mesh = layer.qkv[...].q.sharding.mesh
-    cfg = DraftConfig.for_target(one.config, num_layers=1, block_size=4)
-    drafts = [init_draft(cfg, seed=2, dtype="float32", target=one) for _ in range(2)]
-    sharding.shard_model(drafts[1], mesh)
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3], [100, 101]]
-    kw = dict(max_new_tokens=10, attention_impl="xla", capacity=64)
-    a = decode.generate(one, drafts[0], prompts, verify_width="block", **kw)
-    b = decode.generate(target, drafts[1], prompts, mesh=mesh, verify_width="block", **kw)
-    assert a.tokens == decode.generate(one, None, prompts, **kw).tokens
-    assert b.tokens == a.tokens and b.acceptance_lengths == a.acceptance_lengths
+    _dflash_on_the_mesh_equals_one_device(one, target, layer.qkv[...].q.sharding.mesh)

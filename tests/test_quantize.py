@@ -211,21 +211,15 @@ def test_int8_target_speculative_sampling_matches_its_exact_distribution(trained
     against the exact joint of its first three tokens, enumerated from the int8 target's own logits
     (tests/test_sampling.py's chi-square, p > 1e-4; half its samples, 1536). One setting, the one with
     every filter (plain T = 1 ran here too: 15 s of CI; test_sampling.py runs it on bf16/float32)."""
-    from tests.test_sampling import CAPACITY, POSITIONS, ROWS, SEEDS, SETTINGS, _chi_square_p, _exact_joint
+    from tests.test_sampling import SEEDS, SETTINGS, _chi_square_p, _exact_joint, _sample_joint
     p = trained_small_vocab_pair
     target = load_target(p["target_path"], dtype="float32", quantize="int8")
     draft = load_draft(p["draft_path"], target=target, dtype="float32")
     prompt = p["eval_prompts"][0]
     temperature, top_p, top_k = SETTINGS[setting]
     expected = _exact_joint(_AsTransformers(target), prompt, temperature, top_p, top_k)
-    counts, n, acc = {}, 0, []
-    for seed in range(SEEDS // 2):
-        res = generate(target, draft, [prompt] * ROWS, max_new_tokens=POSITIONS, temperature=temperature,
-                       top_p=top_p, top_k=top_k, seed=seed, capacity=CAPACITY, verify_width="block")
-        for row in res.tokens:
-            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-            n += 1
-        acc += [a for r in res.acceptance_lengths for a in r]
+    counts, n, acc = _sample_joint(dict(target=target, draft=draft), prompt, temperature, top_p, top_k,
+                                   seeds=SEEDS // 2)
     assert max(acc) >= 2, acc[:20]                     # drafts were accepted: the rule really ran
     assert _chi_square_p(counts, expected, n) > 1e-4
 

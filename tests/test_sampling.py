@@ -67,9 +67,11 @@ def _chi_square_p(observed: dict, expected: dict, n: int) -> float:
     return float(chi2.sf(stat, max(1, len(cells) - 1)))
 
 
-def _sample_joint(pair, prompt, temperature, top_p, top_k, use_draft=True):
+def _sample_joint(pair, prompt, temperature, top_p, top_k, use_draft=True, seeds=SEEDS):
+    """Counts of the first POSITIONS sampled tokens over `seeds` x ROWS rows ({"target", "draft"}
+    pair), their number, and the acceptance lengths of the last seed's run (None without the draft)."""
     counts, n = {}, 0
-    for seed in range(SEEDS):
+    for seed in range(seeds):
         res = generate(pair["target"], pair["draft"] if use_draft else None, [prompt] * ROWS,
                        max_new_tokens=POSITIONS, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        capacity=CAPACITY, verify_width="block")

@@ -221,18 +221,12 @@ def test_w8a8_target_speculative_sampling_matches_its_exact_distribution(w8a8_pa
     joint of the first three tokens enumerated from the W8A8 target's own logits (test_sampling.py's
     chi-square, p > 1e-4; half its samples), the setting with every filter."""
     from tests.test_quantize import _AsTransformers
-    from tests.test_sampling import CAPACITY, POSITIONS, ROWS, SEEDS, SETTINGS, _chi_square_p, _exact_joint
+    from tests.test_sampling import SEEDS, SETTINGS, _chi_square_p, _exact_joint, _sample_joint
     target, draft, prompts = w8a8_pair
     prompt = prompts[0]
     temperature, top_p, top_k = SETTINGS["T0.6-topp0.95-topk20"]
     expected = _exact_joint(_AsTransformers(target), prompt, temperature, top_p, top_k)
-    counts, n, acc = {}, 0, []
-    for seed in range(SEEDS // 2):
-        res = generate(target, draft, [prompt] * ROWS, max_new_tokens=POSITIONS, temperature=temperature,
-                       top_p=top_p, top_k=top_k, seed=seed, capacity=CAPACITY, verify_width="block")
-        for row in res.tokens:
-            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-            n += 1
-        acc += [a for r in res.acceptance_lengths for a in r]
+    counts, n, acc = _sample_joint(dict(target=target, draft=draft), prompt, temperature, top_p, top_k,
+                                   seeds=SEEDS // 2)
     assert max(acc) >= 2, acc[:20]                     # drafts were accepted: the rule really ran
     assert _chi_square_p(counts, expected, n) > 1e-4
