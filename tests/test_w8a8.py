@@ -230,3 +230,20 @@ def test_w8a8_target_speculative_sampling_matches_its_exact_distribution(w8a8_pa
                                    seeds=SEEDS // 2)
     assert max(acc) >= 2, acc[:20]                     # drafts were accepted: the rule really ran
     assert _chi_square_p(counts, expected, n) > 1e-4
+
+
+def test_w8a8_qwen3_5_hybrid_target_dflash_greedy_equals_plain_greedy(tmp_path):
+    """A Qwen3.5 FP8 checkpoint (every linear in fp8, the Gated DeltaNet's in_proj / out included;
+    blocks [16, 32]) loads W8A8 whole, and its DFlash greedy equals its plain greedy."""
+    from tests.test_fp8 import QWEN3_5_FP8
+    from tests.test_qwen3_5 import write_qwen3_5
+    path = ck.to_fp8(write_qwen3_5(str(tmp_path / "q35"), seed=4), block=(16, 32),
+                     linears=QWEN3_5_FP8 + ("in_proj_a", "in_proj_b"), seed=4)
+    target = load_target(path, dtype="float32", w8a8=True)
+    leaves = quantized_leaves(target)
+    assert target.quantize == "fp8+w8a8" and leaves and all(isinstance(w, Fp8W8A8Weight) for w in leaves)
+    draft = init_draft(DraftConfig.for_target(target.config, num_layers=1, block_size=4), seed=2, dtype="float32",
+                       target=target)
+    prompts = [[3, 17, 99, 5, 64, 2, 8], [5, 9, 77, 3, 1]]
+    res = generate(target, draft, prompts, max_new_tokens=12, block_size=4)
+    assert res.tokens == generate(target, None, prompts, max_new_tokens=12).tokens
