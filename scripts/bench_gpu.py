@@ -1507,7 +1507,8 @@ def _bench(fn, inner=20, outer=5) -> float:
 def parse_quantize(spec: str) -> tuple[list, dict]:
     """--quantize "int8,fp8@1/8" → (["int8", "fp8"], {"fp8": (1, 8)}): the methods, and the batches a
     method is limited to (none named: every batch). Methods: dflash_jax.quantize.QUANTIZE (int8),
-    "fp8" (fp8_like_checkpoint) and "fp8-w8a8" (the same weights run W8A8: quantize.to_w8a8)."""
+    "fp8" (fp8_like_checkpoint), "fp8-w8a8" (the same weights run W8A8: quantize.to_w8a8) and
+    "fp8-w8a8+head" (that, with the LM head int8 too: --w8a8 --quantize int8+head)."""
     names, only = [], {}
     for item in (x for x in spec.split(",") if x):
         name, _, bs = item.partition("@")
@@ -1518,9 +1519,12 @@ def parse_quantize(spec: str) -> tuple[list, dict]:
 
 
 def check_quantize_names(names) -> list:
-    """The names of `names` that are no method (dflash_jax.quantize.QUANTIZE, "fp8" or "fp8-w8a8")."""
+    """The names of `names` that are no method (dflash_jax.quantize.QUANTIZE or FP8_METHODS)."""
     from dflash_jax.quantize import QUANTIZE
-    return [q for q in names if q not in QUANTIZE and q not in ("fp8", "fp8-w8a8")]
+    return [q for q in names if q not in QUANTIZE and q not in FP8_METHODS]
+
+
+FP8_METHODS = ("fp8", "fp8-w8a8", "fp8-w8a8+head")
 
 
 def quantized_target(init_target, cfg, q: str, dtype="bfloat16"):
@@ -1529,9 +1533,10 @@ def quantized_target(init_target, cfg, q: str, dtype="bfloat16"):
     else init_target(quantize=q)."""
     if q == "fp8":
         return fp8_like_checkpoint(init_target(cfg, seed=0, dtype=dtype))
-    if q == "fp8-w8a8":
-        from dflash_jax.quantize import to_w8a8
-        return to_w8a8(fp8_like_checkpoint(init_target(cfg, seed=0, dtype=dtype)))
+    if q in ("fp8-w8a8", "fp8-w8a8+head"):
+        from dflash_jax.quantize import quantize_target, to_w8a8
+        model = fp8_like_checkpoint(init_target(cfg, seed=0, dtype=dtype))
+        return to_w8a8(quantize_target(model, "int8+head") if q.endswith("+head") else model)
     return init_target(cfg, seed=0, dtype=dtype, quantize=q)
 
 
@@ -1841,7 +1846,8 @@ def main():
     ap.add_argument("--quantize", default="", metavar="int8,fp8@1",
                     help="the quant section's quantized targets, comma-separated, each timed against bf16 in this "
                          "process: dflash_jax.quantize.QUANTIZE (int8), fp8 (the layers' linears as an FP8 "
-                         "block-128 checkpoint loads, fp8_like_checkpoint) or fp8-w8a8 (those run W8A8, --w8a8); "
+                         "block-128 checkpoint loads, fp8_like_checkpoint), fp8-w8a8 (those run W8A8, --w8a8) or "
+                         "fp8-w8a8+head (and the LM head int8, --quantize int8+head); "
                          "NAME@1/8 limits one to those batches")
     ap.add_argument("--quant-batches", default="", metavar="1,8,32", help="the quant section's batches (1,8,32)")
     ap.add_argument("--floor-tbs", type=float, default=0.0,
@@ -1870,7 +1876,7 @@ def main():
     if args.quantize:
         badq = check_quantize_names(parse_quantize(args.quantize)[0])
         if badq:
-            ap.error(f"--quantize: unknown {badq}; supported: dflash_jax.quantize.QUANTIZE, fp8 and fp8-w8a8")
+            ap.error(f"--quantize: unknown {badq}; supported: dflash_jax.quantize.QUANTIZE and {', '.join(FP8_METHODS)}")
         if "quant" not in sections:
             sections.append("quant")
     elif "quant" in sections:
