@@ -149,9 +149,12 @@ def test_w8a8_target_dflash_is_lossless(fp8_path):
     res = generate(target, draft, prompts, max_new_tokens=20, block_size=4)
     plain = generate(target, None, prompts, max_new_tokens=20)
     assert res.tokens == plain.tokens and all(len(t) == 20 for t in res.tokens)
-    # greedy W8A8 is its own model: it is not required to match weight-only, only itself
-    weight_only = generate(load_target(fp8_path, dtype="float32"), None, prompts, max_new_tokens=20)
-    assert len(weight_only.tokens) == 2
+    # with the LM head int8 as well (--w8a8 --quantize int8+head): the same contract
+    from dflash_jax.quantize import Int8Weight
+    both = load_target(fp8_path, dtype="float32", w8a8=True, quantize="int8+head")
+    assert both.quantize == "fp8+int8+head+w8a8" and isinstance(both.lm_head[...], Int8Weight)
+    res = generate(both, draft, prompts, max_new_tokens=20, block_size=4)
+    assert res.tokens == generate(both, None, prompts, max_new_tokens=20).tokens
 
 
 def test_w8a8_bad_input_is_one_line(tmp_path, capsys):
