@@ -953,11 +953,12 @@ def test_cli_warm_up_prints_progress(cli_models, quiet_main, capsys, monkeypatch
     calls.clear()
     code, built = quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--dtype", "float32",
                               "--attention", "xla", "--port", str(_free_port()), "--slots", "2", "--capacity", "256",
-                              "--warmup-prompt-len", "40", "--warmup-modes", "greedy,sample,topp"])
+                              "--warmup-prompt-len", "40", "--warmup-modes", "greedy,sample,topp+penalties+grammar"])
     err = capsys.readouterr().err
-    assert code == 0 and calls[0][1] == ("greedy", "sample", "topp") and "modes greedy, sample, topp (" in err, err
+    assert code == 0 and calls[0][1] == ("greedy", "sample", "topp+penalties+grammar"), (calls, err)
+    assert "modes greedy, sample, topp+penalties+grammar (" in err, err
     built["app"].state.engine.shutdown(timeout=5)
-    for bad in ("greedy,beam", ","):
+    for bad in ("greedy,beam", ",", "sample+grammar+penalties"):
         with pytest.raises(SystemExit) as e:
             quiet_main(["--model", cli_models[0], "--draft", cli_models[1], "--port", str(_free_port()),
                         "--slots", "2", "--warmup-modes", bad])

@@ -1341,8 +1341,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: none")
     g.add_argument("--warmup-modes", default="greedy", metavar="MODES",
                    help="the sampling modes whose programs the warm-up compiles, comma-separated from "
-                        "greedy, sample (temperature), topk, topp, filtered (top-k and top-p); a request of "
-                        "a mode not compiled compiles its programs on arrival (default: greedy)")
+                        "greedy, sample (temperature), topk, topp, filtered (top-k and top-p), each optionally "
+                        "with +penalties (presence / frequency / logit_bias / min_tokens) and / or +grammar "
+                        "(structured output), e.g. greedy,sample,sample+penalties; a request of a mode not "
+                        "compiled compiles its programs on arrival (default: greedy)")
     g.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="threads compiling the warm-up's programs (default: half the host's cores, 1 to 8; "
                         "each compile of a large model holds a few GB of host memory)")
@@ -1453,10 +1455,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.compile_workers is not None and args.compile_workers < 1:
         parser.error(f"--compile-workers must be >= 1, got {args.compile_workers}")
     modes = [m.strip() for m in str(args.warmup_modes).split(",") if m.strip()]
-    bad = [m for m in modes if m not in WARMUP_MODES]
+    bad = [m for m in modes if not _warmup_mode_ok(m)]
     if bad or not modes:
         parser.error(f"--warmup-modes: {', '.join(map(repr, bad)) or 'none given'}; choose from "
-                     f"{', '.join(WARMUP_MODES)}")
+                     f"{', '.join(WARMUP_MODES)}, each optionally with +penalties and / or +grammar")
     args.warmup_modes = tuple(dict.fromkeys(modes))
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
@@ -1538,8 +1540,15 @@ def _check_memory(parser, args, target, draft, mesh_devices: int = 1) -> None:
                  f"{most} with {args.slots} slot(s)) or --slots")
 
 
-# the sampling modes --warmup-modes takes (serving.slots' program modes without penalties / grammar)
+# the sampling modes --warmup-modes takes, each optionally with serving.slots' PENALTIES and / or
+# GRAMMAR suffixes (in that order: RowRequest.mode's program modes)
 WARMUP_MODES = ("greedy", "sample", "topk", "topp", "filtered")
+
+
+def _warmup_mode_ok(mode: str) -> bool:
+    from dflash_jax.serving.slots import GRAMMAR, PENALTIES
+    return any(mode == base + suffix for base in WARMUP_MODES
+               for suffix in ("", PENALTIES, GRAMMAR, PENALTIES + GRAMMAR))
 
 
 def _warm_up(engine, spec, workers: int | None = None, modes=("greedy",)) -> None:
