@@ -124,10 +124,15 @@ def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | 
     return sharding.per_shard(fn, q, k_cache, v_cache, k_end)
 
 
-def reads_pages(kernels: KernelConfig) -> bool:
+# the attention paths whose kernels read K/V through a page table (on one device)
+PAGE_READING_PATHS = ("pallas_tpu", "pallas_interpret", "pallas_gpu")
+
+
+def reads_pages(kernels: KernelConfig, mesh=None) -> bool:
     """Whether `attend_paged` runs a kernel that reads K/V through a page table (the Pallas TPU and
-    GPU paths on one device); else a paged cache's layers attend over gathered views (XLA, a mesh)."""
-    return kernels.attention in ("pallas_tpu", "pallas_interpret", "pallas_gpu") and sharding.current_mesh() is None
+    GPU paths on one device); else a paged cache's layers attend over gathered views (XLA, a mesh).
+    mesh: the models' mesh, when asked outside a trace (inside one, the active mesh)."""
+    return kernels.attention in PAGE_READING_PATHS and (mesh if mesh is not None else sharding.current_mesh()) is None
 
 
 def attend_paged(q, k_pool, v_pool, table, k_end, kernels: KernelConfig, *, scale: float | None = None):

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dflash_jax import penalties, sampling, sharding, validation
 from dflash_jax.serving.pages import PageAllocator, WindowPages, pages_for
+from dflash_jax.attention import reads_pages
 from dflash_jax.kernel_config import kernels_from
 from dflash_jax import width
 from dflash_jax.serving.slot_programs import SlotPrograms
@@ -281,8 +282,7 @@ class Slots:
                                      pages=(int(kv_pages), int(page_size), window_pages) if self.paged else None)
         self.mesh = self.programs.mesh
         if self.table_widths == "auto":
-            kernel_reads = self.kernels.attention in ("pallas_tpu", "pallas_interpret", "pallas_gpu")
-            self.table_widths = "full" if kernel_reads and self.mesh is None else "pow2"
+            self.table_widths = "full" if reads_pages(self.kernels, self.mesh) else "pow2"
         self._data = 1 if self.mesh is None else sharding.data_axis_size(self.mesh)
         if self.slots % self._data:
             raise ValueError(f"slots={slots} must be a multiple of the mesh's data axis ({self._data})")
