@@ -79,6 +79,28 @@ def test_the_servers_paged_engine_compiles_nothing_after_warmup(pair):
                  attention_impl="xla").table_widths == "pow2"
 
 
+def test_sampled_requests_run_in_a_warmed_superset_mode_with_the_same_tokens(pair):
+    """Warmed with greedy and filtered (serve --warmup-modes greedy,filtered), sampled requests of
+    the modes left out (temperature alone, top-p, top-k) run in the warmed filtered programs: nothing
+    compiles, and each row's seeded tokens equal those of an engine that compiled its exact mode."""
+    from dflash_jax import decode
+    target, draft = pair
+    reqs = [RowRequest(prompt=prompt_of(40 + i, 9 + 2 * i), max_new=10 + i, temperature=0.8, seed=7 + i, **kw)
+            for i, kw in enumerate([{}, dict(top_p=0.9), dict(top_k=5), {}])]
+    assert [r.mode for r in reqs] == ["sample", "topp", "topk", "sample"]
+    make = lambda: Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=80, page_size=PAGE,  # noqa: E731
+                         table_widths="full")
+    warm = make()
+    warm.warmup([len(r.prompt) for r in reqs], ["greedy", "filtered"])
+    n0 = decode.compile_count()
+    got = warm.run(reqs)
+    assert decode.compile_count() == n0
+    assert {k[2] if k[0] == "insert" else k[0] for k in warm._programs} == {"greedy", "filtered"}
+    want = make().run(reqs)                    # (compiles each exact mode on first use)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in want]
+
+
 @pytest.mark.parametrize("shared", [8, 10], ids=["on_a_page", "inside_a_page"])
 def test_a_prefix_hit_gives_the_cold_tokens_and_acceptance(pair, shared):
     """Request 2 shares `shared` tokens with request 1 (2 full pages of 4, then 0 or 2 more): it

@@ -1343,8 +1343,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the sampling modes whose programs the warm-up compiles, comma-separated from "
                         "greedy, sample (temperature), topk, topp, filtered (top-k and top-p), each optionally "
                         "with +penalties (presence / frequency / logit_bias / min_tokens) and / or +grammar "
-                        "(structured output), e.g. greedy,sample,sample+penalties; a request of a mode not "
-                        "compiled compiles its programs on arrival (default: greedy)")
+                        "(structured output). A request runs in a warmed program that serves its mode "
+                        "(filtered serves every sampling mode, +penalties rows without penalties), else its "
+                        "own is compiled on arrival. Default: greedy; greedy,filtered for clients that "
+                        "sample (an OpenAI client's default temperature is 1)")
     g.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="threads compiling the warm-up's programs (default: half the host's cores, 1 to 8; "
                         "each compile of a large model holds a few GB of host memory)")

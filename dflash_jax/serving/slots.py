@@ -308,6 +308,7 @@ class Slots:
         self.state = self.programs.empty()
         self._release = np.zeros((self.slots,), bool)
         self._programs: dict = {}     # (mode, rows) -> step program, ("insert", ...) -> insert program
+        self._warm_modes: list = []   # the modes warmup compiled (_served_mode runs others in them)
         self._wps: dict = {}          # (mode, rows) -> the step's verify-width fields (_width_params)
         self._small: dict = {}        # small host arrays -> their device copies (_put_cached)
         self.modes = ["greedy"] * self.slots       # the mode of each slot's request (free: greedy)
@@ -435,6 +436,21 @@ class Slots:
         """Every slot's table rows, `pages` wide, as a step's argument."""
         return self._tables(self.table[:, :pages], None if self.wpages is None else self.wpages.table[:, :pages])
 
+    def _served_mode(self, mode: str, key: Callable[[str], Any]) -> str:
+        """The mode whose program runs rows of `mode`: `mode` itself when its program (`key(mode)` in
+        the kept programs) is compiled or warmup compiled nothing, else the first warmed mode whose
+        compiled program serves it (union_mode([mode, m]) == m, grammar the same: a filter a row does
+        not use keeps its distribution and its draws, and the penalties program serves rows without
+        penalties), so a served request of a mode the warm-up left out runs at once in a warmed
+        program instead of compiling one (`serve --warmup-modes greedy,filtered` covers every
+        sampling request without penalties or grammar)."""
+        if key(mode) in self._programs:
+            return mode
+        for m in self._warm_modes:
+            if is_grammar(m) == is_grammar(mode) and union_mode([mode, m]) == m and key(m) in self._programs:
+                return m
+        return mode
+
     def _pages_bucket(self, pages: int | None) -> int | None:
         """A paged program's table width for rows holding up to `pages` pages: the next power of two,
         at most a row's every page (None, or table_widths "full": that); None without pages."""
@@ -551,6 +567,7 @@ class Slots:
         slot is free. The programs compile in `workers` threads (default compile_workers(); XLA's
         compiles release the GIL): a Qwen3-8B server's ten programs took 265-420 s one after the
         other on an H100. The profiling runs after, one program at a time."""
+        self._warm_modes += [m for m in modes if m not in self._warm_modes]
         jobs = [functools.partial(self._step_program, m, n) for m in modes for n in self.step_buckets or (self.slots,)]
         jobs += [functools.partial(self._insert_program, b, m, w) for m in modes
                  for b in sorted({self.prompt_bucket(n) for n in prompt_lengths}) for w in self.insert_widths()]
@@ -585,11 +602,12 @@ class Slots:
                 chunk = group[at:at + W]
                 at += len(chunk)
                 mode = union_mode(r.mode for _, r in chunk)
+                pages = self._pages_bucket(max(len(self._admitted[slot][0]) for slot, _ in chunk)) if self.paged else None
+                mode = self._served_mode(mode, lambda m: ("insert", bucket, m, W, self._pages_bucket(pages)))
                 prompt = np.zeros((W, bucket), np.int32)
                 lens = np.ones((W,), np.int32)
                 rows = np.full((W,), self.slots, np.int32)
                 starts = np.zeros((W,), np.int32)
-                pages = self._pages_bucket(max(len(self._admitted[slot][0]) for slot, _ in chunk)) if self.paged else None
                 table = np.zeros((W, pages), np.int32) if self.paged else None
                 wtable = np.zeros((W, pages), np.int32) if self.paged else None
                 settings = [RowRequest(prompt=(0,), max_new=1).settings()] * W
@@ -780,6 +798,7 @@ class Slots:
         n = self.step_bucket(len(busy))
         mode = union_mode(self.modes[b] for b in busy)
         pages = self._pages_bucket(self._rows_pages(busy)) if self.paged else None
+        mode = self._served_mode(mode, lambda m: (m, int(n), self._pages_bucket(pages)))
         prog = self._step_program(mode, n, pages)
         self.bucket_steps[n] += 1
         wp = self._width_params(mode, n)
