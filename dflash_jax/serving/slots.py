@@ -438,7 +438,7 @@ class Slots:
 
     def _served_mode(self, mode: str, key: Callable[[str], Any]) -> str:
         """The mode whose program runs rows of `mode`: `mode` itself when its program (`key(mode)` in
-        the kept programs) is compiled or warmup compiled nothing, else the first warmed mode whose
+        the kept programs) is compiled or warmup compiled nothing, else the lightest warmed mode whose
         compiled program serves it (union_mode([mode, m]) == m, grammar the same: a filter a row does
         not use keeps its distribution and its draws, and the penalties program serves rows without
         penalties), so a served request of a mode the warm-up left out runs at once in a warmed
@@ -446,10 +446,11 @@ class Slots:
         sampling request without penalties or grammar)."""
         if key(mode) in self._programs:
             return mode
-        for m in self._warm_modes:
-            if is_grammar(m) == is_grammar(mode) and union_mode([mode, m]) == m and key(m) in self._programs:
-                return m
-        return mode
+        serving = [m for m in self._warm_modes
+                   if is_grammar(m) == is_grammar(mode) and union_mode([mode, m]) == m and key(m) in self._programs]
+        # the lightest that serves: no penalties before penalties, fewer filters before more
+        cost = lambda m: (split_mode(m)[1], len(_MODE_FILTERS[split_mode(m)[0]] or ()))  # noqa: E731
+        return min(serving, key=cost, default=mode)
 
     def _pages_bucket(self, pages: int | None) -> int | None:
         """A paged program's table width for rows holding up to `pages` pages: the next power of two,
