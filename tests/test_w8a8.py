@@ -198,9 +198,9 @@ def w8a8_pair(trained_small_vocab_pair, tmp_path_factory):
     return target, load_draft(p["draft_path"], target=target, dtype="float32"), p["eval_prompts"]
 
 
-def test_w8a8_target_in_the_slot_engine_fixed_and_paged_equals_one_shot(w8a8_pair):
-    """The serving engine on a W8A8 target: fixed slots and pages (a prefix hit included) give each
-    request one-shot generate's tokens and acceptance lengths."""
+def test_w8a8_target_in_the_paged_slot_engine_equals_one_shot(w8a8_pair):
+    """The serving engine on a W8A8 target, paged (the fixed slots run the same model path), a
+    prefix hit included: each request gets one-shot generate's tokens and acceptance lengths."""
     from dflash_jax.serving.slots import RowRequest, Slots
     target, draft, prompts = w8a8_pair
     first = tuple(prompts[0])
@@ -208,13 +208,11 @@ def test_w8a8_target_in_the_slot_engine_fixed_and_paged_equals_one_shot(w8a8_pai
             RowRequest(prompt=first[:8] + tuple(prompts[2][:5]), max_new=10)]
     want = [generate(target, draft, [list(r.prompt)], max_new_tokens=r.max_new, capacity=96, verify_width="block")
             for r in reqs]
-    for kw in ({}, dict(kv_pages=60, page_size=4)):
-        eng = Slots(target, draft, slots=2, capacity=96, steps=3, **kw)
-        out = eng.run(reqs[:2]) + eng.run(reqs[2:])
-        for res, w in zip(out, want):
-            assert res.tokens == w.tokens[0] and res.acceptance_lengths == w.acceptance_lengths[0]
-        if kw:
-            assert eng.pages.stats()["prefix_hits_tokens"] >= 8
+    eng = Slots(target, draft, slots=2, capacity=96, steps=3, kv_pages=60, page_size=4)
+    out = eng.run(reqs[:2]) + eng.run(reqs[2:])
+    for res, w in zip(out, want):
+        assert res.tokens == w.tokens[0] and res.acceptance_lengths == w.acceptance_lengths[0]
+    assert eng.pages.stats()["prefix_hits_tokens"] >= 8
     assert max(a for w in want for a in w.acceptance_lengths[0]) >= 2
 
 
