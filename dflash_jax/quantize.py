@@ -203,8 +203,8 @@ class Fp8W8A8Weight:
     accumulation, each K block's product times x's and the weight's block scales
     (pallas_kernels.quantized.gpu_w8a8). q [N, K] float8_e4m3fn and scale [Nb, Kb] float32 are kept
     in the checkpoint's own [out, in] orientation: both fp8 operands K-major, what the H100's fp8
-    tensor cores read (the [K, N] layout measured 0.91x bf16 per layer against 0.68x, docs/perf-log.md
-    'Session 43: FP8 W8A8'). block is (bk, bn) = (K block, N block) as Fp8BlockWeight's; `shape` is the
+    tensor cores read (the [K, N] layout loses most of the gain over bf16). block is (bk, bn) = (K
+    block, N block) as Fp8BlockWeight's; `shape` is the
     logical [K, N] of the weight it replaces. `x @ w` and models.layers.linear give the W8A8 product."""
 
     __init__ = Fp8BlockWeight.__init__
@@ -238,8 +238,7 @@ class Fp8W8A8Weight:
         """The weight [K, N] (q * scale in float32, cast to dtype): Fp8BlockWeight's."""
         return self.kn().dequantize(dtype)
 
-    def all_finite(self) -> bool:
-        return self.kn().all_finite()
+    all_finite = Fp8BlockWeight.all_finite      # (q and scale as stored: no transpose needed)
 
     def __repr__(self):
         return f"Fp8W8A8Weight(shape={tuple(self.shape)}, block={self.block})"

@@ -11,8 +11,7 @@ bf16 in registers), so it can go global -> shared -> MMA as it is.
 
 Checked on CPU (interpret mode, `--check`; tests/test_quantized_kernel.py, tests/test_w8a8.py) and
 lowered to Triton IR for CUDA (`--lower`: the dot is a tt.dot of f8E4M3FN x f8E4M3FN -> f32; "nk" adds
-a tt.trans of the weight tile); timed per matmul on an H100 by scripts/bench_fp8_w8a8.py
-(docs/perf-log.md, 'Session 43: FP8 W8A8').
+a tt.trans of the weight tile); timed per matmul on a GPU by scripts/bench_fp8_w8a8.py.
 
     y[m, n] = sum_kb  sx[m, kb] * ws[kb, n // bn_s] * sum_{k in kb} xq[m, k] * q[k, n]
 
