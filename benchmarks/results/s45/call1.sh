@@ -4,6 +4,7 @@
 # with --prefix-cache off: the load test's prompts are random (no prefix is shared, so nothing would hit) and with
 # the cache on the warm-up compiles every prompt bucket 16-128 instead of 128 alone (session 44), which with the
 # fixed server's warm-up does not fit one 590 s call. Qwen3-8B shapes, simulated tau 6.35, c = 1 and 32.
+# Then, with what is left of the call (>= 180 s), the B = 1 FP8 W8A8 step of s44/call1.sh.
 # run(command="cd .clean && OUT=$OUT bash benchmarks/results/s45/call1.sh", timeout_s=590, carry=[".clean"])
 T0=$(date +%s); export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -35,4 +36,14 @@ serve() {   # ENGINE WAIT_S -> sets UP (seconds to come up, or empty)
 serve paged $(( ${END_S:-560} - 80 )); PAGED_UP=$UP
 left=$(( ${END_S:-560} - $(elapsed) ))
 if [ -n "$PAGED_UP" ] && [ $left -ge $(( PAGED_UP * 13 / 10 + 60 )) ]; then serve fixed $(( left - 50 )); else echo "[call3] fixed skipped ($left s left)"; fi
+# the rest of the call (if >= 180 s): issue 57's FP8 W8A8 whole step at B = 1 against bf16 (s44/call1.sh, B = 1 only)
+left=$(( ${END_S:-560} + 25 - $(elapsed) ))
+if [ $left -ge 180 ]; then
+  TBS=3.043; grep -q H200 "$OUT/device.txt" && TBS=4.3
+  echo "[s45] W8A8 at B = 1 with $left s left"
+  timeout -k 10 $(( left - 10 )) python3 scripts/bench_gpu.py --sections quant --quantize "fp8-w8a8,fp8-w8a8+head@1,fp8@1" \
+    --quant-batches 1 --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( left - 30 )) \
+    --out "$OUT" --json bench_gpu_w8a8.json 2>&1 | grep -v "Warning\|^W0000\|^E0000\|^I0000" | cut -c1-400 \
+    | tee "$OUT/gpu_w8a8.log" | tail -30
+fi
 ls -la "$OUT"
