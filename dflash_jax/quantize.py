@@ -226,10 +226,21 @@ class Fp8W8A8Weight:
         return Fp8BlockWeight(_transpose(self.q), _transpose(self.scale), self.block)
 
     def matmul(self, x, dot=None):
-        """x [..., K] @ w → [..., N] in x's dtype, W8A8 through XLA's fp8 dot (models.layers.linear
-        runs the Pallas kernel instead where it is faster: CUDA, 2-128 rows)."""
+        """x [..., K] @ w → [..., N] in x's dtype, W8A8: through XLA's fp8 dot at up to
+        gpu_w8a8.MAX_ROWS rows (models.layers.linear runs the Pallas kernel instead where it is
+        faster: CUDA, 2-128 rows). Beyond them (a prefill, a verify of more than 8 rows of a block
+        of 16), off TPU, the same quantized operands dequantized to x's dtype and one dot: the fp8
+        dot's [K blocks, rows, N] float32 partials made a 512-token prefill 4x bf16's on an H200
+        and cost 9x the dequantized dot on CPU; TPU's compiler counts fewer bytes for its own fp8
+        dots there (it emulates them), so TPU keeps them."""
+        from functools import partial
+
         from pallas_kernels.quantized import gpu_w8a8
-        return gpu_w8a8.matmul_xla(x, self.q, self.scale, block=self.block, layout="nk")
+        xla = partial(gpu_w8a8.matmul_xla, block=self.block, layout="nk")
+        if math.prod(x.shape[:-1]) <= gpu_w8a8.MAX_ROWS:
+            return xla(x, self.q, self.scale)
+        return jax.lax.platform_dependent(x, self.q, self.scale, tpu=xla,
+                                          default=partial(gpu_w8a8.matmul_dequant, block=self.block, layout="nk"))
 
     def __rmatmul__(self, x):
         return self.matmul(x)

@@ -88,7 +88,8 @@ def test_linear_runs_the_kernel_where_it_wins_on_cuda_only():
 
 
 @pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("variant", ["xla kn", "xla nk", "pallas kn", "pallas nk fused", "pallas kn s2"])
+@pytest.mark.parametrize("variant", ["xla kn", "xla nk", "dequant kn", "dequant nk", "pallas kn", "pallas nk fused",
+                                     "pallas kn s2"])
 def test_experimental_fp8_w8a8_matmul_matches_numpy_oracle(M, variant):
     """pallas_kernels/quantized/gpu_w8a8.py (the W8A8 path of an FP8 checkpoint, --w8a8): x quantized to
     e4m3 per row and 128-column K group (scale amax * float32(1/448), 1 for an all-zero group), fp8 x
@@ -109,6 +110,8 @@ def test_experimental_fp8_w8a8_matmul_matches_numpy_oracle(M, variant):
     xj = jnp.asarray(x)
     got = {"xla kn": lambda: w8.matmul_xla(xj, qj, sj, block, "kn"),
            "xla nk": lambda: w8.matmul_xla(xj, qj.T, sj.T, block, "nk"),
+           "dequant kn": lambda: w8.matmul_dequant(xj, qj, sj, block, "kn"),
+           "dequant nk": lambda: w8.matmul_dequant(xj, qj.T, sj.T, block, "nk"),
            "pallas kn": lambda: w8.matmul_pallas(xj, qj, sj, block, "kn", interpret=True),
            "pallas nk fused": lambda: w8.matmul_pallas(xj, qj.T, sj.T, block, "nk", fuse_quant=True, interpret=True),
            "pallas kn s2": lambda: w8.matmul_pallas(xj, qj, sj, block, "kn", bn=128, bk=64, splits=2,

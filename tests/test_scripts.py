@@ -49,6 +49,13 @@ def test_bench_attention_read_sweep_smoke(tmp_path):
     assert "read dot splits=2" in out and "read sum splits=2" in out and "BEST streaming read" in out
 
 
+def test_bench_w8a8_rows_smoke(tmp_path):
+    """bench_w8a8_rows.py: both W8A8 forms and the bf16 dot timed at many rows, one row each."""
+    out = _run(["scripts/bench_w8a8_rows.py", "--shapes", "tiny", "--rows", "130", "--reps", "1", "--tpu", ""], tmp_path)
+    for form in ("fp8 dots (matmul_xla)", "dequantized, one dot (matmul_dequant)", "bf16 x @ w"):
+        assert f"| tiny 256x384 | 130 | {form} |" in out, out
+
+
 def test_bench_gpu_gemms_smoke(tmp_path):
     """The gemms section times the four matmul-only programs and the report prints them."""
     out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "gemms", "--out", str(tmp_path)], tmp_path)

@@ -49,7 +49,7 @@ def _random_fp8(rng, K, N, block):
     return q, s
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 130])     # 130: beyond gpu_w8a8.MAX_ROWS (the dequantized form)
 @pytest.mark.parametrize("block", [(128, 128), (32, 1)])
 def test_w8a8_linear_matches_the_numpy_oracle(rows, block):
     rng = np.random.default_rng(rows)
@@ -77,13 +77,20 @@ def _lowered(f, *args):
 
 def test_w8a8_linear_runs_the_fused_kernel_at_2_to_128_rows_on_cuda():
     """On CUDA: XLA's fp8 dot at one row (faster there, perf-log 'Session 43: FP8 W8A8'), the Pallas
-    kernel that quantizes x in its prologue at 2-128 rows, XLA again for a prefill."""
+    kernel that quantizes x in its prologue at 2-128 rows, a prefill the dequantized operands' one dot."""
     S = jax.ShapeDtypeStruct
     w = Fp8W8A8Weight(S((6144, 4096), jnp.float8_e4m3fn), S((48, 32), jnp.float32), (128, 128))
     assert TRITON not in _lowered(linear, S((1, 1, 4096), jnp.bfloat16), w)
     assert TRITON in _lowered(linear, S((1, 16, 4096), jnp.bfloat16), w)
     assert TRITON in _lowered(linear, S((8, 16, 4096), jnp.bfloat16), w)
-    assert TRITON not in _lowered(linear, S((1, 512, 4096), jnp.bfloat16), w)
+    prefill = _lowered(linear, S((1, 512, 4096), jnp.bfloat16), w)
+    assert TRITON not in prefill
+    # a prefill: the dequantized operands' one dot, not the fp8 dots' [K blocks, rows, N] float32 partials
+    assert "32x512x6144xf32" not in prefill and "512x4096xbf16" in prefill, prefill[:2000]
+    # TPU keeps its own (emulated) fp8 dots there: its compiler counts fewer bytes for them
+    from jax import export
+    tpu = export.export(jax.jit(linear), platforms=["tpu"])(S((1, 512, 4096), jnp.bfloat16), w).mlir_module()
+    assert "32x512x6144xf32" in tpu
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,8 @@ def linear(x, w):
     where `pallas_kernels.quantized.gpu.worthwhile` says the Pallas kernel that reads the 8-bit
     weight once beats that (FP8 blocks at up to 128 rows, large int8 matrices at one row). An FP8
     weight run W8A8 (quantize.Fp8W8A8Weight): XLA's fp8 dot at one row, on CUDA off a mesh the
-    Pallas kernel that quantizes x in its prologue at 2-128 rows (the faster of each on an H100)."""
+    Pallas kernel that quantizes x in its prologue at 2-128 rows (the faster of each on an H100),
+    beyond 128 rows the quantized operands dequantized and one dot (Fp8W8A8Weight.matmul)."""
     if isinstance(w, Fp8W8A8Weight):
         if _w8a8_kernel_tiles(x, w) is not None:
             return jax.lax.platform_dependent(x, w, cuda=_w8a8_gpu, default=lambda x, w: w.matmul(x))

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Prepared in session 45 for the next device session (issue 57, not yet run): the W8A8 many-row form on the GPU.
+# (1) scripts/bench_w8a8_rows.py at 512 and 2048 rows (fp8 dots vs the dequantized operands' one dot vs bf16);
+# (2) the whole B = 1 and 32 step with W8A8 and weight-only FP8 against bf16 in one process (B = 32's DFlash verify is
+#     512 rows: the dequantized form; the prefill estimate at both). Session 45's B = 1 run: W8A8 0.779x / 0.848x.
+# Build .clean as in benchmarks/results/s44 (git archive of dflash_jax, pallas_kernels, scripts, pyproject.toml,
+# benchmarks/results/s45), then:
+# run(command="cd .clean && OUT=$OUT bash benchmarks/results/s45/call3.sh", timeout_s=590, carry=[".clean"])
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+FILTER="Warning\|^W0000\|^E0000\|^I0000"
+export PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+TBS=3.043; grep -q H200 "$OUT/device.txt" && TBS=4.3
+timeout -k 10 90 python3 scripts/bench_w8a8_rows.py --shapes qkv,gate_up,down --rows 512,2048 --reps 5 --tpu "" 2>&1 \
+  | grep -v "$FILTER" | tee "$OUT/w8a8_rows.txt"
+timeout -k 10 ${B_S:-450} python3 scripts/bench_gpu.py --sections quant --quantize "fp8-w8a8,fp8" --quant-batches 1,32 \
+  --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( ${B_S:-450} - 20 )) \
+  --out "$OUT" --json bench_gpu_w8a8_b32.json 2>&1 | grep -v "$FILTER" | cut -c1-400 | tee "$OUT/gpu_w8a8_b32.log" | tail -40
+ls -la "$OUT"
