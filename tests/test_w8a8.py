@@ -156,6 +156,11 @@ def test_w8a8_target_dflash_is_lossless(fp8_path):
     res = generate(target, draft, prompts, max_new_tokens=20, block_size=4)
     plain = generate(target, None, prompts, max_new_tokens=20)
     assert res.tokens == plain.tokens and all(len(t) == 20 for t in res.tokens)
+    # 33 prompts (a batch of 64): each verify is 256 rows (beyond gpu_w8a8.MAX_ROWS: the dequantized operands' one
+    # dot), each plain step 64 (the fp8 dots): the two forms give one target
+    many = [[(7 * i + j) % 120 + 2 for j in range(3 + i % 5)] for i in range(33)]
+    assert (generate(target, draft, many, max_new_tokens=6, block_size=4).tokens
+            == generate(target, None, many, max_new_tokens=6).tokens)
     # with the LM head int8 as well (--w8a8 --quantize int8+head): the same contract
     from dflash_jax.quantize import Int8Weight
     both = load_target(fp8_path, dtype="float32", w8a8=True, quantize="int8+head")
