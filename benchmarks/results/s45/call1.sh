@@ -5,6 +5,8 @@
 # the cache on the warm-up compiles every prompt bucket 16-128 instead of 128 alone (session 44), which with the
 # fixed server's warm-up does not fit one 590 s call. Qwen3-8B shapes, simulated tau 6.35, c = 1 and 32.
 # Then, with what is left of the call (>= 180 s), the B = 1 FP8 W8A8 step of s44/call1.sh.
+# Ran once in session 45 with END_S=255 (the budget's last 280 s): the paged warm-up on the H200 took more than its
+# 175 s (raw: call1/). Give it a full call: END_S=560, timeout_s=590.
 # run(command="cd .clean && OUT=$OUT bash benchmarks/results/s45/call1.sh", timeout_s=590, carry=[".clean"])
 T0=$(date +%s); export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
