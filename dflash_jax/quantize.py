@@ -28,6 +28,7 @@ inside the jitted program (a temporary of that program at most, never a stored f
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -233,14 +234,13 @@ class Fp8W8A8Weight:
         dot's [K blocks, rows, N] float32 partials made a 512-token prefill 4x bf16's on an H200
         and cost 9x the dequantized dot on CPU; TPU's compiler counts fewer bytes for its own fp8
         dots there (it emulates them), so TPU keeps them."""
-        from functools import partial
-
         from pallas_kernels.quantized import gpu_w8a8
-        xla = partial(gpu_w8a8.matmul_xla, block=self.block, layout="nk")
+        xla = functools.partial(gpu_w8a8.matmul_xla, block=self.block, layout="nk")
         if math.prod(x.shape[:-1]) <= gpu_w8a8.MAX_ROWS:
             return xla(x, self.q, self.scale)
         return jax.lax.platform_dependent(x, self.q, self.scale, tpu=xla,
-                                          default=partial(gpu_w8a8.matmul_dequant, block=self.block, layout="nk"))
+                                          default=functools.partial(gpu_w8a8.matmul_dequant, block=self.block,
+                                                                            layout="nk"))
 
     def __rmatmul__(self, x):
         return self.matmul(x)

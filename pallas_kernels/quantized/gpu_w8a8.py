@@ -135,15 +135,12 @@ def matmul_dequant(x, q, scale, block=(128, 128), layout: str = "kn"):
     bks, bns = block
     xq, sx = quantize_rows(x.reshape(M, K), bks)
     xd = (xq.astype(jnp.float32).reshape(M, K // bks, bks) * sx[..., None]).reshape(M, K).astype(x.dtype)
-    s = scale.astype(jnp.float32)
-    if layout == "kn":
-        full = jnp.repeat(jnp.repeat(s, bks, axis=0), bns, axis=1)[:K, :N]
-        wd = (q.astype(jnp.float32) * full).astype(x.dtype)                                 # [K, N]
-        y = lax.dot_general(xd, wd, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    else:
-        full = jnp.repeat(jnp.repeat(s, bns, axis=0), bks, axis=1)[:N, :K]
-        wd = (q.astype(jnp.float32) * full).astype(x.dtype)                                 # [N, K]
-        y = lax.dot_general(xd, wd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    rep = (bks, bns) if layout == "kn" else (bns, bks)                                  # q's axes' blocks
+    full = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), rep[0], axis=0), rep[1], axis=1)
+    full = full[:q.shape[0], :q.shape[1]]
+    wd = (q.astype(jnp.float32) * full).astype(x.dtype)                                     # q's layout
+    k_axis = 0 if layout == "kn" else 1
+    y = lax.dot_general(xd, wd, (((1,), (k_axis,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*lead, N)
 
 
