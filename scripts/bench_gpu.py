@@ -1057,6 +1057,14 @@ class Bench:
         if samp and not kw:
             raise ValueError(f"--profile-sampling {samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
         curve = f"dflash_b1_{samp}" if kw else "dflash_b1"
+        # --profile-quantize <a --quantize method>: profile the quantized target instead (the quant
+        # section's DFlash B = 1 row: its time gives the idle/launch gaps)
+        pq = getattr(self.args, "profile_quantize", "") or ""
+        if pq:
+            if pq not in self.quant:
+                raise ValueError(f"--profile-quantize {pq!r}: not one of --quantize {self.quant}")
+            kw = dict(kw, quant=pq)
+            curve = f"dflash_b1_{pq}" if not samp else curve + f"_{pq}"
         self.gen(draft, prompts, s.prof_n1, cap, **kw)  # compile / warm
         root = tempfile.mkdtemp(prefix="dflash_prof_")
         summaries = []
@@ -1092,7 +1100,7 @@ class Bench:
             per_iter_busy = b["busy_ms"] / di * 1000
         total = sum(max(r[1], 0) for r in rows) or float("nan")
         ms_iter = self.R["curves"].get(curve, {}).get("ms_per_iter")
-        print(f"\nProfile: DFlash B=1 prompt {s.prompt}{' ' + samp if kw else ''}: device time per loop iteration by kernel "
+        print(f"\nProfile: DFlash B=1 prompt {s.prompt}{' ' + samp if samp else ''}{' ' + pq if pq else ''}: device time per loop iteration by kernel "
               f"(difference of a {a['iters']}- and a {b['iters']}-iteration trace; prefill cancels)", flush=True)
         print(f"  device busy per iteration {per_iter_busy / 1000:.3f} ms"
               + (f"; measured iteration {ms_iter:.3f} ms -> idle/launch gaps {ms_iter - per_iter_busy / 1000:.3f} ms"
@@ -1124,7 +1132,7 @@ class Bench:
         phase_rows, hscope_rows = [], []
         try:
             from dflash_jax import decode
-            args, kwargs = self._generate_args(True, 1, s.prompt, s.n2, {})
+            args, kwargs = self._generate_args(True, 1, s.prompt, s.n2, dict(quant=pq) if pq else {})
             names = hlo_op_names(decode.compiled_program(*args, **kwargs, verify_width="block")[0].as_text())
             ph, sc, unmapped = {}, {}, 0.0
             for hlo in set(a["by_hlo"]) | set(b["by_hlo"]):
@@ -1843,6 +1851,8 @@ def main():
                     help="KernelConfig.attention_tuning: overrides of the GPU attention kernel's launch settings")
     ap.add_argument("--profile-sampling", default="",
                     help="profile this SAMPLING_VARIANTS setting (t1, ...) instead of greedy")
+    ap.add_argument("--profile-quantize", default="", metavar="fp8-w8a8",
+                    help="profile the target quantized by this --quantize method instead of the bf16 one")
     ap.add_argument("--quantize", default="", metavar="int8,fp8@1",
                     help="the quant section's quantized targets, comma-separated, each timed against bf16 in this "
                          "process: dflash_jax.quantize.QUANTIZE (int8), fp8 (the layers' linears as an FP8 "
@@ -1881,6 +1891,8 @@ def main():
             sections.append("quant")
     elif "quant" in sections:
         ap.error("the quant section needs --quantize (e.g. --quantize int8)")
+    if args.profile_quantize and args.profile_quantize not in parse_quantize(args.quantize or "")[0]:
+        ap.error(f"--profile-quantize {args.profile_quantize}: not one of --quantize ({args.quantize or 'none given'})")
     b = Bench(args)
     import signal
 
@@ -1933,7 +1945,11 @@ def run_all(b, args, sections):
         except Exception as e:
             b.err("reference", e)
         b.save()
-    for name in ALL_SECTIONS:
+    order = list(ALL_SECTIONS)
+    if args.profile_quantize:   # after quant: its DFlash B = 1 row's time gives the profile's launch gaps
+        order.remove("profile")
+        order.insert(order.index("quant") + 1, "profile")
+    for name in order:
         if name not in sections or name == "reference":
             continue
         if b.elapsed() > b.budget:

@@ -73,16 +73,18 @@ def test_bench_gpu_b1_profile_smoke(tmp_path):
 def test_bench_gpu_quant_w8a8_smoke(tmp_path):
     """The quant section (issue 57) with an FP8 target run W8A8 and its LM head int8 (--quantize
     fp8-w8a8+head: to_w8a8 after quantize_target): plain step and DFlash iteration against bf16 in
-    one process, the quantized bytes its floor."""
+    one process, the quantized bytes its floor; --profile-quantize traces its DFlash loop."""
     q = "fp8-w8a8+head"
-    out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "quant", "--quantize", q,
-                "--quant-batches", "1", "--out", str(tmp_path)], tmp_path)
+    out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "quant,profile", "--quantize", q,
+                "--profile-quantize", q, "--quant-batches", "1", "--out", str(tmp_path)], tmp_path)
     d = __import__("json").loads((tmp_path / "bench_gpu.json").read_text())
     assert not d["errors"], d["errors"]
     row, = d["summary_quant"]
     assert row["quant"] == q and row[f"plain_{q}_ms"] > 0 and row[f"dflash_{q}_ms"] > 0, row
     # (the smoke target's bytes read: 0.551x bf16 with the FP8 linears alone, 0.503x with the head int8)
     assert d["model_bytes_quantized"][q]["target_read"] < 0.53 * d["model_bytes"]["target_read"], out[-2000:]
+    # --profile-quantize: the profile section traced the quantized target's DFlash loop
+    assert f"Profile: DFlash B=1 prompt 32 {q}:" in out and d["sections"]["profile"]["top"], out[-2000:]
 
 
 def test_bench_gpu_longctx_pallas_only_smoke(tmp_path):
