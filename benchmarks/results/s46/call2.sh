@@ -16,6 +16,6 @@ timeout -k 10 90 python3 scripts/bench_w8a8_rows.py --shapes qkv,gate_up,down --
   | grep -v "$FILTER" | tee "$OUT/w8a8_rows.txt"
 timeout -k 10 ${B_S:-450} python3 scripts/bench_gpu.py --sections quant,profile --quantize "fp8-w8a8,fp8" \
   --profile-quantize fp8-w8a8 --quant-batches 1,32 \
-  --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( ${B_S:-450} - 20 )) \
+  --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( ${B_S:-450} - 60 )) \
   --out "$OUT" --json bench_gpu_w8a8_b32.json 2>&1 | grep -v "$FILTER" | cut -c1-400 | tee "$OUT/gpu_w8a8_b32.log" | tail -80
 ls -la "$OUT"
