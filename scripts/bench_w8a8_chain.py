@@ -18,6 +18,8 @@ Forms (one row: the B = 1 plain step; 16 rows: the B = 1 DFlash verify):
   w8a8 xla          gpu_w8a8.matmul_xla at every row count
   w8a8 pallas       the fused Pallas kernel (x quantized inside it) at every row count, one row included,
                     with the model path's tiling (models.layers._w8a8_kernel_tiles)
+  w8a8 dequant      gpu_w8a8.matmul_dequant at every row count (the many-row form: if XLA fuses the weight's
+                    dequantization into its GEMM, it reads the fp8 bytes once; if not, it writes a bf16 copy)
 
     python scripts/bench_w8a8_chain.py --rows 1,16 --tbs 4.3          # GPU: Qwen3-8B, 36 layers
     python scripts/bench_w8a8_chain.py --cpu-smoke                    # CPU: tiny shapes, 2 layers, interpreted
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-FORMS = ("bf16", "fp8 weight-only", "w8a8 model", "w8a8 xla", "w8a8 pallas")
+FORMS = ("bf16", "fp8 weight-only", "w8a8 model", "w8a8 xla", "w8a8 pallas", "w8a8 dequant")
 BLOCK = (128, 128)
 # (hidden, q heads x head dim, kv width of qkv beyond q, intermediate): Qwen3-8B; the smoke's tiny one
 QWEN3_8B = dict(hidden=4096, qkv=6144, o_in=4096, inter=12288)
@@ -71,6 +73,8 @@ def _matmul(form, interpret):
         return layers.linear
     if form == "w8a8 xla":
         return lambda x, w: w8.matmul_xla(x, w.q, w.scale, w.block, "nk")
+    if form == "w8a8 dequant":
+        return lambda x, w: w8.matmul_dequant(x, w.q, w.scale, w.block, "nk")
 
     def pallas(x, w):
         bn, splits = layers._w8a8_kernel_tiles(jax.ShapeDtypeStruct((2, w.shape[0]), x.dtype), w)
