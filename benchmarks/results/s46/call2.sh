@@ -14,11 +14,11 @@ FILTER="Warning\|^W0000\|^E0000\|^I0000"
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 TBS=3.043; grep -q H200 "$OUT/device.txt" && TBS=4.3
-timeout -k 10 100 python3 scripts/bench_w8a8_chain.py --rows 1,16 --tbs $TBS 2>&1 | grep -v "$FILTER" | tee "$OUT/w8a8_chain.txt"
+timeout -k 10 130 python3 scripts/bench_w8a8_chain.py --rows 1,16 --tbs $TBS 2>&1 | grep -v "$FILTER" | tee "$OUT/w8a8_chain.txt"
 timeout -k 10 60 python3 scripts/bench_w8a8_rows.py --shapes qkv,gate_up,down --rows 512,2048 --reps 5 --tpu "" 2>&1 \
   | grep -v "$FILTER" | tee "$OUT/w8a8_rows.txt"
-timeout -k 10 ${B_S:-400} python3 scripts/bench_gpu.py --sections quant,profile --quantize "fp8-w8a8,fp8" \
+timeout -k 10 ${B_S:-370} python3 scripts/bench_gpu.py --sections quant,profile --quantize "fp8-w8a8,fp8" \
   --profile-quantize fp8-w8a8 --quant-batches 1,32 \
-  --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( ${B_S:-400} - 60 )) \
+  --loop-n 32,160 --reps 3 --compile-workers 6 --floor-tbs $TBS --budget-s $(( ${B_S:-370} - 60 )) \
   --out "$OUT" --json bench_gpu_w8a8_b32.json 2>&1 | grep -v "$FILTER" | cut -c1-400 | tee "$OUT/gpu_w8a8_b32.log" | tail -80
 ls -la "$OUT"
