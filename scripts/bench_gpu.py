@@ -362,7 +362,8 @@ class Bench:
         import dataclasses
         kw = dict(kw)
         kw.pop("quant", None)   # picks the target (target_for), not a generate() option
-        kw["kernels"] = dataclasses.replace(self.kernels, attention=kw.pop("attention_impl", self.kernels.attention))
+        kw["kernels"] = dataclasses.replace(self.kernels, attention=kw.pop("attention_impl", self.kernels.attention),
+                                            while_graphs=kw.pop("while_graphs", self.kernels.while_graphs))
         return kw
 
     def gen(self, draft, prompts, n_new, capacity, **kw):
@@ -1057,6 +1058,10 @@ class Bench:
         if samp and not kw:
             raise ValueError(f"--profile-sampling {samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
         curve = f"dflash_b1_{samp}" if kw else "dflash_b1"
+        # the loop's kernels inside a CUDA graph are invisible to the profiler (session 46's traces held the
+        # prefill alone): while loops as XLA's own, as scripts/profile_step.py runs them (the same kernels;
+        # the measured iteration, with graphs, still gives the gaps)
+        kw = dict(kw, while_graphs=False)
         # --profile-quantize <a --quantize method>: profile the quantized target instead (the quant
         # section's DFlash B = 1 row: its time gives the idle/launch gaps)
         pq = getattr(self.args, "profile_quantize", "") or ""
@@ -1132,7 +1137,8 @@ class Bench:
         phase_rows, hscope_rows = [], []
         try:
             from dflash_jax import decode
-            args, kwargs = self._generate_args(True, 1, s.prompt, s.n2, dict(quant=pq) if pq else {})
+            args, kwargs = self._generate_args(True, 1, s.prompt, s.n2,
+                                               dict(quant=pq, while_graphs=False) if pq else dict(while_graphs=False))
             names = hlo_op_names(decode.compiled_program(*args, **kwargs, verify_width="block")[0].as_text())
             ph, sc, unmapped = {}, {}, 0.0
             for hlo in set(a["by_hlo"]) | set(b["by_hlo"]):

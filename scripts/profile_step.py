@@ -110,10 +110,17 @@ def main():
     ap.add_argument("--moe-tuning", default="",
                     help="A/B: KernelConfig.moe_tuning, e.g. 'gate_up_bn=16,down_bn=64'; with --time-only a "
                          "';'-separated list is timed config by config in this one process")
+    ap.add_argument("--quantize", default="", metavar="fp8-w8a8",
+                    help="profile the target quantized by this method (bench_gpu.py's --quantize names: int8, "
+                         "int8+head, fp8, fp8-w8a8, fp8-w8a8+head)")
     ap.add_argument("--save-hlo", action="store_true", help="also write the program's HLO text to --out (gzip)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
+    if a.quantize:
+        from bench_gpu import check_quantize_names
+        if check_quantize_names([a.quantize]):
+            ap.error(f"--quantize {a.quantize}: not a method (int8, int8+head, fp8, fp8-w8a8, fp8-w8a8+head)")
     import dataclasses
 
     import jax
@@ -142,7 +149,11 @@ def main():
             tcfg = dataclasses.replace(tcfg, num_layers=a.layers, **(
                 dict(layer_types=tcfg.layer_types[:a.layers]) if getattr(tcfg, "layer_types", None) else {}))
         prompt, n1, n2, dtype = a.prompt, a.n1, a.n2, "bfloat16"
-    target = init_target(tcfg, seed=0, dtype=dtype)
+    if a.quantize:
+        from bench_gpu import quantized_target
+        target = quantized_target(init_target, tcfg, a.quantize, dtype)
+    else:
+        target = init_target(tcfg, seed=0, dtype=dtype)
     taps = default_target_layer_ids(tcfg.num_layers, 5) if tcfg.num_layers >= 10 else None
     dcfg = DraftConfig.for_target(tcfg, num_layers=a.draft_layers, block_size=16 if not a.smoke else 4,
                                   target_layer_ids=taps)

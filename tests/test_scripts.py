@@ -152,8 +152,10 @@ def test_bench_moe_smoke(tmp_path):
 
 def test_profile_step_smoke(tmp_path):
     """scripts/profile_step.py (session 33's per-kernel profiles): tiny MoE shapes, both programs, each
-    kernel named from the compiled program's HLO, the table written as JSON."""
-    out = _run(["scripts/profile_step.py", "--smoke", "--top", "5", "--out", str(tmp_path)], tmp_path)
+    kernel named from the compiled program's HLO, the table written as JSON; the target int8 (--quantize:
+    bench_gpu's quantized targets, the same build path for every method)."""
+    out = _run(["scripts/profile_step.py", "--smoke", "--top", "5", "--quantize", "int8", "--out", str(tmp_path)],
+               tmp_path)
     for kind in ("plain", "dflash"):
         assert f"smoke {kind} B=1:" in out, kind
         data = __import__("json").loads((tmp_path / f"profile_step_smoke_{kind}_B1.json").read_text())
