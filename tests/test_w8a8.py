@@ -91,6 +91,10 @@ def test_w8a8_linear_runs_the_fused_kernel_at_2_to_128_rows_on_cuda():
     from jax import export
     tpu = export.export(jax.jit(linear), platforms=["tpu"])(S((1, 512, 4096), jnp.bfloat16), w).mlir_module()
     assert "32x512x6144xf32" in tpu
+    # the one-row GEMV experiment (gpu_w8a8.matmul_gemv, not on the model path) lowers to one Triton kernel
+    from pallas_kernels.quantized import gpu_w8a8
+    gemv = _lowered(lambda x, w: gpu_w8a8.matmul_gemv(x, w.q, w.scale, w.block), S((1, 4096), jnp.bfloat16), w)
+    assert gemv.count(TRITON) == 1 and "dflash_w8a8_gemv_gpu" in gemv
 
 
 @pytest.fixture(scope="module")
