@@ -20,6 +20,6 @@ timeout -k 10 90 python3 scripts/bench_fp8_w8a8.py --rows 1 --shapes qkv,o,gate_
 timeout -k 10 80 python3 scripts/bench_w8a8_chain.py --rows 1 --forms "bf16,w8a8 model,w8a8 gemv" --tbs $TBS 2>&1 \
   | grep -v "$FILTER" | tee "$OUT/w8a8_chain.txt"
 timeout -k 10 380 python3 scripts/bench_gpu.py --sections quant --quantize "fp8-w8a8,fp8@32" --quant-batches 32,1 \
-  --loop-n 32,160 --reps 3 --compile-workers 8 --floor-tbs $TBS --budget-s 560 \
+  --loop-n 32,160 --reps 3 --compile-workers 8 --floor-tbs $TBS --budget-s 360 \
   --out "$OUT" --json bench_gpu_w8a8_b32.json 2>&1 | grep -v "$FILTER" | cut -c1-400 | tee "$OUT/gpu_w8a8_b32.log" | tail -40
 ls -la "$OUT"
