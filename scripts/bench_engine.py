@@ -26,9 +26,13 @@ rows and context (ms per iteration, two lengths differenced so fixed costs cance
 step, a step bucket of half the slots, that half run by the full-width step, and the insert
 prefills of 1 and --insert-width requests.
 
---trace DIR: after the table, one static run and one engine run (the last setting) again under
-jax.profiler (traces under DIR), and a table of where the device's time went: busy, idle between
-program launches and inside programs (by program), per program's kernel time.
+--kv-pages off,auto: one engine row per KV cache, the fixed rows and a paged pool (issue 56) of the same
+positions (auto), tokens compared across rows; with --trace each is traced, so the paged engine's
+admissions and steps sit beside the fixed engine's on one device.
+
+--trace DIR: after the table, one static run and one engine run (the last setting; every --kv-pages
+row) again under jax.profiler (traces under DIR), and a table of where the device's time went: busy,
+idle between program launches and inside programs (by program), per program's kernel time.
 """
 
 from __future__ import annotations
@@ -119,6 +123,12 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown-rows", type=int, default=None,
                    help="--breakdown: the step bucket timed against generate at that many rows (default slots / 2); "
                         "with --trace, that bucket and generate at its rows are traced instead of the full width")
+    p.add_argument("--kv-pages", default="off",
+                   help="the engine's KV cache, a comma list (one engine row each): off (fixed rows), auto (a paged "
+                        "pool of the fixed rows' positions: slots x capacity / page size + 1 pages) or a page count")
+    p.add_argument("--page-size", type=int, default=16, help="positions per KV page (--kv-pages)")
+    p.add_argument("--prefix-cache", choices=("on", "off"), default="off",
+                   help="the paged engine's prefix cache (off: the random prompts share nothing)")
     p.add_argument("--trace", metavar="DIR", help="trace a static and an engine run into DIR and print the device timeline")
     p.add_argument("--verify-width", default="block",
                    help="block (default: the whole block, the engine's fixed-trip step), auto, or a width (0, 1, 3, 7, 15): "
@@ -167,6 +177,14 @@ def run(p, args) -> int:
     ints = lambda s: [int(x) for x in str(s).split(",") if x]             # noqa: E731
     steps, pipelines, widths = ints(args.steps), ints(args.pipeline), ints(args.insert_width)
     mins = ints(args.refill_min)
+    kvs = []
+    for x in args.kv_pages.split(","):
+        if x in ("off", "auto") or (x.isdigit() and int(x) >= 2):
+            kvs.append(x)
+        else:
+            p.error(f"--kv-pages: give off, auto or a page count >= 2 (comma list), got {x!r}")
+    if args.page_size < 1:
+        p.error(f"--page-size must be >= 1, got {args.page_size}")
     aheads = [{"on": True, "off": False}.get(x) for x in args.refill_ahead.split(",")]
     if None in aheads:
         p.error(f"--refill-ahead: give on, off or on,off, got {args.refill_ahead!r}")
@@ -217,14 +235,20 @@ def run(p, args) -> int:
     print(f"| static batches of {args.slots} | {useful} | {static_s:.2f} | {base:.1f} | 1.00x | | | | |", flush=True)
     reqs = [RowRequest(prompt=tuple(x), max_new=n, rng_row=i) for i, (x, n) in enumerate(zip(ps, ns))]
     first = None
-    for K, W, sb in ((K, W, sb) for K in steps for W in widths for sb in buckets):
+    for K, W, sb, kv in ((K, W, sb, kv) for K in steps for W in widths for sb in buckets for kv in kvs):
         n0 = loop.compile_count()
         t0 = time.perf_counter()
+        pages = None if kv == "off" else (args.slots * -(-C // args.page_size) + 1 if kv == "auto" else int(kv))
         eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=K,
-                    insert_width=min(W, args.slots), step_buckets=sb, verify_width=engine_width(args, draft))
+                    insert_width=min(W, args.slots), step_buckets=sb, verify_width=engine_width(args, draft),
+                    **({} if pages is None else dict(kv_pages=pages, page_size=args.page_size,
+                                                     prefix_cache=args.prefix_cache == "on",
+                                                     table_widths="full")))   # the server's: no compile in a run
         eng.warmup([len(x) for x in ps], ["greedy"])
         sb_name = "/".join(map(str, eng.step_buckets)) or "off"
-        print(f"[bench_engine] engine K={K}, insert width {eng.insert_width}, step buckets {sb_name}: "
+        kv_name = "fixed rows" if pages is None else (f"paged {pages} pages of {args.page_size}"
+                                                      f"{', prefix cache' if args.prefix_cache == 'on' else ''}")
+        print(f"[bench_engine] engine K={K}, insert width {eng.insert_width}, step buckets {sb_name}, KV {kv_name}: "
               f"{loop.compile_count() - n0} programs compiled in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
         for pipe, ahead, rmin in ((p_, a, m) for p_ in pipelines for a in aheads for m in mins):
@@ -245,13 +269,15 @@ def run(p, args) -> int:
                 " (tokens DIFFER from the first engine row" + (": in bfloat16 a row's numerics depend on the program's "
                 "batch; float32 must match)" if args.dtype == "bfloat16" else ")"))
             used = " ".join(f"{n}:{c}" for n, c in sorted(eng.bucket_steps.items()))
-            print(f"| engine, K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}, insert width {eng.insert_width}, step buckets {sb_name} "
+            print(f"| engine, K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}, insert width {eng.insert_width}, step buckets {sb_name}"
+                  f"{'' if pages is None else ', KV ' + kv_name} "
                   f"(steps per rows {used}){same} | {tokens} | {engine_s:.2f} | {tokens / engine_s:.1f} | "
                   f"{(tokens / engine_s) / base:.2f}x | {ttft * 1e3:.1f} | {tpot * 1e3:.2f} | {tau:.2f} | "
                   f"{loop.compile_count() - n0} |", flush=True)
-        if args.trace and (K, W, sb) == (steps[-1], widths[-1], buckets[-1]):
-            timelines.append((f"engine K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}",
-                              traced(args.trace, "engine", lambda: eng.run(reqs, pipeline=pipe, refill_ahead=ahead,
+        if args.trace and (K, W, sb) == (steps[-1], widths[-1], buckets[-1]):    # (every --kv-pages row)
+            timelines.append((f"engine K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}"
+                              f"{'' if pages is None else ', KV ' + kv_name}",
+                              traced(args.trace, f"engine_{kv}", lambda: eng.run(reqs, pipeline=pipe, refill_ahead=ahead,
                                                                             refill_min=rmin))))
         del eng                                 # its slot state before the next one's
     print(f"(TTFT from the run's start: all {len(ps)} requests arrive at t=0; TPOT per request after its "

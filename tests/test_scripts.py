@@ -107,8 +107,8 @@ def test_bench_gpu_longctx_pallas_only_smoke(tmp_path):
 
 
 def test_bench_engine_table_and_breakdown_smoke(tmp_path):
-    """bench_engine.py: the static row and one engine row per refill setting, float32 tokens the same
-    in every row, no compile in a timed run; --breakdown prints the programs against generate's loop
+    """bench_engine.py: the static row and one engine row per refill setting (and per KV cache: fixed
+    rows, paged), float32 tokens the same in every row, no compile in a timed run; --breakdown prints the programs against generate's loop
     (and, with --trace, their traced device timelines).
 
     CI time (compiles are most of it): a one-layer tiny target (--tiny-layers 1), and the four runs
@@ -132,10 +132,13 @@ def test_bench_engine_table_and_breakdown_smoke(tmp_path):
     assert "| generate's loop |" in out and "kernels whose time differs most" in out, out
     assert "jit__slots_step" in out, out
     # adaptive programs: the engine at a simulated acceptance, and the breakdown of one step bucket
+    # ... beside the paged engine (--kv-pages off,auto: a pool of the fixed rows' positions): the same tokens
     out = _run([*tiny, "--block", "4", "--prompts", "4", "--min-new", "4", "--max-new", "12", "--verify-width", "auto",
-                "--simulated-tau", "2.5"], tmp_path, **cache)
+                "--simulated-tau", "2.5", "--kv-pages", "off,auto"], tmp_path, **cache)
     assert "SIMULATED ACCEPTANCE (geometric survival at tau 2.5), verify width auto" in out, out
-    assert sum(line.startswith("| engine, K=2") for line in out.splitlines()) == 1, out
+    rows = [line for line in out.splitlines() if line.startswith("| engine, K=2")]
+    assert len(rows) == 2 and "KV paged" not in rows[0] and "KV paged" in rows[1], out
+    assert all(line.rstrip().endswith("| 0 |") and "DIFFER" not in line for line in rows), out
     out = _run([*tiny, "--block", "4", "--breakdown", "--breakdown-rows", "1", "--verify-width", "3", "--prompts", "2"],
                tmp_path, **cache)
     assert "| engine step, bucket 1 | 1 |" in out, out
