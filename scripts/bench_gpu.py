@@ -398,7 +398,9 @@ class Bench:
             comp = pre  # compiled ahead (see precompile); generate found it cached
         self.R["compile_s"][key] = {"compile_time_s": comp, "first_call_wall_s": first_wall,
                                     "precompiled": pre is not None}
-        if comp > 0:
+        if comp > 0 and pre is None:
+            # (a precompiled program's time says nothing of what is left to compile: session 46's call took
+            # its 82 s as the next rows' compile estimate and skipped every row for the budget)
             self.compile_est = max(self.compile_est * 0.5, comp * 1.1)
         t1, t2, i1, i2, taus = [], [], [], [], []
         for _ in range(reps):
