@@ -399,8 +399,8 @@ class Bench:
         self.R["compile_s"][key] = {"compile_time_s": comp, "first_call_wall_s": first_wall,
                                     "precompiled": pre is not None}
         if comp > 0 and pre is None:
-            # (a precompiled program's time says nothing of what is left to compile: session 46's call took
-            # its 82 s as the next rows' compile estimate and skipped every row for the budget)
+            # (a precompiled program's time says nothing of what is left to compile: taken as the estimate,
+            # it skips rows whose programs are compiled already)
             self.compile_est = max(self.compile_est * 0.5, comp * 1.1)
         t1, t2, i1, i2, taus = [], [], [], [], []
         for _ in range(reps):
@@ -1060,17 +1060,14 @@ class Bench:
         if samp and not kw:
             raise ValueError(f"--profile-sampling {samp!r}: not one of {[n for n, _ in SAMPLING_VARIANTS]}")
         curve = f"dflash_b1_{samp}" if kw else "dflash_b1"
-        # the loop's kernels inside a CUDA graph are invisible to the profiler (session 46's traces held the
-        # prefill alone): while loops as XLA's own, as scripts/profile_step.py runs them (the same kernels;
-        # the measured iteration, with graphs, still gives the gaps)
-        kw = dict(kw, while_graphs=False)
-        # --profile-quantize <a --quantize method>: profile the quantized target instead (the quant
-        # section's DFlash B = 1 row: its time gives the idle/launch gaps)
+        # the loop's kernels inside a CUDA graph are invisible to the profiler (a trace holds the prefill
+        # alone): while loops as XLA's own, as scripts/profile_step.py runs them (the same kernels; the
+        # measured iteration, with graphs, still gives the gaps). --profile-quantize <a --quantize method>
+        # (checked in main): the quantized target instead (the quant section's DFlash B = 1 row gives its gaps)
         pq = getattr(self.args, "profile_quantize", "") or ""
+        prof_kw = dict(while_graphs=False, **(dict(quant=pq) if pq else {}))
+        kw = dict(kw, **prof_kw)
         if pq:
-            if pq not in self.quant:
-                raise ValueError(f"--profile-quantize {pq!r}: not one of --quantize {self.quant}")
-            kw = dict(kw, quant=pq)
             curve = f"dflash_b1_{pq}" if not samp else curve + f"_{pq}"
         self.gen(draft, prompts, s.prof_n1, cap, **kw)  # compile / warm
         root = tempfile.mkdtemp(prefix="dflash_prof_")
@@ -1139,8 +1136,7 @@ class Bench:
         phase_rows, hscope_rows = [], []
         try:
             from dflash_jax import decode
-            args, kwargs = self._generate_args(True, 1, s.prompt, s.n2,
-                                               dict(quant=pq, while_graphs=False) if pq else dict(while_graphs=False))
+            args, kwargs = self._generate_args(True, 1, s.prompt, s.n2, prof_kw)
             names = hlo_op_names(decode.compiled_program(*args, **kwargs, verify_width="block")[0].as_text())
             ph, sc, unmapped = {}, {}, 0.0
             for hlo in set(a["by_hlo"]) | set(b["by_hlo"]):

@@ -289,7 +289,7 @@ def matmul_gemv(x, q, scale, block=(128, 128), *, bn: int | None = None, splits:
     """One row x [..., K] (the leading dims multiply to 1) @ the FP8 block weight in the checkpoint's
     layout (q [N, K], scale [Nb, Kb]) -> [..., N] in x's dtype: W8A8 numerics (x quantized per K block
     inside the kernel, as quantize_rows does) as a GEMV without tensor cores, for the B = 1 plain step
-    (an experiment: session 46 measured cuBLAS's fp8 kernels at one row at 1.48x their byte floor)."""
+    (an experiment against XLA's fp8 dot at one row; its measurements: docs/perf-log.md)."""
     lead, M, K = _rows(x)
     if M != 1:
         raise Unsupported(f"w8a8 gemv: one row only, got {M}")
