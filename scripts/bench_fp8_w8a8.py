@@ -19,8 +19,6 @@ XLA cannot share one quantization between copies):
   w8a8 pl kn|nk     the Pallas kernel at its default tiling (x quantized by XLA before it)
   w8a8 pl .. fused  the same with x quantized inside the kernel (fuse_quant)
   w8a8 pl .. bm64   rows padded to 64 (what Hopper's wgmma needs) instead of 16
-  w8a8 gemv ..      one row only: gpu_w8a8.matmul_gemv (no tensor cores, x quantized inside) at its default
-                    tiling (gemv_tiles), bn 16 / 64, 8 warps, no K split
   --sweep           bn 64/128, bk 128, splits 1/2/4, warps 4/8, stages 3/4 for --sweep-layouts, at
                     --sweep-rows; pass 2, after every default row of every shape
 Pass 1 runs TIER1 (bf16, weight-only kernel, W8A8 XLA nk, Pallas nk / kn) for every shape and row count,
@@ -60,8 +58,7 @@ SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("do
 SMOKE_SHAPES = [("tiny", 256, 384)]
 BLOCK = (128, 128)
 BASE = ("bf16 xla", "fp8 wo kernel", "x quant only", "w8a8 xla kn", "w8a8 xla nk", "w8a8 pl kn", "w8a8 pl nk",
-        "w8a8 pl nk fused", "w8a8 pl kn fused", "w8a8 pl nk bm64", "w8a8 gemv", "w8a8 gemv bn16", "w8a8 gemv bn64",
-        "w8a8 gemv w8", "w8a8 gemv s1")
+        "w8a8 pl nk fused", "w8a8 pl kn fused", "w8a8 pl nk bm64")
 # pass 1 runs these first for every shape and row count, then the rest of BASE
 TIER1 = ("bf16 xla", "fp8 wo kernel", "w8a8 xla nk", "w8a8 pl nk", "w8a8 pl kn")
 # (bn, bk, splits, num_warps, num_stages)
@@ -168,9 +165,6 @@ def main(argv=None) -> int:
         return lambda x, w, layout=layout, kw=kw: w8.matmul_pallas(x, w[0], w[1], BLOCK, layout,
                                                                   interpret=interp, **kw)
 
-    def gemv_fn(**kw):
-        return lambda x, w, kw=kw: w8.matmul_gemv(x, w[0], w[1], BLOCK, interpret=interp, **kw)
-
     base_defs = {
         "bf16 xla": ("bf16", lambda x, w: x @ w),
         "fp8 wo kernel": ("kn", lambda x, w: qgpu.matmul(x, w[0], w[1], block=BLOCK, interpret=interp)),
@@ -182,11 +176,6 @@ def main(argv=None) -> int:
         "w8a8 pl nk fused": ("nk", pl_fn("nk", fuse_quant=True)),
         "w8a8 pl kn fused": ("kn", pl_fn("kn", fuse_quant=True)),
         "w8a8 pl nk bm64": ("nk", pl_fn("nk", bm=64)),
-        "w8a8 gemv": ("nk", gemv_fn()),
-        "w8a8 gemv bn16": ("nk", gemv_fn(bn=16)),
-        "w8a8 gemv bn64": ("nk", gemv_fn(bn=64)),
-        "w8a8 gemv w8": ("nk", gemv_fn(num_warps=8)),
-        "w8a8 gemv s1": ("nk", gemv_fn(splits=1)),
     }
 
     # the work list: pass 1 every default variant, pass 2 the sweep
@@ -195,7 +184,7 @@ def main(argv=None) -> int:
         for name, K, N in shapes:
             for M in rows:
                 for v in tier:
-                    if v in want and (M == 1 or not v.startswith("w8a8 gemv")):   # the GEMV: one row
+                    if v in want:
                         jobs.append((name, M, v) + base_defs[v])
     if do_sweep:
         for name, K, N in shapes:

@@ -14,12 +14,11 @@ Forms (one row: the B = 1 plain step; 16 rows: the B = 1 DFlash verify):
   bf16              x @ w, bf16 weights (the byte floor is still the 8-bit one: the ratio shows bf16's 2x)
   fp8 weight-only   models.layers.linear on an Fp8BlockWeight (pallas_kernels/quantized/gpu.py)
   w8a8 model        models.layers.linear on an Fp8W8A8Weight: what the model runs (XLA's fp8 dot at one
-                    row, the fused Pallas kernel at 2-128 rows)
+                    row, the Pallas kernel at 2-128 rows: x quantized inside it up to 16 rows, by XLA
+                    before it beyond)
   w8a8 xla          gpu_w8a8.matmul_xla at every row count
   w8a8 pallas       the fused Pallas kernel (x quantized inside it) at every row count, one row included,
                     with the model path's tiling (models.layers._w8a8_kernel_tiles)
-  w8a8 gemv         gpu_w8a8.matmul_gemv at one row (16 rows: not run): a GEMV without tensor cores, x quantized
-                    inside, its default tiling (gpu_w8a8.gemv_tiles)
   w8a8 dequant      gpu_w8a8.matmul_dequant at every row count (the many-row form: if XLA fuses the weight's
                     dequantization into its GEMM, it reads the fp8 bytes once; if not, it writes a bf16 copy)
 
@@ -42,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 # in run order: the comparison that decides the one-row path first (a timeout leaves it whole)
-FORMS = ("bf16", "w8a8 model", "w8a8 gemv", "w8a8 pallas", "w8a8 dequant", "fp8 weight-only", "w8a8 xla")
+FORMS = ("bf16", "w8a8 model", "w8a8 pallas", "w8a8 dequant", "fp8 weight-only", "w8a8 xla")
 BLOCK = (128, 128)
 # (hidden, q heads x head dim, kv width of qkv beyond q, intermediate): Qwen3-8B; the smoke's tiny one
 QWEN3_8B = dict(hidden=4096, qkv=6144, o_in=4096, inter=12288)
@@ -76,8 +75,6 @@ def _matmul(form, interpret):
         return layers.linear
     if form == "w8a8 xla":
         return lambda x, w: w8.matmul_xla(x, w.q, w.scale, w.block, "nk")
-    if form == "w8a8 gemv":
-        return lambda x, w: w8.matmul_gemv(x, w.q, w.scale, w.block, interpret=interpret)
     if form == "w8a8 dequant":
         return lambda x, w: w8.matmul_dequant(x, w.q, w.scale, w.block, "nk")
 
@@ -151,8 +148,6 @@ def main(argv=None) -> int:
         jax.block_until_ready(ws)
         fn = _chain(_matmul(form, a.cpu_smoke), geo["o_in"])
         for M in rows:
-            if form == "w8a8 gemv" and M != 1:
-                continue                                            # the one-row form
             x = jax.random.normal(jax.random.key(99), (M, H), jnp.float32).astype(jnp.bfloat16) * 0.1
             try:
                 jax.block_until_ready(fn(x, ws))

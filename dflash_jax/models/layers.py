@@ -67,9 +67,14 @@ def _quantized_gpu(x, w):
     return quantized_gpu.matmul(x, w.q, w.scale, block=_quantized_block(w))
 
 
-# the W8A8 kernel's tiling on the model path: 64-column tiles (the H100 sweep's best for qkv and
-# gate_up at 16 rows), the K block per step (x quantized in the kernel), K split as gpu_w8a8.tiles
+# the W8A8 kernel's tiling on the model path up to W8A8_FUSED_ROWS rows: 64-column tiles (the H100
+# sweep's best for qkv and gate_up at 16 rows), the K block per step (x quantized in the kernel), K
+# split as gpu_w8a8.tiles. Beyond, x is quantized by XLA before the kernel and the kernel runs its
+# default tiling: every program of the fused form quantizes all of x again, which at 128 rows (a B = 8
+# verify) cost 2.1x the unfused form per layer on an H100 (628 against 295 us; docs/perf-log.md,
+# "Session 47: FP8 W8A8 at B = 8 and 32").
 W8A8_BN = 64
+W8A8_FUSED_ROWS = 16
 
 
 def _w8a8_kernel_tiles(x, w) -> tuple[int, int] | None:
@@ -86,6 +91,8 @@ def _w8a8_kernel_tiles(x, w) -> tuple[int, int] | None:
 
 
 def _w8a8_gpu(x, w):
+    if math.prod(x.shape[:-1]) > W8A8_FUSED_ROWS:
+        return gpu_w8a8.matmul_pallas(x, w.q, w.scale, block=w.block, layout="nk", bm=64)
     bn, splits = _w8a8_kernel_tiles(x, w)
     return gpu_w8a8.matmul_pallas(x, w.q, w.scale, block=w.block, layout="nk", bn=bn, bk=w.block[0],
                                   splits=splits, fuse_quant=True)
@@ -100,8 +107,9 @@ def linear(x, w):
     where `pallas_kernels.quantized.gpu.worthwhile` says the Pallas kernel that reads the 8-bit
     weight once beats that (FP8 blocks at up to 128 rows, large int8 matrices at one row). An FP8
     weight run W8A8 (quantize.Fp8W8A8Weight): XLA's fp8 dot at one row, on CUDA off a mesh the
-    Pallas kernel that quantizes x in its prologue at 2-128 rows (the faster of each on an H100),
-    beyond 128 rows the quantized operands dequantized and one dot (Fp8W8A8Weight.matmul)."""
+    Pallas kernel at 2-128 rows (x quantized in its prologue up to W8A8_FUSED_ROWS rows, by XLA before
+    it beyond: the faster of each on an H100), beyond 128 rows the quantized operands dequantized and
+    one dot (Fp8W8A8Weight.matmul)."""
     if isinstance(w, Fp8W8A8Weight):
         if _w8a8_kernel_tiles(x, w) is not None:
             return jax.lax.platform_dependent(x, w, cuda=_w8a8_gpu, default=lambda x, w: w.matmul(x))

@@ -26,8 +26,6 @@ operands K-major, what an fp8 MMA wants). `block` is (bk_s, bn_s) = (K block, N 
   accumulation. The same sum as the fp8 dots', rounded to x's dtype once per operand; it costs one
   GEMM where matmul_xla writes and reads a [Kb, M, N] float32 partial (at 512 rows of a Qwen3-8B
   gate_up, 1.6 GB).
-- matmul_gemv: one row, the checkpoint's layout, no tensor cores (the weight tile converted in registers, x
-  quantized inside): an experiment against XLA's fp8 dot at one row (scripts/bench_w8a8_chain.py times it).
 - matmul_pallas: a Triton-lowered Pallas kernel modelled on gpu.py's `_kernel` (grid (N // bn, splits),
   rows padded to bm = max(16, next_pow2(M)), bk divides bk_s); `fuse_quant=True` quantizes x inside the
   kernel (bk == bk_s) instead of in XLA before it.
@@ -52,8 +50,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, next_pow2, pltriton, quiet_triton
 
-__all__ = ["quantize_rows", "matmul_xla", "matmul_dequant", "matmul_pallas", "matmul_gemv", "tiles", "gemv_tiles",
-           "FP8_MAX", "MAX_ROWS"]
+__all__ = ["quantize_rows", "matmul_xla", "matmul_dequant", "matmul_pallas", "tiles", "FP8_MAX", "MAX_ROWS"]
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -249,78 +246,6 @@ def matmul_pallas(x, q, scale, block=(128, 128), layout: str = "kn", *, bn: int 
     return y[:M].reshape(*lead, N)
 
 
-def _gemv_kernel(x_ref, q_ref, s_ref, o_ref, *, bn: int, bks: int, steps: int):
-    # x_ref [1, K] x's dtype, q_ref [N, K] fp8, s_ref [Nb, Kb] f32, o_ref [splits, 1, N]: whole arrays.
-    # No tensor cores: each K block's fp8 weight tile is converted in registers, multiplied by x's
-    # quantized values (exact in float32: e4m3 x e4m3 products) and summed along K, then scaled.
-    j, s = pl.program_id(0), pl.program_id(1)
-    n0 = pl.multiple_of(j * bn, bn)
-    nb = lax.div(n0, q_ref.shape[0] // s_ref.shape[0])
-
-    def k_step(kk, acc):
-        k0 = pl.multiple_of((s * steps + kk) * bks, bks)
-        xf = x_ref[:, pl.ds(k0, bks)].astype(jnp.float32)                                   # [1, bks]
-        sx = _scale_of(jnp.max(jnp.abs(xf), axis=1, keepdims=True))                         # [1, 1]
-        xq = jnp.clip(xf / sx, -FP8_MAX, FP8_MAX).astype(FP8).astype(jnp.float32)
-        w = q_ref[pl.ds(n0, bn), pl.ds(k0, bks)].astype(jnp.float32)                        # [bn, bks]
-        ws = s_ref[pl.ds(nb, 1), pl.ds(lax.div(k0, bks), 1)]                                # [1, 1]
-        return acc + jnp.sum(w * xq, axis=1)[None, :] * (sx * ws)
-
-    acc = lax.fori_loop(0, steps, k_step, jnp.zeros((1, bn), jnp.float32))
-    o_ref[s, :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
-
-
-def gemv_tiles(K: int, N: int, block=(128, 128)) -> tuple[int, int] | None:
-    """Default (bn, splits) of matmul_gemv: 32 output columns a program (bn divides the N block), K split
-    until ~512 programs run (at most 8). None when it cannot tile."""
-    bks, bns = block
-    bn = next((b for b in (32, 16) if N % b == 0 and bns % b == 0), None)
-    if bn is None or K % bks:
-        return None
-    splits = 1
-    while splits < 8 and (N // bn) * splits < 512 and K % (bks * splits * 2) == 0:
-        splits *= 2
-    return bn, splits
-
-
-@functools.partial(jax.jit, static_argnames=("block", "bn", "splits", "num_warps", "num_stages", "interpret"))
-def matmul_gemv(x, q, scale, block=(128, 128), *, bn: int | None = None, splits: int | None = None,
-                num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """One row x [..., K] (the leading dims multiply to 1) @ the FP8 block weight in the checkpoint's
-    layout (q [N, K], scale [Nb, Kb]) -> [..., N] in x's dtype: W8A8 numerics (x quantized per K block
-    inside the kernel, as quantize_rows does) as a GEMV without tensor cores, for the B = 1 plain step
-    (an experiment against XLA's fp8 dot at one row; its measurements: docs/perf-log.md)."""
-    lead, M, K = _rows(x)
-    if M != 1:
-        raise Unsupported(f"w8a8 gemv: one row only, got {M}")
-    N = q.shape[0]
-    _check(K, N, q, scale, block, "nk")
-    bks, bns = block
-    t = gemv_tiles(K, N, block)
-    if t is None and None in (bn, splits):
-        raise Unsupported(f"w8a8 gemv: K={K}, N={N}, block {block} has no default tiling")
-    bn, splits = bn or t[0], splits or t[1]
-    if N % bn or bns % bn or K % (bks * splits):
-        raise Unsupported(f"w8a8 gemv: K={K}, N={N}, block {block} do not tile by bn={bn}, splits={splits}")
-    out_dt = jnp.float32 if splits > 1 else x.dtype
-    kernel = functools.partial(_gemv_kernel, bn=bn, bks=bks, steps=K // bks // splits)
-    whole2 = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0, 0))  # noqa: E731
-    x2, s2 = x.reshape(1, K), scale.astype(jnp.float32)
-    with quiet_triton():
-        out = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((splits, 1, N), out_dt),
-            grid=(N // bn, splits),
-            in_specs=[whole2(x2), whole2(q), whole2(s2)],
-            out_specs=pl.BlockSpec((splits, 1, N), lambda j, s: (0, 0, 0)),
-            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=interpret,
-            name="dflash_w8a8_gemv_gpu",
-        )(x2, q, s2)
-    y = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
-    return y.reshape(*lead, N)
-
-
 # ---------------------------------------------------------------------------------------------- checks
 
 def make_weight(key, K: int, N: int, block=(128, 128)):
@@ -393,9 +318,6 @@ def check(verbose: bool = True) -> dict:
                     "pallas kn fused s2": matmul_pallas(x, q, s, block, "kn", bn=64, bk=128, splits=2,
                                                         fuse_quant=True, interpret=True),
                 }
-                if M == 1:
-                    outs["gemv"] = matmul_gemv(x, qnk, snk, block, interpret=True)
-                    outs["gemv bn16 s2"] = matmul_gemv(x, qnk, snk, block, bn=16, splits=2, interpret=True)
                 dname = jnp.dtype(dt).name
                 for name, y in outs.items():
                     e = maxrel(y, ref)
