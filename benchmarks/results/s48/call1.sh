@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Prepared in session 47 for the next device session (issue 57, not yet run). Session 47 (H100) found the fused W8A8
+# kernel (x quantized in every program) 2.1x slower than the unfused one at 128 rows, and b33b558 moved the model to
+# the unfused kernel beyond 16 rows. This call times what that changed:
+# (1) the 36 layers' matmuls chained at 16, 32, 64 and 128 rows: the model's form (fused up to 16 rows, unfused
+#     beyond) against the fused kernel at every row count ("w8a8 pallas"), the FP8 weight-only kernel and bf16:
+#     whether 16 is the right cut-over;
+# (2) the B = 8 and B = 1 DFlash iterations with W8A8 against bf16 (session 47 before the change: B = 8 25.26 ms
+#     against bf16's 8.94).
+# Build .clean (git archive of dflash_jax, pallas_kernels, scripts, pyproject.toml, benchmarks/results/s48), then:
+# run(command="cd .clean && OUT=$OUT bash benchmarks/results/s48/call1.sh", timeout_s=590, carry=[".clean"])
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+FILTER="Warning\|^W0000\|^E0000\|^I0000"
+export PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+TBS=3.043; grep -q H200 "$OUT/device.txt" && TBS=4.3
+timeout -k 5 150 python3 scripts/bench_w8a8_chain.py --rows 16,32,64,128 \
+  --forms "bf16,w8a8 model,w8a8 pallas,fp8 weight-only" --tbs $TBS 2>&1 | grep -v "$FILTER" | tee "$OUT/w8a8_chain.txt"
+timeout -k 10 380 python3 scripts/bench_gpu.py --sections quant --quantize "fp8-w8a8" --quant-batches 8,1 \
+  --loop-n 32,160 --reps 3 --compile-workers 8 --floor-tbs $TBS --budget-s 360 \
+  --out "$OUT" --json bench_gpu_w8a8_b8.json 2>&1 | grep -v "$FILTER" | cut -c1-400 | tee "$OUT/gpu_w8a8_b8.log" | tail -30
+ls -la "$OUT"
