@@ -86,6 +86,10 @@ def test_w8a8_linear_runs_the_pallas_kernel_at_2_to_128_rows_on_cuda():
     assert fused.count(TRITON) == 1 and "x4096xf8E4M3FN>" not in fused.replace("6144x4096xf8E4M3FN", "")
     verify = _lowered(linear, S((8, 16, 4096), jnp.bfloat16), w)        # a B = 8 verify: x quantized first
     assert verify.count(TRITON) == 1 and "tensor<128x4096xf8E4M3FN>" in verify
+    # the many-row experiment (gpu_w8a8.matmul_tiled, off the model path until timed) lowers to one Triton kernel
+    from pallas_kernels.quantized import gpu_w8a8
+    tiled = _lowered(lambda x, w: gpu_w8a8.matmul_tiled(x, w.q, w.scale, w.block), S((512, 4096), jnp.bfloat16), w)
+    assert tiled.count(TRITON) == 1 and "dflash_w8a8_tiled_gpu" in tiled
     prefill = _lowered(linear, S((1, 512, 4096), jnp.bfloat16), w)
     assert TRITON not in prefill
     # a prefill: the dequantized operands' one dot, not the fp8 dots' [K blocks, rows, N] float32 partials
