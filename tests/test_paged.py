@@ -37,10 +37,14 @@ def prompt_of(seed: int, n: int) -> tuple[int, ...]:
     return tuple(int(t) for t in np.random.default_rng(seed).integers(1, 32, n))
 
 
-def test_paged_slots_equal_one_shot_and_give_every_page_back(pair):
+@pytest.mark.parametrize("page_write", ["pages", "positions"])
+def test_paged_slots_equal_one_shot_and_give_every_page_back(pair, page_write):
+    """(page_write: KernelConfig's two XLA page writes, whole pages or single positions: the same tokens)"""
+    from dflash_jax import KernelConfig
     target, draft = pair
     reqs = [RowRequest(prompt=prompt_of(i, 5 + 3 * i), max_new=9 + 4 * i) for i in range(4)]
-    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=40, page_size=PAGE)
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=40, page_size=PAGE,
+                kernels=KernelConfig(page_write=page_write))
     out = eng.run(reqs)
     for r, res in zip(reqs, out):
         toks, acc = one_shot(target, draft, r.prompt, r.max_new)

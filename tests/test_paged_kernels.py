@@ -160,6 +160,39 @@ def test_tpu_page_write_kernel_interpret(T, page, dtype):
     np.testing.assert_array_equal(np.asarray(got_v[1:], np.float32), np.asarray(want_v[1:], np.float32))
 
 
+@pytest.mark.parametrize("page_write", ["pages", "positions"])
+def test_xla_page_writes_equal_a_position_by_position_oracle(page_write):
+    """PagedKVCache.write_rows on the XLA path (KernelConfig.page_write: whole pages gathered, updated and
+    scattered back, or one scatter of positions) against NumPy writing each position into
+    table[b, p // page] at p % page: writes inside a page, across pages, and past the table (dropped)."""
+    from dflash_jax import KernelConfig
+    from dflash_jax.cache import PagedKVCache
+
+    B, T, Hkv, D, P, page = 4, 20, 2, 8, 5, 8
+    N = B * P + 1
+    rng = np.random.default_rng(5)
+    table = rng.permutation(np.arange(1, N))[:B * P].reshape(B, P).astype(np.int32)
+    start = np.asarray([0, page - 3, page * P - T // 2, 2 * page + 1], np.int32)
+    kp, vp = (rng.standard_normal((N, Hkv, page, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, T, Hkv, D)).astype(np.float32) for _ in range(2))
+    want_k, want_v = kp.copy(), vp.copy()
+    for b in range(B):
+        for t in range(T):
+            p = int(start[b]) + t
+            if p < P * page:
+                want_k[table[b, p // page], :, p % page] = k[b, t]
+                want_v[table[b, p // page], :, p % page] = v[b, t]
+    cache = PagedKVCache(k=(jnp.asarray(kp),), v=(jnp.asarray(vp),), lens=jnp.asarray(start), table=jnp.asarray(table),
+                         page_size=page)
+    kernels = KernelConfig(attention="xla", page_write=page_write).resolve("cpu")
+    got = jax.jit(lambda c, k, v, s: c.write_rows(0, k, v, s, kernels))(cache, jnp.asarray(k), jnp.asarray(v),
+                                                                         jnp.asarray(start))
+    np.testing.assert_array_equal(np.asarray(got.k[0]), want_k)
+    np.testing.assert_array_equal(np.asarray(got.v[0]), want_v)
+    with pytest.raises(ValueError, match="page_write='rows'; expected one of"):
+        KernelConfig(page_write="rows")
+
+
 def test_unsupported_pages_fall_back_to_the_gather():
     q, k, v, table = _paged_inputs([30, 12], 8, 4, 2, 64, 12, 4, jnp.float32)
     e = _k_end("verify", [30, 12], 8)
