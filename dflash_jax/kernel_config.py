@@ -69,8 +69,8 @@ page_write (a paged KV cache's row writes where XLA writes them: CPU, GPU, meshe
                 the pool's page axis (the default: a scatter of single positions made the TPU compiler
                 copy the whole pool at every write, scripts/tpu_paged_step.py)
   "positions"   one scatter of the rows' positions into the pool (fewer kernels: an experiment for the
-                GPU, where the paged slot step launched 53% more kernels than the dense one; docs/
-                perf-log.md, "Session 47: the paged engine offline, traced"); the same pools
+                GPU, where the paged slot step launched more kernels than the dense one, docs/
+                perf-log.md); the same pools
 
 while_graphs (CUDA only; resolve() sets it False on every other backend, where it means nothing):
   None (default) -> True on CUDA: the program is compiled with XLA's CUDA-graph command buffers

@@ -71,8 +71,7 @@ def _quantized_gpu(x, w):
 # sweep's best for qkv and gate_up at 16 rows), the K block per step (x quantized in the kernel), K
 # split as gpu_w8a8.tiles. Beyond, x is quantized by XLA before the kernel and the kernel runs its
 # default tiling: every program of the fused form quantizes all of x again, which at 128 rows (a B = 8
-# verify) cost 2.1x the unfused form per layer on an H100 (628 against 295 us; docs/perf-log.md,
-# "Session 47: FP8 W8A8 at B = 8 and 32").
+# verify) cost 2.1x the unfused form per layer on an H100 (docs/perf-log.md).
 W8A8_BN = 64
 W8A8_FUSED_ROWS = 16
 
