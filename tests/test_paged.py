@@ -37,14 +37,10 @@ def prompt_of(seed: int, n: int) -> tuple[int, ...]:
     return tuple(int(t) for t in np.random.default_rng(seed).integers(1, 32, n))
 
 
-@pytest.mark.parametrize("page_write", ["pages", "positions"])
-def test_paged_slots_equal_one_shot_and_give_every_page_back(pair, page_write):
-    """(page_write: KernelConfig's two XLA page writes, whole pages or single positions: the same tokens)"""
-    from dflash_jax import KernelConfig
+def test_paged_slots_equal_one_shot_and_give_every_page_back(pair):
     target, draft = pair
     reqs = [RowRequest(prompt=prompt_of(i, 5 + 3 * i), max_new=9 + 4 * i) for i in range(4)]
-    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=40, page_size=PAGE,
-                kernels=KernelConfig(page_write=page_write))
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=40, page_size=PAGE)
     out = eng.run(reqs)
     for r, res in zip(reqs, out):
         toks, acc = one_shot(target, draft, r.prompt, r.max_new)
@@ -497,13 +493,17 @@ def test_a_resumed_penalised_row_hits_only_its_prompt(pair):
     assert full[cut:] == rest
 
 
-def test_auto_width_paged_with_a_prefix_hit_equals_one_shot(pair):
+@pytest.mark.parametrize("page_write", ["pages", "positions"])
+def test_auto_width_paged_with_a_prefix_hit_equals_one_shot(pair, page_write):
     """The server's default width choice ("auto") on the paged engine with the prefix cache on: a
-    request with a hit gives one-shot generate's tokens, and its blocks still accept >= 3."""
+    request with a hit gives one-shot generate's tokens, and its blocks still accept >= 3; with either
+    of KernelConfig's XLA page writes (whole pages, or single positions)."""
+    from dflash_jax import KernelConfig
     target, draft = pair
     first = prompt_of(90, 12)
     second = first[:8] + prompt_of(91, 5)
-    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE, verify_width="auto")
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE, verify_width="auto",
+                kernels=KernelConfig(page_write=page_write))
     eng.run([RowRequest(prompt=first, max_new=10)])
     res = eng.run([RowRequest(prompt=second, max_new=20)])[0]
     assert eng.pages.stats()["prefix_hits_tokens"] == 8
