@@ -28,7 +28,7 @@ def test_on_8_devices():
     models and the programs twice)."""
     from tests.children import run_child
     run_child(__file__, devices=8, env=dict(DFLASH_SHARDING_CHILD="1"), args=("-m", "slow or not slow"),
-              min_passed=40)
+              min_passed=39)
 
 
 # ------------------------------------------------------------------------------- child cases
@@ -350,8 +350,11 @@ def test_generate_on_mesh_matches_one_device(spec):
 @pytest.mark.parametrize("spec", ["8x1"])
 def test_generate_on_mesh_matches_one_device_all_meshes(spec):
     """The data-only mesh test_generate_on_mesh_matches_one_device leaves out (it runs 2x4 and 1x8),
-    with every proposer kind. (Two-way model axes: the fused-kernel and sampling cases' 2x2 / 1x2.)"""
-    _same_on_mesh(spec, PROMPTS, (None, "draft", "truth"))
+    speculative with the truth double (rows accept different lengths on different data shards).
+    (Two-way model axes: the fused-kernel and sampling cases' 2x2 / 1x2.) Plain decoding on 8x1 is
+    test_one_prompt_is_padded_to_the_data_axis's; the random draft runs the same draft pass as the
+    truth double (which wraps it), and runs on a mesh in test_streaming_on_mesh."""
+    _same_on_mesh(spec, PROMPTS, ("truth",))
 
 
 @child
@@ -366,14 +369,12 @@ def test_one_prompt_is_padded_to_the_data_axis():
 @child
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 5, 1.0)])
 def test_sampled_tokens_on_mesh_match_one_device(temperature, top_k, top_p):
-    # (plain temperature sampling on vocab shards: test_sampling_on_vocab_shards_matches_one_device_all_modes)
+    # One sampled mode through the loop on a mesh: the loop only tells greedy from sampled and hands
+    # the mode to sampling.select / sampling.accept, whose every mode (top-p (0.9, 0, 0.8) and plain
+    # temperature too) runs on vocab shards against one device in
+    # test_sampling_on_vocab_shards_matches_one_device(_all_modes); a loop-level top-p case here
+    # (13 s of CI) proved nothing more.
     _same_on_mesh("2x4", PROMPTS, ("truth",), temperature=temperature, top_k=top_k, top_p=top_p, seed=5)
-
-
-@child
-@pytest.mark.slow
-def test_sampled_top_p_on_mesh_matches_one_device():
-    _same_on_mesh("2x4", PROMPTS, ("truth",), temperature=0.9, top_k=0, top_p=0.8, seed=5)
 
 
 @child
