@@ -164,15 +164,16 @@ def test_w8a8_target_dflash_is_lossless(fp8_path):
     plain = generate(target, None, prompts, max_new_tokens=20)
     assert res.tokens == plain.tokens and all(len(t) == 20 for t in res.tokens)
     # 33 prompts (a batch of 64): each verify is 256 rows (beyond gpu_w8a8.MAX_ROWS: the dequantized operands' one
-    # dot), each plain step 64 (the fp8 dots): the two forms give one target
+    # dot), each plain step 64 (the fp8 dots): the two forms give one target. (The full block: 256
+    # rows at every verify; auto's narrower widths verify fewer rows, and its programs cost CI time.)
     many = [[(7 * i + j) % 120 + 2 for j in range(3 + i % 5)] for i in range(33)]
-    assert (generate(target, draft, many, max_new_tokens=6, block_size=4).tokens
+    assert (generate(target, draft, many, max_new_tokens=6, block_size=4, verify_width="block").tokens
             == generate(target, None, many, max_new_tokens=6).tokens)
     # with the LM head int8 as well (--w8a8 --quantize int8+head): the same contract
     from dflash_jax.quantize import Int8Weight
     both = load_target(fp8_path, dtype="float32", w8a8=True, quantize="int8+head")
     assert both.quantize == "fp8+int8+head+w8a8" and isinstance(both.lm_head[...], Int8Weight)
-    res = generate(both, draft, prompts, max_new_tokens=20, block_size=4)
+    res = generate(both, draft, prompts, max_new_tokens=20, block_size=4, verify_width="block")   # (auto: above)
     assert res.tokens == generate(both, None, prompts, max_new_tokens=20).tokens
 
 
@@ -265,5 +266,7 @@ def test_w8a8_qwen3_5_hybrid_target_dflash_greedy_equals_plain_greedy(tmp_path):
     draft = init_draft(DraftConfig.for_target(target.config, num_layers=1, block_size=4), seed=2, dtype="float32",
                        target=target)
     prompts = [[3, 17, 99, 5, 64, 2, 8], [5, 9, 77, 3, 1]]
-    res = generate(target, draft, prompts, max_new_tokens=12, block_size=4)
+    # the full block (auto, the default width, on a W8A8 target: test_w8a8_target_dflash_is_lossless's
+    # first run; the width logic does not depend on the weight format)
+    res = generate(target, draft, prompts, max_new_tokens=12, block_size=4, verify_width="block")
     assert res.tokens == generate(target, None, prompts, max_new_tokens=12).tokens
