@@ -170,8 +170,9 @@ def test_learning_raises_real_tau_and_overfit_gate(tmp_path):
 
     few = TokenData(data.tokens[:10], data.loss_mask[:10])
     fit = train(target, init_draft(dcfg, seed=0, dtype="float32"), few,
-                run=RunConfig(out_dir=str(tmp_path / "overfit"), batch_size=10, epochs=300, max_steps=300,
+                run=RunConfig(out_dir=str(tmp_path / "overfit"), batch_size=10, epochs=300, max_steps=150,
                               log_every=100, save_every=10_000, progress=False), **dict(sk, num_anchors=40))
+    # 150 steps: tau 7.80 of 8, as at 300 (CI time; the gate asks 6.8)
     gate = _mean_tau(target, fit.draft(), [prompts[i] for i in range(10)], 40)
     print(f"overfit gate: tau {gate:.2f} of {S} on the 10 training prompts")
     assert gate >= 0.85 * S, gate
