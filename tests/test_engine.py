@@ -8,8 +8,6 @@ busy slots' rows alone) change no token."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -407,26 +405,20 @@ def test_step_buckets_seeded_samples_same_in_any_bucket(random_pair):
     b = Slots(*random_pair, slots=4, capacity=CAP, steps=2, step_buckets=None).run(reqs)
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert [on.run([r])[0].tokens for r in reqs] == [r.tokens for r in a]
-    via = generate(*random_pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9, top_k=20, slots=2, verify_width="block")
-    assert via.tokens == generate(*random_pair, ps, max_new_tokens=12, capacity=CAP, seed=5, temperature=0.9,
-                                  top_k=20, verify_width="block").tokens
+    # (sampled generate(slots=2), its default buckets on, = one-shot sampling: the last lines of
+    # test_seeded_samples_independent_of_slot_and_mates, the same call on 4 prompts)
 
 
 # ------------------------------------------------------------------------------- on a mesh
-# The virtual devices need XLA_FLAGS before JAX starts, so the mesh case runs in a child pytest.
+# The virtual devices need XLA_FLAGS before JAX starts, so the mesh case runs in a child pytest:
+# tests/test_sharding.py::test_on_8_devices's 8-device child (one process start for its cases, these
+# and tests/test_moe_sharding.py's). Directly:
+#     DFLASH_ENGINE_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_engine.py -m slow -k mesh_child
 CHILD = os.environ.get("DFLASH_ENGINE_CHILD") == "1"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHILD, reason="the parent's runner")
-def test_slots_on_a_mesh_in_a_child():
-    from tests.children import run_child
-    run_child(__file__, devices=8, env=dict(DFLASH_ENGINE_CHILD="1"), args=("-m", "slow", "-k", "mesh_child"),
-              min_passed=1)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (test_slots_on_a_mesh_in_a_child)")
+@pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (tests/test_sharding.py::test_on_8_devices)")
 @pytest.mark.parametrize("spec", ["2x2"])
 def test_slots_mesh_child_greedy_equals_one_device(spec):
     """Slots on a mesh (slots on 'data', model on 'model'): each request's tokens and acceptance

@@ -2,29 +2,20 @@
 MoE target on meshes whose 'model' axis splits the experts (2, 4, 8) = one device.
 
 As tests/test_sharding.py, the cases need XLA_FLAGS=--xla_force_host_platform_device_count=8 before
-JAX starts, so they run in a child pytest of this file (`test_on_8_devices`); run them directly with
+JAX starts, so they run in a child pytest: tests/test_sharding.py::test_on_8_devices's 8-device child
+(one process start for both files' cases); run them directly with
     DFLASH_MOE_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_moe_sharding.py
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 CHILD = os.environ.get("DFLASH_MOE_CHILD") == "1"
-child = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (test_on_8_devices)")
-parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
-
-
-@parent
-@pytest.mark.slow
-def test_on_8_devices():
-    from tests.children import run_child
-    run_child(__file__, devices=8, env=dict(DFLASH_MOE_CHILD="1"), min_passed=3)
+child = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child (tests/test_sharding.py::test_on_8_devices)")
 
 
 if CHILD:

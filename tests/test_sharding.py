@@ -25,10 +25,15 @@ parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
 @pytest.mark.slow
 def test_on_8_devices():
     """Every child case in one child process (two children, one per marker, paid the start-up, the
-    models and the programs twice)."""
+    models and the programs twice), with the 8-device cases of tests/test_moe_sharding.py (expert
+    parallelism) and tests/test_engine.py (slots on a mesh): one process start, not three (CI time)."""
     from tests.children import run_child
-    run_child(__file__, devices=8, env=dict(DFLASH_SHARDING_CHILD="1"), args=("-m", "slow or not slow"),
-              min_passed=39)
+    here = os.path.dirname(os.path.abspath(__file__))
+    run_child(__file__, devices=8,
+              env=dict(DFLASH_SHARDING_CHILD="1", DFLASH_MOE_CHILD="1", DFLASH_ENGINE_CHILD="1"),
+              args=("-m", "slow or not slow", os.path.join(here, "test_moe_sharding.py"),
+                    os.path.join(here, "test_engine.py") + "::test_slots_mesh_child_greedy_equals_one_device"),
+              min_passed=39 + 10 + 1)
 
 
 # ------------------------------------------------------------------------------- child cases
