@@ -9,8 +9,6 @@ numpy restatement of the width rule (the choice is a deterministic function of i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -532,41 +530,37 @@ def test_the_server_defaults_to_auto_with_the_slot_engine():
 
 
 # ------------------------------------------------------------------------------- mesh = one device
-MESH_CHILD = r"""
-import numpy as np, jax
-from dflash_jax import DraftConfig, TargetConfig, decode, init_draft, init_target, loop, sharding, width
-t = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                 head_dim=16, rope_theta=10000.0)
-d = DraftConfig.for_target(t, num_layers=1, block_size=8, mask_token_id=127)
-costs = {0: 1.0, 1: 1.6, 3: 2.1, 7: 2.4}      # W = 0, 1, 7; and 3 (the half block) on CPU
-loop.width_costs = lambda key, fn, n: np.asarray(                                 # the same on both
-    [costs[w] for w in width.program_widths(8, per_row_cost=n == 4)], np.float32)
-decode.width_costs = loop.width_costs
-prompts = [[1, 2, 3, 4], [5, 6, 7], [9] * 9, [3, 1]]
-out = []
-with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
-    for mesh in (None, "data=2,model=2"):
-        tg, dr = init_target(t, seed=0, dtype="float32"), init_draft(d, seed=1, dtype="float32")
-        if mesh is not None:
-            m = sharding.as_mesh(mesh)
-            tg, dr = sharding.shard_model(tg, m), sharding.shard_model(dr, m)
-        r = decode.generate(tg, dr, prompts, max_new_tokens=60, capacity=128, verify_width="auto")
-        out.append((r.tokens, r.acceptance_lengths))
-assert out[0] == out[1], out
-acc = [a for row in out[0][1] for a in row]
-assert len(set(acc)) > 2, acc
-print("MESH-OK", sorted(set(acc)))
-"""
+# In the 4-device child of tests/test_quantize.py::test_int8_and_fp8_on_a_2x2_mesh_equal_one_device (one
+# process for every 4-device case). Directly:
+#     DFLASH_ADAPTIVE_MESH_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest tests/test_adaptive.py -k mesh_child
+MESH_CHILD = os.environ.get("DFLASH_ADAPTIVE_MESH_CHILD") == "1"
 
 
-@pytest.mark.slow
-def test_a_mesh_takes_the_one_device_decisions():
+@pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child (tests/test_quantize.py's mesh parent)")
+def test_mesh_child_takes_the_one_device_decisions(monkeypatch):
     """Simulated acceptance (drawn per row from its own keys) and fixed costs: the widths chosen
     per iteration, hence the acceptance lengths and tokens, are the same on a 2 x 2 mesh of virtual
     CPU devices as on one device (every replica decides from replicated statistics)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", MESH_CHILD], cwd=root, env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and "MESH-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    from dflash_jax import DraftConfig, TargetConfig, init_draft, init_target, sharding
+    assert jax.device_count() == 4
+    t = TargetConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                     head_dim=16, rope_theta=10000.0)
+    d = DraftConfig.for_target(t, num_layers=1, block_size=8, mask_token_id=127)
+    costs = {0: 1.0, 1: 1.6, 3: 2.1, 7: 2.4}      # W = 0, 1, 7; and 3 (the half block) on CPU
+    fixed = lambda key, fn, n: np.asarray(                                         # noqa: E731  (the same on both)
+        [costs[w] for w in width.program_widths(8, per_row_cost=n == 4)], np.float32)
+    monkeypatch.setattr(loop, "width_costs", fixed)
+    monkeypatch.setattr(decode, "width_costs", fixed)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [9] * 9, [3, 1]]
+    out = []
+    with loop._simulated_acceptance(width.geometric_profile(3.0, 8)):
+        for mesh in (None, "data=2,model=2"):
+            tg, dr = init_target(t, seed=0, dtype="float32"), init_draft(d, seed=1, dtype="float32")
+            if mesh is not None:
+                m = sharding.as_mesh(mesh)
+                tg, dr = sharding.shard_model(tg, m), sharding.shard_model(dr, m)
+            r = decode.generate(tg, dr, prompts, max_new_tokens=60, capacity=128, verify_width="auto")
+            out.append((r.tokens, r.acceptance_lengths))
+    assert out[0] == out[1], out
+    acc = [a for row in out[0][1] for a in row]
+    assert len(set(acc)) > 2, acc

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -253,21 +251,19 @@ if not CHILD:
             for a, b in zip(c1.k + c1.v, c0.k + c0.v):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
-    @pytest.mark.slow
-    def test_llama_on_a_2x2_mesh_is_one_device(tmp_path):
-        path = write_llama(str(tmp_path / "t"), tie=True, bias=True, seed=13, num_layers=2)
-        from tests.children import run_child
-        run_child(__file__, devices=4, env=dict(DFLASH_LLAMA_MESH_CHILD="1", LLAMA_PATH=path), min_passed=1)
-
 else:
-    def test_mesh_child():
+    # A 2x2 mesh = one device: in the 4-device child of
+    # tests/test_quantize.py::test_int8_and_fp8_on_a_2x2_mesh_equal_one_device (one process for every
+    # 4-device case). Directly:
+    #     DFLASH_LLAMA_MESH_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest tests/test_llama.py
+    def test_mesh_child(tmp_path):
         import jax
         from dflash_jax import generate, load_target
         from dflash_jax.config import DraftConfig
         from dflash_jax.weights import init_draft
         from tests.checkpoints import random_prompts
         assert len(jax.devices()) == 4
-        path = os.environ["LLAMA_PATH"]
+        path = write_llama(str(tmp_path / "t"), tie=True, bias=True, seed=13, num_layers=2)
         one = load_target(path, dtype="float32")
         draft = init_draft(DraftConfig.for_target(one.config, num_layers=1, block_size=4), seed=2, dtype="float32")
         prompts = random_prompts(2, 127, min_len=3, max_len=12, seed=1)

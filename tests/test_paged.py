@@ -314,19 +314,14 @@ def test_served_multi_turn_chat_hits_turn_1_and_equals_a_cold_server(tiny):
     assert a2.choices[0].message.content == b2.choices[0].message.content
 
 
+# The mesh case runs in the 4-device child of tests/test_quantize.py::test_int8_and_fp8_on_a_2x2_mesh_equal_one_device
+# (one process for every 4-device case). Directly:
+#     DFLASH_PAGED_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest tests/test_paged.py -m slow -k mesh_child
 CHILD = os.environ.get("DFLASH_PAGED_CHILD") == "1"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHILD, reason="the parent's runner")
-def test_paged_on_a_mesh_in_a_child():
-    from tests.children import run_child
-    run_child(__file__, devices=4, env=dict(DFLASH_PAGED_CHILD="1"), args=("-m", "slow", "-k", "mesh_child"),
-              min_passed=1)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not CHILD, reason="runs in the 4-device child (test_paged_on_a_mesh_in_a_child)")
+@pytest.mark.skipif(not CHILD, reason="runs in the 4-device child (tests/test_quantize.py's mesh parent)")
 def test_paged_mesh_child_prefix_hit_equals_one_device():
     """Pages on a 2x2 mesh (pools by kv head on 'model', every page on each data shard; slots and
     their table rows on 'data'): requests with and without prefix hits give one device's tokens

@@ -283,12 +283,19 @@ MESH_CHILD = os.environ.get("DFLASH_QUANTIZE_MESH_CHILD") == "1"
 @pytest.mark.slow
 def test_int8_and_fp8_on_a_2x2_mesh_equal_one_device():
     """The mesh cases of this file and of tests/test_fp8.py (its fp8 / fp8 MoE / w8a8 checkpoints)
-    run in one child pytest on 4 virtual CPU devices (tests/children.py): one process start, not two
-    (two children paid ~6 s of start-up each)."""
+    run in one child pytest on 4 virtual CPU devices (tests/children.py), with the other 4-device
+    cases: tests/test_paged.py's pages on a mesh, tests/test_qwen3_5_mesh.py's hybrid target,
+    tests/test_llama.py's Llama target and tests/test_adaptive.py's width decisions on a mesh. One
+    process start, not six (each child paid ~6 s of start-up)."""
     from tests.children import run_child
-    run_child(__file__, devices=4, env=dict(DFLASH_QUANTIZE_MESH_CHILD="1", DFLASH_FP8_MESH_CHILD="1"),
-              args=("-k", "mesh_child", os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_fp8.py")),
-              min_passed=6)
+    here = os.path.dirname(os.path.abspath(__file__))
+    run_child(__file__, devices=4,
+              env=dict(DFLASH_QUANTIZE_MESH_CHILD="1", DFLASH_FP8_MESH_CHILD="1", DFLASH_PAGED_CHILD="1",
+                       DFLASH_HYBRID_CHILD="1", DFLASH_LLAMA_MESH_CHILD="1", DFLASH_ADAPTIVE_MESH_CHILD="1"),
+              args=("-m", "slow or not slow", "-k", "mesh_child or 2x2_mesh_generates_the_one_device_tokens",
+                    *(os.path.join(here, f) for f in ("test_fp8.py", "test_paged.py", "test_qwen3_5_mesh.py",
+                                                      "test_llama.py", "test_adaptive.py"))),
+              min_passed=6 + 1 + 1 + 1 + 1)
 
 
 @pytest.mark.skipif(not MESH_CHILD, reason="runs in the 4-device child")

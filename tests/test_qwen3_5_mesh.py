@@ -4,28 +4,19 @@ MoE variant. Rows go on 'data' (HybridCache.specs), parameters are replicated bu
 (qwen3_5.RULES). Issue 38.
 
 The cases need XLA_FLAGS=--xla_force_host_platform_device_count=4 before JAX starts, so they run in
-a child pytest of this file (`test_on_4_devices`); run them directly with
+a child pytest: the 4-device child of tests/test_quantize.py::test_int8_and_fp8_on_a_2x2_mesh_equal_one_device
+(one process for every 4-device case); run them directly with
     DFLASH_HYBRID_CHILD=1 XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest tests/test_qwen3_5_mesh.py
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 CHILD = os.environ.get("DFLASH_HYBRID_CHILD") == "1"
-child = pytest.mark.skipif(not CHILD, reason="runs in the 4-device child (test_on_4_devices)")
-parent = pytest.mark.skipif(CHILD, reason="the parent's runner")
-
-
-@parent
-@pytest.mark.slow
-def test_on_4_devices():
-    from tests.children import run_child
-    run_child(__file__, devices=4, env=dict(DFLASH_HYBRID_CHILD="1"), args=("-m", ""), min_passed=1)
+child = pytest.mark.skipif(not CHILD, reason="runs in the 4-device child (tests/test_quantize.py's mesh parent)")
 
 
 # The MoE variant only: its layers are the dense variant's plus the experts on 'model' (the dense
