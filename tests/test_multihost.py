@@ -66,18 +66,47 @@ def test_mesh_flag_gives_the_tokens_of_one_device(pair, one_device):
     assert many["acceptance_lengths"] == one_device["acceptance_lengths"]
 
 
-@pytest.mark.parametrize("spec,message", [
+BAD_MESH = [
     ("data=3,model=4", "--mesh data=3,model=4: mesh data=3,model=4 needs 12 devices, there are 8"),
     ("data=2,model=2", "--mesh data=2,model=2: mesh data=2,model=2 needs 4 devices, there are 8"),
     ("rows=2,model=4", "--mesh rows=2,model=4: mesh 'rows=2,model=4': expected 'data=N,model=M'"),
     ("data=0,model=8", "axis 'data' must be a positive integer"),
-])
-def test_bad_mesh_is_a_one_line_cli_error(pair, spec, message):
-    r = subprocess.run(_cmd(pair, "--mesh", spec), env=_env(8), cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 2, r.stderr[-3000:]
-    err = r.stderr.strip().splitlines()
-    assert message in err[-1] and "Traceback" not in r.stderr, r.stderr[-3000:]
+]
+
+# the CLI's main once per bad value, in one process (`python -m dflash_jax.generate` is sys.exit(main())):
+# its exit code and what it wrote to stderr, per value
+_BAD_MESH_RUNS = """
+import contextlib, io, json, sys, traceback
+from dflash_jax.cli.generate import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def test_bad_mesh_is_a_one_line_cli_error(pair):
+    """Each bad --mesh value: the CLI exits 2 with a one-line error, no traceback. One process runs
+    the CLI's main for the four values (a CLI start each paid ~3.5 s of CI)."""
+    argvs = [_cmd(pair, "--mesh", spec)[3:] for spec, _ in BAD_MESH]
+    r = subprocess.run([sys.executable, "-c", _BAD_MESH_RUNS, json.dumps(argvs)], env=_env(8), cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("[[")][-1])
+    assert len(runs) == len(BAD_MESH)
+    for (spec, message), (code, stderr) in zip(BAD_MESH, runs):
+        assert code == 2, (spec, stderr[-3000:])
+        err = stderr.strip().splitlines()
+        assert message in err[-1] and "Traceback" not in stderr, (spec, stderr[-3000:])
 
 
 def _free_port() -> int:
