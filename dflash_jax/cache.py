@@ -195,23 +195,11 @@ class PagedKVCache:
         pages = jnp.swapaxes(block.reshape(B, H, n, ps, D), 1, 2).reshape(B * n, H, ps, D)
         return pool.at[ids.reshape(-1)].set(pages, mode="drop")
 
-    def _scatter_positions(self, pool, new, start, table):
-        """_scatter's result as one scatter of the rows' positions (KernelConfig.page_write "positions"):
-        position p of row b goes to page table[b, p // page] at offset p % page; past the table: dropped."""
-        B, T, H, D = new.shape
-        ps, N, P = self.page_size, pool.shape[0], table.shape[1]
-        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)                                 # [B, T]
-        idx = pos // ps
-        page = jnp.where(idx < P, jnp.take_along_axis(table, jnp.minimum(idx, P - 1), axis=1), N)
-        rows = new.reshape(B * T, H, D).astype(pool.dtype)
-        return pool.at[page.reshape(-1), :, (pos % ps).reshape(-1)].set(rows, mode="drop")
-
     def write_rows(self, i: int, k, v, start, kernels=None) -> "PagedKVCache":
         """Layer i with k, v [B, T, Hkv, D] written at positions [start[b], start[b] + T). kernels
         (the program's resolved KernelConfig): on the TPU attention paths, off a mesh, the rows go
         into their pages through the Pallas page-write kernel (the pools aliased in/out, only the
-        touched pages moved: tpu_cache_write.write_kv_pages); otherwise XLA's page-wise write (or, with
-        kernels.page_write "positions", its position-wise one)."""
+        touched pages moved: tpu_cache_write.write_kv_pages); otherwise XLA's page-wise write (_scatter)."""
         from dflash_jax import sharding
         if kernels is not None and kernels.attention in TPU_WRITE_PATHS and sharding.current_mesh() is None:
             from jax.experimental.pallas import tpu as pltpu
@@ -226,9 +214,8 @@ class PagedKVCache:
             except Unsupported:
                 pass
         t = self.layer_table(i)
-        scatter = self._scatter_positions if kernels is not None and kernels.page_write == "positions" else self._scatter
-        return self.replace(k=_put(self.k, i, scatter(self.k[i], k, start, t)),
-                            v=_put(self.v, i, scatter(self.v[i], v, start, t)))
+        return self.replace(k=_put(self.k, i, self._scatter(self.k[i], k, start, t)),
+                            v=_put(self.v, i, self._scatter(self.v[i], v, start, t)))
 
 
 def is_paged(cache) -> bool:

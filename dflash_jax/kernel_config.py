@@ -63,15 +63,6 @@ gdn_block_v       value dims per kernel program (default 32; 0 or >= the head's 
                   left to XLA). 32 measured faster than the whole head (128) at every H200 point
                   (the table)
 
-page_write (a paged KV cache's row writes where XLA writes them: CPU, GPU, meshes; the TPU paths off a mesh
-            use their Pallas page-write kernel whatever it says):
-  "pages"       each write gathers the pages its rows touch, updates them and scatters them back along
-                the pool's page axis (the default: a scatter of single positions made the TPU compiler
-                copy the whole pool at every write, scripts/tpu_paged_step.py)
-  "positions"   one scatter of the rows' positions into the pool (fewer kernels: an experiment for the
-                GPU, where the paged slot step launched more kernels than the dense one, docs/
-                perf-log.md); the same pools
-
 while_graphs (CUDA only; resolve() sets it False on every other backend, where it means nothing):
   None (default) -> True on CUDA: the program is compiled with XLA's CUDA-graph command buffers
                     extended to while loops and conditionals (compile option
@@ -115,7 +106,6 @@ GPU_TUNING = {
 }
 MOE_GMM = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 RESOLVED_MOE_GMM = ("xla", "pallas_tpu", "pallas_tpu_interpret", "pallas_gpu", "pallas_gpu_interpret")
-PAGE_WRITES = ("pages", "positions")
 GDN = ("auto", "xla", "pallas", "pallas_gpu")
 RESOLVED_GDN = ("xla", "pallas_gpu", "pallas_gpu_interpret")
 MOE_TUNING_NAMES = tuple(f"{p}_{n}" for p in ("gate_up", "down") for n in ("bn", "bk", "num_warps", "num_stages"))
@@ -152,11 +142,8 @@ class KernelConfig:
     gdn: str = "auto"                # GDN layers' short blocks (GDN; module doc)
     gdn_block_v: int = 32            # value dims per GDN kernel program (0: the head's dv)
     while_graphs: bool | None = None  # CUDA: while loops / conditionals in command buffers (module doc)
-    page_write: str = "pages"        # a paged cache's XLA row writes (PAGE_WRITES; module doc)
 
     def __post_init__(self):
-        if self.page_write not in PAGE_WRITES:
-            raise ValueError(f"page_write={self.page_write!r}; expected one of {PAGE_WRITES}")
         if self.attention not in ATTENTION_BACKENDS + RESOLVED_ATTENTION:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_BACKENDS}")
         if self.moe_gmm not in MOE_GMM + RESOLVED_MOE_GMM:
@@ -221,8 +208,7 @@ class KernelConfig:
                                 xla_kv_chunk=self.xla_kv_chunk if attention == "xla" else None,
                                 tpu_mlp=(attention == "pallas_tpu" if self.tpu_mlp is None
                                          else bool(self.tpu_mlp) and attention in TPU_PATHS),
-                                moe_gmm=moe_gmm, moe_route=moe_route, moe_tuning=moe_tuning,
-                                page_write=self.page_write)
+                                moe_gmm=moe_gmm, moe_route=moe_route, moe_tuning=moe_tuning)
         n_sms = self.n_sms
         if n_sms is None:
             if device is None and on_gpu:
@@ -235,7 +221,7 @@ class KernelConfig:
                             sampling_kernels=bool(self.sampling_kernels), n_sms=int(n_sms),
                             attention_tuning=tuple(sorted(dict(self.attention_tuning).items())),
                             xla_kv_chunk=None, moe_gmm=moe_gmm, moe_route=moe_route, moe_tuning=moe_tuning, gdn=gdn, gdn_block_v=gdn_block_v,
-                            while_graphs=while_graphs, page_write=self.page_write)
+                            while_graphs=while_graphs)
 
     def compiler_options(self) -> dict:
         """The XLA compile options of a program built with this (resolved) config."""

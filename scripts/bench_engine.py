@@ -127,9 +127,6 @@ def main(argv=None) -> int:
                    help="the engine's KV cache, a comma list (one engine row each): off (fixed rows), auto (a paged "
                         "pool of the fixed rows' positions: slots x capacity / page size + 1 pages) or a page count")
     p.add_argument("--page-size", type=int, default=16, help="positions per KV page (--kv-pages)")
-    p.add_argument("--page-write", default="pages",
-                   help="the paged engine's XLA page writes (KernelConfig.page_write), a comma list (one paged row "
-                        "each): pages (whole pages gathered and scattered back), positions (one scatter of positions)")
     p.add_argument("--prefix-cache", choices=("on", "off"), default="off",
                    help="the paged engine's prefix cache (off: the random prompts share nothing)")
     p.add_argument("--trace", metavar="DIR", help="trace a static and an engine run into DIR and print the device timeline")
@@ -188,11 +185,6 @@ def run(p, args) -> int:
             p.error(f"--kv-pages: give off, auto or a page count >= 2 (comma list), got {x!r}")
     if args.page_size < 1:
         p.error(f"--page-size must be >= 1, got {args.page_size}")
-    from dflash_jax.kernel_config import PAGE_WRITES
-    writes = [x for x in args.page_write.split(",") if x]
-    if not writes or set(writes) - set(PAGE_WRITES):
-        p.error(f"--page-write: a comma list of {', '.join(PAGE_WRITES)}, got {args.page_write!r}")
-    kvs = [(kv, None if kv == "off" else w) for kv in kvs for w in (writes if kv != "off" else writes[:1])]
     aheads = [{"on": True, "off": False}.get(x) for x in args.refill_ahead.split(",")]
     if None in aheads:
         p.error(f"--refill-ahead: give on, off or on,off, got {args.refill_ahead!r}")
@@ -204,7 +196,7 @@ def run(p, args) -> int:
 
     import jax
 
-    from dflash_jax import KernelConfig, generate, loop
+    from dflash_jax import generate, loop
     from dflash_jax.serving.slots import RowRequest, Slots, offline_defaults
 
     target, draft, tok = build(args)
@@ -243,21 +235,19 @@ def run(p, args) -> int:
     print(f"| static batches of {args.slots} | {useful} | {static_s:.2f} | {base:.1f} | 1.00x | | | | |", flush=True)
     reqs = [RowRequest(prompt=tuple(x), max_new=n, rng_row=i) for i, (x, n) in enumerate(zip(ps, ns))]
     first = None
-    for K, W, sb, (kv, pw) in ((K, W, sb, kv) for K in steps for W in widths for sb in buckets for kv in kvs):
+    for K, W, sb, kv in ((K, W, sb, kv) for K in steps for W in widths for sb in buckets for kv in kvs):
         n0 = loop.compile_count()
         t0 = time.perf_counter()
         pages = None if kv == "off" else (args.slots * -(-C // args.page_size) + 1 if kv == "auto" else int(kv))
         eng = Slots(target, draft, slots=args.slots, capacity=C, block_size=S, steps=K,
                     insert_width=min(W, args.slots), step_buckets=sb, verify_width=engine_width(args, draft),
                     **({} if pages is None else dict(kv_pages=pages, page_size=args.page_size,
-                                                     kernels=KernelConfig(page_write=pw),
                                                      prefix_cache=args.prefix_cache == "on",
                                                      table_widths="full")))   # the server's: no compile in a run
         eng.warmup([len(x) for x in ps], ["greedy"])
         sb_name = "/".join(map(str, eng.step_buckets)) or "off"
         kv_name = "fixed rows" if pages is None else (f"paged {pages} pages of {args.page_size}"
-                                                      f"{', prefix cache' if args.prefix_cache == 'on' else ''}"
-                                                      f"{'' if pw == 'pages' else ', page write ' + pw}")
+                                                      f"{', prefix cache' if args.prefix_cache == 'on' else ''}")
         print(f"[bench_engine] engine K={K}, insert width {eng.insert_width}, step buckets {sb_name}, KV {kv_name}: "
               f"{loop.compile_count() - n0} programs compiled in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
@@ -287,7 +277,7 @@ def run(p, args) -> int:
         if args.trace and (K, W, sb) == (steps[-1], widths[-1], buckets[-1]):    # (every --kv-pages row)
             timelines.append((f"engine K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}"
                               f"{'' if pages is None else ', KV ' + kv_name}",
-                              traced(args.trace, f"engine_{kv}{'' if pw in (None, 'pages') else '_' + pw}", lambda: eng.run(reqs, pipeline=pipe, refill_ahead=ahead,
+                              traced(args.trace, f"engine_{kv}", lambda: eng.run(reqs, pipeline=pipe, refill_ahead=ahead,
                                                                             refill_min=rmin))))
         del eng                                 # its slot state before the next one's
     print(f"(TTFT from the run's start: all {len(ps)} requests arrive at t=0; TPOT per request after its "

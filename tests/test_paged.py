@@ -488,17 +488,13 @@ def test_a_resumed_penalised_row_hits_only_its_prompt(pair):
     assert full[cut:] == rest
 
 
-@pytest.mark.parametrize("page_write", ["pages", "positions"])
-def test_auto_width_paged_with_a_prefix_hit_equals_one_shot(pair, page_write):
+def test_auto_width_paged_with_a_prefix_hit_equals_one_shot(pair):
     """The server's default width choice ("auto") on the paged engine with the prefix cache on: a
-    request with a hit gives one-shot generate's tokens, and its blocks still accept >= 3; with either
-    of KernelConfig's XLA page writes (whole pages, or single positions)."""
-    from dflash_jax import KernelConfig
+    request with a hit gives one-shot generate's tokens, and its blocks still accept >= 3."""
     target, draft = pair
     first = prompt_of(90, 12)
     second = first[:8] + prompt_of(91, 5)
-    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE, verify_width="auto",
-                kernels=KernelConfig(page_write=page_write))
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE, verify_width="auto")
     eng.run([RowRequest(prompt=first, max_new=10)])
     res = eng.run([RowRequest(prompt=second, max_new=20)])[0]
     assert eng.pages.stats()["prefix_hits_tokens"] == 8

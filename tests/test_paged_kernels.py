@@ -160,10 +160,9 @@ def test_tpu_page_write_kernel_interpret(T, page, dtype):
     np.testing.assert_array_equal(np.asarray(got_v[1:], np.float32), np.asarray(want_v[1:], np.float32))
 
 
-@pytest.mark.parametrize("page_write", ["pages", "positions"])
-def test_xla_page_writes_equal_a_position_by_position_oracle(page_write):
-    """PagedKVCache.write_rows on the XLA path (KernelConfig.page_write: whole pages gathered, updated and
-    scattered back, or one scatter of positions) against NumPy writing each position into
+def test_xla_page_writes_equal_a_position_by_position_oracle():
+    """PagedKVCache.write_rows on the XLA path (whole pages gathered, updated and scattered back)
+    against NumPy writing each position into
     table[b, p // page] at p % page: writes inside a page, across pages, and past the table (dropped)."""
     from dflash_jax import KernelConfig
     from dflash_jax.cache import PagedKVCache
@@ -184,13 +183,11 @@ def test_xla_page_writes_equal_a_position_by_position_oracle(page_write):
                 want_v[table[b, p // page], :, p % page] = v[b, t]
     cache = PagedKVCache(k=(jnp.asarray(kp),), v=(jnp.asarray(vp),), lens=jnp.asarray(start), table=jnp.asarray(table),
                          page_size=page)
-    kernels = KernelConfig(attention="xla", page_write=page_write).resolve("cpu")
+    kernels = KernelConfig(attention="xla").resolve("cpu")
     got = jax.jit(lambda c, k, v, s: c.write_rows(0, k, v, s, kernels))(cache, jnp.asarray(k), jnp.asarray(v),
                                                                          jnp.asarray(start))
     np.testing.assert_array_equal(np.asarray(got.k[0]), want_k)
     np.testing.assert_array_equal(np.asarray(got.v[0]), want_v)
-    with pytest.raises(ValueError, match="page_write='rows'; expected one of"):
-        KernelConfig(page_write="rows")
 
 
 def test_unsupported_pages_fall_back_to_the_gather():
