@@ -34,12 +34,16 @@ def pair(tmp_path_factory):
     return t, write_draft(str(root / "d"), t, num_layers=2, block_size=4)
 
 
-def _cmd(pair, *extra, width: str = "block"):
-    """The CLI's command; whole blocks unless `width` says otherwise (acceptance lengths compare only
+def _args(pair, *extra, width: str = "block"):
+    """The CLI's arguments; whole blocks unless `width` says otherwise (acceptance lengths compare only
     between runs that verify the same widths: "auto" chooses from each run's own timings)."""
-    return [sys.executable, "-m", "dflash_jax.generate", "--model", pair[0], "--draft", pair[1],
-            "--dtype", "float32", "--attention", "xla", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12",
-            "--verify-width", width, "--json", *extra]
+    return ["--model", pair[0], "--draft", pair[1], "--dtype", "float32", "--attention", "xla",
+            "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12", "--verify-width", width, "--json", *extra]
+
+
+def _cmd(pair, *extra, width: str = "block"):
+    """The CLI's command (`_args` after `python -m dflash_jax.generate`)."""
+    return [sys.executable, "-m", "dflash_jax.generate", *_args(pair, *extra, width=width)]
 
 
 def _result(stdout: str) -> dict | None:
@@ -97,7 +101,7 @@ print(json.dumps(out))
 def test_bad_mesh_is_a_one_line_cli_error(pair):
     """Each bad --mesh value: the CLI exits 2 with a one-line error, no traceback. One process runs
     the CLI's main for the four values (a CLI start each paid ~3.5 s of CI)."""
-    argvs = [_cmd(pair, "--mesh", spec)[3:] for spec, _ in BAD_MESH]
+    argvs = [_args(pair, "--mesh", spec) for spec, _ in BAD_MESH]
     r = subprocess.run([sys.executable, "-c", _BAD_MESH_RUNS, json.dumps(argvs)], env=_env(8), cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
