@@ -377,12 +377,15 @@ def layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
 
 def _place(model, mesh: Mesh, rules, transform=None):
     from flax import nnx
-    from dflash_jax.quantize import Fp8BlockWeight, Fp8W8A8Weight, Int8Weight, w8a8_weight
+    from dflash_jax.quantize import Fp8BlockWeight, Fp8ChannelWeight, Fp8W8A8Weight, Int8Weight, w8a8_weight
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         name = path_str(path)
         value = var.get_value()
+        if isinstance(value, Fp8ChannelWeight):
+            raise ValueError(f"{name}: W8A8 per channel (w8a8='channel') runs on one device for now; "
+                             "use w8a8='block' on a mesh")
         w8a8 = isinstance(value, Fp8W8A8Weight)
         if w8a8:   # (placed as the [K, N] weight it is, then back to the checkpoint's orientation)
             value = value.kn()
@@ -480,7 +483,7 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
     with its NamedSharding (an int8 target's Int8Weights as load_target(mesh=, quantize="int8") places
     them). For ahead-of-time compiles (decode.lower_iteration(mesh=))."""
     from flax import nnx
-    from dflash_jax.quantize import Fp8BlockWeight, Fp8W8A8Weight, Int8Weight
+    from dflash_jax.quantize import Fp8BlockWeight, Fp8ChannelWeight, Fp8W8A8Weight, Int8Weight
     tp = model_axis_size(mesh)
     check_experts(model.config, tp)
     fused_layout = use_fused(model.config, tp, fused_layout)
@@ -495,7 +498,7 @@ def abstract_on_mesh(model, mesh: Mesh, *, fused_layout: bool | None = None, rul
             shape = shape[:-1] + ((lay.num_heads + 2 * lay.num_kv_heads) * lay.head_dim,)
         spec = spec_for(name, rules)
         check_divisible(name, shape, spec, mesh)
-        if isinstance(x, (Fp8BlockWeight, Fp8W8A8Weight)):
+        if isinstance(x, (Fp8BlockWeight, Fp8W8A8Weight, Fp8ChannelWeight)):
             raise ValueError(f"{name}: an FP8 checkpoint's block weights ahead of time on a mesh are not supported "
                              "(load the checkpoint with load_target(mesh=) instead)")
         if isinstance(x, Int8Weight):   # q as the float weight, its scales [.., N] with q's columns (_place_quantized)

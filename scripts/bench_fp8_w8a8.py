@@ -19,8 +19,9 @@ XLA cannot share one quantization between copies):
   w8a8 pl kn|nk     the Pallas kernel at its default tiling (x quantized by XLA before it)
   w8a8 pl .. fused  the same with x quantized inside the kernel (fuse_quant)
   w8a8 pl .. bm64   rows padded to 64 (what Hopper's wgmma needs) instead of 16
-  w8a8 tiled ..     gpu_w8a8.matmul_tiled (any rows: a program per bm rows x bn columns, x quantized by XLA):
-                    bm 128 / 64, bn 128 / 64; w8a8 dequant: gpu_w8a8.matmul_dequant (the model beyond 128 rows)
+  w8a8 dequant      gpu_w8a8.matmul_dequant (the block form beyond 128 rows)
+  w8a8 channel      gpu_w8a8.matmul_channel (--w8a8 channel: the weight requantized to one scale per output
+                    channel, x to one per row: one fp8 dot, cuBLASLt's fp8 GEMM shape)
   --sweep           bn 64/128, bk 128, splits 1/2/4, warps 4/8, stages 3/4 for --sweep-layouts, at
                     --sweep-rows; pass 2, after every default row of every shape
 Pass 1 runs TIER1 (bf16, weight-only kernel, W8A8 XLA nk, Pallas nk / kn) for every shape and row count,
@@ -61,7 +62,7 @@ SMOKE_SHAPES = [("tiny", 256, 384)]
 BLOCK = (128, 128)
 BASE = ("bf16 xla", "fp8 wo kernel", "x quant only", "w8a8 xla kn", "w8a8 xla nk", "w8a8 pl kn", "w8a8 pl nk",
         "w8a8 pl nk fused", "w8a8 pl kn fused", "w8a8 pl nk bm64",
-        "w8a8 tiled", "w8a8 tiled bm64", "w8a8 tiled bn64", "w8a8 dequant")
+        "w8a8 channel", "w8a8 dequant")
 # pass 1 runs these first for every shape and row count, then the rest of BASE
 TIER1 = ("bf16 xla", "fp8 wo kernel", "w8a8 xla nk", "w8a8 pl nk", "w8a8 pl kn")
 # (bn, bk, splits, num_warps, num_stages)
@@ -161,7 +162,9 @@ def main(argv=None) -> int:
         qnk = [jnp.asarray(q.T) for q in qs]          # materialized: the HF layout as stored
         snk = [s.T for s in ss]
         jax.block_until_ready((ws, qs, ss, qnk, snk))
-        data[name] = dict(K=K, N=N, L=L, bf16=list(ws), kn=list(zip(qs, ss)), nk=list(zip(qnk, snk)))
+        ch = [w8.requantize_channels(q, s, BLOCK) for q, s in zip(qnk, snk)]
+        jax.block_until_ready(ch)
+        data[name] = dict(K=K, N=N, L=L, bf16=list(ws), kn=list(zip(qs, ss)), nk=list(zip(qnk, snk)), ch=ch)
     print(f"weights built in {time.perf_counter() - t_start:.1f} s", flush=True)
 
     def pl_fn(layout, **kw):
@@ -179,9 +182,7 @@ def main(argv=None) -> int:
         "w8a8 pl nk fused": ("nk", pl_fn("nk", fuse_quant=True)),
         "w8a8 pl kn fused": ("kn", pl_fn("kn", fuse_quant=True)),
         "w8a8 pl nk bm64": ("nk", pl_fn("nk", bm=64)),
-        "w8a8 tiled": ("nk", lambda x, w: w8.matmul_tiled(x, w[0], w[1], BLOCK, interpret=interp)),
-        "w8a8 tiled bm64": ("nk", lambda x, w: w8.matmul_tiled(x, w[0], w[1], BLOCK, bm=64, interpret=interp)),
-        "w8a8 tiled bn64": ("nk", lambda x, w: w8.matmul_tiled(x, w[0], w[1], BLOCK, bn=64, interpret=interp)),
+        "w8a8 channel": ("ch", lambda x, w: w8.matmul_channel(x, w[0], w[1])),
         "w8a8 dequant": ("nk", lambda x, w: w8.matmul_dequant(x, w[0], w[1], BLOCK, "nk")),
     }
 
@@ -268,8 +269,7 @@ def main(argv=None) -> int:
     for r in lines:
         if "us" not in r or r["variant"] in ("x quant only",):
             continue
-        fam = ("w8a8 pallas" if r["variant"].startswith("w8a8 pl") else
-               "w8a8 tiled" if r["variant"].startswith("w8a8 tiled") else r["variant"])
+        fam = "w8a8 pallas" if r["variant"].startswith("w8a8 pl") else r["variant"]
         k = (r["shape"], r["M"], fam)
         if k not in best or r["us"] < best[k]["us"]:
             best[k] = r

@@ -1526,7 +1526,8 @@ def parse_quantize(spec: str) -> tuple[list, dict]:
     """--quantize "int8,fp8@1/8" → (["int8", "fp8"], {"fp8": (1, 8)}): the methods, and the batches a
     method is limited to (none named: every batch). Methods: dflash_jax.quantize.QUANTIZE (int8),
     "fp8" (fp8_like_checkpoint), "fp8-w8a8" (the same weights run W8A8: quantize.to_w8a8) and
-    "fp8-w8a8+head" (that, with the LM head int8 too: --w8a8 --quantize int8+head)."""
+    "fp8-w8a8+head" (that, with the LM head int8 too: --w8a8 --quantize int8+head), "fp8-w8a8-channel" (the
+    weights requantized per output channel: --w8a8 channel)."""
     names, only = [], {}
     for item in (x for x in spec.split(",") if x):
         name, _, bs = item.partition("@")
@@ -1542,7 +1543,7 @@ def check_quantize_names(names) -> list:
     return [q for q in names if q not in QUANTIZE and q not in FP8_METHODS]
 
 
-FP8_METHODS = ("fp8", "fp8-w8a8", "fp8-w8a8+head")
+FP8_METHODS = ("fp8", "fp8-w8a8", "fp8-w8a8+head", "fp8-w8a8-channel")
 
 
 def quantized_target(init_target, cfg, q: str, dtype="bfloat16"):
@@ -1551,10 +1552,11 @@ def quantized_target(init_target, cfg, q: str, dtype="bfloat16"):
     else init_target(quantize=q)."""
     if q == "fp8":
         return fp8_like_checkpoint(init_target(cfg, seed=0, dtype=dtype))
-    if q in ("fp8-w8a8", "fp8-w8a8+head"):
+    if q in ("fp8-w8a8", "fp8-w8a8+head", "fp8-w8a8-channel"):
         from dflash_jax.quantize import quantize_target, to_w8a8
         model = fp8_like_checkpoint(init_target(cfg, seed=0, dtype=dtype))
-        return to_w8a8(quantize_target(model, "int8+head") if q.endswith("+head") else model)
+        return to_w8a8(quantize_target(model, "int8+head") if q.endswith("+head") else model,
+                       "channel" if q.endswith("-channel") else "block")
     return init_target(cfg, seed=0, dtype=dtype, quantize=q)
 
 
@@ -1867,8 +1869,8 @@ def main():
                     help="the quant section's quantized targets, comma-separated, each timed against bf16 in this "
                          "process: dflash_jax.quantize.QUANTIZE (int8), fp8 (the layers' linears as an FP8 "
                          "block-128 checkpoint loads, fp8_like_checkpoint), fp8-w8a8 (those run W8A8, --w8a8) or "
-                         "fp8-w8a8+head (and the LM head int8, --quantize int8+head); "
-                         "NAME@1/8 limits one to those batches")
+                         "fp8-w8a8+head (and the LM head int8, --quantize int8+head), fp8-w8a8-channel "
+                         "(--w8a8 channel); NAME@1/8 limits one to those batches")
     ap.add_argument("--quant-batches", default="", metavar="1,8,32", help="the quant section's batches (1,8,32)")
     ap.add_argument("--floor-tbs", type=float, default=0.0,
                     help="copy bandwidth of the floors in TB/s (a probe of the same call); 0: the floors "

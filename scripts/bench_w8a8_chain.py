@@ -19,8 +19,8 @@ Forms (one row: the B = 1 plain step; 16 rows: the B = 1 DFlash verify):
   w8a8 xla          gpu_w8a8.matmul_xla at every row count
   w8a8 pallas       the fused Pallas kernel (x quantized inside it) at every row count, one row included,
                     with the model path's tiling (models.layers._w8a8_kernel_tiles)
-  w8a8 tiled        gpu_w8a8.matmul_tiled at every row count (the experiment for more than 128 rows: a GEMM
-                    tiled over 128 rows x 128 columns, x quantized by XLA first)
+  w8a8 channel      quantize.Fp8ChannelWeight (--w8a8 channel): the weight requantized to one scale per output
+                    channel, x to one per row, one fp8 dot with the scales after it (gpu_w8a8.matmul_channel)
   w8a8 dequant      gpu_w8a8.matmul_dequant at every row count (the many-row form: if XLA fuses the weight's
                     dequantization into its GEMM, it reads the fp8 bytes once; if not, it writes a bf16 copy)
 
@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 # in run order: the comparison that decides the one-row path first (a timeout leaves it whole)
-FORMS = ("bf16", "w8a8 model", "w8a8 tiled", "w8a8 pallas", "w8a8 dequant", "fp8 weight-only", "w8a8 xla")
+FORMS = ("bf16", "w8a8 model", "w8a8 channel", "w8a8 pallas", "w8a8 dequant", "fp8 weight-only", "w8a8 xla")
 BLOCK = (128, 128)
 # (hidden, q heads x head dim, kv width of qkv beyond q, intermediate): Qwen3-8B; the smoke's tiny one
 QWEN3_8B = dict(hidden=4096, qkv=6144, o_in=4096, inter=12288)
@@ -65,6 +65,10 @@ def _weights(key, geo, form):
         q = (jax.random.normal(k, (N, K), jnp.float32) * 60).astype(jnp.float8_e4m3fn)         # [N, K]
         s = jnp.full((N // BLOCK[1], K // BLOCK[0]), (K ** -0.5) / 60, jnp.float32)              # [Nb, Kb]
         w = Fp8W8A8Weight(q, s, BLOCK)
+        if form == "w8a8 channel":
+            from pallas_kernels.quantized import gpu_w8a8
+            out[name] = gpu_w8a8.requantize_channels(q, s, BLOCK)
+            continue
         out[name] = w.kn() if form == "fp8 weight-only" else w
     return out
 
@@ -79,9 +83,8 @@ def _matmul(form, interpret):
         return lambda x, w: w8.matmul_xla(x, w.q, w.scale, w.block, "nk")
     if form == "w8a8 dequant":
         return lambda x, w: w8.matmul_dequant(x, w.q, w.scale, w.block, "nk")
-    if form == "w8a8 tiled":
-        return lambda x, w: w8.matmul_tiled(x, w.q, w.scale, w.block, bm=16 if interpret else 128,
-                                            interpret=interpret)
+    if form == "w8a8 channel":
+        return lambda x, w: w8.matmul_channel(x, w[0], w[1])
 
     def pallas(x, w):
         bn, splits = layers._w8a8_kernel_tiles(jax.ShapeDtypeStruct((2, w.shape[0]), x.dtype), w)

@@ -89,7 +89,7 @@ def test_linear_runs_the_kernel_where_it_wins_on_cuda_only():
 
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("variant", ["xla kn", "xla nk", "dequant kn", "dequant nk", "pallas kn", "pallas nk fused",
-                                     "pallas nk bm64", "pallas kn s2", "tiled bm16"])
+                                     "pallas nk bm64", "pallas kn s2"])
 def test_experimental_fp8_w8a8_matmul_matches_numpy_oracle(M, variant):
     """pallas_kernels/quantized/gpu_w8a8.py (the W8A8 path of an FP8 checkpoint, --w8a8): x quantized to
     e4m3 per row and 128-column K group (scale amax * float32(1/448), 1 for an all-zero group), fp8 x
@@ -116,26 +116,28 @@ def test_experimental_fp8_w8a8_matmul_matches_numpy_oracle(M, variant):
            "pallas nk fused": lambda: w8.matmul_pallas(xj, qj.T, sj.T, block, "nk", fuse_quant=True, interpret=True),
            # the model path beyond 16 rows (models.layers._w8a8_gpu): x quantized by XLA, rows padded to 64
            "pallas nk bm64": lambda: w8.matmul_pallas(xj, qj.T, sj.T, block, "nk", bm=64, interpret=True),
-           "tiled bm16": lambda: w8.matmul_tiled(xj, qj.T, sj.T, block, bm=16, interpret=True),
            "pallas kn s2": lambda: w8.matmul_pallas(xj, qj, sj, block, "kn", bn=128, bk=64, splits=2,
                                                     interpret=True)}[variant]()
     assert got.shape == (M, N)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
-def test_tiled_fp8_w8a8_matmul_over_many_rows_matches_numpy_oracle():
-    """gpu_w8a8.matmul_tiled (the experiment for more than 128 rows: a program per 64 rows x 128 columns)
-    over 130 rows (three row blocks, the last one padded) against the same NumPy W8A8 oracle."""
+def test_fp8_channel_requantized_matmul_matches_numpy_oracle():
+    """gpu_w8a8.requantize_channels + matmul_channel (the many-row experiment): the block weight
+    requantized to one e4m3 scale per output channel stays within e4m3's rounding of the dequantized
+    weight, and the per-row x per-channel W8A8 product equals NumPy's (ml_dtypes' e4m3 rounding of x with
+    one scale per row, float64 products)."""
     import ml_dtypes
     from pallas_kernels.quantized import gpu_w8a8 as w8
 
-    M, K, N, block, rng = 130, 256, 384, (128, 128), np.random.default_rng(7)
-    q, s, wd = _fp8(rng, K, N, block)
+    M, K, N, block, rng = 5, 256, 320, (128, 128), np.random.default_rng(4)
+    q, s, wd = _fp8(rng, K, N, block)                           # wd [K, N]
+    q_ch, s_ch = w8.requantize_channels(jnp.asarray(q).T, jnp.asarray(s).T, block)
+    w_ch = np.asarray(q_ch.astype(jnp.float32), np.float64) * np.asarray(s_ch, np.float64)[:, None]   # [N, K]
+    np.testing.assert_allclose(w_ch, wd.T, rtol=2 ** -3, atol=float(np.asarray(s_ch).max()) * 2 ** -9)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    xg = x.reshape(M, K // 128, 128)
-    sx = np.abs(xg).max(-1) * np.float32(1.0 / 448.0)
-    xq = (xg / sx[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sx[..., None]
-    want = xq.reshape(M, K) @ wd
-    got = w8.matmul_tiled(jnp.asarray(x)[None], jnp.asarray(q).T, jnp.asarray(s).T, block, bm=64, interpret=True)
-    assert got.shape == (1, M, N)
-    np.testing.assert_allclose(np.asarray(got[0], np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())
+    sx = (np.abs(x).max(-1) * np.float32(1.0 / 448.0)).astype(np.float32)
+    xq = (x / sx[:, None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sx[:, None]
+    want = xq @ w_ch.T
+    got = w8.matmul_channel(jnp.asarray(x), q_ch, s_ch)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())

@@ -60,7 +60,7 @@ def test_bench_w8a8_chain_smoke(tmp_path):
     """bench_w8a8_chain.py: every form's chained layers timed at one and 16 rows, the Pallas W8A8 kernel
     interpreted (its one-row form too, which the model path leaves to XLA)."""
     out = _run(["scripts/bench_w8a8_chain.py", "--cpu-smoke"], tmp_path)
-    for form in ("bf16", "fp8 weight-only", "w8a8 model", "w8a8 xla", "w8a8 pallas", "w8a8 dequant", "w8a8 tiled"):
+    for form in ("bf16", "fp8 weight-only", "w8a8 model", "w8a8 xla", "w8a8 pallas", "w8a8 dequant", "w8a8 channel"):
         for m in (1, 16):
             assert f"| {m} | {form} | " in out and f"| {m} | {form} | failed" not in out, out
 

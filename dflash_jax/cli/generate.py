@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence  # noqa: E402
 
 from dflash_jax import validation  # noqa: E402
 from dflash_jax.decode import generate as _generate  # noqa: E402  (the library function; this module is its CLI)
-from dflash_jax.quantize import QUANTIZE  # noqa: E402
+from dflash_jax.quantize import QUANTIZE, W8A8_SCHEMES  # noqa: E402
 # the loading of sources, models and tokenizer (shared with benchmark and serve), under this module's names too
 from dflash_jax.loading import (  # noqa: E402,F401
     RANDOM_DRAFT_BLOCK, RANDOM_DRAFT_LAYERS, check_eos, default_dtype, effective_block_size,
@@ -129,11 +129,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "scales (half the bf16 weight bytes; DFlash stays lossless relative to the quantized "
                         "target); int8+head: the untied LM head too (one scale per vocabulary entry); the "
                         "draft and embeddings stay as loaded")
-    g.add_argument("--w8a8", action="store_true",
+    g.add_argument("--w8a8", nargs="?", const="block", default=None, choices=W8A8_SCHEMES,
                    help="an FP8 checkpoint's layer linears run W8A8: the activations quantized to fp8 per "
                         "128-column block at run time (the checkpoint's activation_scheme: dynamic) and "
                         "multiplied on fp8 tensor cores (CUDA; elsewhere XLA emulates it). Other numerics than "
-                        "the default weight-only path; DFlash stays lossless relative to them")
+                        "the default weight-only path; DFlash stays lossless relative to them. --w8a8 channel: "
+                        "the weights requantized to one scale per output channel and the activations to one "
+                        "per row (FP8-dynamic): one fp8 GEMM at every row count, faster than the block scheme "
+                        "at B >= 8 on an H100; its own numerics; one device")
     g.add_argument("--quantize-draft", default=None, choices=("int8",),
                    help="quantize the draft's layer weights at load too (default: off). Still lossless, but "
                         "an int8 draft may accept fewer tokens (BENCHMARKS.md, quantized targets)")

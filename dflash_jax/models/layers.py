@@ -28,7 +28,7 @@ from dflash_jax.attention import (add_rmsnorm, attend, attend_paged, attend_pref
                                   fused_prologue, qk_norm_rope_write, reads_pages)
 from dflash_jax.cache import TPU_WRITE_PATHS, KVCache, is_paged, write_kv_rows
 from dflash_jax.kernel_config import TPU_PATHS, KernelConfig
-from dflash_jax.quantize import QUANTIZED, Fp8W8A8Weight, Int8Weight
+from dflash_jax.quantize import QUANTIZED, Fp8ChannelWeight, Fp8W8A8Weight, Int8Weight
 from dflash_jax.sharding import current_mesh, split_gate_up, split_qkv
 from pallas_kernels.quantized import gpu as quantized_gpu
 from pallas_kernels.quantized import gpu_w8a8
@@ -108,7 +108,10 @@ def linear(x, w):
     weight run W8A8 (quantize.Fp8W8A8Weight): XLA's fp8 dot at one row, on CUDA off a mesh the
     Pallas kernel at 2-128 rows (x quantized in its prologue up to W8A8_FUSED_ROWS rows, by XLA before
     it beyond: the faster of each on an H100), beyond 128 rows the quantized operands dequantized and
-    one dot (Fp8W8A8Weight.matmul)."""
+    one dot (Fp8W8A8Weight.matmul). Requantized per output channel (quantize.Fp8ChannelWeight): one fp8
+    dot at every row count, its scales after it."""
+    if isinstance(w, Fp8ChannelWeight):
+        return w.matmul(x)
     if isinstance(w, Fp8W8A8Weight):
         if _w8a8_kernel_tiles(x, w) is not None:
             return jax.lax.platform_dependent(x, w, cuda=_w8a8_gpu, default=lambda x, w: w.matmul(x))

@@ -26,12 +26,12 @@ operands K-major, what an fp8 MMA wants). `block` is (bk_s, bn_s) = (K block, N 
   accumulation. The same sum as the fp8 dots', rounded to x's dtype once per operand; it costs one
   GEMM where matmul_xla writes and reads a [Kb, M, N] float32 partial (at 512 rows of a Qwen3-8B
   gate_up, 1.6 GB).
+- requantize_channels / matmul_channel: W8A8 per channel (quantize.Fp8ChannelWeight, `--w8a8 channel`): the
+  weight requantized to one scale per output channel, x to one per row, one fp8 dot (cuBLASLt's fp8 GEMM
+  shape), scaled after it.
 - matmul_pallas: a Triton-lowered Pallas kernel modelled on gpu.py's `_kernel` (grid (N // bn, splits),
   rows padded to bm = max(16, next_pow2(M)), bk divides bk_s); `fuse_quant=True` quantizes x inside the
   kernel (bk == bk_s) instead of in XLA before it.
-- matmul_tiled: any number of rows, the checkpoint's layout: a GEMM tiled over rows and columns (grid
-  (M // bm, N // bn), rows fastest so a weight tile's programs share it through L2), x quantized by XLA
-  first; an experiment for more than 128 rows, off the model path until timed.
 
     python pallas_kernels/quantized/gpu_w8a8.py --check          # CPU: both paths against a NumPy oracle
     python pallas_kernels/quantized/gpu_w8a8.py --lower          # CPU: lower the kernel for CUDA (to Triton IR)
@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, next_pow2, pltriton, quiet_triton
 
-__all__ = ["quantize_rows", "matmul_xla", "matmul_dequant", "matmul_pallas", "matmul_tiled", "tiles", "FP8_MAX",
+__all__ = ["quantize_rows", "matmul_xla", "matmul_dequant", "matmul_pallas", "matmul_channel", "requantize_channels", "tiles", "FP8_MAX",
            "MAX_ROWS"]
 
 FP8 = jnp.float8_e4m3fn
@@ -146,6 +146,38 @@ def matmul_dequant(x, q, scale, block=(128, 128), layout: str = "kn"):
     k_axis = 0 if layout == "kn" else 1
     y = lax.dot_general(xd, wd, (((1,), (k_axis,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*lead, N)
+
+
+def requantize_channels(q, scale, block=(128, 128)):
+    """An FP8 block weight in the checkpoint's layout (q [N, K], scale [Nb, Kb]) requantized to one scale
+    per output channel: (q_ch [N, K] float8_e4m3fn, s_ch [N] float32), q_ch * s_ch[:, None] ~ the
+    dequantized weight (e4m3's exponent keeps each block's relative precision while the blocks' scales
+    within a row span less than ~2^8). For matmul_channel (quantize.Fp8ChannelWeight)."""
+    bks, bns = block
+    N, K = q.shape
+    full = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), bns, axis=0), bks, axis=1)[:N, :K]
+    w = q.astype(jnp.float32) * full
+    s = _scale_of(jnp.max(jnp.abs(w), axis=1))
+    # w / s as IEEE division: XLA rewrites a division by a broadcast into a product with the reciprocal,
+    # one ulp off, and the checkpoint's values (fp8 times block scales) often sit on e4m3 rounding ties
+    # after the division, where that ulp picks the other neighbour
+    s_full = lax.optimization_barrier(jnp.broadcast_to(s[:, None], w.shape))
+    return jnp.clip(w / s_full, -FP8_MAX, FP8_MAX).astype(FP8), s
+
+
+@jax.jit
+def matmul_channel(x, q_ch, s_ch):
+    """x [..., K] @ a per-channel FP8 weight (requantize_channels: q_ch [N, K], s_ch [N]) -> [..., N] in
+    x's dtype, W8A8 with one scale per row of x and per output channel (vLLM's dynamic per-token x
+    per-channel FP8): one fp8 x fp8 dot with float32 output, scaled after it -- the shape cuBLASLt's fp8
+    GEMM takes, where the checkpoint's K blocks need a scale inside the K loop: on an H100 it beats the
+    block form beyond 16 rows (scripts/bench_w8a8_chain.py "w8a8 channel"). A different quantization of
+    the target than the checkpoint's (its own numerics): quantize.Fp8ChannelWeight, `--w8a8 channel`."""
+    lead, M, K = _rows(x)
+    N = q_ch.shape[0]
+    xq, sx = quantize_rows(x.reshape(M, K), K)                                           # sx [M, 1]
+    y = lax.dot_general(xq, q_ch, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * sx * s_ch[None, :]).astype(x.dtype).reshape(*lead, N)
 
 
 def _kernel(x_ref, sx_ref, q_ref, s_ref, o_ref, *, bn: int, bk: int, steps: int, block, layout: str,
@@ -248,66 +280,6 @@ def matmul_pallas(x, q, scale, block=(128, 128), layout: str = "kn", *, bn: int 
         )(xin, sx, q, s2)
     y = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
     return y[:M].reshape(*lead, N)
-
-
-def _tiled_kernel(x_ref, sx_ref, q_ref, s_ref, o_ref, *, bn: int, bk: int, steps: int, block):
-    # grid (row blocks, N // bn), rows fastest: the programs of one weight tile run side by side and
-    # read it from L2. x_ref [bm, K] fp8 and sx_ref [bm, Kb] f32 (this program's rows), q_ref [N, K]
-    # fp8 and s_ref [Nb, Kb] f32 whole, o_ref [bm, bn] (this program's rows and columns).
-    j = pl.program_id(1)
-    n0 = pl.multiple_of(j * bn, bn)
-    bks, bns = block
-    nb = lax.div(n0, bns)
-
-    def k_step(kk, acc):
-        k0 = pl.multiple_of(kk * bk, bk)
-        kb = lax.div(k0, bks)
-        x = x_ref[:, pl.ds(k0, bk)]                                                         # [bm, bk] fp8
-        w = q_ref[pl.ds(n0, bn), pl.ds(k0, bk)]                                             # [bn, bk] fp8
-        d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc + d * sx_ref[:, pl.ds(kb, 1)] * s_ref[pl.ds(nb, 1), pl.ds(kb, 1)]
-
-    acc = lax.fori_loop(0, steps, k_step, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("block", "bm", "bn", "num_warps", "num_stages", "interpret"))
-def matmul_tiled(x, q, scale, block=(128, 128), *, bm: int = 128, bn: int = 128, num_warps: int = 8,
-                 num_stages: int = 3, interpret: bool = False):
-    """x [..., K] (any number of rows) @ the FP8 block weight in the checkpoint's layout (q [N, K],
-    scale [Nb, Kb]) -> [..., N] in x's dtype, W8A8 (x quantized by quantize_rows first) as a GEMM tiled
-    over rows and columns: a program per (bm rows, bn columns), the K blocks in its loop, each block's
-    fp8 x fp8 product scaled by its x and weight scales. An experiment for more than MAX_ROWS rows
-    (a B = 32 verify, a prefill), where matmul_dequant writes a bf16 copy of the weight; off the model
-    path until timed (scripts/bench_fp8_w8a8.py "w8a8 tiled")."""
-    lead, M, K = _rows(x)
-    N = q.shape[0]
-    _check(K, N, q, scale, block, "nk")
-    bks, bns = block
-    bk = bks
-    if N % bn or bns % bn or bk not in (32, 64, 128) or bm < 16 or bm & (bm - 1):
-        raise Unsupported(f"w8a8 tiled: K={K}, N={N}, block {block} do not tile by bm={bm}, bn={bn}")
-    rows = -(-M // bm) * bm
-    xin, sx = quantize_rows(x.reshape(M, K), bks)
-    if rows != M:
-        xin = jnp.pad(xin, ((0, rows - M), (0, 0)))
-        sx = jnp.pad(sx, ((0, rows - M), (0, 0)), constant_values=1.0)
-    kernel = functools.partial(_tiled_kernel, bn=bn, bk=bk, steps=K // bk, block=block)
-    whole2 = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0, 0))  # noqa: E731
-    s2 = scale.astype(jnp.float32)
-    with quiet_triton():
-        out = pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((rows, N), x.dtype),
-            grid=(rows // bm, N // bn),
-            in_specs=[pl.BlockSpec((bm, K), lambda i, j: (i, 0)), pl.BlockSpec((bm, sx.shape[1]), lambda i, j: (i, 0)),
-                      whole2(q), whole2(s2)],
-            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=interpret,
-            name="dflash_w8a8_tiled_gpu",
-        )(xin, sx, q, s2)
-    return out[:M].reshape(*lead, N)
 
 
 # ---------------------------------------------------------------------------------------------- checks
