@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "Fp8W8A8Weight", "Fp8ChannelWeight", "W8A8_SCHEMES", "check_w8a8", "to_w8a8", "check_quantize",
-           "quantize_int8", "quantize_target", "weight_bytes", "checkpoint_fp8_block", "fp8_weights", "concat_columns",
+__all__ = ["QUANTIZE", "QUANTIZED", "Int8Weight", "Fp8BlockWeight", "Fp8W8A8Weight", "Fp8ChannelWeight", "W8A8_SCHEMES",
+           "check_w8a8", "to_w8a8", "check_quantize", "quantize_int8", "quantize_target", "weight_bytes", "checkpoint_fp8_block", "fp8_weights", "concat_columns",
            "is_quantized", "is_fp8", "quantized_leaves", "mark", "quantize_draft"]
 
 QUANTIZE = ("int8", "int8+head")   # "int8+head": the untied LM head too (a tied one stays as loaded)
