@@ -348,7 +348,7 @@ def to_w8a8(model, scheme: str = "block"):
     grouped-matmul kernels read [E, K, N] fp8) and float weights stay as they are. The module is
     marked "w8a8" (its compile keys change with it: the numerics do). scheme "channel": each such
     weight requantized to one scale per output channel instead (Fp8ChannelWeight, marked
-    "w8a8-channel"; one device only for now). A target without FP8 block weights, or one whose K
+    "w8a8-channel"; on one device, placed after: sharding._place). A target without FP8 block weights, or one whose K
     blocking cannot group the activations, is a one-line ValueError. Returns the model."""
     check_w8a8(scheme)
     found = []
@@ -366,9 +366,9 @@ def to_w8a8(model, scheme: str = "block"):
     if scheme == "channel":
         spread = [name for name, p in found if len(getattr(getattr(p.get_value().q, "sharding", None),
                                                            "device_set", ())) > 1]
-        if spread:
-            raise ValueError(f"w8a8='channel' runs on one device for now: {spread[0]} is placed on a mesh "
-                             "(use w8a8='block' there)")
+        if spread:   # (load_target(mesh=, w8a8="channel") requantizes on one device, then places)
+            raise ValueError(f"w8a8='channel' requantizes on one device: {spread[0]} is already placed on a "
+                             "mesh (convert before placing: sharding.shard_model places the result)")
         converted = [(p, Fp8ChannelWeight.from_block(w)) for p, w in converted]
     for p, w in converted:
         p.set_value(w)

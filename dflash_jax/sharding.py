@@ -377,18 +377,19 @@ def layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
 
 def _place(model, mesh: Mesh, rules, transform=None):
     from flax import nnx
-    from dflash_jax.quantize import Fp8BlockWeight, Fp8ChannelWeight, Fp8W8A8Weight, Int8Weight, w8a8_weight
+    from dflash_jax.quantize import (Fp8BlockWeight, Fp8ChannelWeight, Fp8W8A8Weight, Int8Weight, _transpose,
+                                     w8a8_weight)
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         name = path_str(path)
         value = var.get_value()
-        if isinstance(value, Fp8ChannelWeight):
-            raise ValueError(f"{name}: W8A8 per channel (w8a8='channel') runs on one device for now; "
-                             "use w8a8='block' on a mesh")
         w8a8 = isinstance(value, Fp8W8A8Weight)
+        channel = isinstance(value, Fp8ChannelWeight)
         if w8a8:   # (placed as the [K, N] weight it is, then back to the checkpoint's orientation)
             value = value.kn()
+        if channel:   # (the same, its per-column scales as an int8 weight's: q [K, N], scale [N])
+            value = Int8Weight(value.q.T, value.scale)
         if transform is not None:   # (quantized weights, dflash_jax.quantize: their scales with q's columns)
             if isinstance(value, Int8Weight):
                 value = Int8Weight(transform(path, value.q), transform(path, value.scale))
@@ -402,6 +403,8 @@ def _place(model, mesh: Mesh, rules, transform=None):
         check_divisible(name, value.shape, spec, mesh)
         if isinstance(value, (Int8Weight, Fp8BlockWeight)):
             placed = _place_quantized(value, spec, mesh)
+            if channel:
+                placed = Fp8ChannelWeight(_transpose(placed.q), placed.scale)
             var.set_value(w8a8_weight(name, placed) if w8a8 else placed)
             continue
         var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))

@@ -194,9 +194,14 @@ def load_target(path_or_hub_id: str, dtype="bfloat16", *, mesh=None, quantize: s
     numerics than the default weight-only path, which keeps the activations in `dtype`); w8a8="channel":
     each weight requantized to one scale per output channel and x to one per row (quantize.Fp8ChannelWeight:
     one fp8 dot at every row count, faster than the block scheme beyond 16 rows on an H100; its own
-    numerics; one device); a target without FP8 weights is a one-line ValueError."""
+    numerics; with a mesh, requantized on one device and then placed, each scale with its column); a
+    target without FP8 weights is a one-line ValueError."""
     if w8a8:
         scheme = q8.check_w8a8("block" if w8a8 is True else w8a8)   # (before the load: a bad one reads nothing)
+        if scheme == "channel":   # (requantized on one device, then placed: scales with their columns)
+            m = sharding.as_mesh(mesh)
+            model = q8.to_w8a8(load_target(path_or_hub_id, dtype, quantize=quantize), scheme)
+            return model if m is None else _place_loaded(model, m)
         return q8.to_w8a8(load_target(path_or_hub_id, dtype, mesh=mesh, quantize=quantize), scheme)
     check_quantize(quantize)
     m = sharding.as_mesh(mesh)

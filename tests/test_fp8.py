@@ -390,3 +390,20 @@ def test_mesh_child_w8a8_checkpoint_on_2x2_equals_one_device(tmp_path):
                           ("down", layer.mlp.down[...], P(None, "model"))):
         assert isinstance(w, Fp8W8A8Weight) and w.q.sharding.spec == spec, (name, w, w.q.sharding.spec)
     _dflash_on_the_mesh_equals_one_device(one, target, layer.qkv[...].q.sharding.mesh)
+    # W8A8 per channel (--w8a8 channel --mesh 2x2): requantized on one device, then placed as an int8
+    # weight's columns would be (q [N, K] with its sharding transposed, the scales [N] with q's N)
+    from dflash_jax.quantize import Fp8ChannelWeight, to_w8a8
+    one = load_target(path, dtype="float32", w8a8="channel")
+    target = load_target(path, dtype="float32", mesh="2x2", w8a8="channel")
+    assert target.quantize == "fp8+w8a8-channel"
+    layer = target.layers[1]
+    for name, w, spec, s_spec in (("qkv", layer.qkv[...], P("model", None), P("model")),
+                                  ("o", layer.o[...], P(None, "model"), P()),
+                                  ("gate_up", layer.mlp.gate_up[...], P("model", None), P("model")),
+                                  ("down", layer.mlp.down[...], P(None, "model"), P())):
+        assert isinstance(w, Fp8ChannelWeight) and w.q.sharding.spec == spec, (name, w, w.q.sharding.spec)
+        assert tuple(w.scale.sharding.spec) in (tuple(s_spec), tuple(s_spec) + (None,)), (name, w.scale.sharding)
+    _dflash_on_the_mesh_equals_one_device(one, target, layer.qkv[...].q.sharding.mesh)
+    # converting a target already placed is refused in one line (it requantizes on one device)
+    with pytest.raises(ValueError, match=r"^w8a8='channel' requantizes on one device: layers/.* is already placed"):
+        to_w8a8(load_target(path, dtype="float32", mesh="2x2"), "channel")

@@ -136,7 +136,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the default weight-only path; DFlash stays lossless relative to them. --w8a8 channel: "
                         "the weights requantized to one scale per output channel and the activations to one "
                         "per row (FP8-dynamic): one fp8 GEMM at every row count, faster than the block scheme "
-                        "at B >= 8 on an H100; its own numerics; one device")
+                        "at B >= 8 on an H100; its own numerics")
     g.add_argument("--quantize-draft", default=None, choices=("int8",),
                    help="quantize the draft's layer weights at load too (default: off). Still lossless, but "
                         "an int8 draft may accept fewer tokens (BENCHMARKS.md, quantized targets)")
