@@ -362,7 +362,11 @@ def to_w8a8(model, scheme: str = "block"):
     if not found:
         raise ValueError("w8a8 needs an FP8 checkpoint (config.json quantization_config quant_method 'fp8'): "
                          "this target has no FP8 block-scaled layer weights")
-    converted = [(p, w8a8_weight(name, p.get_value())) for name, p in found]   # (all checked before any is set)
+    if scheme == "block":   # (all checked before any is set)
+        converted = [(p, w8a8_weight(name, p.get_value())) for name, p in found]
+    else:                   # (per channel: any K blocking, a ragged last block included)
+        converted = [(p, Fp8W8A8Weight(_transpose(p.get_value().q), _transpose(p.get_value().scale),
+                                       p.get_value().block)) for _, p in found]
     if scheme == "channel":
         spread = [name for name, p in found if len(getattr(getattr(p.get_value().q, "sharding", None),
                                                            "device_set", ())) > 1]

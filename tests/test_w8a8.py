@@ -346,10 +346,16 @@ def test_w8a8_channel_trained_pair_is_lossless_and_keeps_its_acceptance(trained_
     assert taus[0] > 2.0 and taus[1] >= 0.97 * taus[0], taus
 
 
-def test_w8a8_channel_bad_input_is_one_line(fp8_path, capsys):
+def test_w8a8_channel_bad_input_is_one_line(fp8_path, tmp_path, capsys):
     from dflash_jax.cli import generate as gen_cli
     with pytest.raises(ValueError, match=r"^w8a8='rows' is not a W8A8 scheme; supported: 'block', 'channel'$"):
         load_target(fp8_path, dtype="float32", w8a8="rows")
+    # (not bad input: per channel takes a K blocking the block scheme refuses, a ragged last block of K)
+    ragged = ck.write_fp8_target(str(tmp_path / "ragged"), block=(64, 64), seed=5, **SHAPES)   # intermediate 96
+    target = load_target(ragged, dtype="float32", w8a8="channel")
+    want = ck.fp8_dequantized_hf(ragged).model.layers[0].mlp.down_proj.weight.numpy()           # [out, in]
+    got = np.asarray(target.layers[0].mlp.down[...].dequantize()).T
+    np.testing.assert_allclose(got, want, rtol=2 ** -3, atol=float(np.abs(want).max()) * 2 ** -9)
     with pytest.raises(SystemExit) as e:
         gen_cli.main(["--model", fp8_path, "--draft", "none", "--w8a8", "rows", "--prompt-ids", "1,2"])
     _, err = capsys.readouterr()
