@@ -237,14 +237,18 @@ def test_w8a8_target_in_the_paged_slot_engine_equals_one_shot(w8a8_pair):
     assert max(a for w in want for a in w.acceptance_lengths[0]) >= 2
 
 
-def test_w8a8_target_speculative_sampling_matches_its_exact_distribution(w8a8_pair):
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_w8a8_target_speculative_sampling_matches_its_exact_distribution(w8a8_pair, fp8_pair_path, scheme):
     """Lossless in distribution relative to the target as run: the trained pair's target rewritten as
-    an FP8 checkpoint (w8a8_pair), run W8A8, DFlash sampling with its trained draft against the exact
-    joint of the first three tokens enumerated from the W8A8 target's own logits (test_sampling.py's
-    chi-square, p > 1e-4; half its samples), the setting with every filter."""
+    an FP8 checkpoint (w8a8_pair), run W8A8 (per K block, or per channel: --w8a8 channel), DFlash
+    sampling with its trained draft against the exact joint of the first three tokens enumerated from
+    the W8A8 target's own logits (test_sampling.py's chi-square, p > 1e-4; half its samples), the
+    setting with every filter."""
     from tests.test_quantize import _AsTransformers
     from tests.test_sampling import SEEDS, SETTINGS, _chi_square_p, _exact_joint, _sample_joint
     target, draft, prompts = w8a8_pair
+    if scheme == "channel":
+        target = load_target(fp8_pair_path, dtype="float32", w8a8="channel")
     prompt = prompts[0]
     temperature, top_p, top_k = SETTINGS["T0.6-topp0.95-topk20"]
     expected = _exact_joint(_AsTransformers(target), prompt, temperature, top_p, top_k)
