@@ -202,3 +202,13 @@ def test_bench_pages_smoke(tmp_path):
         assert fixed["tokens"] == paged["tokens"] > 0 and paged["kv_pages_total"] == 15, out
     assert rows[1]["peak_inflight"] > rows[0]["peak_inflight"], out    # the log-uniform run: seconds of samples
     assert out.count("paged / fixed-slot, requests in flight:") == 2 and "| paged | 8 |" in out, out
+
+
+def test_bench_quant_tau_smoke(tmp_path):
+    """bench_quant_tau.py on the embedded pair: the target as loaded and W8A8 per channel, one prompt, a row
+    each with DFlash lossless against the same target's plain greedy."""
+    out = _run(["scripts/bench_quant_tau.py", "--max-samples", "1", "--max-new-tokens", "6",
+                "--forms", "none,fp8-w8a8-channel"], tmp_path)
+    assert "| none | " in out and "| 1.000 | yes | 1.000 | 1 / 1 |" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("| fp8-w8a8-channel | "))
+    assert row.split(" | ")[3] == "yes", row
