@@ -6,7 +6,11 @@ int8), as an FP8 block-128 checkpoint loads (weight-only), and that FP8 checkpoi
 
 For each form, over the dataset's first --max-samples prompts (chat template applied, greedy, block 16):
   tau          DFlash's mean tokens per iteration (acceptance + 1)
-  lossless     DFlash's tokens equal the same quantized target's plain greedy decoding (must be yes)
+  lossless     rows whose DFlash tokens equal the same quantized target's plain greedy decoding: all of them
+               for float, int8 and FP8 weight-only targets; W8A8 rounds each activation to e4m3, so the
+               float32 rounding differences between a verify and a one-token step (and between batch
+               shapes: its plain decoding of a prompt alone differs from the same prompt's in a batch)
+               can flip a rounding and then a near-tied token, as bf16's do
   agree        the fraction of the reference target's greedy tokens this form reproduces before its
                first divergence (1.000: every row identical), averaged over rows
   same rows    rows whose whole greedy output equals the reference's
@@ -99,8 +103,9 @@ def main(argv=None) -> int:
             ref_tokens, ref_tau = plain.tokens, res.mean_tau
         agree = sum(agreement(g, w) for g, w in zip(plain.tokens, ref_tokens)) / len(prompts)
         same = sum(g == w for g, w in zip(plain.tokens, ref_tokens))
-        print(f"| {form} | {res.mean_tau:.3f} | {res.mean_tau / ref_tau:.3f} | "
-              f"{'yes' if res.tokens == plain.tokens else 'NO'} | {agree:.3f} | {same} / {len(prompts)} | "
+        equal = sum(g == w for g, w in zip(res.tokens, plain.tokens))
+        print(f"| {form} | {res.mean_tau:.3f} | {res.mean_tau / ref_tau:.3f} | {equal} / {len(prompts)} | "
+              f"{agree:.3f} | {same} / {len(prompts)} | "
               f"{time.perf_counter() - t0:.1f} |", flush=True)
     print(f"(agree / same rows against the first form, {forms[0]}: the target as loaded when it is 'none')")
     return 0

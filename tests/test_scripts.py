@@ -209,6 +209,6 @@ def test_bench_quant_tau_smoke(tmp_path):
     each with DFlash lossless against the same target's plain greedy."""
     out = _run(["scripts/bench_quant_tau.py", "--max-samples", "1", "--max-new-tokens", "6",
                 "--forms", "none,fp8-w8a8-channel"], tmp_path)
-    assert "| none | " in out and "| 1.000 | yes | 1.000 | 1 / 1 |" in out, out
+    assert "| none | " in out and "| 1.000 | 1 / 1 | 1.000 | 1 / 1 |" in out, out
     row = next(line for line in out.splitlines() if line.startswith("| fp8-w8a8-channel | "))
-    assert row.split(" | ")[3] == "yes", row
+    assert row.split(" | ")[3] == "1 / 1", row
