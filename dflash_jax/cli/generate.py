@@ -133,7 +133,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="an FP8 checkpoint's layer linears run W8A8: the activations quantized to fp8 per "
                         "128-column block at run time (the checkpoint's activation_scheme: dynamic) and "
                         "multiplied on fp8 tensor cores (CUDA; elsewhere XLA emulates it). Other numerics than "
-                        "the default weight-only path; DFlash stays lossless relative to them. --w8a8 channel: "
+                        "the default weight-only path, and not batch-invariant (like bf16: greedy DFlash may part from "
+                        "plain greedy at near-tied tokens; BENCHMARKS.md). --w8a8 channel: "
                         "the weights requantized to one scale per output channel and the activations to one "
                         "per row (FP8-dynamic): one fp8 GEMM at every row count, faster than the block scheme "
                         "at B >= 8 on an H100; its own numerics")
