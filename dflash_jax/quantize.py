@@ -284,6 +284,11 @@ class Fp8ChannelWeight:
     __getitem__ = Int8Weight.__getitem__
 
     @classmethod
+    def from_kn(cls, q_kn, scale) -> "Fp8ChannelWeight":
+        """From q in the [K, N] orientation (a placed one: its sharding transposed with it) and scale [N]."""
+        return cls(_transpose(q_kn), scale)
+
+    @classmethod
     def from_block(cls, w: "Fp8W8A8Weight") -> "Fp8ChannelWeight":
         from pallas_kernels.quantized import gpu_w8a8
         return cls(*gpu_w8a8.requantize_channels(w.q, w.scale, w.block))

@@ -377,8 +377,7 @@ def layout_for(cfg, tp: int, fused: bool) -> FusedLayout:
 
 def _place(model, mesh: Mesh, rules, transform=None):
     from flax import nnx
-    from dflash_jax.quantize import (Fp8BlockWeight, Fp8ChannelWeight, Fp8W8A8Weight, Int8Weight, _transpose,
-                                     w8a8_weight)
+    from dflash_jax.quantize import Fp8BlockWeight, Fp8ChannelWeight, Fp8W8A8Weight, Int8Weight, w8a8_weight
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
@@ -404,7 +403,7 @@ def _place(model, mesh: Mesh, rules, transform=None):
         if isinstance(value, (Int8Weight, Fp8BlockWeight)):
             placed = _place_quantized(value, spec, mesh)
             if channel:
-                placed = Fp8ChannelWeight(_transpose(placed.q), placed.scale)
+                placed = Fp8ChannelWeight.from_kn(placed.q, placed.scale)
             var.set_value(w8a8_weight(name, placed) if w8a8 else placed)
             continue
         var.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
