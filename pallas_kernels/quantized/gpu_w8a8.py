@@ -53,8 +53,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import Unsupported, next_pow2, pltriton, quiet_triton
 
-__all__ = ["quantize_rows", "matmul_xla", "matmul_dequant", "matmul_pallas", "matmul_channel", "requantize_channels", "tiles", "FP8_MAX",
-           "MAX_ROWS"]
+__all__ = ["quantize_rows", "matmul_xla", "matmul_dequant", "matmul_pallas", "matmul_channel", "requantize_channels",
+           "tiles", "FP8_MAX", "MAX_ROWS"]
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -127,6 +127,14 @@ def matmul_xla(x, q, scale, block=(128, 128), layout: str = "kn"):
     return y.astype(x.dtype).reshape(*lead, N)
 
 
+def _dequantized(q, scale, block, layout: str):
+    """The FP8 block weight q * its block's scale in float32, in q's own layout ("kn" or "nk")."""
+    bks, bns = block
+    rep = (bks, bns) if layout == "kn" else (bns, bks)                                  # q's axes' blocks
+    full = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), rep[0], axis=0), rep[1], axis=1)
+    return q.astype(jnp.float32) * full[:q.shape[0], :q.shape[1]]
+
+
 @functools.partial(jax.jit, static_argnames=("block", "layout"))
 def matmul_dequant(x, q, scale, block=(128, 128), layout: str = "kn"):
     """x [..., K] @ the FP8 block weight -> [..., N] in x's dtype, W8A8 numerics for many rows: x
@@ -139,24 +147,19 @@ def matmul_dequant(x, q, scale, block=(128, 128), layout: str = "kn"):
     bks, bns = block
     xq, sx = quantize_rows(x.reshape(M, K), bks)
     xd = (xq.astype(jnp.float32).reshape(M, K // bks, bks) * sx[..., None]).reshape(M, K).astype(x.dtype)
-    rep = (bks, bns) if layout == "kn" else (bns, bks)                                  # q's axes' blocks
-    full = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), rep[0], axis=0), rep[1], axis=1)
-    full = full[:q.shape[0], :q.shape[1]]
-    wd = (q.astype(jnp.float32) * full).astype(x.dtype)                                     # q's layout
+    wd = _dequantized(q, scale, block, layout).astype(x.dtype)                             # q's layout
     k_axis = 0 if layout == "kn" else 1
     y = lax.dot_general(xd, wd, (((1,), (k_axis,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*lead, N)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def requantize_channels(q, scale, block=(128, 128)):
     """An FP8 block weight in the checkpoint's layout (q [N, K], scale [Nb, Kb]) requantized to one scale
     per output channel: (q_ch [N, K] float8_e4m3fn, s_ch [N] float32), q_ch * s_ch[:, None] ~ the
     dequantized weight (e4m3's exponent keeps each block's relative precision while the blocks' scales
     within a row span less than ~2^8). For matmul_channel (quantize.Fp8ChannelWeight)."""
-    bks, bns = block
-    N, K = q.shape
-    full = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), bns, axis=0), bks, axis=1)[:N, :K]
-    w = q.astype(jnp.float32) * full
+    w = _dequantized(q, scale, block, "nk")
     s = _scale_of(jnp.max(jnp.abs(w), axis=1))
     # w / s as IEEE division: XLA rewrites a division by a broadcast into a product with the reciprocal,
     # one ulp off, and the checkpoint's values (fp8 times block scales) often sit on e4m3 rounding ties
