@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from dflash_jax import sharding
-from dflash_jax.kernel_config import KernelConfig
+from dflash_jax.kernel_config import GPU_PATHS, KernelConfig
 
 _log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def attend(q, k_cache, v_cache, k_end, kernels: KernelConfig, *, scale: float | 
 
 
 # the attention paths whose kernels read K/V through a page table (on one device)
-PAGE_READING_PATHS = ("pallas_tpu", "pallas_interpret", "pallas_gpu")
+PAGE_READING_PATHS = ("pallas_tpu", "pallas_interpret", "pallas_gpu", "pallas_gpu_interpret")
 
 
 def reads_pages(kernels: KernelConfig, mesh=None) -> bool:
@@ -139,7 +139,7 @@ def attend_paged(q, k_pool, v_pool, table, k_end, kernels: KernelConfig, *, scal
     """q [B,T,Hq,D] over page pools [N, Hkv, page, D] read through table [B, P] (dflash_jax.cache.
     PagedKVCache): pallas_kernels.block_attention_paged on the path of `kernels` (reads_pages)."""
     path = kernels.attention
-    impl = "gpu" if path == "pallas_gpu" else "tpu"
+    impl = "gpu" if path in GPU_PATHS else "tpu"
     tuning = kernels.gpu_attention_tuning() if impl == "gpu" else {}
     return pallas_kernels.block_attention_paged(q, k_pool, v_pool, table, k_end, impl=impl, scale=scale,
                                                 interpret=kernels.interpret or path == "pallas_interpret",

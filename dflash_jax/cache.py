@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflash_jax.kernel_config import GPU_PATHS
+
 
 @struct.dataclass
 class KVCache:
@@ -199,7 +201,10 @@ class PagedKVCache:
         """Layer i with k, v [B, T, Hkv, D] written at positions [start[b], start[b] + T). kernels
         (the program's resolved KernelConfig): on the TPU attention paths, off a mesh, the rows go
         into their pages through the Pallas page-write kernel (the pools aliased in/out, only the
-        touched pages moved: tpu_cache_write.write_kv_pages); otherwise XLA's page-wise write (_scatter)."""
+        touched pages moved: tpu_cache_write.write_kv_pages); on the GPU paths, off a mesh, through the
+        Triton page-write kernel (one kernel for K and V storing only the new rows, positions past the
+        table into the dummy page 0: gpu_cache_write.write_kv_pages); otherwise XLA's page-wise write
+        (_scatter)."""
         from dflash_jax import sharding
         if kernels is not None and kernels.attention in TPU_WRITE_PATHS and sharding.current_mesh() is None:
             from jax.experimental.pallas import tpu as pltpu
@@ -210,6 +215,15 @@ class PagedKVCache:
             try:
                 kp, vp = tpu_cache_write.write_kv_pages(self.k[i], self.v[i], k, v, start, self.layer_table(i),
                                                         interpret=interpret)
+                return self.replace(k=_put(self.k, i, kp), v=_put(self.v, i, vp))
+            except Unsupported:
+                pass
+        if kernels is not None and kernels.attention in GPU_PATHS and sharding.current_mesh() is None:
+            from pallas_kernels import Unsupported
+            from pallas_kernels.attention import gpu_cache_write
+            try:
+                kp, vp = gpu_cache_write.write_kv_pages(self.k[i], self.v[i], k, v, start, self.layer_table(i),
+                                                        interpret=kernels.attention == "pallas_gpu_interpret")
                 return self.replace(k=_put(self.k, i, kp), v=_put(self.v, i, vp))
             except Unsupported:
                 pass

@@ -411,11 +411,13 @@ def test_serve_flags_size_the_window_pool(windowed_dflash2, capsys):
 
 
 @pytest.mark.slow
-def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog):
-    """On the Pallas paths (here the TPU kernel in interpret mode) the layers scatter their rows into
-    the pools and the attention kernel reads them through the page table (no gathered view): a paged
-    run with a prefix hit gives one-shot generate's tokens and acceptance lengths (a random pair with
-    the kernel's head_dim 64)."""
+@pytest.mark.parametrize("attention, impl", [("pallas_interpret", "tpu"), ("pallas_gpu_interpret", "gpu")])
+def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog, attention, impl):
+    """On the Pallas paths (the TPU kernels, the GPU ones, each in interpret mode) the layers write
+    their rows into the pools with the path's page-write kernel and the attention kernel reads them
+    through the page table (no gathered view): a paged run with a prefix hit gives one-shot
+    generate's tokens and acceptance lengths (a random pair with the kernel's head_dim 64)."""
+    from pallas_kernels.attention import gpu_cache_write, tpu_cache_write
     import pallas_kernels
     from dflash_jax import KernelConfig
     from dflash_jax.config import DraftConfig, TargetConfig
@@ -424,10 +426,13 @@ def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog):
                        num_kv_heads=1, head_dim=64, rope_theta=10000.0)
     target = init_target(cfg, dtype="float32")
     draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), dtype="float32", target=target)
-    kernels = KernelConfig(attention="pallas_interpret")
+    kernels = KernelConfig(attention=attention)
     calls, real = [], pallas_kernels.block_attention_paged
     monkeypatch.setattr(pallas_kernels, "block_attention_paged",
                         lambda *a, **kw: calls.append(kw["impl"]) or real(*a, **kw))
+    writer = {"tpu": tpu_cache_write, "gpu": gpu_cache_write}[impl]
+    writes, real_write = [], writer.write_kv_pages
+    monkeypatch.setattr(writer, "write_kv_pages", lambda *a, **kw: writes.append(a[2].shape) or real_write(*a, **kw))
     first = prompt_of(50, 20)
     second = first[:17] + prompt_of(51, 5)
     eng = Slots(target, draft, slots=2, capacity=64, steps=K, kv_pages=24, page_size=16, kernels=kernels)
@@ -436,7 +441,8 @@ def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog):
     assert eng.pages.stats()["prefix_hits_tokens"] == 16
     want = generate(target, draft, [list(second)], max_new_tokens=12, capacity=64, verify_width="block")
     assert res.tokens == want.tokens[0] and res.acceptance_lengths == want.acceptance_lengths[0]
-    assert calls and set(calls) == {"tpu"}                       # every layer's attention read pages
+    assert calls and set(calls) == {impl}                        # every layer's attention read pages
+    assert writes                                                # the layers wrote them with the kernel
     assert "cannot take" not in caplog.text                      # and no kernel fell back to the gather
 
 

@@ -135,16 +135,28 @@ def test_tpu_paged_qkv_prologue_equals_the_dense_view(dtype, T, t0):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
 
 
-@pytest.mark.parametrize("T, page, dtype", [(16, 16, jnp.float32), (5, 16, jnp.bfloat16), (40, 16, jnp.bfloat16),
-                                            (16, 32, jnp.float32)])
-def test_tpu_page_write_kernel_interpret(T, page, dtype):
-    """tpu_cache_write.write_kv_pages (the TPU layer's rows into their pages, pools aliased) equals
-    XLA's page-wise write (dflash_jax.cache.PagedKVCache._scatter), including writes that start
-    inside a page, span pages, and run past the table (dropped)."""
-    from jax.experimental.pallas import tpu as pltpu
+def _page_writes_oracle(kp, k, start, table, page):
+    """NumPy: each position p = start[b] + t of row b into table[b, p // page] at p % page (past the
+    table: dropped)."""
+    want = np.asarray(kp, np.float32).copy()
+    B, T = k.shape[:2]
+    for b in range(B):
+        for t in range(T):
+            p = int(start[b]) + t
+            if p < table.shape[1] * page:
+                want[table[b, p // page], :, p % page] = np.asarray(k[b, t], np.float32)
+    return want
 
-    from dflash_jax.cache import PagedKVCache
-    from pallas_kernels.attention import tpu_cache_write
+
+@pytest.mark.parametrize("impl, T, page, dtype", [
+    ("tpu", 16, 16, jnp.float32), ("tpu", 5, 16, jnp.bfloat16), ("tpu", 40, 16, jnp.bfloat16), ("tpu", 16, 32, jnp.float32),
+    ("gpu", 16, 16, jnp.bfloat16), ("gpu", 1, 16, jnp.float32), ("gpu", 40, 16, jnp.float32), ("gpu", 16, 64, jnp.bfloat16)])
+def test_page_write_kernels_interpret(impl, T, page, dtype):
+    """tpu_cache_write.write_kv_pages and gpu_cache_write.write_kv_pages (a layer's rows into their
+    pages, pools aliased) against NumPy writing each position: writes that start inside a page, span
+    pages, and run past the table (dropped by the TPU kernel, stored into the dummy page 0 by the GPU
+    one: every page but 0 compared)."""
+    from pallas_kernels.attention import gpu_cache_write, tpu_cache_write
 
     B, Hkv, D, P = 4, 2, 128, 6
     N = B * P + 1
@@ -153,11 +165,14 @@ def test_tpu_page_write_kernel_interpret(T, page, dtype):
     start = jnp.asarray([0, page - 3, page * P - T // 2 - 1, 2 * page + 1], jnp.int32)
     kp, vp = (jnp.asarray(rng.standard_normal((N, Hkv, page, D)), dtype) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((B, T, Hkv, D)), dtype) for _ in range(2))
-    cache = PagedKVCache(k=(kp,), v=(vp,), lens=start, table=table, page_size=page)
-    want_k, want_v = cache._scatter(kp, k, start, table), cache._scatter(vp, v, start, table)
-    got_k, got_v = tpu_cache_write.write_kv_pages(kp, vp, k, v, start, table, interpret=pltpu.InterpretParams())
-    np.testing.assert_array_equal(np.asarray(got_k[1:], np.float32), np.asarray(want_k[1:], np.float32))
-    np.testing.assert_array_equal(np.asarray(got_v[1:], np.float32), np.asarray(want_v[1:], np.float32))
+    if impl == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        got_k, got_v = tpu_cache_write.write_kv_pages(kp, vp, k, v, start, table, interpret=pltpu.InterpretParams())
+    else:
+        got_k, got_v = jax.jit(lambda *a: gpu_cache_write.write_kv_pages(*a, interpret=True))(kp, vp, k, v, start, table)
+    for got, pool, new in ((got_k, kp, k), (got_v, vp, v)):
+        want = _page_writes_oracle(pool, new, np.asarray(start), np.asarray(table), page)
+        np.testing.assert_array_equal(np.asarray(got[1:], np.float32), want[1:])
 
 
 def test_xla_page_writes_equal_a_position_by_position_oracle():
@@ -174,13 +189,7 @@ def test_xla_page_writes_equal_a_position_by_position_oracle():
     start = np.asarray([0, page - 3, page * P - T // 2, 2 * page + 1], np.int32)
     kp, vp = (rng.standard_normal((N, Hkv, page, D)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((B, T, Hkv, D)).astype(np.float32) for _ in range(2))
-    want_k, want_v = kp.copy(), vp.copy()
-    for b in range(B):
-        for t in range(T):
-            p = int(start[b]) + t
-            if p < P * page:
-                want_k[table[b, p // page], :, p % page] = k[b, t]
-                want_v[table[b, p // page], :, p % page] = v[b, t]
+    want_k, want_v = _page_writes_oracle(kp, k, start, table, page), _page_writes_oracle(vp, v, start, table, page)
     cache = PagedKVCache(k=(jnp.asarray(kp),), v=(jnp.asarray(vp),), lens=jnp.asarray(start), table=jnp.asarray(table),
                          page_size=page)
     kernels = KernelConfig(attention="xla").resolve("cpu")
@@ -310,3 +319,11 @@ def test_gpu_paged_kernel_lowers_for_cuda(page):
     )(S((AOT_B, AOT_T, AOT_HQ, AOT_D), jnp.bfloat16), S((N, AOT_HKV, page, AOT_D), jnp.bfloat16),
       S((N, AOT_HKV, page, AOT_D), jnp.bfloat16), S((AOT_B, P), jnp.int32), S((AOT_B, AOT_T), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+    from pallas_kernels.attention import gpu_cache_write        # the page write, the pools aliased
+    kv = S((N, AOT_HKV, page, AOT_D), jnp.bfloat16)
+    exp = export.export(
+        jax.jit(gpu_cache_write.write_kv_pages, donate_argnums=(0, 1)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(kv, kv, S((AOT_B, AOT_T, AOT_HKV, AOT_D), jnp.bfloat16), S((AOT_B, AOT_T, AOT_HKV, AOT_D), jnp.bfloat16),
+      S((AOT_B,), jnp.int32), S((AOT_B, P), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module() and "dflash_write_kv_pages_gpu" in exp.mlir_module()
