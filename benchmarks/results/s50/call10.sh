@@ -5,12 +5,15 @@
 # one). Offline bench_engine as s49/call5 and s47/call2 (288 prompts of 128, 64-128 new, 32 slots, K = 4, tau 6.35
 # simulated), one process per tree, each with its own static B = 32 row: NEW (this tree: fixed rows, then paged with
 # the kernel), OLD (old/: the tree before the kernel, paged with XLA's write), then NEW with pages of 64 if time is left.
-# Stage: .clean as usual, plus .clean/old from the previous commit (dflash_jax pallas_kernels scripts), then
+# Stage: .clean as usual, plus .clean/old_files/{attention,cache}.py from the commit before the kernel (895ac4a~1; the
+# old tree is that copy of .clean: the device's carry limit), then
 # run(command="cd .clean && OUT=$OUT bash benchmarks/results/s50/call10.sh", timeout_s=590, carry=[".clean"])
 T0=$(date +%s); export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 FILTER="Warning\|^W0000\|^E0000\|^I0000\|^W1"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+rm -rf old && mkdir old && cp -r dflash_jax pallas_kernels scripts old/ && cp old_files/attention.py old_files/cache.py \
+  old/dflash_jax/ && rm old/pallas_kernels/attention/gpu_cache_write.py || exit 1
 elapsed() { echo $(( $(date +%s) - T0 )); }
 run() {   # NAME TREE PAGE_SIZE KV_PAGES
   local left=$(( 575 - $(elapsed) ))
