@@ -3,7 +3,7 @@
 # (--w8a8 channel, quantize.Fp8ChannelWeight) in the whole step, against bf16 and the block scheme in the same
 # process. The chain (call6) says per channel should take the B = 8 DFlash iteration below bf16 (its 128-row
 # verify's matmuls 4.98 against bf16's 6.41 ms, the block scheme's 10.94). B = 8 first (the decisive row),
-# then 32 (B = 1 left out: the device budget); one bench_gpu process per batch so a timeout keeps what ran.
+# alone (32 and 1 left out: the last 290 s of the device budget); one bench_gpu process per batch so a timeout keeps what ran.
 # run(command="cd .clean && OUT=$OUT bash benchmarks/results/s50/call11.sh", timeout_s=590, carry=[".clean"])
 T0=$(date +%s); export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -11,8 +11,8 @@ FILTER="Warning\|^W0000\|^E0000\|^I0000\|^W1"
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 TBS=3.043; grep -q H200 "$OUT/device.txt" && TBS=4.3
-for B in 8 32; do
-  left=$(( 440 - $(date +%s) + T0 ))
+for B in 8; do
+  left=$(( 270 - $(date +%s) + T0 ))
   [ $left -lt 120 ] && { echo "[s50 call11] B = $B skipped ($left s left)"; continue; }
   budget=$(( left > 260 ? 230 : left - 30 ))
   timeout -k 10 $(( budget + 20 )) python3 scripts/bench_gpu.py --sections quant \
