@@ -7,6 +7,7 @@ chat hits turn 1's prefix. Greedy, float32, the trained vocab-32 pair (acceptanc
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -416,16 +417,33 @@ def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog, 
     """On the Pallas paths (the TPU kernels, the GPU ones, each in interpret mode) the layers write
     their rows into the pools with the path's page-write kernel and the attention kernel reads them
     through the page table (no gathered view): a paged run with a prefix hit gives one-shot
-    generate's tokens and acceptance lengths (a random pair with the kernel's head_dim 64)."""
+    generate's tokens and acceptance lengths. TPU: a random pair with the kernel's head_dim 64. GPU:
+    the embedded trained pair (head_dim 64) on a HumanEval prompt, whose acceptance (>= 3 on the hit)
+    also proves the draft's context rows that the kernel wrote."""
     from pallas_kernels.attention import gpu_cache_write, tpu_cache_write
     import pallas_kernels
     from dflash_jax import KernelConfig
     from dflash_jax.config import DraftConfig, TargetConfig
     from dflash_jax.weights import init_draft, init_target
-    cfg = TargetConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=2,
-                       num_kv_heads=1, head_dim=64, rope_theta=10000.0)
-    target = init_target(cfg, dtype="float32")
-    draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), dtype="float32", target=target)
+    if impl == "gpu":
+        from dflash_jax.assets import default_pair
+        if default_pair() is None:
+            pytest.skip("this checkout carries no embedded pair")
+        from transformers import AutoTokenizer
+        tdir, ddir = default_pair()
+        target = load_target(tdir, dtype="float32")
+        draft = load_draft(ddir, target=target, dtype="float32")
+        with open(os.path.join(os.path.dirname(__file__), "..", "dflash_jax", "datasets", "humaneval.jsonl")) as f:
+            text = json.loads(f.readlines()[3])["prompt"]
+        first = tuple(AutoTokenizer.from_pretrained(tdir)(text)["input_ids"])      # 132 tokens
+        second, cap, new = first[:-5], 256, 48
+    else:
+        cfg = TargetConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=64, rope_theta=10000.0)
+        target = init_target(cfg, dtype="float32")
+        draft = init_draft(DraftConfig.for_target(cfg, num_layers=1, block_size=4), dtype="float32", target=target)
+        first = prompt_of(50, 20)
+        second, cap, new = first[:17] + prompt_of(51, 5), 64, 12
     kernels = KernelConfig(attention=attention)
     calls, real = [], pallas_kernels.block_attention_paged
     monkeypatch.setattr(pallas_kernels, "block_attention_paged",
@@ -433,14 +451,15 @@ def test_pallas_kernels_read_the_pages_and_change_no_token(monkeypatch, caplog, 
     writer = {"tpu": tpu_cache_write, "gpu": gpu_cache_write}[impl]
     writes, real_write = [], writer.write_kv_pages
     monkeypatch.setattr(writer, "write_kv_pages", lambda *a, **kw: writes.append(a[2].shape) or real_write(*a, **kw))
-    first = prompt_of(50, 20)
-    second = first[:17] + prompt_of(51, 5)
-    eng = Slots(target, draft, slots=2, capacity=64, steps=K, kv_pages=24, page_size=16, kernels=kernels)
+    eng = Slots(target, draft, slots=2, capacity=cap, steps=K, kv_pages=2 * cap // 16 + 1, page_size=16,
+                kernels=kernels)
     eng.run([RowRequest(prompt=first, max_new=8)])
-    res = eng.run([RowRequest(prompt=second, max_new=12)])[0]
-    assert eng.pages.stats()["prefix_hits_tokens"] == 16
-    want = generate(target, draft, [list(second)], max_new_tokens=12, capacity=64, verify_width="block")
+    res = eng.run([RowRequest(prompt=second, max_new=new)])[0]
+    assert eng.pages.stats()["prefix_hits_tokens"] == (len(second) - 1) // 16 * 16
+    want = generate(target, draft, [list(second)], max_new_tokens=new, capacity=cap, verify_width="block")
     assert res.tokens == want.tokens[0] and res.acceptance_lengths == want.acceptance_lengths[0]
+    if impl == "gpu":
+        assert np.mean(res.acceptance_lengths) >= 3          # 3.92: the drafts read their context rows
     assert calls and set(calls) == {impl}                        # every layer's attention read pages
     assert writes                                                # the layers wrote them with the kernel
     assert "cannot take" not in caplog.text                      # and no kernel fell back to the gather
