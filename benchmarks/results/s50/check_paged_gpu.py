@@ -1,7 +1,7 @@
 """Prepared in session 50 for the next device session (issue 56, not yet run): the GPU page-write kernel
 (pallas_kernels/attention/gpu_cache_write.py) and the paged attention compiled by Triton on a real GPU, where the
 test suite runs them only interpreted (tests/test_paged.py::test_pallas_kernels_read_the_pages_and_change_no_token,
-a random pair that accepts nothing). Here the embedded trained pair (head_dim 64, the GPU kernels' own) in float32 on
+one prompt). Here the embedded trained pair (head_dim 64, the GPU kernels' own) in float32 on
 the "pallas_gpu" path: HumanEval prompts through a paged slot engine, each second request sharing the first's
 prompt prefix (a prefix hit), against one-shot generate on the dense cache: tokens and acceptance lengths equal, so
 both the target's rows and the draft's context rows written by the kernel are right. Exits 1 on a mismatch.
