@@ -17,8 +17,9 @@ Two storages behind one interface:
   window a mask, not a ring).
 
 Interface (both): `layer_kv(i)` the layer's K/V as dense [B, Hkv, C, D] views (a paged layer's is a
-gather of its rows' pages: on every backend the attention kernels read that view; reading pages in
-the kernels themselves is left to do), `set_layer(i, k, v, lo, rows)` the layer after a forward
+gather of its rows' pages, what the XLA path and meshes attend over; on the Pallas TPU and GPU paths
+off a mesh the layers instead write their rows with `write_rows` and the attention kernel reads the
+pools through the table: dflash_jax.attention.reads_pages), `set_layer(i, k, v, lo, rows)` the layer after a forward
 wrote rows [lo, lo + rows) of each row into those views (a paged layer scatters back only the
 pages those rows touch), `write_rows(i, k, v, start)` new rows written directly, `lens`,
 `capacity` (positions per row).
