@@ -186,13 +186,16 @@ def windowed_dflash2(trained_pair, tmp_path_factory):
 
 
 def test_windowed_dflash2_prefix_hit_gives_the_cold_tokens_and_acceptance(windowed_dflash2):
-    """The DFlash2 draft with window-6 sliding layers and a selector: in pages its sliding layers
-    keep every row (the window a mask), so a hit restores their context as well."""
+    """The DFlash2 draft with window-6 sliding layers and a selector, without a window pool
+    (window_pages=0, `--kv-window-pages 0`): in the main pages its sliding layers keep every row (the
+    window a mask), so a hit restores their context as well. (The window pool, the default: the
+    next test.)"""
     d = windowed_dflash2
     target, draft = d["target"], d["draft"]
     first = tuple(d["prompts"][0])
     second = first[:8] + tuple(d["prompts"][1][:6])
-    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE)
+    eng = Slots(target, draft, slots=2, capacity=CAP, steps=K, kv_pages=60, page_size=PAGE, window_pages=0)
+    assert eng.wpages is None
     eng.run([RowRequest(prompt=first, max_new=12)])
     res = eng.run([RowRequest(prompt=second, max_new=20)])[0]
     assert eng.pages.stats()["prefix_hits_tokens"] >= 8
