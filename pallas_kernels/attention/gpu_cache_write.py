@@ -9,9 +9,8 @@ The same pools as `dflash_jax.cache.PagedKVCache`'s XLA write (`_scatter`), exce
 drops a position past the table (p // page >= P): here it lands in page 0, the dummy page that the
 allocator never hands out and no row reads (`dflash_jax.serving.pages`), so every store is
 unconditional. Why a kernel: XLA's page-wise write is a gather of the pages the block touches, a
-row update and a scatter back, for K and for V of every layer (the paged step ran 53% more kernels
-and 14% more busy time than the fixed rows' step on the H100, docs/perf-log.md "Session 47"); this is
-one kernel per layer that moves only the new rows.
+row update and a scatter back, for K and for V of every layer; this is one kernel per layer that
+moves only the new rows.
 
 Grid (B, Hkv, T / bt): a program stores bt rows of one kv head of one batch row, each row to its own
 page and offset (a scatter store of [bt, D]; bt the largest power of two <= 16 dividing T, since
