@@ -207,24 +207,18 @@ class PagedKVCache:
         table into the dummy page 0: gpu_cache_write.write_kv_pages); otherwise XLA's page-wise write
         (_scatter)."""
         from dflash_jax import sharding
-        if kernels is not None and kernels.attention in TPU_WRITE_PATHS and sharding.current_mesh() is None:
-            from jax.experimental.pallas import tpu as pltpu
+        if kernels is not None and kernels.attention in TPU_WRITE_PATHS + GPU_PATHS and sharding.current_mesh() is None:
+            from pallas_kernels import Unsupported
+            if kernels.attention in GPU_PATHS:
+                from pallas_kernels.attention import gpu_cache_write as writer
+                interpret = kernels.interpret
+            else:
+                from jax.experimental.pallas import tpu as pltpu
 
-            from pallas_kernels import Unsupported
-            from pallas_kernels.attention import tpu_cache_write
-            interpret = pltpu.InterpretParams() if kernels.interpret else False
+                from pallas_kernels.attention import tpu_cache_write as writer
+                interpret = pltpu.InterpretParams() if kernels.interpret else False
             try:
-                kp, vp = tpu_cache_write.write_kv_pages(self.k[i], self.v[i], k, v, start, self.layer_table(i),
-                                                        interpret=interpret)
-                return self.replace(k=_put(self.k, i, kp), v=_put(self.v, i, vp))
-            except Unsupported:
-                pass
-        if kernels is not None and kernels.attention in GPU_PATHS and sharding.current_mesh() is None:
-            from pallas_kernels import Unsupported
-            from pallas_kernels.attention import gpu_cache_write
-            try:
-                kp, vp = gpu_cache_write.write_kv_pages(self.k[i], self.v[i], k, v, start, self.layer_table(i),
-                                                        interpret=kernels.attention == "pallas_gpu_interpret")
+                kp, vp = writer.write_kv_pages(self.k[i], self.v[i], k, v, start, self.layer_table(i), interpret=interpret)
                 return self.replace(k=_put(self.k, i, kp), v=_put(self.v, i, vp))
             except Unsupported:
                 pass
