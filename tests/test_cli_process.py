@@ -80,8 +80,9 @@ def test_plain_install_runs_a_chat_prompt(chat_target, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
-    pip = subprocess.run([py, "-m", "pip", "install", "-q", "-e", REPO], capture_output=True, text=True,
-                         timeout=1800)
+    # --no-compile: byte-compiling every installed package was half of this test (CI time)
+    pip = subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile", "-e", REPO], capture_output=True,
+                         text=True, timeout=1800)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = {k: v for k, v in _env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     probe = subprocess.run([py, "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"],

@@ -782,7 +782,7 @@ def test_gmm_kernel_compiles_for_tpu(topology, rows, weights):
 
 @pytest.mark.slow
 @tpu_aot.requires_libtpu
-@pytest.mark.parametrize("chip,quantize", [("v5e-8", None), ("v6e-4", None), ("v5e-4", "int8")])
+@pytest.mark.parametrize("chip,quantize", [("v5e-8", None), ("v5e-4", "int8")])   # (v6e-4 bf16: CI time)
 def test_coder_iteration_compiles_for_tpu_meshes_and_fits(chip, quantize):
     """scripts/tpu_moe_aot.py reduced: Qwen3-Coder-30B-A3B at 1 and 2 layers (+ a 1-layer draft),
     the DFlash iteration on a 1 x chips mesh (experts over 'model') through the TPU compiler. Two

@@ -171,23 +171,23 @@ def test_ideal_per_chip_is_a_quarter_of_the_weights_and_kv_plus_the_collectives(
 @tpu_aot.requires_libtpu
 def test_v5p_batched_iteration_fused_mlp_keeps_its_intermediates_off_hbm():
     """v5p, B=32 (512 rows a pass): KernelConfig(tpu_mlp=True) takes the MLP blocks' bytes off HBM,
-    the fused weight given to the kernel twice is charged once, and no q relayout copy is left."""
+    the fused weight given to the kernel twice is charged once, and no q relayout copy is left.
+    (One compile, with the kernel: the program without it moved 0.375 GB of activations, this one
+    0.237, and its compile was 12-17 s of CI; the bound below sits between them.)"""
     from dflash_jax import DraftConfig, KernelConfig, TargetConfig, decode
     tc = dataclasses.replace(TargetConfig.preset("qwen3-8b"), num_layers=2)
     dc = DraftConfig.for_target(tc, num_layers=1, block_size=16, mask_token_id=tc.vocab_size - 1,
                                 target_layer_ids=(0, 1))
-    out = {}
-    for mlp in (False, True):
-        comp = decode.lower_iteration(tc, dc, batch=32, prompt_len=512, capacity=1024,
-                                      kernels=KernelConfig(attention="pallas_tpu", tpu_mlp=mlp),
-                                      device=tpu_aot.tpu_device("v5p:2x2x1")).compile()
-        out[mlp] = tpu_bytes.breakdown(comp)
+    comp = decode.lower_iteration(tc, dc, batch=32, prompt_len=512, capacity=1024,
+                                  kernels=KernelConfig(attention="pallas_tpu", tpu_mlp=True),
+                                  device=tpu_aot.tpu_device("v5p:2x2x1")).compile()
+    s = tpu_bytes.breakdown(comp)
     ideal = tpu_bytes.ideal_bytes(tc, dc, draft=True, batch=32, capacity=1024)
-    s = out[True]
     assert abs(s["model_total"] / s["compiler_bytes_accessed"] - 1) < 0.05
     assert s["kinds_hbm"]["weights"] <= 1.02 * (ideal["target_layers"] + ideal["draft"])
-    # three layers' MLP blocks: >= 3 x 40 MB of [512, 2I] intermediates and normed rows fewer
-    assert s["kinds_hbm"]["activations"] < out[False]["kinds_hbm"]["activations"] - 0.12e9
+    # three layers' MLP blocks: without the kernel >= 3 x 40 MB more of [512, 2I] intermediates and
+    # normed rows (0.375 GB in all)
+    assert s["kinds_hbm"]["activations"] < 0.375e9 - 0.12e9
     assert s["kinds_hbm"]["copies"] < 0.02e9
 
 

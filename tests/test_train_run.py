@@ -160,8 +160,8 @@ def test_learning_raises_real_tau_and_overfit_gate(tmp_path):
     untrained = _mean_tau(target, init_draft(dcfg, seed=0, dtype="float32"), held_out, 40)
     sk = dict(num_anchors=16, compute_dtype="float32", lr=3e-3, chunk_blocks=8)
     res = train(target, init_draft(dcfg, seed=0, dtype="float32"), data,
-                run=RunConfig(out_dir=str(tmp_path / "run"), batch_size=16, epochs=50, max_steps=300,
-                              log_every=50, save_every=10_000, progress=False, eval_every=150,
+                run=RunConfig(out_dir=str(tmp_path / "run"), batch_size=16, epochs=50, max_steps=200,
+                              log_every=50, save_every=10_000, progress=False, eval_every=100,
                               eval_prompts=held_out[:2], eval_max_new_tokens=24), **sk)
     trained = _mean_tau(target, res.draft(), held_out, 40)
     print(f"untrained tau {untrained:.2f}, trained tau {trained:.2f}, final loss {res.metrics[-1]}")
@@ -170,9 +170,10 @@ def test_learning_raises_real_tau_and_overfit_gate(tmp_path):
 
     few = TokenData(data.tokens[:10], data.loss_mask[:10])
     fit = train(target, init_draft(dcfg, seed=0, dtype="float32"), few,
-                run=RunConfig(out_dir=str(tmp_path / "overfit"), batch_size=10, epochs=300, max_steps=150,
+                run=RunConfig(out_dir=str(tmp_path / "overfit"), batch_size=10, epochs=300, max_steps=100,
                               log_every=100, save_every=10_000, progress=False), **dict(sk, num_anchors=40))
-    # 150 steps: tau 7.80 of 8, as at 300 (CI time; the gate asks 6.8)
+    # 100 steps: tau 7.80 of 8, as at 150 and 300 (CI time; the gate asks 6.8); the run above: 200 steps
+    # give tau 4.52 against the untrained 1.04 (300 gave 4.95; the test asks 3.5x)
     gate = _mean_tau(target, fit.draft(), [prompts[i] for i in range(10)], 40)
     print(f"overfit gate: tau {gate:.2f} of {S} on the 10 training prompts")
     assert gate >= 0.85 * S, gate
