@@ -50,8 +50,6 @@ __all__ = ["Request", "Tokens", "Finished", "RequestStats", "EngineStats", "Hand
            "RequestError", "QueueFull", "EngineClosed", "FINISH_REASONS"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-# how long the slot engine's thread waits at a time for an arrival (SlotEngine._await_refill)
-ARRIVAL_POLL_S = 0.001
 
 
 # ----------------------------------------------------------------------------------------- requests
@@ -555,7 +553,7 @@ class SlotEngine(_EngineCore):
                  warmup_prompt_len: int | tuple[int, int] = 0, pipeline: int = 1, step_buckets="auto",
                  verify_width=None, kv_pages: int | None = None, page_size: int = 16, prefix_cache: bool = True,
                  window_pages: int | str = "auto",
-                 wrap: Callable[[Slots], Any] | None = None, refill_wait_s: float = 0.003):
+                 wrap: Callable[[Slots], Any] | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.slots = Slots(target, draft, slots=slots, capacity=capacity, block_size=block_size, steps=steps,
@@ -581,12 +579,8 @@ class SlotEngine(_EngineCore):
             hi = min(hi, self.max_model_len - 1)
             lengths = sorted({min(self.slots.prompt_bucket(n), hi) for n in range(max(1, lo), hi + 1)})
             self.slots.warmup(lengths, ("greedy",))
-        if not isinstance(refill_wait_s, (int, float)) or not 0 <= refill_wait_s <= 1:
-            raise ValueError(f"refill_wait_s must be seconds in [0, 1], got {refill_wait_s!r}")
-        self.refill_wait_s = float(refill_wait_s)
         self._running: dict[int, Handle] = {}          # slot -> handle
         self._admissions = itertools.count()           # admission order (the newest is preempted first)
-        self._arrivals = 0                             # requests submitted so far
         self._start("dflash-slot-engine")
 
     def _page_stats(self) -> dict:
@@ -616,30 +610,7 @@ class SlotEngine(_EngineCore):
     def _running_handles(self) -> list[Handle]:
         return list(self._running.values())
 
-    def submit(self, request: Request) -> Handle:
-        h = super().submit(request)
-        with self._cv:
-            self._arrivals += 1
-            self._cv.notify()
-        return h
-
     # worker ------------------------------------------------------------------------------------
-    def _await_refill(self, pipe: Pipeline, ended: int, arrivals: int) -> None:
-        """After a read that ended `ended` requests (their slots free; `arrivals`: the arrivals count
-        before it), wait up to refill_wait_s for as many new requests, while the device still runs
-        the step dispatched last: a client that sends its next request as its last one ends (a
-        closed loop, the c = 32 benchmark's) then joins the next step instead of the one after it,
-        and the wait is hidden behind the running step (it ends when that step does)."""
-        deadline = time.perf_counter() + self.refill_wait_s
-        while True:
-            with self._cv:
-                if self._closed or self._arrivals - arrivals >= ended:
-                    return
-                left = deadline - time.perf_counter()
-                if left <= 0 or not pipe.device_busy():
-                    return
-                self._cv.wait(min(left, ARRIVAL_POLL_S))
-
     def _row(self, h: Handle) -> RowRequest:
         """h's row: its prompt, or after a preemption its prompt and the tokens it has delivered
         (recomputed: greedy rows continue exactly; sampled ones stay exact in distribution)."""
@@ -804,13 +775,7 @@ class SlotEngine(_EngineCore):
                 if any(h.request.grammar is not None for h in busy.values()):
                     pipe.drain()           # the next step's masks need this one's commits and drafts
                 else:
-                    with self._cv:
-                        running, arrivals = len(self._running), self._arrivals
                     pipe.read(stepped=bool(busy))
-                    with self._cv:
-                        ended = running - len(self._running)
-                    if ended > 0 and busy and self.refill_wait_s > 0:
-                        self._await_refill(pipe, ended, arrivals)
             except Exception as e:  # noqa: BLE001  (a failed step: see _fail_running)
                 pipe.clear()
                 self._fail_running(free, e)

@@ -991,11 +991,6 @@ class Pipeline:
         while self._inflight and self._inflight[0][0] == "insert":
             self._read(self._inflight.popleft())
 
-    def device_busy(self) -> bool:
-        """Whether the device still runs the newest dispatch (its results are not all ready)."""
-        return bool(self._inflight) and not all(x.is_ready() for x in self._inflight[-1][1]
-                                                if isinstance(x, jax.Array))
-
     def steps_in_flight(self, slot: int, owner) -> int:
         """Steps dispatched for `owner` in `slot` and not read yet."""
         return sum(1 for kind, _, who, _ in self._inflight if kind == "step" and who.get(slot) == owner)
