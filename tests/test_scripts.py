@@ -143,6 +143,17 @@ def test_bench_engine_table_and_breakdown_smoke(tmp_path):
     assert "| engine step, bucket 1 | 1 |" in out, out
 
 
+def test_bench_http_smoke(tmp_path):
+    """bench_http.py: the server's own app over its null engine, streamed to by load_test's clients; every
+    request gets its max_tokens (the script exits non-zero otherwise) and the row prints its host cost."""
+    out = _run(["scripts/bench_http.py", "--http", "h11", "--loop", "asyncio", "--concurrency", "4",
+                "--requests", "12", "--max-tokens", "30", "--tokens-per-step", "7"], tmp_path, timeout=300)
+    row = [ln for ln in out.splitlines() if ln.startswith("| h11 | asyncio | 4 |")]
+    assert len(row) == 1, out
+    tok_s, chunks_s, cpu_per_1k = (float(c.replace(",", "")) for c in row[0].split("|")[4:7])
+    assert tok_s > 0 and chunks_s > 0 and cpu_per_1k > 0
+
+
 def test_bench_moe_smoke(tmp_path):
     """scripts/bench_moe.py (issue 36's H200 run) with tiny MoE shapes: every section prints its rows."""
     out = _run(["scripts/bench_moe.py", "--smoke", "--out", str(tmp_path)], tmp_path)
