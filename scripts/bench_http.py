@@ -96,6 +96,19 @@ def serve(args) -> int:
     return 0
 
 
+def _cpu_model() -> str:
+    """The host CPU's model name (Linux /proc/cpuinfo; else platform's word for it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown CPU"
+
+
 def _cpu_s(pid: int) -> float:
     """utime + stime of every thread of process pid, seconds (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -130,7 +143,7 @@ def main(argv=None) -> int:
     jobs = [([int(t) for t in rng.integers(1, 1000, args.prompt_len)], args.max_tokens) for _ in range(args.requests)]
     print(f"[bench_http] null engine: {args.slots} slots, {args.tokens_per_step} tokens a request a step, step "
           f"period {args.step_ms} ms; {args.requests} requests of {args.prompt_len} prompt tokens, "
-          f"{args.max_tokens} tokens each; {os.cpu_count()} CPUs", flush=True)
+          f"{args.max_tokens} tokens each; host: {_cpu_model()}, {os.cpu_count()} CPUs", flush=True)
     print("| http | loop | clients | tokens/s | chunks/s | server CPU s / 1k tokens | server CPU % |")
     print("|---|---|---|---|---|---|---|")
     for http in args.http.split(","):
