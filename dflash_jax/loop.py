@@ -827,18 +827,21 @@ def to_host(tree):
     return jax.tree.map(get, tree)
 
 
-def row_settings(rows: list[dict]) -> dict:
+def row_settings(rows: list[dict], host: bool = False) -> dict:
     """Params' per-row fields from one dict per batch row (max_new, temperature, top_k, top_p,
     stop_ids: a list of at most MAX_STOP_IDS ids, seed, rng_row; optional: penalties.row_fields'
-    keys), as numpy-backed device arrays."""
+    keys), as numpy-backed device arrays; host: as the numpy arrays themselves (a compiled
+    program's call moves them to the device with its other arguments, where each jnp.asarray is
+    an eager op of its own: the slot engine's prefills)."""
     stop_ids = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
     for i, r in enumerate(rows):
         stop_ids[i, :len(r["stop_ids"])] = r["stop_ids"]
-    col = lambda k, dt: jnp.asarray(np.array([r[k] for r in rows], dt))             # noqa: E731
+    put = np.asarray if host else jnp.asarray
+    col = lambda k, dt: put(np.array([r[k] for r in rows], dt))             # noqa: E731
     return dict(max_new=col("max_new", np.int32), temperature=col("temperature", np.float32),
-                top_k=col("top_k", np.int32), top_p=col("top_p", np.float32), stop_ids=jnp.asarray(stop_ids),
+                top_k=col("top_k", np.int32), top_p=col("top_p", np.float32), stop_ids=put(stop_ids),
                 seed=col("seed", np.uint32), rng_row=col("rng_row", np.uint32),
-                **{k: jnp.asarray(v) for k, v in penalties.row_fields(rows).items()})
+                **{k: put(v) for k, v in penalties.row_fields(rows).items()})
 
 
 def compiled(st: Static, tstate, dstate, p) -> tuple[Any, float]:

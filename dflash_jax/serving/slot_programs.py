@@ -373,8 +373,8 @@ class SlotPrograms:
     def params(self, prompt, prompt_lens, active, settings: list[dict], **fields) -> Params:
         """An insert's Params on the mesh: prompt [W, bucket], prompt_lens [W], active [W] (host
         arrays), one loop.row_settings dict per row, and any further Params fields."""
-        p = Params(prompt=jnp.asarray(prompt), prompt_lens=jnp.asarray(prompt_lens), active=jnp.asarray(active),
-                   **row_settings(settings), **fields)
+        p = Params(prompt=np.asarray(prompt), prompt_lens=np.asarray(prompt_lens), active=np.asarray(active),
+                   **row_settings(settings, host=True), **fields)
         return params_on_mesh(p, self.mesh)
 
     def idle_params(self, batch: int, prompt_bucket: int, **fields) -> Params:
