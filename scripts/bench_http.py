@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
+import signal
 import sys
 import threading
 import time
@@ -91,7 +91,9 @@ def serve(args) -> int:
 
     from dflash_jax.serving.server import build_app
     app = build_app(null_engine(args.slots, args.tokens_per_step, args.step_ms), None, model_name="null")
-    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning", http=args.http,
+    for sig in (signal.SIGTERM, signal.SIGINT):     # uvicorn re-raises the signal that stopped it: exit 0
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=args.http,
                                   loop=args.loop, lifespan="off")).run()
     return 0
 
@@ -127,18 +129,15 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--tokens-per-step", type=int, default=12, help="tokens a request gets per step (K x tau)")
     p.add_argument("--step-ms", type=float, default=0.0, help="step period (0: as fast as the host goes)")
-    p.add_argument("--port", type=int, default=None, help="the server's port (default: a free one)")
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the child
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the child (load_test.Server's)
+    p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
         return serve(args)
 
-    import urllib.request
-
     import numpy as np
-    from load_test import _free_port, run_load
-    if args.port is None:
-        args.port = _free_port()
+    from load_test import Server, run_load
     rng = np.random.default_rng(0)
     jobs = [([int(t) for t in rng.integers(1, 1000, args.prompt_len)], args.max_tokens) for _ in range(args.requests)]
     print(f"[bench_http] null engine: {args.slots} slots, {args.tokens_per_step} tokens a request a step, step "
@@ -148,24 +147,15 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for http in args.http.split(","):
         for loop in args.loop.split(","):
-            child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--http", http, "--loop", loop,
-                                      "--port", str(args.port), "--slots", str(args.slots),
-                                      "--tokens-per-step", str(args.tokens_per_step), "--step-ms", str(args.step_ms)])
-            url = f"http://127.0.0.1:{args.port}"
+            server = Server(["--http", http, "--loop", loop, "--slots", str(args.slots), "--tokens-per-step",
+                             str(args.tokens_per_step), "--step-ms", str(args.step_ms)], 60.0, None,
+                            cmd=[os.path.abspath(__file__), "--serve"])
             try:
-                for _ in range(300):
-                    try:
-                        urllib.request.urlopen(url + "/health", timeout=2)
-                        break
-                    except OSError:
-                        if child.poll() is not None:
-                            raise SystemExit(f"the server ({http}, {loop}) exited with {child.returncode}")
-                        time.sleep(0.2)
-                run_load(url, "null", jobs[:8], concurrency=8)                 # warm-up
+                run_load(server.url, "null", jobs[:8], concurrency=8)                 # warm-up
                 for c in [int(x) for x in args.concurrency.split(",")]:
-                    cpu0 = _cpu_s(child.pid)
-                    recs, wall = run_load(url, "null", jobs, concurrency=c)
-                    cpu = _cpu_s(child.pid) - cpu0
+                    cpu0 = _cpu_s(server.proc.pid)
+                    recs, wall = run_load(server.url, "null", jobs, concurrency=c)
+                    cpu = _cpu_s(server.proc.pid) - cpu0
                     bad = [r["error"] for r in recs if r["error"] is not None]
                     if bad:
                         raise SystemExit(f"{len(bad)} requests failed ({http}, {loop}): {bad[0]}")
@@ -174,8 +164,7 @@ def main(argv=None) -> int:
                     print(f"| {http} | {loop} | {c} | {tokens / wall:,.0f} | {chunks / wall:,.0f} | "
                           f"{cpu / tokens * 1e3:.3f} | {100 * cpu / wall:.0f} |", flush=True)
             finally:
-                child.terminate()
-                child.wait()
+                server.stop()
     return 0
 
 

@@ -79,17 +79,21 @@ def server_argv(args, draft_none: bool = False) -> list[str]:
 
 
 class Server:
-    """`python -m dflash_jax.serve` in a subprocess on 127.0.0.1; stopped with SIGTERM."""
+    """`python -m dflash_jax.serve` in a subprocess on 127.0.0.1; stopped with SIGTERM. cmd: another
+    command taking serve's --host / --port instead (the interpreter's arguments: a script and its
+    flags), which must answer /health as the server does."""
 
-    def __init__(self, argv: list[str], startup_timeout: float, log_path: str | None, simulated_tau=None):
+    def __init__(self, argv: list[str], startup_timeout: float, log_path: str | None, simulated_tau=None,
+                 cmd: list[str] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
         # benchmark only: scripts/serve_simulated.py (the server with a simulated acceptance)
-        cmd = (["-m", "dflash_jax.serve"] if simulated_tau is None else
-               [os.path.join(REPO, "scripts", "serve_simulated.py"), "--tau", str(simulated_tau)])
+        if cmd is None:
+            cmd = (["-m", "dflash_jax.serve"] if simulated_tau is None else
+                   [os.path.join(REPO, "scripts", "serve_simulated.py"), "--tau", str(simulated_tau)])
         self.proc = subprocess.Popen([sys.executable, *cmd, *argv, "--host", "127.0.0.1",
                                       "--port", str(self.port)], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
