@@ -284,6 +284,7 @@ class Bench:
         self.quant_batches = tuple(int(b) for b in (getattr(args, "quant_batches", "") or "1,8,32").split(",") if b)
         if args.smoke and not getattr(args, "quant_batches", ""):
             self.quant_batches = (1, 2)
+        self.quant_kinds = parse_quant_kinds(getattr(args, "quant_kinds", "") or "plain,dflash")
         if getattr(args, "loop_n", ""):      # N1,N2 of every loop row (fewer tokens: a shorter call)
             self.s.n1, self.s.n2 = (int(x) for x in args.loop_n.split(","))
         if getattr(args, "reps", 0):
@@ -1207,7 +1208,7 @@ class Bench:
         issue's goal), within a batch plain bf16, plain quantized, DFlash bf16, DFlash quantized."""
         order = []
         for b in self.quant_batches:
-            for kind in ("plain", "dflash"):
+            for kind in self.quant_kinds:
                 for q in [None] + [q for q in self.quant if b in self.quant_only.get(q, (b,))]:
                     order.append((f"{kind}_b{b}" + (f"_{q}" if q else ""), kind == "dflash", b, q))
         return order
@@ -1535,6 +1536,15 @@ def parse_quantize(spec: str) -> tuple[list, dict]:
         if bs:
             only[name] = tuple(int(b) for b in bs.split("/") if b)
     return names, only
+
+
+def parse_quant_kinds(spec: str) -> tuple:
+    """--quant-kinds "dflash" -> ("dflash",): the quant section's row kinds, in run order."""
+    kinds = tuple(k for k in ("plain", "dflash") if k in spec.split(","))
+    bad = [k for k in spec.split(",") if k and k not in ("plain", "dflash")]
+    if bad or not kinds:
+        raise ValueError(f"--quant-kinds: {spec!r} names no row kind of plain, dflash")
+    return kinds
 
 
 def check_quantize_names(names) -> list:
@@ -1872,6 +1882,9 @@ def main():
                          "fp8-w8a8+head (and the LM head int8, --quantize int8+head), fp8-w8a8-channel "
                          "(--w8a8 channel); NAME@1/8 limits one to those batches")
     ap.add_argument("--quant-batches", default="", metavar="1,8,32", help="the quant section's batches (1,8,32)")
+    ap.add_argument("--quant-kinds", default="plain,dflash", metavar="plain,dflash",
+                    help="the quant section's rows: plain steps, DFlash iterations or both (a call whose compiles "
+                         "would not fit both)")
     ap.add_argument("--floor-tbs", type=float, default=0.0,
                     help="copy bandwidth of the floors in TB/s (a probe of the same call); 0: the floors "
                          "section's probe, or 4.23 without it")
@@ -1903,6 +1916,10 @@ def main():
             sections.append("quant")
     elif "quant" in sections:
         ap.error("the quant section needs --quantize (e.g. --quantize int8)")
+    try:
+        parse_quant_kinds(args.quant_kinds)
+    except ValueError as e:
+        ap.error(str(e))
     if args.profile_quantize and args.profile_quantize not in parse_quantize(args.quantize or "")[0]:
         ap.error(f"--profile-quantize {args.profile_quantize}: not one of --quantize ({args.quantize or 'none given'})")
     b = Bench(args)

@@ -96,6 +96,23 @@ def test_bench_gpu_quant_w8a8_smoke(tmp_path):
     assert f"Profile: DFlash B=1 prompt 32 {q}:" in out and d["sections"]["profile"]["top"], out[-2000:]
 
 
+def test_bench_gpu_quant_kinds_dflash_only(tmp_path):
+    """--quant-kinds dflash: only the DFlash rows are planned (a call whose compiles cannot fit the
+    plain ones too); a kind that is none is one CLI line."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_gpu_mod", os.path.join(REPO, "scripts", "bench_gpu.py"))
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    assert m.parse_quant_kinds("dflash") == ("dflash",)
+    assert m.parse_quant_kinds("dflash,plain") == ("plain", "dflash")
+    with pytest.raises(ValueError, match="names no row kind"):
+        m.parse_quant_kinds("decode")
+    r = subprocess.run([sys.executable, "scripts/bench_gpu.py", "--smoke", "--quantize", "int8", "--quant-kinds",
+                        "decode", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--quant-kinds: 'decode' names no row kind" in r.stderr, r.stderr[-800:]
+    assert "Traceback" not in r.stderr
+
+
 def test_bench_gpu_longctx_pallas_only_smoke(tmp_path):
     """BENCH_LONG_IMPLS=pallas: the long-context section times our kernel's row and skips XLA's."""
     out = _run(["scripts/bench_gpu.py", "--smoke", "--sections", "longctx", "--out", str(tmp_path)],
