@@ -144,6 +144,56 @@ def _compiles(url: str) -> float | None:
     return None
 
 
+ENGINE_COUNTERS = ("dflash_engine_steps_total", "dflash_engine_slot_steps_total", "dflash_engine_inserts_total",
+                   'dflash_engine_seconds_total{phase="dispatch"}', 'dflash_engine_seconds_total{phase="read_wait"}',
+                   'dflash_engine_seconds_total{phase="idle"}')
+
+
+def _engine_counters(url: str) -> dict | None:
+    """The slot engine's thread counters from /metrics (None: a server without them)."""
+    try:
+        found = {}
+        for line in _get(url, "/metrics").splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in ENGINE_COUNTERS:
+                found[name] = float(value)
+        return found if len(found) == len(ENGINE_COUNTERS) else None
+    except OSError:
+        return None
+
+
+def engine_summary(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """What the engine thread did during a run, from two scrapes: steps, the wall time per step,
+    the busy rows a step ran, prefills, and the fractions of the run's wall it spent dispatching
+    programs, waiting in reads for the device, idle, and on the rest (host bookkeeping). A
+    device-bound server waits in reads; a host-bound one dispatches and books through the step."""
+    if not before or not after or wall <= 0:
+        return None
+    d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    steps, slot_steps, inserts, disp, wait, idle = (d[k] for k in ENGINE_COUNTERS)
+    frac = lambda x: x / wall      # noqa: E731
+    return dict(steps=int(steps), step_ms=wall * 1e3 / steps if steps else None,
+                rows_per_step=slot_steps / steps if steps else None, inserts=int(inserts),
+                dispatch_frac=frac(disp), read_wait_frac=frac(wait), idle_frac=frac(idle),
+                host_frac=max(0.0, 1.0 - frac(disp) - frac(wait) - frac(idle)))
+
+
+def print_engine_table(runs: list[dict]) -> None:
+    rows = [r for r in runs if r.get("engine")]
+    if not rows:
+        return
+    print("\nthe engine thread over each run (/metrics dflash_engine_*; fractions of the run's wall):")
+    print("| load | steps | ms / step | rows / step | prefills | dispatch | read wait (device) | idle | host rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        e = r["engine"]
+        ms = "-" if e["step_ms"] is None else f"{e['step_ms']:.2f}"
+        rps = "-" if e["rows_per_step"] is None else f"{e['rows_per_step']:.1f}"
+        print(f"| {r['load']} | {e['steps']} | {ms} | {rps} | {e['inserts']} | {e['dispatch_frac']:.1%} "
+              f"| {e['read_wait_frac']:.1%} | {e['idle_frac']:.1%} | {e['host_frac']:.1%} |")
+    sys.stdout.flush()
+
+
 # ----------------------------------------------------------------------------------------- requests
 def make_prompts(args, n: int) -> list[list[int]]:
     """n prompts of prompt_lo..prompt_hi token ids: GSM8K questions (each prompt starts at a
@@ -422,14 +472,14 @@ def main(argv=None) -> int:
             for kind, (v, *given) in loads:
                 n = given[0] if given else (
                     args.requests_at_1 if kind == "concurrency" and v == 1 and args.requests_at_1 else args.requests)
-                c0 = _compiles(url)
+                c0, e0 = _compiles(url), _engine_counters(url)
                 recs, wall = run_load(url, model, jobs[:n], concurrency=int(v) if kind == "concurrency" else None,
                                       rate=v if kind == "rate" else None, seed=args.seed, timeout=args.timeout)
-                c1 = _compiles(url)
+                c1, e1 = _compiles(url), _engine_counters(url)
                 s = summarize(recs, wall)
                 s.update(load=(f"concurrency {int(v)}" + (f", {n} requests" if given else "")) if kind == "concurrency"
                          else f"Poisson {v:g}/s",
-                         compiles=None if c0 is None else int(c1 - c0))
+                         compiles=None if c0 is None else int(c1 - c0), engine=engine_summary(e0, e1, wall))
                 runs.append(s)
                 all_recs.append(recs)
                 print(f"[load_test] {s['load']}: {s['tokens_per_s']:.1f} tok/s, {s['errors']} errors",
@@ -439,6 +489,7 @@ def main(argv=None) -> int:
             if server is not None:
                 server.stop()
         print_table(title + (f" (server ready in {server.startup_s:.0f} s)" if server else ""), runs)
+        print_engine_table(runs)
         entry = dict(plain=plain, server_argv=argv_s, runs=runs,
                      server_exit=None if server is None else server.returncode)
         failed |= server is not None and server.returncode != 0

@@ -148,6 +148,11 @@ def test_no_compile_after_warmup_across_a_stream(random_pair):
 
 
 def test_slot_engine_serves_handles_and_frees_cancelled_slots(random_pair):
+    """...and its thread's counters (the server's dflash_engine_* metrics) add up: one prefill per
+    request, at most 2 busy rows a step, enough row-steps for every request's iterations, and the
+    timed phases inside the engine's lifetime."""
+    import time
+    t_start = time.perf_counter()
     eng = SlotEngine(*random_pair, slots=2, capacity=CAP, max_queue=4, eos_token_ids=[])
     ps = prompts(4, seed=5)
     hs = [eng.submit(Request(prompt=tuple(p), max_tokens=10 + i, temperature=0.0)) for i, p in enumerate(ps)]
@@ -159,9 +164,18 @@ def test_slot_engine_serves_handles_and_frees_cancelled_slots(random_pair):
     eng.cancel(long)
     assert list(long.events())[-1].finish_reason == "cancelled"
     h = eng.submit(Request(prompt=tuple(ps[1]), max_tokens=5))
-    assert list(h.events())[-1].tokens == one_shot(random_pair, ps[1], 5).tokens[0]
+    last = list(h.events())[-1]
+    assert last.tokens == one_shot(random_pair, ps[1], 5).tokens[0]
     st = eng.stats()
     assert (st.slots, st.slots_busy, st.queue_depth) == (2, 0, 0)
+    iterations = sum(f.stats.iterations for f in outs) + last.stats.iterations
+    K = eng.slots.steps_for(2)
+    assert st.engine_inserts == 6
+    assert st.engine_steps <= st.engine_slot_steps <= 2 * st.engine_steps, st
+    assert st.engine_slot_steps * K >= iterations > 0, (st, iterations)
+    phases = (st.engine_dispatch_s, st.engine_read_wait_s, st.engine_idle_s)
+    assert all(x >= 0 for x in phases) and st.engine_dispatch_s > 0
+    assert sum(phases) <= time.perf_counter() - t_start, st
     eng.shutdown(timeout=5)
 
 

@@ -223,8 +223,14 @@ def test_models_health_metrics(real):
     text = httpx.get(real.url + "/metrics").text
     for name in ("dflash_time_to_first_token_seconds_bucket", "dflash_time_per_output_token_seconds_bucket",
                  "dflash_acceptance_length_bucket", "dflash_generation_tokens_total", "dflash_tokens_per_second",
-                 "dflash_queue_depth", "dflash_slots_busy", "dflash_compiles"):
+                 "dflash_queue_depth", "dflash_slots_busy", "dflash_compiles", "dflash_engine_steps_total",
+                 "dflash_engine_slot_steps_total", "dflash_engine_inserts_total",
+                 'dflash_engine_seconds_total{phase="dispatch"}', 'dflash_engine_seconds_total{phase="read_wait"}',
+                 'dflash_engine_seconds_total{phase="idle"}'):
         assert name in text, name
+    if real.engine.__class__.__name__ == "SlotEngine":    # its thread's counters moved (SimpleEngine: zeros)
+        steps = [l for l in text.splitlines() if l.startswith("dflash_engine_steps_total")]
+        assert float(steps[0].split()[-1]) >= 1
     gen = [l for l in text.splitlines() if l.startswith("dflash_generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 8
     tau = [l for l in text.splitlines() if l.startswith("dflash_acceptance_length_count")]
@@ -594,6 +600,12 @@ def test_load_test_script_20_requests_all_identical_to_one_shot(tmp_path):
     assert server["check"] == {"responses": 26, "problems": []}
     for run in server["runs"]:
         assert run["errors"] == 0 and run["output_tokens"] > 0 and run["compiles"] == 0 and run["tau"] >= 1
+        # the engine thread over the run (/metrics dflash_engine_*): one prefill per request, at most
+        # --slots rows a step, its phases a share of the run's wall
+        e = run["engine"]
+        assert e["inserts"] == run["requests"] and e["steps"] > 0 and 1 <= e["rows_per_step"] <= 4, e
+        assert all(0 <= e[k] <= 1.05 for k in ("dispatch_frac", "read_wait_frac", "idle_frac", "host_frac")), e
+    assert "the engine thread over each run" in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------- issue 33: bad input

@@ -129,6 +129,15 @@ class EngineStats:
     kv_window_pages_used: int = 0
     kv_window_pages_total: int = 0
     preemptions: int = 0
+    # the slot engine's thread (slots.PipelineCounters, cumulative): steps dispatched, their busy
+    # slots summed, requests prefilled; seconds in program dispatch, in reads waiting for the
+    # device, and idle (no request to run). The rest of its time is host bookkeeping.
+    engine_steps: int = 0
+    engine_slot_steps: int = 0
+    engine_inserts: int = 0
+    engine_dispatch_s: float = 0.0
+    engine_read_wait_s: float = 0.0
+    engine_idle_s: float = 0.0
 
 
 class RequestError(ValueError):
@@ -364,9 +373,12 @@ class _EngineCore:
             return EngineStats(queue_depth=len(self._queue), slots_busy=len(self._running_handles()),
                                slots=self.n_slots, max_queue=self.max_queue, compiles=compile_count(),
                                capacity=self.capacity, max_model_len=self.max_model_len,
-                               **extra, **self._page_stats())
+                               **extra, **self._page_stats(), **self._loop_stats())
 
     def _page_stats(self) -> dict:
+        return {}
+
+    def _loop_stats(self) -> dict:
         return {}
 
     def _count_iteration(self, produced: int) -> None:
@@ -581,7 +593,16 @@ class SlotEngine(_EngineCore):
             self.slots.warmup(lengths, ("greedy",))
         self._running: dict[int, Handle] = {}          # slot -> handle
         self._admissions = itertools.count()           # admission order (the newest is preempted first)
+        self._pipe: Pipeline | None = None             # the engine thread's (its counters: stats())
+        self._idle_s = 0.0                             # the engine thread's time with nothing to run
         self._start("dflash-slot-engine")
+
+    def _loop_stats(self) -> dict:
+        c = self._pipe.counters if self._pipe is not None else None
+        if c is None:
+            return {}
+        return dict(engine_steps=c.steps, engine_slot_steps=c.slot_steps, engine_inserts=c.inserts,
+                    engine_dispatch_s=c.dispatch_s, engine_read_wait_s=c.read_wait_s, engine_idle_s=self._idle_s)
 
     def _page_stats(self) -> dict:
         sl = self.slots
@@ -718,14 +739,16 @@ class SlotEngine(_EngineCore):
         """The engine thread: admit, dispatch a step, read back the step dispatched `pipeline`
         steps ago (so the device is never idle while the host pushes tokens and prefills)."""
         free = list(range(self.slots.slots))
-        pipe = Pipeline(self.slots, self.pipeline, functools.partial(self._first, free),
-                        functools.partial(self._commits, free), lock=self._cv)
+        pipe = self._pipe = Pipeline(self.slots, self.pipeline, functools.partial(self._first, free),
+                                     functools.partial(self._commits, free), lock=self._cv)
         while True:
             with self._cv:
                 if not self._running:
                     pipe.clear()                              # nobody waits for these results
                 while not self._queue and not self._running and not self._closed:
+                    t0 = time.perf_counter()
                     self._cv.wait()
+                    self._idle_s += time.perf_counter() - t0
                 if self._abort or (self._closed and not self._queue and not self._running):
                     return
                 for slot, h in list(self._running.items()):     # cancelled: free at this step

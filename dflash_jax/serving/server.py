@@ -679,6 +679,19 @@ class _EngineCounters:
         for i, n in enumerate(st.spec_accepted_per_pos):
             per_pos.add_metric([str(i)], n)
         yield per_pos
+        for name, doc, value in (
+                ("dflash_engine_steps", "engine steps dispatched", st.engine_steps),
+                ("dflash_engine_slot_steps", "busy slots of the engine's steps, summed (/ steps: rows a step ran)",
+                 st.engine_slot_steps),
+                ("dflash_engine_inserts", "requests prefilled into slots", st.engine_inserts)):
+            yield CounterMetricFamily(name, doc, value=value)
+        secs = CounterMetricFamily("dflash_engine_seconds", "the engine thread's time: program dispatch, reads "
+                                   "waiting for the device, idle (nothing to run); the rest is host bookkeeping",
+                                   labels=["phase"])
+        for phase, value in (("dispatch", st.engine_dispatch_s), ("read_wait", st.engine_read_wait_s),
+                             ("idle", st.engine_idle_s)):
+            secs.add_metric([phase], value)
+        yield secs
         yield GaugeMetricFamily("dflash_kv_pages_used", "KV pages holding a live reference", value=st.kv_pages_used)
         yield GaugeMetricFamily("dflash_kv_pages_total", "KV pages in the pool", value=st.kv_pages_total)
         if st.kv_window_pages_total:

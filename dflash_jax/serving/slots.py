@@ -939,6 +939,21 @@ class Slots:
         return results
 
 
+@dataclasses.dataclass
+class PipelineCounters:
+    """Where a Pipeline's driving thread spends its time, cumulative: the serving engine's
+    /metrics (dflash_engine_*), so two scrapes tell a device-bound server (its thread waits in
+    reads) from a host-bound one (dispatch and bookkeeping fill the step). steps: steps dispatched;
+    slot_steps: their busy slots summed (/ steps: the mean rows a step ran); inserts: requests
+    prefilled; dispatch_s: in the insert and step program calls (a call returns once the program
+    is queued); read_wait_s: bringing dispatched results to the host (waiting for the device)."""
+    steps: int = 0
+    slot_steps: int = 0
+    inserts: int = 0
+    dispatch_s: float = 0.0
+    read_wait_s: float = 0.0
+
+
 class Pipeline:
     """The one dispatch-ahead driver of `Slots`, for the offline run (`Slots.run`) and the server
     (engine.SlotEngine). Inserts and steps are dispatched without waiting; each is read back (its
@@ -957,6 +972,7 @@ class Pipeline:
         self._first, self._commits = first, commits
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._inflight: collections.deque = collections.deque()   # dispatched, not read: in dispatch order
+        self.counters = PipelineCounters()
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -964,13 +980,22 @@ class Pipeline:
     def insert(self, items: Sequence[tuple[int, RowRequest, Any]]) -> None:
         """Dispatch the prefills of (slot, request, owner) items (Slots.insert_async)."""
         owners = {slot: who for slot, _, who in items}
+        t0 = time.perf_counter()
         for rows, first, done in self.slots.insert_async([(slot, r) for slot, r, _ in items]):
             self._inflight.append(("insert", (first, done), [(slot, owners[slot]) for slot in rows],
                                    self._epochs(rows)))
+        c = self.counters
+        c.inserts += len(items)
+        c.dispatch_s += time.perf_counter() - t0
 
     def step(self, owners: dict[int, Any]) -> None:
         """Dispatch one step over the slots of `owners` ({slot: owner}, the busy slots)."""
+        t0 = time.perf_counter()
         self._inflight.append(("step", self.slots.step_async(list(owners)), dict(owners), self._epochs(owners)))
+        c = self.counters
+        c.steps += 1
+        c.slot_steps += len(owners)
+        c.dispatch_s += time.perf_counter() - t0
 
     def _epochs(self, slots) -> dict | None:
         """The paged Slots' occupant of each slot (its insert count), for the page bookkeeping of reads."""
@@ -1011,7 +1036,9 @@ class Pipeline:
 
     def _read(self, entry) -> None:
         kind, arrays, who, epochs = entry
+        t0 = time.perf_counter()
         host = [np.asarray(x) for x in jax.device_get(arrays)]
+        self.counters.read_wait_s += time.perf_counter() - t0
         with self._lock:
             if kind == "insert":
                 first, done = host
