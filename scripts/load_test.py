@@ -145,8 +145,9 @@ def _compiles(url: str) -> float | None:
 
 
 ENGINE_COUNTERS = ("dflash_engine_steps_total", "dflash_engine_slot_steps_total", "dflash_engine_inserts_total",
-                   'dflash_engine_seconds_total{phase="dispatch"}', 'dflash_engine_seconds_total{phase="read_wait"}',
-                   'dflash_engine_seconds_total{phase="idle"}')
+                   'dflash_engine_seconds_total{phase="insert_dispatch"}',
+                   'dflash_engine_seconds_total{phase="step_dispatch"}',
+                   'dflash_engine_seconds_total{phase="read_wait"}', 'dflash_engine_seconds_total{phase="idle"}')
 
 
 def _engine_counters(url: str) -> dict | None:
@@ -170,12 +171,12 @@ def engine_summary(before: dict | None, after: dict | None, wall: float) -> dict
     if not before or not after or wall <= 0:
         return None
     d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
-    steps, slot_steps, inserts, disp, wait, idle = (d[k] for k in ENGINE_COUNTERS)
+    steps, slot_steps, inserts, ins, stp, wait, idle = (d[k] for k in ENGINE_COUNTERS)
     frac = lambda x: x / wall      # noqa: E731
     return dict(steps=int(steps), step_ms=wall * 1e3 / steps if steps else None,
                 rows_per_step=slot_steps / steps if steps else None, inserts=int(inserts),
-                dispatch_frac=frac(disp), read_wait_frac=frac(wait), idle_frac=frac(idle),
-                host_frac=max(0.0, 1.0 - frac(disp) - frac(wait) - frac(idle)))
+                insert_dispatch_frac=frac(ins), step_dispatch_frac=frac(stp), read_wait_frac=frac(wait),
+                idle_frac=frac(idle), host_frac=max(0.0, 1.0 - frac(ins) - frac(stp) - frac(wait) - frac(idle)))
 
 
 def print_engine_table(runs: list[dict]) -> None:
@@ -183,14 +184,16 @@ def print_engine_table(runs: list[dict]) -> None:
     if not rows:
         return
     print("\nthe engine thread over each run (/metrics dflash_engine_*; fractions of the run's wall):")
-    print("| load | steps | ms / step | rows / step | prefills | dispatch | read wait (device) | idle | host rest |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| load | steps | ms / step | rows / step | prefills | insert dispatch | step dispatch | read wait (device) "
+          "| idle | host rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e = r["engine"]
         ms = "-" if e["step_ms"] is None else f"{e['step_ms']:.2f}"
         rps = "-" if e["rows_per_step"] is None else f"{e['rows_per_step']:.1f}"
-        print(f"| {r['load']} | {e['steps']} | {ms} | {rps} | {e['inserts']} | {e['dispatch_frac']:.1%} "
-              f"| {e['read_wait_frac']:.1%} | {e['idle_frac']:.1%} | {e['host_frac']:.1%} |")
+        print(f"| {r['load']} | {e['steps']} | {ms} | {rps} | {e['inserts']} | {e['insert_dispatch_frac']:.1%} "
+              f"| {e['step_dispatch_frac']:.1%} | {e['read_wait_frac']:.1%} | {e['idle_frac']:.1%} "
+              f"| {e['host_frac']:.1%} |")
     sys.stdout.flush()
 
 

@@ -225,7 +225,8 @@ def test_models_health_metrics(real):
                  "dflash_acceptance_length_bucket", "dflash_generation_tokens_total", "dflash_tokens_per_second",
                  "dflash_queue_depth", "dflash_slots_busy", "dflash_compiles", "dflash_engine_steps_total",
                  "dflash_engine_slot_steps_total", "dflash_engine_inserts_total",
-                 'dflash_engine_seconds_total{phase="dispatch"}', 'dflash_engine_seconds_total{phase="read_wait"}',
+                 'dflash_engine_seconds_total{phase="insert_dispatch"}',
+                 'dflash_engine_seconds_total{phase="step_dispatch"}', 'dflash_engine_seconds_total{phase="read_wait"}',
                  'dflash_engine_seconds_total{phase="idle"}'):
         assert name in text, name
     if real.engine.__class__.__name__ == "SlotEngine":    # its thread's counters moved (SimpleEngine: zeros)
@@ -570,7 +571,10 @@ def test_cli_refuses_bad_flags(capsys, monkeypatch):
                       (["--random-init", "qwen3-0.6b", "--insert-width", "0"], "--insert-width"),
                       (["--random-init", "qwen3-0.6b", "--step-buckets", "1,x"], "--step-buckets"),
                       (["--random-init", "qwen3-0.6b", "--verify-width", "auto"], "--verify-width auto needs the slot"),
-                      (["--random-init", "qwen3-0.6b", "--slots", "2", "--verify-width", "x"], "--verify-width")):
+                      (["--random-init", "qwen3-0.6b", "--slots", "2", "--verify-width", "x"], "--verify-width"),
+                      (["--random-init", "qwen3-0.6b", "--while-graphs", "off"],
+                       "--while-graphs off needs the slot engine"),
+                      (["--random-init", "qwen3-0.6b", "--slots", "2", "--while-graphs", "maybe"], "--while-graphs")):
         with pytest.raises(SystemExit) as e:
             serve.main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -590,6 +594,7 @@ def test_load_test_script_20_requests_all_identical_to_one_shot(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "load_test.py"), "--requests", "20",
                            "--concurrency", "8,2x6", "--slots", "4", "--insert-width", "2", "--capacity", "256",
                            "--prompt-len", "33,60", "--max-tokens", "4,24", "--attention", "xla", "--check",
+                           "--server-arg=--while-graphs=off",        # (the flag's plumbing: a no-op off CUDA)
                            "--json", str(out), "--server-log", str(tmp_path / "server.log")],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr + (tmp_path / "server.log").read_text()
@@ -604,7 +609,8 @@ def test_load_test_script_20_requests_all_identical_to_one_shot(tmp_path):
         # --slots rows a step, its phases a share of the run's wall
         e = run["engine"]
         assert e["inserts"] == run["requests"] and e["steps"] > 0 and 1 <= e["rows_per_step"] <= 4, e
-        assert all(0 <= e[k] <= 1.05 for k in ("dispatch_frac", "read_wait_frac", "idle_frac", "host_frac")), e
+        fracs = ("insert_dispatch_frac", "step_dispatch_frac", "read_wait_frac", "idle_frac", "host_frac")
+        assert all(0 <= e[k] <= 1.05 for k in fracs), e
     assert "the engine thread over each run" in proc.stdout
 
 

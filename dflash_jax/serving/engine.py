@@ -130,12 +130,13 @@ class EngineStats:
     kv_window_pages_total: int = 0
     preemptions: int = 0
     # the slot engine's thread (slots.PipelineCounters, cumulative): steps dispatched, their busy
-    # slots summed, requests prefilled; seconds in program dispatch, in reads waiting for the
-    # device, and idle (no request to run). The rest of its time is host bookkeeping.
+    # slots summed, requests prefilled; seconds in the insert and step programs' dispatch, in reads
+    # waiting for the device, and idle (no request to run). The rest of its time is host bookkeeping.
     engine_steps: int = 0
     engine_slot_steps: int = 0
     engine_inserts: int = 0
-    engine_dispatch_s: float = 0.0
+    engine_insert_dispatch_s: float = 0.0
+    engine_step_dispatch_s: float = 0.0
     engine_read_wait_s: float = 0.0
     engine_idle_s: float = 0.0
 
@@ -602,7 +603,8 @@ class SlotEngine(_EngineCore):
         if c is None:
             return {}
         return dict(engine_steps=c.steps, engine_slot_steps=c.slot_steps, engine_inserts=c.inserts,
-                    engine_dispatch_s=c.dispatch_s, engine_read_wait_s=c.read_wait_s, engine_idle_s=self._idle_s)
+                    engine_insert_dispatch_s=c.insert_dispatch_s, engine_step_dispatch_s=c.step_dispatch_s,
+                    engine_read_wait_s=c.read_wait_s, engine_idle_s=self._idle_s)
 
     def _page_stats(self) -> dict:
         sl = self.slots

@@ -685,10 +685,11 @@ class _EngineCounters:
                  st.engine_slot_steps),
                 ("dflash_engine_inserts", "requests prefilled into slots", st.engine_inserts)):
             yield CounterMetricFamily(name, doc, value=value)
-        secs = CounterMetricFamily("dflash_engine_seconds", "the engine thread's time: program dispatch, reads "
-                                   "waiting for the device, idle (nothing to run); the rest is host bookkeeping",
-                                   labels=["phase"])
-        for phase, value in (("dispatch", st.engine_dispatch_s), ("read_wait", st.engine_read_wait_s),
+        secs = CounterMetricFamily("dflash_engine_seconds", "the engine thread's time: the insert and step "
+                                   "programs' dispatch, reads waiting for the device, idle (nothing to run); the "
+                                   "rest is host bookkeeping", labels=["phase"])
+        for phase, value in (("insert_dispatch", st.engine_insert_dispatch_s),
+                             ("step_dispatch", st.engine_step_dispatch_s), ("read_wait", st.engine_read_wait_s),
                              ("idle", st.engine_idle_s)):
             secs.add_metric([phase], value)
         yield secs
@@ -1345,6 +1346,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_width_args(g, default=None, default_help="auto with the slot engine (--slots > 1), else block")
     g.add_argument("--engine-pipeline", type=int, default=1,
                    help="engine steps dispatched ahead of the one whose tokens are read (0: wait for each)")
+    g.add_argument("--while-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="CUDA only (--slots > 1): the slot engine's loops as CUDA-graph while loops with a "
+                        "device-side condition (auto = on: KernelConfig.while_graphs) or XLA's own loops, whose "
+                        "condition the host reads each iteration (off); part of each program's compile key")
     g.add_argument("--step-buckets", default="auto", metavar="auto|none|N,N,...",
                    help="row counts an engine step may run over (the smallest holding the busy slots; --slots "
                         "always one): auto = powers of two up to --slots, none = every step over all slots")
@@ -1451,7 +1456,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         for flag, value, default in (("--engine-steps", args.engine_steps, "auto"),
                                      ("--insert-width", args.insert_width, None),
                                      ("--step-buckets", args.step_buckets, "auto"),
-                                     ("--engine-pipeline", args.engine_pipeline, 1)):
+                                     ("--engine-pipeline", args.engine_pipeline, 1),
+                                     ("--while-graphs", args.while_graphs, "auto")):
             if value != default:
                 parser.error(f"{flag} {value} needs the slot engine (--slots > 1); with --slots 1 requests run "
                              f"one at a time")
@@ -1750,8 +1756,11 @@ def _serve(parser, args, sock, hosts=None) -> int:
     _cli().check_verify_width(parser, args, draft)
     try:
         if args.slots > 1:
+            from dflash_jax.kernel_config import KernelConfig
+            graphs = {"auto": None, "on": True, "off": False}[args.while_graphs]
             engine = SlotEngine(target, draft, slots=args.slots, capacity=args.capacity, max_queue=args.max_queue,
-                                eos_token_ids=eos, block_size=block, attention_impl=args.attention,
+                                eos_token_ids=eos, block_size=block, attention_impl=None,
+                                kernels=KernelConfig(attention=args.attention, while_graphs=graphs),
                                 steps=args.engine_steps, insert_width=args.insert_width,
                                 pipeline=args.engine_pipeline, warmup_prompt_len=0,
                                 step_buckets=args.step_buckets,

@@ -945,12 +945,14 @@ class PipelineCounters:
     /metrics (dflash_engine_*), so two scrapes tell a device-bound server (its thread waits in
     reads) from a host-bound one (dispatch and bookkeeping fill the step). steps: steps dispatched;
     slot_steps: their busy slots summed (/ steps: the mean rows a step ran); inserts: requests
-    prefilled; dispatch_s: in the insert and step program calls (a call returns once the program
-    is queued); read_wait_s: bringing dispatched results to the host (waiting for the device)."""
+    prefilled; insert_dispatch_s / step_dispatch_s: in the insert and step program calls (a call
+    returns once the program is queued, or once the runtime lets it be); read_wait_s: bringing
+    dispatched results to the host (waiting for the device)."""
     steps: int = 0
     slot_steps: int = 0
     inserts: int = 0
-    dispatch_s: float = 0.0
+    insert_dispatch_s: float = 0.0
+    step_dispatch_s: float = 0.0
     read_wait_s: float = 0.0
 
 
@@ -986,7 +988,7 @@ class Pipeline:
                                    self._epochs(rows)))
         c = self.counters
         c.inserts += len(items)
-        c.dispatch_s += time.perf_counter() - t0
+        c.insert_dispatch_s += time.perf_counter() - t0
 
     def step(self, owners: dict[int, Any]) -> None:
         """Dispatch one step over the slots of `owners` ({slot: owner}, the busy slots)."""
@@ -995,7 +997,7 @@ class Pipeline:
         c = self.counters
         c.steps += 1
         c.slot_steps += len(owners)
-        c.dispatch_s += time.perf_counter() - t0
+        c.step_dispatch_s += time.perf_counter() - t0
 
     def _epochs(self, slots) -> dict | None:
         """The paged Slots' occupant of each slot (its insert count), for the page bookkeeping of reads."""
