@@ -162,9 +162,11 @@ def test_bench_engine_table_and_breakdown_smoke(tmp_path):
 
 def test_bench_http_smoke(tmp_path):
     """bench_http.py: the server's own app over its null engine, streamed to by load_test's clients; every
-    request gets its max_tokens (the script exits non-zero otherwise) and the row prints its host cost."""
+    request gets its max_tokens (the script exits non-zero otherwise) and the row prints its host cost
+    (enough tokens that the run spans many of /proc's 10 ms CPU ticks: 360 tokens took ~17 ms and could
+    read 0 ticks)."""
     out = _run(["scripts/bench_http.py", "--http", "h11", "--loop", "asyncio", "--concurrency", "4",
-                "--requests", "12", "--max-tokens", "30", "--tokens-per-step", "7"], tmp_path, timeout=300)
+                "--requests", "64", "--max-tokens", "64", "--tokens-per-step", "7"], tmp_path, timeout=300)
     row = [ln for ln in out.splitlines() if ln.startswith("| h11 | asyncio | 4 |")]
     assert len(row) == 1, out
     tok_s, chunks_s, cpu_per_1k = (float(c.replace(",", "")) for c in row[0].split("|")[4:7])
