@@ -235,6 +235,7 @@ def run(p, args) -> int:
     print(f"| static batches of {args.slots} | {useful} | {static_s:.2f} | {base:.1f} | 1.00x | | | | |", flush=True)
     reqs = [RowRequest(prompt=tuple(x), max_new=n, rng_row=i) for i, (x, n) in enumerate(zip(ps, ns))]
     first = None
+    threads = []           # (engine row, its PipelineCounters, wall s): the thread table after the run table
     for K, W, sb, kv in ((K, W, sb, kv) for K in steps for W in widths for sb in buckets for kv in kvs):
         n0 = loop.compile_count()
         t0 = time.perf_counter()
@@ -258,6 +259,8 @@ def run(p, args) -> int:
             t0 = time.perf_counter()
             out = eng.run(reqs, pipeline=pipe, refill_ahead=ahead, refill_min=rmin)
             engine_s = time.perf_counter() - t0
+            threads.append((f"K={K}, pipeline {pipe}, refill ahead {'on' if ahead else 'off'}, refill min {rmin}"
+                            f"{'' if pages is None else ', KV ' + kv_name}", eng.last_run_counters, engine_s))
             tokens = sum(len(o.tokens) for o in out)
             times = eng.last_run_times
             ttft = np.mean([times[i][0] - t0 for i in range(len(out))])
@@ -282,9 +285,26 @@ def run(p, args) -> int:
         del eng                                 # its slot state before the next one's
     print(f"(TTFT from the run's start: all {len(ps)} requests arrive at t=0; TPOT per request after its "
           f"first token; compiles: during the timed run, must be 0)")
+    print_threads(threads)
     if timelines:
         print_timelines(timelines)
     return 0
+
+
+def print_threads(threads) -> None:
+    """The driving thread of each engine row (slots.PipelineCounters, as the server's dflash_engine_*
+    metrics): steps, ms a step, rows a step, and its shares of the run's wall in the insert and step
+    program calls, in reads waiting for the device, and the rest (host bookkeeping)."""
+    if not threads:
+        return
+    print("\nthe engine thread over each engine row (fractions of its run's wall):")
+    print("| engine | steps | ms / step | rows / step | prefills | insert dispatch | step dispatch | read wait | "
+          "host rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, c, wall in threads:
+        parts = (c.insert_dispatch_s / wall, c.step_dispatch_s / wall, c.read_wait_s / wall)
+        print(f"| {name} | {c.steps} | {wall * 1e3 / max(c.steps, 1):.2f} | {c.slot_steps / max(c.steps, 1):.1f} "
+              f"| {c.inserts} | {parts[0]:.1%} | {parts[1]:.1%} | {parts[2]:.1%} | {max(0.0, 1 - sum(parts)):.1%} |")
 
 
 def engine_width(args, draft):

@@ -142,6 +142,11 @@ def test_bench_engine_table_and_breakdown_smoke(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith("| engine, K=2")]
     assert "| static batches of 2 |" in out and len(rows) == 2, out
     assert all(line.rstrip().endswith("| 0 |") and "DIFFER" not in line for line in rows), out
+    # the driving thread of each engine row: 6 prefills (one per prompt), at most 2 rows a step
+    threads = [line.split("|") for line in out.splitlines() if line.startswith("| K=2, pipeline 1")]
+    assert len(threads) == 2, out
+    for cells in threads:
+        assert int(cells[2]) > 0 and 1.0 <= float(cells[4]) <= 2.0 and int(cells[5]) == 6, cells
     out = _run([*tiny, "--breakdown", "--prompts", "2", "--trace", str(tmp_path / "trace")], tmp_path, **cache)
     assert "| engine step, full width | 2 |" in out and "| insert (prefill of 1" in out, out
     # --trace: both programs traced, their device timelines and the kernels that differ

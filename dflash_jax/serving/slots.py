@@ -900,6 +900,7 @@ class Slots:
                                    f"for it ({len(toks[i])} of {requests[i].max_new} tokens)")
 
         pipe = Pipeline(self, pipeline, first, commits)
+        self.last_run_counters = pipe.counters      # where this run's thread spent its time (bench_engine)
 
         def ending_ahead():
             """Slots whose request ends within the steps in flight: free for the next insert."""
