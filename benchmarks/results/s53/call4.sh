@@ -2,7 +2,8 @@
 # Issue 56, for the next device session (best on an H200, where the c = 32 goal is missed): the fixed K = 2 server with
 # the slot engine's loops as CUDA-graph while loops (--while-graphs on, the default) and as XLA's host-read loops
 # (off), each at c = 1 and c = 32 with load_test's engine-thread table (ms a step, rows a step, insert / step dispatch,
-# read wait, host rest), then the offline static B = 32 program and the fixed engine at K = 2, all in one call. On an
+# read wait, host rest), then the offline static B = 32 program and the fixed engine at K = 2 (bench_engine prints its
+# thread's table too), all in one call. On an
 # H100 (s53/call2) the c = 32 server's thread spent 51.6% of the wall inside dispatch calls and 43.8% in reads: a
 # dispatch that blocks that long leaves the host's bookkeeping on the device's critical path, which a slower host
 # (the H200's: TTFT at c = 1 doubled) pays per step. Stage .clean with the serve wheels, then
