@@ -292,19 +292,11 @@ def run(p, args) -> int:
 
 
 def print_threads(threads) -> None:
-    """The driving thread of each engine row (slots.PipelineCounters, as the server's dflash_engine_*
-    metrics): steps, ms a step, rows a step, and its shares of the run's wall in the insert and step
-    program calls, in reads waiting for the device, and the rest (host bookkeeping)."""
-    if not threads:
-        return
-    print("\nthe engine thread over each engine row (fractions of its run's wall):")
-    print("| engine | steps | ms / step | rows / step | prefills | insert dispatch | step dispatch | read wait | "
-          "host rest |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, c, wall in threads:
-        parts = (c.insert_dispatch_s / wall, c.step_dispatch_s / wall, c.read_wait_s / wall)
-        print(f"| {name} | {c.steps} | {wall * 1e3 / max(c.steps, 1):.2f} | {c.slot_steps / max(c.steps, 1):.1f} "
-              f"| {c.inserts} | {parts[0]:.1%} | {parts[1]:.1%} | {parts[2]:.1%} | {max(0.0, 1 - sum(parts)):.1%} |")
+    """The driving thread of each engine row (Slots.run's PipelineCounters) in load_test's table."""
+    from load_test import engine_shares, print_engine_table   # scripts/ is on sys.path
+    print_engine_table([(name, engine_shares(c.steps, c.slot_steps, c.inserts, c.insert_dispatch_s, c.step_dispatch_s,
+                                             c.read_wait_s, 0.0, wall=wall)) for name, c, wall in threads],
+                       "engine row")
 
 
 def engine_width(args, draft):

@@ -133,15 +133,26 @@ def _get(url: str, path: str) -> str:
         return r.read().decode()
 
 
-def _compiles(url: str) -> float | None:
-    """The server's dflash_compiles gauge (None when it has no such metric)."""
+def _metrics(url: str) -> dict[str, float]:
+    """One scrape of the server's /metrics: {sample name with its labels: value} (empty if unreachable)."""
     try:
-        for line in _get(url, "/metrics").splitlines():
-            if line.startswith("dflash_compiles"):
-                return float(line.split()[-1])
+        text = _get(url, "/metrics")
     except OSError:
-        pass
-    return None
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def _compiles(m: dict) -> float | None:
+    """The server's dflash_compiles gauge from a scrape (None when it has no such metric)."""
+    return m.get("dflash_compiles")
 
 
 ENGINE_COUNTERS = ("dflash_engine_steps_total", "dflash_engine_slot_steps_total", "dflash_engine_inserts_total",
@@ -150,17 +161,10 @@ ENGINE_COUNTERS = ("dflash_engine_steps_total", "dflash_engine_slot_steps_total"
                    'dflash_engine_seconds_total{phase="read_wait"}', 'dflash_engine_seconds_total{phase="idle"}')
 
 
-def _engine_counters(url: str) -> dict | None:
-    """The slot engine's thread counters from /metrics (None: a server without them)."""
-    try:
-        found = {}
-        for line in _get(url, "/metrics").splitlines():
-            name, _, value = line.rpartition(" ")
-            if name in ENGINE_COUNTERS:
-                found[name] = float(value)
-        return found if len(found) == len(ENGINE_COUNTERS) else None
-    except OSError:
-        return None
+def _engine_counters(m: dict) -> dict | None:
+    """The slot engine's thread counters from a scrape (None: a server without them)."""
+    found = {k: m[k] for k in ENGINE_COUNTERS if k in m}
+    return found if len(found) == len(ENGINE_COUNTERS) else None
 
 
 def engine_summary(before: dict | None, after: dict | None, wall: float) -> dict | None:
@@ -171,27 +175,33 @@ def engine_summary(before: dict | None, after: dict | None, wall: float) -> dict
     if not before or not after or wall <= 0:
         return None
     d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
-    steps, slot_steps, inserts, ins, stp, wait, idle = (d[k] for k in ENGINE_COUNTERS)
-    frac = lambda x: x / wall      # noqa: E731
+    return engine_shares(*(d[k] for k in ENGINE_COUNTERS), wall=wall)
+
+
+def engine_shares(steps, slot_steps, inserts, insert_dispatch_s, step_dispatch_s, read_wait_s, idle_s, *,
+                  wall: float) -> dict:
+    """Steps, ms and rows a step, prefills, and each phase's share of `wall` (the rest: host
+    bookkeeping) from a PipelineCounters' fields over a run (the served delta, or bench_engine's run)."""
+    phases = dict(insert_dispatch_frac=insert_dispatch_s / wall, step_dispatch_frac=step_dispatch_s / wall,
+                  read_wait_frac=read_wait_s / wall, idle_frac=idle_s / wall)
     return dict(steps=int(steps), step_ms=wall * 1e3 / steps if steps else None,
-                rows_per_step=slot_steps / steps if steps else None, inserts=int(inserts),
-                insert_dispatch_frac=frac(ins), step_dispatch_frac=frac(stp), read_wait_frac=frac(wait),
-                idle_frac=frac(idle), host_frac=max(0.0, 1.0 - frac(ins) - frac(stp) - frac(wait) - frac(idle)))
+                rows_per_step=slot_steps / steps if steps else None, inserts=int(inserts), **phases,
+                host_frac=max(0.0, 1.0 - sum(phases.values())))
 
 
-def print_engine_table(runs: list[dict]) -> None:
-    rows = [r for r in runs if r.get("engine")]
+def print_engine_table(rows: list[tuple[str, dict]], what: str = "run") -> None:
+    """The engine thread's table: (label, engine_shares dict) per run."""
     if not rows:
         return
-    print("\nthe engine thread over each run (/metrics dflash_engine_*; fractions of the run's wall):")
+    print(f"\nthe engine thread over each {what} (slots.PipelineCounters, as /metrics dflash_engine_*; fractions of "
+          f"the wall):")
     print("| load | steps | ms / step | rows / step | prefills | insert dispatch | step dispatch | read wait (device) "
           "| idle | host rest |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        e = r["engine"]
+    for label, e in rows:
         ms = "-" if e["step_ms"] is None else f"{e['step_ms']:.2f}"
         rps = "-" if e["rows_per_step"] is None else f"{e['rows_per_step']:.1f}"
-        print(f"| {r['load']} | {e['steps']} | {ms} | {rps} | {e['inserts']} | {e['insert_dispatch_frac']:.1%} "
+        print(f"| {label} | {e['steps']} | {ms} | {rps} | {e['inserts']} | {e['insert_dispatch_frac']:.1%} "
               f"| {e['step_dispatch_frac']:.1%} | {e['read_wait_frac']:.1%} | {e['idle_frac']:.1%} "
               f"| {e['host_frac']:.1%} |")
     sys.stdout.flush()
@@ -475,10 +485,11 @@ def main(argv=None) -> int:
             for kind, (v, *given) in loads:
                 n = given[0] if given else (
                     args.requests_at_1 if kind == "concurrency" and v == 1 and args.requests_at_1 else args.requests)
-                c0, e0 = _compiles(url), _engine_counters(url)
+                m0 = _metrics(url)
                 recs, wall = run_load(url, model, jobs[:n], concurrency=int(v) if kind == "concurrency" else None,
                                       rate=v if kind == "rate" else None, seed=args.seed, timeout=args.timeout)
-                c1, e1 = _compiles(url), _engine_counters(url)
+                m1 = _metrics(url)
+                c0, c1, e0, e1 = _compiles(m0), _compiles(m1), _engine_counters(m0), _engine_counters(m1)
                 s = summarize(recs, wall)
                 s.update(load=(f"concurrency {int(v)}" + (f", {n} requests" if given else "")) if kind == "concurrency"
                          else f"Poisson {v:g}/s",
@@ -492,7 +503,7 @@ def main(argv=None) -> int:
             if server is not None:
                 server.stop()
         print_table(title + (f" (server ready in {server.startup_s:.0f} s)" if server else ""), runs)
-        print_engine_table(runs)
+        print_engine_table([(r["load"], r["engine"]) for r in runs if r.get("engine")])
         entry = dict(plain=plain, server_argv=argv_s, runs=runs,
                      server_exit=None if server is None else server.returncode)
         failed |= server is not None and server.returncode != 0
