@@ -33,8 +33,8 @@ serve() {   # GRAPHS WAIT_S (GRAPHS none: off, and no command buffers)
     | tee "$OUT/load_graphs_$g.log" | grep "^| conc\|^| load\|engine thread"
   kill $pid; wait $pid 2>/dev/null
 }
-for g in ${SERVERS:-on off none}; do serve $g 150; done   # SERVERS="on none": a shorter call
-left=$(( 570 - $(elapsed) )); echo "[s54 call1] offline with $left s left"
+for g in ${SERVERS:-on off none}; do serve $g 150; done   # SERVERS="on none" BUDGET=500: a shorter call
+left=$(( ${BUDGET:-570} - $(elapsed) )); echo "[s54 call1] offline with $left s left"
 [ $left -ge 60 ] && timeout -k 5 $left python3 scripts/bench_engine.py --preset qwen3-8b --random-init --dtype bfloat16 \
   --prompts 288 --slots 32 --steps 2 --insert-width 8 --step-buckets off --max-prompt 128 --min-new 64 --max-new 128 \
   --simulated-tau 6.35 --verify-width auto --kv-pages off 2>&1 | grep -v "$FILTER" | cut -c1-400 \
