@@ -178,6 +178,56 @@ def test_bench_http_smoke(tmp_path):
     assert tok_s > 0 and chunks_s > 0 and cpu_per_1k > 0
 
 
+def test_probe_dispatch_smoke(tmp_path):
+    """probe_dispatch.py: every setting's row (step alone, its call on an idle device and behind a running
+    step, the pipelined step, a prefill's call behind a step) and the step's while census (none in command
+    buffers on CPU); the JSON holds the rows."""
+    out = _run(["scripts/probe_dispatch.py", "--tiny", "--tiny-layers", "1", "--slots", "2", "--capacity", "256",
+                "--prompt", "24", "--reps", "2", "--verify-width", "block", "--while-graphs", "off",
+                "--json", str(tmp_path / "p.json")], tmp_path)
+    rows = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith("| block | False |")]
+    assert len(rows) == 1, out
+    cells = [c.strip() for c in rows[0]]
+    assert all(float(x) > 0 for x in cells[3:8]), cells           # alone .. insert behind, ms
+    whiles, known, graphed, host = (int(x) for x in cells[8:12])
+    assert whiles == known + host and graphed == 0, cells
+    import json
+    assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["verify_width"] == "block"
+
+
+def test_probe_dispatch_while_census_reads_command_buffers():
+    """while_census on optimized-HLO text of XLA:GPU's shape: a loop of known trip count, one inside a
+    command_buffer computation, and one of neither, whose custom calls are named as its blockers."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from probe_dispatch import while_census
+    hlo = """HloModule m
+
+%body.1 (p: (s32[])) -> (s32[]) {
+  %c = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%cond.1 (p: (s32[])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %a, s32[] %b), direction=LT
+}
+
+%body.2 (p: (s32[])) -> (s32[]) {
+  ROOT %t = (s32[]) tuple(s32[] %a)
+}
+
+%command_buffer.7 (p: (s32[])) -> (s32[]) {
+  ROOT %while.2 = (s32[]) while((s32[]) %p), condition=%cond.1, body=%body.2
+}
+
+ENTRY %main.9 (a: s32[]) -> (s32[]) {
+  %while.1 = (s32[]) while((s32[]) %t0), condition=%cond.1, body=%body.1
+  %while.3 = (s32[]) while((s32[]) %t0), condition=%cond.1, body=%body.2, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %call.4 = (s32[]) call((s32[]) %t0), to_apply=%command_buffer.7
+}
+"""
+    census = while_census(hlo)
+    assert census == dict(whiles=3, known=1, graphed=1, host=1, blockers="__gpu$xla.gpu.triton"), census
+
+
 def test_bench_moe_smoke(tmp_path):
     """scripts/bench_moe.py (issue 36's H200 run) with tiny MoE shapes: every section prints its rows."""
     out = _run(["scripts/bench_moe.py", "--smoke", "--out", str(tmp_path)], tmp_path)
