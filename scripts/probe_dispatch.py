@@ -19,6 +19,8 @@ directly, per setting (verify width x while graphs):
   custom calls inside the host-read ones (XLA captures a loop only if every op in it is a command).
 
 CPU smoke run (seconds):  python scripts/probe_dispatch.py --tiny
+Any host, nothing run: the step lowered for CUDA, its while loops and those holding Pallas kernels:
+  python scripts/probe_dispatch.py --tiny --lower-cuda --settings auto/on/auto,auto/on/xla,block/on/auto
 GPU, Qwen3-8B shapes, simulated tau (the served setting):
   python scripts/probe_dispatch.py --preset qwen3-8b --random-init --slots 32 --capacity 1024 --steps 2 \
       --verify-width auto,block --while-graphs on,off --attention auto,xla --simulated-tau 6.35
@@ -86,6 +88,71 @@ def while_census(hlo: str) -> dict:
                                            for t in re.findall(r'custom_call_target="([^"]+)"', l))
     out["blockers"] = ",".join(sorted(out["blockers"])) or "-"
     return out
+
+
+_STR = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def stablehlo_census(mlir: str) -> dict:
+    """The while loops and conditionals of a lowered (StableHLO) program and how many of each hold a
+    Pallas-Triton kernel (a `__gpu$xla.gpu.triton` custom call in its regions or in a function they
+    call): those XLA:GPU cannot put into a command buffer if that call is not a command."""
+    lines = mlir.splitlines()
+    clean = [_STR.sub('""', ln) for ln in lines]
+
+    def extent(k: int) -> int:                 # the line closing the op or function opened at line k
+        depth, opened = 0, False
+        for j in range(k, len(clean)):
+            depth += clean[j].count("{") - clean[j].count("}")
+            opened = opened or "{" in clean[j]
+            if opened and depth <= 0:
+                return j
+        return len(clean) - 1
+
+    funcs = {}
+    for i, ln in enumerate(clean):
+        m = re.match(r"\s*func\.func (?:public |private )?@([\w.$\-]+)", ln)
+        if m:
+            funcs[m.group(1)] = "\n".join(lines[i:extent(i) + 1])
+
+    def pallas(text: str, seen: set) -> bool:
+        if "xla.gpu.triton" in text:
+            return True
+        for c in re.findall(r"call @([\w.$\-]+)", text):
+            if c in funcs and c not in seen:
+                seen.add(c)
+                if pallas(funcs[c], seen):
+                    return True
+        return False
+
+    def ops(name: str) -> list[bool]:
+        return [pallas("\n".join(lines[k:extent(k) + 1]), set()) for k, ln in enumerate(lines)
+                if re.match(rf'\s*(?:%[\w:#, ]+= )?"?{re.escape(name)}\b', ln)]   # pretty or generic form
+
+    loops, conds = ops("stablehlo.while"), ops("stablehlo.if") + ops("stablehlo.case")
+    return dict(whiles=len(loops), with_pallas=sum(loops), conds=len(conds), conds_with_pallas=sum(conds))
+
+
+def lowered_census(args, target, draft, vw, attention) -> dict:
+    """--lower-cuda: the step program of this setting lowered for CUDA on this host (nothing runs), its
+    while loops counted (stablehlo_census). "auto" attention is what auto means on a GPU (pallas_gpu)."""
+    import functools
+
+    import jax
+
+    from dflash_jax.kernel_config import KernelConfig
+    from dflash_jax.serving import slot_programs
+    from dflash_jax.serving.slots import Slots
+
+    attention = "pallas_gpu" if attention in ("auto", "pallas") else attention
+    eng = Slots(target, draft, slots=args.slots, capacity=args.capacity, block_size=args.block, steps=args.steps,
+                insert_width=min(8, args.slots), step_buckets=None, verify_width=None if vw == "block" else vw,
+                kernels=KernelConfig(attention=attention))
+    st, K, rows = eng._step_static("greedy", None)
+    fn = jax.jit(functools.partial(slot_programs._slots_step, st, K), donate_argnums=(2,))
+    low = fn.trace(eng._tstate, eng._dstate, eng.state, eng._put(eng._release),
+                   eng.programs.width_fields(st, K, rows)).lower(lowering_platforms=("cuda",))
+    return {"verify_width": str(vw), "attention": eng.kernels.attention, **stablehlo_census(low.as_text())}
 
 
 def probe(args, target, draft, vw, graphs, attention) -> dict:
@@ -184,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=None, metavar="W/G/A,...",
                    help="instead of the product of the three lists: the settings to run, each verify width/while "
                         "graphs/attention (e.g. auto/on/auto,auto/on/xla,block/on/auto)")
+    p.add_argument("--lower-cuda", action="store_true",
+                   help="run nothing: lower each setting's step for CUDA on this host and count its while loops and "
+                        "those holding a Pallas-Triton kernel (while graphs do not change the lowering)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--dump-hlo", default=None, metavar="DIR", help="write each setting's compiled step (HLO text) here")
     args = p.parse_args(argv)
@@ -241,7 +311,16 @@ def main(argv=None) -> int:
             sim = loop._simulated_acceptance(width.geometric_profile(args.simulated_tau))
         except ValueError as e:
             p.error(f"--simulated-tau: {e}")
-    target, draft, _ = build(args)
+    if args.tiny:     # head_dim 128: a size the Pallas GPU kernels take (--lower-cuda lowers them)
+        import dflash_jax as dj
+        from dflash_jax.config import TargetConfig
+        cfg = TargetConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=args.tiny_layers,
+                           num_heads=2, num_kv_heads=1, head_dim=128)
+        target = dj.init_target(cfg, seed=0, dtype=args.dtype)
+        draft = dj.init_draft(dj.DraftConfig.for_target(cfg, num_layers=1, block_size=args.block or 16), seed=1,
+                              dtype=args.dtype)
+    else:
+        target, draft, _ = build(args)
     if draft is None:
         p.error("the probe needs a draft (the DFlash step programs)")
     dev = jax.devices()[0]
@@ -249,6 +328,19 @@ def main(argv=None) -> int:
           f"K {args.steps}, prompts <= {args.prompt}"
           + (f", SIMULATED ACCEPTANCE tau {args.simulated_tau}" if args.simulated_tau is not None else ""), flush=True)
     rows = []
+    if args.lower_cuda:
+        with sim:
+            for vw, a in dict.fromkeys((vw, a) for vw, _, a in settings):
+                rows.append(lowered_census(args, target, draft, vw, a))
+        print("| verify width | attention | while loops | holding a Pallas-Triton kernel | conditionals | holding one |\n"
+              "|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['verify_width']} | {r['attention']} | {r['whiles']} | {r['with_pallas']} | {r['conds']} "
+                  f"| {r['conds_with_pallas']} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"lowered_for": "cuda", "args": vars(args), "rows": rows}, f, indent=1)
+        return 0
     with sim:
         for vw, g, a in settings:
             rows.append(probe(args, target, draft, vw, g, a))

@@ -181,7 +181,7 @@ def test_bench_http_smoke(tmp_path):
 def test_probe_dispatch_smoke(tmp_path):
     """probe_dispatch.py: every setting's row (step alone, its call on an idle device and behind a running
     step, the pipelined step, a prefill's call behind a step) and the step's while census (none in command
-    buffers on CPU); the JSON holds the rows."""
+    buffers on CPU); the JSON holds the rows. --lower-cuda counts the loops of the step lowered for CUDA."""
     out = _run(["scripts/probe_dispatch.py", "--tiny", "--tiny-layers", "1", "--slots", "2", "--capacity", "256",
                 "--prompt", "24", "--reps", "2", "--verify-width", "block", "--while-graphs", "off",
                 "--json", str(tmp_path / "p.json")], tmp_path)
@@ -193,6 +193,14 @@ def test_probe_dispatch_smoke(tmp_path):
     assert whiles == known + host and graphed == 0, cells
     import json
     assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["verify_width"] == "block"
+    # --lower-cuda: the adaptive step lowered for CUDA here; its per-width loops hold the Pallas attention
+    # kernels, none does with XLA attention
+    out = _run(["scripts/probe_dispatch.py", "--tiny", "--tiny-layers", "1", "--slots", "2", "--capacity", "256",
+                "--prompt", "24", "--lower-cuda", "--settings", "auto/on/auto,auto/on/xla"], tmp_path)
+    pallas = [ln.split("|")[3:5] for ln in out.splitlines() if ln.startswith("| auto | pallas_gpu |")]
+    xla = [ln.split("|")[3:5] for ln in out.splitlines() if ln.startswith("| auto | xla |")]
+    assert len(pallas) == len(xla) == 1, out
+    assert int(pallas[0][1]) >= 1 and int(xla[0][0]) >= 1 and int(xla[0][1]) == 0, out
 
 
 def test_probe_dispatch_while_census_reads_command_buffers():
