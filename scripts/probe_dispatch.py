@@ -8,15 +8,21 @@ reads and bookkeeping then sit on the device's critical path. This probe asks ea
 directly, per setting (verify width x while graphs):
 
 - alone ms: one step dispatched on an idle device and waited for (the device's step, plus the call);
-- call idle ms: the step call itself on an idle device (host work: arguments, launch, any
-  command-buffer update);
-- call behind ms: the step call made while the step before it still runs. Near `call idle`: the
+- call idle ms: the step call itself on an idle device, the last step's outputs freed (their
+  addresses likely reused: host work of arguments and launch);
+- call held ms: the same with the last step's outputs still held, as the pipeline holds them until
+  read: new output addresses, which XLA:GPU writes into every CUDA-graph node that uses them before
+  the graph runs (the update's host cost is held minus idle);
+- call behind ms: the step call made while the step before it still runs. Near `call held`: the
   call queues and returns. Near `alone` or above: it waited for the device;
 - pipelined ms: steps dispatched one ahead of the one read (slots.Pipeline's depth 1), per step;
 - insert behind ms: a one-row prefill's call made while a step runs;
 - whiles: the compiled step's while loops (trip count known / in CUDA-graph command buffers / neither:
   a loop XLA:GPU runs by reading its predicate on the host, which holds the calling thread), and the
   custom calls inside the host-read ones (XLA captures a loop only if every op in it is a command).
+  The graphed count reads XLA's HLO-level command-buffer scheduling (`command_buffer` computations);
+  an XLA that converts thunks to commands after HLO shows none there, so on it `host` counts every
+  loop of unknown trip count and the timings alone tell whether the calls wait.
 
 CPU smoke run (seconds):  python scripts/probe_dispatch.py --tiny
 Any host, nothing run: the step lowered for CUDA, its while loops and those holding Pallas kernels:
@@ -186,23 +192,29 @@ def probe(args, target, draft, vw, graphs, attention) -> dict:
         out = fn()
         return out, time.perf_counter() - t
 
-    alone, idle, behind, insert_behind = [], [], [], []
+    alone, idle, held, behind, insert_behind = [], [], [], [], []
     for _ in range(args.reps):
+        jax.block_until_ready(eng.step_async())         # the release flags back to clear; outputs dropped
         t = time.perf_counter()
-        out, dt = call(eng.step_async)
+        out, dt = call(eng.step_async)                  # idle device, the last step's outputs freed
         jax.block_until_ready(out)
         alone.append(time.perf_counter() - t)
         idle.append(dt)
+        nxt, dt = call(eng.step_async)                  # idle device, `out` still held: new output addresses
+        held.append(dt)
+        jax.block_until_ready(nxt)
+        out = nxt = None
         first, _ = call(eng.step_async)                 # a step runs; the next call is made behind it
         out, dt = call(eng.step_async)
         behind.append(dt)
-        jax.block_until_ready(out)
-        jax.block_until_ready(first)
+        jax.block_until_ready((first, out))
+        first = out = None
         eng.release(0)
         first, _ = call(eng.step_async)                 # slot 0 freed by this step; its prefill behind it
         ins, dt = call(lambda: eng.insert_async([(0, request())]))
         insert_behind.append(dt)
         jax.block_until_ready((first, ins))
+        first = ins = None
     # depth 1: dispatch step n, then read step n-1 (Pipeline's order)
     prev = eng.step_async()
     t = time.perf_counter()
@@ -223,7 +235,7 @@ def probe(args, target, draft, vw, graphs, attention) -> dict:
     ms = lambda xs: 1e3 * statistics.median(xs)       # noqa: E731
     return {"verify_width": str(vw), "while_graphs": eng.kernels.while_graphs, "attention": eng.kernels.attention,
             "compile_s": compile_s, "alone_ms": ms(alone),
-            "call_idle_ms": ms(idle), "call_behind_ms": ms(behind), "pipelined_ms": 1e3 * pipelined,
+            "call_idle_ms": ms(idle), "call_held_ms": ms(held), "call_behind_ms": ms(behind), "pipelined_ms": 1e3 * pipelined,
             "insert_behind_ms": ms(insert_behind), **census}
 
 
@@ -345,14 +357,16 @@ def main(argv=None) -> int:
         for vw, g, a in settings:
             rows.append(probe(args, target, draft, vw, g, a))
             print(f"[probe_dispatch] verify width {vw}, while graphs {g}, attention {a}: done", flush=True)
-    cols = ("verify_width", "while_graphs", "attention", "alone_ms", "call_idle_ms", "call_behind_ms", "pipelined_ms",
+    cols = ("verify_width", "while_graphs", "attention", "alone_ms", "call_idle_ms", "call_held_ms", "call_behind_ms", "pipelined_ms",
             "insert_behind_ms", "whiles", "known", "graphed", "host", "compile_s", "blockers")
     print("| " + " | ".join(c.replace("_", " ") for c in cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    print("(call behind near call idle: the call queued behind the running step and returned; near alone or above: "
-          "it waited for the device. host: while loops of unknown trip count outside command buffers)")
+    print("(call held - call idle: the host cost of new output addresses (graph updates); call behind near call held: "
+          "the call queued behind the running step and returned, near alone or above: it waited for the device. "
+          "graphed: loops in command_buffer computations, where XLA schedules command buffers on HLO; an XLA that "
+          "converts thunks instead shows 0 there, and host then counts every loop of unknown trip count)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": f"{dev.platform} {dev.device_kind}", "args": vars(args), "rows": rows}, f, indent=1)

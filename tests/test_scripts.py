@@ -179,8 +179,8 @@ def test_bench_http_smoke(tmp_path):
 
 
 def test_probe_dispatch_smoke(tmp_path):
-    """probe_dispatch.py: every setting's row (step alone, its call on an idle device and behind a running
-    step, the pipelined step, a prefill's call behind a step) and the step's while census (none in command
+    """probe_dispatch.py: every setting's row (step alone, its call on an idle device with the last outputs
+    freed and held, and behind a running step, the pipelined step, a prefill's call behind a step) and the step's while census (none in command
     buffers on CPU); the JSON holds the rows. --lower-cuda counts the loops of the step lowered for CUDA."""
     out = _run(["scripts/probe_dispatch.py", "--tiny", "--tiny-layers", "1", "--slots", "2", "--capacity", "256",
                 "--prompt", "24", "--reps", "2", "--verify-width", "block", "--while-graphs", "off",
@@ -188,8 +188,8 @@ def test_probe_dispatch_smoke(tmp_path):
     rows = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith("| block | False |")]
     assert len(rows) == 1, out
     cells = [c.strip() for c in rows[0]]
-    assert all(float(x) > 0 for x in cells[3:8]), cells           # alone .. insert behind, ms
-    whiles, known, graphed, host = (int(x) for x in cells[8:12])
+    assert all(float(x) > 0 for x in cells[3:9]), cells           # alone .. insert behind, ms
+    whiles, known, graphed, host = (int(x) for x in cells[9:13])
     assert whiles == known + host and graphed == 0, cells
     import json
     assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["verify_width"] == "block"

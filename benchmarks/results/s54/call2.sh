@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 56, for the next device session (any card; the H200 is where the c = 32 goal is missed): does a slot-engine
 # program call return before the device has run it? The served engine thread spent 51.6% of its wall inside program
-# calls on an H100 (s53/call2) while py-spy saw it running ~20%: the calls wait. XLA:GPU puts a while loop into a CUDA
-# graph only if every op of it is a command (xla/service/gpu/transforms/command_buffer_scheduling.cc); a loop left out
-# of the graphs, of unknown trip count, reads its predicate on the host and holds the calling thread until the device
-# gets there. The served step is the adaptive one (the simulated tau needs it): lowered for CUDA on the CPU host, 5 of
-# its 6 while loops hold Pallas (Triton) custom calls; with --attention xla none does (docs/perf-log.md, session 54).
+# calls on an H100 (s53/call2) while py-spy saw it running ~20%: the calls wait, or spend host time updating CUDA graphs.
+# Two candidates: (a) a while loop of unknown trip count left out of the CUDA graphs reads its predicate on the host and
+# holds the calling thread until the device gets there (XLA puts a loop in a graph only if every op of it is a command;
+# the served adaptive step, lowered for CUDA on the CPU host, has 6 loops, 5 holding Pallas-Triton kernels, none with
+# --attention xla); (b) every step's outputs get new addresses while the pipeline holds the last step's, and XLA writes
+# new addresses into every graph node that uses them before the graph runs (docs/perf-log.md, session 54).
 # 1. scripts/probe_dispatch.py, Qwen3-8B shapes at the served setting (32 slots, capacity 1024, K = 2, tau 6.35): the
-#    step call on an idle device and behind a running step, the pipelined step, a prefill behind a step, and the
+#    step call on an idle device (the last outputs freed, then held: (b)'s cost) and behind a running step ((a)'s
+#    wait), the pipelined step, a prefill behind a step, and the
 #    compiled step's while census (known trip count / graphed / host-read, with the custom calls inside the host-read
 #    ones), for the adaptive step with Pallas attention (graphs on and off) and with XLA attention, and the block step.
 # 2. With the time left: the fixed K = 2 server with --attention auto and xla at c = 1 and c = 32 (engine tables).
