@@ -3,9 +3,10 @@
 
 The served engine thread spent half its wall inside program calls on an H100 (docs/perf-log.md,
 session 53: `dflash_engine_seconds{phase}`), where py-spy saw it running a fifth of that time: the
-calls wait. A call that waits for the step dispatched before it cannot be pipelined: the host's
-reads and bookkeeping then sit on the device's critical path. This probe asks each step program
-directly, per setting (verify width x while graphs):
+calls wait, or spend host time. A call that waits for the step dispatched before it cannot be
+pipelined: the host's reads and bookkeeping then sit on the device's critical path. This probe asks
+each step program directly, per setting (verify width x while graphs x attention; --settings picks
+them one by one):
 
 - alone ms: one step dispatched on an idle device and waited for (the device's step, plus the call);
 - call idle ms: the step call itself on an idle device, the last step's outputs freed (their
