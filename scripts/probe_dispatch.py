@@ -140,6 +140,16 @@ def stablehlo_census(mlir: str) -> dict:
     return dict(whiles=len(loops), with_pallas=sum(loops), conds=len(conds), conds_with_pallas=sum(conds))
 
 
+def engine(args, target, draft, vw, attention, graphs=None):
+    """The slot engine of one setting, as the server builds it for the measured shapes (no step buckets)."""
+    from dflash_jax.kernel_config import KernelConfig
+    from dflash_jax.serving.slots import Slots
+
+    return Slots(target, draft, slots=args.slots, capacity=args.capacity, block_size=args.block, steps=args.steps,
+                 insert_width=min(8, args.slots), step_buckets=None, verify_width=None if vw == "block" else vw,
+                 kernels=KernelConfig(attention=attention, while_graphs=graphs))
+
+
 def lowered_census(args, target, draft, vw, attention) -> dict:
     """--lower-cuda: the step program of this setting lowered for CUDA on this host (nothing runs), its
     while loops counted (stablehlo_census). "auto" attention is what auto means on a GPU (pallas_gpu)."""
@@ -147,14 +157,10 @@ def lowered_census(args, target, draft, vw, attention) -> dict:
 
     import jax
 
-    from dflash_jax.kernel_config import KernelConfig
     from dflash_jax.serving import slot_programs
-    from dflash_jax.serving.slots import Slots
 
     attention = "pallas_gpu" if attention in ("auto", "pallas") else attention
-    eng = Slots(target, draft, slots=args.slots, capacity=args.capacity, block_size=args.block, steps=args.steps,
-                insert_width=min(8, args.slots), step_buckets=None, verify_width=None if vw == "block" else vw,
-                kernels=KernelConfig(attention=attention))
+    eng = engine(args, target, draft, vw, attention)
     st, K, rows = eng._step_static("greedy", None)
     fn = jax.jit(functools.partial(slot_programs._slots_step, st, K), donate_argnums=(2,))
     low = fn.trace(eng._tstate, eng._dstate, eng.state, eng._put(eng._release),
@@ -165,13 +171,10 @@ def lowered_census(args, target, draft, vw, attention) -> dict:
 def probe(args, target, draft, vw, graphs, attention) -> dict:
     import jax
 
-    from dflash_jax.kernel_config import KernelConfig
-    from dflash_jax.serving.slots import RowRequest, Slots
+    from dflash_jax.serving.slots import RowRequest
 
     B, C, K = args.slots, args.capacity, args.steps
-    eng = Slots(target, draft, slots=B, capacity=C, block_size=args.block, steps=K, insert_width=min(8, B),
-                step_buckets=None, verify_width=None if vw == "block" else vw,
-                kernels=KernelConfig(attention=attention, while_graphs=graphs))
+    eng = engine(args, target, draft, vw, attention, graphs)
     S = eng.block_size
     rng = np.random.default_rng(0)
     V = target.config.vocab_size
